@@ -1,0 +1,44 @@
+# Thin wrapper over CMake carrying the README's commands.
+BUILD ?= build
+ASAN_BUILD ?= build-asan
+JOBS ?= $(shell nproc)
+
+.PHONY: all deps build run test test-asan bench clean fixtures docs
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# Train the default small model on the embedded corpus (no download).
+run: build
+	$(BUILD)/tera train -c configs/default.ini --logging.run_dir=runs/quickstart --force
+
+# Unit, reference and end-to-end tests, then the same unit tests under ASan/UBSan.
+test: build test-asan
+	@cd $(BUILD) && ctest --output-on-failure -j 2
+
+test-asan: deps
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTERA_SANITIZE=ON >/dev/null
+	@cmake --build $(ASAN_BUILD) -j $(JOBS)
+	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 -LE slow
+
+# bench-s and bench-m on 1 and 2 threads, tera beside PyTorch eager (needs python3-torch).
+bench: build
+	@scripts/install-deps.sh --with-torch
+	@bench/run.sh $(BUILD)/tera
+
+# Regenerate the committed PyTorch fixtures (needs python3-torch).
+fixtures:
+	@scripts/install-deps.sh --with-torch
+	/usr/bin/python3 tests/ref/make_fixtures.py
+
+docs: build
+	$(BUILD)/tera config --doc > docs/CONFIG.md.keys
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,117 @@
+/* The run configuration: one struct per config-file section.
+ *
+ * Files are INI ([section] / key = value / # comment), parsed with inih. Every key, its type,
+ * default, valid range or choices and a one-line doc live in ONE table (src/config/config.c); that
+ * table drives parsing, command-line overrides (--section.key=value), validation, the resolved dump
+ * written into each run directory, and docs/CONFIG.md (`tera config --doc`). */
+#ifndef TERA_CONFIG_H
+#define TERA_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "tera/status.h"
+
+#define TERA_PATH_MAX 1024
+
+typedef enum {
+    TERA_DROP_POSITION = 0, /* over capacity: keep an expert's earliest tokens of the sequence */
+    TERA_DROP_PROBABILITY,  /* over capacity: keep an expert's highest-probability assignments */
+} tera_drop_policy;
+
+typedef struct {
+    int vocab_size;        /* V */
+    int dim;               /* D, model width */
+    int n_layers;          /* L */
+    int n_heads;           /* H, query heads; head width hd = D / H */
+    int n_kv_heads;        /* Hkv, key/value heads (GQA when < H); 0 in a file means = H */
+    int n_experts;         /* E, routed experts per MoE layer */
+    int top_k;             /* k, experts per token */
+    int ffn_dim;           /* F, routed-expert hidden width */
+    int n_shared_experts;  /* shared experts (DeepSeek); hidden width n_shared_experts * F */
+    int first_k_dense;     /* the first N layers use a dense SwiGLU FFN instead of MoE */
+    int dense_ffn_dim;     /* hidden width of dense layers; 0 in a file means = top_k * F */
+    int max_seq_len;       /* longest sequence the model is built for (max_position_embeddings) */
+    float rope_theta;      /* RoPE base */
+    float norm_eps;        /* RMSNorm epsilon */
+    float init_std;        /* std of the normal init; o_proj / w2 use init_std / sqrt(2L) */
+    int tie_embeddings;    /* lm_head shares embed_tokens (default 0: untied) */
+    float capacity_factor; /* 0 = dropless; else capacity per expert per sequence = ceil(cf*T*k/E) */
+    tera_drop_policy drop_policy;
+    float aux_coef;        /* load-balancing loss coefficient */
+    float z_coef;          /* router z-loss coefficient */
+    int aux_free;          /* aux-loss-free bias balancing on/off */
+    float aux_free_rate;   /* bias update rate u: b_e += u * sign(mean load - load_e) */
+} tera_model_config;
+
+typedef struct {
+    int steps;             /* optimizer steps */
+    int seq_len;           /* T, tokens per sequence */
+    int micro_batch;       /* sequences per micro-batch (per data-parallel rank) */
+    int grad_accum;        /* micro-batches per optimizer step */
+    uint64_t seed;         /* seeds init, data shuffling and every other random stream */
+    int threads;           /* compute threads (0 = all cores) */
+    int warmup_steps;      /* W */
+    float lr;              /* max_lr */
+    float min_lr;          /* cosine floor */
+    float grad_clip;       /* global-norm clip threshold c (0 = off) */
+    int eval_every;        /* validation every N steps (0 = off) */
+    int eval_batches;      /* micro-batches per validation */
+    char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
+} tera_train_config;
+
+typedef struct {
+    float beta1, beta2, eps, weight_decay;
+} tera_optim_config;
+
+typedef struct {
+    char path[TERA_PATH_MAX];   /* "" = the embedded default corpus */
+    char format[16];            /* auto | text | bin (Megatron .bin/.idx prefix) | u16 */
+    int shuffle;                /* 0: sample i = tokens[i*T, i*T+T+1) in order */
+    float val_fraction;         /* fraction of samples held out for validation */
+} tera_data_config;
+
+typedef struct {
+    int dp, tp, pp, ep;         /* parallel degrees (1 = off) */
+    int zero;                   /* ZeRO stage 0-3 */
+} tera_parallel_config;
+
+typedef struct {
+    int every;                  /* save every N steps (0 = only at the end) */
+    int keep;                   /* keep the newest K checkpoints (0 = all) */
+    int64_t max_shard_bytes;    /* safetensors shard size limit for export (0 = one file) */
+} tera_ckpt_config;
+
+typedef struct {
+    char run_dir[TERA_PATH_MAX]; /* the run's own directory */
+    int log_every;              /* progress line every N steps */
+    int progress;               /* 1: progress line on stderr */
+    int profile;                /* 1: per-operation time profile at the end */
+} tera_logging_config;
+
+typedef struct {
+    tera_model_config model;
+    tera_train_config training;
+    tera_optim_config optimizer;
+    tera_data_config data;
+    tera_parallel_config parallel;
+    tera_ckpt_config checkpoint;
+    tera_logging_config logging;
+} tera_config;
+
+/* Fills every field with its documented default. */
+void tera_config_defaults(tera_config *c);
+/* Reads an INI file over the current values. Unknown section/key, unparsable or out-of-range
+ * value: TERA_ERR_CONFIG with a message naming file, line, key and the valid choices/range. */
+tera_status tera_config_load(tera_config *c, const char *path);
+/* Applies one override "section.key=value" (the leading "--" already stripped). */
+tera_status tera_config_set(tera_config *c, const char *assignment);
+/* Cross-field checks (H divides D, k <= E, hd even, ...) and derived defaults (n_kv_heads,
+ * dense_ffn_dim). Call once after loading and overriding. */
+tera_status tera_config_finalize(tera_config *c);
+/* Writes the resolved configuration as a loadable INI file. */
+tera_status tera_config_write(const tera_config *c, const char *path);
+/* Writes docs: every section and key with type, default, range/choices and doc (Markdown). */
+void tera_config_write_doc(FILE *f);
+
+#endif

@@ -1,0 +1,64 @@
+/* Token sources for training (the full data pipeline — BPE, shuffling service, prefetch — grows
+ * from here). A source is one token stream: every document concatenated in order.
+ *
+ * Sample i of a stream (sequence length T) is tokens[i*T, i*T+T+1): T inputs and, shifted by one,
+ * T targets. Samples [0, n_train) train; the last val_fraction of samples is held out. */
+#ifndef TERA_DATA_H
+#define TERA_DATA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tera/config.h"
+#include "tera/status.h"
+
+typedef enum { TERA_SRC_EMBEDDED, TERA_SRC_TEXT, TERA_SRC_BIN, TERA_SRC_U16 } tera_source_kind;
+
+typedef struct {
+    tera_source_kind kind;
+    char path[TERA_PATH_MAX];   /* file (text/u16) or prefix (bin: PREFIX.bin + PREFIX.idx) */
+    int64_t n_tokens;
+    int elem_size;              /* bytes per token in `tokens`: 1 (text bytes), 2, 4 or 8 */
+    const void *tokens;         /* mapped or embedded token array */
+    void *map; size_t map_len;  /* the .bin / file mapping, if any */
+    int64_t n_docs;             /* documents (bin: from the index; else 1) */
+} tera_token_source;
+
+/* Opens dc->path according to dc->format (auto: PREFIX.idx exists -> bin, *.u16 -> u16, else
+ * text). Text is byte-level: token id = byte value (needs vocab_size >= 256). "" = the embedded
+ * default corpus. Every token id is checked < vocab_size; the first offender is reported with the
+ * file and token offset. Empty or too-short sources (fewer than T+1 tokens... checked by the
+ * loader) and malformed .idx files are TERA_ERR_FORMAT naming the file and offset. */
+tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size);
+void tera_source_close(tera_token_source *s);
+int64_t tera_source_token(const tera_token_source *s, int64_t i);
+
+/* Megatron-LM indexed dataset (MMIDIDX version 1). Writes PREFIX.bin and PREFIX.idx (atomic
+ * rename) for the documents docs[d] of doc_len[d] tokens, stored with element dtype code `dtype`
+ * (Megatron codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16). */
+tera_status tera_idx_write(const char *prefix, int dtype, const int32_t *const *docs,
+                           const int64_t *doc_len, int64_t n_docs);
+
+/* Deterministic sample order over a source. */
+typedef struct {
+    const tera_token_source *src;
+    int T;
+    int64_t n_samples;          /* (n_tokens - 1) / T */
+    int64_t n_train, n_val;     /* n_train + n_val = n_samples */
+    int shuffle;                /* 0: train sample j of epoch e is sample j */
+    uint64_t seed;
+} tera_loader;
+
+tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T, float val_fraction,
+                             int shuffle, uint64_t seed);
+/* The g-th training sample of the whole run (g = step * global_batch + position in the batch),
+ * wrapping over epochs: epoch = g / n_train; with shuffle, a seed-and-epoch keyed bijection of
+ * [0, n_train) (no table of n_train entries). Writes inputs[T] and targets[T]. */
+void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, int32_t *targets);
+/* The v-th validation sample (v mod n_val). */
+void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);
+
+extern const unsigned char tera_default_corpus[];
+extern const size_t tera_default_corpus_len;
+
+#endif

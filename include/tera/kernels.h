@@ -1,0 +1,74 @@
+/* Operations: an explicit forward and backward per operation, over raw row-major float arrays.
+ * Conventions (as llm.c): activation gradients are written (=) unless the name or comment says
+ * they accumulate; parameter gradients always accumulate (+=) so micro-batches add up.
+ * Shapes use B batch, T sequence, D width, H/Hkv heads, hd head width, E experts, F hidden, V vocab,
+ * N rows (= B*T tokens, or routed assignments). The CPU implementation lives in src/kernels/cpu/;
+ * matrix products go through oneDNN. */
+#ifndef TERA_KERNELS_H
+#define TERA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Sets the number of compute threads (OpenMP and oneDNN). 0 = all cores. */
+void tera_set_threads(int n);
+int tera_get_threads(void);
+
+/* C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T. */
+void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+               int64_t ldc);
+
+/* y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y) */
+void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+                         float beta);
+/* dx[N,in] = (or += when dx_beta = 1) dy[N,out] w[out,in];  dw[out,in] += dy^T x.
+ * dx or dw may be NULL to skip that product. */
+void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                          int64_t N, int64_t in, int64_t out, float dx_beta);
+
+/* y[N,D] = w[D] * x / sqrt(mean(x^2) + eps); rstd[N] saved for backward. */
+void tera_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D,
+                          float eps);
+/* dx[N,D] += ..., dw[D] += ...  (dx accumulates: it is the residual stream's gradient) */
+void tera_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                           const float *rstd, int64_t N, int64_t D);
+
+/* cos/sin tables [T, hd/2] for positions 0..T-1 (HF Llama rotate-half convention). */
+void tera_rope_tables(float *cos_t, float *sin_t, int T, int hd, float theta);
+/* x[B,T,nh,hd] rotated in place; backward applies the inverse rotation to the gradient in place. */
+void tera_rope_forward(float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
+void tera_rope_backward(float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
+
+/* Causal grouped-query flash attention, tiled: memory O(T * tile) per thread, never a T x T matrix.
+ * q: [B,T,H,hd]  k, v: [B,T,Hkv,hd]  out: [B,T,H,hd]  lse: [B,H,T] (log-sum-exp of the scaled
+ * scores of each query row, saved for backward). scale = 1/sqrt(hd). H % Hkv == 0; query head h
+ * uses kv head h / (H/Hkv). scratch: tera_attention_scratch_floats(...) floats. */
+size_t tera_attention_scratch_floats(int B, int T, int H, int Hkv, int hd);
+void tera_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
+                            int B, int T, int H, int Hkv, int hd, float *scratch);
+/* dq: [B,T,H,hd], dk, dv: [B,T,Hkv,hd], all written (=). */
+void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
+                             const float *k, const float *v, const float *out, const float *lse,
+                             int B, int T, int H, int Hkv, int hd, float *scratch);
+
+/* g[n] = silu(a1[n]) * a3[n] over n elements;  backward writes da1, da3. */
+void tera_swiglu_forward(float *g, const float *a1, const float *a3, int64_t n);
+void tera_swiglu_backward(float *da1, float *da3, const float *dg, const float *a1, const float *a3,
+                          int64_t n);
+
+/* x[N,D] = table[tokens[n]];  backward: dtable[tokens[n]] += dx[n] (deterministic order). */
+void tera_embedding_forward(float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D);
+void tera_embedding_backward(float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D);
+
+/* Cross-entropy of logits[N,V] against targets[N]: writes lse[N], returns the sum of losses. */
+double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V);
+/* dlogits[N,V] = scale * (softmax(logits) - onehot(target)); dlogits may alias logits. */
+void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+                      int64_t N, int64_t V, float scale);
+
+/* Row softmax: probs[N,E] and lse[N] from logits[N,E]; backward: dlogits = p * (dp - <dp,p>). */
+void tera_softmax_forward(float *probs, float *lse, const float *logits, int64_t N, int64_t E);
+void tera_softmax_backward(float *dlogits, const float *dprobs, const float *probs, int64_t N, int64_t E);
+
+#endif

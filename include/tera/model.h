@@ -1,0 +1,124 @@
+/* The model: configuration, the parameter table, and forward/backward over one micro-batch.
+ *
+ * Every parameter is described by a row of a table (tera_param): its Hugging Face name, global
+ * shape, offset into one flat float buffer, weight-decay flag and init. The same table drives
+ * allocation (parameters, gradients and optimizer moments are each ONE allocation carved by these
+ * offsets), initialisation, export/import, and (later) sharding. Routed-expert weights are stored
+ * stacked with a leading expert dimension ([E, out, in]) so an expert-parallel shard is a slice. */
+#ifndef TERA_MODEL_H
+#define TERA_MODEL_H
+
+#include <stdint.h>
+
+#include "tera/config.h"
+#include "tera/status.h"
+
+typedef enum {
+    TERA_P_EMBED, TERA_P_ATTN_NORM, TERA_P_WQ, TERA_P_WK, TERA_P_WV, TERA_P_WO, TERA_P_FFN_NORM,
+    TERA_P_ROUTER, TERA_P_EXP_W1, TERA_P_EXP_W3, TERA_P_EXP_W2,
+    TERA_P_SHARED_W1, TERA_P_SHARED_W3, TERA_P_SHARED_W2,
+    TERA_P_DENSE_W1, TERA_P_DENSE_W3, TERA_P_DENSE_W2,
+    TERA_P_FINAL_NORM, TERA_P_LM_HEAD,
+    TERA_P_COUNT
+} tera_param_kind;
+
+typedef struct {
+    char name[128];       /* HF name; expert-stacked: printf pattern with one %d for the expert */
+    tera_param_kind kind;
+    int layer;            /* layer index, -1 outside the layers */
+    int ndim;             /* 1, 2, or 3 for expert-stacked [E, out, in] */
+    int64_t shape[3];     /* global shape */
+    int64_t numel;
+    int64_t offset;       /* in floats, into the flat parameter/gradient/moment buffers */
+    int expert_stacked;   /* 1: stored in HF as shape[0] tensors of shape [shape[1], shape[2]] */
+    int decay;            /* AdamW weight decay applies (matrices, not norm weights) */
+    int init_one;         /* 1: initialise to 1 (norm weights) */
+    float init_std;       /* else normal(0, init_std) */
+} tera_param;
+
+/* Pointers into the flat buffer for one layer; NULL where the layer has no such tensor. */
+typedef struct {
+    float *attn_norm;     /* [D] */
+    float *wq;            /* [H*hd, D] */
+    float *wk, *wv;       /* [Hkv*hd, D] */
+    float *wo;            /* [D, H*hd] */
+    float *ffn_norm;      /* [D] */
+    float *router;        /* [E, D]          MoE layers */
+    float *w1, *w3;       /* [E, F, D]       MoE layers */
+    float *w2;            /* [E, D, F]       MoE layers */
+    float *sw1, *sw3;     /* [Fs, D]         shared experts, Fs = n_shared * F */
+    float *sw2;           /* [D, Fs] */
+    float *dw1, *dw3;     /* [Fd, D]         dense layers */
+    float *dw2;           /* [D, Fd] */
+} tera_layer_view;
+
+typedef struct {
+    float *embed;         /* [V, D] */
+    tera_layer_view *layers; /* [L] */
+    float *final_norm;    /* [D] */
+    float *lm_head;       /* [V, D] (== embed when tied) */
+} tera_weights_view;
+
+/* Sums produced by one forward; the training loop turns them into the loss of the global batch. */
+typedef struct {
+    double ce_sum;        /* sum of cross-entropy over this micro-batch's positions */
+    int64_t n_positions;  /* B*T */
+    double aux_sum;       /* sum over MoE layers and sequences of aux_{l,s} */
+    double z_sum;         /* sum over MoE layers and tokens of logsumexp(router logits)^2 */
+    int64_t n_assign;     /* routed assignments attempted (MoE layers * B*T*k) */
+    int64_t n_dropped;    /* assignments dropped by the capacity limit */
+} tera_fwd_stats;
+
+/* Factors that turn this micro-batch's sums into its share of the global-batch loss. */
+typedef struct {
+    float ce;             /* 1 / (positions in the global batch) */
+    float aux;            /* aux_coef / (MoE layers * sequences in the global batch) */
+    float z;              /* z_coef / (MoE layers * tokens in the global batch) */
+} tera_loss_scales;
+
+typedef struct tera_acts tera_acts; /* activation storage, private to src/model */
+
+typedef struct {
+    tera_model_config cfg;
+    int B, T;             /* micro-batch shape the activations were sized for */
+    int n_params;
+    tera_param *params;   /* the table */
+    int64_t n_floats;     /* total parameter floats */
+    float *w;             /* parameters [n_floats] */
+    float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
+    tera_weights_view W, G;
+    int n_moe_layers;
+    float *router_bias;   /* [L, E] aux-loss-free selection bias (state, not a parameter) */
+    int64_t *expert_load; /* [L, E] assignments per expert since the last tera_model_reset_load */
+    tera_acts *acts;
+    float *logits;        /* [B*T, V] after forward */
+    tera_fwd_stats stats; /* of the last forward */
+    int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
+} tera_model;
+
+/* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */
+tera_param *tera_param_table(const tera_model_config *cfg, int *n, int64_t *n_floats);
+const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
+
+tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
+void tera_model_destroy(tera_model *m);
+/* Counter-based init: element i of parameter p draws from Philox(seed, p's kind/layer, i), so the
+ * values do not depend on how parameters are laid out or sharded. */
+void tera_model_init_weights(tera_model *m, uint64_t seed);
+void tera_model_zero_grad(tera_model *m);
+void tera_model_reset_load(tera_model *m);
+
+/* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */
+void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets);
+/* Accumulates (+=) parameter gradients of  s.ce*ce_sum + s.aux*aux_sum + s.z*z_sum  into m->g.
+ * Must follow the forward of the same micro-batch. */
+void tera_model_backward(tera_model *m, const tera_loss_scales *s);
+/* Aux-loss-free balancing: b_e += rate * sign(mean load - load_e) per MoE layer from expert_load. */
+void tera_model_update_router_bias(tera_model *m);
+
+/* Model FLOPs per token, BENCH.md's convention (6 * active matrix params + 12 * L * D * T). */
+double tera_model_flops_per_token(const tera_model_config *cfg, int T);
+int64_t tera_model_active_params(const tera_model_config *cfg);
+int64_t tera_model_total_params(const tera_model_config *cfg);
+
+#endif

@@ -1,0 +1,72 @@
+/* Training: AdamW, the LR schedule, global-norm clipping, and the step loop with gradient
+ * accumulation, metrics and checkpoints. */
+#ifndef TERA_TRAIN_H
+#define TERA_TRAIN_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "tera/config.h"
+#include "tera/data.h"
+#include "tera/model.h"
+
+typedef struct {
+    float *m, *v;   /* first and second moments [n_floats], one allocation */
+    int64_t t;      /* updates taken (for bias correction) */
+    int64_t n;
+} tera_adamw;
+
+void tera_adamw_init(tera_adamw *o, int64_t n_floats);
+void tera_adamw_free(tera_adamw *o);
+/* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
+ * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps). */
+void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c);
+
+/* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
+float tera_lr_at(const tera_train_config *t, int64_t step);
+/* Global L2 norm of all gradients (fixed reduction order). */
+double tera_grad_norm(const tera_model *m);
+void tera_grad_scale(tera_model *m, float s);
+
+/* One optimizer step's results. */
+typedef struct {
+    int64_t step;
+    double loss, ce_loss, aux_loss, z_loss;
+    double grad_norm;
+    float lr;
+    double dropped_frac;
+    double seconds, data_seconds;
+    int skipped;    /* 1: non-finite loss or gradient, update skipped */
+} tera_step_result;
+
+typedef struct {
+    tera_config cfg;
+    tera_model model;
+    tera_adamw opt;
+    tera_token_source src;
+    tera_loader loader;
+    int32_t *tokens, *targets;  /* [micro_batch, seq_len] */
+    int64_t step;               /* optimizer steps completed */
+    FILE *metrics;              /* run_dir/metrics.jsonl (NULL: no run directory) */
+    char run_dir[TERA_PATH_MAX];
+    double t_start;
+    int64_t tokens_per_step;
+} tera_trainer;
+
+/* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
+ * (a Hugging Face directory) when set, else a seeded random init. run_dir "" = no run directory
+ * (tests). An existing non-empty run_dir is refused unless overwrite. */
+tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite);
+void tera_trainer_free(tera_trainer *tr);
+/* One optimizer step over grad_accum micro-batches. */
+tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r);
+/* Mean loss (cross-entropy + aux terms as in training) over `batches` validation micro-batches. */
+tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
+/* Writes run_dir/checkpoints/step_NNNNNNNN/ (HF weights + config.json, optimizer moments, state.json). */
+tera_status tera_trainer_save(tera_trainer *tr);
+/* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias). */
+tera_status tera_trainer_resume(tera_trainer *tr);
+/* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
+tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
+
+#endif

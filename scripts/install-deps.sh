@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install the Debian packages tera needs. Idempotent; silent when everything is present.
+# Usage: scripts/install-deps.sh [--with-torch]   (--with-torch adds PyTorch for fixtures/bench peers)
+set -euo pipefail
+
+pkgs=(
+  build-essential cmake pkg-config
+  libdnnl-dev          # oneDNN: matrix products (AVX-512 / AMX dispatch)
+  libinih-dev          # INI parser for the human-editable config files
+  libcjson-dev         # JSON: config resolve, safetensors headers, metrics, manifests
+  libpcre2-dev         # tokenizer pre-tokenizer regular expression
+  libsqlite3-dev       # experiment registry
+  libmicrohttpd-dev    # metrics HTTP endpoint
+  libzstd-dev          # checkpoint compression
+  libxxhash-dev        # checksums and chunk hashes
+  libcmocka-dev        # C unit-test framework (under ctest)
+  libopenmpi-dev openmpi-bin  # multi-process communication
+)
+if [ "${1:-}" = "--with-torch" ]; then
+  pkgs+=(python3-torch python3-numpy)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "tera: installing missing Debian packages: ${missing[*]}" >&2
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq >/dev/null
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,462 @@
+/* Hugging Face Mixtral interchange: config.json plus safetensors weights.
+ *
+ * One table (g_fields) maps every numeric/boolean config.json field to its tera_model_config member
+ * and drives both export and import, so the two cannot drift apart. Weights are written as F32
+ * under the names of the parameter table; expert-stacked parameters ([E, out, in] in memory) become
+ * E tensors [out, in] that reference slices of the flat buffer (no copy). */
+#include "tera/hf.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "tera/safetensors.h"
+
+#define HF_BIAS_FMT "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias"
+
+typedef enum { HF_INT, HF_FLOAT, HF_BOOL } hf_kind;
+
+/* One config.json field stored in a tera_model_config member. */
+typedef struct {
+    const char *key; /* config.json name */
+    hf_kind kind;    /* int (JSON integer), float (JSON number) or bool (JSON true/false) */
+    size_t off;      /* offsetof the member (int or float) */
+} hf_field;
+
+#define F_(key, kind, member) {key, kind, offsetof(tera_model_config, member)}
+static const hf_field g_fields[] = {
+    F_("vocab_size", HF_INT, vocab_size),
+    F_("hidden_size", HF_INT, dim),
+    F_("intermediate_size", HF_INT, ffn_dim),
+    F_("num_hidden_layers", HF_INT, n_layers),
+    F_("num_attention_heads", HF_INT, n_heads),
+    F_("num_key_value_heads", HF_INT, n_kv_heads),
+    F_("num_local_experts", HF_INT, n_experts),
+    F_("num_experts_per_tok", HF_INT, top_k),
+    F_("rope_theta", HF_FLOAT, rope_theta),
+    F_("rms_norm_eps", HF_FLOAT, norm_eps),
+    F_("router_aux_loss_coef", HF_FLOAT, aux_coef),
+    F_("tie_word_embeddings", HF_BOOL, tie_embeddings),
+    F_("max_position_embeddings", HF_INT, max_seq_len),
+    F_("initializer_range", HF_FLOAT, init_std),
+    /* tera extensions (DeepSeek-V3 / Qwen-MoE names where they exist); moe_intermediate_size comes
+     * after intermediate_size so that, when both are present, it sets the routed-expert width */
+    F_("moe_intermediate_size", HF_INT, ffn_dim),
+    F_("n_shared_experts", HF_INT, n_shared_experts),
+    F_("first_k_dense_replace", HF_INT, first_k_dense),
+    F_("dense_intermediate_size", HF_INT, dense_ffn_dim),
+    F_("router_z_loss_coef", HF_FLOAT, z_coef),
+    F_("capacity_factor", HF_FLOAT, capacity_factor),
+    F_("aux_loss_free", HF_BOOL, aux_free),
+    F_("aux_free_bias_update_rate", HF_FLOAT, aux_free_rate),
+};
+#undef F_
+#define N_FIELDS ((int)(sizeof g_fields / sizeof g_fields[0]))
+
+static const char *const g_drop_names[] = {[TERA_DROP_POSITION] = "position", [TERA_DROP_PROBABILITY] = "probability"};
+
+/* ----------------------------------------------------------------------------- utilities -- */
+
+static tera_status join(char *out, size_t cap, const char *dir, const char *name) {
+    if ((size_t)snprintf(out, cap, "%s/%s", dir, name) >= cap)
+        return tera_fail(TERA_ERR_IO, "%s/%s: path too long", dir, name);
+    return TERA_OK;
+}
+
+/* Name of expert e from a pattern with one "%d". */
+static void expert_name(char *out, size_t cap, const char *pattern, int e) {
+    const char *p = strstr(pattern, "%d");
+    TERA_ASSERTF(p, "expert-stacked parameter '%s' has no %%d", pattern);
+    snprintf(out, cap, "%.*s%d%s", (int)(p - pattern), pattern, e, p + 2);
+}
+
+static int is_moe_layer(const tera_model_config *c, int l) { return l >= c->first_k_dense && c->n_experts > 0; }
+
+/* mkdir -p. */
+static tera_status make_dirs(const char *dir) {
+    char p[TERA_PATH_MAX];
+    if ((size_t)snprintf(p, sizeof p, "%s", dir) >= sizeof p) return tera_fail(TERA_ERR_IO, "%s: path too long", dir);
+    for (char *s = p + 1;; s++) {
+        if (*s != '/' && *s != '\0') continue;
+        char c = *s;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST)
+            return tera_fail(TERA_ERR_IO, "%s: cannot create directory: %s", p, strerror(errno));
+        *s = c;
+        if (c == '\0') break;
+    }
+    return TERA_OK;
+}
+
+/* Refuses an existing non-empty directory (unless overwrite) or a non-directory; creates a missing one. */
+static tera_status prepare_dir(const char *dir, int overwrite) {
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        if (errno != ENOENT) return tera_fail(TERA_ERR_IO, "%s: %s", dir, strerror(errno));
+        return make_dirs(dir);
+    }
+    if (!S_ISDIR(st.st_mode)) return tera_fail(TERA_ERR_EXISTS, "%s: exists and is not a directory", dir);
+    if (overwrite) return TERA_OK;
+    DIR *d = opendir(dir);
+    if (!d) return tera_fail(TERA_ERR_IO, "%s: cannot open directory: %s", dir, strerror(errno));
+    int empty = 1;
+    for (struct dirent *e; empty && (e = readdir(d));)
+        empty = strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0;
+    closedir(d);
+    if (!empty) return tera_fail(TERA_ERR_EXISTS, "%s: directory exists and is not empty (refusing to overwrite)", dir);
+    return TERA_OK;
+}
+
+/* Writes text to path via path.tmp + fsync + rename; the tmp file is removed on failure. */
+static tera_status write_text_atomic(const char *path, const char *text) {
+    char tmp[TERA_PATH_MAX + 8];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
+        return tera_fail(TERA_ERR_IO, "%s: path too long", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    size_t n = strlen(text), done = 0;
+    int err = 0;
+    while (done < n && !err) {
+        ssize_t k = write(fd, text + done, n - done);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) err = errno ? errno : EIO;
+        else done += (size_t)k;
+    }
+    if (!err && fsync(fd) != 0) err = errno;
+    if (close(fd) != 0 && !err) err = errno;
+    if (!err && rename(tmp, path) != 0) err = errno;
+    if (err) {
+        unlink(tmp);
+        return tera_fail(TERA_ERR_IO, "%s: write failed: %s", path, strerror(err));
+    }
+    return TERA_OK;
+}
+
+/* ------------------------------------------------------------------------------ config -- */
+
+/* The shortest "%.Ng" that reads back (via strtod, as cJSON does) as exactly v: 1e-5f -> "1e-05". */
+static void float_repr(char *buf, size_t cap, float v) {
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, cap, "%.*g", prec, (double)v);
+        if ((float)strtod(buf, NULL) == v) return;
+    }
+}
+
+/* Adds item under key; 0 on failure (item freed). */
+static int put(cJSON *o, const char *key, cJSON *item) {
+    if (!item) return 0;
+    if (cJSON_AddItemToObject(o, key, item)) return 1;
+    cJSON_Delete(item);
+    return 0;
+}
+
+static tera_status put_field(cJSON *o, const hf_field *f, const tera_model_config *c) {
+    const char *base = (const char *)c + f->off;
+    int iv;
+    float fv;
+    char buf[64];
+    int ok;
+    switch (f->kind) {
+    case HF_INT:
+        memcpy(&iv, base, sizeof iv);
+        ok = put(o, f->key, cJSON_CreateNumber(iv));
+        break;
+    case HF_BOOL:
+        memcpy(&iv, base, sizeof iv);
+        ok = put(o, f->key, cJSON_CreateBool(iv != 0));
+        break;
+    default:
+        memcpy(&fv, base, sizeof fv);
+        if (!isfinite(fv)) return tera_fail(TERA_ERR_NUMERIC, "config.json: \"%s\" is not finite", f->key);
+        float_repr(buf, sizeof buf, fv);
+        ok = put(o, f->key, cJSON_CreateRaw(buf));
+        break;
+    }
+    return ok ? TERA_OK : tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+}
+
+/* config.json text for cfg. Caller frees with cJSON_free. */
+static tera_status config_json(const tera_model_config *c, char **out) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    cJSON *arch = cJSON_CreateArray();
+    int ok = put(o, "architectures", arch);
+    ok = ok && cJSON_AddItemToArray(arch, cJSON_CreateString("MixtralForCausalLM"));
+    ok = ok && put(o, "model_type", cJSON_CreateString("mixtral"));
+    ok = ok && put(o, "hidden_act", cJSON_CreateString("silu"));
+    ok = ok && put(o, "torch_dtype", cJSON_CreateString("float32"));
+    tera_status s = ok ? TERA_OK : tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    for (int i = 0; i < N_FIELDS && s == TERA_OK; i++) s = put_field(o, &g_fields[i], c);
+    if (s == TERA_OK) {
+        int dp = (int)c->drop_policy;
+        if (dp < 0 || dp > TERA_DROP_PROBABILITY) s = tera_fail(TERA_ERR_CONFIG, "config.json: bad drop_policy %d", dp);
+        else if (!put(o, "drop_policy", cJSON_CreateString(g_drop_names[dp])))
+            s = tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    }
+    if (s == TERA_OK && !(*out = cJSON_Print(o))) s = tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    cJSON_Delete(o);
+    return s;
+}
+
+/* Reads one table field from j into cfg. */
+static tera_status get_field(const char *path, const hf_field *f, const cJSON *j, tera_model_config *c) {
+    char *base = (char *)c + f->off;
+    if (f->kind == HF_BOOL) {
+        if (!cJSON_IsBool(j)) return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be true or false", path, f->key);
+        int v = cJSON_IsTrue(j);
+        memcpy(base, &v, sizeof v);
+        return TERA_OK;
+    }
+    if (!cJSON_IsNumber(j) || !isfinite(j->valuedouble))
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be a number", path, f->key);
+    double d = j->valuedouble;
+    if (f->kind == HF_FLOAT) {
+        float v = (float)d;
+        memcpy(base, &v, sizeof v);
+        return TERA_OK;
+    }
+    if (floor(d) != d || d < INT_MIN || d > INT_MAX)
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be an integer (got %g)", path, f->key, d);
+    int v = (int)d;
+    memcpy(base, &v, sizeof v);
+    return TERA_OK;
+}
+
+/* A string field that, when present (and not null), must equal one of choices; *idx receives its index. */
+static tera_status get_choice(const char *path, const cJSON *root, const char *key, const char *const *choices,
+                              int n, int *idx) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
+    *idx = -1;
+    if (!j || cJSON_IsNull(j)) return TERA_OK;
+    if (cJSON_IsString(j))
+        for (int i = 0; i < n; i++)
+            if (strcmp(j->valuestring, choices[i]) == 0) {
+                *idx = i;
+                return TERA_OK;
+            }
+    char list[256] = "";
+    for (int i = 0; i < n; i++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s\"%s\"", i ? ", " : "", choices[i]);
+    return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be %s%s", path, key, n > 1 ? "one of " : "", list);
+}
+
+static tera_status apply_config(const char *path, const cJSON *root, tera_model_config *c) {
+    if (!cJSON_IsObject(root)) return tera_fail(TERA_ERR_FORMAT, "%s: not a JSON object", path);
+    static const char *const mixtral[] = {"mixtral"}, *const silu[] = {"silu"};
+    int idx;
+    TERA_TRY(get_choice(path, root, "model_type", mixtral, 1, &idx));
+    TERA_TRY(get_choice(path, root, "hidden_act", silu, 1, &idx));
+    TERA_TRY(get_choice(path, root, "drop_policy", g_drop_names, 2, &idx));
+    if (idx >= 0) c->drop_policy = (tera_drop_policy)idx;
+    int have_kv = 0;
+    for (int i = 0; i < N_FIELDS; i++) {
+        const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, g_fields[i].key);
+        if (!j || cJSON_IsNull(j)) continue;
+        TERA_TRY(get_field(path, &g_fields[i], j, c));
+        if (g_fields[i].off == offsetof(tera_model_config, n_kv_heads)) have_kv = 1;
+    }
+    if (!have_kv) c->n_kv_heads = c->n_heads; /* HF: absent means multi-head attention */
+    return TERA_OK;
+}
+
+tera_status tera_hf_read_config(const char *dir, tera_model_config *cfg) {
+    char path[TERA_PATH_MAX + 16];
+    TERA_TRY(join(path, sizeof path, dir, "config.json"));
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *text = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (cap - n < 4096) {
+            cap = cap ? 2 * cap : 8192;
+            char *nt = tera_malloc(cap);
+            if (n) memcpy(nt, text, n);
+            free(text);
+            text = nt;
+        }
+        size_t k = fread(text + n, 1, cap - n - 1, fp);
+        n += k;
+        if (k == 0) break;
+    }
+    int bad = ferror(fp);
+    fclose(fp);
+    if (bad) {
+        free(text);
+        return tera_fail(TERA_ERR_IO, "%s: read error", path);
+    }
+    text[n] = '\0';
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);
+    tera_model_config c = *cfg; /* all or nothing: cfg changes only on success */
+    tera_status s = apply_config(path, root, &c);
+    cJSON_Delete(root);
+    if (s == TERA_OK) *cfg = c;
+    return s;
+}
+
+/* ------------------------------------------------------------------------------ export -- */
+
+static void add_weights(tera_st_writer *w, const tera_model *m) {
+    char name[160];
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        const float *data = m->w + p->offset;
+        if (!p->expert_stacked) {
+            tera_st_writer_add(w, p->name, TERA_DT_F32, p->ndim, p->shape, data);
+            continue;
+        }
+        const int64_t per = p->shape[1] * p->shape[2];
+        for (int e = 0; e < (int)p->shape[0]; e++) {
+            expert_name(name, sizeof name, p->name, e);
+            tera_st_writer_add(w, name, TERA_DT_F32, 2, &p->shape[1], data + (int64_t)e * per);
+        }
+    }
+    if (!m->cfg.aux_free || !m->router_bias) return;
+    const int64_t E = m->cfg.n_experts;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        if (!is_moe_layer(&m->cfg, l)) continue;
+        snprintf(name, sizeof name, HF_BIAS_FMT, l);
+        tera_st_writer_add(w, name, TERA_DT_F32, 1, &E, m->router_bias + (int64_t)l * E);
+    }
+}
+
+tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite) {
+    char *cfg_text = NULL, path[TERA_PATH_MAX + 16];
+    TERA_TRY(join(path, sizeof path, dir, "config.json"));
+    TERA_TRY(config_json(&m->cfg, &cfg_text)); /* before touching the disk: refuse a bad config early */
+    tera_status s = prepare_dir(dir, overwrite);
+    if (s == TERA_OK) {
+        tera_st_writer w;
+        tera_st_writer_init(&w);
+        tera_st_writer_meta(&w, "format", "pt");
+        add_weights(&w, m);
+        s = tera_st_writer_save_dir(&w, dir, max_shard_bytes);
+        tera_st_writer_free(&w);
+    }
+    if (s == TERA_OK) s = write_text_atomic(path, cfg_text);
+    cJSON_free(cfg_text);
+    return s;
+}
+
+/* ------------------------------------------------------------------------------ import -- */
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Every tensor name the model accepts (parameters, expanded experts, router biases), sorted.
+ * Caller frees each and the array. */
+static char **expected_names(const tera_model *m, int *n_out) {
+    int cap = m->cfg.n_layers + 1, n = 0;
+    for (int i = 0; i < m->n_params; i++) cap += m->params[i].expert_stacked ? (int)m->params[i].shape[0] : 1;
+    char **v = tera_malloc(sizeof(char *) * (size_t)cap);
+    char name[160];
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        for (int e = 0; e < (p->expert_stacked ? (int)p->shape[0] : 1); e++) {
+            if (p->expert_stacked) expert_name(name, sizeof name, p->name, e);
+            else snprintf(name, sizeof name, "%s", p->name);
+            v[n++] = strdup(name);
+        }
+    }
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        if (!is_moe_layer(&m->cfg, l)) continue;
+        snprintf(name, sizeof name, HF_BIAS_FMT, l);
+        v[n++] = strdup(name);
+    }
+    for (int i = 0; i < n; i++) TERA_ASSERT(v[i] != NULL);
+    qsort(v, (size_t)n, sizeof *v, cmp_str);
+    *n_out = n;
+    return v;
+}
+
+/* Every "model." / "lm_head." tensor in the files must be one the model has. */
+static tera_status check_no_extra(const tera_model *m, const tera_st_set *set, const char *dir) {
+    int n = 0;
+    char **names = expected_names(m, &n);
+    tera_status s = TERA_OK;
+    for (int fi = 0; fi < set->n_files && s == TERA_OK; fi++) {
+        const tera_st_file *f = &set->files[fi];
+        for (int i = 0; i < f->n && s == TERA_OK; i++) {
+            const char *t = f->tensors[i].name;
+            if (strncmp(t, "model.", 6) != 0 && strncmp(t, "lm_head.", 8) != 0) continue;
+            if (m->cfg.tie_embeddings && strcmp(t, "lm_head.weight") == 0) continue; /* checked in load_tied */
+            if (!bsearch(&t, names, (size_t)n, sizeof *names, cmp_str))
+                s = tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' in %s is not a parameter of this model "
+                              "(does config.json match the weights?)", dir, t, f->path);
+        }
+    }
+    for (int i = 0; i < n; i++) free(names[i]);
+    free(names);
+    return s;
+}
+
+/* Reads one tensor of exactly (ndim, shape) into dst; a missing tensor names dir and tensor. */
+static tera_status load_one(const tera_st_set *set, const char *dir, const char *name, int ndim,
+                            const int64_t *shape, float *dst) {
+    if (!tera_st_set_find(set, name)) return tera_fail(TERA_ERR_FORMAT, "%s: missing tensor '%s'", dir, name);
+    return tera_st_set_read_f32(set, name, ndim, shape, dst);
+}
+
+static tera_status load_params(tera_model *m, const tera_st_set *set, const char *dir) {
+    char name[160];
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        float *dst = m->w + p->offset;
+        if (!p->expert_stacked) {
+            TERA_TRY(load_one(set, dir, p->name, p->ndim, p->shape, dst));
+            continue;
+        }
+        const int64_t per = p->shape[1] * p->shape[2];
+        for (int e = 0; e < (int)p->shape[0]; e++) {
+            expert_name(name, sizeof name, p->name, e);
+            TERA_TRY(load_one(set, dir, name, 2, &p->shape[1], dst + (int64_t)e * per));
+        }
+    }
+    return TERA_OK;
+}
+
+/* Router biases: present -> loaded, absent -> zero. Skipped when the model keeps no bias state. */
+static tera_status load_bias(tera_model *m, const tera_st_set *set, const char *dir) {
+    if (!m->router_bias) return TERA_OK;
+    const int64_t E = m->cfg.n_experts;
+    memset(m->router_bias, 0, sizeof(float) * (size_t)(m->cfg.n_layers * E));
+    char name[160];
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        snprintf(name, sizeof name, HF_BIAS_FMT, l);
+        if (is_moe_layer(&m->cfg, l) && tera_st_set_find(set, name))
+            TERA_TRY(load_one(set, dir, name, 1, &E, m->router_bias + (int64_t)l * E));
+    }
+    return TERA_OK;
+}
+
+/* Tied embeddings: an lm_head.weight in the files is accepted only if it equals embed_tokens. */
+static tera_status load_tied(const tera_model *m, const tera_st_set *set, const char *dir) {
+    if (!m->cfg.tie_embeddings || !tera_st_set_find(set, "lm_head.weight")) return TERA_OK;
+    const tera_param *emb = tera_model_param(m, "model.embed_tokens.weight");
+    TERA_ASSERT(emb != NULL);
+    float *tmp = tera_malloc(sizeof(float) * (size_t)emb->numel);
+    tera_status s = tera_st_set_read_f32(set, "lm_head.weight", 2, emb->shape, tmp);
+    if (s == TERA_OK && memcmp(tmp, m->w + emb->offset, sizeof(float) * (size_t)emb->numel) != 0)
+        s = tera_fail(TERA_ERR_FORMAT, "%s: tie_word_embeddings is set but tensor 'lm_head.weight' differs from "
+                      "'model.embed_tokens.weight'", dir);
+    free(tmp);
+    return s;
+}
+
+tera_status tera_hf_import(tera_model *m, const char *dir) {
+    tera_st_set set;
+    TERA_TRY(tera_st_set_open(&set, dir));
+    tera_status s = check_no_extra(m, &set, dir);
+    if (s == TERA_OK) s = load_params(m, &set, dir);
+    if (s == TERA_OK) s = load_bias(m, &set, dir);
+    if (s == TERA_OK) s = load_tied(m, &set, dir);
+    tera_st_set_close(&set);
+    return s;
+}

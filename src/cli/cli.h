@@ -1,0 +1,20 @@
+/* Subcommands of the `tera` executable (one file each). */
+#ifndef TERA_CLI_H
+#define TERA_CLI_H
+
+#include "tera/config.h"
+
+int tera_cmd_train(int argc, char **argv);
+int tera_cmd_eval(int argc, char **argv);
+int tera_cmd_export_hf(int argc, char **argv);
+int tera_cmd_config(int argc, char **argv);
+int tera_cmd_bench(int argc, char **argv);
+
+/* Shared argument handling: -c FILE, --section.key=value overrides, and the flags named in
+ * `flags` (e.g. "force", "resume"), whose presence is reported through flag_set[i]. Prints one
+ * message and returns non-zero on error. */
+int tera_cli_parse(int argc, char **argv, tera_config *cfg, const char *const *flags, int *flag_set,
+                   const char *const *opts, const char **opt_val);
+int tera_cli_error(void); /* prints tera_last_error() as "tera: error: ..." and returns 1 */
+
+#endif

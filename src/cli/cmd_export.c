@@ -1,0 +1,67 @@
+/* tera export-hf / tera config */
+#include <stdlib.h>
+#include <unistd.h>
+#include <string.h>
+
+#include "cli.h"
+#include "tera/hf.h"
+
+int tera_cmd_export_hf(int argc, char **argv) {
+    tera_config cfg;
+    static const char *const flags[] = {"force", NULL};
+    static const char *const opts[] = {"from", "out", "max-shard-bytes", NULL};
+    int set[1] = {0};
+    const char *val[3] = {NULL, NULL, NULL};
+    if (tera_cli_parse(argc, argv, &cfg, flags, set, opts, val)) return 1;
+    if (!val[0] || !val[1]) {
+        tera_fail(TERA_ERR_ARG, "export-hf needs --from DIR and --out DIR");
+        return tera_cli_error();
+    }
+    int64_t shard = cfg.checkpoint.max_shard_bytes;
+    if (val[2]) {
+        char *end;
+        shard = strtoll(val[2], &end, 10);
+        if (*end || shard < 0) {
+            tera_fail(TERA_ERR_ARG, "--max-shard-bytes '%s' is not a non-negative integer", val[2]);
+            return tera_cli_error();
+        }
+    }
+    if (tera_hf_read_config(val[0], &cfg.model) != TERA_OK) return tera_cli_error();
+    cfg.training.seq_len = 1;
+    cfg.training.micro_batch = 1;
+    if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
+    tera_model m;
+    if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
+    tera_status st = tera_hf_import(&m, val[0]);
+    if (st == TERA_OK) st = tera_hf_export(&m, val[1], shard, set[0]);
+    tera_model_destroy(&m);
+    if (st != TERA_OK) return tera_cli_error();
+    fprintf(stderr, "tera: exported %s -> %s\n", val[0], val[1]);
+    return 0;
+}
+
+int tera_cmd_config(int argc, char **argv) {
+    if (argc >= 1 && !strcmp(argv[0], "--doc")) {
+        tera_config_write_doc(stdout);
+        return 0;
+    }
+    tera_config cfg;
+    if (tera_cli_parse(argc, argv, &cfg, NULL, NULL, NULL, NULL)) return 1;
+    char path[] = "/tmp/tera-config-XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) {
+        tera_fail(TERA_ERR_IO, "cannot create a temporary file");
+        return tera_cli_error();
+    }
+    close(fd);
+    if (tera_config_write(&cfg, path) != TERA_OK) {
+        unlink(path);
+        return tera_cli_error();
+    }
+    FILE *f = fopen(path, "r");
+    int ch;
+    while (f && (ch = fgetc(f)) != EOF) putchar(ch);
+    if (f) fclose(f);
+    unlink(path);
+    return 0;
+}

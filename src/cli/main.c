@@ -1,0 +1,41 @@
+/* tera: train Mixture-of-Experts language models. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: tera <command> [options]\n"
+            "\n"
+            "commands:\n"
+            "  train      train a model:  tera train [-c FILE] [--section.key=value ...] [--force] [--resume]\n"
+            "  eval       validation loss of a checkpoint:  tera eval --from DIR [-c FILE] [--section.key=value ...]\n"
+            "  export-hf  write a Hugging Face Mixtral directory:  tera export-hf --from DIR --out DIR [--max-shard-bytes N] [--force]\n"
+            "  config     print the resolved config (-c FILE ...) or, with --doc, every key documented\n"
+            "  bench      time training steps:  tera bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N]\n"
+            "  help       this text\n"
+            "\n"
+            "Every config key can be overridden on the command line as --section.key=value\n"
+            "(see docs/CONFIG.md or `tera config --doc`).\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "train")) return tera_cmd_train(argc - 2, argv + 2);
+    if (!strcmp(cmd, "eval")) return tera_cmd_eval(argc - 2, argv + 2);
+    if (!strcmp(cmd, "export-hf")) return tera_cmd_export_hf(argc - 2, argv + 2);
+    if (!strcmp(cmd, "config")) return tera_cmd_config(argc - 2, argv + 2);
+    if (!strcmp(cmd, "bench")) return tera_cmd_bench(argc - 2, argv + 2);
+    if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
+        usage(stdout);
+        return 0;
+    }
+    fprintf(stderr, "tera: error: unknown command '%s'\n\n", cmd);
+    usage(stderr);
+    return 2;
+}

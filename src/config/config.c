@@ -1,0 +1,860 @@
+/* The run configuration: one table of keys drives defaults, INI parsing (inih), command-line
+ * overrides, validation, the resolved dump and the Markdown reference (docs/CONFIG.md).
+ *
+ * Adding a key: add the field to include/tera/config.h and one line to config__keys below. The
+ * type-checking macros make a mismatch between the declared type and the field a compile error. */
+#include "tera/config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Value types. One X-macro list gives the enum and the name shown in docs. */
+
+#define CONFIG__TYPES(X)                                                                           \
+    X(INT, "int")       /* int field, range [imin, imax] */                                        \
+    X(INT64, "int64")   /* int64_t field, range [imin, imax] */                                    \
+    X(UINT64, "uint64") /* uint64_t field, any value 0 .. 2^64-1 */                                \
+    X(FLOAT, "float")   /* float field, finite, range fmin..fmax (ends open or closed) */          \
+    X(BOOL, "bool")     /* int field holding 0 or 1 */                                             \
+    X(STRING, "string") /* char[size] field, NUL-terminated */                                     \
+    X(ENUM, "enum")     /* int-sized enum field holding the index into `choices` */                \
+    X(CHOICE, "enum")   /* char[size] field holding one of `choices` verbatim */
+
+typedef enum {
+#define CONFIG__TYPE_ENUM(name, text) CONFIG__##name,
+    CONFIG__TYPES(CONFIG__TYPE_ENUM)
+#undef CONFIG__TYPE_ENUM
+} config__type;
+
+static const char *const config__type_names[] = {
+#define CONFIG__TYPE_NAME(name, text) text,
+    CONFIG__TYPES(CONFIG__TYPE_NAME)
+#undef CONFIG__TYPE_NAME
+};
+
+/* One configuration key. */
+typedef struct {
+    const char *section; /* INI section = member of tera_config */
+    const char *key;     /* key = member of the section struct */
+    config__type type;
+    size_t offset;       /* offsetof(tera_config, section.key) */
+    size_t size;         /* sizeof the field (the buffer size for strings) */
+    const char *def;     /* default, written as in a file; parsed by tera_config_defaults */
+    int64_t imin, imax;  /* INT / INT64: inclusive range (imax = the type's max: no upper bound) */
+    double fmin, fmax;   /* FLOAT: range; +-INFINITY = unbounded */
+    bool fmin_open;      /* FLOAT: fmin itself excluded */
+    bool fmax_open;      /* FLOAT: fmax itself excluded */
+    const char *choices; /* ENUM / CHOICE: "a|b|c"; for ENUM the stored value is the index */
+    const char *doc;     /* one line for docs and for the comment above the key in dumps */
+} config__key;
+
+/* A field expression and a compile-time check that it has type T: comparing pointers to distinct
+ * types is a diagnostic (an error under -Werror); sizeof keeps it unevaluated and constant. */
+#define CONFIG__FIELD(sec, name) (((tera_config *)0)->sec.name)
+#define CONFIG__AT(sec, name, T)                                                                   \
+    offsetof(tera_config, sec.name),                                                               \
+        sizeof CONFIG__FIELD(sec, name) + 0 * sizeof(&CONFIG__FIELD(sec, name) == (T *)0)
+#define CONFIG__AT_CHARS(sec, name)                                                                \
+    offsetof(tera_config, sec.name),                                                               \
+        sizeof CONFIG__FIELD(sec, name) + 0 * sizeof(&CONFIG__FIELD(sec, name)[0] == (char *)0)
+
+/* Table-row constructors, one per type. lo/hi: inclusive integer range. */
+#define K_INT(sec, name, def, lo, hi, doc)                                                         \
+    {#sec, #name, CONFIG__INT, CONFIG__AT(sec, name, int), def, lo, hi, 0, 0, 0, 0, NULL, doc}
+#define K_INT64(sec, name, def, lo, hi, doc)                                                       \
+    {#sec, #name, CONFIG__INT64, CONFIG__AT(sec, name, int64_t), def, lo, hi, 0, 0, 0, 0, NULL,  \
+     doc}
+#define K_UINT64(sec, name, def, doc)                                                              \
+    {#sec, #name, CONFIG__UINT64, CONFIG__AT(sec, name, uint64_t), def, 0, 0, 0, 0, 0, 0, NULL,  \
+     doc}
+/* range: one of the R_* macros below (lo, hi, lo_open, hi_open). */
+#define K_FLOAT(sec, name, def, range, doc)                                                        \
+    {#sec, #name, CONFIG__FLOAT, CONFIG__AT(sec, name, float), def, 0, 0, range, NULL, doc}
+#define K_BOOL(sec, name, def, doc)                                                                \
+    {#sec, #name, CONFIG__BOOL, CONFIG__AT(sec, name, int), def, 0, 1, 0, 0, 0, 0, NULL, doc}
+#define K_STRING(sec, name, def, doc)                                                              \
+    {#sec, #name, CONFIG__STRING, CONFIG__AT_CHARS(sec, name), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+#define K_ENUM(sec, name, T, def, choices, doc)                                                    \
+    {#sec, #name, CONFIG__ENUM, CONFIG__AT(sec, name, T), def, 0, 0, 0, 0, 0, 0, choices, doc}
+#define K_CHOICE(sec, name, def, choices, doc)                                                     \
+    {#sec, #name, CONFIG__CHOICE, CONFIG__AT_CHARS(sec, name), def, 0, 0, 0, 0, 0, 0, choices,  \
+     doc}
+
+#define R_GT0 0.0, INFINITY, true, false      /* > 0 */
+#define R_GE0 0.0, INFINITY, false, false     /* >= 0 */
+#define R_UNIT_OPEN 0.0, 1.0, false, true     /* [0, 1) */
+#define R_CLOSED(lo, hi) lo, hi, false, false /* [lo, hi] */
+
+/* The sections, in file order, each with a one-line description for docs and dumps. */
+typedef struct {
+    const char *name;
+    const char *doc;
+} config__section;
+
+static const config__section config__sections[] = {
+    {"model", "Architecture, MoE routing and load balancing."},
+    {"training", "Steps, batch shape, learning-rate schedule, evaluation."},
+    {"optimizer", "AdamW (decoupled weight decay on 2-D weights only)."},
+    {"data", "Training corpus."},
+    {"parallel", "Parallel layout. This build runs one process: every degree must be 1."},
+    {"checkpoint", "Checkpoint saving and export."},
+    {"logging", "Run directory and progress output."},
+};
+#define CONFIG__N_SECTIONS (sizeof config__sections / sizeof config__sections[0])
+
+/* THE table: every key of every section, in section order. Defaults follow the spec (MODEL.md).
+ * Ranges here are the per-key checks; cross-field checks live in tera_config_finalize. */
+static const config__key config__keys[] = {
+    /* [model] ---------------------------------------------------------------------------------- */
+    K_INT(model, vocab_size, "256", 2, INT_MAX, "vocabulary size V (token ids 0 .. V-1)"),
+    K_INT(model, dim, "128", 1, INT_MAX, "model width D"),
+    K_INT(model, n_layers, "4", 1, INT_MAX, "transformer layers L"),
+    K_INT(model, n_heads, "4", 1, INT_MAX,
+          "query heads H; must divide dim, and head width dim/n_heads must be even (RoPE)"),
+    K_INT(model, n_kv_heads, "0", 0, INT_MAX,
+          "key/value heads (GQA when < n_heads; must divide n_heads); 0 = n_heads"),
+    K_INT(model, n_experts, "8", 1, INT_MAX, "routed experts E per MoE layer"),
+    K_INT(model, top_k, "2", 1, INT_MAX, "experts per token k (at most n_experts)"),
+    K_INT(model, ffn_dim, "256", 1, INT_MAX, "routed-expert hidden width F"),
+    K_INT(
+        model, n_shared_experts, "0", 0, INT_MAX,
+        "always-applied shared experts (DeepSeek style), hidden width n_shared_experts * ffn_dim"),
+    K_INT(model, first_k_dense, "0", 0, INT_MAX,
+          "the first N layers use a dense SwiGLU FFN instead of MoE (at most n_layers)"),
+    K_INT(model, dense_ffn_dim, "0", 0, INT_MAX,
+          "hidden width of dense layers; 0 = top_k * ffn_dim"),
+    K_INT(model, max_seq_len, "1024", 1, INT_MAX,
+          "longest sequence the model is built for (max_position_embeddings)"),
+    K_FLOAT(model, rope_theta, "10000", R_GT0, "RoPE base theta"),
+    K_FLOAT(model, norm_eps, "1e-5", R_GT0, "RMSNorm epsilon"),
+    K_FLOAT(model, init_std, "0.02", R_GT0,
+            "std of the normal init; o_proj and w2 use init_std / sqrt(2 * n_layers)"),
+    K_BOOL(model, tie_embeddings, "false", "lm_head shares the embed_tokens matrix"),
+    K_FLOAT(model, capacity_factor, "0", R_GE0,
+            "0 = dropless; else capacity per expert per sequence = ceil(cf * T * k / E)"),
+    K_ENUM(model, drop_policy, tera_drop_policy, "position", "position|probability",
+           "over capacity keep an expert's earliest tokens (position) or highest-probability ones"),
+    K_FLOAT(model, aux_coef, "0.01", R_GE0, "load-balancing loss coefficient"),
+    K_FLOAT(model, z_coef, "0", R_GE0, "router z-loss coefficient"),
+    K_BOOL(model, aux_free, "false",
+           "aux-loss-free balancing: per-expert bias on selection scores"),
+    K_FLOAT(model, aux_free_rate, "0.001", R_GE0,
+            "aux-free bias update rate u: b_e += u * sign(mean load - load_e)"),
+
+    /* [training] ------------------------------------------------------------------------------- */
+    K_INT(training, steps, "300", 1, INT_MAX, "optimizer steps S"),
+    K_INT(training, seq_len, "128", 1, INT_MAX,
+          "tokens per sequence T (at most model.max_seq_len)"),
+    K_INT(training, micro_batch, "8", 1, INT_MAX,
+          "sequences per micro-batch (per data-parallel rank)"),
+    K_INT(training, grad_accum, "1", 1, INT_MAX, "micro-batches per optimizer step"),
+    K_UINT64(training, seed, "1234", "seeds init, data shuffling and every other random stream"),
+    K_INT(training, threads, "0", 0, INT_MAX, "compute threads; 0 = all cores"),
+    K_INT(training, warmup_steps, "30", 0, INT_MAX, "linear warmup steps W (at most steps)"),
+    K_FLOAT(training, lr, "3e-3", R_GT0, "peak learning rate max_lr"),
+    K_FLOAT(training, min_lr, "3e-4", R_GE0, "cosine floor (at most lr)"),
+    K_FLOAT(training, grad_clip, "1.0", R_GE0, "global L2-norm clip threshold; 0 = off"),
+    K_INT(training, eval_every, "0", 0, INT_MAX, "validation every N steps; 0 = off"),
+    K_INT(training, eval_batches, "4", 1, INT_MAX, "micro-batches per validation"),
+    K_STRING(training, init_from, "",
+             "Hugging Face Mixtral directory to start from; empty = random init"),
+
+    /* [optimizer] ------------------------------------------------------------------------------ */
+    K_FLOAT(optimizer, beta1, "0.9", R_UNIT_OPEN, "AdamW first-moment decay"),
+    K_FLOAT(optimizer, beta2, "0.95", R_UNIT_OPEN, "AdamW second-moment decay"),
+    K_FLOAT(optimizer, eps, "1e-8", R_GT0, "AdamW epsilon"),
+    K_FLOAT(optimizer, weight_decay, "0.1", R_GE0, "decoupled weight decay (2-D weights only)"),
+
+    /* [data] ----------------------------------------------------------------------------------- */
+    K_STRING(data, path, "",
+             "corpus file or Megatron .bin/.idx prefix; empty = the embedded corpus"),
+    K_CHOICE(data, format, "auto", "auto|text|bin|u16",
+             "text: byte-level; bin: Megatron .bin/.idx prefix; u16: raw uint16 ids; "
+             "auto: bin if PATH.idx exists, u16 if PATH ends in .u16, else text"),
+    K_BOOL(data, shuffle, "false",
+           "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
+    K_FLOAT(data, val_fraction, "0.05", R_CLOSED(0.0, 0.5),
+            "fraction of samples held out for validation"),
+
+    /* [parallel] ------------------------------------------------------------------------------- */
+    K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),
+    K_INT(parallel, tp, "1", 1, INT_MAX, "tensor-parallel degree"),
+    K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
+    K_INT(parallel, ep, "1", 1, INT_MAX, "expert-parallel degree"),
+    K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
+
+    /* [checkpoint] ----------------------------------------------------------------------------- */
+    K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
+    K_INT(checkpoint, keep, "3", 0, INT_MAX, "keep the newest K checkpoints; 0 = all"),
+    K_INT64(checkpoint, max_shard_bytes, "0", 0, INT64_MAX,
+            "safetensors shard size limit for export in bytes; 0 = one file"),
+
+    /* [logging] -------------------------------------------------------------------------------- */
+    K_STRING(logging, run_dir, "runs/default", "the run's own directory (must not be empty)"),
+    K_INT(logging, log_every, "10", 1, INT_MAX, "progress line every N steps"),
+    K_BOOL(logging, progress, "true", "print the progress line on stderr"),
+    K_BOOL(logging, profile, "false", "print a per-operation time profile at the end"),
+};
+#define CONFIG__N_KEYS (sizeof config__keys / sizeof config__keys[0])
+
+/* Long enough for any value as text: a full path plus quotes. */
+#define CONFIG__VALUE_MAX (TERA_PATH_MAX + 64)
+/* inih line buffer: a full path with its key and quotes, with room to spare. */
+#define CONFIG__LINE_MAX (4 * TERA_PATH_MAX)
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Small helpers. */
+
+/* Appends formatted text to buf (size n), truncating silently at the end of the buffer. */
+__attribute__((format(printf, 3, 4))) static void config__append(char *buf, size_t n,
+                                                                 const char *fmt, ...) {
+    size_t len = strlen(buf);
+    if (len + 1 >= n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, n - len, fmt, ap);
+    va_end(ap);
+}
+
+static const config__section *config__find_section(const char *name) {
+    for (size_t i = 0; i < CONFIG__N_SECTIONS; i++)
+        if (strcmp(config__sections[i].name, name) == 0) return &config__sections[i];
+    return NULL;
+}
+
+static const config__key *config__find_key(const char *section, const char *key) {
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++)
+        if (strcmp(config__keys[i].section, section) == 0 && strcmp(config__keys[i].key, key) == 0)
+            return &config__keys[i];
+    return NULL;
+}
+
+/* "model, training, ..." */
+static const char *config__list_sections(char *buf, size_t n) {
+    buf[0] = '\0';
+    for (size_t i = 0; i < CONFIG__N_SECTIONS; i++)
+        config__append(buf, n, "%s%s", i ? ", " : "", config__sections[i].name);
+    return buf;
+}
+
+/* "vocab_size, dim, ..." for one section. */
+static const char *config__list_keys(const char *section, char *buf, size_t n) {
+    buf[0] = '\0';
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++)
+        if (strcmp(config__keys[i].section, section) == 0)
+            config__append(buf, n, "%s%s", buf[0] ? ", " : "", config__keys[i].key);
+    return buf;
+}
+
+/* "a|b|c" -> "a, b, c" */
+static const char *config__list_choices(const char *choices, char *buf, size_t n) {
+    buf[0] = '\0';
+    for (const char *p = choices; *p; p++) config__append(buf, n, *p == '|' ? ", " : "%c", *p);
+    return buf;
+}
+
+/* Index of `text` in "a|b|c", or -1. */
+static int config__choice_index(const char *choices, const char *text) {
+    size_t tlen = strlen(text);
+    int idx = 0;
+    for (const char *p = choices;; idx++) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == tlen && strncmp(p, text, len) == 0) return idx;
+        if (!bar) return -1;
+        p = bar + 1;
+    }
+}
+
+/* Writes choice `idx` of "a|b|c" into buf; "" when out of range. */
+static const char *config__choice_name(const char *choices, int idx, char *buf, size_t n) {
+    buf[0] = '\0';
+    const char *p = choices;
+    for (int i = 0; i < idx && p; i++) {
+        p = strchr(p, '|');
+        if (p) p++;
+    }
+    if (!p || idx < 0) return buf;
+    const char *bar = strchr(p, '|');
+    size_t len = bar ? (size_t)(bar - p) : strlen(p);
+    if (len >= n) len = n - 1;
+    memcpy(buf, p, len);
+    buf[len] = '\0';
+    return buf;
+}
+
+/* The valid range of a numeric key in words: "an integer >= 1", "a number in [0, 1)". */
+static const char *config__describe_range(const config__key *k, char *buf, size_t n) {
+    buf[0] = '\0';
+    switch (k->type) {
+    case CONFIG__INT:
+    case CONFIG__INT64: {
+        int64_t type_max = k->type == CONFIG__INT ? INT_MAX : INT64_MAX;
+        if (k->imax >= type_max)
+            snprintf(buf, n, ">= %" PRId64, k->imin);
+        else
+            snprintf(buf, n, "[%" PRId64 ", %" PRId64 "]", k->imin, k->imax);
+        break;
+    }
+    case CONFIG__UINT64: snprintf(buf, n, "[0, 18446744073709551615]"); break;
+    case CONFIG__FLOAT:
+        if (isinf(k->fmax))
+            snprintf(buf, n, "%s %g", k->fmin_open ? ">" : ">=", k->fmin);
+        else
+            snprintf(buf, n, "%s%g, %g%s", k->fmin_open ? "(" : "[", k->fmin, k->fmax,
+                     k->fmax_open ? ")" : "]");
+        break;
+    case CONFIG__BOOL: snprintf(buf, n, "true, false"); break;
+    case CONFIG__STRING: snprintf(buf, n, "at most %zu characters", k->size - 1); break;
+    case CONFIG__ENUM:
+    case CONFIG__CHOICE: config__list_choices(k->choices, buf, n); break;
+    }
+    return buf;
+}
+
+/* A value shortened for messages: the first 80 characters and "...". */
+static const char *config__shown(const char *text, char *buf, size_t n) {
+    size_t len = strlen(text);
+    if (len <= 80)
+        snprintf(buf, n, "%s", text);
+    else
+        snprintf(buf, n, "%.80s...", text);
+    return buf;
+}
+
+/* The shortest decimal that reads back (strtof) as exactly the same float; %.9g always does. */
+static void config__format_float(float v, char *buf, size_t n) {
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, n, "%.*g", prec, (double)v);
+        float back = strtof(buf, NULL);
+        if (memcmp(&back, &v, sizeof v) == 0) return;
+    }
+}
+
+/* A string is writable as a loadable INI value unless it contains a control character or a ';'
+ * after whitespace (inih would take the rest as an inline comment). Returns a reason or NULL. */
+static const char *config__string_problem(const char *s) {
+    for (const char *p = s; *p; p++) {
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) return "contains a control character";
+        if (*p == ';' && p > s && (p[-1] == ' ' || p[-1] == '\t'))
+            return "contains whitespace followed by ';', which an INI file reads as a comment";
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Parsing one value. */
+
+/* Reports a bad value: "<where>: <section>.<key> = "<value>" <problem>". */
+__attribute__((format(printf, 5, 6))) static tera_status config__bad(const char *where,
+                                                                     const config__key *k,
+                                                                     const char *value, size_t len,
+                                                                     const char *fmt, ...) {
+    char problem[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(problem, sizeof problem, fmt, ap);
+    va_end(ap);
+    return tera_fail(TERA_ERR_CONFIG, "%s: %s.%s = \"%.*s%s\" %s", where, k->section, k->key,
+                     (int)(len > 80 ? 80 : len), value, len > 80 ? "..." : "", problem);
+}
+
+/* Parses `text` (already trimmed; an enclosing pair of double quotes is stripped) as key k and
+ * stores it into c. Errors name `where` ("file:line", "command line"), the key, the value and the
+ * valid range or choices. On error c is unchanged. */
+static tera_status config__parse_value(tera_config *c, const config__key *k, const char *text,
+                                       size_t len, const char *where) {
+    char value[CONFIG__VALUE_MAX], range[512];
+    if (len > 0 && text[0] == '"') {
+        if (len < 2 || text[len - 1] != '"')
+            return config__bad(where, k, text, len, "has an unterminated quote");
+        text++;
+        len -= 2;
+    }
+    if (len >= sizeof value)
+        return config__bad(where, k, text, len, "is too long (%zu characters; at most %zu)", len,
+                           k->type == CONFIG__STRING ? k->size - 1 : sizeof value - 1);
+    memcpy(value, text, len);
+    value[len] = '\0';
+    config__describe_range(k, range, sizeof range);
+
+    char *field = (char *)c + k->offset;
+    switch (k->type) {
+    case CONFIG__INT:
+    case CONFIG__INT64: {
+        char *end = NULL;
+        errno = 0;
+        long long v = strtoll(value, &end, 10);
+        if (end == value || *end != '\0' || value[0] == ' ' || value[0] == '\t')
+            return config__bad(where, k, value, len, "is not an integer; valid range: %s", range);
+        if (errno == ERANGE || v < k->imin || v > k->imax)
+            return config__bad(where, k, value, len, "is out of range; valid range: %s", range);
+        if (k->type == CONFIG__INT) {
+            int iv = (int)v;
+            memcpy(field, &iv, sizeof iv);
+        } else {
+            int64_t iv = (int64_t)v;
+            memcpy(field, &iv, sizeof iv);
+        }
+        return TERA_OK;
+    }
+    case CONFIG__UINT64: {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long v = strtoull(value, &end, 10);
+        /* strtoull accepts "-1" and wraps it: refuse any sign or leading space. */
+        if (end == value || *end != '\0' || !(value[0] >= '0' && value[0] <= '9'))
+            return config__bad(where, k, value, len, "is not an unsigned integer; valid range: %s",
+                               range);
+        if (errno == ERANGE)
+            return config__bad(where, k, value, len, "is out of range; valid range: %s", range);
+        uint64_t uv = (uint64_t)v;
+        memcpy(field, &uv, sizeof uv);
+        return TERA_OK;
+    }
+    case CONFIG__FLOAT: {
+        char *end = NULL;
+        errno = 0;
+        float v = strtof(value, &end);
+        if (end == value || *end != '\0' || value[0] == ' ' || value[0] == '\t')
+            return config__bad(where, k, value, len, "is not a number; valid range: %s", range);
+        if (!isfinite(v))
+            return config__bad(where, k, value, len, "is not a finite float; valid range: %s",
+                               range);
+        double d = (double)v;
+        bool low = k->fmin_open ? !(d > k->fmin) : !(d >= k->fmin);
+        bool high = k->fmax_open ? !(d < k->fmax) : !(d <= k->fmax);
+        if (low || high)
+            return config__bad(where, k, value, len, "is out of range; valid range: %s", range);
+        memcpy(field, &v, sizeof v);
+        return TERA_OK;
+    }
+    case CONFIG__BOOL: {
+        static const char *const yes[] = {"true", "1", "yes", "on"};
+        static const char *const no[] = {"false", "0", "no", "off"};
+        for (int i = 0; i < 4; i++) {
+            int bv = -1;
+            if (strcasecmp(value, yes[i]) == 0) bv = 1;
+            if (strcasecmp(value, no[i]) == 0) bv = 0;
+            if (bv >= 0) {
+                memcpy(field, &bv, sizeof bv);
+                return TERA_OK;
+            }
+        }
+        return config__bad(where, k, value, len,
+                           "is not a boolean; valid: true, false, 1, 0, yes, no, on, off");
+    }
+    case CONFIG__STRING: {
+        if (len >= k->size)
+            return config__bad(where, k, value, len, "is too long (%zu characters; at most %zu)",
+                               len, k->size - 1);
+        const char *problem = config__string_problem(value);
+        if (problem) return config__bad(where, k, value, len, "%s", problem);
+        memset(field, 0, k->size); /* no stale tail: equal strings give equal structs */
+        memcpy(field, value, len);
+        return TERA_OK;
+    }
+    case CONFIG__ENUM:
+    case CONFIG__CHOICE: {
+        int idx = config__choice_index(k->choices, value);
+        if (idx < 0) return config__bad(where, k, value, len, "is not one of: %s", range);
+        if (k->type == CONFIG__ENUM)
+            memcpy(field, &idx, sizeof idx);
+        else { /* every choice fits: checked in config__check_table */
+            memset(field, 0, k->size);
+            memcpy(field, value, len);
+        }
+        return TERA_OK;
+    }
+    }
+    return tera_fail(TERA_ERR_CONFIG, "%s: %s.%s has an unknown type", where, k->section, k->key);
+}
+
+/* Formats key k's current value as file text (strings quoted, enums by name). Returns a problem
+ * that makes the value unwritable/invalid (a non-terminated string), or NULL. */
+static const char *config__format_value(const tera_config *c, const config__key *k, char *buf,
+                                        size_t n) {
+    const char *field = (const char *)c + k->offset;
+    buf[0] = '\0';
+    switch (k->type) {
+    case CONFIG__INT:
+    case CONFIG__BOOL:
+    case CONFIG__ENUM: {
+        int v;
+        memcpy(&v, field, sizeof v);
+        if (k->type == CONFIG__BOOL && (v == 0 || v == 1))
+            snprintf(buf, n, "%s", v ? "true" : "false");
+        else if (k->type == CONFIG__ENUM)
+            config__choice_name(k->choices, v, buf, n);
+        if (!buf[0]) snprintf(buf, n, "%d", v); /* an int, or an invalid bool/enum as a number */
+        return NULL;
+    }
+    case CONFIG__INT64: {
+        int64_t v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%" PRId64, v);
+        return NULL;
+    }
+    case CONFIG__UINT64: {
+        uint64_t v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%" PRIu64, v);
+        return NULL;
+    }
+    case CONFIG__FLOAT: {
+        float v;
+        memcpy(&v, field, sizeof v);
+        config__format_float(v, buf, n);
+        return NULL;
+    }
+    case CONFIG__STRING:
+    case CONFIG__CHOICE:
+        if (!memchr(field, '\0', k->size)) return "is not NUL-terminated";
+        if (k->type == CONFIG__STRING)
+            snprintf(buf, n, "\"%s\"", field);
+        else
+            snprintf(buf, n, "%s", field);
+        return NULL;
+    }
+    return "has an unknown type";
+}
+
+/* Checks every key's current value against its type, range and choices (fields may have been set
+ * directly, not through the parser): formats it and parses the text back into a scratch copy. */
+static tera_status config__check_keys(const tera_config *c) {
+    tera_config scratch;
+    char text[CONFIG__VALUE_MAX];
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+        const config__key *k = &config__keys[i];
+        const char *problem = config__format_value(c, k, text, sizeof text);
+        if (problem)
+            return tera_fail(TERA_ERR_CONFIG, "config: %s.%s %s", k->section, k->key, problem);
+        scratch = *c;
+        TERA_TRY(config__parse_value(&scratch, k, text, strlen(text), "config"));
+    }
+    return TERA_OK;
+}
+
+/* Sanity of the table itself (run once per tera_config_defaults): field sizes match the types,
+ * every section is listed, every choice fits its buffer, no key appears twice. */
+static void config__check_table(void) {
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+        const config__key *k = &config__keys[i];
+        TERA_ASSERTF(config__find_section(k->section), "config key %s.%s: section not listed",
+                     k->section, k->key);
+        TERA_ASSERTF(config__find_key(k->section, k->key) == k, "config key %s.%s listed twice",
+                     k->section, k->key);
+        if (k->type == CONFIG__ENUM || k->type == CONFIG__BOOL || k->type == CONFIG__INT)
+            TERA_ASSERTF(k->size == sizeof(int), "config key %s.%s: not int-sized", k->section,
+                         k->key);
+        if (k->type == CONFIG__CHOICE)
+            for (const char *p = k->choices; *p;) {
+                const char *bar = strchr(p, '|');
+                size_t len = bar ? (size_t)(bar - p) : strlen(p);
+                TERA_ASSERTF(len < k->size, "config key %s.%s: choice too long", k->section,
+                             k->key);
+                p += len + (bar != NULL);
+            }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Public API. */
+
+void tera_config_defaults(tera_config *c) {
+    config__check_table();
+    memset(c, 0, sizeof *c);
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+        const config__key *k = &config__keys[i];
+        tera_status s = config__parse_value(c, k, k->def, strlen(k->def), "default");
+        TERA_ASSERTF(s == TERA_OK, "bad default in the config table: %s", tera_last_error());
+    }
+}
+
+/* State of one tera_config_load. */
+typedef struct {
+    tera_config *cfg; /* the copy being filled (committed only on success) */
+    const char *path;
+    FILE *file;
+    int line;                     /* lines read so far = the line of the current handler call */
+    int key_line[CONFIG__N_KEYS]; /* line where each key was set in this file (0 = not yet) */
+    bool failed;                  /* the reader or the handler recorded a message; stop */
+    tera_status status;           /* its status */
+} config__load_state;
+
+/* inih line reader (fgets-style): counts lines, refuses over-long lines instead of letting inih
+ * split them, and checks [section] headers itself because inih calls the handler only for keys
+ * (an unknown but empty section would otherwise pass unnoticed). */
+static char *config__read_line(char *str, int num, void *stream) {
+    config__load_state *st = stream;
+    if (st->failed || !fgets(str, num, st->file)) return NULL;
+    st->line++;
+    size_t len = strlen(str);
+    if (len == (size_t)num - 1 && str[len - 1] != '\n') {
+        int ch = getc(st->file);
+        if (ch != EOF) {
+            st->failed = true;
+            st->status = tera_fail(TERA_ERR_CONFIG, "%s:%d: line longer than %d characters",
+                                   st->path, st->line, num - 2);
+            return NULL;
+        }
+    }
+    const char *p = str;
+    if (st->line == 1 && strncmp(p, "\xEF\xBB\xBF", 3) == 0) p += 3; /* UTF-8 byte-order mark */
+    while (*p == ' ' || *p == '\t') p++;
+    const char *close = *p == '[' ? strchr(p, ']') : NULL;
+    if (close) {
+        char name[128], valid[512];
+        size_t nlen = (size_t)(close - p - 1);
+        if (nlen >= sizeof name) nlen = sizeof name - 1;
+        memcpy(name, p + 1, nlen);
+        name[nlen] = '\0';
+        if (!config__find_section(name)) {
+            st->failed = true;
+            st->status =
+                tera_fail(TERA_ERR_CONFIG, "%s:%d: unknown section [%s]; valid sections: %s",
+                          st->path, st->line, name, config__list_sections(valid, sizeof valid));
+            return NULL;
+        }
+    }
+    return str;
+}
+
+/* inih handler: one key = value in one section. Returns 1 to go on, 0 on error (message kept). */
+static int config__handle(void *user, const char *section, const char *name, const char *value) {
+    config__load_state *st = user;
+    char where[TERA_PATH_MAX + 32], valid[1024];
+    if (st->failed) return 0;
+    snprintf(where, sizeof where, "%s:%d", st->path, st->line);
+    st->failed = true; /* until the key is stored */
+    if (!value) {
+        st->status = tera_fail(TERA_ERR_CONFIG, "%s: key %s has no value", where, name);
+        return 0;
+    }
+    if (!section[0]) {
+        st->status =
+            tera_fail(TERA_ERR_CONFIG, "%s: key %s is outside any [section]; valid sections: %s",
+                      where, name, config__list_sections(valid, sizeof valid));
+        return 0;
+    }
+    if (!config__find_section(section)) { /* normally caught by the reader already */
+        st->status = tera_fail(TERA_ERR_CONFIG, "%s: unknown section [%s]; valid sections: %s",
+                               where, section, config__list_sections(valid, sizeof valid));
+        return 0;
+    }
+    const config__key *k = config__find_key(section, name);
+    if (!k) {
+        st->status =
+            tera_fail(TERA_ERR_CONFIG, "%s: unknown key %s.%s; valid keys of [%s]: %s", where,
+                      section, name, section, config__list_keys(section, valid, sizeof valid));
+        return 0;
+    }
+    size_t idx = (size_t)(k - config__keys);
+    if (st->key_line[idx]) {
+        st->status = tera_fail(TERA_ERR_CONFIG, "%s: %s.%s is set twice (lines %d and %d)", where,
+                               k->section, k->key, st->key_line[idx], st->line);
+        return 0;
+    }
+    st->status = config__parse_value(st->cfg, k, value, strlen(value), where);
+    if (st->status != TERA_OK) return 0;
+    st->key_line[idx] = st->line;
+    st->failed = false;
+    return 1;
+}
+
+tera_status tera_config_load(tera_config *c, const char *path) {
+    /* Debian's libinih exposes its build options as globals; only this file uses inih. A heap line
+     * buffer lets a full TERA_PATH_MAX path fit on one line (longer lines are refused by the
+     * reader); continuation lines are off (an
+     * indented line is a line of its own); stop at the first error so ours is the one reported. */
+    ini_use_stack = false;
+    ini_allow_realloc = false;
+    ini_initial_alloc = CONFIG__LINE_MAX; /* the heap buffer's size (no realloc) */
+    ini_max_line = CONFIG__LINE_MAX;
+    ini_allow_multiline = false;
+    ini_stop_on_first_error = true;
+    ini_allow_no_value = false;
+
+    tera_config copy = *c;
+    config__load_state st = {.cfg = &copy, .path = path, .status = TERA_OK};
+    st.file = fopen(path, "r");
+    if (!st.file)
+        return tera_fail(TERA_ERR_IO, "cannot open config file %s: %s", path, strerror(errno));
+    int rc = ini_parse_stream(config__read_line, &st, config__handle, &st);
+    bool read_error = ferror(st.file) != 0;
+    int saved_errno = errno;
+    if (fclose(st.file) != 0 && !st.failed && rc == 0 && !read_error)
+        return tera_fail(TERA_ERR_IO, "cannot close config file %s: %s", path, strerror(errno));
+    if (st.failed) return st.status;
+    if (rc == -2) return tera_fail(TERA_ERR_NOMEM, "%s: out of memory while parsing", path);
+    if (rc != 0)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "%s:%d: syntax error (expected [section], key = value, or a # comment)",
+                         path, rc);
+    if (read_error)
+        return tera_fail(TERA_ERR_IO, "cannot read config file %s: %s", path,
+                         strerror(saved_errno));
+    *c = copy;
+    return TERA_OK;
+}
+
+/* Copies [from, to) into buf without surrounding blanks. */
+static void config__trim_copy(char *buf, size_t n, const char *from, const char *to) {
+    while (from < to && (*from == ' ' || *from == '\t')) from++;
+    while (to > from && (to[-1] == ' ' || to[-1] == '\t')) to--;
+    size_t len = (size_t)(to - from);
+    if (len >= n) len = n - 1;
+    memcpy(buf, from, len);
+    buf[len] = '\0';
+}
+
+tera_status tera_config_set(tera_config *c, const char *assignment) {
+    static const char where[] = "command line";
+    char shown[128], section[64], name[64], valid[1024];
+    const char *eq = strchr(assignment, '=');
+    const char *dot = eq ? memchr(assignment, '.', (size_t)(eq - assignment)) : NULL;
+    if (!eq || !dot)
+        return tera_fail(TERA_ERR_CONFIG, "%s: expected section.key=value, got \"%s\"", where,
+                         config__shown(assignment, shown, sizeof shown));
+    config__trim_copy(section, sizeof section, assignment, dot);
+    config__trim_copy(name, sizeof name, dot + 1, eq);
+    if (!config__find_section(section))
+        return tera_fail(TERA_ERR_CONFIG, "%s: unknown section [%s] in \"%s\"; valid sections: %s",
+                         where, section, config__shown(assignment, shown, sizeof shown),
+                         config__list_sections(valid, sizeof valid));
+    const config__key *k = config__find_key(section, name);
+    if (!k)
+        return tera_fail(TERA_ERR_CONFIG, "%s: unknown key %s.%s; valid keys of [%s]: %s", where,
+                         section, name, section, config__list_keys(section, valid, sizeof valid));
+    const char *v = eq + 1;
+    const char *vend = v + strlen(v);
+    while (*v == ' ' || *v == '\t') v++;
+    while (vend > v && (vend[-1] == ' ' || vend[-1] == '\t')) vend--;
+    return config__parse_value(c, k, v, (size_t)(vend - v), where);
+}
+
+/* Cross-field checks fail through this: "config: <message>". */
+#define CONFIG__REQUIRE(cond, ...)                                                                 \
+    do {                                                                                           \
+        if (!(cond)) return tera_fail(TERA_ERR_CONFIG, "config: " __VA_ARGS__);                    \
+    } while (0)
+
+tera_status tera_config_finalize(tera_config *c) {
+    TERA_TRY(config__check_keys(c));
+    tera_model_config *m = &c->model;
+    const tera_train_config *t = &c->training;
+    const tera_parallel_config *p = &c->parallel;
+
+    /* Derived defaults. */
+    if (m->n_kv_heads == 0) m->n_kv_heads = m->n_heads;
+    if (m->dense_ffn_dim == 0) {
+        int64_t d = (int64_t)m->top_k * m->ffn_dim;
+        CONFIG__REQUIRE(d <= INT_MAX,
+                        "model.dense_ffn_dim = model.top_k * model.ffn_dim = %" PRId64
+                        " is too large (set model.dense_ffn_dim)",
+                        d);
+        m->dense_ffn_dim = (int)d;
+    }
+
+    /* Cross-field checks (per-key ranges, e.g. every size >= 1, are in the table). */
+    CONFIG__REQUIRE(m->dim % m->n_heads == 0,
+                    "model.dim (%d) must be divisible by model.n_heads (%d)", m->dim, m->n_heads);
+    CONFIG__REQUIRE((m->dim / m->n_heads) % 2 == 0,
+                    "head width model.dim / model.n_heads = %d / %d = %d must be even (RoPE)",
+                    m->dim, m->n_heads, m->dim / m->n_heads);
+    CONFIG__REQUIRE(m->n_heads % m->n_kv_heads == 0,
+                    "model.n_heads (%d) must be divisible by model.n_kv_heads (%d)", m->n_heads,
+                    m->n_kv_heads);
+    CONFIG__REQUIRE(m->top_k <= m->n_experts,
+                    "model.top_k (%d) must be in [1, model.n_experts = %d]", m->top_k,
+                    m->n_experts);
+    CONFIG__REQUIRE(m->first_k_dense <= m->n_layers,
+                    "model.first_k_dense (%d) must be at most model.n_layers (%d)",
+                    m->first_k_dense, m->n_layers);
+    CONFIG__REQUIRE(t->seq_len <= m->max_seq_len,
+                    "training.seq_len (%d) must be at most model.max_seq_len (%d)", t->seq_len,
+                    m->max_seq_len);
+    CONFIG__REQUIRE(t->min_lr <= t->lr, "training.min_lr (%g) must be at most training.lr (%g)",
+                    (double)t->min_lr, (double)t->lr);
+    CONFIG__REQUIRE(t->warmup_steps <= t->steps,
+                    "training.warmup_steps (%d) must be at most training.steps (%d)",
+                    t->warmup_steps, t->steps);
+    CONFIG__REQUIRE(c->logging.run_dir[0] != '\0', "logging.run_dir must not be empty");
+
+    /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
+    static const char *const names[] = {"dp", "tp", "pp", "ep"};
+    const int degrees[] = {p->dp, p->tp, p->pp, p->ep};
+    for (int i = 0; i < 4; i++)
+        CONFIG__REQUIRE(degrees[i] == 1,
+                        "parallel.%s = %d: parallel.%s > 1 is not supported in this build yet",
+                        names[i], degrees[i], names[i]);
+    return TERA_OK;
+}
+
+tera_status tera_config_write(const tera_config *c, const char *path) {
+    TERA_TRY(config__check_keys(c)); /* only loadable values are written */
+    char text[CONFIG__VALUE_MAX];
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+        const config__key *k = &config__keys[i];
+        if (k->type != CONFIG__STRING) continue;
+        const char *problem = config__string_problem((const char *)c + k->offset);
+        if (problem)
+            return tera_fail(TERA_ERR_CONFIG, "config: %s.%s %s", k->section, k->key, problem);
+    }
+
+    FILE *f = fopen(path, "w");
+    if (!f) return tera_fail(TERA_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    fprintf(f, "# tera configuration: every key with its resolved value.\n"
+               "# Load it as a config file; any key can be overridden with --section.key=value.\n"
+               "# Keys, types and ranges: docs/CONFIG.md.\n");
+    for (size_t s = 0; s < CONFIG__N_SECTIONS; s++) {
+        const config__section *sec = &config__sections[s];
+        fprintf(f, "\n[%s]\n# %s\n", sec->name, sec->doc);
+        for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+            const config__key *k = &config__keys[i];
+            if (strcmp(k->section, sec->name) != 0) continue;
+            const char *problem = config__format_value(c, k, text, sizeof text);
+            TERA_ASSERT(problem == NULL); /* config__check_keys passed */
+            fprintf(f, "# %s\n%s = %s\n", k->doc, k->key, text);
+        }
+    }
+    bool write_error = ferror(f) != 0;
+    int saved_errno = errno;
+    if (fclose(f) != 0 || write_error)
+        return tera_fail(TERA_ERR_IO, "cannot write %s: %s", path,
+                         strerror(write_error ? saved_errno : errno));
+    return TERA_OK;
+}
+
+void tera_config_write_doc(FILE *f) {
+    char range[512], def[CONFIG__VALUE_MAX];
+    for (size_t s = 0; s < CONFIG__N_SECTIONS; s++) {
+        const config__section *sec = &config__sections[s];
+        fprintf(f, "## [%s]\n\n%s\n\n", sec->name, sec->doc);
+        fprintf(f, "| key | type | default | range / choices | meaning |\n");
+        fprintf(f, "| --- | --- | --- | --- | --- |\n");
+        for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+            const config__key *k = &config__keys[i];
+            if (strcmp(k->section, sec->name) != 0) continue;
+            config__describe_range(k, range, sizeof range);
+            if (k->type == CONFIG__STRING)
+                snprintf(def, sizeof def, "\"%s\"", k->def);
+            else
+                snprintf(def, sizeof def, "%s", k->def);
+            fprintf(f, "| `%s` | %s | `%s` | %s | %s |\n", k->key, config__type_names[k->type], def,
+                    range, k->doc);
+        }
+        fprintf(f, "\n");
+    }
+}

@@ -1,0 +1,58 @@
+#include "tera/status.h"
+
+#include <stdarg.h>
+#include <string.h>
+
+static _Thread_local char g_msg[2048];
+
+tera_status tera_fail(tera_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_msg, sizeof g_msg, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+const char *tera_last_error(void) { return g_msg; }
+
+const char *tera_status_name(tera_status s) {
+    switch (s) {
+    case TERA_OK: return "ok";
+    case TERA_ERR_IO: return "i/o error";
+    case TERA_ERR_FORMAT: return "format error";
+    case TERA_ERR_CONFIG: return "config error";
+    case TERA_ERR_ARG: return "argument error";
+    case TERA_ERR_NOMEM: return "out of memory";
+    case TERA_ERR_EXISTS: return "already exists";
+    case TERA_ERR_NUMERIC: return "numeric error";
+    }
+    return "unknown error";
+}
+
+/* Hook set by the communicator so that an abort on one rank takes down every rank. */
+void (*tera_abort_hook)(void) = NULL;
+
+void tera_abort_at(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "tera: fatal: %s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    fflush(stderr);
+    if (tera_abort_hook) tera_abort_hook();
+    abort();
+}
+
+void *tera_malloc_at(size_t n, const char *file, int line) {
+    void *p = NULL;
+    if (n == 0) n = 1;
+    if (posix_memalign(&p, 64, n) != 0 || !p) tera_abort_at(file, line, "out of memory (%zu bytes)", n);
+    return p;
+}
+
+void *tera_calloc_at(size_t n, size_t size, const char *file, int line) {
+    void *p = tera_malloc_at(n * size, file, line);
+    memset(p, 0, n * size);
+    return p;
+}

@@ -1,0 +1,185 @@
+/* Row-wise and element-wise operations: RMSNorm, RoPE, SwiGLU, embedding, softmax,
+ * cross-entropy. Parallel over rows (each row owned by one thread); parameter-gradient
+ * reductions run over column blocks with rows in a fixed order, so results do not depend on the
+ * number of threads. */
+#include <math.h>
+#include <string.h>
+
+#include "tera/kernels.h"
+#include "vmath.h"
+
+#define COL_BLOCK 16
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+void tera_rmsnorm_forward(float *restrict y, float *restrict rstd, const float *restrict x,
+                          const float *restrict w, int64_t N, int64_t D, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float *yr = y + n * D;
+        float ss = 0.0f;
+        for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        rstd[n] = r;
+        for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
+    }
+}
+
+void tera_rmsnorm_backward(float *restrict dx, float *restrict dw, const float *restrict dy,
+                           const float *restrict x, const float *restrict w, const float *restrict rstd,
+                           int64_t N, int64_t D) {
+    /* y = w * xhat, xhat = x * r:  dx = r * (dy*w - xhat * mean(dy*w*xhat)) */
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D, *dyr = dy + n * D;
+        float *dxr = dx + n * D;
+        const float r = rstd[n];
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; d++) dot += dyr[d] * w[d] * xr[d];
+        const float c = dot * r * r / (float)D;
+        for (int64_t d = 0; d < D; d++) dxr[d] += r * (dyr[d] * w[d] - xr[d] * c);
+    }
+    const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t d0 = blk * COL_BLOCK, d1 = d0 + COL_BLOCK < D ? d0 + COL_BLOCK : D;
+        float acc[COL_BLOCK] = {0};
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t d = d0; d < d1; d++) acc[d - d0] += dy[n * D + d] * x[n * D + d] * rstd[n];
+        for (int64_t d = d0; d < d1; d++) dw[d] += acc[d - d0];
+    }
+}
+
+/* ---------------------------------------------------------------- RoPE */
+
+void tera_rope_tables(float *cos_t, float *sin_t, int T, int hd, float theta) {
+    const int half = hd / 2;
+    for (int j = 0; j < half; j++) {
+        /* inv_freq computed as HF does: 1 / theta^(2j/hd), in float32 */
+        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)hd);
+        for (int t = 0; t < T; t++) {
+            float ang = (float)t * inv_freq;
+            cos_t[t * half + j] = cosf(ang);
+            sin_t[t * half + j] = sinf(ang);
+        }
+    }
+}
+
+/* x' = x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1):
+ *   x1' = x1*c - x2*s,  x2' = x2*c + x1*s. The inverse rotation uses -s. */
+static void rope_apply(float *restrict x, const float *restrict cos_t, const float *restrict sin_t,
+                       int B, int T, int nh, int hd, float sign) {
+    const int half = hd / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
+        const int t = (int)(bt % T);
+        const float *c = cos_t + (int64_t)t * half, *s = sin_t + (int64_t)t * half;
+        for (int h = 0; h < nh; h++) {
+            float *v = x + (bt * nh + h) * hd;
+            for (int j = 0; j < half; j++) {
+                float x1 = v[j], x2 = v[j + half], sj = sign * s[j];
+                v[j] = x1 * c[j] - x2 * sj;
+                v[j + half] = x2 * c[j] + x1 * sj;
+            }
+        }
+    }
+}
+
+void tera_rope_forward(float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
+    rope_apply(x, cos_t, sin_t, B, T, nh, hd, 1.0f);
+}
+
+void tera_rope_backward(float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
+    rope_apply(dx, cos_t, sin_t, B, T, nh, hd, -1.0f);
+}
+
+/* ---------------------------------------------------------------- SwiGLU */
+
+void tera_swiglu_forward(float *restrict g, const float *restrict a1, const float *restrict a3, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) g[i] = tera_silu(a1[i]) * a3[i];
+}
+
+void tera_swiglu_backward(float *restrict da1, float *restrict da3, const float *restrict dg,
+                          const float *restrict a1, const float *restrict a3, int64_t n) {
+    /* silu(a) = a*s(a); silu'(a) = s(a) * (1 + a*(1 - s(a))) */
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float s = tera_sigmoid(a1[i]);
+        float silu = a1[i] * s;
+        da3[i] = dg[i] * silu;
+        da1[i] = dg[i] * a3[i] * s * (1.0f + a1[i] * (1.0f - s));
+    }
+}
+
+/* ---------------------------------------------------------------- embedding */
+
+void tera_embedding_forward(float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) memcpy(x + n * D, table + (int64_t)tokens[n] * D, sizeof(float) * (size_t)D);
+}
+
+void tera_embedding_backward(float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D) {
+    const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t d0 = blk * COL_BLOCK, d1 = d0 + COL_BLOCK < D ? d0 + COL_BLOCK : D;
+        for (int64_t n = 0; n < N; n++) {
+            float *dst = dtable + (int64_t)tokens[n] * D;
+            for (int64_t d = d0; d < d1; d++) dst[d] += dx[n * D + d];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- softmax / cross-entropy */
+
+static float row_lse(const float *restrict r, int64_t V) {
+    float mx = -INFINITY;
+    for (int64_t v = 0; v < V; v++) mx = r[v] > mx ? r[v] : mx;
+    float s = 0.0f;
+    for (int64_t v = 0; v < V; v++) s += tera_vexpf(r[v] - mx);
+    return mx + logf(s);
+}
+
+void tera_softmax_forward(float *restrict probs, float *restrict lse, const float *restrict logits,
+                          int64_t N, int64_t E) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * E;
+        float l = row_lse(r, E);
+        lse[n] = l;
+        for (int64_t e = 0; e < E; e++) probs[n * E + e] = tera_vexpf(r[e] - l);
+    }
+}
+
+void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs,
+                           const float *restrict probs, int64_t N, int64_t E) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *p = probs + n * E, *dp = dprobs + n * E;
+        float dot = 0.0f;
+        for (int64_t e = 0; e < E; e++) dot += dp[e] * p[e];
+        for (int64_t e = 0; e < E; e++) dlogits[n * E + e] = p[e] * (dp[e] - dot);
+    }
+}
+
+double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) lse[n] = row_lse(logits + n * V, V);
+    double sum = 0.0; /* fixed order: independent of the thread count */
+    for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)logits[n * V + targets[n]];
+    return sum;
+}
+
+void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+                      int64_t N, int64_t V, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * V;
+        float *d = dlogits + n * V;
+        const float l = lse[n];
+        for (int64_t v = 0; v < V; v++) d[v] = scale * tera_vexpf(r[v] - l);
+        d[targets[n]] -= scale;
+    }
+}

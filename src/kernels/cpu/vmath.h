@@ -1,0 +1,35 @@
+/* Vectorisable float math for the CPU kernels (GCC turns loops over these into AVX-512). */
+#ifndef TERA_VMATH_H
+#define TERA_VMATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x in float range, max error ~2 ulp (Cephes polynomial after range reduction).
+ * Inputs below -86 return exp(-86) ~ 4e-38 (irrelevant next to any softmax denominator >= 1). */
+static inline float tera_vexpf(float x) {
+    x = x < -86.0f ? -86.0f : (x > 88.0f ? 88.0f : x);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
+    float t = x * 1.44269504088896341f + magic;
+    float fi = t - magic;
+    float r = x - fi * 0.693359375f;
+    r = r - fi * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t ti, pi;
+    memcpy(&ti, &t, 4);
+    memcpy(&pi, &p, 4);
+    pi += (ti - 0x4B400000) << 23; /* ti's low bits hold the rounded integer */
+    memcpy(&p, &pi, 4);
+    return p;
+}
+
+static inline float tera_silu(float x) { return x / (1.0f + tera_vexpf(-x)); }
+static inline float tera_sigmoid(float x) { return 1.0f / (1.0f + tera_vexpf(-x)); }
+
+#endif

@@ -1,0 +1,142 @@
+/* The parameter table: one row per tensor, in the order the flat buffer holds them. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "tera/model.h"
+
+typedef struct {
+    tera_param *rows;
+    int n, cap;
+    int64_t off;
+} table_builder;
+
+static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const char *name, int ndim,
+                       int64_t s0, int64_t s1, int64_t s2) {
+    if (b->n == b->cap) {
+        b->cap = b->cap ? 2 * b->cap : 64;
+        tera_param *nr = tera_malloc(sizeof(tera_param) * (size_t)b->cap);
+        if (b->rows) memcpy(nr, b->rows, sizeof(tera_param) * (size_t)b->n);
+        free(b->rows);
+        b->rows = nr;
+    }
+    tera_param *p = &b->rows[b->n++];
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->kind = kind;
+    p->layer = layer;
+    p->ndim = ndim;
+    p->shape[0] = s0;
+    p->shape[1] = ndim > 1 ? s1 : 1;
+    p->shape[2] = ndim > 2 ? s2 : 1;
+    p->numel = p->shape[0] * p->shape[1] * p->shape[2];
+    p->offset = b->off;
+    b->off += p->numel;
+    /* keep every tensor 16-float (64-byte) aligned inside the flat buffer */
+    b->off = (b->off + 15) & ~(int64_t)15;
+    p->decay = ndim >= 2;
+    return p;
+}
+
+tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floats) {
+    table_builder b = {0};
+    const int64_t D = c->dim, V = c->vocab_size, H = c->n_heads, Hkv = c->n_kv_heads;
+    const int64_t hd = D / H, E = c->n_experts, F = c->ffn_dim;
+    const int64_t Fs = (int64_t)c->n_shared_experts * F, Fd = c->dense_ffn_dim;
+    const float std = c->init_std, std_out = c->init_std / sqrtf(2.0f * (float)c->n_layers);
+    char nm[128];
+    tera_param *p;
+
+    p = add(&b, TERA_P_EMBED, -1, "model.embed_tokens.weight", 2, V, D, 0);
+    p->init_std = std;
+    for (int l = 0; l < c->n_layers; l++) {
+#define NAME(...) (snprintf(nm, sizeof nm, __VA_ARGS__), nm)
+        p = add(&b, TERA_P_ATTN_NORM, l, NAME("model.layers.%d.input_layernorm.weight", l), 1, D, 0, 0);
+        p->init_one = 1;
+        p = add(&b, TERA_P_WQ, l, NAME("model.layers.%d.self_attn.q_proj.weight", l), 2, H * hd, D, 0);
+        p->init_std = std;
+        p = add(&b, TERA_P_WK, l, NAME("model.layers.%d.self_attn.k_proj.weight", l), 2, Hkv * hd, D, 0);
+        p->init_std = std;
+        p = add(&b, TERA_P_WV, l, NAME("model.layers.%d.self_attn.v_proj.weight", l), 2, Hkv * hd, D, 0);
+        p->init_std = std;
+        p = add(&b, TERA_P_WO, l, NAME("model.layers.%d.self_attn.o_proj.weight", l), 2, D, H * hd, 0);
+        p->init_std = std_out;
+        p = add(&b, TERA_P_FFN_NORM, l, NAME("model.layers.%d.post_attention_layernorm.weight", l), 1, D, 0, 0);
+        p->init_one = 1;
+        if (l < c->first_k_dense) {
+            p = add(&b, TERA_P_DENSE_W1, l, NAME("model.layers.%d.mlp.gate_proj.weight", l), 2, Fd, D, 0);
+            p->init_std = std;
+            p = add(&b, TERA_P_DENSE_W3, l, NAME("model.layers.%d.mlp.up_proj.weight", l), 2, Fd, D, 0);
+            p->init_std = std;
+            p = add(&b, TERA_P_DENSE_W2, l, NAME("model.layers.%d.mlp.down_proj.weight", l), 2, D, Fd, 0);
+            p->init_std = std_out;
+            continue;
+        }
+        p = add(&b, TERA_P_ROUTER, l, NAME("model.layers.%d.block_sparse_moe.gate.weight", l), 2, E, D, 0);
+        p->init_std = std;
+        p = add(&b, TERA_P_EXP_W1, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), 3, E, F, D);
+        p->init_std = std;
+        p->expert_stacked = 1;
+        p = add(&b, TERA_P_EXP_W3, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), 3, E, F, D);
+        p->init_std = std;
+        p->expert_stacked = 1;
+        p = add(&b, TERA_P_EXP_W2, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), 3, E, D, F);
+        p->init_std = std_out;
+        p->expert_stacked = 1;
+        if (Fs > 0) {
+            p = add(&b, TERA_P_SHARED_W1, l, NAME("model.layers.%d.mlp.shared_experts.gate_proj.weight", l), 2, Fs, D, 0);
+            p->init_std = std;
+            p = add(&b, TERA_P_SHARED_W3, l, NAME("model.layers.%d.mlp.shared_experts.up_proj.weight", l), 2, Fs, D, 0);
+            p->init_std = std;
+            p = add(&b, TERA_P_SHARED_W2, l, NAME("model.layers.%d.mlp.shared_experts.down_proj.weight", l), 2, D, Fs, 0);
+            p->init_std = std_out;
+        }
+#undef NAME
+    }
+    p = add(&b, TERA_P_FINAL_NORM, -1, "model.norm.weight", 1, D, 0, 0);
+    p->init_one = 1;
+    if (!c->tie_embeddings) {
+        p = add(&b, TERA_P_LM_HEAD, -1, "lm_head.weight", 2, V, D, 0);
+        p->init_std = std;
+    }
+    *n = b.n;
+    *n_floats = b.off;
+    return b.rows;
+}
+
+const tera_param *tera_model_param(const tera_model *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+int64_t tera_model_total_params(const tera_model_config *c) {
+    int n;
+    int64_t nf, total = 0;
+    tera_param *t = tera_param_table(c, &n, &nf);
+    for (int i = 0; i < n; i++) total += t[i].numel;
+    free(t);
+    return total;
+}
+
+/* Matrix parameters a token passes through: attention, router, k chosen experts, shared experts,
+ * dense FFNs, LM head (embedding lookup excluded), per BENCH.md. */
+int64_t tera_model_active_params(const tera_model_config *c) {
+    const int64_t D = c->dim, H = c->n_heads, Hkv = c->n_kv_heads, hd = D / H, F = c->ffn_dim;
+    int64_t a = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        a += D * H * hd * 2 + D * Hkv * hd * 2;
+        if (l < c->first_k_dense) {
+            a += 3 * D * (int64_t)c->dense_ffn_dim;
+        } else {
+            a += (int64_t)c->n_experts * D + (int64_t)c->top_k * 3 * D * F +
+                 3 * D * F * (int64_t)c->n_shared_experts;
+        }
+    }
+    a += (int64_t)c->vocab_size * D;
+    return a;
+}
+
+double tera_model_flops_per_token(const tera_model_config *c, int T) {
+    return 6.0 * (double)tera_model_active_params(c) + 12.0 * c->n_layers * (double)c->dim * T;
+}

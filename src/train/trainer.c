@@ -1,0 +1,344 @@
+/* The step loop: micro-batches, gradient accumulation, clipping, AdamW, metrics, checkpoints. */
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "tera/hf.h"
+#include "tera/kernels.h"
+#include "tera/profile.h"
+#include "tera/safetensors.h"
+#include "tera/train.h"
+
+static tera_status mkdir_p(const char *path) {
+    char buf[TERA_PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return tera_fail(TERA_ERR_IO, "cannot create directory '%s': %s", buf, strerror(errno));
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return tera_fail(TERA_ERR_IO, "cannot create directory '%s': %s", buf, strerror(errno));
+    return TERA_OK;
+}
+
+static int dir_nonempty(const char *path) {
+    DIR *d = opendir(path);
+    if (!d) return 0;
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n > 0;
+}
+
+tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
+    memset(tr, 0, sizeof *tr);
+    tr->cfg = *cfg;
+    const tera_train_config *t = &cfg->training;
+    tera_set_threads(t->threads);
+    snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
+
+    tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
+    if (st != TERA_OK) return st;
+    st = tera_loader_init(&tr->loader, &tr->src, t->seq_len, cfg->data.val_fraction, cfg->data.shuffle, t->seed);
+    if (st != TERA_OK) goto fail_src;
+    st = tera_model_create(&tr->model, &cfg->model, t->micro_batch, t->seq_len);
+    if (st != TERA_OK) goto fail_src;
+    if (t->init_from[0]) {
+        tera_model_config hc = cfg->model;
+        st = tera_hf_read_config(t->init_from, &hc);
+        if (st != TERA_OK) goto fail_model;
+        if (memcmp(&hc, &cfg->model, sizeof hc) != 0) {
+            st = tera_fail(TERA_ERR_CONFIG,
+                           "training.init_from '%s': its config.json describes a different model than the "
+                           "[model] section (use `tera train --training.init_from=DIR` with a [model] "
+                           "matching it, or omit [model] keys to take them from config.json)",
+                           t->init_from);
+            goto fail_model;
+        }
+        st = tera_hf_import(&tr->model, t->init_from);
+        if (st != TERA_OK) goto fail_model;
+    } else {
+        tera_model_init_weights(&tr->model, t->seed);
+    }
+    tera_adamw_init(&tr->opt, tr->model.n_floats);
+    const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
+    tr->tokens = tera_malloc(sizeof(int32_t) * bt);
+    tr->targets = tera_malloc(sizeof(int32_t) * bt);
+    tr->tokens_per_step = (int64_t)bt * t->grad_accum;
+
+    if (tr->run_dir[0]) {
+        if (dir_nonempty(tr->run_dir) && !overwrite) {
+            st = tera_fail(TERA_ERR_EXISTS,
+                           "run directory '%s' already exists and is not empty; choose another "
+                           "logging.run_dir, pass --resume to continue it, or --force to overwrite it",
+                           tr->run_dir);
+            goto fail_all;
+        }
+        if ((st = mkdir_p(tr->run_dir)) != TERA_OK) goto fail_all;
+        char path[TERA_PATH_MAX + 64];
+        snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
+        if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
+    }
+    tr->t_start = tera_now();
+    return TERA_OK;
+
+fail_all:
+    free(tr->tokens);
+    free(tr->targets);
+    tera_adamw_free(&tr->opt);
+fail_model:
+    tera_model_destroy(&tr->model);
+fail_src:
+    tera_source_close(&tr->src);
+    return st;
+}
+
+void tera_trainer_free(tera_trainer *tr) {
+    if (tr->metrics) fclose(tr->metrics);
+    free(tr->tokens);
+    free(tr->targets);
+    tera_adamw_free(&tr->opt);
+    tera_model_destroy(&tr->model);
+    tera_source_close(&tr->src);
+    memset(tr, 0, sizeof *tr);
+}
+
+static tera_status open_metrics(tera_trainer *tr, const char *mode) {
+    if (!tr->run_dir[0] || tr->metrics) return TERA_OK;
+    char path[TERA_PATH_MAX + 64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+    tr->metrics = fopen(path, mode);
+    if (!tr->metrics) return tera_fail(TERA_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    return TERA_OK;
+}
+
+tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
+    const tera_config *cfg = &tr->cfg;
+    const int B = cfg->training.micro_batch, T = cfg->training.seq_len, A = cfg->training.grad_accum;
+    tera_model *m = &tr->model;
+    const double t0 = tera_now();
+    memset(r, 0, sizeof *r);
+    r->step = tr->step;
+
+    const int64_t seqs = (int64_t)A * B;
+    const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
+    tera_loss_scales s = {
+        .ce = 1.0f / (float)(seqs * T),
+        .aux = cfg->model.aux_coef / (float)(nmoe * seqs),
+        .z = cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
+    };
+    tera_model_zero_grad(m);
+    tera_model_reset_load(m);
+    double ce = 0.0, aux = 0.0, z = 0.0;
+    int64_t assign = 0, dropped = 0;
+    for (int a = 0; a < A; a++) {
+        const double td = tera_now();
+        for (int b = 0; b < B; b++) {
+            int64_t g = tr->step * seqs + (int64_t)a * B + b;
+            tera_loader_train_sample(&tr->loader, g, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
+        }
+        const double dw = tera_now() - td;
+        r->data_seconds += dw;
+        tera_prof_seconds[TERA_PROF_DATA] += dw;
+        tera_model_forward(m, tr->tokens, tr->targets);
+        tera_model_backward(m, &s);
+        ce += m->stats.ce_sum;
+        aux += m->stats.aux_sum;
+        z += m->stats.z_sum;
+        assign += m->stats.n_assign;
+        dropped += m->stats.n_dropped;
+    }
+    r->ce_loss = ce / (double)(seqs * T);
+    r->aux_loss = m->n_moe_layers ? aux / (double)(nmoe * seqs) : 0.0;
+    r->z_loss = m->n_moe_layers ? z / (double)((int64_t)nmoe * seqs * T) : 0.0;
+    r->loss = r->ce_loss + cfg->model.aux_coef * r->aux_loss + cfg->model.z_coef * r->z_loss;
+    r->dropped_frac = assign ? (double)dropped / (double)assign : 0.0;
+    r->lr = tera_lr_at(&cfg->training, tr->step);
+
+    double t_opt = tera_now();
+    r->grad_norm = tera_grad_norm(m);
+    if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
+        r->skipped = 1; /* the data position still advances with the step counter */
+    } else {
+        const float c = cfg->training.grad_clip;
+        if (c > 0.0f && r->grad_norm > c) tera_grad_scale(m, c / (float)(r->grad_norm + 1e-6));
+        tera_adamw_step(&tr->opt, m, r->lr, &cfg->optimizer);
+        tera_model_update_router_bias(m);
+    }
+    tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
+    tera_prof_calls[TERA_PROF_OPTIM]++;
+    tr->step++;
+    r->seconds = tera_now() - t0;
+
+    if (open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
+    if (tr->metrics) {
+        fprintf(tr->metrics,
+                "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
+                "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
+                "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d}\n",
+                (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
+                (double)tr->tokens_per_step / r->seconds, tera_now() - tr->t_start, r->seconds,
+                r->data_seconds, r->dropped_frac, r->skipped);
+        fflush(tr->metrics);
+    }
+    return TERA_OK;
+}
+
+tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
+    const tera_config *cfg = &tr->cfg;
+    const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
+    tera_model *m = &tr->model;
+    double ce = 0.0;
+    int64_t n = 0;
+    for (int i = 0; i < batches; i++) {
+        for (int b = 0; b < B; b++) {
+            int64_t v = (int64_t)i * B + b;
+            tera_loader_val_sample(&tr->loader, v, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
+        }
+        tera_model_forward(m, tr->tokens, tr->targets);
+        ce += m->stats.ce_sum;
+        n += m->stats.n_positions;
+    }
+    *loss = n ? ce / (double)n : NAN;
+    return TERA_OK;
+}
+
+/* ------------------------------------------------------------------ checkpoints (simple, full) */
+
+tera_status tera_trainer_save(tera_trainer *tr) {
+    if (!tr->run_dir[0]) return TERA_OK;
+    char dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 128];
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_%08ld", tr->run_dir, (long)tr->step);
+    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    TERA_TRY(mkdir_p(tmp));
+    TERA_TRY(tera_hf_export(&tr->model, tmp, tr->cfg.checkpoint.max_shard_bytes, 1));
+    /* optimizer moments, by parameter name */
+    tera_st_writer w;
+    tera_st_writer_init(&w);
+    char nm[160];
+    for (int i = 0; i < tr->model.n_params; i++) {
+        const tera_param *p = &tr->model.params[i];
+        snprintf(nm, sizeof nm, "exp_avg.%d", i);
+        tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, tr->opt.m + p->offset);
+        snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
+        tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, tr->opt.v + p->offset);
+    }
+    char val[64];
+    snprintf(val, sizeof val, "%ld", (long)tr->opt.t);
+    tera_st_writer_meta(&w, "adam_t", val);
+    snprintf(val, sizeof val, "%ld", (long)tr->step);
+    tera_st_writer_meta(&w, "step", val);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+    tera_status st = tera_st_writer_save(&w, path);
+    tera_st_writer_free(&w);
+    if (st != TERA_OK) return st;
+    snprintf(path, sizeof path, "%s/config.ini", tmp);
+    TERA_TRY(tera_config_write(&tr->cfg, path));
+    /* commit: rename the finished directory into place */
+    if (rename(tmp, dir) != 0)
+        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
+    return TERA_OK;
+}
+
+static int find_latest_ckpt(const char *run_dir, char *out, size_t n) {
+    char cdir[TERA_PATH_MAX + 32];
+    snprintf(cdir, sizeof cdir, "%s/checkpoints", run_dir);
+    DIR *d = opendir(cdir);
+    if (!d) return 0;
+    long best = -1;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        long s;
+        char tail;
+        if (sscanf(e->d_name, "step_%ld%c", &s, &tail) == 1 && s > best) best = s;
+    }
+    closedir(d);
+    if (best < 0) return 0;
+    snprintf(out, n, "%s/step_%08ld", cdir, best);
+    return 1;
+}
+
+tera_status tera_trainer_resume(tera_trainer *tr) {
+    char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 128];
+    if (!find_latest_ckpt(tr->run_dir, dir, sizeof dir))
+        return tera_fail(TERA_ERR_IO, "--resume: no checkpoint under '%s/checkpoints'", tr->run_dir);
+    TERA_TRY(tera_hf_import(&tr->model, dir));
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+    tera_st_file f;
+    TERA_TRY(tera_st_open(&f, path));
+    tera_status st = TERA_OK;
+    char nm[160];
+    for (int i = 0; i < tr->model.n_params && st == TERA_OK; i++) {
+        const tera_param *p = &tr->model.params[i];
+        snprintf(nm, sizeof nm, "exp_avg.%d", i);
+        st = tera_st_read_f32(&f, nm, p->ndim, p->shape, tr->opt.m + p->offset);
+        if (st != TERA_OK) break;
+        snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
+        st = tera_st_read_f32(&f, nm, p->ndim, p->shape, tr->opt.v + p->offset);
+    }
+    const char *t = tera_st_meta(&f, "adam_t"), *s = tera_st_meta(&f, "step");
+    if (st == TERA_OK && (!t || !s))
+        st = tera_fail(TERA_ERR_FORMAT, "'%s': missing adam_t/step metadata", path);
+    if (st == TERA_OK) {
+        tr->opt.t = strtol(t, NULL, 10);
+        tr->step = strtol(s, NULL, 10);
+    }
+    tera_st_close(&f);
+    if (st == TERA_OK) st = open_metrics(tr, "a");
+    return st;
+}
+
+/* ------------------------------------------------------------------ the run */
+
+static void fmt_eta(char *buf, size_t n, double sec) {
+    if (!isfinite(sec) || sec < 0) sec = 0;
+    long s = (long)(sec + 0.5);
+    snprintf(buf, n, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+}
+
+tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
+    const tera_config *cfg = &tr->cfg;
+    const int64_t S = cfg->training.steps;
+    const int tty = isatty(2);
+    double tok_s_ema = 0.0;
+    tera_step_result r = {0};
+    while (tr->step < S) {
+        TERA_TRY(tera_trainer_step(tr, &r));
+        double tps = (double)tr->tokens_per_step / r.seconds;
+        tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
+        const int log_now = cfg->logging.log_every > 0 &&
+                            (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
+        if (cfg->logging.progress && (log_now || tty)) {
+            char eta[32];
+            fmt_eta(eta, sizeof eta, (double)(S - tr->step) * tr->tokens_per_step / tok_s_ema);
+            fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | ETA %s%s%s",
+                    tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, tok_s_ema,
+                    eta, r.skipped ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
+            fflush(stderr);
+        }
+        if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
+            double vl;
+            TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
+            fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
+            if (tr->metrics) {
+                fprintf(tr->metrics, "{\"step\": %ld, \"val_loss\": %.7g}\n", (long)tr->step - 1, vl);
+                fflush(tr->metrics);
+            }
+        }
+        if (cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0 && tr->step < S)
+            TERA_TRY(tera_trainer_save(tr));
+    }
+    if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
+    if (last) *last = r;
+    return TERA_OK;
+}

@@ -1,0 +1,331 @@
+/* Tiled causal GQA attention (src/kernels/cpu/attention.c) against a naive O(T^2) double-precision
+ * reference: forward out/lse, analytic gradients, central finite differences, bit-determinism
+ * across runs and thread counts, and the scratch-memory bound. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tera/kernels.h"
+
+typedef struct {
+    int B, T, H, Hkv, hd;
+} shape;
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static float frand(void) { /* uniform in [-1, 1) */
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (float)((g_rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+static void fill(float *x, size_t n, float amp) {
+    for (size_t i = 0; i < n; i++) x[i] = amp * frand();
+}
+static float *alloc_f(size_t n) {
+    float *p = malloc((n ? n : 1) * sizeof(float));
+    assert_non_null(p);
+    return p;
+}
+static double *alloc_d(size_t n) {
+    double *p = calloc(n ? n : 1, sizeof(double));
+    assert_non_null(p);
+    return p;
+}
+
+static size_t nq_of(shape s) { return (size_t)s.B * s.T * s.H * s.hd; }
+static size_t nk_of(shape s) { return (size_t)s.B * s.T * s.Hkv * s.hd; }
+
+/* Naive reference in double. out [B,T,H,hd], lse [B,H,T]; when dout is non-NULL also the analytic
+ * gradients dq, dk, dv (written). */
+static void ref_attention(shape s, const float *q, const float *k, const float *v, const float *dout,
+                          double *out, double *lse, double *dq, double *dk, double *dv) {
+    const int B = s.B, T = s.T, H = s.H, Hkv = s.Hkv, hd = s.hd, rep = H / Hkv;
+    const double scale = 1.0 / sqrt((double)hd);
+    double *p = alloc_d((size_t)T), *dp = alloc_d((size_t)T);
+    if (dout) {
+        memset(dq, 0, nq_of(s) * sizeof(double));
+        memset(dk, 0, nk_of(s) * sizeof(double));
+        memset(dv, 0, nk_of(s) * sizeof(double));
+    }
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int g = h / rep;
+            for (int t = 0; t < T; t++) {
+                const float *qt = q + (((size_t)b * T + t) * H + h) * hd;
+                double mx = -INFINITY;
+                for (int c = 0; c <= t; c++) {
+                    const float *kc = k + (((size_t)b * T + c) * Hkv + g) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++) d += (double)qt[e] * kc[e];
+                    p[c] = d * scale;
+                    if (p[c] > mx) mx = p[c];
+                }
+                double sum = 0;
+                for (int c = 0; c <= t; c++) sum += exp(p[c] - mx);
+                const double l = mx + log(sum);
+                lse[((size_t)b * H + h) * T + t] = l;
+                for (int c = 0; c <= t; c++) p[c] = exp(p[c] - l);
+                double *ot = out + (((size_t)b * T + t) * H + h) * hd;
+                for (int e = 0; e < hd; e++) {
+                    double a = 0;
+                    for (int c = 0; c <= t; c++) a += p[c] * v[(((size_t)b * T + c) * Hkv + g) * hd + e];
+                    ot[e] = a;
+                }
+                if (!dout) continue;
+                const float *gt = dout + (((size_t)b * T + t) * H + h) * hd;
+                double Dt = 0;
+                for (int c = 0; c <= t; c++) {
+                    const float *vc = v + (((size_t)b * T + c) * Hkv + g) * hd;
+                    double a = 0;
+                    for (int e = 0; e < hd; e++) a += (double)gt[e] * vc[e];
+                    dp[c] = a;
+                    Dt += p[c] * a;
+                }
+                double *dqt = dq + (((size_t)b * T + t) * H + h) * hd;
+                for (int c = 0; c <= t; c++) {
+                    const size_t kvo = (((size_t)b * T + c) * Hkv + g) * hd;
+                    const double ds = p[c] * (dp[c] - Dt) * scale;
+                    for (int e = 0; e < hd; e++) {
+                        dv[kvo + e] += p[c] * gt[e];
+                        dqt[e] += ds * k[kvo + e];
+                        dk[kvo + e] += ds * qt[e];
+                    }
+                }
+            }
+        }
+    free(p);
+    free(dp);
+}
+
+/* max over i of |a - r| / (atol + rtol * |r|); <= 1 passes */
+static double err_ratio(const float *a, const double *r, size_t n, double atol, double rtol) {
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)a[i] - r[i]) / (atol + rtol * fabs(r[i]));
+        if (isnan(e)) return e; /* an unwritten (poisoned) or non-finite output */
+        if (e > worst) worst = e;
+    }
+    return worst;
+}
+
+typedef struct {
+    float *q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv, *scratch;
+} bufs;
+
+static bufs bufs_new_amp(shape s, float qk_amp) {
+    bufs x;
+    x.q = alloc_f(nq_of(s));
+    x.k = alloc_f(nk_of(s));
+    x.v = alloc_f(nk_of(s));
+    x.out = alloc_f(nq_of(s));
+    x.lse = alloc_f((size_t)s.B * s.H * s.T);
+    x.dout = alloc_f(nq_of(s));
+    x.dq = alloc_f(nq_of(s));
+    x.dk = alloc_f(nk_of(s));
+    x.dv = alloc_f(nk_of(s));
+    x.scratch = alloc_f(tera_attention_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
+    fill(x.q, nq_of(s), qk_amp);
+    fill(x.k, nk_of(s), qk_amp);
+    fill(x.v, nk_of(s), 1.0f);
+    fill(x.dout, nq_of(s), 1.0f);
+    /* poison outputs: every element must be written */
+    for (size_t i = 0; i < nq_of(s); i++) x.out[i] = x.dq[i] = NAN;
+    for (size_t i = 0; i < nk_of(s); i++) x.dk[i] = x.dv[i] = NAN;
+    return x;
+}
+/* amplitude 2 for q, k: scores of a few units, softmaxes neither flat nor one-hot */
+static bufs bufs_new(shape s) { return bufs_new_amp(s, 2.0f); }
+static void bufs_free(bufs *x) {
+    free(x->q), free(x->k), free(x->v), free(x->out), free(x->lse), free(x->dout);
+    free(x->dq), free(x->dk), free(x->dv), free(x->scratch);
+}
+
+static const shape k_shapes[] = {
+    {1, 1, 1, 1, 16},   {2, 7, 2, 2, 16},   {1, 64, 2, 2, 32},  {2, 100, 4, 4, 32},
+    {1, 200, 8, 2, 32}, {1, 128, 4, 1, 64}, {2, 130, 2, 1, 64}, {1, 200, 8, 8, 16},
+    {1, 65, 4, 2, 64},  {1, 300, 2, 2, 32}, {1, 256, 2, 2, 32}, {1, 129, 2, 2, 16},
+};
+
+static void test_forward_vs_reference(void **state) {
+    (void)state;
+    for (size_t si = 0; si < sizeof k_shapes / sizeof k_shapes[0]; si++) {
+        const shape s = k_shapes[si];
+        bufs x = bufs_new(s);
+        double *ro = alloc_d(nq_of(s)), *rl = alloc_d((size_t)s.B * s.H * s.T);
+        tera_attention_forward(x.out, x.lse, x.q, x.k, x.v, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        ref_attention(s, x.q, x.k, x.v, NULL, ro, rl, NULL, NULL, NULL);
+        const double eo = err_ratio(x.out, ro, nq_of(s), 1e-5, 1e-5);
+        const double el = err_ratio(x.lse, rl, (size_t)s.B * s.H * s.T, 1e-5, 1e-5);
+        if (!(eo <= 1 && el <= 1))
+            fail_msg("forward B=%d T=%d H=%d Hkv=%d hd=%d: out err ratio %g, lse err ratio %g", s.B,
+                     s.T, s.H, s.Hkv, s.hd, eo, el);
+        free(ro), free(rl);
+        bufs_free(&x);
+    }
+}
+
+static void test_backward_vs_reference(void **state) {
+    (void)state;
+    for (size_t si = 0; si < sizeof k_shapes / sizeof k_shapes[0]; si++) {
+        const shape s = k_shapes[si];
+        bufs x = bufs_new(s);
+        double *ro = alloc_d(nq_of(s)), *rl = alloc_d((size_t)s.B * s.H * s.T);
+        double *rq = alloc_d(nq_of(s)), *rk = alloc_d(nk_of(s)), *rv = alloc_d(nk_of(s));
+        tera_attention_forward(x.out, x.lse, x.q, x.k, x.v, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        tera_attention_backward(x.dq, x.dk, x.dv, x.dout, x.q, x.k, x.v, x.out, x.lse, s.B, s.T, s.H,
+                                s.Hkv, s.hd, x.scratch);
+        ref_attention(s, x.q, x.k, x.v, x.dout, ro, rl, rq, rk, rv);
+        /* gradients sum over up to T*H/Hkv terms; observed error ratios are <= 0.1 at these bounds */
+        const double eq = err_ratio(x.dq, rq, nq_of(s), 1e-5, 1e-5);
+        const double ek = err_ratio(x.dk, rk, nk_of(s), 1e-5, 1e-5);
+        const double ev = err_ratio(x.dv, rv, nk_of(s), 1e-5, 1e-5);
+        if (!(eq <= 1 && ek <= 1 && ev <= 1))
+            fail_msg("backward B=%d T=%d H=%d Hkv=%d hd=%d: err ratio dq %g dk %g dv %g", s.B, s.T,
+                     s.H, s.Hkv, s.hd, eq, ek, ev);
+        free(ro), free(rl), free(rq), free(rk), free(rv);
+        bufs_free(&x);
+    }
+}
+
+/* Scores spanning hundreds of units: most exponentials underflow to 0, rows are near one-hot. */
+static void test_peaked_softmax(void **state) {
+    (void)state;
+    const shape cases[] = {{1, 150, 2, 1, 16}, {2, 70, 4, 2, 64}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const shape s = cases[ci];
+        bufs x = bufs_new_amp(s, 8.0f);
+        double *ro = alloc_d(nq_of(s)), *rl = alloc_d((size_t)s.B * s.H * s.T);
+        double *rq = alloc_d(nq_of(s)), *rk = alloc_d(nk_of(s)), *rv = alloc_d(nk_of(s));
+        tera_attention_forward(x.out, x.lse, x.q, x.k, x.v, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        tera_attention_backward(x.dq, x.dk, x.dv, x.dout, x.q, x.k, x.v, x.out, x.lse, s.B, s.T, s.H,
+                                s.Hkv, s.hd, x.scratch);
+        ref_attention(s, x.q, x.k, x.v, x.dout, ro, rl, rq, rk, rv);
+        /* scores ~100 carry float rounding of ~1e-5 absolute into the exponent: a little looser */
+        const double eo = err_ratio(x.out, ro, nq_of(s), 2e-5, 2e-5);
+        const double el = err_ratio(x.lse, rl, (size_t)s.B * s.H * s.T, 2e-5, 1e-5);
+        const double eq = err_ratio(x.dq, rq, nq_of(s), 1e-4, 1e-4);
+        const double ek = err_ratio(x.dk, rk, nk_of(s), 1e-4, 1e-4);
+        const double ev = err_ratio(x.dv, rv, nk_of(s), 2e-5, 2e-5);
+        if (!(eo <= 1 && el <= 1 && eq <= 1 && ek <= 1 && ev <= 1))
+            fail_msg("peaked B=%d T=%d H=%d Hkv=%d hd=%d: err ratio out %g lse %g dq %g dk %g dv %g",
+                     s.B, s.T, s.H, s.Hkv, s.hd, eo, el, eq, ek, ev);
+        free(ro), free(rl), free(rq), free(rk), free(rv);
+        bufs_free(&x);
+    }
+}
+
+/* L = sum(out * R) with the float kernel's forward, accumulated in double */
+static double loss_of(shape s, bufs *x, const float *R) {
+    tera_attention_forward(x->out, x->lse, x->q, x->k, x->v, s.B, s.T, s.H, s.Hkv, s.hd, x->scratch);
+    double L = 0;
+    for (size_t i = 0; i < nq_of(s); i++) L += (double)x->out[i] * R[i];
+    return L;
+}
+
+/* Central differences of the kernel's own forward against its backward (dout = R). */
+static void test_backward_finite_differences(void **state) {
+    (void)state;
+    const shape cases[] = {{1, 70, 4, 2, 16}, {2, 9, 2, 1, 32}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const shape s = cases[ci];
+        bufs x = bufs_new(s);
+        float *dq = x.dq, *dk = x.dk, *dv = x.dv;
+        loss_of(s, &x, x.dout);
+        tera_attention_backward(dq, dk, dv, x.dout, x.q, x.k, x.v, x.out, x.lse, s.B, s.T, s.H, s.Hkv,
+                                s.hd, x.scratch);
+        const float eps = 1e-3f;
+        struct {
+            float *p, *g;
+            size_t n;
+            const char *name;
+        } ts[3] = {{x.q, dq, nq_of(s), "q"}, {x.k, dk, nk_of(s), "k"}, {x.v, dv, nk_of(s), "v"}};
+        for (int ti = 0; ti < 3; ti++) {
+            for (int sample = 0; sample < 40; sample++) {
+                const size_t i = (size_t)((frand() * 0.5f + 0.5f) * (float)ts[ti].n) % ts[ti].n;
+                const float saved = ts[ti].p[i];
+                ts[ti].p[i] = saved + eps;
+                const double lp = loss_of(s, &x, x.dout);
+                ts[ti].p[i] = saved - eps;
+                const double lm = loss_of(s, &x, x.dout);
+                ts[ti].p[i] = saved;
+                /* the actual step after float rounding */
+                const double h = ((double)(saved + eps) - (double)(saved - eps));
+                const double fd = (lp - lm) / h;
+                const double an = ts[ti].g[i];
+                if (!(fabs(fd - an) <= 2e-3 + 1e-2 * fabs(an)))
+                    fail_msg("finite differences B=%d T=%d H=%d Hkv=%d hd=%d: d%s[%zu] analytic %.6g fd %.6g",
+                             s.B, s.T, s.H, s.Hkv, s.hd, ts[ti].name, i, an, fd);
+            }
+        }
+        bufs_free(&x);
+    }
+}
+
+/* One forward + backward into fresh outputs; returns a buffer holding out|lse|dq|dk|dv. */
+static float *run_all(shape s, bufs *x, int threads) {
+    omp_set_num_threads(threads);
+    tera_attention_forward(x->out, x->lse, x->q, x->k, x->v, s.B, s.T, s.H, s.Hkv, s.hd, x->scratch);
+    tera_attention_backward(x->dq, x->dk, x->dv, x->dout, x->q, x->k, x->v, x->out, x->lse, s.B, s.T,
+                            s.H, s.Hkv, s.hd, x->scratch);
+    const size_t nq = nq_of(s), nk = nk_of(s), nl = (size_t)s.B * s.H * s.T;
+    float *all = alloc_f(2 * nq + nl + 2 * nk);
+    memcpy(all, x->out, nq * sizeof(float));
+    memcpy(all + nq, x->lse, nl * sizeof(float));
+    memcpy(all + nq + nl, x->dq, nq * sizeof(float));
+    memcpy(all + 2 * nq + nl, x->dk, nk * sizeof(float));
+    memcpy(all + 2 * nq + nl + nk, x->dv, nk * sizeof(float));
+    return all;
+}
+
+static void test_determinism(void **state) {
+    (void)state;
+    const int saved = omp_get_max_threads();
+    const shape cases[] = {{2, 200, 4, 2, 32}, {1, 150, 8, 1, 64}, {3, 70, 2, 2, 16}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const shape s = cases[ci];
+        /* scratch sized for the largest thread count used */
+        omp_set_num_threads(saved > 2 ? saved : 2);
+        bufs x = bufs_new(s);
+        const size_t n = 2 * nq_of(s) + (size_t)s.B * s.H * s.T + 2 * nk_of(s);
+        float *a = run_all(s, &x, 2);
+        float *b = run_all(s, &x, 2);
+        float *c = run_all(s, &x, 1);
+        assert_memory_equal(a, b, n * sizeof(float));
+        assert_memory_equal(a, c, n * sizeof(float));
+        free(a), free(b), free(c);
+        bufs_free(&x);
+    }
+    omp_set_num_threads(saved);
+}
+
+static void test_scratch_is_small(void **state) {
+    (void)state;
+    const size_t T = 4096;
+    const size_t n = tera_attention_scratch_floats(1, (int)T, 8, 8, 64);
+    /* per thread O(tile^2), plus D[B,H,T] */
+    assert_true(n < T * T / 64);
+    const size_t n8 = tera_attention_scratch_floats(8, (int)T, 32, 8, 128);
+    assert_true(n8 < T * T / 8);
+    assert_true(n >= (size_t)8 * T); /* holds D[B,H,T] */
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_forward_vs_reference),
+        cmocka_unit_test(test_backward_vs_reference),
+        cmocka_unit_test(test_peaked_softmax),
+        cmocka_unit_test(test_backward_finite_differences),
+        cmocka_unit_test(test_determinism),
+        cmocka_unit_test(test_scratch_is_small),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
