@@ -141,8 +141,13 @@ static tera_status write_text_atomic(const char *path, const char *text) {
 
 /* ------------------------------------------------------------------------------ config -- */
 
-/* The shortest "%.Ng" that reads back (via strtod, as cJSON does) as exactly v: 1e-5f -> "1e-05". */
+/* The shortest "%.Ng" that reads back (via strtod, as cJSON does) as exactly v: 1e-5f -> "1e-05";
+ * whole numbers as "10000.0", as HF configs spell rope_theta (%.1f prints such a value exactly). */
 static void float_repr(char *buf, size_t cap, float v) {
+    if (v == floorf(v) && fabsf(v) < 1e15f) {
+        snprintf(buf, cap, "%.1f", (double)v);
+        return;
+    }
     for (int prec = 1; prec <= 9; prec++) {
         snprintf(buf, cap, "%.*g", prec, (double)v);
         if ((float)strtod(buf, NULL) == v) return;

@@ -40,6 +40,26 @@ static int dir_nonempty(const char *path) {
     return n > 0;
 }
 
+/* The first field (by config key name) on which two model configs differ, or NULL. Derived
+ * defaults (0 = derived) are resolved first; dense_ffn_dim only matters with dense layers. */
+static const char *model_config_diff(const tera_model_config *a0, const tera_model_config *b0) {
+    tera_model_config a = *a0, b = *b0;
+    tera_model_config *both[2] = {&a, &b};
+    for (int i = 0; i < 2; i++) {
+        tera_model_config *c = both[i];
+        if (c->n_kv_heads == 0) c->n_kv_heads = c->n_heads;
+        if (c->dense_ffn_dim == 0) c->dense_ffn_dim = c->top_k * c->ffn_dim;
+        if (c->first_k_dense == 0) c->dense_ffn_dim = 0;
+    }
+#define DIFF(f)                                                                                    \
+    if (a.f != b.f) return #f
+    DIFF(vocab_size); DIFF(dim); DIFF(n_layers); DIFF(n_heads); DIFF(n_kv_heads); DIFF(n_experts);
+    DIFF(top_k); DIFF(ffn_dim); DIFF(n_shared_experts); DIFF(first_k_dense); DIFF(dense_ffn_dim);
+    DIFF(rope_theta); DIFF(norm_eps); DIFF(tie_embeddings);
+#undef DIFF
+    return NULL;
+}
+
 tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
     tr->cfg = *cfg;
@@ -57,12 +77,12 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
         tera_model_config hc = cfg->model;
         st = tera_hf_read_config(t->init_from, &hc);
         if (st != TERA_OK) goto fail_model;
-        if (memcmp(&hc, &cfg->model, sizeof hc) != 0) {
+        const char *diff = model_config_diff(&hc, &cfg->model);
+        if (diff) {
             st = tera_fail(TERA_ERR_CONFIG,
-                           "training.init_from '%s': its config.json describes a different model than the "
-                           "[model] section (use `tera train --training.init_from=DIR` with a [model] "
-                           "matching it, or omit [model] keys to take them from config.json)",
-                           t->init_from);
+                           "training.init_from '%s': config.json disagrees with the [model] section on "
+                           "model.%s (`tera train` takes the model from config.json when init_from is set)",
+                           t->init_from, diff);
             goto fail_model;
         }
         st = tera_hf_import(&tr->model, t->init_from);
@@ -220,6 +240,8 @@ tera_status tera_trainer_save(tera_trainer *tr) {
     char dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 128];
     snprintf(dir, sizeof dir, "%s/checkpoints/step_%08ld", tr->run_dir, (long)tr->step);
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    struct stat sb;
+    if (stat(dir, &sb) == 0) return TERA_OK; /* this step is already saved (e.g. a resumed, finished run) */
     TERA_TRY(mkdir_p(tmp));
     TERA_TRY(tera_hf_export(&tr->model, tmp, tr->cfg.checkpoint.max_shard_bytes, 1));
     /* optimizer moments, by parameter name */

@@ -13,7 +13,9 @@
  * Memory: per thread two TILE x TILE blocks (+ 2 TILE floats); the backward also keeps
  * D = rowsum(dO * O) for all rows, B*H*T floats. Never a T x T matrix.
  *
- * Inside the OpenMP region each sgemm runs single-threaded (nested parallelism is off). */
+ * Inside the OpenMP region each sgemm runs single-threaded (nested parallelism is off).
+ * The kernels run omp_get_max_threads() threads, so the scratch must be sized (by
+ * tera_attention_scratch_floats) under a thread count at least as large as at the call. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
