@@ -9,6 +9,14 @@ The model is the reference (H = Hkv = 8, dropless, aux_coef 0.01, z off, untied 
 the gathered form: kept assignments sorted by expert, one SwiGLU matmul chain per expert on its
 gathered tokens, one index_add back. bf16 = torch.autocast("cpu", dtype=torch.bfloat16) around the
 forward and loss (router, norms, softmax and loss stay fp32; master weights and AdamW are fp32).
+
+--fp32-gemm: Debian's torch 1.13 is built with BLAS_INFO=generic and on this machine libblas.so.3
+is netlib's reference BLAS, so an fp32 torch.mm runs at ~4 GFLOP/s while the oneDNN that torch also
+links runs fp32 convolutions at ~75 GFLOP/s. The peer's best honest fp32 configuration ("onednn",
+the default) therefore computes every nn.Linear as a 1x1 conv2d and the attention batched
+matmuls as grouped 1x1 conv2d - the same maths, in stock PyTorch ops with autograd, reaching
+oneDNN. "blas" keeps torch's plain F.linear / torch.matmul. bf16 autocast already uses oneDNN
+matmuls and is left untouched.
 """
 import argparse
 import json
@@ -18,6 +26,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "ref"))
 import tera_ref as R  # noqa: E402
@@ -27,6 +36,26 @@ CONFIGS = {  # name: (V, D, L, H, E, k, F, T, B)
     "bench-m": (16384, 512, 8, 8, 16, 2, 1024, 512, 4),
     "bench-dist": (4096, 256, 8, 8, 16, 2, 512, 256, 16),
 }
+
+
+def _linear_conv(self, x):
+    """nn.Linear.forward as a 1x1 conv2d over [1, in, N, 1] (oneDNN's fp32 path)."""
+    shp = x.shape
+    x2 = x.reshape(-1, shp[-1])
+    y = F.conv2d(x2.t()[None, :, :, None], self.weight[:, :, None, None])
+    y = y.view(self.weight.shape[0], x2.shape[0]).t()   # views only: no zero-filled backward
+    return y.reshape(*shp[:-1], self.weight.shape[0])
+
+
+def _matmul_gconv(a, b):
+    """a [..., M, K] @ b [..., K, N] as a grouped 1x1 conv2d, one group per leading index."""
+    lead, (M, K), N = a.shape[:-2], a.shape[-2:], b.shape[-1]
+    a3, b3 = a.reshape(-1, M, K), b.reshape(-1, K, N)
+    G = a3.shape[0]
+    x = a3.transpose(1, 2).reshape(1, G * K, M, 1)
+    w = b3.transpose(1, 2).reshape(G * N, K, 1, 1)
+    y = F.conv2d(x, w, groups=G)                      # [1, G*N, M, 1]
+    return y.reshape(G, N, M).transpose(1, 2).reshape(*lead, M, N)
 
 
 def flops_per_token(cfg, T):
@@ -53,7 +82,12 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp32-gemm", choices=("onednn", "blas"), default="onednn")
     a = ap.parse_args()
+    gemm = a.fp32_gemm if a.precision == "fp32" else "autocast-bf16"
+    if gemm == "onednn":
+        torch.nn.Linear.forward = _linear_conv
+        R.MATMUL = _matmul_gconv
 
     torch.set_num_threads(a.threads)
     torch.set_num_interop_threads(1)
@@ -91,7 +125,7 @@ def main():
     tps = B * T / step
     fpt = flops_per_token(cfg, T)
     print(json.dumps({"impl": "pytorch", "config": a.config, "threads": a.threads,
-                      "precision": a.precision, "tokens_per_s": round(tps, 2),
+                      "precision": a.precision, "gemm": gemm, "tokens_per_s": round(tps, 2),
                       "step_ms_median": round(step * 1e3, 3), "flops_per_token": fpt,
                       "tflops": round(fpt * tps / 1e12, 6), "torch": torch.__version__,
                       "steps": a.steps, "warmup": a.warmup, "final_loss": round(float(out["loss"]), 5)}))

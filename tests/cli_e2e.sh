@@ -31,6 +31,12 @@ awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls 
 [ -f "$W/run/checkpoints/step_00000010/model.safetensors" ] && [ -f "$W/run/checkpoints/step_00000020/config.json" ] \
     && pass "checkpoints at 10 and 20" || fail "checkpoints missing"
 
+# retention: checkpoint.keep=2 with a save every 5 steps keeps the newest two
+"$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/keep" \
+    --checkpoint.every=5 --checkpoint.keep=2 > /dev/null 2>&1
+[ "$(ls "$W/keep/checkpoints" | tr '\n' ' ')" = "step_00000015 step_00000020 " ] && pass "retention keeps the newest 2" \
+    || fail "retention: $(ls "$W/keep/checkpoints" | tr '\n' ' ')"
+
 # 2. the run directory is never overwritten without --force
 cp "$W/run/metrics.jsonl" "$W/metrics.before"
 if "$TERA" train "${TINY[@]}" --training.steps=5 --data.path="$W/corpus.txt" --logging.run_dir="$W/run" > "$W/again.log" 2>&1; then

@@ -201,7 +201,7 @@ static const config__key config__keys[] = {
             "safetensors shard size limit for export in bytes; 0 = one file"),
 
     /* [logging] -------------------------------------------------------------------------------- */
-    K_STRING(logging, run_dir, "runs/default", "the run's own directory (must not be empty)"),
+    K_STRING(logging, run_dir, "runs/default", "the run's own directory (config, metrics.jsonl, checkpoints); \"\" = write nothing"),
     K_INT(logging, log_every, "10", 1, INT_MAX, "progress line every N steps"),
     K_BOOL(logging, progress, "true", "print the progress line on stderr"),
     K_BOOL(logging, profile, "false", "print a per-operation time profile at the end"),
@@ -790,7 +790,6 @@ tera_status tera_config_finalize(tera_config *c) {
     CONFIG__REQUIRE(t->warmup_steps <= t->steps,
                     "training.warmup_steps (%d) must be at most training.steps (%d)",
                     t->warmup_steps, t->steps);
-    CONFIG__REQUIRE(c->logging.run_dir[0] != '\0', "logging.run_dir must not be empty");
 
     /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
     static const char *const names[] = {"dp", "tp", "pp", "ep"};

@@ -3,6 +3,7 @@
  * Memory: parameters, gradients, activations and scratch are each one allocation, carved by
  * offsets computed from the configuration; nothing is allocated in forward or backward. */
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 #include "moe.h"
@@ -65,6 +66,7 @@ struct tera_acts {
     float *attn_scratch; /* attention kernel scratch */
     void *plan_scratch;  /* dispatch plan scratch */
     void *act_block, *scratch_block;
+    int threads;         /* thread count the attention scratch was sized for */
 };
 
 /* A size table: pass 1 counts bytes, pass 2 assigns pointers into one block. */
@@ -227,6 +229,7 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
     m->bytes_scratch = (int64_t)c.off;
     c = (carver){.base = a->scratch_block};
     carve_scratch(a, &c, cfg, B, T, &m->logits);
+    a->threads = omp_get_max_threads();
     tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     m->acts = a;
     return TERA_OK;
@@ -408,6 +411,9 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = c->vocab_size;
+    TERA_ASSERTF(omp_get_max_threads() <= a->threads,
+                 "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
+                 omp_get_max_threads(), a->threads);
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;

@@ -1,5 +1,6 @@
 /* The step loop: micro-batches, gradient accumulation, clipping, AdamW, metrics, checkpoints. */
 #include <dirent.h>
+#include <ftw.h>
 #include <errno.h>
 #include <math.h>
 #include <string.h>
@@ -235,6 +236,8 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
 
 /* ------------------------------------------------------------------ checkpoints (simple, full) */
 
+static tera_status prune_checkpoints(const tera_trainer *tr);
+
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
     char dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 128];
@@ -269,6 +272,42 @@ tera_status tera_trainer_save(tera_trainer *tr) {
     /* commit: rename the finished directory into place */
     if (rename(tmp, dir) != 0)
         return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
+    return prune_checkpoints(tr);
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static int cmp_long(const void *a, const void *b) {
+    long x = *(const long *)a, y = *(const long *)b;
+    return (x > y) - (x < y);
+}
+
+/* Retention: keep the newest checkpoint.keep complete checkpoints (0 = keep all). */
+static tera_status prune_checkpoints(const tera_trainer *tr) {
+    const int keep = tr->cfg.checkpoint.keep;
+    if (keep <= 0) return TERA_OK;
+    char cdir[TERA_PATH_MAX + 32], path[TERA_PATH_MAX + 64];
+    snprintf(cdir, sizeof cdir, "%s/checkpoints", tr->run_dir);
+    DIR *d = opendir(cdir);
+    if (!d) return TERA_OK;
+    long steps[4096];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 4096) {
+        long s;
+        char tail;
+        if (sscanf(e->d_name, "step_%ld%c", &s, &tail) == 1) steps[n++] = s;
+    }
+    closedir(d);
+    qsort(steps, (size_t)n, sizeof(long), cmp_long);
+    for (int i = 0; i + keep < n; i++) {
+        snprintf(path, sizeof path, "%s/step_%08ld", cdir, steps[i]);
+        if (nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+            return tera_fail(TERA_ERR_IO, "cannot remove old checkpoint '%s': %s", path, strerror(errno));
+    }
     return TERA_OK;
 }
 

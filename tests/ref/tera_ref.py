@@ -210,6 +210,10 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+# Batched matmul used by attention (bench/torch_peer.py may swap it for a oneDNN-backed one).
+MATMUL = torch.matmul
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -231,11 +235,11 @@ class Attention(nn.Module):
         if Hkv != H:                                   # HF repeat_kv: head h <- kv head h // (H/Hkv)
             k = k.repeat_interleave(H // Hkv, dim=1)
             v = v.repeat_interleave(H // Hkv, dim=1)
-        att = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))  # [B, H, T, T]
+        att = MATMUL(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))  # [B, H, T, T]
         att = att.to(_compute_dtype(att))                                    # softmax in fp32
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(causal, float("-inf")).softmax(dim=-1).to(v.dtype)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(B, T, H * hd)
+        y = MATMUL(att, v).transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(y)
 
 
@@ -375,17 +379,12 @@ class SparseMoE(nn.Module):
         a = a[srt.indices]
         counts = torch.bincount(srt.values, minlength=self.cfg.n_experts).tolist()
         tok = a // k
-        parts, start = [], 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            t_e = tok[start:start + c]
-            y = self.experts[e](xf[t_e])
-            parts.append(y.to(w.dtype) * w[a[start:start + c]].unsqueeze(1))
-            start += c
+        xs = xf.index_select(0, tok).split(counts)     # one gather, one contiguous chunk per expert
+        ys = [self.experts[e](xs[e]) for e in range(len(counts)) if counts[e] > 0]
         out = torch.zeros(B * T, D, dtype=w.dtype, device=x.device)
-        if parts:
-            out = out.index_add(0, tok, torch.cat(parts, 0))
+        if ys:
+            y = torch.cat(ys, 0).to(w.dtype) * w[a].unsqueeze(1)
+            out = out.index_add(0, tok, y)
         return out.to(x.dtype).view(B, T, D), r
 
 

@@ -21,10 +21,10 @@ static inline float tera_vexpf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
-    int32_t ti, pi;
+    uint32_t ti, pi;
     memcpy(&ti, &t, 4);
     memcpy(&pi, &p, 4);
-    pi += (ti - 0x4B400000) << 23; /* ti's low bits hold the rounded integer */
+    pi += (ti - 0x4B400000u) << 23; /* ti's low bits hold the rounded integer (mod 2^32) */
     memcpy(&p, &pi, 4);
     return p;
 }

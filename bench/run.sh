@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# make bench: bench-s and bench-m (../shared/spec/BENCH.md) on 1 and 2 threads, tera beside the
+# PyTorch eager peer in the same run. Prints a table (tokens/s, MFU vs the sgemm peak measured in
+# the same run, ratio to PyTorch) and tera's per-operation profile; raw JSON lines go to
+# bench/results/latest.jsonl.  Usage: bench/run.sh [TERA] [configs...]   (STEPS=10 WARMUP=3)
+set -euo pipefail
+TERA=${1:-build/tera}
+shift || true
+CONFIGS=${*:-bench-s bench-m}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-3}
+THREADS=${THREADS:-1 2}
+cd "$(dirname "$0")/.."
+mkdir -p bench/results
+OUT=bench/results/latest.jsonl
+: > "$OUT"
+have_torch=1
+/usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
+
+printf "%-8s %3s | %12s %7s %7s | %12s %7s | %6s\n" config thr "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
+for cfg in $CONFIGS; do
+    for t in $THREADS; do
+        tj=$(OMP_WAIT_POLICY=PASSIVE "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
+             --warmup $WARMUP 2> bench/results/profile-$cfg-t$t.txt)
+        echo "$tj" >> "$OUT"
+        pj='{}'
+        if [ $have_torch = 1 ]; then
+            pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
+                 --threads $t --precision fp32 --steps $STEPS --warmup $WARMUP)
+            echo "$pj" >> "$OUT"
+        fi
+        /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
+import json, sys
+a = json.loads(sys.argv[1]); b = json.loads(sys.argv[2])
+pt = b.get("tokens_per_s"); pg = b.get("tflops", 0) * 1e3 if b else None
+print("%-8s %3d | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
+    a["config"], a["threads"], a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
+    "%.0f" % pt if pt else "-", "%.1f" % pg if pt else "-",
+    "%.2fx" % (a["tokens_per_s"] / pt) if pt else "-"))
+PY
+    done
+done
+echo
+echo "sgemm peak (median GFLOP/s of a 2048^3 product, same run):"
+grep -o '"threads": [0-9]*, .*"sgemm_peak_gflops": [0-9.]*' "$OUT" | sed 's/"precision.*"sgemm/ sgemm/' | sort -u
+echo
+echo "tera per-operation profile, bench-m, 2 threads:"
+cat bench/results/profile-bench-m-t2.txt 2>/dev/null || cat bench/results/profile-*-t2.txt
