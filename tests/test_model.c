@@ -159,6 +159,7 @@ static void test_determinism(void **state) {
     float *w3;
     run_steps(&c, 4, l3, &w3, &n2);
     for (int i = 0; i < 4; i++) assert_true(fabs(l3[i] - l1[i]) < 1e-5 * fabs(l1[i]));
+    free(w3);
     /* a different seed gives a different model */
     c.training.seed = 99;
     c.training.threads = 0;

@@ -1,5 +1,6 @@
 /* tera bench: median tokens/s and MFU of full training steps on a BENCH.md configuration,
  * with the sgemm peak of this machine measured in the same run. */
+#include <oneapi/dnnl/dnnl.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,24 +14,31 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Median GFLOP/s of a large square sgemm, the peak that MFU is measured against. */
+/* Median GFLOP/s of a large square fp32 product (2048^3) through oneDNN: dnnl_sgemm and the
+ * matmul primitive (what tera_gemm picks for large products) are both timed and the higher median
+ * is the peak that MFU is measured against. */
 static double sgemm_peak_gflops(void) {
     const int n = 2048, reps = 9;
     float *a = tera_malloc(sizeof(float) * n * n), *b = tera_malloc(sizeof(float) * n * n),
           *c = tera_malloc(sizeof(float) * n * n);
     for (int64_t i = 0; i < (int64_t)n * n; i++) a[i] = (float)(i % 13) * 0.01f, b[i] = (float)(i % 7) * 0.01f;
-    double g[9];
-    tera_gemm(0, 1, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n); /* warm-up */
-    for (int r = 0; r < reps; r++) {
-        double t0 = tera_now();
-        tera_gemm(0, 1, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
-        g[r] = 2.0 * n * n * (double)n / (tera_now() - t0) / 1e9;
+    double g[9], best = 0.0;
+    for (int impl = 0; impl < 2; impl++) {
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+            double t0 = tera_now();
+            if (impl == 0)
+                dnnl_sgemm('N', 'T', n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+            else
+                tera_gemm(0, 1, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+            if (r >= 0) g[r] = 2.0 * n * n * (double)n / (tera_now() - t0) / 1e9;
+        }
+        qsort(g, reps, sizeof(double), cmp_double);
+        if (g[reps / 2] > best) best = g[reps / 2];
     }
-    qsort(g, reps, sizeof(double), cmp_double);
     free(a);
     free(b);
     free(c);
-    return g[reps / 2];
+    return best;
 }
 
 int tera_cmd_bench(int argc, char **argv) {

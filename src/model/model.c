@@ -292,6 +292,50 @@ static void ffn_forward(float *y, float *a1, float *a3, float *g, const float *x
     tera_linear_forward(y, g, w2, N, F, D, 1.0f);
 }
 
+/* Experts run either one after another, each product using every thread, or side by side (when
+ * there are at least two experts per thread), each with single-threaded products: an expert's
+ * matrices are too small to split well across threads. Both give the same maths; each expert's
+ * outputs and weight gradients are written by exactly one thread. */
+static int experts_in_parallel(int E) {
+    const int t = omp_get_max_threads();
+    return t > 1 && E >= 2 * t;
+}
+
+/* Expert indices by descending row count (largest first balances the dynamic schedule). */
+static void experts_by_load(int *order, const int32_t *exp_off, int E) {
+    for (int e = 0; e < E; e++) order[e] = e;
+    for (int i = 1; i < E; i++) { /* insertion sort, stable: ties keep index order */
+        int x = order[i], j = i - 1;
+        const int32_t nx = exp_off[x + 1] - exp_off[x];
+        while (j >= 0 && exp_off[order[j] + 1] - exp_off[order[j]] < nx) order[j + 1] = order[j], j--;
+        order[j + 1] = x;
+    }
+}
+
+/* Expert e over its grouped rows: ye = w2(silu(xg w1^T) * (xg w3^T)). */
+static void expert_forward(layer_acts *la, const tera_layer_view *W, int e, int64_t D, int64_t F) {
+    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
+    if (n == 0) return;
+    tera_linear_forward(la->a1 + r0 * F, la->xg + r0 * D, W->w1 + e * F * D, n, D, F, 0.0f);
+    tera_linear_forward(la->a3 + r0 * F, la->xg + r0 * D, W->w3 + e * F * D, n, D, F, 0.0f);
+    tera_swiglu_forward(la->gact + r0 * F, la->a1 + r0 * F, la->a3 + r0 * F, n * F);
+    tera_linear_forward(la->ye + r0 * D, la->gact + r0 * F, W->w2 + e * D * F, n, F, D, 0.0f);
+}
+
+static void expert_backward(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G,
+                            int e, int64_t D, int64_t F) {
+    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
+    if (n == 0) return;
+    tera_linear_backward(a->dgact + r0 * F, G->w2 + e * D * F, a->dye + r0 * D, la->gact + r0 * F,
+                         W->w2 + e * D * F, n, F, D, 0.0f);
+    tera_swiglu_backward(a->da1 + r0 * F, a->da3 + r0 * F, a->dgact + r0 * F, la->a1 + r0 * F, la->a3 + r0 * F,
+                         n * F);
+    tera_linear_backward(a->dxg + r0 * D, G->w1 + e * F * D, a->da1 + r0 * F, la->xg + r0 * D,
+                         W->w1 + e * F * D, n, D, F, 0.0f);
+    tera_linear_backward(a->dxg + r0 * D, G->w3 + e * F * D, a->da3 + r0 * F, la->xg + r0 * D,
+                         W->w3 + e * F * D, n, D, F, 1.0f);
+}
+
 static void moe_forward(tera_model *m, int l, float *out) {
     const tera_model_config *c = &m->cfg;
     layer_acts *la = &m->acts->layer[l];
@@ -338,23 +382,18 @@ static void moe_forward(tera_model *m, int l, float *out) {
     m->stats.aux_sum += aux;
     m->stats.z_sum += z;
 
-    TERA_PROF(EXPERT_FWD, {
-        for (int e = 0; e < E; e++) {
-            const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-            if (n == 0) continue;
-            tera_linear_forward(la->a1 + r0 * F, la->xg + r0 * D, W->w1 + (int64_t)e * F * D, n, D, F, 0.0f);
-            tera_linear_forward(la->a3 + r0 * F, la->xg + r0 * D, W->w3 + (int64_t)e * F * D, n, D, F, 0.0f);
+    {
+        TERA_PROF_BEGIN(EXPERT_FWD);
+        int order[64];
+        if (experts_in_parallel(E)) {
+            experts_by_load(order, la->exp_off, E);
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int i = 0; i < E; i++) expert_forward(la, W, order[i], D, F);
+        } else {
+            for (int e = 0; e < E; e++) expert_forward(la, W, e, D, F);
         }
-    });
-    const int64_t R = la->exp_off[E];
-    TERA_PROF(SWIGLU_FWD, tera_swiglu_forward(la->gact, la->a1, la->a3, R * F));
-    TERA_PROF(EXPERT_FWD, {
-        for (int e = 0; e < E; e++) {
-            const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-            if (n == 0) continue;
-            tera_linear_forward(la->ye + r0 * D, la->gact + r0 * F, W->w2 + (int64_t)e * D * F, n, F, D, 0.0f);
-        }
-    });
+        TERA_PROF_END(EXPERT_FWD);
+    }
     {
         TERA_PROF_BEGIN(COMBINE_FWD);
 #pragma omp parallel for schedule(static)
@@ -447,7 +486,6 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
     const int64_t N = (int64_t)B * T, D = c->dim, F = c->ffn_dim;
-    const int64_t R = la->exp_off[E];
     const float *dy = a->dres; /* gradient of the layer output */
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
@@ -478,25 +516,18 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
         TERA_PROF_END(COMBINE_BWD);
     }
-    TERA_PROF(EXPERT_BWD, {
-        for (int e = 0; e < E; e++) {
-            const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-            if (n == 0) continue;
-            tera_linear_backward(a->dgact + r0 * F, G->w2 + (int64_t)e * D * F, a->dye + r0 * D,
-                                 la->gact + r0 * F, W->w2 + (int64_t)e * D * F, n, F, D, 0.0f);
+    {
+        TERA_PROF_BEGIN(EXPERT_BWD);
+        int order[64];
+        if (experts_in_parallel(E)) {
+            experts_by_load(order, la->exp_off, E);
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int i = 0; i < E; i++) expert_backward(a, la, W, G, order[i], D, F);
+        } else {
+            for (int e = 0; e < E; e++) expert_backward(a, la, W, G, e, D, F);
         }
-    });
-    TERA_PROF(SWIGLU_BWD, tera_swiglu_backward(a->da1, a->da3, a->dgact, la->a1, la->a3, R * F));
-    TERA_PROF(EXPERT_BWD, {
-        for (int e = 0; e < E; e++) {
-            const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-            if (n == 0) continue;
-            tera_linear_backward(a->dxg + r0 * D, G->w1 + (int64_t)e * F * D, a->da1 + r0 * F,
-                                 la->xg + r0 * D, W->w1 + (int64_t)e * F * D, n, D, F, 0.0f);
-            tera_linear_backward(a->dxg + r0 * D, G->w3 + (int64_t)e * F * D, a->da3 + r0 * F,
-                                 la->xg + r0 * D, W->w3 + (int64_t)e * F * D, n, D, F, 1.0f);
-        }
-    });
+        TERA_PROF_END(EXPERT_BWD);
+    }
     {
         TERA_PROF_BEGIN(COMBINE_BWD);
 #pragma omp parallel for schedule(static)

@@ -171,6 +171,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const double dw = tera_now() - td;
         r->data_seconds += dw;
         tera_prof_seconds[TERA_PROF_DATA] += dw;
+        tera_prof_calls[TERA_PROF_DATA]++;
         tera_model_forward(m, tr->tokens, tr->targets);
         tera_model_backward(m, &s);
         ce += m->stats.ce_sum;

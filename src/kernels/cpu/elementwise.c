@@ -18,9 +18,7 @@ void tera_rmsnorm_forward(float *restrict y, float *restrict rstd, const float *
     for (int64_t n = 0; n < N; n++) {
         const float *xr = x + n * D;
         float *yr = y + n * D;
-        float ss = 0.0f;
-        for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
-        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        float r = 1.0f / sqrtf(tera_sum_sq(xr, D) / (float)D + eps);
         rstd[n] = r;
         for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
     }
@@ -35,10 +33,15 @@ void tera_rmsnorm_backward(float *restrict dx, float *restrict dw, const float *
         const float *xr = x + n * D, *dyr = dy + n * D;
         float *dxr = dx + n * D;
         const float r = rstd[n];
+        float acc[TERA_LANES] = {0};
+        int64_t d = 0;
+        for (; d + TERA_LANES <= D; d += TERA_LANES)
+            for (int l = 0; l < TERA_LANES; l++) acc[l] += dyr[d + l] * w[d + l] * xr[d + l];
+        for (; d < D; d++) acc[d % TERA_LANES] += dyr[d] * w[d] * xr[d];
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; d++) dot += dyr[d] * w[d] * xr[d];
+        for (int l = 0; l < TERA_LANES; l++) dot += acc[l];
         const float c = dot * r * r / (float)D;
-        for (int64_t d = 0; d < D; d++) dxr[d] += r * (dyr[d] * w[d] - xr[d] * c);
+        for (int64_t j = 0; j < D; j++) dxr[j] += r * (dyr[j] * w[j] - xr[j] * c);
     }
     const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static)
@@ -135,11 +138,8 @@ void tera_embedding_backward(float *dtable, const float *dx, const int32_t *toke
 /* ---------------------------------------------------------------- softmax / cross-entropy */
 
 static float row_lse(const float *restrict r, int64_t V) {
-    float mx = -INFINITY;
-    for (int64_t v = 0; v < V; v++) mx = r[v] > mx ? r[v] : mx;
-    float s = 0.0f;
-    for (int64_t v = 0; v < V; v++) s += tera_vexpf(r[v] - mx);
-    return mx + logf(s);
+    const float mx = tera_max(r, V);
+    return mx + logf(tera_sum_exp(r, V, mx));
 }
 
 void tera_softmax_forward(float *restrict probs, float *restrict lse, const float *restrict logits,
@@ -158,8 +158,7 @@ void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *p = probs + n * E, *dp = dprobs + n * E;
-        float dot = 0.0f;
-        for (int64_t e = 0; e < E; e++) dot += dp[e] * p[e];
+        const float dot = tera_dot(dp, p, E);
         for (int64_t e = 0; e < E; e++) dlogits[n * E + e] = p[e] * (dp[e] - dot);
     }
 }

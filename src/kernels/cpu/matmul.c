@@ -1,6 +1,16 @@
-/* Matrix products through oneDNN's sgemm (AVX-512 / AMX dispatch is oneDNN's). */
+/* Matrix products through oneDNN (AVX-512 / AMX dispatch is oneDNN's).
+ *
+ * Two oneDNN entry points, chosen per call:
+ * - the matmul primitive for large products on several threads: its threading is much better than
+ *   sgemm's (measured on 2 threads: 270 vs 53-225 GFLOP/s on the LM-head shapes, docs/PERFORMANCE.md);
+ * - dnnl_sgemm for small products and inside parallel regions (attention tiles, experts run side by
+ *   side), where creating a primitive would cost more than the product.
+ * Both are deterministic for a given shape and thread count. */
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "tera/kernels.h"
 #include "tera/status.h"
@@ -15,6 +25,70 @@ void tera_set_threads(int n) {
 
 int tera_get_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 
+#define DNNL_CHECK(call)                                                                           \
+    do {                                                                                           \
+        dnnl_status_t _st = (call);                                                                \
+        TERA_ASSERTF(_st == dnnl_success, "oneDNN call failed (status %d): %s", (int)_st, #call);   \
+    } while (0)
+
+#if DNNL_VERSION_MAJOR == 2
+static dnnl_engine_t g_engine;
+static dnnl_stream_t g_stream;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void engine_init(void) {
+    DNNL_CHECK(dnnl_engine_create(&g_engine, dnnl_cpu, 0));
+    DNNL_CHECK(dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags));
+}
+
+/* C[M,N] = op(A) op(B) + beta C with the matmul primitive (oneDNN caches the compiled kernel). */
+static void matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                             const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    pthread_once(&g_once, engine_init);
+    dnnl_memory_desc_t ad, bd, cd;
+    dnnl_dims_t adims = {M, K}, bdims = {K, N}, cdims = {M, N};
+    dnnl_dims_t as = {ta ? 1 : lda, ta ? lda : 1}, bs = {tb ? 1 : ldb, tb ? ldb : 1}, cs = {ldc, 1};
+    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&ad, 2, adims, dnnl_f32, as));
+    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&bd, 2, bdims, dnnl_f32, bs));
+    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&cd, 2, cdims, dnnl_f32, cs));
+    dnnl_matmul_desc_t md;
+    DNNL_CHECK(dnnl_matmul_desc_init(&md, &ad, &bd, NULL, &cd));
+    dnnl_primitive_attr_t attr;
+    DNNL_CHECK(dnnl_primitive_attr_create(&attr));
+    if (beta != 0.0f) {
+        dnnl_post_ops_t po;
+        DNNL_CHECK(dnnl_post_ops_create(&po));
+        DNNL_CHECK(dnnl_post_ops_append_sum(po, beta));
+        DNNL_CHECK(dnnl_primitive_attr_set_post_ops(attr, po));
+        dnnl_post_ops_destroy(po);
+    }
+    dnnl_primitive_desc_t pd;
+    DNNL_CHECK(dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL));
+    dnnl_primitive_t prim;
+    DNNL_CHECK(dnnl_primitive_create(&prim, pd));
+    dnnl_memory_t am, bm, cm;
+    DNNL_CHECK(dnnl_memory_create(&am, &ad, g_engine, (void *)A));
+    DNNL_CHECK(dnnl_memory_create(&bm, &bd, g_engine, (void *)B));
+    DNNL_CHECK(dnnl_memory_create(&cm, &cd, g_engine, C));
+    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+    DNNL_CHECK(dnnl_primitive_execute(prim, g_stream, 3, args));
+    DNNL_CHECK(dnnl_stream_wait(g_stream));
+    dnnl_memory_destroy(am);
+    dnnl_memory_destroy(bm);
+    dnnl_memory_destroy(cm);
+    dnnl_primitive_destroy(prim);
+    dnnl_primitive_desc_destroy(pd);
+    dnnl_primitive_attr_destroy(attr);
+}
+#define HAVE_MATMUL_PRIMITIVE 1
+#else
+#define HAVE_MATMUL_PRIMITIVE 0
+#endif
+
+/* Products of at least this many multiply-adds use the matmul primitive when threads > 1: below it
+ * the primitive was measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
+#define PRIMITIVE_MIN_MACS (1LL << 30)
+
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M == 0 || N == 0) return;
@@ -24,10 +98,18 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
             for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
         return;
     }
-    dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B,
-                                  ldb, beta, C, ldc);
-    TERA_ASSERTF(st == dnnl_success, "dnnl_sgemm failed (status %d) M=%ld N=%ld K=%ld", (int)st,
-                 (long)M, (long)N, (long)K);
+#if HAVE_MATMUL_PRIMITIVE
+    static int use_primitive = -1; /* TERA_GEMM=sgemm forces sgemm everywhere (for A/B timing) */
+    if (use_primitive < 0) {
+        const char *e = getenv("TERA_GEMM");
+        use_primitive = !(e && strcmp(e, "sgemm") == 0);
+    }
+    if (use_primitive && alpha == 1.0f && M * N * K >= PRIMITIVE_MIN_MACS && !omp_in_parallel() && omp_get_max_threads() > 1) {
+        matmul_primitive(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+#endif
+    DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
 
 void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,

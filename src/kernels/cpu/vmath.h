@@ -2,6 +2,7 @@
 #ifndef TERA_VMATH_H
 #define TERA_VMATH_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,5 +32,55 @@ static inline float tera_vexpf(float x) {
 
 static inline float tera_silu(float x) { return x / (1.0f + tera_vexpf(-x)); }
 static inline float tera_sigmoid(float x) { return 1.0f / (1.0f + tera_vexpf(-x)); }
+
+/* Reductions with 16 independent lanes (a fixed order, so GCC vectorises them without
+ * -ffast-math and the result does not depend on the thread count). */
+#define TERA_LANES 16
+
+static inline float tera_sum_sq(const float *restrict x, int64_t n) {
+    float acc[TERA_LANES] = {0};
+    int64_t i = 0;
+    for (; i + TERA_LANES <= n; i += TERA_LANES)
+        for (int l = 0; l < TERA_LANES; l++) acc[l] += x[i + l] * x[i + l];
+    for (; i < n; i++) acc[i % TERA_LANES] += x[i] * x[i];
+    float s = 0.0f;
+    for (int l = 0; l < TERA_LANES; l++) s += acc[l];
+    return s;
+}
+
+static inline float tera_dot(const float *restrict x, const float *restrict y, int64_t n) {
+    float acc[TERA_LANES] = {0};
+    int64_t i = 0;
+    for (; i + TERA_LANES <= n; i += TERA_LANES)
+        for (int l = 0; l < TERA_LANES; l++) acc[l] += x[i + l] * y[i + l];
+    for (; i < n; i++) acc[i % TERA_LANES] += x[i] * y[i];
+    float s = 0.0f;
+    for (int l = 0; l < TERA_LANES; l++) s += acc[l];
+    return s;
+}
+
+static inline float tera_max(const float *restrict x, int64_t n) {
+    float acc[TERA_LANES];
+    for (int l = 0; l < TERA_LANES; l++) acc[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + TERA_LANES <= n; i += TERA_LANES)
+        for (int l = 0; l < TERA_LANES; l++) acc[l] = x[i + l] > acc[l] ? x[i + l] : acc[l];
+    for (; i < n; i++) acc[i % TERA_LANES] = x[i] > acc[i % TERA_LANES] ? x[i] : acc[i % TERA_LANES];
+    float m = acc[0];
+    for (int l = 1; l < TERA_LANES; l++) m = acc[l] > m ? acc[l] : m;
+    return m;
+}
+
+/* sum of exp(x[i] - shift) */
+static inline float tera_sum_exp(const float *restrict x, int64_t n, float shift) {
+    float acc[TERA_LANES] = {0};
+    int64_t i = 0;
+    for (; i + TERA_LANES <= n; i += TERA_LANES)
+        for (int l = 0; l < TERA_LANES; l++) acc[l] += tera_vexpf(x[i + l] - shift);
+    for (; i < n; i++) acc[i % TERA_LANES] += tera_vexpf(x[i] - shift);
+    float s = 0.0f;
+    for (int l = 0; l < TERA_LANES; l++) s += acc[l];
+    return s;
+}
 
 #endif
