@@ -14,6 +14,10 @@ cd "$(dirname "$0")/.."
 mkdir -p bench/results
 OUT=bench/results/latest.jsonl
 : > "$OUT"
+# PyTorch's fp32 products go to the system BLAS; Debian's OpenBLAS 0.3.21 needs to be told this
+# CPU's kernel family (it does not recognise it and falls back to SSE3 otherwise).
+if grep -q avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}; fi
+PEER_GEMM=${PEER_GEMM:-blas}
 have_torch=1
 /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
 
@@ -26,7 +30,7 @@ for cfg in $CONFIGS; do
         pj='{}'
         if [ $have_torch = 1 ]; then
             pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
-                 --threads $t --precision fp32 --steps $STEPS --warmup $WARMUP)
+                 --threads $t --precision fp32 --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
             echo "$pj" >> "$OUT"
         fi
         /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"

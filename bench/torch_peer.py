@@ -38,13 +38,29 @@ CONFIGS = {  # name: (V, D, L, H, E, k, F, T, B)
 }
 
 
+# PyTorch 1.13 sends a 1x1 convolution with batch < 16 on ONE thread to its native (BLAS) path
+# instead of oneDNN (ConvParams::use_mkldnn), so the rows are folded into a batch of 16 there.
+FOLD = 16
+
+
+def _fold():
+    return FOLD if torch.get_num_threads() == 1 else 1
+
+
 def _linear_conv(self, x):
-    """nn.Linear.forward as a 1x1 conv2d over [1, in, N, 1] (oneDNN's fp32 path)."""
+    """nn.Linear.forward as a 1x1 conv2d over [g, in, N/g, 1] (oneDNN's fp32 path)."""
     shp = x.shape
     x2 = x.reshape(-1, shp[-1])
-    y = F.conv2d(x2.t()[None, :, :, None], self.weight[:, :, None, None])
-    y = y.view(self.weight.shape[0], x2.shape[0]).t()   # views only: no zero-filled backward
-    return y.reshape(*shp[:-1], self.weight.shape[0])
+    n, out = x2.shape[0], self.weight.shape[0]
+    g = _fold() if x2.shape[0] % FOLD == 0 else 1
+    if g == 1:
+        y = F.conv2d(x2.t()[None, :, :, None], self.weight[:, :, None, None])
+        y = y.view(out, n).t()   # views only: no zero-filled backward
+    else:
+        xi = x2.reshape(g, n // g, shp[-1]).permute(0, 2, 1)[..., None]      # [g, in, n/g, 1]
+        y = F.conv2d(xi, self.weight[:, :, None, None])                      # [g, out, n/g, 1]
+        y = y[..., 0].permute(0, 2, 1).reshape(n, out)
+    return y.reshape(*shp[:-1], out)
 
 
 def _matmul_gconv(a, b):
@@ -52,10 +68,16 @@ def _matmul_gconv(a, b):
     lead, (M, K), N = a.shape[:-2], a.shape[-2:], b.shape[-1]
     a3, b3 = a.reshape(-1, M, K), b.reshape(-1, K, N)
     G = a3.shape[0]
-    x = a3.transpose(1, 2).reshape(1, G * K, M, 1)
     w = b3.transpose(1, 2).reshape(G * N, K, 1, 1)
-    y = F.conv2d(x, w, groups=G)                      # [1, G*N, M, 1]
-    return y.reshape(G, N, M).transpose(1, 2).reshape(*lead, M, N)
+    g = _fold() if M % FOLD == 0 else 1
+    if g == 1:
+        x = a3.transpose(1, 2).reshape(1, G * K, M, 1)
+        y = F.conv2d(x, w, groups=G)                      # [1, G*N, M, 1]
+        return y.reshape(G, N, M).transpose(1, 2).reshape(*lead, M, N)
+    x = a3.reshape(G, g, M // g, K).permute(1, 0, 3, 2).reshape(g, G * K, M // g, 1)
+    y = F.conv2d(x, w, groups=G)                          # [g, G*N, M/g, 1]
+    y = y.reshape(g, G, N, M // g).permute(1, 0, 3, 2).reshape(G, M, N)
+    return y.reshape(*lead, M, N)
 
 
 def flops_per_token(cfg, T):

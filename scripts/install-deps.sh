@@ -17,7 +17,9 @@ pkgs=(
   libopenmpi-dev openmpi-bin  # multi-process communication
 )
 if [ "${1:-}" = "--with-torch" ]; then
-  pkgs+=(python3-torch python3-numpy)
+  # OpenBLAS becomes the system libblas.so.3 (alternatives), which Debian's PyTorch uses for fp32
+  # matrix products: the PyTorch peer's best honest fp32 configuration (docs/PERFORMANCE.md)
+  pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 fi
 
 missing=()

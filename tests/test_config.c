@@ -201,7 +201,7 @@ static void test_defaults(void **state) {
     assert_string_equal(c.data.path, "");
     assert_string_equal(c.data.format, "auto");
     assert_int_equal(c.data.shuffle, 0);
-    assert_true(c.data.val_fraction == 0.05f);
+    assert_true(c.data.val_fraction == 0.0f);
     assert_int_equal(c.parallel.dp, 1);
     assert_int_equal(c.parallel.tp, 1);
     assert_int_equal(c.parallel.pp, 1);

@@ -60,7 +60,8 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
 void tera_trainer_free(tera_trainer *tr);
 /* One optimizer step over grad_accum micro-batches. */
 tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r);
-/* Mean loss (cross-entropy + aux terms as in training) over `batches` validation micro-batches. */
+/* Mean cross-entropy over `batches` micro-batches of the validation split (of the whole dataset
+ * in order when data.val_fraction = 0). */
 tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
 /* Writes run_dir/checkpoints/step_NNNNNNNN/ (HF weights + config.json, optimizer moments, state.json). */
 tera_status tera_trainer_save(tera_trainer *tr);

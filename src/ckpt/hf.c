@@ -5,6 +5,7 @@
  * under the names of the parameter table; expert-stacked parameters ([E, out, in] in memory) become
  * E tensors [out, in] that reference slices of the flat buffer (no copy). */
 #include "tera/hf.h"
+#include "tera/io.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -79,28 +80,12 @@ static void expert_name(char *out, size_t cap, const char *pattern, int e) {
 
 static int is_moe_layer(const tera_model_config *c, int l) { return l >= c->first_k_dense && c->n_experts > 0; }
 
-/* mkdir -p. */
-static tera_status make_dirs(const char *dir) {
-    char p[TERA_PATH_MAX];
-    if ((size_t)snprintf(p, sizeof p, "%s", dir) >= sizeof p) return tera_fail(TERA_ERR_IO, "%s: path too long", dir);
-    for (char *s = p + 1;; s++) {
-        if (*s != '/' && *s != '\0') continue;
-        char c = *s;
-        *s = '\0';
-        if (mkdir(p, 0755) != 0 && errno != EEXIST)
-            return tera_fail(TERA_ERR_IO, "%s: cannot create directory: %s", p, strerror(errno));
-        *s = c;
-        if (c == '\0') break;
-    }
-    return TERA_OK;
-}
-
 /* Refuses an existing non-empty directory (unless overwrite) or a non-directory; creates a missing one. */
 static tera_status prepare_dir(const char *dir, int overwrite) {
     struct stat st;
     if (stat(dir, &st) != 0) {
         if (errno != ENOENT) return tera_fail(TERA_ERR_IO, "%s: %s", dir, strerror(errno));
-        return make_dirs(dir);
+        return tera_mkdirs(dir);
     }
     if (!S_ISDIR(st.st_mode)) return tera_fail(TERA_ERR_EXISTS, "%s: exists and is not a directory", dir);
     if (overwrite) return TERA_OK;
@@ -274,29 +259,8 @@ static tera_status apply_config(const char *path, const cJSON *root, tera_model_
 tera_status tera_hf_read_config(const char *dir, tera_model_config *cfg) {
     char path[TERA_PATH_MAX + 16];
     TERA_TRY(join(path, sizeof path, dir, "config.json"));
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char *text = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (cap - n < 4096) {
-            cap = cap ? 2 * cap : 8192;
-            char *nt = tera_malloc(cap);
-            if (n) memcpy(nt, text, n);
-            free(text);
-            text = nt;
-        }
-        size_t k = fread(text + n, 1, cap - n - 1, fp);
-        n += k;
-        if (k == 0) break;
-    }
-    int bad = ferror(fp);
-    fclose(fp);
-    if (bad) {
-        free(text);
-        return tera_fail(TERA_ERR_IO, "%s: read error", path);
-    }
-    text[n] = '\0';
+    char *text;
+    TERA_TRY(tera_read_text_file(path, &text));
     cJSON *root = cJSON_Parse(text);
     free(text);
     if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);

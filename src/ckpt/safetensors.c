@@ -5,6 +5,7 @@
  * the mapping, so the accessors need no further bounds checks. Values are little-endian on disk;
  * loads assemble bytes explicitly, so the code does not depend on the host's byte order or on
  * the alignment of the data inside the file. */
+#include "tera/io.h"
 #include "tera/safetensors.h"
 
 #include <cjson/cJSON.h>
@@ -725,32 +726,6 @@ static int cmp_map_entry(const void *a, const void *b) {
 
 static int cmp_str_ptr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-/* Reads a whole small text file into a NUL-terminated buffer. Caller frees. */
-static tera_status read_text(const char *path, char **out) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    size_t cap = 4096, n = 0;
-    char *buf = tera_malloc(cap);
-    for (;;) {
-        n += fread(buf + n, 1, cap - 1 - n, fp);
-        if (n < cap - 1) break;
-        char *nb = tera_malloc(cap * 2);
-        memcpy(nb, buf, n);
-        free(buf);
-        buf = nb;
-        cap *= 2;
-    }
-    int bad = ferror(fp);
-    fclose(fp);
-    if (bad) {
-        free(buf);
-        return tera_fail(TERA_ERR_IO, "%s: read error", path);
-    }
-    buf[n] = '\0';
-    *out = buf;
-    return TERA_OK;
-}
-
 /* weight_map into a sorted array of entries (pointing into the cJSON tree). */
 static tera_status index_entries(const char *ipath, const cJSON *root, st_map_entry **out, int *n_out) {
     const cJSON *map = cJSON_IsObject(root) ? cJSON_GetObjectItemCaseSensitive(root, "weight_map") : NULL;
@@ -808,7 +783,7 @@ static tera_status open_indexed(tera_st_file *f, const char *dir, const char *ip
 
 static tera_status open_index_set(tera_st_set *s, const char *dir, const char *ipath) {
     char *text = NULL;
-    TERA_TRY(read_text(ipath, &text));
+    TERA_TRY(tera_read_text_file(ipath, &text));
     cJSON *root = cJSON_Parse(text);
     free(text);
     if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", ipath);

@@ -184,8 +184,8 @@ static const config__key config__keys[] = {
              "auto: bin if PATH.idx exists, u16 if PATH ends in .u16, else text"),
     K_BOOL(data, shuffle, "false",
            "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
-    K_FLOAT(data, val_fraction, "0.05", R_CLOSED(0.0, 0.5),
-            "fraction of samples held out for validation"),
+    K_FLOAT(data, val_fraction, "0", R_CLOSED(0.0, 0.5),
+            "fraction of samples held out for validation (the last ones); 0 = no split, every sample trains"),
 
     /* [parallel] ------------------------------------------------------------------------------- */
     K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),

@@ -10,25 +10,11 @@
 #include <cjson/cJSON.h>
 
 #include "tera/hf.h"
+#include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
 #include "tera/safetensors.h"
 #include "tera/train.h"
-
-static tera_status mkdir_p(const char *path) {
-    char buf[TERA_PATH_MAX];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-            return tera_fail(TERA_ERR_IO, "cannot create directory '%s': %s", buf, strerror(errno));
-        *p = '/';
-    }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return tera_fail(TERA_ERR_IO, "cannot create directory '%s': %s", buf, strerror(errno));
-    return TERA_OK;
-}
 
 static int dir_nonempty(const char *path) {
     DIR *d = opendir(path);
@@ -72,6 +58,13 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     if (st != TERA_OK) return st;
     st = tera_loader_init(&tr->loader, &tr->src, t->seq_len, cfg->data.val_fraction, cfg->data.shuffle, t->seed);
     if (st != TERA_OK) goto fail_src;
+    if (t->eval_every > 0 && tr->loader.n_val == 0) {
+        st = tera_fail(TERA_ERR_CONFIG, "training.eval_every = %d needs held-out data: set data.val_fraction > 0 "
+                                        "(data '%s' has %ld samples)",
+                       t->eval_every, cfg->data.path[0] ? cfg->data.path : "embedded corpus",
+                       (long)tr->loader.n_samples);
+        goto fail_src;
+    }
     st = tera_model_create(&tr->model, &cfg->model, t->micro_batch, t->seq_len);
     if (st != TERA_OK) goto fail_src;
     if (t->init_from[0]) {
@@ -105,7 +98,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
                            tr->run_dir);
             goto fail_all;
         }
-        if ((st = mkdir_p(tr->run_dir)) != TERA_OK) goto fail_all;
+        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         char path[TERA_PATH_MAX + 64];
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
@@ -225,7 +218,11 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
     for (int i = 0; i < batches; i++) {
         for (int b = 0; b < B; b++) {
             int64_t v = (int64_t)i * B + b;
-            tera_loader_val_sample(&tr->loader, v, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
+            int32_t *in = tr->tokens + (int64_t)b * T, *tg = tr->targets + (int64_t)b * T;
+            if (tr->loader.n_val > 0)
+                tera_loader_val_sample(&tr->loader, v, in, tg);
+            else /* no split (data.val_fraction = 0): the whole dataset is evaluation data */
+                tera_loader_train_sample(&tr->loader, v, in, tg);
         }
         tera_model_forward(m, tr->tokens, tr->targets);
         ce += m->stats.ce_sum;
@@ -246,7 +243,7 @@ tera_status tera_trainer_save(tera_trainer *tr) {
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
     struct stat sb;
     if (stat(dir, &sb) == 0) return TERA_OK; /* this step is already saved (e.g. a resumed, finished run) */
-    TERA_TRY(mkdir_p(tmp));
+    TERA_TRY(tera_mkdirs(tmp));
     TERA_TRY(tera_hf_export(&tr->model, tmp, tr->cfg.checkpoint.max_shard_bytes, 1));
     /* optimizer moments, by parameter name */
     tera_st_writer w;

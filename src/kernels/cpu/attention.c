@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "tera/kernels.h"
+#include "vmath.h"
 #include "tera/status.h"
 
 /* Query and key tile edge. With bench/bench_attention.c on one AVX-512 core, 128 gave a forward
@@ -58,35 +59,9 @@ static float row_sum(const float *restrict x, int n) {
     return s;
 }
 
-/* exp(x), vectorisable (glibc's expf is a scalar call without -ffast-math, and would cost more
- * than the matrix products at hd 32). Cephes range reduction and polynomial: error below 1 ulp on
- * [-87, 0] (0.98 ulp max over 2e7 points against double exp; float rounding of the input aside). Exactly 0 below -87 (so -inf gives 0);
- * inputs above 88 are clamped (softmax arguments here are <= ~0). */
-static inline float attn_exp(float x) {
-    float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
-    const float t = xc * 1.44269504088896341f + magic;
-    const float fi = t - magic;
-    float r = xc - fi * 0.693359375f;
-    r = r - fi * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    uint32_t ti, pi;
-    memcpy(&ti, &t, 4);
-    memcpy(&pi, &p, 4);
-    pi += (ti - 0x4B400000u) << 23; /* t's low mantissa bits hold the rounded integer: p * 2^fi */
-    memcpy(&p, &pi, 4);
-    return x < -87.0f ? 0.0f : p;
-}
-
 /* x[c] = exp(x[c] - m) for c < n */
 static void row_exp_sub(float *restrict x, int n, float m) {
-    for (int c = 0; c < n; c++) x[c] = attn_exp(x[c] - m);
+    for (int c = 0; c < n; c++) x[c] = tera_vexpf(x[c] - m);
 }
 
 static int n_tiles(int T) { return (T + ATTN_TILE - 1) / ATTN_TILE; }
