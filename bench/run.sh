@@ -45,7 +45,7 @@ PY
     done
 done
 echo
-echo "sgemm peak (median GFLOP/s of a 2048^3 product, same run):"
+echo "fp32 GEMM peak (best of 2048^3 products before and after the steps, same run):"
 grep -o '"threads": [0-9]*, .*"sgemm_peak_gflops": [0-9.]*' "$OUT" | sed 's/"precision.*"sgemm/ sgemm/' | sort -u
 echo
 echo "tera per-operation profile, bench-m, 2 threads:"

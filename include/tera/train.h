@@ -19,8 +19,9 @@ typedef struct {
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
 void tera_adamw_free(tera_adamw *o);
 /* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
- * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps). */
-void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c);
+ * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps). With zero_grad,
+ * each gradient is cleared right after use (saves the separate pass over the gradients). */
+void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c, int zero_grad);
 
 /* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
 float tera_lr_at(const tera_train_config *t, int64_t step);
@@ -51,6 +52,7 @@ typedef struct {
     char run_dir[TERA_PATH_MAX];
     double t_start;
     int64_t tokens_per_step;
+    int grads_zero;             /* the gradients are known to be zero (cleared by the optimizer) */
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from

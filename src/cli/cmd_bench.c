@@ -14,9 +14,10 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Median GFLOP/s of a large square fp32 product (2048^3) through oneDNN: dnnl_sgemm and the
- * matmul primitive (what tera_gemm picks for large products) are both timed and the higher median
- * is the peak that MFU is measured against. */
+/* Peak GFLOP/s of a large square fp32 product (2048^3) through oneDNN: dnnl_sgemm and the matmul
+ * primitive (what tera_gemm picks for large products) are both timed, 9 repetitions each, and the
+ * best repetition is the peak. The bench measures it before and after the timed steps and keeps the
+ * higher, so a slow moment of the machine cannot inflate the MFU. */
 static double sgemm_peak_gflops(void) {
     const int n = 2048, reps = 9;
     float *a = tera_malloc(sizeof(float) * n * n), *b = tera_malloc(sizeof(float) * n * n),
@@ -33,7 +34,7 @@ static double sgemm_peak_gflops(void) {
             if (r >= 0) g[r] = 2.0 * n * n * (double)n / (tera_now() - t0) / 1e9;
         }
         qsort(g, reps, sizeof(double), cmp_double);
-        if (g[reps / 2] > best) best = g[reps / 2];
+        if (g[reps - 1] > best) best = g[reps - 1];
     }
     free(a);
     free(b);
@@ -56,7 +57,7 @@ int tera_cmd_bench(int argc, char **argv) {
     cfg.training.warmup_steps = 0;
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
-    const double peak = sgemm_peak_gflops();
+    double peak = sgemm_peak_gflops();
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
     for (int s = 0; s < warmup + steps; s++) {
@@ -67,6 +68,8 @@ int tera_cmd_bench(int argc, char **argv) {
         }
         if (s >= warmup) sec[s - warmup] = r.seconds;
     }
+    const double peak_after = sgemm_peak_gflops();
+    if (peak_after > peak) peak = peak_after;
     qsort(sec, (size_t)steps, sizeof(double), cmp_double);
     const double med = sec[steps / 2];
     const double tps = (double)tr.tokens_per_step / med;

@@ -16,7 +16,7 @@ void tera_adamw_free(tera_adamw *o) {
     memset(o, 0, sizeof *o);
 }
 
-void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c) {
+void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c, int zero_grad) {
     o->t++;
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
@@ -24,7 +24,7 @@ void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_co
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         float *w = m->w + p->offset;
-        const float *g = m->g + p->offset;
+        float *g = m->g + p->offset;
         float *mm = o->m + p->offset, *vv = o->v + p->offset;
         const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
 #pragma omp parallel for schedule(static)
@@ -33,6 +33,7 @@ void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_co
             mm[j] = b1 * mm[j] + (1.0f - b1) * g[j];
             vv[j] = b2 * vv[j] + (1.0f - b2) * g[j] * g[j];
             w[j] -= step_size * mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps);
+            if (zero_grad) g[j] = 0.0f;
         }
     }
 }

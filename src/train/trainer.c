@@ -151,7 +151,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         .aux = cfg->model.aux_coef / (float)(nmoe * seqs),
         .z = cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
     };
-    tera_model_zero_grad(m);
+    if (!tr->grads_zero) tera_model_zero_grad(m);
+    tr->grads_zero = 0;
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
@@ -187,7 +188,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     } else {
         const float c = cfg->training.grad_clip;
         if (c > 0.0f && r->grad_norm > c) tera_grad_scale(m, c / (float)(r->grad_norm + 1e-6));
-        tera_adamw_step(&tr->opt, m, r->lr, &cfg->optimizer);
+        tera_adamw_step(&tr->opt, m, r->lr, &cfg->optimizer, 1);
+        tr->grads_zero = 1;
         tera_model_update_router_bias(m);
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;

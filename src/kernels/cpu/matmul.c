@@ -1,8 +1,8 @@
 /* Matrix products through oneDNN (AVX-512 / AMX dispatch is oneDNN's).
  *
  * Two oneDNN entry points, chosen per call:
- * - the matmul primitive for large products on several threads: its threading is much better than
- *   sgemm's (measured on 2 threads: 270 vs 53-225 GFLOP/s on the LM-head shapes, docs/PERFORMANCE.md);
+ * - the matmul primitive for large products (the LM head): faster than sgemm there, on one thread
+ *   (TN 16384x512x2048: 164 vs 105 GFLOP/s) and more so on two (272 vs 110), docs/PERFORMANCE.md;
  * - dnnl_sgemm for small products and inside parallel regions (attention tiles, experts run side by
  *   side), where creating a primitive would cost more than the product.
  * Both are deterministic for a given shape and thread count. */
@@ -85,8 +85,8 @@ static void matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, co
 #define HAVE_MATMUL_PRIMITIVE 0
 #endif
 
-/* Products of at least this many multiply-adds use the matmul primitive when threads > 1: below it
- * the primitive was measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
+/* Products of at least this many multiply-adds use the matmul primitive: below it the primitive was
+ * measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
 #define PRIMITIVE_MIN_MACS (1LL << 30)
 
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
@@ -104,7 +104,7 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
         const char *e = getenv("TERA_GEMM");
         use_primitive = !(e && strcmp(e, "sgemm") == 0);
     }
-    if (use_primitive && alpha == 1.0f && M * N * K >= PRIMITIVE_MIN_MACS && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    if (use_primitive && alpha == 1.0f && M * N * K >= PRIMITIVE_MIN_MACS && !omp_in_parallel()) {
         matmul_primitive(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
         return;
     }
