@@ -56,6 +56,14 @@ cmp -s "$W/run/checkpoints/step_00000020/model.safetensors" "$W/run_orig/checkpo
     && pass "resumed run bit-identical to the uninterrupted one" || fail "resumed weights differ"
 "$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/run" --resume \
     > "$W/resume2.log" 2>&1 && pass "resume of a finished run is a no-op" || { fail "resume finished"; cat "$W/resume2.log"; }
+grep -q '"samples_consumed": 80' "$W/run/checkpoints/step_00000020/state.json" && pass "state.json data position" \
+    || fail "state.json: $(cat "$W/run/checkpoints/step_00000020/state.json")"
+head -c 30000 "$W/corpus.txt" > "$W/other.txt"
+if "$TERA" train "${TINY[@]}" --training.steps=30 --data.path="$W/other.txt" --logging.run_dir="$W/run" --resume > "$W/resume3.log" 2>&1; then
+    fail "resume on other data accepted"
+else
+    grep -q "other data" "$W/resume3.log" && pass "resume on other data refused" || fail "message: $(cat "$W/resume3.log")"
+fi
 
 # 4. export-hf (sharded), then train and eval from the exported directory
 "$TERA" export-hf --from "$W/run/checkpoints/step_00000020" --out "$W/hf" --max-shard-bytes 50000 > "$W/exp.log" 2>&1 \

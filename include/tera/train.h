@@ -19,9 +19,11 @@ typedef struct {
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
 void tera_adamw_free(tera_adamw *o);
 /* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
- * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps). With zero_grad,
- * each gradient is cleared right after use (saves the separate pass over the gradients). */
-void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c, int zero_grad);
+ * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps), on the gradient
+ * times grad_scale (the clipping factor, applied here instead of in a separate pass). With
+ * zero_grad, each gradient is cleared right after use (no separate pass either). */
+void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
+                     int zero_grad);
 
 /* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
 float tera_lr_at(const tera_train_config *t, int64_t step);
@@ -48,6 +50,8 @@ typedef struct {
     tera_loader loader;
     int32_t *tokens, *targets;  /* [micro_batch, seq_len] */
     int64_t step;               /* optimizer steps completed */
+    int64_t samples_consumed;   /* training samples read so far: the data position (the next step
+                                   reads global samples samples_consumed, +1, ...) */
     FILE *metrics;              /* run_dir/metrics.jsonl (NULL: no run directory) */
     char run_dir[TERA_PATH_MAX];
     double t_start;
@@ -65,9 +69,12 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r);
 /* Mean cross-entropy over `batches` micro-batches of the validation split (of the whole dataset
  * in order when data.val_fraction = 0). */
 tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
-/* Writes run_dir/checkpoints/step_NNNNNNNN/ (HF weights + config.json, optimizer moments, state.json). */
+/* Writes run_dir/checkpoints/step_NNNNNNNN/: HF weights + config.json (with the router bias),
+ * optimizer.safetensors (moments), state.json (step, data position, seed) and config.ini. */
 tera_status tera_trainer_save(tera_trainer *tr);
-/* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias). */
+/* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data
+ * position). The data must be the same token stream (checked: token count, sample length, shuffle,
+ * seed); the batch size may differ, since the position is counted in samples. */
 tera_status tera_trainer_resume(tera_trainer *tr);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);

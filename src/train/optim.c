@@ -16,7 +16,8 @@ void tera_adamw_free(tera_adamw *o) {
     memset(o, 0, sizeof *o);
 }
 
-void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_config *c, int zero_grad) {
+void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
+                     int zero_grad) {
     o->t++;
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
@@ -29,9 +30,10 @@ void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, const tera_optim_co
         const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
 #pragma omp parallel for schedule(static)
         for (int64_t j = 0; j < p->numel; j++) {
+            const float gj = g[j] * grad_scale;
             w[j] *= decay;
-            mm[j] = b1 * mm[j] + (1.0f - b1) * g[j];
-            vv[j] = b2 * vv[j] + (1.0f - b2) * g[j] * g[j];
+            mm[j] = b1 * mm[j] + (1.0f - b1) * gj;
+            vv[j] = b2 * vv[j] + (1.0f - b2) * gj * gj;
             w[j] -= step_size * mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps);
             if (zero_grad) g[j] = 0.0f;
         }

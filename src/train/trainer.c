@@ -159,7 +159,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     for (int a = 0; a < A; a++) {
         const double td = tera_now();
         for (int b = 0; b < B; b++) {
-            int64_t g = tr->step * seqs + (int64_t)a * B + b;
+            int64_t g = tr->samples_consumed + (int64_t)a * B + b;
             tera_loader_train_sample(&tr->loader, g, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
         }
         const double dw = tera_now() - td;
@@ -187,14 +187,15 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         r->skipped = 1; /* the data position still advances with the step counter */
     } else {
         const float c = cfg->training.grad_clip;
-        if (c > 0.0f && r->grad_norm > c) tera_grad_scale(m, c / (float)(r->grad_norm + 1e-6));
-        tera_adamw_step(&tr->opt, m, r->lr, &cfg->optimizer, 1);
+        const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
+        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, 1);
         tr->grads_zero = 1;
         tera_model_update_router_bias(m);
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
     tera_prof_calls[TERA_PROF_OPTIM]++;
     tr->step++;
+    tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
 
     if (open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
@@ -238,6 +239,86 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
 
 static tera_status prune_checkpoints(const tera_trainer *tr);
 
+/* The training state besides tensors: step and data position (in samples, so a resumed run with
+ * another batch size or data-parallel degree reads the same samples next). */
+static tera_status write_state(const tera_trainer *tr, const char *path) {
+    const tera_loader *l = &tr->loader;
+    cJSON *root = cJSON_CreateObject(), *data = cJSON_CreateObject();
+    cJSON_AddNumberToObject(root, "format_version", 1);
+    cJSON_AddNumberToObject(root, "step", (double)tr->step);
+    cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
+    cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
+    cJSON_AddItemToObject(root, "data", data);
+    cJSON_AddStringToObject(data, "path", tr->cfg.data.path[0] ? tr->cfg.data.path : "(embedded corpus)");
+    cJSON_AddNumberToObject(data, "n_tokens", (double)tr->src.n_tokens);
+    cJSON_AddNumberToObject(data, "seq_len", l->T);
+    cJSON_AddNumberToObject(data, "n_train", (double)l->n_train);
+    cJSON_AddBoolToObject(data, "shuffle", l->shuffle);
+    cJSON_AddNumberToObject(data, "samples_consumed", (double)tr->samples_consumed);
+    cJSON_AddNumberToObject(data, "epoch", (double)(tr->samples_consumed / l->n_train));
+    cJSON_AddNumberToObject(data, "offset_in_epoch", (double)(tr->samples_consumed % l->n_train));
+    char *text = cJSON_Print(root);
+    cJSON_Delete(root);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        free(text);
+        return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
+    }
+    int bad = fputs(text, f) < 0;
+    bad |= fputc('\n', f) == EOF;
+    bad |= fclose(f) != 0;
+    free(text);
+    if (bad) return tera_fail(TERA_ERR_IO, "cannot write '%s'", path);
+    return TERA_OK;
+}
+
+/* Reads state.json and checks that the current data is the stream the checkpoint was reading. */
+static tera_status read_state(tera_trainer *tr, const char *path) {
+    char *text;
+    TERA_TRY(tera_read_text_file(path, &text));
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);
+    const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
+    const char *fields[] = {"step", "adam_t", "seed"};
+    double v[3];
+    for (int i = 0; i < 3; i++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, fields[i]);
+        if (!cJSON_IsNumber(it)) {
+            cJSON_Delete(root);
+            return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" is missing or not a number", path, fields[i]);
+        }
+        v[i] = it->valuedouble;
+    }
+    const char *dfields[] = {"n_tokens", "seq_len", "n_train", "samples_consumed"};
+    double d[4];
+    for (int i = 0; i < 4; i++) {
+        const cJSON *it = cJSON_IsObject(data) ? cJSON_GetObjectItemCaseSensitive(data, dfields[i]) : NULL;
+        if (!cJSON_IsNumber(it)) {
+            cJSON_Delete(root);
+            return tera_fail(TERA_ERR_FORMAT, "%s: \"data.%s\" is missing or not a number", path, dfields[i]);
+        }
+        d[i] = it->valuedouble;
+    }
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(data, "shuffle");
+    const int shuffle = cJSON_IsTrue(sh);
+    cJSON_Delete(root);
+    const tera_loader *l = &tr->loader;
+    if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
+        shuffle != l->shuffle || (uint64_t)v[2] != tr->cfg.training.seed)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "--resume: %s was reading other data (%ld tokens, seq_len %d, %ld training samples, "
+                         "shuffle %d, seed %lu) than this run (%ld, %d, %ld, %d, %lu): resuming would not "
+                         "continue the same sample stream",
+                         path, (long)d[0], (int)d[1], (long)d[2], shuffle, (unsigned long)v[2],
+                         (long)tr->src.n_tokens, l->T, (long)l->n_train, l->shuffle,
+                         (unsigned long)tr->cfg.training.seed);
+    tr->step = (int64_t)v[0];
+    tr->opt.t = (int64_t)v[1];
+    tr->samples_consumed = (int64_t)d[3];
+    return TERA_OK;
+}
+
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
     char dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 128];
@@ -258,17 +339,14 @@ tera_status tera_trainer_save(tera_trainer *tr) {
         snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
         tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, tr->opt.v + p->offset);
     }
-    char val[64];
-    snprintf(val, sizeof val, "%ld", (long)tr->opt.t);
-    tera_st_writer_meta(&w, "adam_t", val);
-    snprintf(val, sizeof val, "%ld", (long)tr->step);
-    tera_st_writer_meta(&w, "step", val);
     snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
     tera_status st = tera_st_writer_save(&w, path);
     tera_st_writer_free(&w);
     if (st != TERA_OK) return st;
     snprintf(path, sizeof path, "%s/config.ini", tmp);
     TERA_TRY(tera_config_write(&tr->cfg, path));
+    snprintf(path, sizeof path, "%s/state.json", tmp);
+    TERA_TRY(write_state(tr, path));
     /* commit: rename the finished directory into place */
     if (rename(tmp, dir) != 0)
         return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
@@ -347,14 +425,11 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
         snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
         st = tera_st_read_f32(&f, nm, p->ndim, p->shape, tr->opt.v + p->offset);
     }
-    const char *t = tera_st_meta(&f, "adam_t"), *s = tera_st_meta(&f, "step");
-    if (st == TERA_OK && (!t || !s))
-        st = tera_fail(TERA_ERR_FORMAT, "'%s': missing adam_t/step metadata", path);
-    if (st == TERA_OK) {
-        tr->opt.t = strtol(t, NULL, 10);
-        tr->step = strtol(s, NULL, 10);
-    }
     tera_st_close(&f);
+    if (st == TERA_OK) {
+        snprintf(path, sizeof path, "%s/state.json", dir);
+        st = read_state(tr, path);
+    }
     if (st == TERA_OK) st = open_metrics(tr, "a");
     return st;
 }
