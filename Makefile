@@ -37,8 +37,9 @@ fixtures:
 	@scripts/install-deps.sh --with-torch
 	/usr/bin/python3 tests/ref/make_fixtures.py
 
+# Regenerate docs/CONFIG.md from the config key table.
 docs: build
-	$(BUILD)/tera config --doc > docs/CONFIG.md.keys
+	$(BUILD)/tera config --doc > docs/CONFIG.md
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)

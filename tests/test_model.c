@@ -153,6 +153,15 @@ static void test_determinism(void **state) {
     assert_int_equal(n1, n2);
     assert_memory_equal(l1, l2, sizeof l1);
     assert_memory_equal(w1, w2, sizeof(float) * (size_t)n1);
+    /* the read-ahead thread changes nothing */
+    c.data.prefetch = 0;
+    double lp[4];
+    float *wp;
+    run_steps(&c, 4, lp, &wp, &n2);
+    assert_memory_equal(l1, lp, sizeof l1);
+    assert_memory_equal(w1, wp, sizeof(float) * (size_t)n1);
+    free(wp);
+    c.data.prefetch = 2;
     /* a different thread count gives the same losses to float rounding */
     c.training.threads = 1;
     double l3[4];

@@ -69,6 +69,7 @@ typedef struct {
     char format[16];            /* auto | text | bin (Megatron .bin/.idx prefix) | u16 */
     int shuffle;                /* 0: sample i = tokens[i*T, i*T+T+1) in order */
     float val_fraction;         /* fraction of samples held out for validation */
+    int prefetch;               /* micro-batches prepared ahead by a background thread (0 = off) */
 } tera_data_config;
 
 typedef struct {

@@ -58,6 +58,17 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
 /* The v-th validation sample (v mod n_val). */
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);
 
+/* A background thread that reads training micro-batches ahead of the step loop: it prepares the
+ * micro-batches of global samples [g, g+B), [g+B, g+2B), ... into `depth` slots. */
+typedef struct tera_prefetcher tera_prefetcher;
+
+tera_status tera_prefetch_start(tera_prefetcher **p, const tera_loader *l, int B, int depth);
+/* The micro-batch of global training samples [g0, g0+B): inputs, targets [B, T], valid until the
+ * next call. Blocks until it is ready (a request other than the next in sequence restarts the
+ * read-ahead at g0). Returns the seconds spent waiting. */
+double tera_prefetch_get(tera_prefetcher *p, int64_t g0, const int32_t **inputs, const int32_t **targets);
+void tera_prefetch_stop(tera_prefetcher *p);
+
 extern const unsigned char tera_default_corpus[];
 extern const size_t tera_default_corpus_len;
 

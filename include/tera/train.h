@@ -48,7 +48,8 @@ typedef struct {
     tera_adamw opt;
     tera_token_source src;
     tera_loader loader;
-    int32_t *tokens, *targets;  /* [micro_batch, seq_len] */
+    int32_t *tokens, *targets;  /* [micro_batch, seq_len] (evaluation, and training without prefetch) */
+    tera_prefetcher *prefetch;  /* training read-ahead (NULL when data.prefetch = 0) */
     int64_t step;               /* optimizer steps completed */
     int64_t samples_consumed;   /* training samples read so far: the data position (the next step
                                    reads global samples samples_consumed, +1, ...) */

@@ -42,6 +42,21 @@ int tera_cmd_export_hf(int argc, char **argv) {
 
 int tera_cmd_config(int argc, char **argv) {
     if (argc >= 1 && !strcmp(argv[0], "--doc")) {
+        /* docs/CONFIG.md is this output (make docs) */
+        fputs("# Configuration reference\n\n"
+          "<!-- Generated from the key table in src/config/config.c (tera_config_write_doc); "
+          "do not edit by hand. -->\n\n"
+          "A run is configured by an INI file: `[section]` headers, `key = value` lines, comments on "
+          "their own line starting with `#` or `;` (or after a value, as ` ; comment`). Strings may be "
+          "quoted with `\"...\"` to keep surrounding spaces. Booleans accept true/false, 1/0, yes/no, "
+          "on/off. Unknown sections or keys, a key set twice, and out-of-range values are errors that "
+          "name the file, line and key.\n\n"
+          "Any key can be overridden on the command line as `--section.key=value`, e.g. "
+          "`--model.dim=256 --training.lr=1e-3`; overrides apply after the file. Cross-field rules "
+          "(n_heads divides dim, even head width, top_k <= n_experts, seq_len <= max_seq_len, ...) are "
+          "checked once everything is applied. The resolved configuration, every key with its value, is "
+          "written to the run directory as `config.ini`, which loads back to the same run.\n\n",
+              stdout);
         tera_config_write_doc(stdout);
         return 0;
     }

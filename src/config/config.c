@@ -186,6 +186,8 @@ static const config__key config__keys[] = {
            "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
     K_FLOAT(data, val_fraction, "0", R_CLOSED(0.0, 0.5),
             "fraction of samples held out for validation (the last ones); 0 = no split, every sample trains"),
+    K_INT(data, prefetch, "2", 0, 64,
+          "micro-batches a background thread prepares ahead of the step; 0 = read in the step"),
 
     /* [parallel] ------------------------------------------------------------------------------- */
     K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),

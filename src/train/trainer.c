@@ -89,6 +89,9 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
     tr->tokens_per_step = (int64_t)bt * t->grad_accum;
+    if (cfg->data.prefetch > 0 &&
+        (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
+        goto fail_all;
 
     if (tr->run_dir[0]) {
         if (dir_nonempty(tr->run_dir) && !overwrite) {
@@ -107,6 +110,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     return TERA_OK;
 
 fail_all:
+    tera_prefetch_stop(tr->prefetch);
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
@@ -119,6 +123,7 @@ fail_src:
 
 void tera_trainer_free(tera_trainer *tr) {
     if (tr->metrics) fclose(tr->metrics);
+    tera_prefetch_stop(tr->prefetch);
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
@@ -157,16 +162,21 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
     for (int a = 0; a < A; a++) {
-        const double td = tera_now();
-        for (int b = 0; b < B; b++) {
-            int64_t g = tr->samples_consumed + (int64_t)a * B + b;
-            tera_loader_train_sample(&tr->loader, g, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
+        const int64_t g0 = tr->samples_consumed + (int64_t)a * B;
+        const int32_t *in = tr->tokens, *tg = tr->targets;
+        double dw;
+        if (tr->prefetch) {
+            dw = tera_prefetch_get(tr->prefetch, g0, &in, &tg);
+        } else {
+            const double td = tera_now();
+            for (int b = 0; b < B; b++)
+                tera_loader_train_sample(&tr->loader, g0 + b, tr->tokens + (int64_t)b * T, tr->targets + (int64_t)b * T);
+            dw = tera_now() - td;
         }
-        const double dw = tera_now() - td;
         r->data_seconds += dw;
         tera_prof_seconds[TERA_PROF_DATA] += dw;
         tera_prof_calls[TERA_PROF_DATA]++;
-        tera_model_forward(m, tr->tokens, tr->targets);
+        tera_model_forward(m, in, tg);
         tera_model_backward(m, &s);
         ce += m->stats.ce_sum;
         aux += m->stats.aux_sum;
