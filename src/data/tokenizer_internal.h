@@ -100,7 +100,6 @@ void *tok_realloc_at(void *p, size_t n, const char *file, int line);
 /* ---- pre-tokenizing (shared by encode and train) -------------------------------------------- */
 /* Per-thread matcher state. */
 typedef struct {
-    const tera_tokenizer *t;   /* (for the regex) */
     pcre2_match_data *md;      /* match data (one pair of offsets) */
     pcre2_match_context *mctx; /* match context carrying jit_stack */
     pcre2_jit_stack *jit_stack;/* JIT stack (grows to 1 MiB for long whitespace runs) */
