@@ -39,6 +39,15 @@ int64_t tera_source_token(const tera_token_source *s, int64_t i);
 tera_status tera_idx_write(const char *prefix, int dtype, const int32_t *const *docs,
                            const int64_t *doc_len, int64_t n_docs);
 
+/* The same, streaming: documents are appended one by one to PREFIX.bin.tmp (hashed on the way);
+ * commit writes PREFIX.idx and PREFIX.xxh3 (XXH3-64 of both files, checked by tera_source_open
+ * when present) and renames .bin, .xxh3, then .idx into place. abort removes the temporaries. */
+typedef struct tera_idx_writer tera_idx_writer;
+tera_status tera_idx_writer_open(tera_idx_writer **w, const char *prefix, int dtype);
+tera_status tera_idx_writer_add(tera_idx_writer *w, const int32_t *ids, int64_t n);
+tera_status tera_idx_writer_commit(tera_idx_writer *w); /* frees w */
+void tera_idx_writer_abort(tera_idx_writer *w);         /* frees w */
+
 /* Deterministic sample order over a source. */
 typedef struct {
     const tera_token_source *src;

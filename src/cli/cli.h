@@ -9,6 +9,8 @@ int tera_cmd_eval(int argc, char **argv);
 int tera_cmd_export_hf(int argc, char **argv);
 int tera_cmd_config(int argc, char **argv);
 int tera_cmd_bench(int argc, char **argv);
+int tera_cmd_data(int argc, char **argv);
+int tera_cmd_tokenizer(int argc, char **argv);
 
 /* Shared argument handling: -c FILE, --section.key=value overrides, and the flags named in
  * `flags` (e.g. "force", "resume"), whose presence is reported through flag_set[i]. Prints one

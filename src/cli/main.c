@@ -13,6 +13,9 @@ static void usage(FILE *f) {
             "  eval       validation loss of a checkpoint:  tera eval --from DIR [-c FILE] [--section.key=value ...]\n"
             "  export-hf  write a Hugging Face Mixtral directory:  tera export-hf --from DIR --out DIR [--max-shard-bytes N] [--force]\n"
             "  config     print the resolved config (-c FILE ...) or, with --doc, every key documented\n"
+            "  data       tera data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME]\n"
+            "             (text = one document per file, .jsonl = one per line) -> Megatron .bin/.idx + checksums\n"
+            "  tokenizer  tera tokenizer train --input FILE... --vocab-size N --output DIR | encode | decode --tokenizer DIR\n"
             "  bench      time training steps:  tera bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N]\n"
             "  help       this text\n"
             "\n"
@@ -31,6 +34,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "export-hf")) return tera_cmd_export_hf(argc - 2, argv + 2);
     if (!strcmp(cmd, "config")) return tera_cmd_config(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) return tera_cmd_bench(argc - 2, argv + 2);
+    if (!strcmp(cmd, "data")) return tera_cmd_data(argc - 2, argv + 2);
+    if (!strcmp(cmd, "tokenizer")) return tera_cmd_tokenizer(argc - 2, argv + 2);
     if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage(stdout);
         return 0;

@@ -16,6 +16,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 /* ---- little-endian decoding ------------------------------------------------------------------ */
 
 static uint16_t rd_u16(const unsigned char *p) { return (uint16_t)(p[0] | (unsigned)p[1] << 8); }
@@ -244,6 +246,47 @@ static tera_status parse_idx(const char *idx, const char *bin, const unsigned ch
 
 /* ---- open / close ---------------------------------------------------------------------------- */
 
+/* PREFIX.xxh3 (written by tera_idx_writer_commit): one line per file, "<16 hex digits>  <name>"
+ * with the XXH3-64 of PREFIX.idx and PREFIX.bin. When present, both are checked at open. */
+static uint64_t file_xxh3(const char *path, int *ok) {
+    void *m;
+    size_t n;
+    *ok = 0;
+    if (map_file(path, &m, &n) != TERA_OK) return 0;
+    uint64_t h = XXH3_64bits(m ? m : (const void *)"", n);
+    if (m) munmap(m, n);
+    *ok = 1;
+    return h;
+}
+
+static tera_status verify_checksums(const char *prefix, const char *idx, const void *imap, size_t ilen,
+                                    const char *bin) {
+    char path[TERA_PATH_MAX + 8];
+    snprintf(path, sizeof path, "%s.xxh3", prefix);
+    FILE *f = fopen(path, "r");
+    if (!f) return TERA_OK; /* no checksum file: nothing to check (e.g. a Megatron-made dataset) */
+    unsigned long long want_idx = 0, want_bin = 0;
+    int got = 0;
+    char line[TERA_PATH_MAX + 64], name[TERA_PATH_MAX + 32];
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long h;
+        if (sscanf(line, "%16llx %1055s", &h, name) != 2) continue;
+        size_t nl = strlen(name);
+        if (nl >= 4 && !strcmp(name + nl - 4, ".idx")) want_idx = h, got |= 1;
+        if (nl >= 4 && !strcmp(name + nl - 4, ".bin")) want_bin = h, got |= 2;
+    }
+    fclose(f);
+    if (got != 3) return tera_fail(TERA_ERR_FORMAT, "%s: expected an xxh3 line for the .idx and for the .bin", path);
+    if (XXH3_64bits(imap ? imap : (const void *)"", ilen) != (uint64_t)want_idx)
+        return tera_fail(TERA_ERR_FORMAT, "%s: checksum mismatch against %s: the file changed or is corrupted", idx, path);
+    int ok;
+    uint64_t hb = file_xxh3(bin, &ok);
+    if (!ok) return TERA_ERR_IO;
+    if (hb != (uint64_t)want_bin)
+        return tera_fail(TERA_ERR_FORMAT, "%s: checksum mismatch against %s: the file changed or is corrupted", bin, path);
+    return TERA_OK;
+}
+
 static tera_status open_bin(tera_token_source *s, const char *prefix, int vocab_size) {
     char idx[TERA_PATH_MAX + 8], bin[TERA_PATH_MAX + 8];
     snprintf(idx, sizeof idx, "%s.idx", prefix);
@@ -255,6 +298,11 @@ static tera_status open_bin(tera_token_source *s, const char *prefix, int vocab_
     void *imap;
     size_t ilen;
     TERA_TRY(map_file(idx, &imap, &ilen));
+    tera_status crc = verify_checksums(prefix, idx, imap, ilen, bin);
+    if (crc != TERA_OK) {
+        if (imap) munmap(imap, ilen);
+        return crc;
+    }
     int code = 0;
     int64_t n_docs = 0;
     tera_status rc = parse_idx(idx, bin, imap ? imap : (const void *)"", ilen, (uint64_t)st.st_size, &code, &n_docs);
@@ -401,49 +449,89 @@ static int finish_file(FILE *f) {
     return ok;
 }
 
-static tera_status write_bin(const char *tmp, int dtype, int es, const int32_t *const *docs,
-                             const int64_t *doc_len, int64_t n_docs) {
-    int64_t lo, hi;
+struct tera_idx_writer {
+    char prefix[TERA_PATH_MAX];
+    char bin_tmp[TERA_PATH_MAX + 16];
+    FILE *bin;                 /* PREFIX.bin.tmp */
+    int dtype, es;             /* Megatron dtype code and its byte size */
+    int64_t lo, hi;            /* representable token range */
+    int64_t *doc_len;          /* [cap] tokens per document */
+    int64_t n_docs, cap;
+    XXH3_state_t *hash;        /* running XXH3-64 of the .bin bytes */
+    unsigned char buf[1 << 16];
+    size_t used;
+};
+
+tera_status tera_idx_writer_open(tera_idx_writer **out, const char *prefix, int dtype) {
+    int es = dtype_int_size(dtype);
+    if (es == 0)
+        return tera_fail(TERA_ERR_ARG, "%s.idx: dtype code %d (%s) cannot hold token ids", prefix, dtype,
+                         dtype_name(dtype));
+    if (strlen(prefix) >= TERA_PATH_MAX - 8) return tera_fail(TERA_ERR_ARG, "'%s': prefix too long", prefix);
+    tera_idx_writer *w = tera_calloc(1, sizeof *w);
+    snprintf(w->prefix, sizeof w->prefix, "%s", prefix);
+    snprintf(w->bin_tmp, sizeof w->bin_tmp, "%s.bin.tmp", prefix);
+    w->dtype = dtype;
+    w->es = es;
     switch (dtype) {
-    case DT_U8: lo = 0; hi = UINT8_MAX; break;
-    case DT_I8: lo = INT8_MIN; hi = INT8_MAX; break;
-    case DT_I16: lo = INT16_MIN; hi = INT16_MAX; break;
-    case DT_U16: lo = 0; hi = UINT16_MAX; break;
-    default: lo = INT32_MIN; hi = INT32_MAX; break;
+    case DT_U8: w->lo = 0; w->hi = UINT8_MAX; break;
+    case DT_I8: w->lo = INT8_MIN; w->hi = INT8_MAX; break;
+    case DT_I16: w->lo = INT16_MIN; w->hi = INT16_MAX; break;
+    case DT_U16: w->lo = 0; w->hi = UINT16_MAX; break;
+    default: w->lo = INT32_MIN; w->hi = INT32_MAX; break;
     }
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return tera_fail(TERA_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno));
-    unsigned char buf[8192];
-    size_t used = 0;
-    for (int64_t d = 0; d < n_docs; d++) {
-        for (int64_t k = 0; k < doc_len[d]; k++) {
-            int64_t t = docs[d][k];
-            if (t < lo || t > hi) {
-                fclose(f);
-                remove(tmp);
-                return tera_fail(TERA_ERR_ARG, "%s: document %lld token %lld = %lld does not fit dtype %s",
-                                 tmp, (long long)d, (long long)k, (long long)t, dtype_name(dtype));
-            }
-            uint64_t u = (uint64_t)t;
-            for (int b = 0; b < es; b++) buf[used++] = (unsigned char)(u >> (8 * b));
-            if (used + 8 > sizeof buf) {
-                if (!put_bytes(f, buf, used)) goto io_fail;
-                used = 0;
-            }
-        }
+    w->bin = fopen(w->bin_tmp, "wb");
+    if (!w->bin) {
+        tera_status st = tera_fail(TERA_ERR_IO, "cannot create '%s': %s", w->bin_tmp, strerror(errno));
+        free(w);
+        return st;
     }
-    if (used && !put_bytes(f, buf, used)) goto io_fail;
-    if (!finish_file(f)) {
-        int e = errno;
-        remove(tmp);
-        return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", tmp, strerror(e));
-    }
+    w->hash = XXH3_createState();
+    XXH3_64bits_reset(w->hash);
+    *out = w;
     return TERA_OK;
-io_fail:;
-    int e = errno;
-    fclose(f);
-    remove(tmp);
-    return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", tmp, strerror(e));
+}
+
+static int writer_flush(tera_idx_writer *w) {
+    if (!w->used) return 1;
+    XXH3_64bits_update(w->hash, w->buf, w->used);
+    int ok = put_bytes(w->bin, w->buf, w->used);
+    w->used = 0;
+    return ok;
+}
+
+tera_status tera_idx_writer_add(tera_idx_writer *w, const int32_t *ids, int64_t n) {
+    if (n < 0 || n > INT32_MAX || (n > 0 && !ids))
+        return tera_fail(TERA_ERR_ARG, "%s.idx: document %lld: bad length %lld", w->prefix, (long long)w->n_docs,
+                         (long long)n);
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t t = ids[k];
+        if (t < w->lo || t > w->hi)
+            return tera_fail(TERA_ERR_ARG, "%s: document %lld token %lld = %lld does not fit dtype %s", w->bin_tmp,
+                             (long long)w->n_docs, (long long)k, (long long)t, dtype_name(w->dtype));
+        const uint64_t u = (uint64_t)t;
+        for (int b = 0; b < w->es; b++) w->buf[w->used++] = (unsigned char)(u >> (8 * b));
+        if (w->used + 8 > sizeof w->buf && !writer_flush(w))
+            return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", w->bin_tmp, strerror(errno));
+    }
+    if (w->n_docs == w->cap) {
+        w->cap = w->cap ? 2 * w->cap : 1024;
+        int64_t *nd = tera_malloc(sizeof(int64_t) * (size_t)w->cap);
+        if (w->n_docs) memcpy(nd, w->doc_len, sizeof(int64_t) * (size_t)w->n_docs);
+        free(w->doc_len);
+        w->doc_len = nd;
+    }
+    w->doc_len[w->n_docs++] = n;
+    return TERA_OK;
+}
+
+void tera_idx_writer_abort(tera_idx_writer *w) {
+    if (!w) return;
+    if (w->bin) fclose(w->bin);
+    remove(w->bin_tmp);
+    XXH3_freeState(w->hash);
+    free(w->doc_len);
+    free(w);
 }
 
 static tera_status write_idx(const char *tmp, int dtype, int es, const int64_t *doc_len, int64_t n_docs) {
@@ -469,42 +557,72 @@ static tera_status write_idx(const char *tmp, int dtype, int es, const int64_t *
     return TERA_OK;
 }
 
-tera_status tera_idx_write(const char *prefix, int dtype, const int32_t *const *docs,
-                           const int64_t *doc_len, int64_t n_docs) {
-    int es = dtype_int_size(dtype);
-    if (es == 0)
-        return tera_fail(TERA_ERR_ARG, "%s.idx: dtype code %d (%s) cannot hold token ids", prefix, dtype,
-                         dtype_name(dtype));
+static tera_status rename_into_place(const char *from, const char *to) {
+    if (rename(from, to) == 0) return TERA_OK;
+    int e = errno;
+    remove(from);
+    return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", from, to, strerror(e));
+}
+
+tera_status tera_idx_writer_commit(tera_idx_writer *w) {
+    char bin[TERA_PATH_MAX + 8], idx[TERA_PATH_MAX + 8], idx_tmp[TERA_PATH_MAX + 16];
+    char sum[TERA_PATH_MAX + 8], sum_tmp[TERA_PATH_MAX + 16];
+    snprintf(bin, sizeof bin, "%s.bin", w->prefix);
+    snprintf(idx, sizeof idx, "%s.idx", w->prefix);
+    snprintf(idx_tmp, sizeof idx_tmp, "%s.idx.tmp", w->prefix);
+    snprintf(sum, sizeof sum, "%s.xxh3", w->prefix);
+    snprintf(sum_tmp, sizeof sum_tmp, "%s.xxh3.tmp", w->prefix);
+    if (!writer_flush(w) || !finish_file(w->bin)) {
+        tera_status st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", w->bin_tmp, strerror(errno));
+        w->bin = NULL;
+        tera_idx_writer_abort(w);
+        return st;
+    }
+    w->bin = NULL;
+    const uint64_t hbin = XXH3_64bits_digest(w->hash);
+    tera_status st = write_idx(idx_tmp, w->dtype, w->es, w->doc_len, w->n_docs);
+    if (st != TERA_OK) {
+        tera_idx_writer_abort(w);
+        return st;
+    }
+    int ok;
+    const uint64_t hidx = file_xxh3(idx_tmp, &ok);
+    FILE *f = ok ? fopen(sum_tmp, "w") : NULL;
+    const char *base = strrchr(w->prefix, '/');
+    base = base ? base + 1 : w->prefix;
+    if (!f || fprintf(f, "%016llx  %s.idx\n%016llx  %s.bin\n", (unsigned long long)hidx, base,
+                      (unsigned long long)hbin, base) < 0 || !finish_file(f)) {
+        st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", sum_tmp, strerror(errno));
+        remove(idx_tmp);
+        remove(sum_tmp);
+        tera_idx_writer_abort(w);
+        return st;
+    }
+    /* order: .bin, checksums, .idx last: an .idx on disk implies its .bin and checksums are complete */
+    st = rename_into_place(w->bin_tmp, bin);
+    if (st == TERA_OK) st = rename_into_place(sum_tmp, sum);
+    if (st == TERA_OK) st = rename_into_place(idx_tmp, idx);
+    if (st != TERA_OK) {
+        remove(idx_tmp);
+        remove(sum_tmp);
+    }
+    XXH3_freeState(w->hash);
+    free(w->doc_len);
+    free(w);
+    return st;
+}
+
+tera_status tera_idx_write(const char *prefix, int dtype, const int32_t *const *docs, const int64_t *doc_len,
+                           int64_t n_docs) {
     if (n_docs < 0) return tera_fail(TERA_ERR_ARG, "%s.idx: negative document count %lld", prefix, (long long)n_docs);
+    tera_idx_writer *w;
+    TERA_TRY(tera_idx_writer_open(&w, prefix, dtype));
     for (int64_t d = 0; d < n_docs; d++) {
-        if (doc_len[d] < 0 || doc_len[d] > INT32_MAX || (doc_len[d] > 0 && !docs[d]))
-            return tera_fail(TERA_ERR_ARG, "%s.idx: document %lld: bad length %lld", prefix, (long long)d,
-                             (long long)doc_len[d]);
+        tera_status st = tera_idx_writer_add(w, docs[d], doc_len[d]);
+        if (st != TERA_OK) {
+            tera_idx_writer_abort(w);
+            return st;
+        }
     }
-    if (strlen(prefix) >= TERA_PATH_MAX - 8)
-        return tera_fail(TERA_ERR_ARG, "'%s': prefix too long", prefix);
-    char bin[TERA_PATH_MAX + 8], idx[TERA_PATH_MAX + 8], bin_tmp[TERA_PATH_MAX + 16], idx_tmp[TERA_PATH_MAX + 16];
-    snprintf(bin, sizeof bin, "%s.bin", prefix);
-    snprintf(idx, sizeof idx, "%s.idx", prefix);
-    snprintf(bin_tmp, sizeof bin_tmp, "%s.bin.tmp", prefix);
-    snprintf(idx_tmp, sizeof idx_tmp, "%s.idx.tmp", prefix);
-    TERA_TRY(write_bin(bin_tmp, dtype, es, docs, doc_len, n_docs));
-    tera_status rc = write_idx(idx_tmp, dtype, es, doc_len, n_docs);
-    if (rc != TERA_OK) {
-        remove(bin_tmp);
-        return rc;
-    }
-    /* .bin first: an .idx on disk (what auto-detection looks for) implies its .bin is complete */
-    if (rename(bin_tmp, bin) != 0) {
-        int e = errno;
-        remove(bin_tmp);
-        remove(idx_tmp);
-        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", bin_tmp, bin, strerror(e));
-    }
-    if (rename(idx_tmp, idx) != 0) {
-        int e = errno;
-        remove(idx_tmp);
-        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", idx_tmp, idx, strerror(e));
-    }
-    return TERA_OK;
+    return tera_idx_writer_commit(w);
 }

@@ -334,7 +334,7 @@ static tera_status load_merges(const char *path, const int16_t u2b[TOK_U2B_SIZE]
             cap *= 2;
             l = tok_realloc(l, cap * 4), r = tok_realloc(r, cap * 4), m = tok_realloc(m, cap * 4);
         }
-        int32_t ids[3];
+        int32_t ids[3] = {-1, -1, -1};
         s = parse_merge(path, lineno, line, u2b, vocab, ids);
         l[n] = ids[0], r[n] = ids[1], m[n] = ids[2];
         n++;

@@ -114,4 +114,8 @@ tera_status tok_check_utf8(tok_matcher *m, const pcre2_code *re, const char *tex
 int tok_next_pretoken(tok_matcher *m, const pcre2_code *re, int jit, const char *subject, size_t len, size_t pos,
                       size_t *s, size_t *e);
 
+/* tera_tokenizer_encode_parallel with chunks of at least min_chunk bytes (tests use small ones). */
+tera_status tok_encode_chunks(const tera_tokenizer *t, const char *text, size_t len, unsigned flags, int n_threads,
+                              size_t min_chunk, int32_t **ids, size_t *n_ids);
+
 #endif

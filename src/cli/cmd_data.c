@@ -1,0 +1,241 @@
+/* tera data prepare / tera tokenizer train|encode|decode */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "tera/io.h"
+#include "tera/prepare.h"
+#include "tera/tokenizer.h"
+
+#define MAX_INPUTS 4096
+
+/* Options of these commands: repeated --input, single-valued others, --force. */
+typedef struct {
+    const char *inputs[MAX_INPUTS];
+    int n_inputs;
+    const char *output, *tokenizer, *field;
+    int vocab_size, threads, force;
+} data_args;
+
+static int parse(int argc, char **argv, data_args *a) {
+    memset(a, 0, sizeof *a);
+    a->field = "text";
+    for (int i = 0; i < argc; i++) {
+        const char *k = argv[i];
+        if (!strcmp(k, "--force")) {
+            a->force = 1;
+            continue;
+        }
+        const char *v = NULL;
+        const char *eq = strchr(k, '=');
+        char key[64];
+        if (strncmp(k, "--", 2) != 0) {
+            tera_fail(TERA_ERR_ARG, "unexpected argument '%s'", k);
+            return tera_cli_error();
+        }
+        if (eq) {
+            snprintf(key, sizeof key, "%.*s", (int)(eq - k), k);
+            v = eq + 1;
+        } else {
+            snprintf(key, sizeof key, "%s", k);
+            if (i + 1 >= argc) {
+                tera_fail(TERA_ERR_ARG, "%s needs a value", k);
+                return tera_cli_error();
+            }
+            v = argv[++i];
+        }
+        if (!strcmp(key, "--input")) {
+            if (a->n_inputs == MAX_INPUTS) {
+                tera_fail(TERA_ERR_ARG, "at most %d --input files", MAX_INPUTS);
+                return tera_cli_error();
+            }
+            a->inputs[a->n_inputs++] = v;
+        } else if (!strcmp(key, "--output")) {
+            a->output = v;
+        } else if (!strcmp(key, "--tokenizer")) {
+            a->tokenizer = v;
+        } else if (!strcmp(key, "--field")) {
+            a->field = v;
+        } else if (!strcmp(key, "--vocab-size") || !strcmp(key, "--threads")) {
+            char *end;
+            long n = strtol(v, &end, 10);
+            if (*end || n < (key[2] == 'v' ? 257 : 0) || n > 16777216) {
+                tera_fail(TERA_ERR_ARG, "%s = '%s' is not a valid %s", key, v,
+                          key[2] == 'v' ? "vocabulary size (257 .. 16777216)" : "thread count");
+                return tera_cli_error();
+            }
+            if (key[2] == 'v')
+                a->vocab_size = (int)n;
+            else
+                a->threads = (int)n;
+        } else {
+            tera_fail(TERA_ERR_ARG, "unknown option '%s'", key);
+            return tera_cli_error();
+        }
+    }
+    return 0;
+}
+
+static tera_status load_tokenizer(const char *spec, tera_tokenizer **t) {
+    *t = NULL;
+    if (!spec || !strcmp(spec, "bytes")) return TERA_OK;
+    return tera_tokenizer_load(t, spec);
+}
+
+static int data_prepare(int argc, char **argv) {
+    data_args a;
+    if (parse(argc, argv, &a)) return 1;
+    if (!a.n_inputs || !a.output) {
+        tera_fail(TERA_ERR_ARG, "data prepare needs --input FILE (repeatable) and --output PREFIX");
+        return tera_cli_error();
+    }
+    char idx[1100];
+    snprintf(idx, sizeof idx, "%s.idx", a.output);
+    if (!a.force && access(idx, F_OK) == 0) {
+        tera_fail(TERA_ERR_EXISTS, "dataset '%s' already exists; pass --force to replace it", idx);
+        return tera_cli_error();
+    }
+    tera_tokenizer *tok;
+    if (load_tokenizer(a.tokenizer, &tok) != TERA_OK) return tera_cli_error();
+    tera_prepare_opts o = {.inputs = a.inputs, .n_inputs = a.n_inputs, .output = a.output, .field = a.field,
+                           .tok = tok, .threads = a.threads, .progress = 1};
+    tera_prepare_stats s;
+    tera_status st = tera_data_prepare(&o, &s);
+    tera_tokenizer_free(tok);
+    if (st != TERA_OK) return tera_cli_error();
+    fprintf(stderr, "tera: wrote %s.{bin,idx,xxh3}: %ld documents, %ld tokens from %.1f MB in %.2f s (%.1f MB/s)\n",
+            a.output, (long)s.documents, (long)s.tokens, s.bytes / 1e6, s.seconds,
+            s.seconds > 0 ? s.bytes / 1e6 / s.seconds : 0.0);
+    return 0;
+}
+
+static tera_status read_all(const char *path, char **text, size_t *len) {
+    TERA_TRY(tera_read_text_file(path, text));
+    *len = strlen(*text); /* inputs are text: an embedded NUL ends them */
+    return TERA_OK;
+}
+
+static int tokenizer_train(int argc, char **argv) {
+    data_args a;
+    if (parse(argc, argv, &a)) return 1;
+    if (!a.n_inputs || !a.output || !a.vocab_size) {
+        tera_fail(TERA_ERR_ARG, "tokenizer train needs --input FILE (repeatable), --vocab-size N and --output DIR");
+        return tera_cli_error();
+    }
+    char enc[1100];
+    snprintf(enc, sizeof enc, "%s/encoder.json", a.output);
+    if (!a.force && access(enc, F_OK) == 0) {
+        tera_fail(TERA_ERR_EXISTS, "tokenizer '%s' already exists; pass --force to replace it", enc);
+        return tera_cli_error();
+    }
+    char **texts = tera_calloc((size_t)a.n_inputs, sizeof(char *));
+    size_t *lens = tera_calloc((size_t)a.n_inputs, sizeof(size_t));
+    tera_status st = TERA_OK;
+    for (int i = 0; i < a.n_inputs && st == TERA_OK; i++) st = read_all(a.inputs[i], &texts[i], &lens[i]);
+    tera_tokenizer *t = NULL;
+    if (st == TERA_OK) st = tera_tokenizer_train(&t, (const char *const *)texts, lens, a.n_inputs, a.vocab_size);
+    if (st == TERA_OK) st = tera_tokenizer_save(t, a.output);
+    for (int i = 0; i < a.n_inputs; i++) free(texts[i]);
+    free(texts);
+    free(lens);
+    if (st != TERA_OK) {
+        tera_tokenizer_free(t);
+        return tera_cli_error();
+    }
+    fprintf(stderr, "tera: trained a %d-token byte-level BPE vocabulary (%d merges) into %s\n",
+            tera_tokenizer_vocab_size(t), tera_tokenizer_n_merges(t), a.output);
+    tera_tokenizer_free(t);
+    return 0;
+}
+
+/* encode: text on stdin -> ids on stdout; decode: ids on stdin -> text on stdout */
+static int tokenizer_codec(int argc, char **argv, int encode) {
+    data_args a;
+    if (parse(argc, argv, &a)) return 1;
+    if (!a.tokenizer) {
+        tera_fail(TERA_ERR_ARG, "--tokenizer DIR is required");
+        return tera_cli_error();
+    }
+    tera_tokenizer *t;
+    if (tera_tokenizer_load(&t, a.tokenizer) != TERA_OK) return tera_cli_error();
+    size_t cap = 1 << 16, n = 0;
+    char *in = tera_malloc(cap);
+    size_t k;
+    while ((k = fread(in + n, 1, cap - n, stdin)) > 0) {
+        n += k;
+        if (n == cap) {
+            char *g = tera_malloc(cap * 2);
+            memcpy(g, in, n);
+            free(in);
+            in = g;
+            cap *= 2;
+        }
+    }
+    tera_status st;
+    if (encode) {
+        int32_t *ids;
+        size_t m;
+        st = tera_tokenizer_encode(t, in, n, TERA_TOK_ALLOW_SPECIAL, &ids, &m);
+        if (st == TERA_OK) {
+            for (size_t i = 0; i < m; i++) printf(i ? " %d" : "%d", ids[i]);
+            printf("\n");
+            free(ids);
+        }
+    } else {
+        size_t m = 0, mcap = 1024;
+        int32_t *ids = tera_malloc(sizeof(int32_t) * mcap);
+        char *p = in, *end = in + n;
+        st = TERA_OK;
+        while (p < end) {
+            char *q;
+            long v = strtol(p, &q, 10);
+            if (q == p) {
+                if (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') {
+                    p++;
+                    continue;
+                }
+                st = tera_fail(TERA_ERR_FORMAT, "stdin: byte %ld: expected a token id", (long)(p - in));
+                break;
+            }
+            if (m == mcap) {
+                int32_t *g = tera_malloc(sizeof(int32_t) * mcap * 2);
+                memcpy(g, ids, sizeof(int32_t) * m);
+                free(ids);
+                ids = g;
+                mcap *= 2;
+            }
+            ids[m++] = (int32_t)v;
+            p = q;
+        }
+        char *text;
+        size_t tl;
+        if (st == TERA_OK) st = tera_tokenizer_decode(t, ids, m, &text, &tl);
+        if (st == TERA_OK) {
+            fwrite(text, 1, tl, stdout);
+            free(text);
+        }
+        free(ids);
+    }
+    free(in);
+    tera_tokenizer_free(t);
+    return st == TERA_OK ? 0 : tera_cli_error();
+}
+
+int tera_cmd_data(int argc, char **argv) {
+    if (argc >= 1 && !strcmp(argv[0], "prepare")) return data_prepare(argc - 1, argv + 1);
+    tera_fail(TERA_ERR_ARG, "usage: tera data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] "
+                            "[--field NAME] [--threads N] [--force]");
+    return tera_cli_error();
+}
+
+int tera_cmd_tokenizer(int argc, char **argv) {
+    if (argc >= 1 && !strcmp(argv[0], "train")) return tokenizer_train(argc - 1, argv + 1);
+    if (argc >= 1 && !strcmp(argv[0], "encode")) return tokenizer_codec(argc - 1, argv + 1, 1);
+    if (argc >= 1 && !strcmp(argv[0], "decode")) return tokenizer_codec(argc - 1, argv + 1, 0);
+    tera_fail(TERA_ERR_ARG, "usage: tera tokenizer train --input FILE... --vocab-size N --output DIR [--force] | "
+                            "encode --tokenizer DIR < text | decode --tokenizer DIR < ids");
+    return tera_cli_error();
+}
