@@ -14,9 +14,13 @@ build: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS) -- --no-print-directory
 
-# Train the default small model on the embedded corpus (no download).
+# Train the default small model on the embedded corpus (no download): a BPE vocabulary is trained
+# on it, the corpus is tokenized into a .bin/.idx dataset, then the model trains on that.
+QS = runs/quickstart-data
 run: build
-	$(BUILD)/tera train -c configs/default.ini --logging.run_dir=runs/quickstart --force
+	$(BUILD)/tera tokenizer train --input data/default_corpus.txt --vocab-size 512 --output $(QS)/tokenizer --force
+	$(BUILD)/tera data prepare --input data/default_corpus.txt --tokenizer $(QS)/tokenizer --output $(QS)/corpus --force
+	$(BUILD)/tera train -c configs/quickstart.ini --logging.run_dir=runs/quickstart --force
 
 # Unit, reference and end-to-end tests, then the same unit tests under ASan/UBSan.
 test: build test-asan

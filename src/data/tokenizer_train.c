@@ -181,7 +181,11 @@ static tera_status count_words(tok_trainer *tr, const char *const *texts, const 
     uint32_t cap = 0;
     for (int i = 0; i < n_texts && s == TERA_OK; i++) {
         s = tok_check_utf8(&m, re, texts[i], lens[i], 0);
-        if (s != TERA_OK) s = tera_fail(s, "training text %d: %s", i, tera_last_error());
+        if (s != TERA_OK) {
+            char why[512]; /* (tera_fail must not format from its own buffer) */
+            snprintf(why, sizeof why, "%s", tera_last_error());
+            s = tera_fail(s, "training text %d: %s", i, why);
+        }
         size_t p = 0, a, b;
         int rc = 0;
         while (s == TERA_OK && (rc = tok_next_pretoken(&m, re, jit, texts[i], lens[i], p, &a, &b)) > 0) {
