@@ -64,6 +64,13 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
  * wrapping over epochs: epoch = g / n_train; with shuffle, a seed-and-epoch keyed bijection of
  * [0, n_train) (no table of n_train entries). Writes inputs[T] and targets[T]. */
 void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, int32_t *targets);
+/* Which global training sample a rank reads: sample b of micro-batch a on data-parallel rank r of
+ * R, in the step that starts after `consumed` samples. A step reads the global samples
+ * [consumed, consumed + micro*accum*R), each exactly once over all ranks; each rank computes only
+ * its own indices. Because the data position is counted in samples, a run resumed with another
+ * micro-batch, accumulation or data-parallel degree continues with the very next sample. */
+int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int dp_rank, int dp_size, int b);
+
 /* The v-th validation sample (v mod n_val). */
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);
 

@@ -107,3 +107,7 @@ void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, in
                  (long long)v, (long long)l->n_val);
     fill_sample(l, l->n_train + v % l->n_val, inputs, targets);
 }
+
+int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int dp_rank, int dp_size, int b) {
+    return consumed + ((int64_t)accum_idx * dp_size + dp_rank) * micro + b;
+}

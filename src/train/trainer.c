@@ -162,7 +162,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
     for (int a = 0; a < A; a++) {
-        const int64_t g0 = tr->samples_consumed + (int64_t)a * B;
+        const int dp = cfg->parallel.dp, dp_rank = 0; /* ranks arrive with the distributed issue */
+        const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, dp_rank, dp, 0);
         const int32_t *in = tr->tokens, *tg = tr->targets;
         double dw;
         if (tr->prefetch) {
@@ -205,7 +206,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
     tera_prof_calls[TERA_PROF_OPTIM]++;
     tr->step++;
-    tr->samples_consumed += seqs;
+    tr->samples_consumed += seqs * cfg->parallel.dp;
     r->seconds = tera_now() - t0;
 
     if (open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
