@@ -506,9 +506,22 @@ static void test_long_words(void **state) {
     assert_round_trip(t, s, n);
     memset(s, ' ', n);
     assert_round_trip(t, s, n); /* one whitespace run */
-    memset(s, 'a', n);
+    /* a 100-byte word (heap path); ids from the independent Python GPT-2 BPE */
+    static const char *word = "obtofccnkwuobeerehhtefrhnqxqkrbkxwhoxtcxonnrwucuobroqkxhqbkbqhtotbhqxxteteooexrbhubnho"
+                              "irkoohwioqchic";
+    static const int32_t want[] = {672,   1462, 69,   535,   77,   74,    43812, 5910,  567,  12337, 660,  8310,
+                                   21116, 80,   87,   80,    74,   26145, 74,    87,    8727, 742,   66,   23813,
+                                   77,    31653, 1229, 84,   672,   305,  80,    74,    87,   71,    80,   65,
+                                   32812, 80,   4352, 313,   34369, 80,   87,    742,   14471, 2238, 1069,  26145,
+                                   40140, 77,   8873, 343,   7204,  1219, 86,    952,   80,   354,   291};
     size_t m;
-    int32_t *ids = enc(t, s, 4000, 0, &m); /* "a" x 4000 = 1000 x "aaaa" (24794) per GPT-2 */
+    int32_t *ids = enc(t, word, strlen(word), 0, &m);
+    assert_int_equal(strlen(word), 100);
+    assert_int_equal(m, sizeof want / sizeof want[0]);
+    assert_memory_equal(ids, want, sizeof want);
+    free(ids);
+    memset(s, 'a', n);
+    ids = enc(t, s, 4000, 0, &m); /* "a" x 4000 = 1000 x "aaaa" (24794) per GPT-2 */
     assert_int_equal(m, 1000);
     for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], 24794);
     free(ids);

@@ -127,10 +127,12 @@ static int bytes_cmp(const char *x, size_t nx, const char *y, size_t ny) {
 static int pair_bytes_less(const tok_trainer *tr, int32_t p, int32_t q) {
     const tr_pair *x = &tr->pairs[p], *y = &tr->pairs[q];
     size_t nxa, nya, nxb, nyb;
-    const char *xa = tok_bmap_str(&tr->vocab, (uint32_t)x->a, &nxa), *ya = tok_bmap_str(&tr->vocab, (uint32_t)y->a, &nya);
+    const char *xa = tok_bmap_str(&tr->vocab, (uint32_t)x->a, &nxa);
+    const char *ya = tok_bmap_str(&tr->vocab, (uint32_t)y->a, &nya);
     int c = bytes_cmp(xa, nxa, ya, nya);
     if (c) return c < 0;
-    const char *xb = tok_bmap_str(&tr->vocab, (uint32_t)x->b, &nxb), *yb = tok_bmap_str(&tr->vocab, (uint32_t)y->b, &nyb);
+    const char *xb = tok_bmap_str(&tr->vocab, (uint32_t)x->b, &nxb);
+    const char *yb = tok_bmap_str(&tr->vocab, (uint32_t)y->b, &nyb);
     return bytes_cmp(xb, nxb, yb, nyb) < 0;
 }
 
