@@ -199,6 +199,34 @@ static void test_grad_accumulation(void **state) {
     free(wc);
 }
 
+/* A non-finite gradient skips the update (weights unchanged, counted) and the data still advances. */
+static void test_nonfinite_skip(void **state) {
+    (void)state;
+    tera_config c = small_train_cfg(2, 1);
+    tera_trainer tr;
+    assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
+    tr.fault_nan_step = 1;
+    tera_step_result r;
+    assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
+    assert_int_equal(r.skipped, 0);
+    float *before = malloc(sizeof(float) * (size_t)tr.model.n_floats);
+    memcpy(before, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
+    const int64_t t_before = tr.opt.t;
+    assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
+    assert_int_equal(r.skipped, 1);
+    assert_true(!isfinite(r.grad_norm));
+    assert_int_equal(tr.skipped_steps, 1);
+    assert_memory_equal(before, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
+    assert_int_equal(tr.opt.t, t_before);
+    assert_int_equal(tr.samples_consumed, 4); /* both steps consumed their samples */
+    assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK); /* training goes on */
+    assert_int_equal(r.skipped, 0);
+    assert_true(isfinite(r.loss) && isfinite(r.grad_norm));
+    for (int64_t i = 0; i < tr.model.n_floats; i++) assert_true(isfinite(tr.model.w[i]));
+    free(before);
+    tera_trainer_free(&tr);
+}
+
 static void test_lr_schedule(void **state) {
     (void)state;
     tera_train_config t = {0};
@@ -266,7 +294,7 @@ int main(void) {
         cmocka_unit_test(test_param_table),     cmocka_unit_test(test_lr_schedule),
         cmocka_unit_test(test_clipping_and_norm), cmocka_unit_test(test_fd_all_options),
         cmocka_unit_test(test_fd_dropless_prob), cmocka_unit_test(test_determinism),
-        cmocka_unit_test(test_grad_accumulation),
+        cmocka_unit_test(test_grad_accumulation), cmocka_unit_test(test_nonfinite_skip),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

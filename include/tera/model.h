@@ -90,6 +90,8 @@ typedef struct {
     int n_moe_layers;
     float *router_bias;   /* [L, E] aux-loss-free selection bias (state, not a parameter) */
     int64_t *expert_load; /* [L, E] assignments per expert since the last tera_model_reset_load */
+    double *router_entropy; /* [L] sum over tokens of the router distribution's entropy (nats), same period */
+    int64_t routed_tokens;  /* tokens per MoE layer counted in that period */
     tera_acts *acts;
     float *logits;        /* [B*T, V] after forward */
     tera_fwd_stats stats; /* of the last forward */

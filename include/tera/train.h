@@ -21,14 +21,17 @@ void tera_adamw_free(tera_adamw *o);
 /* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
  * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps), on the gradient
  * times grad_scale (the clipping factor, applied here instead of in a separate pass). With
- * zero_grad, each gradient is cleared right after use (no separate pass either). */
+ * zero_grad, each gradient is cleared right after use (no separate pass either). update_sq and
+ * param_sq (may be NULL) receive sum((w_new - w_old)^2) and sum(w_old^2) over all parameters. */
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
-                     int zero_grad);
+                     int zero_grad, double *update_sq, double *param_sq);
 
 /* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
 float tera_lr_at(const tera_train_config *t, int64_t step);
-/* Global L2 norm of all gradients (fixed reduction order). */
+/* Global L2 norm of all gradients (fixed reduction order, independent of the thread count). */
 double tera_grad_norm(const tera_model *m);
+/* The same squared, also per parameter tensor into sq[n_params] (sq may be NULL). */
+double tera_grad_sq_by_param(const tera_model *m, double *sq);
 void tera_grad_scale(tera_model *m, float s);
 
 /* One optimizer step's results. */
@@ -40,6 +43,7 @@ typedef struct {
     double dropped_frac;
     double seconds, data_seconds;
     int skipped;    /* 1: non-finite loss or gradient, update skipped */
+    double update_ratio; /* ||w_new - w_old|| / ||w_old|| of this step's update */
 } tera_step_result;
 
 typedef struct {
@@ -58,6 +62,9 @@ typedef struct {
     double t_start;
     int64_t tokens_per_step;
     int grads_zero;             /* the gradients are known to be zero (cleared by the optimizer) */
+    double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
+    int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
+    int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from

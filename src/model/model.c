@@ -212,6 +212,7 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
     for (int l = 0; l < cfg->n_layers; l++) m->n_moe_layers += is_moe(cfg, l);
     m->router_bias = tera_calloc((size_t)cfg->n_layers * (size_t)cfg->n_experts, sizeof(float));
     m->expert_load = tera_calloc((size_t)cfg->n_layers * (size_t)cfg->n_experts, sizeof(int64_t));
+    m->router_entropy = tera_calloc((size_t)cfg->n_layers, sizeof(double));
 
     tera_acts *a = tera_calloc(1, sizeof(tera_acts));
     a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
@@ -244,6 +245,7 @@ void tera_model_destroy(tera_model *m) {
     free(m->G.layers);
     free(m->router_bias);
     free(m->expert_load);
+    free(m->router_entropy);
     if (m->acts) {
         free(m->acts->act_block);
         free(m->acts->scratch_block);
@@ -279,6 +281,8 @@ void tera_model_zero_grad(tera_model *m) { memset(m->g, 0, sizeof(float) * (size
 
 void tera_model_reset_load(tera_model *m) {
     memset(m->expert_load, 0, sizeof(int64_t) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
+    memset(m->router_entropy, 0, sizeof(double) * (size_t)m->cfg.n_layers);
+    m->routed_tokens = 0;
 }
 
 /* ------------------------------------------------------------------------------ forward */
@@ -378,7 +382,16 @@ static void moe_forward(tera_model *m, int l, float *out) {
         }
         aux += E * s;
     }
-    for (int64_t n = 0; n < N; n++) z += (double)la->rlse[n] * la->rlse[n];
+    double ent = 0.0;
+    for (int64_t n = 0; n < N; n++) {
+        z += (double)la->rlse[n] * la->rlse[n];
+        for (int e = 0; e < E; e++) {
+            const float p = la->probs[n * E + e];
+            if (p > 0.0f) ent -= (double)p * log((double)p);
+        }
+    }
+    m->router_entropy[l] += ent;
+    if (l == c->first_k_dense) m->routed_tokens += N;
     m->stats.aux_sum += aux;
     m->stats.z_sum += z;
 

@@ -16,28 +16,46 @@ void tera_adamw_free(tera_adamw *o) {
     memset(o, 0, sizeof *o);
 }
 
+#define CHUNKS 64 /* fixed partition of each tensor for reductions: thread-count independent */
+
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
-                     int zero_grad) {
+                     int zero_grad, double *update_sq, double *param_sq) {
     o->t++;
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
     const float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2);
+    double usum = 0.0, psum = 0.0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         float *w = m->w + p->offset;
         float *g = m->g + p->offset;
         float *mm = o->m + p->offset, *vv = o->v + p->offset;
         const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
+        const int64_t n = p->numel, len = (n + CHUNKS - 1) / CHUNKS;
+        double up[CHUNKS], pp[CHUNKS];
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < p->numel; j++) {
-            const float gj = g[j] * grad_scale;
-            w[j] *= decay;
-            mm[j] = b1 * mm[j] + (1.0f - b1) * gj;
-            vv[j] = b2 * vv[j] + (1.0f - b2) * gj * gj;
-            w[j] -= step_size * mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps);
-            if (zero_grad) g[j] = 0.0f;
+        for (int ch = 0; ch < CHUNKS; ch++) {
+            const int64_t j0 = ch * len, j1 = j0 + len < n ? j0 + len : n;
+            float us = 0.0f, ps = 0.0f;
+            for (int64_t j = j0; j < j1; j++) {
+                const float gj = g[j] * grad_scale;
+                const float w0 = w[j];
+                float wj = w0 * decay;
+                mm[j] = b1 * mm[j] + (1.0f - b1) * gj;
+                vv[j] = b2 * vv[j] + (1.0f - b2) * gj * gj;
+                wj -= step_size * mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps);
+                w[j] = wj;
+                us += (wj - w0) * (wj - w0);
+                ps += w0 * w0;
+                if (zero_grad) g[j] = 0.0f;
+            }
+            up[ch] = us;
+            pp[ch] = ps;
         }
+        for (int ch = 0; ch < CHUNKS; ch++) usum += up[ch], psum += pp[ch];
     }
+    if (update_sq) *update_sq = usum;
+    if (param_sq) *param_sq = psum;
 }
 
 float tera_lr_at(const tera_train_config *t, int64_t s) {
@@ -49,24 +67,29 @@ float tera_lr_at(const tera_train_config *t, int64_t s) {
     return (float)(t->min_lr + 0.5 * (t->lr - t->min_lr) * (1.0 + cos(M_PI * prog)));
 }
 
-#define NORM_PARTS 256
-
-double tera_grad_norm(const tera_model *m) {
-    /* NORM_PARTS fixed slices, each summed in order, then added in order: the result does not
-     * depend on the number of threads */
-    const int64_t n = m->n_floats, len = (n + NORM_PARTS - 1) / NORM_PARTS;
-    double part[NORM_PARTS];
-#pragma omp parallel for schedule(static)
-    for (int c = 0; c < NORM_PARTS; c++) {
-        const int64_t a = c * len, b = a + len < n ? a + len : n;
-        double s = 0.0;
-        for (int64_t i = a; i < b; i++) s += (double)m->g[i] * m->g[i];
-        part[c] = s;
-    }
+double tera_grad_sq_by_param(const tera_model *m, double *sq) {
     double total = 0.0;
-    for (int c = 0; c < NORM_PARTS; c++) total += part[c];
-    return sqrt(total);
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        const float *g = m->g + p->offset;
+        const int64_t n = p->numel, len = (n + CHUNKS - 1) / CHUNKS;
+        double part[CHUNKS];
+#pragma omp parallel for schedule(static)
+        for (int ch = 0; ch < CHUNKS; ch++) {
+            const int64_t j0 = ch * len, j1 = j0 + len < n ? j0 + len : n;
+            double s = 0.0;
+            for (int64_t j = j0; j < j1; j++) s += (double)g[j] * g[j];
+            part[ch] = s;
+        }
+        double t = 0.0;
+        for (int ch = 0; ch < CHUNKS; ch++) t += part[ch];
+        if (sq) sq[i] = t;
+        total += t;
+    }
+    return total;
 }
+
+double tera_grad_norm(const tera_model *m) { return sqrt(tera_grad_sq_by_param(m, NULL)); }
 
 void tera_grad_scale(tera_model *m, float s) {
     float *g = m->g;

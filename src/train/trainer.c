@@ -85,6 +85,8 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
         tera_model_init_weights(&tr->model, t->seed);
     }
     tera_adamw_init(&tr->opt, tr->model.n_floats);
+    tr->grad_sq = tera_calloc((size_t)tr->model.n_params, sizeof(double));
+    tr->fault_nan_step = -1;
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
@@ -110,6 +112,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     return TERA_OK;
 
 fail_all:
+    free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
     free(tr->tokens);
     free(tr->targets);
@@ -124,6 +127,7 @@ fail_src:
 void tera_trainer_free(tera_trainer *tr) {
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
+    free(tr->grad_sq);
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
@@ -139,6 +143,70 @@ static tera_status open_metrics(tera_trainer *tr, const char *mode) {
     tr->metrics = fopen(path, mode);
     if (!tr->metrics) return tera_fail(TERA_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     return TERA_OK;
+}
+
+/* Parameter groups for the per-group gradient norms of metrics.jsonl. */
+static int param_group(tera_param_kind k) {
+    switch (k) {
+    case TERA_P_EMBED: return 0;
+    case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV: case TERA_P_WO: return 1;
+    case TERA_P_ROUTER: return 2;
+    case TERA_P_EXP_W1: case TERA_P_EXP_W2: case TERA_P_EXP_W3: return 3;
+    case TERA_P_SHARED_W1: case TERA_P_SHARED_W2: case TERA_P_SHARED_W3:
+    case TERA_P_DENSE_W1: case TERA_P_DENSE_W2: case TERA_P_DENSE_W3: return 4;
+    case TERA_P_ATTN_NORM: case TERA_P_FFN_NORM: case TERA_P_FINAL_NORM: return 5;
+    default: return 6; /* lm_head */
+    }
+}
+
+/* One JSON object per step: the training figures, then health metrics (per-group gradient
+ * norms, update/parameter ratio, router entropy and expert load per MoE layer). */
+static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
+    static const char *const groups[7] = {"embed", "attn", "router", "experts", "dense_shared_ffn", "norms", "lm_head"};
+    const tera_model *m = &tr->model;
+    FILE *f = tr->metrics;
+    fprintf(f,
+            "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
+            "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
+            "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d, "
+            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"grad_norm_by_group\": {",
+            (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
+            (double)tr->tokens_per_step / r->seconds, tera_now() - tr->t_start, r->seconds, r->data_seconds,
+            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio);
+    double gsq[7] = {0};
+    int present[7] = {0};
+    for (int i = 0; i < m->n_params; i++) {
+        int g = param_group(m->params[i].kind);
+        gsq[g] += tr->grad_sq[i];
+        present[g] = 1;
+    }
+    int first = 1;
+    for (int g = 0; g < 7; g++) {
+        if (!present[g]) continue;
+        fprintf(f, "%s\"%s\": %.5g", first ? "" : ", ", groups[g], sqrt(gsq[g]));
+        first = 0;
+    }
+    fprintf(f, "}, \"router_entropy\": [");
+    const int E = m->cfg.n_experts;
+    first = 1;
+    for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) {
+        fprintf(f, "%s%.5g", first ? "" : ", ", m->routed_tokens ? m->router_entropy[l] / (double)m->routed_tokens : 0.0);
+        first = 0;
+    }
+    fprintf(f, "], \"expert_load_max_over_mean\": [");
+    first = 1;
+    for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) {
+        int64_t mx = 0, sum = 0;
+        for (int e = 0; e < E; e++) {
+            int64_t v = m->expert_load[(int64_t)l * E + e];
+            sum += v;
+            if (v > mx) mx = v;
+        }
+        fprintf(f, "%s%.4f", first ? "" : ", ", sum ? (double)mx * E / (double)sum : 0.0);
+        first = 0;
+    }
+    fprintf(f, "]}\n");
+    fflush(f);
 }
 
 tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
@@ -193,13 +261,17 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     r->lr = tera_lr_at(&cfg->training, tr->step);
 
     double t_opt = tera_now();
-    r->grad_norm = tera_grad_norm(m);
+    if (tr->step == tr->fault_nan_step) m->g[m->n_floats / 2] = NAN;
+    r->grad_norm = sqrt(tera_grad_sq_by_param(m, tr->grad_sq));
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
         r->skipped = 1; /* the data position still advances with the step counter */
+        tr->skipped_steps++;
     } else {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
-        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, 1);
+        double usq, psq;
+        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, 1, &usq, &psq);
+        r->update_ratio = psq > 0 ? sqrt(usq / psq) : 0.0;
         tr->grads_zero = 1;
         tera_model_update_router_bias(m);
     }
@@ -210,16 +282,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     r->seconds = tera_now() - t0;
 
     if (open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
-    if (tr->metrics) {
-        fprintf(tr->metrics,
-                "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
-                "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
-                "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d}\n",
-                (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
-                (double)tr->tokens_per_step / r->seconds, tera_now() - tr->t_start, r->seconds,
-                r->data_seconds, r->dropped_frac, r->skipped);
-        fflush(tr->metrics);
-    }
+    if (tr->metrics) write_metrics(tr, r);
     return TERA_OK;
 }
 
