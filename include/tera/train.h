@@ -84,6 +84,8 @@ tera_status tera_trainer_save(tera_trainer *tr);
  * position). The data must be the same token stream (checked: token count, sample length, shuffle,
  * seed); the batch size may differ, since the position is counted in samples. */
 tera_status tera_trainer_resume(tera_trainer *tr);
+/* Opens run_dir/metrics.jsonl for appending (no-op without a run directory). */
+tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
 
