@@ -95,6 +95,12 @@ typedef struct {
     tera_acts *acts;
     float *logits;        /* [B*T, V] after forward */
     tera_fwd_stats stats; /* of the last forward */
+    /* Gradient buckets: called during backward as soon as a contiguous range of the flat gradient
+     * buffer holds its final value for this micro-batch (the LM head and final norm, then each
+     * layer from the last, then the embedding), so a data-parallel reduction can start while
+     * backward goes on. NULL: not called. */
+    void (*grad_ready)(void *ctx, int64_t offset, int64_t count);
+    void *grad_ready_ctx;
     int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
 } tera_model;
 

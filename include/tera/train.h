@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/data.h"
 #include "tera/model.h"
@@ -65,6 +66,10 @@ typedef struct {
     double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
     int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
+    struct tera_comm *dp;       /* the data-parallel group (the world for now) */
+    int rank, world;            /* this rank in it, and its size (= parallel.dp) */
+    tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
+    int n_buckets;
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from

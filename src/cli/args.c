@@ -1,9 +1,14 @@
 #include <string.h>
 
 #include "cli.h"
+#include "tera/comm.h"
 
 int tera_cli_error(void) {
-    fprintf(stderr, "tera: error: %s\n", tera_last_error());
+    tera_comm *w = tera_comm_world();
+    if (tera_comm_rank(w) == 0)
+        fprintf(stderr, "tera: error: %s\n", tera_last_error());
+    else if (!strstr(tera_last_error(), "another rank") && !strstr(tera_last_error(), "on rank 0"))
+        fprintf(stderr, "tera: error (rank %d): %s\n", tera_comm_rank(w), tera_last_error());
     return 1;
 }
 

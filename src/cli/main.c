@@ -3,6 +3,9 @@
 #include <string.h>
 
 #include "cli.h"
+#include "tera/comm.h"
+
+static int dispatch(int argc, char **argv, const char *cmd);
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -29,6 +32,16 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *cmd = argv[1];
+    if (tera_comm_init(&argc, &argv) != TERA_OK) {
+        fprintf(stderr, "tera: error: %s\n", tera_last_error());
+        return 1;
+    }
+    int rc = dispatch(argc, argv, cmd);
+    tera_comm_finalize();
+    return rc;
+}
+
+static int dispatch(int argc, char **argv, const char *cmd) {
     if (!strcmp(cmd, "train")) return tera_cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "eval")) return tera_cmd_eval(argc - 2, argv + 2);
     if (!strcmp(cmd, "export-hf")) return tera_cmd_export_hf(argc - 2, argv + 2);

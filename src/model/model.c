@@ -618,6 +618,28 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
+/* Flat-buffer range [lo, hi) of the parameters selected by `pick` (layer index, or -1 with the
+ * kinds of the head / embedding). Parameters of one layer are contiguous in the table. */
+static void param_range(const tera_model *m, int layer, int head, int64_t *lo, int64_t *hi) {
+    *lo = INT64_MAX;
+    *hi = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        int in = layer >= 0 ? p->layer == layer
+                            : (head ? (p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD) : p->kind == TERA_P_EMBED);
+        if (!in) continue;
+        if (p->offset < *lo) *lo = p->offset;
+        if (p->offset + p->numel > *hi) *hi = p->offset + p->numel;
+    }
+}
+
+static void notify_grads(tera_model *m, int layer, int head) {
+    if (!m->grad_ready) return;
+    int64_t lo, hi;
+    param_range(m, layer, head, &lo, &hi);
+    if (hi > lo) m->grad_ready(m->grad_ready_ctx, lo, hi - lo);
+}
+
 void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
@@ -628,8 +650,14 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                               a->rstdf, N, D));
-    for (int l = c->n_layers - 1; l >= 0; l--) layer_backward(m, l, s);
+    if (!c->tie_embeddings) notify_grads(m, -1, 1); /* tied: the head is the embedding, final below */
+    for (int l = c->n_layers - 1; l >= 0; l--) {
+        layer_backward(m, l, s);
+        notify_grads(m, l, 0);
+    }
     TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
+    notify_grads(m, -1, 0);
+    if (c->tie_embeddings) notify_grads(m, -1, 1);
 }
 
 void tera_model_update_router_bias(tera_model *m) {

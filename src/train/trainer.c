@@ -52,6 +52,13 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     tr->cfg = *cfg;
     const tera_train_config *t = &cfg->training;
     tera_set_threads(t->threads);
+    tr->dp = tera_comm_world();
+    tr->rank = tera_comm_rank(tr->dp);
+    tr->world = tera_comm_size(tr->dp);
+    if (tr->world != cfg->parallel.dp)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
+                         cfg->parallel.dp, tr->world, tr->world == 1 ? " is" : "s are", cfg->parallel.dp, tr->world);
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -90,12 +97,14 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
-    tr->tokens_per_step = (int64_t)bt * t->grad_accum;
+    tr->tokens_per_step = (int64_t)bt * t->grad_accum * tr->world; /* the global batch */
     if (cfg->data.prefetch > 0 &&
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
 
-    if (tr->run_dir[0]) {
+    tr->n_buckets = cfg->model.n_layers + 2;
+    tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
+    if (tr->run_dir[0] && tr->rank == 0) {
         if (dir_nonempty(tr->run_dir) && !overwrite) {
             st = tera_fail(TERA_ERR_EXISTS,
                            "run directory '%s' already exists and is not empty; choose another "
@@ -108,10 +117,26 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
+    /* every rank agrees that set-up worked (rank 0 alone created the run directory) */
+    int64_t ok = 1;
+    tera_comm_allreduce_i64(tr->dp, &ok, 1);
+    if (ok != tr->world) {
+        st = tera_fail(TERA_ERR_IO, "set-up failed on another rank (see rank 0's message)");
+        goto fail_all;
+    }
     tr->t_start = tera_now();
     return TERA_OK;
 
 fail_all:
+    if (tr->world > 1 && st != TERA_OK && tr->rank == 0) {
+        /* tell the other ranks, which are waiting in the agreement above */
+        int64_t ok0 = 0;
+        char keep[2048];
+        snprintf(keep, sizeof keep, "%s", tera_last_error());
+        tera_comm_allreduce_i64(tr->dp, &ok0, 1);
+        tera_fail(st, "%s", keep);
+    }
+    free(tr->buckets);
     free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
     free(tr->tokens);
@@ -127,6 +152,7 @@ fail_src:
 void tera_trainer_free(tera_trainer *tr) {
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
+    free(tr->buckets);
     free(tr->grad_sq);
     free(tr->tokens);
     free(tr->targets);
@@ -137,7 +163,7 @@ void tera_trainer_free(tera_trainer *tr) {
 }
 
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
-    if (!tr->run_dir[0] || tr->metrics) return TERA_OK;
+    if (!tr->run_dir[0] || tr->metrics || tr->rank != 0) return TERA_OK;
     char path[TERA_PATH_MAX + 64];
     snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
     tr->metrics = fopen(path, mode);
@@ -209,6 +235,17 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     fflush(f);
 }
 
+/* Gradient bucket ready (last micro-batch of a step): start its data-parallel sum now, while
+ * backward continues, and let earlier ones progress. Buckets are numbered in backward order. */
+static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
+    tera_trainer *tr = ctx;
+    int i = 0;
+    while (i < tr->n_buckets && tr->buckets[i].active) i++;
+    TERA_ASSERTF(i < tr->n_buckets, "more gradient buckets than the %d expected", tr->n_buckets);
+    tera_comm_iallreduce_f32(tr->dp, tr->model.g + offset, count, &tr->buckets[i]);
+    tera_comm_poll(tr->buckets, i);
+}
+
 tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const tera_config *cfg = &tr->cfg;
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len, A = cfg->training.grad_accum;
@@ -217,7 +254,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     memset(r, 0, sizeof *r);
     r->step = tr->step;
 
-    const int64_t seqs = (int64_t)A * B;
+    const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
     const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
     tera_loss_scales s = {
         .ce = 1.0f / (float)(seqs * T),
@@ -230,8 +267,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
     for (int a = 0; a < A; a++) {
-        const int dp = cfg->parallel.dp, dp_rank = 0; /* ranks arrive with the distributed issue */
-        const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, dp_rank, dp, 0);
+        const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->rank, tr->world, 0);
         const int32_t *in = tr->tokens, *tg = tr->targets;
         double dw;
         if (tr->prefetch) {
@@ -246,12 +282,27 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         tera_prof_seconds[TERA_PROF_DATA] += dw;
         tera_prof_calls[TERA_PROF_DATA]++;
         tera_model_forward(m, in, tg);
+        const int last = a == A - 1 && tr->world > 1;
+        m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
+        m->grad_ready_ctx = tr;
         tera_model_backward(m, &s);
+        m->grad_ready = NULL;
         ce += m->stats.ce_sum;
         aux += m->stats.aux_sum;
         z += m->stats.z_sum;
         assign += m->stats.n_assign;
         dropped += m->stats.n_dropped;
+    }
+    if (tr->world > 1) {
+        /* gradients: wait for the bucket sums; statistics: one small sum over the ranks */
+        for (int i = 0; i < tr->n_buckets; i++) tera_comm_wait(&tr->buckets[i]);
+        double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
+        tera_comm_allreduce_f64(tr->dp, sums, 5);
+        ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
+        const int64_t LE = (int64_t)cfg->model.n_layers * cfg->model.n_experts;
+        tera_comm_allreduce_i64(tr->dp, m->expert_load, LE);
+        tera_comm_allreduce_f64(tr->dp, m->router_entropy, cfg->model.n_layers);
+        tera_comm_allreduce_i64(tr->dp, &m->routed_tokens, 1);
     }
     r->ce_loss = ce / (double)(seqs * T);
     r->aux_loss = m->n_moe_layers ? aux / (double)(nmoe * seqs) : 0.0;
@@ -278,7 +329,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
     tera_prof_calls[TERA_PROF_OPTIM]++;
     tr->step++;
-    tr->samples_consumed += seqs * cfg->parallel.dp;
+    tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
@@ -290,9 +341,8 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
     const tera_config *cfg = &tr->cfg;
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
     tera_model *m = &tr->model;
-    double ce = 0.0;
-    int64_t n = 0;
-    for (int i = 0; i < batches; i++) {
+    double sums[2] = {0.0, 0.0}; /* cross-entropy, positions */
+    for (int i = tr->rank; i < batches; i += tr->world) { /* the batches are shared out over the ranks */
         for (int b = 0; b < B; b++) {
             int64_t v = (int64_t)i * B + b;
             int32_t *in = tr->tokens + (int64_t)b * T, *tg = tr->targets + (int64_t)b * T;
@@ -302,10 +352,11 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
                 tera_loader_train_sample(&tr->loader, v, in, tg);
         }
         tera_model_forward(m, tr->tokens, tr->targets);
-        ce += m->stats.ce_sum;
-        n += m->stats.n_positions;
+        sums[0] += m->stats.ce_sum;
+        sums[1] += (double)m->stats.n_positions;
     }
-    *loss = n ? ce / (double)n : NAN;
+    tera_comm_allreduce_f64(tr->dp, sums, 2);
+    *loss = sums[1] > 0 ? sums[0] / sums[1] : NAN;
     return TERA_OK;
 }
 
@@ -315,6 +366,16 @@ static void fmt_eta(char *buf, size_t n, double sec) {
     if (!isfinite(sec) || sec < 0) sec = 0;
     long s = (long)(sec + 0.5);
     snprintf(buf, n, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+}
+
+/* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
+ * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
+static tera_status save_agreed(tera_trainer *tr) {
+    tera_status st = tr->rank == 0 ? tera_trainer_save(tr) : TERA_OK;
+    int64_t failed = st != TERA_OK;
+    tera_comm_allreduce_i64(tr->dp, &failed, 1);
+    if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
+    return st;
 }
 
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
@@ -329,7 +390,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
         const int log_now = cfg->logging.log_every > 0 &&
                             (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
-        if (cfg->logging.progress && (log_now || tty)) {
+        if (tr->rank == 0 && cfg->logging.progress && (log_now || tty)) {
             char eta[32];
             fmt_eta(eta, sizeof eta, (double)(S - tr->step) * tr->tokens_per_step / tok_s_ema);
             fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | ETA %s%s%s",
@@ -340,16 +401,16 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
             double vl;
             TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
-            fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
+            if (tr->rank == 0) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
             if (tr->metrics) {
                 fprintf(tr->metrics, "{\"step\": %ld, \"val_loss\": %.7g}\n", (long)tr->step - 1, vl);
                 fflush(tr->metrics);
             }
         }
         if (cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0 && tr->step < S)
-            TERA_TRY(tera_trainer_save(tr));
+            TERA_TRY(save_agreed(tr));
     }
-    if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
+    if (tr->run_dir[0]) TERA_TRY(save_agreed(tr));
     if (last) *last = r;
     return TERA_OK;
 }

@@ -1,0 +1,91 @@
+/* Checkpoints on disk: committed directories, manifests, differential checkpoints, verification,
+ * and the crash-injection hook. The trainer side (snapshot + background writer) is in
+ * src/train/checkpoint.c; docs/CHECKPOINTS.md describes the layout and the guarantees.
+ *
+ * A checkpoint is RUN/checkpoints/step_NNNNNNNN/. It is written as step_NNNNNNNN.tmp, every file
+ * fsynced, then COMMIT (the step and size + XXH3-64 of every other file) is written and fsynced
+ * last, the directory renamed into place and its parent fsynced. Only a directory whose COMMIT
+ * parses and names its own step counts as a checkpoint; everything else (".tmp", no COMMIT) is
+ * ignored by readers and removed by the next save. */
+#ifndef TERA_CKPT_H
+#define TERA_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "tera/config.h"
+#include "tera/model.h"
+#include "tera/status.h"
+
+#define TERA_CKPT_FORMAT_VERSION 2
+#define TERA_CKPT_CHUNK_BYTES (64 * 1024)   /* differential checkpoints compare 64 KiB chunks */
+
+/* Options (config keys checkpoint.async, checkpoint.full_every once the config table has them). */
+typedef struct {
+    int async;       /* 1: the step loop snapshots into host buffers, a background thread writes */
+    int full_every;  /* every N-th save is full, the others differential against the last full one;
+                        0 or 1 = always full */
+} tera_ckpt_options;
+
+/* Defaults async = 1, full_every = 0; the environment variables TERA_CKPT_ASYNC and
+ * TERA_CKPT_FULL_EVERY override (tests, and until the config keys exist). */
+tera_ckpt_options tera_ckpt_options_from_config(const tera_config *c);
+
+/* ---------------------------------------------------------------- fault injection (tests) */
+/* Every I/O operation of the checkpoint writer (mkdir, open, write, fsync, rename, remove) calls
+ * this first. With TERA_CKPT_FAULT=N in the environment the N-th call (1-based, counted over the
+ * process) prints the operation to stderr and abort()s. */
+void tera_ckpt_io_point(const char *op, const char *path);
+int64_t tera_ckpt_io_count(void);  /* calls so far */
+
+/* ---------------------------------------------------------------- file helpers (fault-counted) */
+/* Writes buf to path (open, write, fsync, close; each an I/O point). */
+tera_status tera_ckpt_write_file(const char *path, const void *buf, size_t n);
+/* fsync of an existing file or directory. */
+tera_status tera_ckpt_fsync_path(const char *path);
+/* Removes a directory tree (an I/O point per directory). */
+tera_status tera_ckpt_rmtree(const char *path);
+/* XXH3-64 and size of a file's contents. */
+tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size);
+
+/* ---------------------------------------------------------------- reading */
+typedef struct {
+    char name[64];       /* directory name: step_NNNNNNNN or step_NNNNNNNN.tmp */
+    int64_t step;
+    int committed;       /* COMMIT present, parses, names this step (not a .tmp) */
+    int full;            /* 1 full, 0 differential (only when committed) */
+    int64_t base_step;   /* the full checkpoint a differential one applies to (-1: none) */
+    int64_t bytes;       /* total size of its files */
+} tera_ckpt_info;
+
+/* Entries of `ckpt_root` (a run's checkpoints/ directory) that look like checkpoints, sorted by
+ * step; *out is malloc'd (free it). A missing directory gives 0 entries. */
+tera_status tera_ckpt_list(const char *ckpt_root, tera_ckpt_info **out, int *n);
+/* 1 when dir holds a COMMIT that parses and names the directory's step. */
+int tera_ckpt_committed(const char *dir);
+/* Re-hashes every file named by COMMIT (size and XXH3) and checks the manifest's checksums, and
+ * for a differential checkpoint that its base is committed. TERA_ERR_FORMAT names the first file
+ * at fault. report (may be NULL) receives one line per problem. */
+tera_status tera_ckpt_verify(const char *dir, FILE *report);
+/* The newest checkpoint under run_dir/checkpoints that verifies (and whose base verifies);
+ * newer ones that do not are skipped with a warning on stderr. */
+tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap);
+/* Loads a checkpoint (full, or its base + the differential) into m's weights and router bias, and
+ * into the moments exp_avg / exp_avg_sq (each [m->n_floats]; NULL = skip). The result is checked
+ * against the manifest's per-region XXH3. */
+tera_status tera_ckpt_load(const char *dir, tera_model *m, float *exp_avg, float *exp_avg_sq);
+
+/* ---------------------------------------------------------------- shared with the writer */
+/* The state is four regions of floats: 0 weights, 1 exp_avg, 2 exp_avg_sq (each laid out as the
+ * flat parameter buffer, [n_floats]), 3 router bias ([n_layers * n_experts], empty without one). */
+enum { TERA_CKPT_N_REGIONS = 4 };
+extern const char *const tera_ckpt_region_names[TERA_CKPT_N_REGIONS];
+int64_t tera_ckpt_region_floats(const tera_model *m, int region);
+/* XXH3-64 of a region's tensor contents (table order; alignment padding excluded). */
+uint64_t tera_ckpt_region_hash(const tera_model *m, int region, const float *buf);
+/* Differential file: "TERADIF1", u32 n_records, then per record u32 region, u32 raw_bytes,
+ * u64 byte offset into the region, u32 compressed bytes, the zstd frame. */
+tera_status tera_ckpt_apply_diff(const char *path, const tera_model *m, float *const regions[TERA_CKPT_N_REGIONS]);
+
+#endif

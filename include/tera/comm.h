@@ -1,0 +1,38 @@
+/* The communicator: collectives over a group of ranks, behind a small interface so that model and
+ * training code never see the backend. MPI (Open MPI) is the backend when the program runs under
+ * a launcher (mpirun); otherwise the world is one rank and every collective is a no-op. A NCCL
+ * backend implements the same functions. */
+#ifndef TERA_COMM_H
+#define TERA_COMM_H
+
+#include <stdint.h>
+
+#include "tera/status.h"
+
+typedef struct tera_comm tera_comm;
+
+/* Starts the world communicator (MPI_Init when launched by mpirun). Idempotent. */
+tera_status tera_comm_init(int *argc, char ***argv);
+void tera_comm_finalize(void);
+tera_comm *tera_comm_world(void);
+int tera_comm_rank(const tera_comm *c);
+int tera_comm_size(const tera_comm *c);
+const char *tera_comm_backend(void); /* "mpi" or "single" */
+
+/* In-place sums over every rank of c. */
+void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n);
+void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n);
+void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n);
+
+/* Non-blocking in-place sum; complete it with tera_comm_wait. */
+typedef struct {
+    int active;                                 /* 1 while the operation is in flight */
+    _Alignas(16) unsigned char storage[32];     /* the backend's request object */
+} tera_comm_req;
+void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req);
+void tera_comm_wait(tera_comm_req *req);
+/* Lets queued non-blocking operations progress (backends without a progress thread). */
+void tera_comm_poll(tera_comm_req *reqs, int n);
+void tera_comm_barrier(tera_comm *c);
+
+#endif

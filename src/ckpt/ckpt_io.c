@@ -1,0 +1,118 @@
+/* Checkpoint file helpers: fault-injection points, durable writes, tree removal, file hashes. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include "tera/ckpt.h"
+
+static atomic_llong g_io_calls;
+
+void tera_ckpt_io_point(const char *op, const char *path) {
+    const long long n = atomic_fetch_add(&g_io_calls, 1) + 1;
+    static long long fault = -2;
+    if (fault == -2) {
+        const char *e = getenv("TERA_CKPT_FAULT");
+        fault = e && *e ? atoll(e) : -1;
+    }
+    if (fault > 0 && n == fault) {
+        fprintf(stderr, "tera: TERA_CKPT_FAULT=%lld: aborting at checkpoint I/O #%lld (%s %s)\n", fault, n, op,
+                path);
+        fflush(stderr);
+        abort();
+    }
+}
+
+int64_t tera_ckpt_io_count(void) { return (int64_t)atomic_load(&g_io_calls); }
+
+tera_status tera_ckpt_write_file(const char *path, const void *buf, size_t n) {
+    tera_ckpt_io_point("open", path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    const char *p = buf;
+    size_t done = 0;
+    int err = 0;
+    /* one I/O point per write call, at most 64 MiB each */
+    while (done < n && !err) {
+        size_t want = n - done < ((size_t)64 << 20) ? n - done : ((size_t)64 << 20);
+        tera_ckpt_io_point("write", path);
+        ssize_t k = write(fd, p + done, want);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) err = errno ? errno : EIO;
+        else done += (size_t)k;
+    }
+    if (!err) {
+        tera_ckpt_io_point("fsync", path);
+        if (fsync(fd) != 0) err = errno;
+    }
+    if (close(fd) != 0 && !err) err = errno;
+    if (err) return tera_fail(TERA_ERR_IO, "%s: write failed: %s", path, strerror(err));
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_fsync_path(const char *path) {
+    tera_ckpt_io_point("fsync", path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open for fsync: %s", path, strerror(errno));
+    int r = fsync(fd), e = errno;
+    close(fd);
+    if (r != 0) return tera_fail(TERA_ERR_IO, "%s: fsync failed: %s", path, strerror(e));
+    return TERA_OK;
+}
+
+static int rm_rec(const char *path) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) return errno == ENOENT ? 0 : -1;
+    if (S_ISDIR(sb.st_mode)) {
+        DIR *d = opendir(path);
+        if (!d) return -1;
+        struct dirent *e;
+        char sub[4096];
+        int bad = 0;
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            if ((size_t)snprintf(sub, sizeof sub, "%s/%s", path, e->d_name) >= sizeof sub) bad = 1;
+            else if (rm_rec(sub) != 0) bad = 1;
+        }
+        closedir(d);
+        if (bad) return -1;
+        return rmdir(path);
+    }
+    return unlink(path);
+}
+
+tera_status tera_ckpt_rmtree(const char *path) {
+    tera_ckpt_io_point("remove", path);
+    if (rm_rec(path) != 0) return tera_fail(TERA_ERR_IO, "cannot remove '%s': %s", path, strerror(errno));
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        close(fd);
+        return tera_fail(TERA_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    }
+    *size = (int64_t)sb.st_size;
+    if (sb.st_size == 0) {
+        close(fd);
+        *hash = XXH3_64bits(NULL, 0);
+        return TERA_OK;
+    }
+    void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return tera_fail(TERA_ERR_IO, "%s: cannot map: %s", path, strerror(errno));
+    *hash = XXH3_64bits(map, (size_t)sb.st_size);
+    munmap(map, (size_t)sb.st_size);
+    return TERA_OK;
+}

@@ -1,0 +1,408 @@
+/* Reading checkpoints: COMMIT markers, listing, verification, and loading (full or differential). */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <xxhash.h>
+#include <zstd.h>
+
+#include "tera/ckpt.h"
+#include "tera/hf.h"
+#include "tera/io.h"
+#include "tera/safetensors.h"
+
+const char *const tera_ckpt_region_names[TERA_CKPT_N_REGIONS] = {"weights", "exp_avg", "exp_avg_sq", "router_bias"};
+
+int64_t tera_ckpt_region_floats(const tera_model *m, int region) {
+    if (region < 3) return m->n_floats;
+    return m->router_bias ? (int64_t)m->cfg.n_layers * m->cfg.n_experts : 0;
+}
+
+uint64_t tera_ckpt_region_hash(const tera_model *m, int region, const float *buf) {
+    if (region == 3) return XXH3_64bits(buf, sizeof(float) * (size_t)tera_ckpt_region_floats(m, 3));
+    XXH3_state_t *s = XXH3_createState();
+    XXH3_64bits_reset(s);
+    for (int i = 0; i < m->n_params; i++)
+        XXH3_64bits_update(s, buf + m->params[i].offset, sizeof(float) * (size_t)m->params[i].numel);
+    uint64_t h = XXH3_64bits_digest(s);
+    XXH3_freeState(s);
+    return h;
+}
+
+/* ------------------------------------------------------------------------------ COMMIT */
+
+#define MAX_FILES 256
+typedef struct {
+    int64_t step;
+    int n;
+    char name[MAX_FILES][128];
+    int64_t size[MAX_FILES];
+    uint64_t hash[MAX_FILES];
+} commit_t;
+
+/* Parses DIR/COMMIT: "tera-checkpoint-commit 1", "step N", "file NAME SIZE HEX"..., "end". */
+static int read_commit(const char *dir, commit_t *c) {
+    char path[4200], *text = NULL;
+    snprintf(path, sizeof path, "%s/COMMIT", dir);
+    struct stat sb;
+    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return 0;
+    if (tera_read_text_file(path, &text) != TERA_OK) return 0;
+    memset(c, 0, sizeof *c);
+    c->step = -1;
+    int ok = 0, header = 0;
+    char *save = NULL;
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        long long v;
+        unsigned long long h;
+        char nm[128];
+        if (!header) {
+            header = strcmp(line, "tera-checkpoint-commit 1") == 0;
+            if (!header) break;
+        } else if (sscanf(line, "step %lld", &v) == 1) {
+            c->step = v;
+        } else if (c->n < MAX_FILES && sscanf(line, "file %127s %lld %llx", nm, &v, &h) == 3) {
+            snprintf(c->name[c->n], sizeof c->name[0], "%s", nm);
+            c->size[c->n] = v;
+            c->hash[c->n++] = h;
+        } else if (!strcmp(line, "end")) {
+            ok = 1;
+            break;
+        } else {
+            break;
+        }
+    }
+    free(text);
+    return ok && c->step >= 0;
+}
+
+static int parse_step_name(const char *name, int64_t *step, int *tmp) {
+    long long s;
+    int len = 0;
+    if (sscanf(name, "step_%lld%n", &s, &len) != 1 || s < 0) return 0;
+    if (name[len] == 0) *tmp = 0;
+    else if (!strcmp(name + len, ".tmp")) *tmp = 1;
+    else return 0;
+    *step = s;
+    return 1;
+}
+
+static const char *base_name(const char *dir) {
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    const char *p = dir + n;
+    while (p > dir && p[-1] != '/') p--;
+    return p;
+}
+
+int tera_ckpt_committed(const char *dir) {
+    commit_t *c = malloc(sizeof *c);
+    int64_t step;
+    int tmp;
+    char name[256];
+    snprintf(name, sizeof name, "%s", base_name(dir));
+    char *slash = strchr(name, '/');
+    if (slash) *slash = 0;
+    int ok = c && parse_step_name(name, &step, &tmp) && !tmp && read_commit(dir, c) && c->step == step;
+    free(c);
+    return ok;
+}
+
+/* manifest.json of dir (NULL when missing or malformed). */
+static cJSON *read_manifest(const char *dir) {
+    char path[4200], *text = NULL;
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    if (tera_read_text_file(path, &text) != TERA_OK) return NULL;
+    cJSON *j = cJSON_Parse(text);
+    free(text);
+    return j;
+}
+
+static int64_t manifest_int(const cJSON *j, const char *key, int64_t dflt) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(j, key);
+    return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
+}
+
+static int cmp_info(const void *a, const void *b) {
+    const tera_ckpt_info *x = a, *y = b;
+    if (x->step != y->step) return (x->step > y->step) - (x->step < y->step);
+    return strcmp(x->name, y->name);
+}
+
+tera_status tera_ckpt_list(const char *root, tera_ckpt_info **out, int *n_out) {
+    *out = NULL;
+    *n_out = 0;
+    DIR *d = opendir(root);
+    if (!d) return errno == ENOENT ? TERA_OK : tera_fail(TERA_ERR_IO, "%s: cannot open: %s", root, strerror(errno));
+    int n = 0, cap = 0;
+    tera_ckpt_info *v = NULL;
+    commit_t *c = malloc(sizeof *c);
+    struct dirent *e;
+    char dir[4200], path[4400];
+    while ((e = readdir(d))) {
+        int64_t step;
+        int tmp;
+        if (!parse_step_name(e->d_name, &step, &tmp)) continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            v = realloc(v, sizeof *v * (size_t)cap);
+        }
+        tera_ckpt_info *in = &v[n++];
+        memset(in, 0, sizeof *in);
+        snprintf(in->name, sizeof in->name, "%s", e->d_name);
+        in->step = step;
+        in->base_step = -1;
+        snprintf(dir, sizeof dir, "%s/%s", root, e->d_name);
+        in->committed = !tmp && read_commit(dir, c) && c->step == step;
+        DIR *dd = opendir(dir);
+        for (struct dirent *f; dd && (f = readdir(dd));) {
+            struct stat sb;
+            snprintf(path, sizeof path, "%s/%s", dir, f->d_name);
+            if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) in->bytes += (int64_t)sb.st_size;
+        }
+        if (dd) closedir(dd);
+        if (in->committed) {
+            cJSON *m = read_manifest(dir);
+            const cJSON *kind = m ? cJSON_GetObjectItemCaseSensitive(m, "kind") : NULL;
+            in->full = !(cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff"));
+            if (!in->full) in->base_step = manifest_int(m, "base_step", -1);
+            cJSON_Delete(m);
+        }
+    }
+    closedir(d);
+    free(c);
+    if (n) qsort(v, (size_t)n, sizeof *v, cmp_info);
+    *out = v;
+    *n_out = n;
+    return TERA_OK;
+}
+
+/* ------------------------------------------------------------------------------ verify */
+
+static tera_status problem(FILE *report, tera_status first, tera_status s) {
+    if (report) fprintf(report, "%s\n", tera_last_error());
+    return first != TERA_OK ? first : s;
+}
+
+tera_status tera_ckpt_verify(const char *dir, FILE *report) {
+    commit_t *c = malloc(sizeof *c);
+    char path[4400];
+    tera_status first = TERA_OK;
+    int64_t step;
+    int tmp;
+    char name[256];
+    snprintf(name, sizeof name, "%s", base_name(dir));
+    if ((name[0] && name[strlen(name) - 1] == '/')) name[strlen(name) - 1] = 0;
+    if (!parse_step_name(name, &step, &tmp) || tmp) {
+        free(c);
+        return problem(report, first,
+                       tera_fail(TERA_ERR_FORMAT, "%s: not a checkpoint directory name (step_NNNNNNNN)", dir));
+    }
+    if (!read_commit(dir, c)) {
+        free(c);
+        return problem(report, first,
+                       tera_fail(TERA_ERR_FORMAT, "%s/COMMIT: missing or malformed: the checkpoint is not committed", dir));
+    }
+    if (c->step != step)
+        first = problem(report, first,
+                        tera_fail(TERA_ERR_FORMAT, "%s/COMMIT: names step %" PRId64 ", the directory step %" PRId64,
+                                  dir, c->step, step));
+    int has_manifest = 0;
+    for (int i = 0; i < c->n; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, c->name[i]);
+        has_manifest |= !strcmp(c->name[i], "manifest.json");
+        uint64_t h;
+        int64_t sz;
+        if (tera_ckpt_hash_file(path, &h, &sz) != TERA_OK) {
+            first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s: missing or unreadable", path));
+            continue;
+        }
+        if (sz != c->size[i])
+            first = problem(report, first,
+                            tera_fail(TERA_ERR_FORMAT, "%s: %s (%" PRId64 " bytes, COMMIT says %" PRId64 ")", path,
+                                      sz < c->size[i] ? "truncated" : "size changed", sz, c->size[i]));
+        else if (h != c->hash[i])
+            first = problem(report, first,
+                            tera_fail(TERA_ERR_FORMAT, "%s: contents differ from the checksum in COMMIT (xxh3 %016" PRIx64
+                                      ", expected %016" PRIx64 ")", path, h, c->hash[i]));
+    }
+    if (!has_manifest) {
+        first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: not listed in COMMIT", dir));
+    } else {
+        cJSON *m = read_manifest(dir);
+        const cJSON *files = m ? cJSON_GetObjectItemCaseSensitive(m, "files") : NULL;
+        if (!cJSON_IsObject(files)) {
+            first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: malformed", dir));
+        } else {
+            const cJSON *f;
+            cJSON_ArrayForEach(f, files) {
+                int found = -1;
+                for (int i = 0; i < c->n; i++)
+                    if (!strcmp(c->name[i], f->string)) found = i;
+                const cJSON *hx = cJSON_GetObjectItemCaseSensitive(f, "xxh3");
+                char want[32] = "";
+                if (found >= 0) snprintf(want, sizeof want, "%016" PRIx64, c->hash[found]);
+                if (found < 0 || !cJSON_IsString(hx) || strcmp(hx->valuestring, want) != 0)
+                    first = problem(report, first,
+                                    tera_fail(TERA_ERR_FORMAT, "%s/%s: manifest checksum disagrees with COMMIT", dir,
+                                              f->string));
+            }
+            const cJSON *kind = cJSON_GetObjectItemCaseSensitive(m, "kind");
+            if (cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff")) {
+                int64_t b = manifest_int(m, "base_step", -1);
+                snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, b);
+                if (b < 0 || !tera_ckpt_committed(path))
+                    first = problem(report, first,
+                                    tera_fail(TERA_ERR_FORMAT, "%s: its base checkpoint step_%08" PRId64
+                                              " is missing or not committed", dir, b));
+            }
+        }
+        cJSON_Delete(m);
+    }
+    free(c);
+    if (first != TERA_OK) tera_fail(first, "%s: verification failed (see above)", dir);
+    return first;
+}
+
+tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap) {
+    char root[4200], dir[4400], base[4400];
+    snprintf(root, sizeof root, "%s/checkpoints", run_dir);
+    tera_ckpt_info *v;
+    int n;
+    TERA_TRY(tera_ckpt_list(root, &v, &n));
+    for (int i = n - 1; i >= 0; i--) {
+        if (!v[i].committed) continue;
+        snprintf(dir, sizeof dir, "%s/%s", root, v[i].name);
+        int ok = tera_ckpt_verify(dir, NULL) == TERA_OK;
+        if (ok && !v[i].full) {
+            snprintf(base, sizeof base, "%s/step_%08" PRId64, root, v[i].base_step);
+            ok = tera_ckpt_verify(base, NULL) == TERA_OK;
+        }
+        if (ok) {
+            snprintf(out, cap, "%s", dir);
+            free(v);
+            return TERA_OK;
+        }
+        fprintf(stderr, "tera: warning: skipping checkpoint %s: %s\n", dir, tera_last_error());
+    }
+    free(v);
+    return tera_fail(TERA_ERR_IO, "--resume: no committed checkpoint under '%s'", root);
+}
+
+/* ------------------------------------------------------------------------------ load */
+
+tera_status tera_ckpt_apply_diff(const char *path, const tera_model *m, float *const regions[TERA_CKPT_N_REGIONS]) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || sb.st_size < 12) {
+        close(fd);
+        return tera_fail(TERA_ERR_FORMAT, "%s: too short", path);
+    }
+    const size_t n = (size_t)sb.st_size;
+    uint8_t *p = mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return tera_fail(TERA_ERR_IO, "%s: cannot map", path);
+    tera_status s = TERA_OK;
+    uint32_t nrec;
+    if (memcmp(p, "TERADIF1", 8) != 0) s = tera_fail(TERA_ERR_FORMAT, "%s: bad magic", path);
+    memcpy(&nrec, p + 8, 4);
+    size_t at = 12;
+    for (uint32_t r = 0; r < nrec && s == TERA_OK; r++) {
+        uint32_t region, raw, comp;
+        uint64_t off;
+        if (at + 20 > n) {
+            s = tera_fail(TERA_ERR_FORMAT, "%s: record %u runs past the end", path, r);
+            break;
+        }
+        memcpy(&region, p + at, 4);
+        memcpy(&raw, p + at + 4, 4);
+        memcpy(&off, p + at + 8, 8);
+        memcpy(&comp, p + at + 16, 4);
+        at += 20;
+        if (region >= TERA_CKPT_N_REGIONS || at + comp > n ||
+            off + raw > (uint64_t)tera_ckpt_region_floats(m, (int)region) * sizeof(float)) {
+            s = tera_fail(TERA_ERR_FORMAT, "%s: record %u is out of bounds", path, r);
+            break;
+        }
+        if (regions[region]) {
+            size_t got = ZSTD_decompress((uint8_t *)regions[region] + off, raw, p + at, comp);
+            if (ZSTD_isError(got) || got != raw)
+                s = tera_fail(TERA_ERR_FORMAT, "%s: record %u does not decompress", path, r);
+        }
+        at += comp;
+    }
+    munmap(p, n);
+    return s;
+}
+
+static tera_status load_full(const char *dir, tera_model *m, float *ea, float *eas) {
+    TERA_TRY(tera_hf_import(m, dir));
+    if (!ea && !eas) return TERA_OK;
+    char path[4400], nm[64];
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+    tera_st_file f;
+    TERA_TRY(tera_st_open(&f, path));
+    tera_status st = TERA_OK;
+    for (int i = 0; i < m->n_params && st == TERA_OK; i++) {
+        const tera_param *p = &m->params[i];
+        if (ea) {
+            snprintf(nm, sizeof nm, "exp_avg.%d", i);
+            st = tera_st_read_f32(&f, nm, p->ndim, p->shape, ea + p->offset);
+        }
+        if (st == TERA_OK && eas) {
+            snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
+            st = tera_st_read_f32(&f, nm, p->ndim, p->shape, eas + p->offset);
+        }
+    }
+    tera_st_close(&f);
+    return st;
+}
+
+tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas) {
+    cJSON *man = read_manifest(dir);
+    if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(man, "kind");
+    const int diff = cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff");
+    tera_status s = TERA_OK;
+    char path[4400];
+    if (diff) {
+        snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, manifest_int(man, "base_step", -1));
+        s = load_full(path, m, ea, eas);
+        /* a differential checkpoint saves the whole moments when asked for weights only, so load
+         * them into scratch to keep the region check meaningful only where given */
+        if (s == TERA_OK) {
+            float *regions[TERA_CKPT_N_REGIONS] = {m->w, ea, eas, m->router_bias};
+            snprintf(path, sizeof path, "%s/diff.bin", dir);
+            s = tera_ckpt_apply_diff(path, m, regions);
+        }
+    } else {
+        s = load_full(dir, m, ea, eas);
+    }
+    /* the restored state must be the state that was saved */
+    const cJSON *regs = cJSON_GetObjectItemCaseSensitive(man, "regions");
+    const float *bufs[TERA_CKPT_N_REGIONS] = {m->w, ea, eas, m->router_bias};
+    for (int r = 0; r < TERA_CKPT_N_REGIONS && s == TERA_OK; r++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(regs, tera_ckpt_region_names[r]);
+        const cJSON *hx = cJSON_GetObjectItemCaseSensitive(it, "xxh3");
+        if (!bufs[r] || !tera_ckpt_region_floats(m, r)) continue;
+        if (!cJSON_IsString(hx)) {
+            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: no checksum for region %s", dir, tera_ckpt_region_names[r]);
+            break;
+        }
+        char got[32];
+        snprintf(got, sizeof got, "%016" PRIx64, tera_ckpt_region_hash(m, r, bufs[r]));
+        if (strcmp(got, hx->valuestring) != 0)
+            s = tera_fail(TERA_ERR_FORMAT, "%s: restored %s differ from the saved state (xxh3 %s, manifest %s)", dir,
+                          tera_ckpt_region_names[r], got, hx->valuestring);
+    }
+    cJSON_Delete(man);
+    return s;
+}

@@ -1,0 +1,113 @@
+/* MPI backend of the communicator, and the one-rank world when no launcher started the program.
+ *
+ * Launch detection: Open MPI (OMPI_COMM_WORLD_SIZE), MPICH/Hydra and Slurm (PMI_SIZE) set these in
+ * every rank's environment; without them tera runs as one rank and never initialises MPI, so a
+ * single-process run needs no mpirun and pays nothing for it. */
+#include <mpi.h>
+#include <stdlib.h>
+
+#include "tera/comm.h"
+
+struct tera_comm {
+    MPI_Comm mpi;        /* MPI_COMM_NULL for the one-rank world */
+    int rank, size;
+};
+
+static tera_comm g_world = {.mpi = MPI_COMM_NULL, .rank = 0, .size = 1};
+static int g_inited = 0, g_mpi = 0;
+
+extern void (*tera_abort_hook)(void);
+
+static void abort_all_ranks(void) {
+    if (g_mpi) MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+#define MPI_CHECK(call)                                                                            \
+    do {                                                                                           \
+        int _rc = (call);                                                                          \
+        if (_rc != MPI_SUCCESS) {                                                                  \
+            char _msg[MPI_MAX_ERROR_STRING];                                                       \
+            int _len = 0;                                                                          \
+            MPI_Error_string(_rc, _msg, &_len);                                                    \
+            tera_abort_at(__FILE__, __LINE__, "%s failed: %s", #call, _msg);                         \
+        }                                                                                          \
+    } while (0)
+
+static int launched_by_mpi(void) {
+    const char *v = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!v) v = getenv("PMI_SIZE");
+    return v != NULL;
+}
+
+tera_status tera_comm_init(int *argc, char ***argv) {
+    if (g_inited) return TERA_OK;
+    g_inited = 1;
+    if (!launched_by_mpi()) return TERA_OK;
+    int provided;
+    if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        return tera_fail(TERA_ERR_IO, "MPI_Init_thread failed");
+    g_mpi = 1;
+    /* errors return codes (checked by MPI_CHECK, which aborts every rank with file:line) */
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    g_world.mpi = MPI_COMM_WORLD;
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_world.size);
+    tera_abort_hook = abort_all_ranks;
+    return TERA_OK;
+}
+
+void tera_comm_finalize(void) {
+    if (g_mpi) MPI_Finalize();
+    g_mpi = 0;
+}
+
+tera_comm *tera_comm_world(void) { return &g_world; }
+int tera_comm_rank(const tera_comm *c) { return c->rank; }
+int tera_comm_size(const tera_comm *c) { return c->size; }
+const char *tera_comm_backend(void) { return g_mpi ? "mpi" : "single"; }
+
+/* MPI counts are int: large buffers go in pieces */
+#define MAX_PIECE ((int64_t)1 << 30)
+
+static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es) {
+    if (c->size == 1 || n == 0) return;
+    for (int64_t off = 0; off < n; off += MAX_PIECE) {
+        int64_t k = n - off < MAX_PIECE ? n - off : MAX_PIECE;
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, MPI_SUM, c->mpi));
+    }
+}
+
+void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4); }
+void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8); }
+void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8); }
+
+_Static_assert(sizeof(MPI_Request) <= sizeof(((tera_comm_req *)0)->storage), "tera_comm_req too small");
+
+static MPI_Request *req_of(tera_comm_req *req) { return (MPI_Request *)(void *)req->storage; }
+
+void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req) {
+    req->active = 0;
+    if (c->size == 1 || n == 0) return;
+    TERA_ASSERTF(n <= MAX_PIECE, "non-blocking all-reduce of %ld floats: buckets must be smaller", (long)n);
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, c->mpi, req_of(req)));
+    req->active = 1;
+}
+
+void tera_comm_wait(tera_comm_req *req) {
+    if (!req->active) return;
+    MPI_CHECK(MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
+    req->active = 0;
+}
+
+void tera_comm_poll(tera_comm_req *reqs, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!reqs[i].active) continue;
+        int done = 0;
+        MPI_CHECK(MPI_Test(req_of(&reqs[i]), &done, MPI_STATUS_IGNORE));
+        if (done) reqs[i].active = 0;
+    }
+}
+
+void tera_comm_barrier(tera_comm *c) {
+    if (c->size > 1) MPI_CHECK(MPI_Barrier(c->mpi));
+}

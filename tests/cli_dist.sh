@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Data parallelism over MPI: dp=2 and dp=4 train the same model as one rank with the same global
+# batch (through gradient accumulation): every step's loss and grad norm, and the final weights
+# (through the validation loss of the checkpoints), agree to float32 rounding (relative 2e-5).
+# Usage: cli_dist.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+MPIRUN="mpirun --oversubscribe"
+command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fails=0
+pass() { echo "ok: $1"; }
+fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
+TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_kv_heads=2 --model.n_experts=4 --model.ffn_dim=32
+      --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --training.seq_len=32
+      --training.warmup_steps=2 --training.steps=8 --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1)
+
+# compare two metrics files: loss (field 2) and grad_norm (field 7) of every step
+same_steps() {
+    [ "$(wc -l < "$1")" = 8 ] && [ "$(wc -l < "$2")" = 8 ] || { echo "expected 8 steps: $(wc -l < "$1") / $(wc -l < "$2")"; return 1; }
+    paste -d' ' <(cut -d, -f2,7 "$1" | tr -dc '0-9.e+\-, \n' | tr ',' ' ') <(cut -d, -f2,7 "$2" | tr -dc '0-9.e+\-, \n' | tr ',' ' ') |
+        awk '{ for (i = 1; i <= 2; i++) { a = $i; b = $(i + 2); d = a - b; if (d < 0) d = -d;
+               if (d > 2e-5 * (a < 0 ? -a : a) + 1e-7) { print "step " NR - 1 ": " a " vs " b; bad = 1 } } }
+             END { exit bad }'
+}
+val_loss() { "$TERA" eval --from "$1" --data.path="$W/c.txt" --data.val_fraction=0.1 --training.seq_len=32 \
+    --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | sed 's/.*"val_loss": \([0-9.]*\).*/\1/'; }
+
+"$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/one" > "$W/one.log" 2>&1 \
+    || { fail "one rank"; cat "$W/one.log"; }
+for dp in 2 4; do
+    micro=$((4 / dp))
+    $MPIRUN -np $dp "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --parallel.dp=$dp \
+        --logging.run_dir="$W/dp$dp" > "$W/dp$dp.log" 2>&1 || { fail "dp$dp run"; cat "$W/dp$dp.log"; continue; }
+    grep -q "$dp data-parallel ranks (mpi)" "$W/dp$dp.log" && pass "dp$dp runs on $dp MPI ranks" || fail "dp$dp banner"
+    same_steps "$W/one/metrics.jsonl" "$W/dp$dp/metrics.jsonl" && pass "dp$dp: every step's loss and grad norm match one rank" \
+        || fail "dp$dp losses differ"
+    a=$(val_loss "$W/one/checkpoints/step_00000008"); b=$(val_loss "$W/dp$dp/checkpoints/step_00000008")
+    awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= 2e-5 * a) }' \
+        && pass "dp$dp: final weights give the same validation loss ($a vs $b)" || fail "dp$dp final weights: $a vs $b"
+    [ "$(ls "$W/dp$dp/checkpoints")" = "step_00000008" ] && pass "dp$dp: one checkpoint, written by rank 0" || fail "dp$dp checkpoints"
+done
+
+# a layout that does not match the ranks is refused on every rank before any work
+if $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1; then
+    fail "dp=1 on 2 ranks accepted"
+else
+    grep -q "parallel.dp = 1 but 2 ranks are running" "$W/bad.log" && pass "mismatched dp refused" || fail "message: $(cat "$W/bad.log")"
+fi
+echo "cli_dist: $fails failed"
+[ "$fails" = 0 ]
