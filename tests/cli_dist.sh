@@ -45,6 +45,18 @@ for dp in 2 4; do
     [ "$(ls "$W/dp$dp/checkpoints")" = "step_00000008" ] && pass "dp$dp: one checkpoint, written by rank 0" || fail "dp$dp checkpoints"
 done
 
+# exact resume across a change of data-parallel degree: dp=2 saves at step 4; one rank (accumulating
+# the same global batch) resumes from it; steps 4..7 and the final weights match the dp=2 run
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --checkpoint.every=4 \
+    --logging.run_dir="$W/rs" > "$W/rs.log" 2>&1 || { fail "dp2 run with checkpoints"; cat "$W/rs.log"; }
+cp -r "$W/rs" "$W/rs1"
+rm -rf "$W/rs1/checkpoints/step_00000008"
+head -4 "$W/rs/metrics.jsonl" > "$W/rs1/metrics.jsonl"
+"$TERA" train "${TINY[@]}" --training.micro_batch=2 --training.grad_accum=2 --logging.run_dir="$W/rs1" --resume \
+    > "$W/rs1.log" 2>&1 && grep -q "resumed .* at step 4" "$W/rs1.log" && pass "dp2 checkpoint resumed on one rank" \
+    || { fail "resume on one rank"; cat "$W/rs1.log"; }
+same_steps "$W/rs/metrics.jsonl" "$W/rs1/metrics.jsonl" && pass "resume across dp 2 -> 1: steps 4..7 match" || fail "resume across dp"
+
 # a layout that does not match the ranks is refused on every rank before any work
 if $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1; then
     fail "dp=1 on 2 ranks accepted"

@@ -19,7 +19,10 @@ static void usage(FILE *f) {
             "  data       tera data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME]\n"
             "             (text = one document per file, .jsonl = one per line) -> Megatron .bin/.idx + checksums\n"
             "  tokenizer  tera tokenizer train --input FILE... --vocab-size N --output DIR | encode | decode --tokenizer DIR\n"
+            "  schedule   print a pipeline schedule and its simulated bubble:\n"
+            "             tera schedule --kind gpipe|1f1b|interleaved --pp P --micro M [--chunks V]\n"
             "  bench      time training steps:  tera bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N]\n"
+            "  ckpt       checkpoints:  tera ckpt ls RUN_DIR | verify DIR | export-hf DIR --out HFDIR [--force]\n"
             "  help       this text\n"
             "\n"
             "Every config key can be overridden on the command line as --section.key=value\n"
@@ -49,6 +52,8 @@ static int dispatch(int argc, char **argv, const char *cmd) {
     if (!strcmp(cmd, "bench")) return tera_cmd_bench(argc - 2, argv + 2);
     if (!strcmp(cmd, "data")) return tera_cmd_data(argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenizer")) return tera_cmd_tokenizer(argc - 2, argv + 2);
+    if (!strcmp(cmd, "ckpt")) return tera_cmd_ckpt(argc - 2, argv + 2);
+    if (!strcmp(cmd, "schedule")) return tera_cmd_schedule(argc - 2, argv + 2);
     if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage(stdout);
         return 0;
