@@ -8,6 +8,10 @@ TERA=$1
 SRC=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIRUN="mpirun --oversubscribe"
+# Under the sanitizer build, Open MPI's own allocations (its plugins are unloaded at finalize, so
+# their frames cannot be suppressed by name) show up as leaks: leak checking is off for this test
+# only; ASan's memory-error checks stay on, and tera's own leaks are checked by the other tests.
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT

@@ -70,6 +70,7 @@ typedef struct {
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
+    struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
@@ -93,5 +94,27 @@ tera_status tera_trainer_resume(tera_trainer *tr);
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
+
+/* ---------------------------------------------------------------- checkpoints
+ * (src/train/checkpoint.c; on-disk format and readers in include/tera/ckpt.h, docs/CHECKPOINTS.md)
+ * tera_trainer_save snapshots parameters, Adam moments, router bias and the training state into
+ * host buffers (allocated once) and, with checkpoint.async, returns while a background thread
+ * writes; the next save waits for it. The save at the final step is always full and synchronous
+ * and releases the context. */
+typedef struct tera_ckpt_ctx tera_ckpt_ctx;
+typedef struct {
+    int saves, full_saves;
+    double last_pause_s, max_pause_s, total_pause_s; /* step-loop pause: wait for the previous write + snapshot */
+    double last_write_s;        /* the last write's duration (background when async) */
+    int64_t last_bytes;         /* the last checkpoint's size on disk */
+    int last_full;
+    int64_t last_chunks_changed, last_chunks_total; /* differential: 64 KiB chunks stored / all */
+} tera_ckpt_stats;
+/* The pause of the last save (seconds), and all figures of this process's saves. */
+double tera_ckpt_last_pause_seconds(void);
+tera_ckpt_stats tera_ckpt_last_stats(void);
+/* Waits for a background write and frees the context (call before tera_trainer_free's teardown;
+ * returns the background write's error, if any). */
+tera_status tera_trainer_ckpt_close(tera_trainer *tr);
 
 #endif

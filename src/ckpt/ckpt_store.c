@@ -1,4 +1,6 @@
 /* Reading checkpoints: COMMIT markers, listing, verification, and loading (full or differential). */
+/* paths are bounded by TERA_PATH_MAX; a truncated one fails to open and is reported */
+#pragma GCC diagnostic ignored "-Wformat-truncation"
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -376,8 +378,7 @@ tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas
     if (diff) {
         snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, manifest_int(man, "base_step", -1));
         s = load_full(path, m, ea, eas);
-        /* a differential checkpoint saves the whole moments when asked for weights only, so load
-         * them into scratch to keep the region check meaningful only where given */
+        /* the diff's chunks for regions not asked for (moments when NULL) are skipped */
         if (s == TERA_OK) {
             float *regions[TERA_CKPT_N_REGIONS] = {m->w, ea, eas, m->router_bias};
             snprintf(path, sizeof path, "%s/diff.bin", dir);

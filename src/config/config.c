@@ -199,6 +199,10 @@ static const config__key config__keys[] = {
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
     K_INT(checkpoint, keep, "3", 0, INT_MAX, "keep the newest K checkpoints; 0 = all"),
+    K_BOOL(checkpoint, async, "true",
+           "snapshot state into host buffers and write in a background thread (the final save is synchronous)"),
+    K_INT(checkpoint, full_every, "0", 0, INT_MAX,
+          "every N-th save is full and the others differential (changed chunks, zstd); 0 = always full"),
     K_INT64(checkpoint, max_shard_bytes, "0", 0, INT64_MAX,
             "safetensors shard size limit for export in bytes; 0 = one file"),
 

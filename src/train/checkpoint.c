@@ -1,37 +1,149 @@
-/* Checkpoints of a training run: save (atomic directory per step, retention) and exact resume.
+/* Checkpoints of a training run: snapshot + (background) atomic write, differential saves,
+ * retention, and exact resume. docs/CHECKPOINTS.md describes the layout and guarantees.
  *
- * Layout of RUN/checkpoints/step_NNNNNNNN/: a Hugging Face directory (config.json +
- * model.safetensors, router bias included), optimizer.safetensors (Adam moments by parameter index),
- * state.json (step, Adam step count, seed, data position in samples), config.ini (the resolved run
- * configuration). Written under step_NNNNNNNN.tmp and renamed when complete. */
-#include <dirent.h>
+ * RUN/checkpoints/step_NNNNNNNN/ holds
+ *   full: config.json + model.safetensors (a Hugging Face directory, router bias included),
+ *         optimizer.safetensors (Adam moments "exp_avg.i" / "exp_avg_sq.i" by parameter index),
+ *   diff: diff.bin (changed 64 KiB chunks of the state since the base full checkpoint, zstd),
+ *   both: state.json (step, Adam step count, seed, data position), config.ini (the resolved run
+ *         configuration), manifest.json (format, model config, layout, tensors with global shape,
+ *         file, byte range and slice, per-region and per-file checksums), COMMIT (written last).
+ * Written under step_NNNNNNNN.tmp, every file fsynced, COMMIT last, renamed, parent fsynced. */
+/* paths are bounded by TERA_PATH_MAX; a truncated one fails to open and is reported */
+#pragma GCC diagnostic ignored "-Wformat-truncation"
 #include <errno.h>
-#include <ftw.h>
+#include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
+#include <xxhash.h>
+#include <zstd.h>
 
+#include "tera/ckpt.h"
 #include "tera/hf.h"
 #include "tera/io.h"
+#include "tera/profile.h"
 #include "tera/safetensors.h"
 #include "tera/train.h"
 
-/* ------------------------------------------------------------------ checkpoints (simple, full) */
+/* ------------------------------------------------------------------ options */
 
-static tera_status prune_checkpoints(const tera_trainer *tr);
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && *e ? atoi(e) : dflt;
+}
 
-/* The training state besides tensors: step and data position (in samples, so a resumed run with
- * another batch size or data-parallel degree reads the same samples next). */
-static tera_status write_state(const tera_trainer *tr, const char *path) {
+tera_ckpt_options tera_ckpt_options_from_config(const tera_config *c) {
+    /* the config keys; the environment variables override them (tests and experiments) */
+    tera_ckpt_options o = {.async = c->checkpoint.async != 0, .full_every = c->checkpoint.full_every};
+    o.async = env_int("TERA_CKPT_ASYNC", o.async) != 0;
+    o.full_every = env_int("TERA_CKPT_FULL_EVERY", o.full_every);
+    if (o.full_every < 0) o.full_every = 0;
+    return o;
+}
+
+/* ------------------------------------------------------------------ context */
+
+struct tera_ckpt_ctx {
+    tera_ckpt_options opt;
+    tera_config cfg;                 /* copy: config.ini, max_shard_bytes, keep */
+    char run_dir[TERA_PATH_MAX];
+    tera_model shadow;               /* shallow copy of the model whose weights are the snapshot */
+    tera_param *params;              /* own copy of the parameter table */
+    float *snap;                     /* one allocation: the four regions */
+    float *reg[TERA_CKPT_N_REGIONS];
+    int64_t reg_n[TERA_CKPT_N_REGIONS];
+    /* the snapshot's scalar state */
+    int64_t step;
+    char *state_json;
+    int full;                        /* this save is full */
+    /* background writer */
+    pthread_t th;
+    int running;
+    tera_status st;
+    char err[1024];
+    /* differential base (chunk hashes of the last full save) */
+    int has_base, since_full;
+    int64_t base_step;
+    uint64_t *base_hash[TERA_CKPT_N_REGIONS];
+    int64_t n_chunks[TERA_CKPT_N_REGIONS];
+    char *config_json;               /* the model's config.json text (from the last full save) */
+};
+
+static tera_ckpt_stats g_stats;
+
+double tera_ckpt_last_pause_seconds(void) { return g_stats.last_pause_s; }
+tera_ckpt_stats tera_ckpt_last_stats(void) { return g_stats; }
+
+static tera_ckpt_ctx *ctx_create(const tera_trainer *tr) {
+    tera_ckpt_ctx *c = tera_calloc(1, sizeof *c);
+    c->opt = tera_ckpt_options_from_config(&tr->cfg);
+    c->cfg = tr->cfg;
+    snprintf(c->run_dir, sizeof c->run_dir, "%s", tr->run_dir);
+    const tera_model *m = &tr->model;
+    c->params = tera_malloc(sizeof(tera_param) * (size_t)m->n_params);
+    memcpy(c->params, m->params, sizeof(tera_param) * (size_t)m->n_params);
+    int64_t total = 0;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) total += c->reg_n[r] = tera_ckpt_region_floats(m, r);
+    c->snap = tera_calloc((size_t)total + 1, sizeof(float));
+    float *p = c->snap;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        c->reg[r] = p;
+        p += c->reg_n[r];
+    }
+    c->shadow = *m;
+    c->shadow.params = c->params;
+    c->shadow.w = c->reg[0];
+    c->shadow.g = NULL;
+    c->shadow.router_bias = c->reg_n[3] ? c->reg[3] : NULL;
+    return c;
+}
+
+static tera_status ctx_wait(tera_ckpt_ctx *c) {
+    if (!c || !c->running) return TERA_OK;
+    pthread_join(c->th, NULL);
+    c->running = 0;
+    if (c->st != TERA_OK) {
+        tera_status s = c->st;
+        c->st = TERA_OK;
+        return tera_fail(s, "%s", c->err);
+    }
+    return TERA_OK;
+}
+
+static void ctx_free(tera_ckpt_ctx *c) {
+    if (!c) return;
+    free(c->params);
+    free(c->snap);
+    free(c->state_json);
+    free(c->config_json);
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) free(c->base_hash[r]);
+    free(c);
+}
+
+tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
+    tera_status s = ctx_wait(tr->ckpt);
+    ctx_free(tr->ckpt);
+    tr->ckpt = NULL;
+    return s;
+}
+
+/* ------------------------------------------------------------------ state.json */
+
+static char *state_text(const tera_trainer *tr) {
     const tera_loader *l = &tr->loader;
     cJSON *root = cJSON_CreateObject(), *data = cJSON_CreateObject();
-    cJSON_AddNumberToObject(root, "format_version", 1);
+    cJSON_AddNumberToObject(root, "format_version", TERA_CKPT_FORMAT_VERSION);
     cJSON_AddNumberToObject(root, "step", (double)tr->step);
     cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
     cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
+    cJSON_AddNumberToObject(root, "skipped_steps", (double)tr->skipped_steps);
     cJSON_AddItemToObject(root, "data", data);
     cJSON_AddStringToObject(data, "path", tr->cfg.data.path[0] ? tr->cfg.data.path : "(embedded corpus)");
     cJSON_AddNumberToObject(data, "n_tokens", (double)tr->src.n_tokens);
@@ -43,17 +155,7 @@ static tera_status write_state(const tera_trainer *tr, const char *path) {
     cJSON_AddNumberToObject(data, "offset_in_epoch", (double)(tr->samples_consumed % l->n_train));
     char *text = cJSON_Print(root);
     cJSON_Delete(root);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        free(text);
-        return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
-    }
-    int bad = fputs(text, f) < 0;
-    bad |= fputc('\n', f) == EOF;
-    bad |= fclose(f) != 0;
-    free(text);
-    if (bad) return tera_fail(TERA_ERR_IO, "cannot write '%s'", path);
-    return TERA_OK;
+    return text;
 }
 
 /* Reads state.json and checks that the current data is the stream the checkpoint was reading. */
@@ -86,6 +188,8 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     }
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(data, "shuffle");
     const int shuffle = cJSON_IsTrue(sh);
+    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
+    const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
     cJSON_Delete(root);
     const tera_loader *l = &tr->loader;
     if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
@@ -100,121 +204,467 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     tr->step = (int64_t)v[0];
     tr->opt.t = (int64_t)v[1];
     tr->samples_consumed = (int64_t)d[3];
+    tr->skipped_steps = skipped;
     return TERA_OK;
+}
+
+/* ------------------------------------------------------------------ the writer */
+
+typedef struct {
+    int n, cap;
+    char *buf;
+} strbuf;
+
+static void sb_put(strbuf *b, const void *p, size_t n) {
+    if ((size_t)b->n + n + 1 > (size_t)b->cap) {
+        size_t cap = ((size_t)b->cap + n) * 2 + 256;
+        b->buf = realloc(b->buf, cap);
+        TERA_ASSERT(b->buf != NULL);
+        b->cap = (int)cap;
+    }
+    memcpy(b->buf + b->n, p, n);
+    b->n += (int)n;
+    b->buf[b->n] = 0;
+}
+
+/* Regular files of dir, sorted (except COMMIT). */
+static int list_files(const char *dir, char names[][128], int cap) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) && n < cap;) {
+        if (e->d_name[0] == '.' || !strcmp(e->d_name, "COMMIT") || strlen(e->d_name) >= 128) continue;
+        snprintf(names[n++], 128, "%s", e->d_name);
+    }
+    closedir(d);
+    for (int i = 1; i < n; i++) /* insertion sort: few files */
+        for (int j = i; j > 0 && strcmp(names[j - 1], names[j]) > 0; j--) {
+            char t[128];
+            memcpy(t, names[j], 128);
+            memcpy(names[j], names[j - 1], 128);
+            memcpy(names[j - 1], t, 128);
+        }
+    return n;
+}
+
+static void hex64(char *out, uint64_t h) { snprintf(out, 17, "%016" PRIx64, h); }
+
+static cJSON *int_array(int n, const int64_t *v) {
+    cJSON *a = cJSON_CreateArray();
+    for (int i = 0; i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber((double)v[i]));
+    return a;
+}
+
+static void add_tensor(cJSON *arr, const char *name, const tera_param *p, const char *file, uint64_t b, uint64_t e,
+                       int expert) {
+    cJSON *t = cJSON_CreateObject();
+    cJSON_AddStringToObject(t, "name", name);
+    cJSON_AddStringToObject(t, "global_name", p->name);
+    cJSON_AddItemToObject(t, "global_shape", int_array(p->ndim, p->shape));
+    cJSON_AddStringToObject(t, "dtype", "F32");
+    cJSON_AddStringToObject(t, "file", file);
+    int64_t br[2] = {(int64_t)b, (int64_t)e};
+    cJSON_AddItemToObject(t, "byte_range", int_array(2, br));
+    cJSON *sl = cJSON_CreateArray();
+    for (int d = 0; d < p->ndim; d++) {
+        int64_t r[2] = {0, p->shape[d]};
+        if (d == 0 && expert >= 0) r[0] = expert, r[1] = expert + 1;
+        cJSON_AddItemToArray(sl, int_array(2, r));
+    }
+    cJSON_AddItemToObject(t, "slice", sl);
+    cJSON_AddNumberToObject(t, "rank", 0);
+    cJSON_AddItemToArray(arr, t);
+}
+
+static void expert_name(char *out, size_t cap, const char *pattern, int e) {
+    const char *p = strstr(pattern, "%d");
+    if (!p) {
+        snprintf(out, cap, "%s", pattern);
+        return;
+    }
+    snprintf(out, cap, "%.*s%d%s", (int)(p - pattern), pattern, e, p + 2);
+}
+
+/* tensors[] of a full checkpoint: where each tensor (or expert slice) lies in its file. */
+static tera_status manifest_tensors(const tera_ckpt_ctx *c, const char *dir, cJSON *arr) {
+    tera_st_set set;
+    TERA_TRY(tera_st_set_open(&set, dir));
+    char path[TERA_PATH_MAX + 128], name[192];
+    tera_status s = TERA_OK;
+    for (int i = 0; i < c->shadow.n_params && s == TERA_OK; i++) {
+        const tera_param *p = &c->params[i];
+        const int ne = p->expert_stacked ? (int)p->shape[0] : 1;
+        for (int e = 0; e < ne; e++) {
+            if (p->expert_stacked) expert_name(name, sizeof name, p->name, e);
+            else snprintf(name, sizeof name, "%s", p->name);
+            const tera_st_file *f = tera_st_set_find(&set, name);
+            const tera_st_tensor *t = f ? tera_st_find(f, name) : NULL;
+            if (!t) {
+                s = tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' missing after writing", dir, name);
+                break;
+            }
+            const uint64_t base = (uint64_t)(f->data - (const uint8_t *)f->map);
+            const char *fn = strrchr(f->path, '/');
+            add_tensor(arr, name, p, fn ? fn + 1 : f->path, base + t->begin, base + t->end,
+                       p->expert_stacked ? e : -1);
+        }
+    }
+    tera_st_set_close(&set);
+    if (s != TERA_OK) return s;
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+    tera_st_file f;
+    TERA_TRY(tera_st_open(&f, path));
+    const uint64_t base = (uint64_t)(f.data - (const uint8_t *)f.map);
+    for (int i = 0; i < c->shadow.n_params && s == TERA_OK; i++) {
+        for (int k = 0; k < 2; k++) {
+            snprintf(name, sizeof name, k ? "exp_avg_sq.%d" : "exp_avg.%d", i);
+            const tera_st_tensor *t = tera_st_find(&f, name);
+            if (!t) {
+                s = tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' missing after writing", path, name);
+                break;
+            }
+            add_tensor(arr, name, &c->params[i], "optimizer.safetensors", base + t->begin, base + t->end, -1);
+        }
+    }
+    tera_st_close(&f);
+    return s;
+}
+
+/* Differential payload: changed chunks of every region against the base hashes. With full = 1,
+ * records the hashes as the new base instead. */
+static tera_status chunk_pass(tera_ckpt_ctx *c, int full, strbuf *out, int64_t *changed, int64_t *total) {
+    ZSTD_CCtx *z = full ? NULL : ZSTD_createCCtx();
+    const size_t CH = TERA_CKPT_CHUNK_BYTES;
+    size_t bound = ZSTD_compressBound(CH);
+    uint8_t *tmp = full ? NULL : tera_malloc(bound);
+    uint32_t nrec = 0;
+    if (!full) {
+        sb_put(out, "TERADIF1", 8);
+        sb_put(out, &nrec, 4);
+    }
+    *changed = *total = 0;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        const size_t bytes = sizeof(float) * (size_t)c->reg_n[r];
+        const int64_t nc = (int64_t)((bytes + CH - 1) / CH);
+        if (full) {
+            free(c->base_hash[r]);
+            c->base_hash[r] = tera_malloc(sizeof(uint64_t) * (size_t)(nc + 1));
+            c->n_chunks[r] = nc;
+        }
+        const uint8_t *p = (const uint8_t *)c->reg[r];
+        for (int64_t k = 0; k < nc; k++) {
+            const size_t off = (size_t)k * CH, len = bytes - off < CH ? bytes - off : CH;
+            const uint64_t h = XXH3_64bits(p + off, len);
+            (*total)++;
+            if (full) {
+                c->base_hash[r][k] = h;
+                continue;
+            }
+            if (h == c->base_hash[r][k]) continue;
+            size_t cs = ZSTD_compressCCtx(z, tmp, bound, p + off, len, 1);
+            TERA_ASSERT(!ZSTD_isError(cs));
+            uint32_t rr = (uint32_t)r, raw = (uint32_t)len, cc = (uint32_t)cs;
+            uint64_t o = off;
+            sb_put(out, &rr, 4);
+            sb_put(out, &raw, 4);
+            sb_put(out, &o, 8);
+            sb_put(out, &cc, 4);
+            sb_put(out, tmp, cs);
+            nrec++;
+            (*changed)++;
+        }
+    }
+    if (!full) memcpy(out->buf + 8, &nrec, 4);
+    ZSTD_freeCCtx(z);
+    free(tmp);
+    return TERA_OK;
+}
+
+static tera_status prune(tera_ckpt_ctx *c);
+
+/* Removes leftovers of interrupted saves: *.tmp and step directories without a valid COMMIT. */
+static tera_status clean_uncommitted(const char *root) {
+    tera_ckpt_info *v;
+    int n;
+    TERA_TRY(tera_ckpt_list(root, &v, &n));
+    char path[TERA_PATH_MAX + 128];
+    tera_status s = TERA_OK;
+    for (int i = 0; i < n && s == TERA_OK; i++) {
+        if (v[i].committed) continue;
+        snprintf(path, sizeof path, "%s/%s", root, v[i].name);
+        s = tera_ckpt_rmtree(path);
+    }
+    free(v);
+    return s;
+}
+
+static tera_status write_checkpoint(tera_ckpt_ctx *c) {
+    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
+    snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
+    snprintf(dir, sizeof dir, "%s/step_%08" PRId64, root, c->step);
+    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    const double t0 = tera_now();
+    tera_ckpt_io_point("mkdir", root);
+    TERA_TRY(tera_mkdirs(root));
+    TERA_TRY(clean_uncommitted(root));
+    tera_ckpt_io_point("mkdir", tmp);
+    TERA_TRY(tera_mkdirs(tmp));
+
+    cJSON *man = cJSON_CreateObject();
+    cJSON_AddStringToObject(man, "format", "tera-checkpoint");
+    cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
+    cJSON_AddNumberToObject(man, "step", (double)c->step);
+    cJSON_AddStringToObject(man, "kind", c->full ? "full" : "diff");
+    tera_status s = TERA_OK;
+    int64_t changed = 0, total = 0;
+    if (c->full) {
+        tera_ckpt_io_point("write", tmp); /* model.safetensors + config.json */
+        s = tera_hf_export(&c->shadow, tmp, c->cfg.checkpoint.max_shard_bytes, 1);
+        if (s == TERA_OK) {
+            tera_st_writer w;
+            tera_st_writer_init(&w);
+            char nm[64];
+            for (int i = 0; i < c->shadow.n_params; i++) {
+                const tera_param *p = &c->params[i];
+                snprintf(nm, sizeof nm, "exp_avg.%d", i);
+                tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, c->reg[1] + p->offset);
+                snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
+                tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, c->reg[2] + p->offset);
+            }
+            snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+            tera_ckpt_io_point("write", path);
+            s = tera_st_writer_save(&w, path);
+            tera_st_writer_free(&w);
+        }
+        if (s == TERA_OK) {
+            free(c->config_json);
+            snprintf(path, sizeof path, "%s/config.json", tmp);
+            s = tera_read_text_file(path, &c->config_json);
+        }
+        cJSON *tensors = cJSON_AddArrayToObject(man, "tensors");
+        if (s == TERA_OK) s = manifest_tensors(c, tmp, tensors);
+        if (s == TERA_OK) {
+            strbuf none = {0};
+            s = chunk_pass(c, 1, &none, &changed, &total);
+            c->has_base = 1;
+            c->since_full = 0;
+            c->base_step = c->step;
+        }
+    } else {
+        cJSON_AddNumberToObject(man, "base_step", (double)c->base_step);
+        char bn[64];
+        snprintf(bn, sizeof bn, "step_%08" PRId64, c->base_step);
+        cJSON_AddStringToObject(man, "base", bn);
+        strbuf b = {0};
+        s = chunk_pass(c, 0, &b, &changed, &total);
+        snprintf(path, sizeof path, "%s/diff.bin", tmp);
+        if (s == TERA_OK) s = tera_ckpt_write_file(path, b.buf, (size_t)b.n);
+        free(b.buf);
+        cJSON *ch = cJSON_AddObjectToObject(man, "chunks");
+        cJSON_AddNumberToObject(ch, "chunk_bytes", TERA_CKPT_CHUNK_BYTES);
+        cJSON_AddNumberToObject(ch, "total", (double)total);
+        cJSON_AddNumberToObject(ch, "changed", (double)changed);
+        cJSON_AddStringToObject(ch, "compression", "zstd-1");
+        c->since_full++;
+    }
+    if (s == TERA_OK) {
+        snprintf(path, sizeof path, "%s/state.json", tmp);
+        s = tera_ckpt_write_file(path, c->state_json, strlen(c->state_json));
+    }
+    if (s == TERA_OK) {
+        snprintf(path, sizeof path, "%s/config.ini", tmp);
+        tera_ckpt_io_point("write", path);
+        s = tera_config_write(&c->cfg, path);
+        if (s == TERA_OK) s = tera_ckpt_fsync_path(path);
+    }
+    if (s != TERA_OK) {
+        cJSON_Delete(man);
+        return s;
+    }
+    cJSON *mc = c->config_json ? cJSON_Parse(c->config_json) : NULL;
+    cJSON_AddItemToObject(man, "model_config", mc ? mc : cJSON_CreateNull());
+    cJSON_AddStringToObject(man, "run_config", "config.ini");
+    cJSON *lay = cJSON_AddObjectToObject(man, "layout");
+    cJSON_AddNumberToObject(lay, "world_size", 1);
+    cJSON_AddNumberToObject(lay, "dp", c->cfg.parallel.dp);
+    cJSON_AddNumberToObject(lay, "tp", c->cfg.parallel.tp);
+    cJSON_AddNumberToObject(lay, "pp", c->cfg.parallel.pp);
+    cJSON_AddNumberToObject(lay, "ep", c->cfg.parallel.ep);
+    cJSON_AddNumberToObject(lay, "zero", c->cfg.parallel.zero);
+    cJSON *regs = cJSON_AddObjectToObject(man, "regions");
+    char hx[20];
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        cJSON *o = cJSON_AddObjectToObject(regs, tera_ckpt_region_names[r]);
+        cJSON_AddNumberToObject(o, "floats", (double)c->reg_n[r]);
+        hex64(hx, tera_ckpt_region_hash(&c->shadow, r, c->reg[r]));
+        cJSON_AddStringToObject(o, "xxh3", hx);
+    }
+    /* checksums of the data files (everything but manifest.json and COMMIT) */
+    char names[64][128];
+    int nf = list_files(tmp, names, 64);
+    cJSON *files = cJSON_AddObjectToObject(man, "files");
+    for (int i = 0; i < nf && s == TERA_OK; i++) {
+        uint64_t h;
+        int64_t sz;
+        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
+        s = tera_ckpt_hash_file(path, &h, &sz);
+        cJSON *o = cJSON_AddObjectToObject(files, names[i]);
+        cJSON_AddNumberToObject(o, "bytes", (double)sz);
+        hex64(hx, h);
+        cJSON_AddStringToObject(o, "xxh3", hx);
+    }
+    char *mtext = s == TERA_OK ? cJSON_Print(man) : NULL;
+    cJSON_Delete(man);
+    if (s != TERA_OK) return s;
+    snprintf(path, sizeof path, "%s/manifest.json", tmp);
+    s = tera_ckpt_write_file(path, mtext, strlen(mtext));
+    free(mtext);
+    if (s != TERA_OK) return s;
+    /* COMMIT: last, after every other file is durable */
+    strbuf cm = {0};
+    char line[512];
+    snprintf(line, sizeof line, "tera-checkpoint-commit 1\nstep %" PRId64 "\n", c->step);
+    sb_put(&cm, line, strlen(line));
+    nf = list_files(tmp, names, 64);
+    int64_t bytes = 0;
+    for (int i = 0; i < nf && s == TERA_OK; i++) {
+        uint64_t h;
+        int64_t sz;
+        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
+        s = tera_ckpt_hash_file(path, &h, &sz);
+        bytes += sz;
+        snprintf(line, sizeof line, "file %s %" PRId64 " %016" PRIx64 "\n", names[i], sz, h);
+        sb_put(&cm, line, strlen(line));
+    }
+    sb_put(&cm, "end\n", 4);
+    snprintf(path, sizeof path, "%s/COMMIT", tmp);
+    if (s == TERA_OK) s = tera_ckpt_write_file(path, cm.buf, (size_t)cm.n);
+    free(cm.buf);
+    if (s == TERA_OK) s = tera_ckpt_fsync_path(tmp);
+    if (s != TERA_OK) return s;
+    struct stat sb;
+    if (stat(dir, &sb) == 0) TERA_TRY(tera_ckpt_rmtree(dir)); /* a damaged checkpoint of this step */
+    tera_ckpt_io_point("rename", tmp);
+    if (rename(tmp, dir) != 0)
+        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
+    TERA_TRY(tera_ckpt_fsync_path(root));
+    g_stats.last_write_s = tera_now() - t0;
+    g_stats.last_bytes = bytes;
+    g_stats.last_full = c->full;
+    g_stats.last_chunks_changed = changed;
+    g_stats.last_chunks_total = total;
+    return prune(c);
+}
+
+static void *writer_main(void *arg) {
+    tera_ckpt_ctx *c = arg;
+    c->st = write_checkpoint(c);
+    if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
+    return NULL;
+}
+
+/* Retention: the newest checkpoint.keep committed checkpoints (0 = all), plus the full checkpoints
+ * that kept differential ones (or the next one) build on. */
+static tera_status prune(tera_ckpt_ctx *c) {
+    const int keep = c->cfg.checkpoint.keep;
+    if (keep <= 0) return TERA_OK;
+    char root[TERA_PATH_MAX + 32], path[TERA_PATH_MAX + 128];
+    snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
+    tera_ckpt_info *v;
+    int n;
+    TERA_TRY(tera_ckpt_list(root, &v, &n));
+    int *keepme = tera_calloc((size_t)n + 1, sizeof(int));
+    int kept = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        if (!v[i].committed || kept >= keep) continue;
+        keepme[i] = 1;
+        kept++;
+        for (int j = 0; j < n; j++)
+            if (v[j].committed && !v[i].full && v[j].step == v[i].base_step) keepme[j] = 1;
+    }
+    for (int j = 0; j < n; j++)
+        if (c->has_base && v[j].step == c->base_step) keepme[j] = 1;
+    tera_status s = TERA_OK;
+    for (int i = 0; i < n && s == TERA_OK; i++) {
+        if (!v[i].committed || keepme[i]) continue;
+        snprintf(path, sizeof path, "%s/%s", root, v[i].name);
+        s = tera_ckpt_rmtree(path);
+    }
+    free(keepme);
+    free(v);
+    return s;
+}
+
+/* Copies the training state into the snapshot buffers (the pause the step loop sees). */
+static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr) {
+    const float *src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->opt.m, tr->opt.v, tr->model.router_bias};
+    const int64_t BLK = 1 << 18; /* 1 MiB of floats per task */
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        const int64_t n = c->reg_n[r];
+        if (!n) continue;
+        const int64_t nb = (n + BLK - 1) / BLK;
+        float *dst = c->reg[r];
+        const float *s = src[r];
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t lo = b * BLK, hi = lo + BLK < n ? lo + BLK : n;
+            memcpy(dst + lo, s + lo, sizeof(float) * (size_t)(hi - lo));
+        }
+    }
+    c->step = tr->step;
+    free(c->state_json);
+    c->state_json = state_text(tr);
 }
 
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
-    char dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 128];
+    const int final = tr->step >= tr->cfg.training.steps;
+    if (!tr->ckpt) tr->ckpt = ctx_create(tr);
+    tera_ckpt_ctx *c = tr->ckpt;
+    const double t0 = tera_now();
+    tera_status s = ctx_wait(c); /* the previous write must be complete */
+    const double t_wait = tera_now() - t0;
+    char dir[TERA_PATH_MAX + 64];
     snprintf(dir, sizeof dir, "%s/checkpoints/step_%08ld", tr->run_dir, (long)tr->step);
-    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
-    struct stat sb;
-    if (stat(dir, &sb) == 0) return TERA_OK; /* this step is already saved (e.g. a resumed, finished run) */
-    TERA_TRY(tera_mkdirs(tmp));
-    TERA_TRY(tera_hf_export(&tr->model, tmp, tr->cfg.checkpoint.max_shard_bytes, 1));
-    /* optimizer moments, by parameter name */
-    tera_st_writer w;
-    tera_st_writer_init(&w);
-    char nm[160];
-    for (int i = 0; i < tr->model.n_params; i++) {
-        const tera_param *p = &tr->model.params[i];
-        snprintf(nm, sizeof nm, "exp_avg.%d", i);
-        tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, tr->opt.m + p->offset);
-        snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
-        tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->shape, tr->opt.v + p->offset);
+    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
+    if (s == TERA_OK && !(tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK)) {
+        /* the final save is always full, so a finished run ends with a Hugging Face directory */
+        c->full = final || !c->has_base || c->opt.full_every <= 1 || c->since_full + 1 >= c->opt.full_every;
+        const double t1 = tera_now();
+        snapshot(c, tr);
+        const double pause = tera_now() - t1 + t_wait;
+        g_stats.saves++;
+        g_stats.full_saves += c->full;
+        g_stats.last_pause_s = pause;
+        g_stats.total_pause_s += pause;
+        if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
+        if (c->opt.async && !final) {
+            c->running = 1;
+            if (pthread_create(&c->th, NULL, writer_main, c) != 0) {
+                c->running = 0;
+                s = write_checkpoint(c);
+            }
+        } else {
+            s = write_checkpoint(c);
+        }
     }
-    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
-    tera_status st = tera_st_writer_save(&w, path);
-    tera_st_writer_free(&w);
-    if (st != TERA_OK) return st;
-    snprintf(path, sizeof path, "%s/config.ini", tmp);
-    TERA_TRY(tera_config_write(&tr->cfg, path));
-    snprintf(path, sizeof path, "%s/state.json", tmp);
-    TERA_TRY(write_state(tr, path));
-    /* commit: rename the finished directory into place */
-    if (rename(tmp, dir) != 0)
-        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
-    return prune_checkpoints(tr);
-}
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path);
-}
-
-static int cmp_long(const void *a, const void *b) {
-    long x = *(const long *)a, y = *(const long *)b;
-    return (x > y) - (x < y);
-}
-
-/* Retention: keep the newest checkpoint.keep complete checkpoints (0 = keep all). */
-static tera_status prune_checkpoints(const tera_trainer *tr) {
-    const int keep = tr->cfg.checkpoint.keep;
-    if (keep <= 0) return TERA_OK;
-    char cdir[TERA_PATH_MAX + 32], path[TERA_PATH_MAX + 64];
-    snprintf(cdir, sizeof cdir, "%s/checkpoints", tr->run_dir);
-    DIR *d = opendir(cdir);
-    if (!d) return TERA_OK;
-    long steps[4096];
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) && n < 4096) {
-        long s;
-        char tail;
-        if (sscanf(e->d_name, "step_%ld%c", &s, &tail) == 1) steps[n++] = s;
+    if (final && g_stats.saves > 0 && tr->cfg.logging.progress)
+        fprintf(stderr, "tera: checkpoints: %d saves (%d full), step-loop pause mean %.2f ms, max %.2f ms; last write "
+                "%.3f s, %" PRId64 " bytes\n", g_stats.saves, g_stats.full_saves,
+                1e3 * g_stats.total_pause_s / g_stats.saves, 1e3 * g_stats.max_pause_s, g_stats.last_write_s,
+                g_stats.last_bytes);
+    if (final) {
+        tera_status s2 = tera_trainer_ckpt_close(tr);
+        if (s == TERA_OK) s = s2;
     }
-    closedir(d);
-    qsort(steps, (size_t)n, sizeof(long), cmp_long);
-    for (int i = 0; i + keep < n; i++) {
-        snprintf(path, sizeof path, "%s/step_%08ld", cdir, steps[i]);
-        if (nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-            return tera_fail(TERA_ERR_IO, "cannot remove old checkpoint '%s': %s", path, strerror(errno));
-    }
-    return TERA_OK;
-}
-
-static int find_latest_ckpt(const char *run_dir, char *out, size_t n) {
-    char cdir[TERA_PATH_MAX + 32];
-    snprintf(cdir, sizeof cdir, "%s/checkpoints", run_dir);
-    DIR *d = opendir(cdir);
-    if (!d) return 0;
-    long best = -1;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        long s;
-        char tail;
-        if (sscanf(e->d_name, "step_%ld%c", &s, &tail) == 1 && s > best) best = s;
-    }
-    closedir(d);
-    if (best < 0) return 0;
-    snprintf(out, n, "%s/step_%08ld", cdir, best);
-    return 1;
+    return s;
 }
 
 tera_status tera_trainer_resume(tera_trainer *tr) {
     char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 128];
-    if (!find_latest_ckpt(tr->run_dir, dir, sizeof dir))
-        return tera_fail(TERA_ERR_IO, "--resume: no checkpoint under '%s/checkpoints'", tr->run_dir);
-    TERA_TRY(tera_hf_import(&tr->model, dir));
-    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
-    tera_st_file f;
-    TERA_TRY(tera_st_open(&f, path));
-    tera_status st = TERA_OK;
-    char nm[160];
-    for (int i = 0; i < tr->model.n_params && st == TERA_OK; i++) {
-        const tera_param *p = &tr->model.params[i];
-        snprintf(nm, sizeof nm, "exp_avg.%d", i);
-        st = tera_st_read_f32(&f, nm, p->ndim, p->shape, tr->opt.m + p->offset);
-        if (st != TERA_OK) break;
-        snprintf(nm, sizeof nm, "exp_avg_sq.%d", i);
-        st = tera_st_read_f32(&f, nm, p->ndim, p->shape, tr->opt.v + p->offset);
-    }
-    tera_st_close(&f);
-    if (st == TERA_OK) {
-        snprintf(path, sizeof path, "%s/state.json", dir);
-        st = read_state(tr, path);
-    }
-    if (st == TERA_OK) st = tera_trainer_open_metrics(tr, "a");
-    return st;
+    TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
+    TERA_TRY(tera_ckpt_load(dir, &tr->model, tr->opt.m, tr->opt.v));
+    snprintf(path, sizeof path, "%s/state.json", dir);
+    TERA_TRY(read_state(tr, path));
+    return tera_trainer_open_metrics(tr, "a");
 }
-

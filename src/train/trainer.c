@@ -150,6 +150,7 @@ fail_src:
 }
 
 void tera_trainer_free(tera_trainer *tr) {
+    tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
     free(tr->buckets);

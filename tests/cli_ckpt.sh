@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Checkpoints through the command line: COMMIT/manifest, ckpt ls/verify/export-hf, flipped byte and
+# truncated file, differential checkpoints + resume, SIGKILL at a random step and resume, and the
+# crash-injection loop over every I/O point of the writer. Usage: cli_ckpt.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+ulimit -c 0
+fails=0
+pass() { echo "ok: $1"; }
+fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+
+head -c 60000 "$SRC/data/default_corpus.txt" > "$W/corpus.txt"
+TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32
+      --training.seq_len=32 --training.micro_batch=4 --training.warmup_steps=2 --logging.progress=false
+      --training.threads=2 --data.path="$W/corpus.txt")
+same() { # same final weights and moments
+    cmp -s "$1/model.safetensors" "$2/model.safetensors" && cmp -s "$1/optimizer.safetensors" "$2/optimizer.safetensors"
+}
+losses() { # the last logged loss of every step (a resumed run logs some steps twice)
+    grep '"loss"' "$1" | sed 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/' | awk '{l[$1]=$2} END {for (s in l) print s, l[s]}' | sort -n
+}
+
+# 1. layout, ls, verify
+"$TERA" train "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --logging.run_dir="$W/a" > "$W/a.log" 2>&1 || { fail "train"; cat "$W/a.log"; }
+C="$W/a/checkpoints/step_00000008"
+for f in COMMIT manifest.json model.safetensors optimizer.safetensors config.json state.json config.ini; do
+    [ -f "$C/$f" ] || fail "missing $f"
+done
+grep -q '^end$' "$C/COMMIT" && grep -q '"global_shape"' "$C/manifest.json" && grep -q '"byte_range"' "$C/manifest.json" \
+    && pass "COMMIT and manifest written" || fail "COMMIT/manifest content"
+ls "$W/a/checkpoints" | grep -q tmp && fail "a .tmp directory was left behind" || pass "no .tmp left"
+"$TERA" ckpt ls "$W/a" > "$W/ls.txt" && [ "$(grep -c ' full .* yes' "$W/ls.txt")" = 3 ] && pass "ckpt ls" || { fail "ckpt ls"; cat "$W/ls.txt"; }
+"$TERA" ckpt verify "$W/a" > /dev/null 2>&1 && pass "ckpt verify clean run" || fail "verify clean"
+cp -r "$W/a" "$W/b"
+printf '\x55' | dd of="$W/b/checkpoints/step_00000008/optimizer.safetensors" bs=1 seek=5000 conv=notrunc 2> /dev/null
+if "$TERA" ckpt verify "$W/b/checkpoints/step_00000008" > "$W/v.txt" 2>&1; then fail "flipped byte not found"
+else grep -q "optimizer.safetensors" "$W/v.txt" && pass "flipped byte found and named" || fail "flip message: $(cat "$W/v.txt")"; fi
+truncate -s 3000 "$W/b/checkpoints/step_00000012/model.safetensors"
+if "$TERA" ckpt verify "$W/b" > "$W/v2.txt" 2>&1; then fail "truncation not found"
+else grep -q "model.safetensors: truncated" "$W/v2.txt" && pass "truncated file found and named" || fail "trunc message: $(cat "$W/v2.txt")"; fi
+# resume skips the corrupt newest checkpoints and takes the newest intact one
+"$TERA" train "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --logging.run_dir="$W/b" --resume > "$W/b.log" 2>&1
+grep -q "resumed .* at step 4" "$W/b.log" && same "$W/a/checkpoints/step_00000012" "$W/b/checkpoints/step_00000012" \
+    && pass "corrupt checkpoints skipped on resume, result identical" || { fail "resume past corrupt"; cat "$W/b.log"; }
+rm -f "$W/a/checkpoints/step_00000004/COMMIT"
+"$TERA" ckpt ls "$W/a" | grep -q "step_00000004 .* no" && pass "directory without COMMIT listed as not committed" || fail "ls uncommitted"
+"$TERA" ckpt export-hf "$C" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$C/model.safetensors" \
+    && pass "ckpt export-hf" || fail "ckpt export-hf"
+
+# 2. differential checkpoints: restore = full + diff, bit-identical resume
+"$TERA" train --checkpoint.full_every=3 "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --checkpoint.keep=0 \
+    --logging.run_dir="$W/d" > /dev/null 2>&1
+"$TERA" ckpt ls "$W/d" > "$W/dls.txt"
+grep -q "step_00000008 .* diff .*base step 4" "$W/dls.txt" && pass "differential checkpoint written" || { fail "diff"; cat "$W/dls.txt"; }
+[ -f "$W/d/checkpoints/step_00000008/diff.bin" ] && [ ! -f "$W/d/checkpoints/step_00000008/model.safetensors" ] || fail "diff contents"
+rm -rf "$W/d/checkpoints/step_00000012"
+"$TERA" train --checkpoint.full_every=3 "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --checkpoint.keep=0 \
+    --logging.run_dir="$W/d" --resume > "$W/d.log" 2>&1
+grep -q "at step 8" "$W/d.log" && same "$W/d/checkpoints/step_00000012" "$W/a/checkpoints/step_00000012" \
+    && pass "resume from a differential checkpoint is bit-identical" || { fail "diff resume"; cat "$W/d.log"; }
+"$TERA" ckpt export-hf "$W/d/checkpoints/step_00000008" --out "$W/hf8" > /dev/null 2>&1 \
+    && cmp -s "$W/hf8/model.safetensors" "$W/a/checkpoints/step_00000008/model.safetensors" \
+    && pass "export-hf of a differential checkpoint" || fail "export-hf diff"
+
+# 3. SIGKILL at a random moment (steps or saves), resume, compare with an uninterrupted run
+S=200
+"$TERA" train "${TINY[@]}" --training.steps=$S --checkpoint.every=7 --logging.run_dir="$W/ref" > /dev/null 2>&1
+losses "$W/ref/metrics.jsonl" > "$W/ref.loss"
+for trial in 1 2 3; do
+    R="$W/k$trial"
+    "$TERA" train "${TINY[@]}" --training.steps=$S --checkpoint.every=7 --logging.run_dir="$R" > /dev/null 2>&1 &
+    pid=$!
+    sleep "0.$((RANDOM % 5 + 1))$((RANDOM % 10))"
+    kill -9 $pid 2> /dev/null
+    wait $pid 2> /dev/null
+    at=$(ls "$R/checkpoints" 2> /dev/null | tail -1)
+    if "$TERA" train "${TINY[@]}" --training.steps=$S --checkpoint.every=7 --logging.run_dir="$R" --resume > "$R.log" 2>&1 || \
+       { grep -q "no committed checkpoint" "$R.log" && "$TERA" train "${TINY[@]}" --training.steps=$S --checkpoint.every=7 \
+             --logging.run_dir="$R" --force > "$R.log" 2>&1; }; then
+        losses "$R/metrics.jsonl" > "$R.loss"
+        f=$(printf 'step_%08d' $S)
+        same "$W/ref/checkpoints/$f" "$R/checkpoints/$f" && cmp -s "$W/ref.loss" "$R.loss" \
+            && pass "killed ($at, $(grep -o 'resumed.*' "$R.log" || echo restarted)), resumed: weights and losses identical" \
+            || fail "trial $trial differs"
+    else
+        fail "resume after kill: $(cat "$R.log")"
+    fi
+done
+
+# 4. crash injection: abort at every I/O point of the writer (sync and async, full and diff saves)
+"$TERA" train "${TINY[@]}" --training.steps=6 --checkpoint.every=2 --checkpoint.keep=2 --logging.run_dir="$W/fref" > /dev/null 2>&1
+n=1 corrupt=0 wrong=0 aborted=0
+while :; do
+    R="$W/f$n"
+    TERA_CKPT_FAULT=$n "$TERA" train --checkpoint.full_every=2 "${TINY[@]}" --training.steps=6 --checkpoint.every=2 \
+        --checkpoint.keep=2 --logging.run_dir="$R" > "$R.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] && break
+    aborted=$((aborted + 1))
+    grep -q "TERA_CKPT_FAULT" "$R.log" || { fail "fault $n: rc $rc without the fault message"; cat "$R.log"; break; }
+    newest=$("$TERA" ckpt ls "$R" 2> /dev/null | awk '$5 == "yes" {s=$2} END {print s}')
+    for d in "$R"/checkpoints/step_????????; do
+        [ -f "$d/COMMIT" ] || continue
+        "$TERA" ckpt verify "$d" > /dev/null 2>&1 || { corrupt=$((corrupt + 1)); echo "corrupt committed: $d"; }
+    done
+    "$TERA" train --checkpoint.full_every=2 "${TINY[@]}" --training.steps=6 --checkpoint.every=2 --checkpoint.keep=2 \
+        --logging.run_dir="$R" --resume > "$R.r.log" 2>&1
+    if [ -n "$newest" ]; then
+        grep -q "at step $newest\$" "$R.r.log" || { wrong=$((wrong + 1)); echo "fault $n: newest $newest, $(cat "$R.r.log")"; }
+        same "$W/fref/checkpoints/step_00000006" "$R/checkpoints/step_00000006" || { wrong=$((wrong + 1)); echo "fault $n: final differs"; }
+    else
+        grep -q "no committed checkpoint" "$R.r.log" || { wrong=$((wrong + 1)); echo "fault $n: $(cat "$R.r.log")"; }
+    fi
+    rm -rf "$R"
+    n=$((n + 1))
+    [ $n -gt 400 ] && { fail "fault loop did not end"; break; }
+done
+[ $aborted -gt 20 ] && [ $corrupt = 0 ] && [ $wrong = 0 ] \
+    && pass "crash at each of $aborted I/O points: 0 corrupt loads, newest committed checkpoint restored, final weights identical" \
+    || fail "crash loop: $aborted points, $corrupt corrupt, $wrong wrong"
+
+echo "cli_ckpt: $fails failed"
+[ "$fails" = 0 ]
