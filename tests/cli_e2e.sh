@@ -37,6 +37,12 @@ awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls 
 [ "$(ls "$W/keep/checkpoints" | tr '\n' ' ')" = "step_00000015 step_00000020 " ] && pass "retention keeps the newest 2" \
     || fail "retention: $(ls "$W/keep/checkpoints" | tr '\n' ' ')"
 
+# retention with milestones: keep the newest 2 and every step divisible by 10
+"$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/keep10" \
+    --checkpoint.every=5 --checkpoint.keep=2 --checkpoint.keep_every=10 > /dev/null 2>&1
+[ "$(ls "$W/keep10/checkpoints" | tr '\n' ' ')" = "step_00000010 step_00000015 step_00000020 " ] \
+    && pass "retention keeps the newest 2 and the milestone" || fail "milestones: $(ls "$W/keep10/checkpoints" | tr '\n' ' ')"
+
 # 2. the run directory is never overwritten without --force
 cp "$W/run/metrics.jsonl" "$W/metrics.before"
 if "$TERA" train "${TINY[@]}" --training.steps=5 --data.path="$W/corpus.txt" --logging.run_dir="$W/run" > "$W/again.log" 2>&1; then

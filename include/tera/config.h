@@ -80,6 +80,7 @@ typedef struct {
 typedef struct {
     int every;                  /* save every N steps (0 = only at the end) */
     int keep;                   /* keep the newest K checkpoints (0 = all) */
+    int keep_every;             /* also keep checkpoints at multiples of this step (0 = none) */
     int async;                  /* write checkpoints in a background thread */
     int full_every;             /* every N-th save full, the others differential (0 = always full) */
     int64_t max_shard_bytes;    /* safetensors shard size limit for export (0 = one file) */

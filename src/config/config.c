@@ -199,6 +199,8 @@ static const config__key config__keys[] = {
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
     K_INT(checkpoint, keep, "3", 0, INT_MAX, "keep the newest K checkpoints; 0 = all"),
+    K_INT(checkpoint, keep_every, "0", 0, INT_MAX,
+          "also keep every checkpoint whose step is a multiple of N (milestones); 0 = none"),
     K_BOOL(checkpoint, async, "true",
            "snapshot state into host buffers and write in a background thread (the final save is synchronous)"),
     K_INT(checkpoint, full_every, "0", 0, INT_MAX,

@@ -563,10 +563,11 @@ static void *writer_main(void *arg) {
     return NULL;
 }
 
-/* Retention: the newest checkpoint.keep committed checkpoints (0 = all), plus the full checkpoints
- * that kept differential ones (or the next one) build on. */
+/* Retention: the newest checkpoint.keep committed checkpoints (0 = all), every checkpoint whose
+ * step is a multiple of checkpoint.keep_every (0 = none), plus the full checkpoints that kept
+ * differential ones (or the next one) build on. */
 static tera_status prune(tera_ckpt_ctx *c) {
-    const int keep = c->cfg.checkpoint.keep;
+    const int keep = c->cfg.checkpoint.keep, keep_every = c->cfg.checkpoint.keep_every;
     if (keep <= 0) return TERA_OK;
     char root[TERA_PATH_MAX + 32], path[TERA_PATH_MAX + 128];
     snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
@@ -576,9 +577,11 @@ static tera_status prune(tera_ckpt_ctx *c) {
     int *keepme = tera_calloc((size_t)n + 1, sizeof(int));
     int kept = 0;
     for (int i = n - 1; i >= 0; i--) {
-        if (!v[i].committed || kept >= keep) continue;
+        if (!v[i].committed) continue;
+        const int milestone = keep_every > 0 && v[i].step % keep_every == 0;
+        if (kept >= keep && !milestone) continue;
         keepme[i] = 1;
-        kept++;
+        if (!milestone || kept < keep) kept++;
         for (int j = 0; j < n; j++)
             if (v[j].committed && !v[i].full && v[j].step == v[i].base_step) keepme[j] = 1;
     }
