@@ -7,7 +7,8 @@ int tera_cli_error(void) {
     tera_comm *w = tera_comm_world();
     if (tera_comm_rank(w) == 0)
         fprintf(stderr, "tera: error: %s\n", tera_last_error());
-    else if (!strstr(tera_last_error(), "another rank") && !strstr(tera_last_error(), "on rank 0"))
+    else if (!strstr(tera_last_error(), "another rank") && !strstr(tera_last_error(), "rank 0's message") &&
+             !strstr(tera_last_error(), "on rank 0"))
         fprintf(stderr, "tera: error (rank %d): %s\n", tera_comm_rank(w), tera_last_error());
     return 1;
 }

@@ -47,7 +47,9 @@ static const char *model_config_diff(const tera_model_config *a0, const tera_mod
     return NULL;
 }
 
-tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
+/* Everything a rank sets up by itself, without collectives (so that a failure on one rank cannot
+ * leave the others waiting); tera_trainer_init then makes the ranks agree. */
+static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
     tr->cfg = *cfg;
     const tera_train_config *t = &cfg->training;
@@ -55,6 +57,11 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     tr->dp = tera_comm_world();
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
+    if (cfg->parallel.zero > 0 && cfg->parallel.dp > 1)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.zero = %d with parallel.dp = %d: ZeRO sharding is not supported in this build "
+                         "yet (use parallel.zero = 0; with one rank there is nothing to shard)",
+                         cfg->parallel.zero, cfg->parallel.dp);
     if (tr->world != cfg->parallel.dp)
         return tera_fail(TERA_ERR_CONFIG,
                          "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
@@ -117,25 +124,10 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
-    /* every rank agrees that set-up worked (rank 0 alone created the run directory) */
-    int64_t ok = 1;
-    tera_comm_allreduce_i64(tr->dp, &ok, 1);
-    if (ok != tr->world) {
-        st = tera_fail(TERA_ERR_IO, "set-up failed on another rank (see rank 0's message)");
-        goto fail_all;
-    }
     tr->t_start = tera_now();
     return TERA_OK;
 
 fail_all:
-    if (tr->world > 1 && st != TERA_OK && tr->rank == 0) {
-        /* tell the other ranks, which are waiting in the agreement above */
-        int64_t ok0 = 0;
-        char keep[2048];
-        snprintf(keep, sizeof keep, "%s", tera_last_error());
-        tera_comm_allreduce_i64(tr->dp, &ok0, 1);
-        tera_fail(st, "%s", keep);
-    }
     free(tr->buckets);
     free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
@@ -146,6 +138,24 @@ fail_model:
     tera_model_destroy(&tr->model);
 fail_src:
     tera_source_close(&tr->src);
+    return st;
+}
+
+tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
+    tera_status st = init_local(tr, cfg, run_dir, overwrite);
+    tera_comm *w = tera_comm_world();
+    if (tera_comm_size(w) == 1) return st;
+    /* every rank learns whether every rank is ready (rank 0 alone created the run directory) */
+    int64_t failed = st != TERA_OK;
+    tera_comm_allreduce_i64(w, &failed, 1);
+    if (failed == 0) return TERA_OK;
+    if (st == TERA_OK) {
+        tera_trainer_free(tr);
+        return tera_fail(TERA_ERR_IO, "set-up failed on another rank (see its message)");
+    }
+    /* the same failure everywhere (a config or data error): rank 0 reports it, the others stay quiet */
+    if (failed == tera_comm_size(w) && tera_comm_rank(w) != 0)
+        return tera_fail(st, "set-up failed on every rank (see rank 0's message)");
     return st;
 }
 
