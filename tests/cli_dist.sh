@@ -61,6 +61,30 @@ head -4 "$W/rs/metrics.jsonl" > "$W/rs1/metrics.jsonl"
     || { fail "resume on one rank"; cat "$W/rs1.log"; }
 same_steps "$W/rs/metrics.jsonl" "$W/rs1/metrics.jsonl" && pass "resume across dp 2 -> 1: steps 4..7 match" || fail "resume across dp"
 
+# failure: a killed rank stops the job (mpirun names it); a hung rank trips the watchdog of the
+# others (parallel.timeout_s) - no hang either way, within a bounded time
+for how in KILL STOP; do
+    R="$W/fail$how"
+    ( $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.steps=100000 --training.micro_batch=2 --parallel.dp=2 \
+        --parallel.timeout_s=3 --logging.run_dir="$R" > "$R.log" 2>&1; echo "rc=$?" >> "$R.log" ) &
+    job=$!
+    for i in $(seq 1 100); do [ -s "$R/metrics.jsonl" ] && break; sleep 0.1; done
+    victim=$(pgrep -f -- "--logging.run_dir=$R" | tail -1)
+    kill -$how "$victim"
+    t0=$(date +%s)
+    for i in $(seq 1 200); do kill -0 $job 2> /dev/null || break; sleep 0.1; done
+    took=$(( $(date +%s) - t0 ))
+    if kill -0 $job 2> /dev/null; then
+        fail "SIG$how of a rank: job still running after 20 s"
+        pkill -9 -f -- "--logging.run_dir=$R"
+    else
+        if [ $how = KILL ]; then pat="exited on signal 9"; else pat="made no progress for 3 s: a peer rank stopped answering"; fi
+        grep -q "$pat" "$R.log" && ! grep -q "rc=0" "$R.log" && pass "SIG$how of a rank: job stopped in ${took}s ($pat)" \
+            || { fail "SIG$how: $(tail -5 "$R.log")"; }
+    fi
+    pkill -9 -f -- "--logging.run_dir=$R" 2> /dev/null
+done
+
 # a layout that does not match the ranks is refused on every rank before any work
 if $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1; then
     fail "dp=1 on 2 ranks accepted"

@@ -35,4 +35,10 @@ void tera_comm_wait(tera_comm_req *req);
 void tera_comm_poll(tera_comm_req *reqs, int n);
 void tera_comm_barrier(tera_comm *c);
 
+/* Watchdog: a blocking collective (or a wait) that makes no progress for `seconds` means a peer
+ * rank stopped answering; the rank then prints which operation stalled and aborts every rank
+ * (MPI_Abort), so a hung peer never hangs the job. 0 disables it. A dead peer is already reported
+ * by the launcher (mpirun names the rank and its signal and stops the job). */
+void tera_comm_set_timeout(double seconds);
+
 #endif

@@ -75,6 +75,7 @@ typedef struct {
 typedef struct {
     int dp, tp, pp, ep;         /* parallel degrees (1 = off) */
     int zero;                   /* ZeRO stage 0-3 */
+    float timeout_s;            /* collective watchdog (0 = off) */
 } tera_parallel_config;
 
 typedef struct {

@@ -4,7 +4,12 @@
  * every rank's environment; without them tera runs as one rank and never initialises MPI, so a
  * single-process run needs no mpirun and pays nothing for it. */
 #include <mpi.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "tera/comm.h"
 
@@ -31,6 +36,56 @@ static void abort_all_ranks(void) {
             MPI_Error_string(_rc, _msg, &_len);                                                    \
             tera_abort_at(__FILE__, __LINE__, "%s failed: %s", #call, _msg);                         \
         }                                                                                          \
+    } while (0)
+
+/* ---- watchdog: the thread checks once a second whether the current collective is overdue */
+static _Atomic double g_timeout = 0.0;      /* seconds; 0 = off */
+static _Atomic double g_op_start = 0.0;     /* monotonic start of the collective in flight, 0 = none */
+static const char *_Atomic g_op_name = NULL;
+static pthread_t g_watchdog;
+static int g_watchdog_running = 0;
+
+static double mono(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void *watchdog(void *arg) {
+    (void)arg;
+    for (;;) {
+        sleep(1);
+        const double t0 = g_op_start, limit = g_timeout;
+        if (t0 > 0.0 && limit > 0.0 && mono() - t0 > limit) {
+            const char *op = g_op_name;
+            fprintf(stderr,
+                    "tera: fatal: rank %d: %s made no progress for %.0f s: a peer rank stopped answering "
+                    "(parallel.timeout_s); aborting every rank\n",
+                    g_world.rank, op ? op : "a collective", limit);
+            fflush(stderr);
+            MPI_Abort(MPI_COMM_WORLD, 3);
+            _exit(3);
+        }
+    }
+    return NULL;
+}
+
+void tera_comm_set_timeout(double seconds) {
+    g_timeout = seconds > 0.0 ? seconds : 0.0;
+    if (g_mpi && g_timeout > 0.0 && !g_watchdog_running) {
+        if (pthread_create(&g_watchdog, NULL, watchdog, NULL) == 0) {
+            pthread_detach(g_watchdog);
+            g_watchdog_running = 1;
+        }
+    }
+}
+
+#define GUARDED(name, call)                                                                        \
+    do {                                                                                           \
+        g_op_name = (name);                                                                        \
+        g_op_start = mono();                                                                       \
+        MPI_CHECK(call);                                                                           \
+        g_op_start = 0.0;                                                                          \
     } while (0)
 
 static int launched_by_mpi(void) {
@@ -73,7 +128,7 @@ static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_
     if (c->size == 1 || n == 0) return;
     for (int64_t off = 0; off < n; off += MAX_PIECE) {
         int64_t k = n - off < MAX_PIECE ? n - off : MAX_PIECE;
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, MPI_SUM, c->mpi));
+        GUARDED("MPI_Allreduce", MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, MPI_SUM, c->mpi));
     }
 }
 
@@ -95,7 +150,7 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
 
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
-    MPI_CHECK(MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
+    GUARDED("MPI_Wait (gradient all-reduce)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
     req->active = 0;
 }
 
@@ -109,5 +164,5 @@ void tera_comm_poll(tera_comm_req *reqs, int n) {
 }
 
 void tera_comm_barrier(tera_comm *c) {
-    if (c->size > 1) MPI_CHECK(MPI_Barrier(c->mpi));
+    if (c->size > 1) GUARDED("MPI_Barrier", MPI_Barrier(c->mpi));
 }

@@ -195,6 +195,8 @@ static const config__key config__keys[] = {
     K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
     K_INT(parallel, ep, "1", 1, INT_MAX, "expert-parallel degree"),
     K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
+    K_FLOAT(parallel, timeout_s, "600", R_CLOSED(0.0, 1e9),
+            "a collective that makes no progress this long aborts every rank (a peer stopped answering); 0 = off"),
 
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),

@@ -55,6 +55,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     const tera_train_config *t = &cfg->training;
     tera_set_threads(t->threads);
     tr->dp = tera_comm_world();
+    tera_comm_set_timeout(cfg->parallel.timeout_s);
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
     if (cfg->parallel.zero > 0 && cfg->parallel.dp > 1)
