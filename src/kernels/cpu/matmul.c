@@ -41,10 +41,34 @@ static void engine_init(void) {
     DNNL_CHECK(dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags));
 }
 
-/* C[M,N] = op(A) op(B) + beta C with the matmul primitive (oneDNN caches the compiled kernel). */
-static void matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                             const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    pthread_once(&g_once, engine_init);
+/* Primitives are created once per distinct product (shape, transposes, strides, beta) and kept
+ * with their memory objects; a call only points the memory objects at its arrays, so the step loop
+ * allocates nothing. A model has a few dozen distinct products. Only the calling thread that is
+ * outside any parallel region uses this path, so the cache needs no lock. */
+typedef struct {
+    int ta, tb;
+    int64_t M, N, K, lda, ldb, ldc;
+    int accumulate;                  /* beta != 0 (beta is 0 or 1 in tera) */
+    float beta;
+    dnnl_primitive_t prim;
+    dnnl_memory_t a, b, c;
+} prim_entry;
+
+#define PRIM_CACHE 128
+static prim_entry g_cache[PRIM_CACHE];
+static int g_cached = 0;
+
+static prim_entry *prim_get(int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, float beta,
+                            int64_t ldc) {
+    for (int i = 0; i < g_cached; i++) {
+        prim_entry *e = &g_cache[i];
+        if (e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K && e->lda == lda && e->ldb == ldb &&
+            e->ldc == ldc && e->beta == beta)
+            return e;
+    }
+    if (g_cached == PRIM_CACHE) return NULL; /* full: the caller falls back to sgemm */
+    prim_entry *e = &g_cache[g_cached];
+    *e = (prim_entry){.ta = ta, .tb = tb, .M = M, .N = N, .K = K, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta};
     dnnl_memory_desc_t ad, bd, cd;
     dnnl_dims_t adims = {M, K}, bdims = {K, N}, cdims = {M, N};
     dnnl_dims_t as = {ta ? 1 : lda, ta ? lda : 1}, bs = {tb ? 1 : ldb, tb ? ldb : 1}, cs = {ldc, 1};
@@ -64,21 +88,29 @@ static void matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, co
     }
     dnnl_primitive_desc_t pd;
     DNNL_CHECK(dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL));
-    dnnl_primitive_t prim;
-    DNNL_CHECK(dnnl_primitive_create(&prim, pd));
-    dnnl_memory_t am, bm, cm;
-    DNNL_CHECK(dnnl_memory_create(&am, &ad, g_engine, (void *)A));
-    DNNL_CHECK(dnnl_memory_create(&bm, &bd, g_engine, (void *)B));
-    DNNL_CHECK(dnnl_memory_create(&cm, &cd, g_engine, C));
-    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-    DNNL_CHECK(dnnl_primitive_execute(prim, g_stream, 3, args));
-    DNNL_CHECK(dnnl_stream_wait(g_stream));
-    dnnl_memory_destroy(am);
-    dnnl_memory_destroy(bm);
-    dnnl_memory_destroy(cm);
-    dnnl_primitive_destroy(prim);
+    DNNL_CHECK(dnnl_primitive_create(&e->prim, pd));
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
+    DNNL_CHECK(dnnl_memory_create(&e->a, &ad, g_engine, DNNL_MEMORY_NONE));
+    DNNL_CHECK(dnnl_memory_create(&e->b, &bd, g_engine, DNNL_MEMORY_NONE));
+    DNNL_CHECK(dnnl_memory_create(&e->c, &cd, g_engine, DNNL_MEMORY_NONE));
+    g_cached++;
+    return e;
+}
+
+/* C[M,N] = op(A) op(B) + beta C with a cached matmul primitive; returns 0 if the cache is full. */
+static int matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                            const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    pthread_once(&g_once, engine_init);
+    prim_entry *e = prim_get(ta, tb, M, N, K, lda, ldb, beta, ldc);
+    if (!e) return 0;
+    DNNL_CHECK(dnnl_memory_set_data_handle(e->a, (void *)A));
+    DNNL_CHECK(dnnl_memory_set_data_handle(e->b, (void *)B));
+    DNNL_CHECK(dnnl_memory_set_data_handle(e->c, C));
+    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b}, {DNNL_ARG_DST, e->c}};
+    DNNL_CHECK(dnnl_primitive_execute(e->prim, g_stream, 3, args));
+    DNNL_CHECK(dnnl_stream_wait(g_stream));
+    return 1;
 }
 #define HAVE_MATMUL_PRIMITIVE 1
 #else
@@ -87,7 +119,7 @@ static void matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, co
 
 /* Products of at least this many multiply-adds use the matmul primitive: below it the primitive was
  * measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
-#define PRIMITIVE_MIN_MACS (1LL << 30)
+static int64_t g_primitive_min_macs = 1LL << 30; /* TERA_GEMM_PRIMITIVE_MIN overrides (A/B timing) */
 
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -103,11 +135,12 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
     if (use_primitive < 0) {
         const char *e = getenv("TERA_GEMM");
         use_primitive = !(e && strcmp(e, "sgemm") == 0);
+        const char *mn = getenv("TERA_GEMM_PRIMITIVE_MIN");
+        if (mn) g_primitive_min_macs = atoll(mn);
     }
-    if (use_primitive && alpha == 1.0f && M * N * K >= PRIMITIVE_MIN_MACS && !omp_in_parallel()) {
-        matmul_primitive(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    if (use_primitive && alpha == 1.0f && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
+        matmul_primitive(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
         return;
-    }
 #endif
     DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
