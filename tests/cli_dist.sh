@@ -36,30 +36,46 @@ val_loss() { "$TERA" eval --from "$1" --data.path="$W/c.txt" --data.val_fraction
 
 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/one" > "$W/one.log" 2>&1 \
     || { fail "one rank"; cat "$W/one.log"; }
-for dp in 2 4; do
+for layout in "2 0" "4 0" "2 1" "4 1"; do
+    set -- $layout
+    dp=$1 zero=$2
     micro=$((4 / dp))
-    $MPIRUN -np $dp "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --parallel.dp=$dp \
-        --logging.run_dir="$W/dp$dp" > "$W/dp$dp.log" 2>&1 || { fail "dp$dp run"; cat "$W/dp$dp.log"; continue; }
+    $MPIRUN -np $dp "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --parallel.dp=$dp --parallel.zero=$zero \
+        --logging.run_dir="$W/dp$dp" > "$W/dp$dp.log" 2>&1 || { fail "dp$dp zero$zero run"; cat "$W/dp$dp.log"; continue; }
+    if [ $zero = 1 ]; then
+        o1=$(grep -o 'optimizer [0-9.]*' "$W/one.log"); od=$(grep -o 'optimizer [0-9.]*' "$W/dp$dp.log")
+        awk -v a="${o1#optimizer }" -v b="${od#optimizer }" -v d=$dp 'BEGIN { exit !(b <= a / d + 0.05) }' \
+            && pass "zero1 dp$dp: optimizer state per rank $od MiB (one rank: $o1 MiB)" || fail "zero1 memory: $o1 vs $od"
+    fi
     grep -q "$dp data-parallel ranks (mpi)" "$W/dp$dp.log" && pass "dp$dp runs on $dp MPI ranks" || fail "dp$dp banner"
-    same_steps "$W/one/metrics.jsonl" "$W/dp$dp/metrics.jsonl" && pass "dp$dp: every step's loss and grad norm match one rank" \
-        || fail "dp$dp losses differ"
+    same_steps "$W/one/metrics.jsonl" "$W/dp$dp/metrics.jsonl" && pass "dp$dp zero$zero: every step's loss and grad norm match one rank" \
+        || fail "dp$dp zero$zero losses differ"
     a=$(val_loss "$W/one/checkpoints/step_00000008"); b=$(val_loss "$W/dp$dp/checkpoints/step_00000008")
     awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= 2e-5 * a) }' \
         && pass "dp$dp: final weights give the same validation loss ($a vs $b)" || fail "dp$dp final weights: $a vs $b"
     [ "$(ls "$W/dp$dp/checkpoints")" = "step_00000008" ] && pass "dp$dp: one checkpoint, written by rank 0" || fail "dp$dp checkpoints"
+    rm -rf "$W/dp$dp"
 done
 
 # exact resume across a change of data-parallel degree: dp=2 saves at step 4; one rank (accumulating
 # the same global batch) resumes from it; steps 4..7 and the final weights match the dp=2 run
-$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --checkpoint.every=4 \
-    --logging.run_dir="$W/rs" > "$W/rs.log" 2>&1 || { fail "dp2 run with checkpoints"; cat "$W/rs.log"; }
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.zero=1 --checkpoint.every=4 \
+    --logging.run_dir="$W/rs" > "$W/rs.log" 2>&1 || { fail "dp2 zero1 run with checkpoints"; cat "$W/rs.log"; }
 cp -r "$W/rs" "$W/rs1"
 rm -rf "$W/rs1/checkpoints/step_00000008"
 head -4 "$W/rs/metrics.jsonl" > "$W/rs1/metrics.jsonl"
 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --training.grad_accum=2 --logging.run_dir="$W/rs1" --resume \
     > "$W/rs1.log" 2>&1 && grep -q "resumed .* at step 4" "$W/rs1.log" && pass "dp2 checkpoint resumed on one rank" \
     || { fail "resume on one rank"; cat "$W/rs1.log"; }
-same_steps "$W/rs/metrics.jsonl" "$W/rs1/metrics.jsonl" && pass "resume across dp 2 -> 1: steps 4..7 match" || fail "resume across dp"
+same_steps "$W/rs/metrics.jsonl" "$W/rs1/metrics.jsonl" && pass "resume across dp 2 (zero1) -> 1: steps 4..7 match" || fail "resume across dp"
+# and the same checkpoint resumed by 4 ranks with ZeRO-1 (each loads its shard of the moments)
+cp -r "$W/rs" "$W/rs4"
+rm -rf "$W/rs4/checkpoints/step_00000008"
+head -4 "$W/rs/metrics.jsonl" > "$W/rs4/metrics.jsonl"
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --parallel.dp=4 --parallel.zero=1 \
+    --logging.run_dir="$W/rs4" --resume > "$W/rs4.log" 2>&1 || { fail "resume on dp4 zero1"; cat "$W/rs4.log"; }
+same_steps "$W/rs/metrics.jsonl" "$W/rs4/metrics.jsonl" && pass "resume across dp 2 -> 4 with ZeRO-1 shards: steps 4..7 match" \
+    || fail "resume dp2 -> dp4 zero1"
 
 # failure: a killed rank stops the job (mpirun names it); a hung rank trips the watchdog of the
 # others (parallel.timeout_s) - no hang either way, within a bounded time

@@ -24,6 +24,12 @@ void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n);
 void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n);
 void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n);
 
+/* In-place reduce-scatter of a buffer split into consecutive ranges of counts[r] elements: on
+ * return, rank r's range holds the sum over all ranks of that range (other ranges: undefined). */
+void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts);
+/* In-place all-gather: rank r contributes its range (counts as above); every rank ends with all. */
+void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts);
+
 /* Non-blocking in-place sum; complete it with tera_comm_wait. */
 typedef struct {
     int active;                                 /* 1 while the operation is in flight */

@@ -12,12 +12,15 @@
 #include "tera/model.h"
 
 typedef struct {
-    float *m, *v;   /* first and second moments [n_floats], one allocation */
+    float *m, *v;   /* first and second moments of the flat range [lo, hi), one allocation */
     int64_t t;      /* updates taken (for bias correction) */
-    int64_t n;
+    int64_t n;      /* hi - lo */
+    int64_t lo, hi; /* the parameters this optimizer updates: all of them, or a ZeRO-1 shard */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
+/* ZeRO-1: moments for the flat range [lo, hi) only. */
+void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi);
 void tera_adamw_free(tera_adamw *o);
 /* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
  * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps), on the gradient
@@ -33,6 +36,8 @@ float tera_lr_at(const tera_train_config *t, int64_t step);
 double tera_grad_norm(const tera_model *m);
 /* The same squared, also per parameter tensor into sq[n_params] (sq may be NULL). */
 double tera_grad_sq_by_param(const tera_model *m, double *sq);
+/* The same over the flat range [lo, hi) only (a ZeRO shard). */
+double tera_grad_sq_by_param_range(const tera_model *m, int64_t lo, int64_t hi, double *sq);
 void tera_grad_scale(tera_model *m, float s);
 
 /* One optimizer step's results. */
@@ -70,6 +75,8 @@ typedef struct {
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
+    int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
+    int64_t *shard_counts;      /* [world] floats of the flat buffer each rank's shard holds */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
 } tera_trainer;
 

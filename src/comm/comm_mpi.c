@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -135,6 +136,36 @@ static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4); }
 void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8); }
 void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8); }
+
+/* counts/displacements as MPI ints (ranges must stay below 2^31 elements each) */
+static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int *disp) {
+    int64_t off = 0;
+    for (int r = 0; r < c->size; r++) {
+        TERA_ASSERTF(counts[r] < INT32_MAX && off < INT32_MAX, "range of %ld elements is too large for MPI counts",
+                     (long)counts[r]);
+        cnt[r] = (int)counts[r];
+        disp[r] = (int)off;
+        off += counts[r];
+    }
+}
+
+void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
+    if (c->size == 1) return;
+    int cnt[1024], disp[1024];
+    TERA_ASSERT(c->size <= 1024);
+    int_counts(c, counts, cnt, disp);
+    /* MPI_IN_PLACE: input from buf, this rank's result at the START of buf: move it into place */
+    GUARDED("MPI_Reduce_scatter", MPI_Reduce_scatter(MPI_IN_PLACE, buf, cnt, MPI_FLOAT, MPI_SUM, c->mpi));
+    if (disp[c->rank] > 0) memmove(buf + disp[c->rank], buf, sizeof(float) * (size_t)cnt[c->rank]);
+}
+
+void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
+    if (c->size == 1) return;
+    int cnt[1024], disp[1024];
+    TERA_ASSERT(c->size <= 1024);
+    int_counts(c, counts, cnt, disp);
+    GUARDED("MPI_Allgatherv", MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, c->mpi));
+}
 
 _Static_assert(sizeof(MPI_Request) <= sizeof(((tera_comm_req *)0)->storage), "tera_comm_req too small");
 

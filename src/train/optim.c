@@ -4,12 +4,16 @@
 
 #include "tera/train.h"
 
-void tera_adamw_init(tera_adamw *o, int64_t n) {
-    o->n = n;
+void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi) {
+    o->lo = lo;
+    o->hi = hi;
+    o->n = hi - lo;
     o->t = 0;
-    o->m = tera_calloc((size_t)(2 * n), sizeof(float));
-    o->v = o->m + n;
+    o->m = tera_calloc((size_t)(2 * o->n + 1), sizeof(float));
+    o->v = o->m + o->n;
 }
+
+void tera_adamw_init(tera_adamw *o, int64_t n) { tera_adamw_init_range(o, 0, n); }
 
 void tera_adamw_free(tera_adamw *o) {
     free(o->m);
@@ -27,11 +31,15 @@ void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, c
     double usum = 0.0, psum = 0.0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
-        float *w = m->w + p->offset;
-        float *g = m->g + p->offset;
-        float *mm = o->m + p->offset, *vv = o->v + p->offset;
+        /* the part of this tensor inside [lo, hi) */
+        const int64_t a = p->offset > o->lo ? p->offset : o->lo;
+        const int64_t b = p->offset + p->numel < o->hi ? p->offset + p->numel : o->hi;
+        if (b <= a) continue;
+        float *w = m->w + a;
+        float *g = m->g + a;
+        float *mm = o->m + (a - o->lo), *vv = o->v + (a - o->lo);
         const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
-        const int64_t n = p->numel, len = (n + CHUNKS - 1) / CHUNKS;
+        const int64_t n = b - a, len = (n + CHUNKS - 1) / CHUNKS;
         double up[CHUNKS], pp[CHUNKS];
 #pragma omp parallel for schedule(static)
         for (int ch = 0; ch < CHUNKS; ch++) {
@@ -68,11 +76,21 @@ float tera_lr_at(const tera_train_config *t, int64_t s) {
 }
 
 double tera_grad_sq_by_param(const tera_model *m, double *sq) {
+    return tera_grad_sq_by_param_range(m, 0, m->n_floats, sq);
+}
+
+double tera_grad_sq_by_param_range(const tera_model *m, int64_t lo, int64_t hi, double *sq) {
     double total = 0.0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
-        const float *g = m->g + p->offset;
-        const int64_t n = p->numel, len = (n + CHUNKS - 1) / CHUNKS;
+        const int64_t a = p->offset > lo ? p->offset : lo;
+        const int64_t b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+        if (b <= a) {
+            if (sq) sq[i] = 0.0;
+            continue;
+        }
+        const float *g = m->g + a;
+        const int64_t n = b - a, len = (n + CHUNKS - 1) / CHUNKS;
         double part[CHUNKS];
 #pragma omp parallel for schedule(static)
         for (int ch = 0; ch < CHUNKS; ch++) {

@@ -58,10 +58,10 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_comm_set_timeout(cfg->parallel.timeout_s);
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
-    if (cfg->parallel.zero > 0 && cfg->parallel.dp > 1)
+    if (cfg->parallel.zero > 1 && cfg->parallel.dp > 1)
         return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.zero = %d with parallel.dp = %d: ZeRO sharding is not supported in this build "
-                         "yet (use parallel.zero = 0; with one rank there is nothing to shard)",
+                         "parallel.zero = %d with parallel.dp = %d: ZeRO stages 2 and 3 are not supported in this "
+                         "build yet (stage 1, optimizer-state sharding, is; with one rank there is nothing to shard)",
                          cfg->parallel.zero, cfg->parallel.dp);
     if (tr->world != cfg->parallel.dp)
         return tera_fail(TERA_ERR_CONFIG,
@@ -99,7 +99,23 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     } else {
         tera_model_init_weights(&tr->model, t->seed);
     }
-    tera_adamw_init(&tr->opt, tr->model.n_floats);
+    /* ZeRO-1: rank r keeps the Adam moments of the r-th contiguous slice of the flat buffer */
+    tr->zero = cfg->parallel.zero >= 1 && tr->world > 1;
+    tr->shard_counts = tera_calloc((size_t)tr->world, sizeof(int64_t));
+    {
+        const int64_t n = tr->model.n_floats;
+        const int64_t S = ((n + tr->world - 1) / tr->world + 15) & ~(int64_t)15;
+        for (int r = 0; r < tr->world; r++) {
+            int64_t lo = (int64_t)r * S < n ? (int64_t)r * S : n, hi = lo + S < n ? lo + S : n;
+            tr->shard_counts[r] = tr->zero ? hi - lo : (r == 0 ? n : 0);
+        }
+        if (tr->zero) {
+            const int64_t lo = (int64_t)tr->rank * S < n ? (int64_t)tr->rank * S : n;
+            tera_adamw_init_range(&tr->opt, lo, lo + tr->shard_counts[tr->rank]);
+        } else {
+            tera_adamw_init(&tr->opt, n);
+        }
+    }
     tr->grad_sq = tera_calloc((size_t)tr->model.n_params, sizeof(double));
     tr->fault_nan_step = -1;
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
@@ -129,6 +145,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     return TERA_OK;
 
 fail_all:
+    free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
@@ -164,6 +181,7 @@ void tera_trainer_free(tera_trainer *tr) {
     tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
+    free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
     free(tr->tokens);
@@ -294,7 +312,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         tera_prof_seconds[TERA_PROF_DATA] += dw;
         tera_prof_calls[TERA_PROF_DATA]++;
         tera_model_forward(m, in, tg);
-        const int last = a == A - 1 && tr->world > 1;
+        const int last = a == A - 1 && tr->world > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
         m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
         m->grad_ready_ctx = tr;
         tera_model_backward(m, &s);
@@ -306,8 +324,12 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         dropped += m->stats.n_dropped;
     }
     if (tr->world > 1) {
-        /* gradients: wait for the bucket sums; statistics: one small sum over the ranks */
-        for (int i = 0; i < tr->n_buckets; i++) tera_comm_wait(&tr->buckets[i]);
+        /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard);
+         * statistics: one small sum over the ranks */
+        if (tr->zero)
+            tera_comm_reduce_scatter_f32(tr->dp, m->g, tr->shard_counts);
+        else
+            for (int i = 0; i < tr->n_buckets; i++) tera_comm_wait(&tr->buckets[i]);
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
         tera_comm_allreduce_f64(tr->dp, sums, 5);
         ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
@@ -325,17 +347,29 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     double t_opt = tera_now();
     if (tr->step == tr->fault_nan_step) m->g[m->n_floats / 2] = NAN;
-    r->grad_norm = sqrt(tera_grad_sq_by_param(m, tr->grad_sq));
+    if (tr->zero) { /* the norm of the whole gradient from every rank's shard */
+        tera_grad_sq_by_param_range(m, tr->opt.lo, tr->opt.hi, tr->grad_sq);
+        tera_comm_allreduce_f64(tr->dp, tr->grad_sq, m->n_params);
+        double tot = 0.0;
+        for (int i = 0; i < m->n_params; i++) tot += tr->grad_sq[i];
+        r->grad_norm = sqrt(tot);
+    } else {
+        r->grad_norm = sqrt(tera_grad_sq_by_param(m, tr->grad_sq));
+    }
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
         r->skipped = 1; /* the data position still advances with the step counter */
         tr->skipped_steps++;
     } else {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
-        double usq, psq;
-        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, 1, &usq, &psq);
-        r->update_ratio = psq > 0 ? sqrt(usq / psq) : 0.0;
-        tr->grads_zero = 1;
+        double sums[2];
+        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, !tr->zero, &sums[0], &sums[1]);
+        if (tr->zero) { /* every rank gets every shard's new parameters */
+            tera_comm_allgather_f32(tr->dp, m->w, tr->shard_counts);
+            tera_comm_allreduce_f64(tr->dp, sums, 2);
+        }
+        r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
+        tr->grads_zero = !tr->zero; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
@@ -383,7 +417,24 @@ static void fmt_eta(char *buf, size_t n, double sec) {
 /* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 static tera_status save_agreed(tera_trainer *tr) {
-    tera_status st = tr->rank == 0 ? tera_trainer_save(tr) : TERA_OK;
+    tera_status st = TERA_OK;
+    if (tr->zero) {
+        /* ZeRO-1: the checkpoint holds the whole moments (per-rank shards come with sharded
+         * checkpoints): gather them for the save (a temporary of 2 x the parameters per rank) */
+        const int64_t n = tr->model.n_floats;
+        tera_adamw shard = tr->opt;
+        float *full = tera_calloc((size_t)(2 * n + 1), sizeof(float));
+        memcpy(full + shard.lo, shard.m, sizeof(float) * (size_t)shard.n);
+        memcpy(full + n + shard.lo, shard.v, sizeof(float) * (size_t)shard.n);
+        tera_comm_allgather_f32(tr->dp, full, tr->shard_counts);
+        tera_comm_allgather_f32(tr->dp, full + n, tr->shard_counts);
+        tr->opt.m = full, tr->opt.v = full + n, tr->opt.lo = 0, tr->opt.hi = tr->opt.n = n;
+        if (tr->rank == 0) st = tera_trainer_save(tr); /* snapshots the moments before returning */
+        tr->opt = shard;
+        free(full);
+    } else if (tr->rank == 0) {
+        st = tera_trainer_save(tr);
+    }
     int64_t failed = st != TERA_OK;
     tera_comm_allreduce_i64(tr->dp, &failed, 1);
     if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
