@@ -57,6 +57,11 @@ typedef struct {
     float grad_clip;       /* global-norm clip threshold c (0 = off) */
     int eval_every;        /* validation every N steps (0 = off) */
     int eval_batches;      /* micro-batches per validation */
+    int spike_window;      /* loss-spike guard window (0 = off) */
+    float spike_zscore;    /* spike threshold on the z-score of the loss */
+    float spike_grad_zscore; /* and of the grad norm */
+    float spike_lr_factor; /* LR multiplier after a spike */
+    int spike_lr_steps;    /* for this many steps */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
 } tera_train_config;
 

@@ -50,6 +50,7 @@ typedef struct {
     double seconds, data_seconds;
     int skipped;    /* 1: non-finite loss or gradient, update skipped */
     double update_ratio; /* ||w_new - w_old|| / ||w_old|| of this step's update */
+    int spike;           /* 1: loss spike detected, update dropped (and rolled back when possible) */
 } tera_step_result;
 
 typedef struct {
@@ -76,6 +77,15 @@ typedef struct {
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
     int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
+    double *spike_hist;         /* [2 * spike_window]: recent losses, then grad norms (ring) */
+    int spike_n, spike_pos;     /* entries in the ring, next slot */
+    int64_t lr_cut_until;       /* steps before this run at spike_lr_factor x LR */
+    int64_t skip_lo[64], skip_hi[64]; /* data windows that caused spikes: samples_consumed jumps over them */
+    int n_skips;
+    int64_t last_spike_step;    /* to stop rolling back when the same step keeps spiking */
+    int spike_repeats;
+    int64_t spike_events;       /* spikes handled so far */
+    int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [world] floats of the flat buffer each rank's shard holds */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
 } tera_trainer;

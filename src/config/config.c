@@ -167,6 +167,15 @@ static const config__key config__keys[] = {
     K_FLOAT(training, grad_clip, "1.0", R_GE0, "global L2-norm clip threshold; 0 = off"),
     K_INT(training, eval_every, "0", 0, INT_MAX, "validation every N steps; 0 = off"),
     K_INT(training, eval_batches, "4", 1, INT_MAX, "micro-batches per validation"),
+    K_INT(training, spike_window, "0", 0, 100000,
+          "loss-spike guard: z-scores of loss and grad norm over this many recent steps; 0 = off"),
+    K_FLOAT(training, spike_zscore, "6", R_CLOSED(0.5, 1e9),
+            "a step whose loss z-score exceeds this is a spike: its update is dropped, the run rolls back "
+            "to the newest checkpoint, skips that batch and lowers the LR"),
+    K_FLOAT(training, spike_grad_zscore, "12", R_CLOSED(0.5, 1e9),
+            "the same for the grad norm (noisier than the loss, hence a higher default)"),
+    K_FLOAT(training, spike_lr_factor, "0.5", R_CLOSED(0.0, 1.0), "LR multiplier after a spike"),
+    K_INT(training, spike_lr_steps, "100", 0, INT_MAX, "steps after a spike that run at the lowered LR"),
     K_STRING(training, init_from, "",
              "Hugging Face Mixtral directory to start from; empty = random init"),
 

@@ -117,6 +117,12 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         }
     }
     tr->grad_sq = tera_calloc((size_t)tr->model.n_params, sizeof(double));
+    tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
+    tr->last_spike_step = -1;
+    {
+        const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a poisoned batch */
+        tr->fault_spike_sample = f ? atoll(f) : -1;
+    }
     tr->fault_nan_step = -1;
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
@@ -145,6 +151,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     return TERA_OK;
 
 fail_all:
+    free(tr->spike_hist);
     free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
@@ -181,6 +188,7 @@ void tera_trainer_free(tera_trainer *tr) {
     tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
+    free(tr->spike_hist);
     free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
@@ -276,6 +284,85 @@ static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
     tera_comm_poll(tr->buckets, i);
 }
 
+/* Loss-spike guard: z-scores of this step's loss and grad norm against the last spike_window
+ * healthy steps (all ranks see the same global values, so all decide alike). Healthy steps enter
+ * the window. */
+static int spike_check(tera_trainer *tr, const tera_step_result *r) {
+    const int W = tr->cfg.training.spike_window;
+    if (W <= 0) return 0;
+    double *loss = tr->spike_hist, *gn = tr->spike_hist + W;
+    int spike = 0;
+    if (tr->spike_n == W) {
+        double ml = 0, mg = 0, vl = 0, vg = 0;
+        for (int i = 0; i < W; i++) ml += loss[i], mg += gn[i];
+        ml /= W, mg /= W;
+        for (int i = 0; i < W; i++) vl += (loss[i] - ml) * (loss[i] - ml), vg += (gn[i] - mg) * (gn[i] - mg);
+        /* floors on the spread (2% of the mean loss, 10% of the mean grad norm): a window of very
+         * steady steps must not turn an ordinary wobble into a huge z-score */
+        const double sl = fmax(sqrt(vl / W), 0.02 * fabs(ml)) + 1e-12, sg = fmax(sqrt(vg / W), 0.1 * fabs(mg)) + 1e-12;
+        const double zl = (r->loss - ml) / sl, zg = (r->grad_norm - mg) / sg;
+        spike = zl > tr->cfg.training.spike_zscore || zg > tr->cfg.training.spike_grad_zscore;
+        tr->spike_hist[2 * W] = zl > zg ? zl : zg; /* kept for the event record */
+    }
+    if (!spike) {
+        loss[tr->spike_pos] = r->loss;
+        gn[tr->spike_pos] = r->grad_norm;
+        tr->spike_pos = (tr->spike_pos + 1) % W;
+        if (tr->spike_n < W) tr->spike_n++;
+    }
+    return spike;
+}
+
+/* A spike's update was dropped. Roll back to the newest committed checkpoint when there is one
+ * (steps after it replay the same data bit for bit), skip the batch that caused the spike, and
+ * run the next spike_lr_steps steps at spike_lr_factor x LR. Logged to stderr and metrics.jsonl. */
+static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int64_t sample, int64_t seqs) {
+    const tera_train_config *t = &tr->cfg.training;
+    const int64_t spike_step = r->step;
+    tr->spike_events++;
+    tr->spike_repeats = spike_step == tr->last_spike_step ? tr->spike_repeats + 1 : 0;
+    tr->last_spike_step = spike_step;
+    tr->lr_cut_until = spike_step + 1 + t->spike_lr_steps;
+    int64_t back = -1;
+    /* roll back, unless the same step keeps spiking on fresh data (then go on past it) or the
+     * table of skipped windows is full */
+    if (tr->run_dir[0] && tr->spike_repeats < 3 && tr->n_skips < 64) {
+        tera_trainer_ckpt_close(tr); /* a checkpoint still being written is the one to roll back to */
+        const int64_t consumed = tr->samples_consumed;
+        if (tera_trainer_resume(tr) == TERA_OK) {
+            back = tr->step;
+            if (tr->samples_consumed <= sample) { /* the replay would reach this batch again: skip it */
+                tr->skip_lo[tr->n_skips] = sample;
+                tr->skip_hi[tr->n_skips] = sample + seqs;
+                tr->n_skips++;
+            }
+        } else {
+            tr->samples_consumed = consumed;
+        }
+    }
+    if (back < 0) tr->step = spike_step + 1; /* no rollback: this batch is already consumed */
+    tr->spike_n = tr->spike_pos = 0; /* the window refills from healthy steps */
+    if (tr->rank == 0) {
+        fprintf(stderr,
+                "tera: loss spike at step %ld (loss %.4f, grad norm %.4g, z %.1f): update dropped, %s, "
+                "samples [%ld, %ld) skipped, LR x %.2g until step %ld\n",
+                (long)spike_step, r->loss, r->grad_norm, tr->spike_hist[2 * t->spike_window],
+                back >= 0 ? "rolled back to the newest checkpoint" : "no checkpoint to roll back to", (long)sample,
+                (long)(sample + seqs), t->spike_lr_factor, (long)tr->lr_cut_until);
+        if (back >= 0) fprintf(stderr, "tera: resuming at step %ld\n", (long)back);
+        if (tr->metrics) {
+            fprintf(tr->metrics,
+                    "{\"step\": %ld, \"event\": \"loss_spike\", \"loss\": %.7g, \"grad_norm\": %.7g, \"z\": %.4g, "
+                    "\"rolled_back_to\": %ld, \"skipped_samples\": [%ld, %ld], \"lr_factor\": %.4g, "
+                    "\"lr_cut_until\": %ld}\n",
+                    (long)spike_step, r->loss, r->grad_norm, tr->spike_hist[2 * t->spike_window], (long)back,
+                    (long)sample, (long)(sample + seqs), t->spike_lr_factor, (long)tr->lr_cut_until);
+            fflush(tr->metrics);
+        }
+    }
+    return TERA_OK;
+}
+
 tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const tera_config *cfg = &tr->cfg;
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len, A = cfg->training.grad_accum;
@@ -291,6 +378,9 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         .aux = cfg->model.aux_coef / (float)(nmoe * seqs),
         .z = cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
     };
+    for (int i = 0; i < tr->n_skips; i++) /* batches that caused spikes (in increasing order) */
+        if (tr->samples_consumed == tr->skip_lo[i]) tr->samples_consumed = tr->skip_hi[i];
+    const int64_t step_sample = tr->samples_consumed;
     if (!tr->grads_zero) tera_model_zero_grad(m);
     tr->grads_zero = 0;
     tera_model_reset_load(m);
@@ -344,6 +434,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     r->loss = r->ce_loss + cfg->model.aux_coef * r->aux_loss + cfg->model.z_coef * r->z_loss;
     r->dropped_frac = assign ? (double)dropped / (double)assign : 0.0;
     r->lr = tera_lr_at(&cfg->training, tr->step);
+    if (tr->step < tr->lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
     if (tr->step == tr->fault_nan_step) m->g[m->n_floats / 2] = NAN;
@@ -356,9 +447,17 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     } else {
         r->grad_norm = sqrt(tera_grad_sq_by_param(m, tr->grad_sq));
     }
+    if (step_sample == tr->fault_spike_sample) { /* test hook: a gradient blow-up on this batch */
+        tera_grad_scale(m, 100.0f);
+        r->grad_norm *= 100.0;
+        r->loss *= 10.0;
+    }
+    if (isfinite(r->loss) && isfinite(r->grad_norm)) r->spike = spike_check(tr, r);
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
         r->skipped = 1; /* the data position still advances with the step counter */
         tr->skipped_steps++;
+    } else if (r->spike) {
+        r->skipped = 1; /* handled after the bookkeeping below: roll back, skip the batch, lower the LR */
     } else {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
@@ -380,6 +479,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
     if (tr->metrics) write_metrics(tr, r);
+    if (r->spike) return handle_spike(tr, r, step_sample, seqs);
     return TERA_OK;
 }
 
