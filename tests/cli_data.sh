@@ -5,11 +5,7 @@ set -u
 TERA=$1
 SRC=$2
 GPT2="$SRC/../shared/data/gpt2"
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fails=0
-pass() { echo "ok: $1"; }
-fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+. "$(dirname "$0")/testlib.sh"
 expect_error() { # NAME PATTERN command...
     local name=$1 pat=$2
     shift 2

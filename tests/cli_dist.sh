@@ -13,11 +13,7 @@ MPIRUN="mpirun --oversubscribe"
 # only; ASan's memory-error checks stay on, and tera's own leaks are checked by the other tests.
 export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fails=0
-pass() { echo "ok: $1"; }
-fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+. "$(dirname "$0")/testlib.sh"
 head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
 TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_kv_heads=2 --model.n_experts=4 --model.ffn_dim=32
       --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --training.seq_len=32

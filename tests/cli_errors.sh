@@ -3,9 +3,7 @@
 # crash, nothing existing overwritten. Usage: cli_errors.sh TERA SOURCE_DIR
 set -u
 TERA=$1
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fails=0
+. "$(dirname "$0")/testlib.sh"
 # expect_error NAME PATTERN -- command...: exit status 1 (not a signal) and PATTERN in stderr
 expect_error() {
     local name=$1 pat=$2

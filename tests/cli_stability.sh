@@ -5,11 +5,7 @@
 set -u
 TERA=$1
 SRC=$2
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fails=0
-pass() { echo "ok: $1"; }
-fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+. "$(dirname "$0")/testlib.sh"
 head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
 TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32
       --training.micro_batch=4 --training.warmup_steps=2 --training.steps=60 --training.threads=2 --data.path="$W/c.txt"
