@@ -85,6 +85,13 @@ static tera_status load_tokenizer(const char *spec, tera_tokenizer **t) {
     return tera_tokenizer_load(t, spec);
 }
 
+/* Refuses to replace an existing output unless --force (prints the message; returns non-zero). */
+static int refuse_existing(const char *what, const char *path, int force) {
+    if (force || access(path, F_OK) != 0) return 0;
+    tera_fail(TERA_ERR_EXISTS, "%s '%s' already exists; pass --force to replace it", what, path);
+    return tera_cli_error();
+}
+
 static int data_prepare(int argc, char **argv) {
     data_args a;
     if (parse(argc, argv, &a)) return 1;
@@ -94,10 +101,7 @@ static int data_prepare(int argc, char **argv) {
     }
     char idx[1100];
     snprintf(idx, sizeof idx, "%s.idx", a.output);
-    if (!a.force && access(idx, F_OK) == 0) {
-        tera_fail(TERA_ERR_EXISTS, "dataset '%s' already exists; pass --force to replace it", idx);
-        return tera_cli_error();
-    }
+    if (refuse_existing("dataset", idx, a.force)) return 1;
     tera_tokenizer *tok;
     if (load_tokenizer(a.tokenizer, &tok) != TERA_OK) return tera_cli_error();
     tera_prepare_opts o = {.inputs = a.inputs, .n_inputs = a.n_inputs, .output = a.output, .field = a.field,
@@ -127,10 +131,7 @@ static int tokenizer_train(int argc, char **argv) {
     }
     char enc[1100];
     snprintf(enc, sizeof enc, "%s/encoder.json", a.output);
-    if (!a.force && access(enc, F_OK) == 0) {
-        tera_fail(TERA_ERR_EXISTS, "tokenizer '%s' already exists; pass --force to replace it", enc);
-        return tera_cli_error();
-    }
+    if (refuse_existing("tokenizer", enc, a.force)) return 1;
     char **texts = tera_calloc((size_t)a.n_inputs, sizeof(char *));
     size_t *lens = tera_calloc((size_t)a.n_inputs, sizeof(size_t));
     tera_status st = TERA_OK;

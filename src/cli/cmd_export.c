@@ -1,6 +1,5 @@
 /* tera export-hf / tera config */
 #include <stdlib.h>
-#include <unistd.h>
 #include <string.h>
 
 #include "cli.h"
@@ -62,21 +61,7 @@ int tera_cmd_config(int argc, char **argv) {
     }
     tera_config cfg;
     if (tera_cli_parse(argc, argv, &cfg, NULL, NULL, NULL, NULL)) return 1;
-    char path[] = "/tmp/tera-config-XXXXXX";
-    int fd = mkstemp(path);
-    if (fd < 0) {
-        tera_fail(TERA_ERR_IO, "cannot create a temporary file");
-        return tera_cli_error();
-    }
-    close(fd);
-    if (tera_config_write(&cfg, path) != TERA_OK) {
-        unlink(path);
-        return tera_cli_error();
-    }
-    FILE *f = fopen(path, "r");
-    int ch;
-    while (f && (ch = fgetc(f)) != EOF) putchar(ch);
-    if (f) fclose(f);
-    unlink(path);
+    fflush(stdout);
+    if (tera_config_write(&cfg, "/dev/stdout") != TERA_OK) return tera_cli_error();
     return 0;
 }
