@@ -16,7 +16,7 @@ val_loss() { "$TERA" eval --from "$1" --data.path="$W/c.txt" --training.seq_len=
 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/clean" > "$W/clean.log" 2>&1 || { fail "clean run"; cat "$W/clean.log"; }
 grep -q loss_spike "$W/clean/metrics.jsonl" && fail "clean run reported a spike" || pass "clean run: no spike"
 # the batch of step 25 (samples 100..103) blows up: loss x 10, gradients x 100
-TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/fault" > "$W/fault.log" 2>&1 \
+TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.keep=0 --logging.run_dir="$W/fault" > "$W/fault.log" 2>&1 \
     || { fail "faulted run"; cat "$W/fault.log"; }
 ev=$(grep loss_spike "$W/fault/metrics.jsonl")
 [ "$(grep -c loss_spike "$W/fault/metrics.jsonl")" = 1 ] && pass "one spike event: ${ev:0:120}" || fail "events: $ev"
@@ -29,6 +29,20 @@ last=$(tail -1 "$W/fault/metrics.jsonl" | grep -o '"step": [0-9]*')
 a=$(val_loss "$W/clean/checkpoints/step_00000060"); b=$(val_loss "$W/fault/checkpoints/step_00000060")
 awk -v a="$a" -v b="$b" 'BEGIN { d = b - a; if (d < 0) d = -d; exit !(a > 0 && d <= 0.05 * a) }' \
     && pass "faulted run ends within 5% of the clean run (validation loss $b vs $a)" || fail "recovery: $b vs $a"
+# the guard's state is in state.json: resumed at step 30 (LR cut until step 31), the run is bit-identical
+losses() { grep '"loss": ' "$1" | grep -v '"event"' | sed 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/' \
+    | awk '{l[$1]=$2} END {for (s in l) print s, l[s]}' | sort -n; }
+st="$W/fault/checkpoints/step_00000030/state.json"
+tr -d ' \t\n' < "$st" | grep -q '"lr_cut_until":31,"skip_windows":\[\[100,104\]\],"events":1,"last_spike_step":25' \
+    && tr -d ' \t\n' < "$st" | grep -q '"window":8,"n":8' \
+    && pass "state.json holds the LR cut, the skipped window, the last spike and the z-score window" || { fail "guard state"; cat "$st"; }
+cp -r "$W/fault" "$W/fres"
+rm -rf "$W/fres/checkpoints/step_000000"[456]0
+TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.keep=0 --logging.run_dir="$W/fres" --resume > "$W/fres.log" 2>&1 \
+    && grep -q "resumed .* at step 30" "$W/fres.log" && cmp -s <(losses "$W/fault/metrics.jsonl") <(losses "$W/fres/metrics.jsonl") \
+    && cmp -s "$W/fault/checkpoints/step_00000060/model.safetensors" "$W/fres/checkpoints/step_00000060/model.safetensors" \
+    && pass "resumed inside the LR cut: losses and final weights bit-identical to the uninterrupted run" \
+    || { fail "guard resume"; tail -3 "$W/fres.log"; }
 # without checkpoints: the update is dropped and the run goes on (no rollback)
 TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.every=0 --logging.run_dir="$W/nockpt" > "$W/n.log" 2>&1 \
     && grep -q '"rolled_back_to": -1' "$W/nockpt/metrics.jsonl" && pass "no checkpoint: update dropped, run continues" \

@@ -19,6 +19,12 @@ typedef enum {
     TERA_DROP_PROBABILITY,  /* over capacity: keep an expert's highest-probability assignments */
 } tera_drop_policy;
 
+typedef enum {
+    TERA_BATCH_LR_SQRT = 0, /* LR x sqrt(A / grad_accum) for a step of A micro-batches (Adam's rule) */
+    TERA_BATCH_LR_LINEAR,   /* LR x A / grad_accum (SGD's linear scaling rule) */
+    TERA_BATCH_LR_NONE,     /* LR unchanged */
+} tera_batch_lr_rule;
+
 typedef struct {
     int vocab_size;        /* V */
     int dim;               /* D, model width */
@@ -62,6 +68,12 @@ typedef struct {
     float spike_grad_zscore; /* and of the grad norm */
     float spike_lr_factor; /* LR multiplier after a spike */
     int spike_lr_steps;    /* for this many steps */
+    int batch_rampup_start; /* batch ramp-up: accumulation count at step 0 (0 = no ramp-up) */
+    int batch_rampup_steps; /* steps over which it rises linearly to grad_accum */
+    float batch_grow_gnorm; /* grow the batch x2 when the windowed mean grad norm exceeds this (0 = off) */
+    int batch_grow_window;  /* healthy steps per grad-norm window */
+    int batch_grow_max;     /* largest accumulation count growth may reach (0 = 4 x grad_accum) */
+    tera_batch_lr_rule batch_lr_scaling; /* LR rule for a batch other than the full one */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
 } tera_train_config;
 

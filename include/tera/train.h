@@ -51,7 +51,35 @@ typedef struct {
     int skipped;    /* 1: non-finite loss or gradient, update skipped */
     double update_ratio; /* ||w_new - w_old|| / ||w_old|| of this step's update */
     int spike;           /* 1: loss spike detected, update dropped (and rolled back when possible) */
+    int accum;           /* micro-batches per rank this step (the dynamic batch size) */
+    int64_t batch_seqs;  /* global batch of this step in sequences: accum * micro_batch * world */
 } tera_step_result;
+
+/* ---------------------------------------------------------------- dynamic batch size
+ * (src/train/batch_schedule.c). micro_batch stays fixed; the number of accumulated micro-batches
+ * A of step s is ramp(s) x grow, at most batch_grow_max:
+ *   ramp(s) = batch_rampup_start + floor((grad_accum - batch_rampup_start) * s / batch_rampup_steps)
+ *             for s < batch_rampup_steps (and batch_rampup_start > 0), else grad_accum;
+ *   grow    = 1, doubled after the ramp-up whenever the mean grad norm (before clipping) of a window
+ *             of batch_grow_window healthy steps exceeds batch_grow_gnorm (the window then restarts).
+ * The LR of the step is the schedule's times (A / grad_accum)^p, p = 1/2 (sqrt, default), 1
+ * (linear) or 0 (none): the warmup/cosine schedule is stated for the full batch. The data position
+ * advances by the sequences actually used; the growth state is saved in state.json. */
+typedef struct {
+    int grow;            /* multiplier of the ramped accumulation count: 1, 2, 4, ... */
+    int window_n;        /* healthy steps in the current grad-norm window */
+    double window_sum;   /* sum of their grad norms */
+} tera_batch_state;
+
+void tera_batch_init(tera_batch_state *b);
+/* Micro-batches per rank of step `step`. */
+int tera_batch_accum(const tera_train_config *t, const tera_batch_state *b, int64_t step);
+/* LR multiplier of a step of `accum` micro-batches (exactly 1 for accum = grad_accum). */
+float tera_batch_lr_factor(const tera_train_config *t, int accum);
+/* Feeds step `step`'s grad norm (call for healthy steps only); returns 1 when the batch grew
+ * (from step + 1 on) and then stores the window's mean grad norm in *mean (may be NULL). */
+int tera_batch_observe(const tera_train_config *t, tera_batch_state *b, int64_t step, double grad_norm,
+                       double *mean);
 
 typedef struct {
     tera_config cfg;
@@ -88,6 +116,7 @@ typedef struct {
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [world] floats of the flat buffer each rank's shard holds */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
+    tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
@@ -104,11 +133,16 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
  * optimizer.safetensors (moments), state.json (step, data position, seed) and config.ini. */
 tera_status tera_trainer_save(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data
- * position). The data must be the same token stream (checked: token count, sample length, shuffle,
- * seed); the batch size may differ, since the position is counted in samples. */
+ * position, batch growth state, loss-spike guard state). The data must be the same token stream
+ * (checked: token count, sample length, shuffle, seed); the batch size may differ, since the
+ * position is counted in samples. Spike-guard knowledge newer than the checkpoint (a rollback:
+ * skipped windows, the LR cut, the last spike) is kept, merged with the checkpoint's. */
 tera_status tera_trainer_resume(tera_trainer *tr);
 /* Opens run_dir/metrics.jsonl for appending (no-op without a run directory). */
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
+/* After a step: a healthy step's grad norm goes to the batch growth trigger; a growth is logged
+ * (stderr and metrics.jsonl). */
+void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
 

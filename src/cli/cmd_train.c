@@ -26,6 +26,16 @@ static void print_summary(const tera_trainer *tr) {
             c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)tr->opt.n * sizeof(float) / MiB, m->bytes_acts / MiB,
             m->bytes_scratch / MiB);
+    const tera_train_config *t = &c->training;
+    static const char *const rules[] = {"sqrt", "linear", "none"};
+    if (t->batch_rampup_start > 0 && t->batch_rampup_steps > 0 && t->batch_rampup_start < t->grad_accum)
+        fprintf(stderr, "tera: batch ramp-up: accum %d -> %d over %d steps, LR rule %s\n", t->batch_rampup_start,
+                t->grad_accum, t->batch_rampup_steps, rules[t->batch_lr_scaling]);
+    if (t->batch_grow_gnorm > 0)
+        fprintf(stderr, "tera: batch growth: accum x 2 (up to %d) when the mean grad norm of %d steps exceeds %g, "
+                "LR rule %s; accum now %d\n", t->batch_grow_max ? t->batch_grow_max : 4 * t->grad_accum,
+                t->batch_grow_window, (double)t->batch_grow_gnorm, rules[t->batch_lr_scaling],
+                tera_batch_accum(t, &tr->batch, tr->step));
 }
 
 int tera_cmd_train(int argc, char **argv) {

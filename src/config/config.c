@@ -176,6 +176,18 @@ static const config__key config__keys[] = {
             "the same for the grad norm (noisier than the loss, hence a higher default)"),
     K_FLOAT(training, spike_lr_factor, "0.5", R_CLOSED(0.0, 1.0), "LR multiplier after a spike"),
     K_INT(training, spike_lr_steps, "100", 0, INT_MAX, "steps after a spike that run at the lowered LR"),
+    K_INT(training, batch_rampup_start, "0", 0, INT_MAX,
+          "batch-size ramp-up: micro-batches per step at step 0 (at most grad_accum), rising linearly in "
+          "whole micro-batches to grad_accum over batch_rampup_steps; 0 = no ramp-up"),
+    K_INT(training, batch_rampup_steps, "0", 0, INT_MAX, "optimizer steps the batch-size ramp-up lasts"),
+    K_FLOAT(training, batch_grow_gnorm, "0", R_GE0,
+            "after the ramp-up, double the micro-batches per step when the mean grad norm (before clipping) "
+            "of a window of batch_grow_window healthy steps exceeds this; 0 = off"),
+    K_INT(training, batch_grow_window, "50", 1, INT_MAX, "healthy steps per grad-norm window of the batch growth"),
+    K_INT(training, batch_grow_max, "0", 0, INT_MAX,
+          "the most micro-batches per step the batch growth may reach; 0 = 4 x grad_accum"),
+    K_ENUM(training, batch_lr_scaling, tera_batch_lr_rule, "sqrt", "sqrt|linear|none",
+           "LR of a step of A micro-batches: x sqrt(A / grad_accum) (Adam), x A / grad_accum, or unchanged"),
     K_STRING(training, init_from, "",
              "Hugging Face Mixtral directory to start from; empty = random init"),
 
@@ -809,6 +821,12 @@ tera_status tera_config_finalize(tera_config *c) {
     CONFIG__REQUIRE(t->warmup_steps <= t->steps,
                     "training.warmup_steps (%d) must be at most training.steps (%d)",
                     t->warmup_steps, t->steps);
+    CONFIG__REQUIRE(t->batch_rampup_start <= t->grad_accum,
+                    "training.batch_rampup_start (%d) must be at most training.grad_accum (%d)",
+                    t->batch_rampup_start, t->grad_accum);
+    CONFIG__REQUIRE(t->batch_grow_max == 0 || t->batch_grow_max >= t->grad_accum,
+                    "training.batch_grow_max (%d) must be 0 or at least training.grad_accum (%d)",
+                    t->batch_grow_max, t->grad_accum);
 
     /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
     /* data parallelism works; the other dimensions arrive with the distributed issue */

@@ -136,6 +136,114 @@ tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
 
 /* ------------------------------------------------------------------ state.json */
 
+static cJSON *int_array(int n, const int64_t *v);
+
+/* Doubles that must round-trip exactly (cJSON prints 15 digits when they are merely close). */
+static cJSON *exact_number(double v) {
+    char buf[40];
+    snprintf(buf, sizeof buf, "%.17g", v);
+    return cJSON_CreateString(buf);
+}
+
+static int read_exact(const cJSON *it, double *v) {
+    if (!cJSON_IsString(it)) return 0;
+    char *end;
+    *v = strtod(it->valuestring, &end);
+    return end != it->valuestring && *end == 0;
+}
+
+/* The dynamic batch size and the loss-spike guard: what a resumed run needs to take the same
+ * batch sizes, skip the same data windows, keep the LR cut and judge spikes against the same window. */
+static void state_dynamic(cJSON *root, const tera_trainer *tr) {
+    const tera_train_config *t = &tr->cfg.training;
+    cJSON *b = cJSON_AddObjectToObject(root, "batch");
+    const int a = tera_batch_accum(t, &tr->batch, tr->step);
+    cJSON_AddNumberToObject(b, "accum", a); /* of the next step (informative: it follows from the rest) */
+    cJSON_AddNumberToObject(b, "sequences", (double)a * t->micro_batch * tr->world);
+    cJSON_AddNumberToObject(b, "grow", tr->batch.grow);
+    cJSON_AddNumberToObject(b, "grow_window_n", tr->batch.window_n);
+    cJSON_AddItemToObject(b, "grow_window_sum", exact_number(tr->batch.window_sum));
+    cJSON *g = cJSON_AddObjectToObject(root, "spike_guard");
+    cJSON_AddNumberToObject(g, "lr_cut_until", (double)tr->lr_cut_until);
+    cJSON *sk = cJSON_AddArrayToObject(g, "skip_windows");
+    for (int i = 0; i < tr->n_skips; i++) {
+        int64_t w[2] = {tr->skip_lo[i], tr->skip_hi[i]};
+        cJSON_AddItemToArray(sk, int_array(2, w));
+    }
+    cJSON_AddNumberToObject(g, "events", (double)tr->spike_events);
+    cJSON_AddNumberToObject(g, "last_spike_step", (double)tr->last_spike_step);
+    cJSON_AddNumberToObject(g, "repeats", tr->spike_repeats);
+    const int W = t->spike_window;
+    cJSON_AddNumberToObject(g, "window", W);
+    cJSON_AddNumberToObject(g, "n", tr->spike_n);
+    cJSON_AddNumberToObject(g, "pos", tr->spike_pos);
+    cJSON *l = cJSON_AddArrayToObject(g, "loss"), *gn = cJSON_AddArrayToObject(g, "grad_norm");
+    for (int i = 0; i < tr->spike_n && i < W; i++) {
+        cJSON_AddItemToArray(l, exact_number(tr->spike_hist[i]));
+        cJSON_AddItemToArray(gn, exact_number(tr->spike_hist[W + i]));
+    }
+}
+
+static int json_i64(const cJSON *o, const char *name, int64_t *v) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, name);
+    if (!cJSON_IsNumber(it)) return 0;
+    *v = (int64_t)it->valuedouble;
+    return 1;
+}
+
+/* Restores state_dynamic's fields (absent in older checkpoints: growth off, guard unchanged).
+ * Guard knowledge newer than the checkpoint (a rollback in this process) is kept: the skip windows
+ * are merged, the LR cut and the event count take the later value. */
+static tera_status read_dynamic(tera_trainer *tr, const cJSON *root, const char *path) {
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(root, "batch");
+    tera_batch_init(&tr->batch);
+    if (cJSON_IsObject(b)) {
+        int64_t grow, n;
+        double sum;
+        if (!json_i64(b, "grow", &grow) || grow < 1 || grow > (1 << 30) || (grow & (grow - 1)) ||
+            !json_i64(b, "grow_window_n", &n) || n < 0 || n > INT32_MAX ||
+            !read_exact(cJSON_GetObjectItemCaseSensitive(b, "grow_window_sum"), &sum))
+            return tera_fail(TERA_ERR_FORMAT, "%s: \"batch\" needs grow (a power of 2), grow_window_n >= 0 and "
+                                              "grow_window_sum (a number as a string)", path);
+        tr->batch.grow = (int)grow, tr->batch.window_n = (int)n, tr->batch.window_sum = sum;
+    }
+    const cJSON *g = cJSON_GetObjectItemCaseSensitive(root, "spike_guard");
+    if (!cJSON_IsObject(g)) return TERA_OK;
+    int64_t cut, events, last, rep, W, n, pos;
+    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(g, "skip_windows");
+    const cJSON *l = cJSON_GetObjectItemCaseSensitive(g, "loss"), *gn = cJSON_GetObjectItemCaseSensitive(g, "grad_norm");
+    if (!json_i64(g, "lr_cut_until", &cut) || !json_i64(g, "events", &events) || !json_i64(g, "last_spike_step", &last) ||
+        !json_i64(g, "repeats", &rep) || !json_i64(g, "window", &W) || !json_i64(g, "n", &n) || !json_i64(g, "pos", &pos) ||
+        !cJSON_IsArray(sk) || !cJSON_IsArray(l) || !cJSON_IsArray(gn) || n < 0 || n > W ||
+        (W > 0 && (pos < 0 || pos >= W)) || cJSON_GetArraySize(l) != n || cJSON_GetArraySize(gn) != n)
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard\" is incomplete or inconsistent", path);
+    if (cut > tr->lr_cut_until) tr->lr_cut_until = cut;
+    if (events > tr->spike_events) tr->spike_events = events;
+    if (last > tr->last_spike_step) tr->last_spike_step = last, tr->spike_repeats = (int)rep;
+    const cJSON *w;
+    cJSON_ArrayForEach(w, sk) {
+        const cJSON *lo = cJSON_GetArrayItem(w, 0), *hi = cJSON_GetArrayItem(w, 1);
+        if (!cJSON_IsArray(w) || !cJSON_IsNumber(lo) || !cJSON_IsNumber(hi) || hi->valuedouble <= lo->valuedouble)
+            return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard.skip_windows\" holds a bad [lo, hi) pair", path);
+        const int64_t a = (int64_t)lo->valuedouble, e = (int64_t)hi->valuedouble;
+        int at = 0, dup = 0;
+        while (at < tr->n_skips && tr->skip_lo[at] <= a) dup |= tr->skip_lo[at] == a && tr->skip_hi[at] == e, at++;
+        if (dup || tr->n_skips >= 64) continue;
+        for (int i = tr->n_skips; i > at; i--) tr->skip_lo[i] = tr->skip_lo[i - 1], tr->skip_hi[i] = tr->skip_hi[i - 1];
+        tr->skip_lo[at] = a, tr->skip_hi[at] = e; /* kept in increasing order: the step jumps them in turn */
+        tr->n_skips++;
+    }
+    /* the window of recent healthy steps, when this run's window has the checkpoint's length */
+    tr->spike_n = tr->spike_pos = 0;
+    if (W != tr->cfg.training.spike_window) return TERA_OK;
+    for (int i = 0; i < n; i++)
+        if (!read_exact(cJSON_GetArrayItem(l, i), &tr->spike_hist[i]) ||
+            !read_exact(cJSON_GetArrayItem(gn, i), &tr->spike_hist[W + i]))
+            return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard\" window entry %d is not a number string", path, i);
+    tr->spike_n = (int)n, tr->spike_pos = (int)pos;
+    return TERA_OK;
+}
+
 static char *state_text(const tera_trainer *tr) {
     const tera_loader *l = &tr->loader;
     cJSON *root = cJSON_CreateObject(), *data = cJSON_CreateObject();
@@ -153,6 +261,7 @@ static char *state_text(const tera_trainer *tr) {
     cJSON_AddNumberToObject(data, "samples_consumed", (double)tr->samples_consumed);
     cJSON_AddNumberToObject(data, "epoch", (double)(tr->samples_consumed / l->n_train));
     cJSON_AddNumberToObject(data, "offset_in_epoch", (double)(tr->samples_consumed % l->n_train));
+    state_dynamic(root, tr);
     char *text = cJSON_Print(root);
     cJSON_Delete(root);
     return text;
@@ -190,10 +299,10 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     const int shuffle = cJSON_IsTrue(sh);
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
     const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
-    cJSON_Delete(root);
     const tera_loader *l = &tr->loader;
     if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
-        shuffle != l->shuffle || (uint64_t)v[2] != tr->cfg.training.seed)
+        shuffle != l->shuffle || (uint64_t)v[2] != tr->cfg.training.seed) {
+        cJSON_Delete(root);
         return tera_fail(TERA_ERR_CONFIG,
                          "--resume: %s was reading other data (%ld tokens, seq_len %d, %ld training samples, "
                          "shuffle %d, seed %lu) than this run (%ld, %d, %ld, %d, %lu): resuming would not "
@@ -201,6 +310,10 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
                          path, (long)d[0], (int)d[1], (long)d[2], shuffle, (unsigned long)v[2],
                          (long)tr->src.n_tokens, l->T, (long)l->n_train, l->shuffle,
                          (unsigned long)tr->cfg.training.seed);
+    }
+    const tera_status st = read_dynamic(tr, root, path);
+    cJSON_Delete(root);
+    TERA_TRY(st);
     tr->step = (int64_t)v[0];
     tr->opt.t = (int64_t)v[1];
     tr->samples_consumed = (int64_t)d[3];

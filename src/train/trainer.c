@@ -119,6 +119,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->grad_sq = tera_calloc((size_t)tr->model.n_params, sizeof(double));
     tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
     tr->last_spike_step = -1;
+    tera_batch_init(&tr->batch);
     {
         const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a poisoned batch */
         tr->fault_spike_sample = f ? atoll(f) : -1;
@@ -233,10 +234,10 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
             "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
             "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
             "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d, "
-            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"grad_norm_by_group\": {",
+            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"batch\": %ld, \"accum\": %d, \"grad_norm_by_group\": {",
             (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
-            (double)tr->tokens_per_step / r->seconds, tera_now() - tr->t_start, r->seconds, r->data_seconds,
-            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio);
+            (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds, tera_now() - tr->t_start, r->seconds, r->data_seconds,
+            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio, (long)r->batch_seqs, r->accum);
     double gsq[7] = {0};
     int present[7] = {0};
     for (int i = 0; i < m->n_params; i++) {
@@ -365,21 +366,26 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
 
 tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const tera_config *cfg = &tr->cfg;
-    const int B = cfg->training.micro_batch, T = cfg->training.seq_len, A = cfg->training.grad_accum;
+    const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
+    const int A = tera_batch_accum(&cfg->training, &tr->batch, tr->step); /* the dynamic batch size */
     tera_model *m = &tr->model;
     const double t0 = tera_now();
     memset(r, 0, sizeof *r);
     r->step = tr->step;
 
     const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
+    r->accum = A, r->batch_seqs = seqs;
     const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
     tera_loss_scales s = {
         .ce = 1.0f / (float)(seqs * T),
         .aux = cfg->model.aux_coef / (float)(nmoe * seqs),
         .z = cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
     };
-    for (int i = 0; i < tr->n_skips; i++) /* batches that caused spikes (in increasing order) */
-        if (tr->samples_consumed == tr->skip_lo[i]) tr->samples_consumed = tr->skip_hi[i];
+    /* data windows that caused spikes: a batch that would touch one starts after it instead (the
+     * batch size of a replay may differ), checked again against every window */
+    for (int i = 0; i < tr->n_skips; i++)
+        if (tr->samples_consumed < tr->skip_hi[i] && tr->samples_consumed + seqs > tr->skip_lo[i])
+            tr->samples_consumed = tr->skip_hi[i], i = -1;
     const int64_t step_sample = tr->samples_consumed;
     if (!tr->grads_zero) tera_model_zero_grad(m);
     tr->grads_zero = 0;
@@ -433,7 +439,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     r->z_loss = m->n_moe_layers ? z / (double)((int64_t)nmoe * seqs * T) : 0.0;
     r->loss = r->ce_loss + cfg->model.aux_coef * r->aux_loss + cfg->model.z_coef * r->z_loss;
     r->dropped_frac = assign ? (double)dropped / (double)assign : 0.0;
-    r->lr = tera_lr_at(&cfg->training, tr->step);
+    r->lr = tera_lr_at(&cfg->training, tr->step) * tera_batch_lr_factor(&cfg->training, A);
     if (tr->step < tr->lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
@@ -479,6 +485,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
     if (tr->metrics) write_metrics(tr, r);
+    tera_trainer_batch_observe(tr, r);
     if (r->spike) return handle_spike(tr, r, step_sample, seqs);
     return TERA_OK;
 }
@@ -549,7 +556,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
     tera_step_result r = {0};
     while (tr->step < S) {
         TERA_TRY(tera_trainer_step(tr, &r));
-        double tps = (double)tr->tokens_per_step / r.seconds;
+        double tps = (double)(r.batch_seqs * cfg->training.seq_len) / r.seconds; /* the step's actual batch */
         tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
         const int log_now = cfg->logging.log_every > 0 &&
                             (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
