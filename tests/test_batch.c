@@ -119,6 +119,9 @@ static void test_config_checks(void **state) {
     assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
     assert_non_null(strstr(tera_last_error(), "training.batch_rampup_start (5)"));
     assert_int_equal(tera_config_set(&c, "training.batch_rampup_start=1"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
+    assert_non_null(strstr(tera_last_error(), "training.batch_rampup_steps > 0"));
+    assert_int_equal(tera_config_set(&c, "training.batch_rampup_steps=10"), TERA_OK);
     assert_int_equal(tera_config_set(&c, "training.batch_grow_max=3"), TERA_OK);
     assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
     assert_non_null(strstr(tera_last_error(), "training.batch_grow_max (3)"));

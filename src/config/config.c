@@ -824,6 +824,9 @@ tera_status tera_config_finalize(tera_config *c) {
     CONFIG__REQUIRE(t->batch_rampup_start <= t->grad_accum,
                     "training.batch_rampup_start (%d) must be at most training.grad_accum (%d)",
                     t->batch_rampup_start, t->grad_accum);
+    CONFIG__REQUIRE(t->batch_rampup_start == 0 || t->batch_rampup_steps > 0,
+                    "training.batch_rampup_start = %d needs training.batch_rampup_steps > 0 (the steps the "
+                    "ramp-up lasts)", t->batch_rampup_start);
     CONFIG__REQUIRE(t->batch_grow_max == 0 || t->batch_grow_max >= t->grad_accum,
                     "training.batch_grow_max (%d) must be 0 or at least training.grad_accum (%d)",
                     t->batch_grow_max, t->grad_accum);

@@ -562,7 +562,9 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                             (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
         if (tr->rank == 0 && cfg->logging.progress && (log_now || tty)) {
             char eta[32];
-            fmt_eta(eta, sizeof eta, (double)(S - tr->step) * tr->tokens_per_step / tok_s_ema);
+            const int64_t step_tokens = r.batch_seqs * cfg->training.seq_len > tr->tokens_per_step
+                                         ? r.batch_seqs * cfg->training.seq_len : tr->tokens_per_step; /* grown or full */
+            fmt_eta(eta, sizeof eta, (double)(S - tr->step) * step_tokens / tok_s_ema);
             fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | ETA %s%s%s",
                     tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, tok_s_ema,
                     eta, r.skipped ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
