@@ -68,6 +68,7 @@ static const char *const all_keys[] = {
     "parallel.tp",
     "parallel.pp",
     "parallel.ep",
+    "parallel.ep_overlap",
     "parallel.zero",
     "checkpoint.every",
     "checkpoint.keep",
@@ -504,8 +505,12 @@ static void test_finalize(void **state) {
                     "parallel.tp=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.pp > 1 is not supported in this build yet",
                     "parallel.pp=4", NULL);
-    expect_finalize(TERA_ERR_CONFIG, "parallel.ep > 1 is not supported in this build yet",
-                    "parallel.ep=8", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (8) must divide parallel.dp (1)", "parallel.ep=8", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (3) must divide model.n_experts (8)", "parallel.ep=3",
+                    "parallel.dp=6");
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (2) must divide parallel.dp (3)", "parallel.ep=2",
+                    "parallel.dp=3");
+    expect_finalize(TERA_OK, NULL, "parallel.ep=4", "parallel.dp=8");
 
     /* Fields set directly, bypassing the parser, are range-checked too. */
     tera_config c;

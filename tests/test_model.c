@@ -267,14 +267,44 @@ static void test_param_table(void **state) {
     int n;
     int64_t nf;
     tera_param *t = tera_param_table(&mc, &n, &nf);
+    /* offsets: the non-expert tensors in table order, then the expert tensors in table order */
     int64_t prev_end = 0;
-    for (int i = 0; i < n; i++) {
-        assert_true(t[i].offset >= prev_end);        /* no overlap */
-        assert_int_equal(t[i].offset % 16, 0);       /* 64-byte aligned */
-        prev_end = t[i].offset + t[i].numel;
-        assert_int_equal(t[i].decay, t[i].ndim >= 2); /* decay on matrices only */
-    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n; i++) {
+            if (t[i].expert_stacked != pass) continue;
+            assert_true(t[i].offset >= prev_end);        /* no overlap */
+            assert_int_equal(t[i].offset % 16, 0);       /* 64-byte aligned */
+            prev_end = t[i].offset + t[i].numel;
+            assert_int_equal(t[i].decay, t[i].ndim >= 2); /* decay on matrices only */
+            assert_int_equal(t[i].slice_lo, 0);
+            assert_int_equal(t[i].slice_n, t[i].shape[0]);
+        }
     assert_true(prev_end <= nf);
+    /* expert parallelism: rank r of ep stores experts [r E/ep, (r+1) E/ep) of each expert tensor,
+     * the same non-expert region, and 1/ep of the expert region */
+    for (int ep = 2; ep <= mc.n_experts; ep *= 2) {
+        for (int r = 0; r < ep; r++) {
+            int ne;
+            int64_t nfe, nde, nd1;
+            tera_param *te = tera_param_table_ep(&mc, ep, r, &ne, &nfe, &nde);
+            free(tera_param_table_ep(&mc, 1, 0, &ne, &nf, &nd1));
+            assert_int_equal(ne, n);
+            assert_int_equal(nde, nd1);
+            assert_int_equal((nfe - nde) * ep, nf - nd1);
+            for (int i = 0; i < n; i++) {
+                assert_string_equal(te[i].name, t[i].name);
+                if (!te[i].expert_stacked) {
+                    assert_int_equal(te[i].offset, t[i].offset);
+                    continue;
+                }
+                assert_true(te[i].offset >= nde);
+                assert_int_equal(te[i].slice_n * ep, te[i].shape[0]);
+                assert_int_equal(te[i].slice_lo, r * te[i].slice_n);
+                assert_int_equal(te[i].numel * ep, t[i].numel);
+            }
+            free(te);
+        }
+    }
     /* o_proj / w2 use the scaled init std / sqrt(2L) */
     for (int i = 0; i < n; i++)
         if (t[i].kind == TERA_P_WO || t[i].kind == TERA_P_EXP_W2 || t[i].kind == TERA_P_DENSE_W2)

@@ -41,6 +41,17 @@ void tera_comm_wait(tera_comm_req *req);
 void tera_comm_poll(tera_comm_req *reqs, int n);
 void tera_comm_barrier(tera_comm *c);
 
+/* A sub-group: ranks of c passing the same color form one group, ordered by key (MPI_Comm_split).
+ * Called by every rank of c. On one rank it returns a one-rank group. Freed with tera_comm_free. */
+tera_comm *tera_comm_split(tera_comm *c, int color, int key);
+void tera_comm_free(tera_comm *c);
+/* All-to-all of n int32 per rank: send[r*n ..] goes to rank r, recv[r*n ..] comes from rank r. */
+void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n);
+/* Non-blocking point-to-point of n floats with rank `peer` of c (complete with tera_comm_wait).
+ * n = 0 posts nothing. The tag tells apart messages between the same pair in flight together. */
+void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
+void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
+
 /* Watchdog: a blocking collective (or a wait) that makes no progress for `seconds` means a peer
  * rank stopped answering; the rank then prints which operation stalled and aborts every rank
  * (MPI_Abort), so a hung peer never hangs the job. 0 disables it. A dead peer is already reported

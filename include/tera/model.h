@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/status.h"
 
@@ -28,7 +29,9 @@ typedef struct {
     int layer;            /* layer index, -1 outside the layers */
     int ndim;             /* 1, 2, or 3 for expert-stacked [E, out, in] */
     int64_t shape[3];     /* global shape */
-    int64_t numel;
+    int64_t slice_lo, slice_n; /* rows [slice_lo, slice_lo + slice_n) of dim 0 stored on this rank
+                                  (expert parallelism: the rank's experts; else the whole dim 0) */
+    int64_t numel;        /* elements stored on this rank: slice_n * shape[1] * shape[2] */
     int64_t offset;       /* in floats, into the flat parameter/gradient/moment buffers */
     int expert_stacked;   /* 1: stored in HF as shape[0] tensors of shape [shape[1], shape[2]] */
     int decay;            /* AdamW weight decay applies (matrices, not norm weights) */
@@ -44,8 +47,8 @@ typedef struct {
     float *wo;            /* [D, H*hd] */
     float *ffn_norm;      /* [D] */
     float *router;        /* [E, D]          MoE layers */
-    float *w1, *w3;       /* [E, F, D]       MoE layers */
-    float *w2;            /* [E, D, F]       MoE layers */
+    float *w1, *w3;       /* [El, F, D]      MoE layers: this rank's El = E / ep experts */
+    float *w2;            /* [El, D, F]      MoE layers */
     float *sw1, *sw3;     /* [Fs, D]         shared experts, Fs = n_shared * F */
     float *sw2;           /* [D, Fs] */
     float *dw1, *dw3;     /* [Fd, D]         dense layers */
@@ -78,12 +81,25 @@ typedef struct {
 
 typedef struct tera_acts tera_acts; /* activation storage, private to src/model */
 
+/* Expert parallelism: the ep ranks of `group` each hold E / ep routed experts of every MoE layer
+ * (rank r: experts [r E/ep, (r+1) E/ep)); tokens travel to their experts' ranks and back by
+ * point-to-point exchanges inside forward and backward. Every rank of the group must run the same
+ * sequence of forwards and backwards. */
+typedef struct {
+    int ep;               /* 1: every expert is local (no exchange) */
+    tera_comm *group;     /* the expert-parallel group (its size is ep); NULL when ep = 1 */
+    int overlap;          /* 1: exchange one source's tokens while computing another's */
+} tera_model_par;
+
 typedef struct {
     tera_model_config cfg;
     int B, T;             /* micro-batch shape the activations were sized for */
     int n_params;
     tera_param *params;   /* the table */
-    int64_t n_floats;     /* total parameter floats */
+    int64_t n_floats;     /* parameter floats stored on this rank */
+    int64_t n_dense_floats; /* the non-expert tensors are [0, n_dense_floats); routed experts follow */
+    tera_model_par par;
+    int ep_rank;          /* this rank in par.group */
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
     tera_weights_view W, G;
@@ -106,9 +122,16 @@ typedef struct {
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */
 tera_param *tera_param_table(const tera_model_config *cfg, int *n, int64_t *n_floats);
+/* The same for rank ep_rank of ep expert-parallel ranks (its slice of each expert tensor);
+ * *n_dense (may be NULL) receives the size of the non-expert region. */
+tera_param *tera_param_table_ep(const tera_model_config *cfg, int ep, int ep_rank, int *n, int64_t *n_floats,
+                                int64_t *n_dense);
 const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
+/* The same on one rank of an expert-parallel group (par NULL: one rank holds every expert). */
+tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
+                                  const tera_model_par *par);
 void tera_model_destroy(tera_model *m);
 /* Counter-based init: element i of parameter p draws from Philox(seed, p's kind/layer, i), so the
  * values do not depend on how parameters are laid out or sharded. */

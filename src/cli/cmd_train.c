@@ -24,7 +24,7 @@ static void print_summary(const tera_trainer *tr) {
             c->data.path[0] ? c->data.path : "embedded default corpus", (long)tr->src.n_tokens,
             (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
-            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)tr->opt.n * sizeof(float) / MiB, m->bytes_acts / MiB,
+            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             m->bytes_scratch / MiB);
 }
 
@@ -52,6 +52,12 @@ int tera_cmd_train(int argc, char **argv) {
         print_summary(&tr);
         fprintf(stderr, "tera: run directory %s | %d data-parallel rank%s (%s)\n", cfg.logging.run_dir, tr.world,
                 tr.world == 1 ? "" : "s", tera_comm_backend());
+        if (tr.world > 1)
+            fprintf(stderr,
+                    "tera: layout dp %d = ep %d x edp %d, ZeRO %d; rank = edp_index * %d + ep_rank (ep varies "
+                    "fastest); ep rank r holds experts [r*%d, (r+1)*%d) of each MoE layer\n",
+                    tr.world, tr.ep, tr.edp_size, tr.zero ? cfg.parallel.zero : 0, tr.ep,
+                    cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
     }
     tera_prof_reset();
     int64_t step0 = tr.step;

@@ -181,7 +181,7 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
 
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
-    GUARDED("MPI_Wait (gradient all-reduce)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
+    GUARDED("MPI_Wait (non-blocking transfer)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
     req->active = 0;
 }
 
@@ -192,6 +192,51 @@ void tera_comm_poll(tera_comm_req *reqs, int n) {
         MPI_CHECK(MPI_Test(req_of(&reqs[i]), &done, MPI_STATUS_IGNORE));
         if (done) reqs[i].active = 0;
     }
+}
+
+tera_comm *tera_comm_split(tera_comm *c, int color, int key) {
+    tera_comm *g = tera_calloc(1, sizeof *g);
+    if (c->size == 1) {
+        *g = (tera_comm){.mpi = MPI_COMM_NULL, .rank = 0, .size = 1};
+        return g;
+    }
+    GUARDED("MPI_Comm_split", MPI_Comm_split(c->mpi, color, key, &g->mpi));
+    MPI_Comm_set_errhandler(g->mpi, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(g->mpi, &g->rank);
+    MPI_Comm_size(g->mpi, &g->size);
+    return g;
+}
+
+void tera_comm_free(tera_comm *c) {
+    if (!c || c == &g_world) return;
+    if (c->mpi != MPI_COMM_NULL && g_mpi) MPI_Comm_free(&c->mpi);
+    free(c);
+}
+
+void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {
+    if (c->size == 1) {
+        memcpy(recv, send, sizeof(int32_t) * (size_t)n);
+        return;
+    }
+    GUARDED("MPI_Alltoall", MPI_Alltoall(send, n, MPI_INT32_T, recv, n, MPI_INT32_T, c->mpi));
+}
+
+void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+    req->active = 0;
+    if (n == 0) return;
+    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point send to rank %d of a group of %d", peer, c->size);
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    req->active = 1;
+}
+
+void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+    req->active = 0;
+    if (n == 0) return;
+    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point receive from rank %d of a group of %d", peer, c->size);
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    req->active = 1;
 }
 
 void tera_comm_barrier(tera_comm *c) {

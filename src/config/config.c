@@ -202,7 +202,12 @@ static const config__key config__keys[] = {
     K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),
     K_INT(parallel, tp, "1", 1, INT_MAX, "tensor-parallel degree"),
     K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
-    K_INT(parallel, ep, "1", 1, INT_MAX, "expert-parallel degree"),
+    K_INT(parallel, ep, "1", 1, INT_MAX,
+          "expert-parallel degree: the routed experts of each MoE layer are split over groups of ep of the dp "
+          "data-parallel ranks (ep must divide parallel.dp and model.n_experts)"),
+    K_INT(parallel, ep_overlap, "1", 0, 1,
+          "expert parallelism: compute the experts over one source rank's tokens while the other ranks' tokens "
+          "are still in flight (0 = wait for every exchange first; results are identical)"),
     K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
     K_FLOAT(parallel, timeout_s, "600", R_CLOSED(0.0, 1e9),
             "a collective that makes no progress this long aborts every rank (a peer stopped answering); 0 = off"),
@@ -810,11 +815,16 @@ tera_status tera_config_finalize(tera_config *c) {
                     "training.warmup_steps (%d) must be at most training.steps (%d)",
                     t->warmup_steps, t->steps);
 
-    /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
-    /* data parallelism works; the other dimensions arrive with the distributed issue */
-    static const char *const names[] = {"tp", "pp", "ep"};
-    const int degrees[] = {p->tp, p->pp, p->ep};
-    for (int i = 0; i < 3; i++)
+    /* expert parallelism splits the experts over ranks of the data-parallel group */
+    CONFIG__REQUIRE(p->dp % p->ep == 0,
+                    "parallel.ep (%d) must divide parallel.dp (%d): expert-parallel ranks are data-parallel ranks "
+                    "that split the experts among themselves", p->ep, p->dp);
+    CONFIG__REQUIRE(m->n_experts % p->ep == 0, "parallel.ep (%d) must divide model.n_experts (%d)", p->ep,
+                    m->n_experts);
+    /* tensor and pipeline parallelism are not built yet: refuse, never quietly run 1-way */
+    static const char *const names[] = {"tp", "pp"};
+    const int degrees[] = {p->tp, p->pp};
+    for (int i = 0; i < 2; i++)
         CONFIG__REQUIRE(degrees[i] == 1,
                         "parallel.%s = %d: parallel.%s > 1 is not supported in this build yet",
                         names[i], degrees[i], names[i]);

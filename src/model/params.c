@@ -8,7 +8,7 @@
 typedef struct {
     tera_param *rows;
     int n, cap;
-    int64_t off;
+    int ep, ep_rank; /* expert parallelism: this rank stores experts [ep_rank*E/ep, +E/ep) */
 } table_builder;
 
 static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const char *name, int ndim,
@@ -29,17 +29,46 @@ static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const 
     p->shape[0] = s0;
     p->shape[1] = ndim > 1 ? s1 : 1;
     p->shape[2] = ndim > 2 ? s2 : 1;
+    p->slice_lo = 0;
+    p->slice_n = p->shape[0];
     p->numel = p->shape[0] * p->shape[1] * p->shape[2];
-    p->offset = b->off;
-    b->off += p->numel;
-    /* keep every tensor 16-float (64-byte) aligned inside the flat buffer */
-    b->off = (b->off + 15) & ~(int64_t)15;
     p->decay = ndim >= 2;
     return p;
 }
 
+static void stack_experts(table_builder *b, tera_param *p) {
+    p->expert_stacked = 1;
+    p->slice_n = p->shape[0] / b->ep;
+    p->slice_lo = (int64_t)b->ep_rank * p->slice_n;
+    p->numel = p->slice_n * p->shape[1] * p->shape[2];
+}
+
+/* Offsets: every non-expert tensor first (in table order), then every routed-expert tensor, so
+ * that the parameters replicated over all data-parallel ranks and those split over expert-parallel
+ * ranks are two contiguous regions. Each tensor is 16-float (64-byte) aligned. */
+static int64_t assign_offsets(table_builder *b, int64_t *n_dense) {
+    int64_t off = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < b->n; i++) {
+            tera_param *p = &b->rows[i];
+            if (p->expert_stacked != pass) continue;
+            p->offset = off;
+            off = (off + p->numel + 15) & ~(int64_t)15;
+        }
+        if (pass == 0 && n_dense) *n_dense = off;
+    }
+    return off;
+}
+
 tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floats) {
-    table_builder b = {0};
+    return tera_param_table_ep(c, 1, 0, n, n_floats, NULL);
+}
+
+tera_param *tera_param_table_ep(const tera_model_config *c, int ep, int ep_rank, int *n, int64_t *n_floats,
+                                int64_t *n_dense) {
+    TERA_ASSERTF(ep >= 1 && c->n_experts % ep == 0 && ep_rank >= 0 && ep_rank < ep,
+                 "expert parallelism %d (rank %d) with %d experts", ep, ep_rank, c->n_experts);
+    table_builder b = {.ep = ep, .ep_rank = ep_rank};
     const int64_t D = c->dim, V = c->vocab_size, H = c->n_heads, Hkv = c->n_kv_heads;
     const int64_t hd = D / H, E = c->n_experts, F = c->ffn_dim;
     const int64_t Fs = (int64_t)c->n_shared_experts * F, Fd = c->dense_ffn_dim;
@@ -76,13 +105,13 @@ tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floa
         p->init_std = std;
         p = add(&b, TERA_P_EXP_W1, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), 3, E, F, D);
         p->init_std = std;
-        p->expert_stacked = 1;
+        stack_experts(&b, p);
         p = add(&b, TERA_P_EXP_W3, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), 3, E, F, D);
         p->init_std = std;
-        p->expert_stacked = 1;
+        stack_experts(&b, p);
         p = add(&b, TERA_P_EXP_W2, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), 3, E, D, F);
         p->init_std = std_out;
-        p->expert_stacked = 1;
+        stack_experts(&b, p);
         if (Fs > 0) {
             p = add(&b, TERA_P_SHARED_W1, l, NAME("model.layers.%d.mlp.shared_experts.gate_proj.weight", l), 2, Fs, D, 0);
             p->init_std = std;
@@ -100,7 +129,7 @@ tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floa
         p->init_std = std;
     }
     *n = b.n;
-    *n_floats = b.off;
+    *n_floats = assign_offsets(&b, n_dense);
     return b.rows;
 }
 
@@ -114,7 +143,7 @@ int64_t tera_model_total_params(const tera_model_config *c) {
     int n;
     int64_t nf, total = 0;
     tera_param *t = tera_param_table(c, &n, &nf);
-    for (int i = 0; i < n; i++) total += t[i].numel;
+    for (int i = 0; i < n; i++) total += t[i].numel; /* one rank: every slice is whole */
     free(t);
     return total;
 }
