@@ -118,6 +118,8 @@ typedef struct {
     void (*grad_ready)(void *ctx, int64_t offset, int64_t count);
     void *grad_ready_ctx;
     int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
+    int64_t bytes_comm;   /* expert-parallel exchange buffers (received rows and their results; a part
+                             of bytes_acts and bytes_scratch, reported apart) */
 } tera_model;
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */

@@ -26,6 +26,14 @@ static void print_summary(const tera_trainer *tr) {
             c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             m->bytes_scratch / MiB);
+    /* exact figures by category (tests compare them with the formulas of docs/PARALLELISM.md) */
+    const int64_t ea = m->n_moe_layers * 2 * (m->bytes_comm / (2 * m->n_moe_layers + 2)); /* part of activations */
+    fprintf(stderr,
+            "tera: memory bytes per rank: params %ld (non-expert %ld floats + expert %ld floats) grads %ld optimizer %ld "
+            "activations %ld scratch %ld comm %ld\n",
+            (long)m->bytes_params, (long)m->n_dense_floats, (long)(m->n_floats - m->n_dense_floats), (long)m->bytes_grads,
+            (long)(2 * (tr->opt.n + tr->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
+            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)m->bytes_comm);
 }
 
 int tera_cmd_train(int argc, char **argv) {

@@ -284,6 +284,8 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     c = (carver){.base = a->scratch_block};
     carve_scratch(a, &c, cfg, B, T, ep, &m->logits);
     a->threads = omp_get_max_threads();
+    if (ep > 1) /* xr, yr per MoE layer; dyr, dxr shared */
+        m->bytes_comm = (int64_t)(2 * m->n_moe_layers + 2) * a->Rmax * cfg->dim * (int64_t)sizeof(float);
     tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     m->acts = a;
     return TERA_OK;
