@@ -58,4 +58,14 @@ void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag,
  * by the launcher (mpirun names the rank and its signal and stops the job). */
 void tera_comm_set_timeout(double seconds);
 
+/* Bytes this rank has sent since the last reset, by kind. Point-to-point transfers count exactly;
+ * a collective over p ranks counts what a bandwidth-optimal (ring) algorithm sends from each rank
+ * (all-reduce 2(p-1)/p of the buffer, reduce-scatter and all-gather (p-1)/p, all-to-all (p-1)/p):
+ * the volume the layout needs, whatever algorithm the MPI library picks. */
+typedef struct {
+    double allreduce, reduce_scatter, allgather, alltoall, p2p;
+} tera_comm_traffic;
+tera_comm_traffic tera_comm_traffic_get(void);
+void tera_comm_traffic_reset(void);
+
 #endif
