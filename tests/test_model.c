@@ -276,8 +276,10 @@ static void test_param_table(void **state) {
             assert_int_equal(t[i].offset % 16, 0);       /* 64-byte aligned */
             prev_end = t[i].offset + t[i].numel;
             assert_int_equal(t[i].decay, t[i].ndim >= 2); /* decay on matrices only */
-            assert_int_equal(t[i].slice_lo, 0);
-            assert_int_equal(t[i].slice_n, t[i].shape[0]);
+            for (int d = 0; d < 3; d++) {
+                assert_int_equal(t[i].lo[d], 0);
+                assert_int_equal(t[i].len[d], t[i].shape[d]);
+            }
         }
     assert_true(prev_end <= nf);
     /* expert parallelism: rank r of ep stores experts [r E/ep, (r+1) E/ep) of each expert tensor,
@@ -298,11 +300,40 @@ static void test_param_table(void **state) {
                     continue;
                 }
                 assert_true(te[i].offset >= nde);
-                assert_int_equal(te[i].slice_n * ep, te[i].shape[0]);
-                assert_int_equal(te[i].slice_lo, r * te[i].slice_n);
+                assert_int_equal(te[i].len[0] * ep, te[i].shape[0]);
+                assert_int_equal(te[i].lo[0], r * te[i].len[0]);
                 assert_int_equal(te[i].numel * ep, t[i].numel);
             }
             free(te);
+        }
+    }
+    /* tensor parallelism: Megatron's split (heads of q/k/v and the o_proj input, FFN widths,
+     * vocabulary rows); norms and the router whole on every rank */
+    mc.vocab_size = 38; /* divisible by tp */
+    for (int tp = 2; tp <= 2; tp++) {
+        for (int r = 0; r < tp; r++) {
+            int nt;
+            int64_t nft, ndt;
+            tera_param *tt = tera_param_table_par(&mc, 2, 1, tp, r, &nt, &nft, &ndt);
+            for (int i = 0; i < nt; i++) {
+                const tera_param *p = &tt[i];
+                int want = -1;
+                switch (p->kind) {
+                case TERA_P_EMBED: case TERA_P_LM_HEAD: case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV:
+                case TERA_P_SHARED_W1: case TERA_P_SHARED_W3: case TERA_P_DENSE_W1: case TERA_P_DENSE_W3: want = 0; break;
+                case TERA_P_WO: case TERA_P_SHARED_W2: case TERA_P_DENSE_W2: case TERA_P_EXP_W1: case TERA_P_EXP_W3: want = 1; break;
+                case TERA_P_EXP_W2: want = 2; break;
+                default: break;
+                }
+                assert_int_equal(p->tp_dim, want);
+                if (want >= 0) {
+                    assert_int_equal(p->len[want] * tp, p->shape[want]);
+                    assert_int_equal(p->lo[want], r * p->len[want]);
+                }
+                if (p->expert_stacked) assert_int_equal(p->lo[0], p->len[0]); /* ep rank 1 of 2 */
+                assert_int_equal(p->numel, p->len[0] * p->len[1] * p->len[2]);
+            }
+            free(tt);
         }
     }
     /* o_proj / w2 use the scaled init std / sqrt(2L) */

@@ -23,6 +23,8 @@ const char *tera_comm_backend(void); /* "mpi" or "single" */
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n);
 void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n);
 void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n);
+/* In-place element-wise maximum over every rank of c. */
+void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n);
 
 /* In-place reduce-scatter of a buffer split into consecutive ranges of counts[r] elements: on
  * return, rank r's range holds the sum over all ranks of that range (other ranges: undefined). */

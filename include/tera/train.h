@@ -30,6 +30,10 @@ void tera_adamw_free(tera_adamw *o);
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
                      int zero_grad, double *update_sq, double *param_sq);
 
+/* The same, also adding each tensor's sums into usq[n_params] and psq[n_params]. */
+void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
+                              int zero_grad, double *update_sq, double *param_sq, double *usq, double *psq);
+
 /* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
 float tera_lr_at(const tera_train_config *t, int64_t step);
 /* Global L2 norm of all gradients (fixed reduction order, independent of the thread count). */
@@ -79,6 +83,12 @@ typedef struct {
      * their gradients. edp is the dp group itself when ep = 1. */
     struct tera_comm *ep_group, *edp;
     int ep, ep_rank, edp_size, edp_rank;
+    /* tensor parallelism: world rank = dp_rank * tp + tp_rank (tp varies fastest); the tp ranks
+     * of a group read the same samples. mp: the ep x tp ranks with the same edp_rank, which
+     * together hold one whole copy of the model. */
+    struct tera_comm *tp_group, *mp;
+    int tp, tp_rank;
+    int wrank, wsize, root;     /* world rank and size; root: world rank 0 (writes outputs) */
     tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
                                    ZeRO-1 shard of it); opt holds the non-expert region's */
     int64_t *shard_counts_x;    /* [edp_size] ZeRO-1 shards of the expert region */
@@ -98,6 +108,9 @@ typedef struct {
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
 } tera_trainer;
 
+/* overwrite: 0 = refuse a non-empty run directory, TERA_RUN_CONTINUE = use it as it is (resume),
+ * TERA_RUN_FRESH = start over in it (--force: its metrics and checkpoints are removed). */
+enum { TERA_RUN_CONTINUE = 1, TERA_RUN_FRESH = 2 };
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
  * (a Hugging Face directory) when set, else a seeded random init. run_dir "" = no run directory
  * (tests). An existing non-empty run_dir is refused unless overwrite. */

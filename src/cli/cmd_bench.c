@@ -58,14 +58,14 @@ int tera_cmd_bench(int argc, char **argv) {
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
-    const int multi = tr.world > 1;
+    const int multi = tr.wsize > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tera_prof_reset();
-            tera_comm_barrier(tr.dp);
+            tera_comm_barrier(tera_comm_world());
             tera_comm_traffic_reset();
         }
         if (tera_trainer_step(&tr, &r) != TERA_OK) {
@@ -96,16 +96,16 @@ int tera_cmd_bench(int argc, char **argv) {
         const double ep_min = (double)cfg.training.grad_accum * m->n_moe_layers * 4.0 * N * cfg.model.top_k *
                               (ep - 1) / ep * cfg.model.dim * 4.0;
         const double tot = (tx.allreduce + tx.reduce_scatter + tx.allgather + tx.alltoall + tx.p2p) / steps;
-        if (tr.rank == 0) {
+        if (tr.root) {
             tera_prof_print(stderr, steps);
-            printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"dp\": %d, \"ep\": %d, \"zero\": %d, "
+            printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, \"zero\": %d, "
                    "\"ep_overlap\": %d, \"threads_per_rank\": %d, \"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, "
                    "\"bytes_sent_per_step\": %.0f, \"min_bytes_per_step\": %.0f, \"grad_min_bytes\": %.0f, "
                    "\"ep_min_bytes\": %.0f, \"sent_allreduce\": %.0f, \"sent_reduce_scatter\": %.0f, "
                    "\"sent_allgather\": %.0f, \"sent_alltoall\": %.0f, \"sent_p2p\": %.0f, \"mem_params\": %ld, "
                    "\"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, \"mem_comm\": %ld, "
                    "\"final_loss\": %.4f}\n",
-                   val[3] ? val[3] : "custom", dp, dp, ep, tr.zero ? cfg.parallel.zero : 0, cfg.parallel.ep_overlap,
+                   val[3] ? val[3] : "custom", tr.wsize, dp, tr.tp, ep, tr.zero ? cfg.parallel.zero : 0, cfg.parallel.ep_overlap,
                    tera_get_threads(), tps, 1e3 * med, tot, grad_min + ep_min, grad_min, ep_min, tx.allreduce / steps,
                    tx.reduce_scatter / steps, tx.allgather / steps, tx.alltoall / steps, tx.p2p / steps,
                    (long)m->bytes_params, (long)m->bytes_grads, (long)(8 * (tr.opt.n + tr.opt_x.n)),

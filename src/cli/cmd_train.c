@@ -48,23 +48,25 @@ int tera_cmd_train(int argc, char **argv) {
             fprintf(stderr, "tera: model configuration and weights from %s\n", cfg.training.init_from);
     }
     tera_trainer tr;
-    if (tera_trainer_init(&tr, &cfg, cfg.logging.run_dir, set[0] || set[1]) != TERA_OK) return tera_cli_error();
+    const int mode = set[1] ? TERA_RUN_CONTINUE : (set[0] ? TERA_RUN_FRESH : 0);
+    if (tera_trainer_init(&tr, &cfg, cfg.logging.run_dir, mode) != TERA_OK) return tera_cli_error();
     if (set[1]) {
         if (tera_trainer_resume(&tr) != TERA_OK) {
             tera_trainer_free(&tr);
             return tera_cli_error();
         }
-        if (tr.rank == 0) fprintf(stderr, "tera: resumed %s at step %ld\n", cfg.logging.run_dir, (long)tr.step);
+        if (tr.root) fprintf(stderr, "tera: resumed %s at step %ld\n", cfg.logging.run_dir, (long)tr.step);
     }
-    if (tr.rank == 0) {
+    if (tr.root) {
         print_summary(&tr);
         fprintf(stderr, "tera: run directory %s | %d data-parallel rank%s (%s)\n", cfg.logging.run_dir, tr.world,
                 tr.world == 1 ? "" : "s", tera_comm_backend());
-        if (tr.world > 1)
+        if (tr.wsize > 1)
             fprintf(stderr,
-                    "tera: layout dp %d = ep %d x edp %d, ZeRO %d; rank = edp_index * %d + ep_rank (ep varies "
-                    "fastest); ep rank r holds experts [r*%d, (r+1)*%d) of each MoE layer\n",
-                    tr.world, tr.ep, tr.edp_size, tr.zero ? cfg.parallel.zero : 0, tr.ep,
+                    "tera: layout %d ranks = dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
+                    "(edp_rank * ep + ep_rank) * tp + tp_rank (tp varies fastest, then ep); ep rank r holds experts "
+                    "[r*%d, (r+1)*%d) of each MoE layer\n",
+                    tr.wsize, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
                     cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
     }
     tera_prof_reset();
@@ -75,8 +77,8 @@ int tera_cmd_train(int argc, char **argv) {
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
-    if (cfg.logging.profile && tr.rank == 0) tera_prof_print(stderr, (int)(tr.step - step0));
-    if (tr.rank == 0)
+    if (cfg.logging.profile && tr.root) tera_prof_print(stderr, (int)(tr.step - step0));
+    if (tr.root)
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",
             (long)tr.step, last.loss, cfg.logging.run_dir, (long)tr.step);
     tera_trainer_free(&tr);

@@ -130,18 +130,19 @@ static double ring_share(const tera_comm *c) { return (double)(c->size - 1) / (d
 /* MPI counts are int: large buffers go in pieces */
 #define MAX_PIECE ((int64_t)1 << 30)
 
-static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es) {
+static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es, MPI_Op op) {
     if (c->size == 1 || n == 0) return;
     g_traffic.allreduce += 2.0 * ring_share(c) * (double)n * (double)es;
     for (int64_t off = 0; off < n; off += MAX_PIECE) {
         int64_t k = n - off < MAX_PIECE ? n - off : MAX_PIECE;
-        GUARDED("MPI_Allreduce", MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, MPI_SUM, c->mpi));
+        GUARDED("MPI_Allreduce", MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, op, c->mpi));
     }
 }
 
-void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4); }
-void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8); }
-void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8); }
+void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_SUM); }
+void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8, MPI_SUM); }
+void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8, MPI_SUM); }
+void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_MAX); }
 
 /* counts/displacements as MPI ints (ranges must stay below 2^31 elements each) */
 static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int *disp) {

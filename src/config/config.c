@@ -200,7 +200,9 @@ static const config__key config__keys[] = {
 
     /* [parallel] ------------------------------------------------------------------------------- */
     K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),
-    K_INT(parallel, tp, "1", 1, INT_MAX, "tensor-parallel degree"),
+    K_INT(parallel, tp, "1", 1, INT_MAX,
+          "tensor-parallel degree: groups of tp consecutive ranks split attention heads, FFN widths and the vocabulary "
+          "(Megatron); the job runs dp x tp ranks"),
     K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
     K_INT(parallel, ep, "1", 1, INT_MAX,
           "expert-parallel degree: the routed experts of each MoE layer are split over groups of ep of the dp "
@@ -821,13 +823,16 @@ tera_status tera_config_finalize(tera_config *c) {
                     "that split the experts among themselves", p->ep, p->dp);
     CONFIG__REQUIRE(m->n_experts % p->ep == 0, "parallel.ep (%d) must divide model.n_experts (%d)", p->ep,
                     m->n_experts);
-    /* tensor and pipeline parallelism are not built yet: refuse, never quietly run 1-way */
-    static const char *const names[] = {"tp", "pp"};
-    const int degrees[] = {p->tp, p->pp};
-    for (int i = 0; i < 2; i++)
-        CONFIG__REQUIRE(degrees[i] == 1,
-                        "parallel.%s = %d: parallel.%s > 1 is not supported in this build yet",
-                        names[i], degrees[i], names[i]);
+    /* tensor parallelism splits heads, FFN widths and the vocabulary */
+    {
+        static const char *const what[] = {"model.vocab_size", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+                                           "model.dense_ffn_dim"};
+        const int v[] = {m->vocab_size, m->n_heads, m->n_kv_heads, m->ffn_dim, m->dense_ffn_dim};
+        for (int i = 0; i < 5; i++)
+            CONFIG__REQUIRE(v[i] % p->tp == 0, "parallel.tp (%d) must divide %s (%d)", p->tp, what[i], v[i]);
+    }
+    /* pipeline parallelism is not built yet: refuse, never quietly run 1-way */
+    CONFIG__REQUIRE(p->pp == 1, "parallel.pp = %d: parallel.pp > 1 is not supported in this build yet", p->pp);
     return TERA_OK;
 }
 

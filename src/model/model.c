@@ -71,6 +71,7 @@ struct tera_acts {
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
     float *attn_scratch; /* attention kernel scratch */
+    float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
     void *plan_scratch;  /* dispatch plan scratch */
     void *act_block, *scratch_block;
     int threads;         /* thread count the attention scratch was sized for */
@@ -94,11 +95,14 @@ static void *carve(carver *c, size_t bytes) {
 
 static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
 
-static void carve_acts(tera_acts *a, carver *c, const tera_model_config *cfg, int B, int T, int ep) {
-    const int64_t N = (int64_t)B * T, D = cfg->dim, H = cfg->n_heads, Hkv = cfg->n_kv_heads;
-    const int64_t hd = D / H, E = cfg->n_experts, K = cfg->top_k, F = cfg->ffn_dim;
+/* Widths are this rank's (tensor parallelism: heads, FFN widths and vocabulary divided by tp). */
+static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
+    const tera_model_config *cfg = &m->cfg;
+    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
     const int64_t R = ep > 1 ? a->Rmax : N * K; /* rows the local experts process */
-    const int64_t Fs = (int64_t)cfg->n_shared_experts * F, Fd = cfg->dense_ffn_dim;
+    const int64_t Fs = m->Fsl, Fd = m->Fdl;
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_acts *la = &a->layer[l];
         la->x_in = CARVE_F(c, N * D);
@@ -149,16 +153,18 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model_config *cfg, in
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
 }
 
-static void carve_scratch(tera_acts *a, carver *c, const tera_model_config *cfg, int B, int T, int ep,
-                          float **logits) {
-    const int64_t N = (int64_t)B * T, D = cfg->dim, H = cfg->n_heads, Hkv = cfg->n_kv_heads;
-    const int64_t hd = D / H, E = cfg->n_experts, K = cfg->top_k, F = cfg->ffn_dim;
-    const int64_t Fs = (int64_t)cfg->n_shared_experts * F, Fd = cfg->dense_ffn_dim;
+static void carve_scratch(tera_acts *a, carver *c, const tera_model *m, float **logits) {
+    const tera_model_config *cfg = &m->cfg;
+    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
+    const int64_t Fs = m->Fsl, Fd = m->Fdl;
     const int64_t R = ep > 1 ? a->Rmax : N * K;
     int64_t Fw = R * F; /* widest hidden buffer */
     if (N * Fs > Fw) Fw = N * Fs;
     if (N * Fd > Fw) Fw = N * Fd;
-    *logits = CARVE_F(c, N * cfg->vocab_size);
+    *logits = CARVE_F(c, N * m->Vl);
+    if (m->par.tp > 1) a->ce_buf = CARVE_F(c, 3 * N);
     a->dres = CARVE_F(c, N * D);
     a->dln = CARVE_F(c, N * D);
     a->dq = CARVE_F(c, N * H * hd);
@@ -233,9 +239,24 @@ static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
 tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
                                   const tera_model_par *par) {
     memset(m, 0, sizeof *m);
-    m->par = par ? *par : (tera_model_par){.ep = 1};
+    m->par = par ? *par : (tera_model_par){.ep = 1, .tp = 1};
     if (m->par.ep < 1) m->par.ep = 1;
-    const int ep = m->par.ep;
+    if (m->par.tp < 1) m->par.tp = 1;
+    const int ep = m->par.ep, tp = m->par.tp;
+    if (tp > 1) {
+        TERA_ASSERTF(m->par.tp_group && tera_comm_size(m->par.tp_group) == tp, "tensor-parallel group for tp = %d", tp);
+        static const char *const what[] = {"model.vocab_size", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+                                           "model.dense_ffn_dim"};
+        const int v[] = {cfg->vocab_size, cfg->n_heads, cfg->n_kv_heads, cfg->ffn_dim, cfg->dense_ffn_dim};
+        for (int i = 0; i < 5; i++)
+            if (v[i] % tp != 0)
+                return tera_fail(TERA_ERR_CONFIG, "parallel.tp = %d must divide %s = %d", tp, what[i], v[i]);
+        m->tp_rank = tera_comm_rank(m->par.tp_group);
+    }
+    m->Hl = cfg->n_heads / tp, m->Hkvl = cfg->n_kv_heads / tp;
+    m->Fl = cfg->ffn_dim / tp, m->Fsl = (int64_t)cfg->n_shared_experts * cfg->ffn_dim / tp;
+    m->Fdl = cfg->dense_ffn_dim / tp;
+    m->Vl = cfg->vocab_size / tp, m->v0 = (int64_t)m->tp_rank * m->Vl;
     if (ep > 1) {
         TERA_ASSERTF(m->par.group && tera_comm_size(m->par.group) == ep,
                      "expert-parallel group of %d ranks for ep = %d", m->par.group ? tera_comm_size(m->par.group) : 0, ep);
@@ -252,7 +273,8 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     m->cfg = *cfg;
     m->B = B;
     m->T = T;
-    m->params = tera_param_table_ep(cfg, ep, m->ep_rank, &m->n_params, &m->n_floats, &m->n_dense_floats);
+    m->params = tera_param_table_par(cfg, ep, m->ep_rank, tp, m->tp_rank, &m->n_params, &m->n_floats,
+                                     &m->n_dense_floats);
     m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
     m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
     m->bytes_params = m->bytes_grads = m->n_floats * (int64_t)sizeof(float);
@@ -270,19 +292,19 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         a->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
     }
     carver c = {0};
-    carve_acts(a, &c, cfg, B, T, ep);
+    carve_acts(a, &c, m);
     a->act_block = tera_malloc(c.off);
     memset(a->act_block, 0, c.off);
     m->bytes_acts = (int64_t)c.off;
     c = (carver){.base = a->act_block};
-    carve_acts(a, &c, cfg, B, T, ep);
+    carve_acts(a, &c, m);
     c = (carver){0};
-    carve_scratch(a, &c, cfg, B, T, ep, &m->logits);
+    carve_scratch(a, &c, m, &m->logits);
     a->scratch_block = tera_malloc(c.off);
     memset(a->scratch_block, 0, c.off);
     m->bytes_scratch = (int64_t)c.off;
     c = (carver){.base = a->scratch_block};
-    carve_scratch(a, &c, cfg, B, T, ep, &m->logits);
+    carve_scratch(a, &c, m, &m->logits);
     a->threads = omp_get_max_threads();
     if (ep > 1) /* xr, yr per MoE layer; dyr, dxr shared */
         m->bytes_comm = (int64_t)(2 * m->n_moe_layers + 2) * a->Rmax * cfg->dim * (int64_t)sizeof(float);
@@ -327,10 +349,14 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
         }
         const uint64_t stream = name_key(p->name);
         const float std = p->init_std;
-        /* element j of this rank's slice is element j0 + j of the whole tensor */
-        const uint64_t j0 = (uint64_t)(p->slice_lo * p->shape[1] * p->shape[2]);
+        /* element (i0, i1, i2) of this rank's block is element (lo + i) of the whole tensor */
+        const int64_t L1 = p->len[1], L2 = p->len[2], S1 = p->shape[1], S2 = p->shape[2];
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < p->numel; j++) w[j] = std * tera_rng_normal(seed, stream, j0 + (uint64_t)j);
+        for (int64_t j = 0; j < p->numel; j++) {
+            const int64_t i0 = j / (L1 * L2), i1 = j / L2 % L1, i2 = j % L2;
+            const uint64_t g = (uint64_t)(((p->lo[0] + i0) * S1 + p->lo[1] + i1) * S2 + p->lo[2] + i2);
+            w[j] = std * tera_rng_normal(seed, stream, g);
+        }
     }
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
@@ -474,7 +500,7 @@ static void ep_exchange(tera_model *m, int l, int fwd) {
     layer_acts *la = &a->layer[l];
     tera_comm *g = m->par.group;
     const int ep = m->par.ep, me = m->ep_rank, E = m->cfg.n_experts, El = E / ep;
-    const int64_t D = m->cfg.dim, F = m->cfg.ffn_dim;
+    const int64_t D = m->cfg.dim, F = m->Fl;
     tera_comm_req *snd = a->req, *rcv = a->req + ep, *rsnd = a->req + 2 * ep, *rrcv = a->req + 3 * ep;
     float *out_local = fwd ? la->xg : a->dye;  /* [N*k, D] this rank's rows, grouped by expert */
     float *in_local = fwd ? la->ye : a->dxg;   /* [N*k, D] where their results come back */
@@ -532,7 +558,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
     layer_acts *la = &m->acts->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = c->ffn_dim;
+    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl; /* F: this rank's share of each expert */
 
     TERA_PROF(ROUTER_FWD, {
         tera_linear_forward(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
@@ -613,15 +639,26 @@ static void moe_forward(tera_model *m, int l, float *out) {
     }
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
-                                         D, (int64_t)c->n_shared_experts * F));
+                                         D, m->Fsl));
+}
+
+/* Tensor parallelism: sums the ranks' partial results (no-op without it). */
+static void tp_sum(tera_model *m, float *buf, int64_t n) {
+    if (m->par.tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_f32(m->par.tp_group, buf, n));
+}
+
+static void add_inplace(float *y, const float *x, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
 
 static void layer_forward(tera_model *m, int l, float *out) {
     const tera_model_config *c = &m->cfg;
     layer_acts *la = &m->acts->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
-    const int B = m->B, T = m->T, H = c->n_heads, Hkv = c->n_kv_heads;
-    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / H;
+    const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
+    const int tp = m->par.tp > 1;
 
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
     TERA_PROF(QKV_FWD, {
@@ -635,37 +672,77 @@ static void layer_forward(tera_model *m, int l, float *out) {
     });
     TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
-    TERA_PROF(OPROJ_FWD, {
-        memcpy(la->h, la->x_in, sizeof(float) * (size_t)(N * D));
-        tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 1.0f);
-    });
+    if (tp) { /* row-parallel o_proj: the heads' partial outputs are summed, then the residual */
+        TERA_PROF(OPROJ_FWD, tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 0.0f));
+        tp_sum(m, la->h, N * D);
+        add_inplace(la->h, la->x_in, N * D);
+    } else {
+        TERA_PROF(OPROJ_FWD, {
+            memcpy(la->h, la->x_in, sizeof(float) * (size_t)(N * D));
+            tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 1.0f);
+        });
+    }
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
-    memcpy(out, la->h, sizeof(float) * (size_t)(N * D));
+    /* the FFN block adds into out: the residual first, or (tp) the partial sums, then the residual */
+    if (tp)
+        memset(out, 0, sizeof(float) * (size_t)(N * D));
+    else
+        memcpy(out, la->h, sizeof(float) * (size_t)(N * D));
     if (is_moe(c, l))
         moe_forward(m, l, out);
     else
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
-                                         c->dense_ffn_dim));
+                                         m->Fdl));
+    if (tp) {
+        tp_sum(m, out, N * D);
+        add_inplace(out, la->h, N * D);
+    }
+}
+
+/* Cross-entropy over this rank's vocabulary slice of the logits, combined over the tensor-parallel
+ * ranks with three sums of N floats (never the logits themselves). */
+static double ce_forward_parallel(tera_model *m, const int32_t *targets) {
+    tera_acts *a = m->acts;
+    const int64_t N = (int64_t)m->B * m->T;
+    float *mx = a->ce_buf, *se = a->ce_buf + N, *tl = a->ce_buf + 2 * N;
+    TERA_PROF(LOSS_FWD, tera_ce_slice_max(mx, m->logits, N, m->Vl));
+    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(m->par.tp_group, mx, N));
+    TERA_PROF(LOSS_FWD, tera_ce_slice_sums(se, tl, m->logits, mx, targets, N, m->Vl, m->v0));
+    tp_sum(m, se, 2 * N); /* se and tl are adjacent */
+    double sum = 0.0; /* fixed order */
+    for (int64_t n = 0; n < N; n++) {
+        a->loss_lse[n] = mx[n] + logf(se[n]);
+        sum += (double)a->loss_lse[n] - (double)tl[n];
+    }
+    return sum;
 }
 
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
-    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = c->vocab_size;
+    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
     TERA_ASSERTF(omp_get_max_threads() <= a->threads,
                  "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
                  omp_get_max_threads(), a->threads);
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;
-    TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+    if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
+        TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
+        tp_sum(m, a->layer[0].x_in, N * D);
+    } else {
+        TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+    }
     for (int l = 0; l < c->n_layers; l++) {
         float *out = l + 1 < c->n_layers ? a->layer[l + 1].x_in : a->x_final;
         layer_forward(m, l, out);
     }
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
     TERA_PROF(HEAD_FWD, tera_linear_forward(m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-    TERA_PROF(LOSS_FWD, m->stats.ce_sum = tera_ce_forward(a->loss_lse, m->logits, targets, N, V));
+    if (m->par.tp > 1)
+        m->stats.ce_sum = ce_forward_parallel(m, targets);
+    else
+        TERA_PROF(LOSS_FWD, m->stats.ce_sum = tera_ce_forward(a->loss_lse, m->logits, targets, N, V));
     m->stats.n_positions = N;
 }
 
@@ -687,15 +764,14 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = c->ffn_dim;
+    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl;
     const float *dy = a->dres; /* gradient of the layer output */
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
     memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
-                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D,
-                                          (int64_t)c->n_shared_experts * F));
+                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl));
     {
         TERA_PROF_BEGIN(COMBINE_BWD);
 #pragma omp parallel for schedule(static)
@@ -718,6 +794,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
         TERA_PROF_END(COMBINE_BWD);
     }
+    /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
+     * are the combine-weight gradients: sum them before the router sees them */
+    tp_sum(m, a->dtopw, N * K);
     {
         TERA_PROF_BEGIN(EXPERT_BWD);
         int order[64];
@@ -746,6 +825,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
         TERA_PROF_END(COMBINE_BWD);
     }
+    /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
+     * contribution, added below, is whole on every rank) */
+    tp_sum(m, a->dln, N * D);
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         /* combine weights w_j = p_{e_j} / S  ->  dp_{e_i} = (dw_i - sum_j dw_j w_j) / S */
@@ -781,16 +863,17 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     tera_acts *a = m->acts;
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
-    const int B = m->B, T = m->T, H = c->n_heads, Hkv = c->n_kv_heads;
-    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / H;
+    const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
     /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward. */
     if (is_moe(c, l)) {
-        moe_backward(m, l, s);
+        moe_backward(m, l, s); /* sums the tensor-parallel partial input gradients itself */
     } else {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
-                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, c->dense_ffn_dim));
+                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl));
+        tp_sum(m, a->dln, N * D);
     }
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
     /* attention */
@@ -806,6 +889,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_linear_backward(a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
         tera_linear_backward(a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
     });
+    tp_sum(m, a->dln, N * D); /* the heads' partial input gradients */
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
@@ -838,10 +922,14 @@ static void notify_grads(tera_model *m, int layer, int head) {
 void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
-    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = c->vocab_size;
-    /* dlogits overwrite the logits */
-    TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
+    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
+    /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
+    if (m->par.tp > 1)
+        TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
+    else
+        TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
     TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+    tp_sum(m, a->dln, N * D); /* the vocabulary slices' partial input gradients */
     memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                               a->rstdf, N, D));
@@ -850,7 +938,10 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
         layer_backward(m, l, s);
         notify_grads(m, l, 0);
     }
-    TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
+    if (m->par.tp > 1)
+        TERA_PROF(EMBED_BWD, tera_embedding_backward_range(m->G.embed, a->dres, a->tokens, N, D, m->v0, m->Vl));
+    else
+        TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
     notify_grads(m, -1, 0);
     if (c->tie_embeddings) notify_grads(m, -1, 1);
 }

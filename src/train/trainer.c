@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "tera/ckpt.h"
 #include "tera/hf.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
@@ -54,8 +55,29 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->cfg = *cfg;
     const tera_train_config *t = &cfg->training;
     tera_set_threads(t->threads);
-    tr->dp = tera_comm_world();
+    tera_comm *world = tera_comm_world();
     tera_comm_set_timeout(cfg->parallel.timeout_s);
+    tr->wrank = tera_comm_rank(world);
+    tr->wsize = tera_comm_size(world);
+    tr->root = tr->wrank == 0;
+    tr->tp = cfg->parallel.tp;
+    if (tr->wsize != cfg->parallel.dp * tr->tp) {
+        if (tr->tp == 1)
+            return tera_fail(TERA_ERR_CONFIG,
+                             "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
+                             cfg->parallel.dp, tr->wsize, tr->wsize == 1 ? " is" : "s are", cfg->parallel.dp, tr->wsize);
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.dp x parallel.tp = %d x %d = %d ranks, but %d %s running (launch with mpirun -np %d)",
+                         cfg->parallel.dp, tr->tp, cfg->parallel.dp * tr->tp, tr->wsize, tr->wsize == 1 ? "is" : "are",
+                         cfg->parallel.dp * tr->tp);
+    }
+    /* world rank = dp_rank * tp + tp_rank: tensor-parallel groups are consecutive ranks */
+    tr->tp_rank = tr->wrank % tr->tp;
+    tr->dp = world;
+    if (tr->tp > 1) { /* collective: every rank makes the same calls */
+        tr->dp = tera_comm_split(world, tr->tp_rank, tr->wrank / tr->tp);
+        tr->tp_group = tera_comm_split(world, tr->wrank / tr->tp, tr->tp_rank);
+    }
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
     if (cfg->parallel.zero > 1 && cfg->parallel.dp > 1)
@@ -63,10 +85,6 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                          "parallel.zero = %d with parallel.dp = %d: ZeRO stages 2 and 3 are not supported in this "
                          "build yet (stage 1, optimizer-state sharding, is; with one rank there is nothing to shard)",
                          cfg->parallel.zero, cfg->parallel.dp);
-    if (tr->world != cfg->parallel.dp)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
-                         cfg->parallel.dp, tr->world, tr->world == 1 ? " is" : "s are", cfg->parallel.dp, tr->world);
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -82,7 +100,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
     {
-        const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap};
+        const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
+                                    .tp = tr->tp, .tp_group = tr->tp_group};
         st = tera_model_create_par(&tr->model, &cfg->model, t->micro_batch, t->seq_len, &par);
     }
     if (st != TERA_OK) goto fail_src;
@@ -117,7 +136,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     /* optimizer ranges: the whole model, or ZeRO-1 shards (src/train/layout.c) */
     if (!tr->shard_counts && (st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
-    tr->grad_sq = tera_calloc((size_t)(2 * tr->model.n_params), sizeof(double));
+    tr->grad_sq = tera_calloc((size_t)(4 * tr->model.n_params), sizeof(double)); /* + scratch of src/train/layout.c */
     tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
     tr->last_spike_step = -1;
     {
@@ -135,7 +154,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
 
     tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
     tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
-    if (tr->run_dir[0] && tr->rank == 0) {
+    if (tr->run_dir[0] && tr->root) {
         if (dir_nonempty(tr->run_dir) && !overwrite) {
             st = tera_fail(TERA_ERR_EXISTS,
                            "run directory '%s' already exists and is not empty; choose another "
@@ -143,8 +162,18 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                            tr->run_dir);
             goto fail_all;
         }
-        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         char path[TERA_PATH_MAX + 64];
+        if (overwrite == TERA_RUN_FRESH && dir_nonempty(tr->run_dir)) {
+            /* --force: the old run's metrics and checkpoints go, so a later --resume cannot mix runs */
+            snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+            if (unlink(path) != 0 && errno != ENOENT) {
+                st = tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+                goto fail_all;
+            }
+            snprintf(path, sizeof path, "%s/checkpoints", tr->run_dir);
+            if (access(path, F_OK) == 0 && (st = tera_ckpt_rmtree(path)) != TERA_OK) goto fail_all;
+        }
+        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
@@ -202,7 +231,7 @@ void tera_trainer_free(tera_trainer *tr) {
 }
 
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
-    if (!tr->run_dir[0] || tr->metrics || tr->rank != 0) return TERA_OK;
+    if (!tr->run_dir[0] || tr->metrics || !tr->root) return TERA_OK;
     char path[TERA_PATH_MAX + 64];
     snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
     tr->metrics = fopen(path, mode);
@@ -346,7 +375,7 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
     }
     if (back < 0) tr->step = spike_step + 1; /* no rollback: this batch is already consumed */
     tr->spike_n = tr->spike_pos = 0; /* the window refills from healthy steps */
-    if (tr->rank == 0) {
+    if (tr->root) {
         fprintf(stderr,
                 "tera: loss spike at step %ld (loss %.4f, grad norm %.4g, z %.1f): update dropped, %s, "
                 "samples [%ld, %ld) skipped, LR x %.2g until step %ld\n",
@@ -513,7 +542,7 @@ static void fmt_eta(char *buf, size_t n, double sec) {
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 static tera_status save_agreed(tera_trainer *tr) {
     tera_status st = TERA_OK;
-    if (tr->world > 1) {
+    if (tr->wsize > 1) {
         /* the checkpoint holds the whole model as one process does (per-rank shard files are not
          * written yet): every rank contributes its experts and moment shards, rank 0 writes */
         tera_model shell;
@@ -521,7 +550,7 @@ static tera_status save_agreed(tera_trainer *tr) {
         const int64_t n = shell.n_floats;
         float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
         tera_layout_gather(tr, buf, buf + n, buf + 2 * n);
-        if (tr->rank == 0) {
+        if (tr->root) {
             tera_trainer whole = *tr; /* the same run, seen as one process */
             shell.w = buf;
             whole.model = shell;
@@ -536,7 +565,7 @@ static tera_status save_agreed(tera_trainer *tr) {
         st = tera_trainer_save(tr);
     }
     int64_t failed = st != TERA_OK;
-    tera_comm_allreduce_i64(tr->dp, &failed, 1);
+    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
     if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
     return st;
 }
@@ -553,7 +582,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
         const int log_now = cfg->logging.log_every > 0 &&
                             (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
-        if (tr->rank == 0 && cfg->logging.progress && (log_now || tty)) {
+        if (tr->root && cfg->logging.progress && (log_now || tty)) {
             char eta[32];
             fmt_eta(eta, sizeof eta, (double)(S - tr->step) * tr->tokens_per_step / tok_s_ema);
             fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | ETA %s%s%s",
@@ -564,7 +593,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
             double vl;
             TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
-            if (tr->rank == 0) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
+            if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
             if (tr->metrics) {
                 fprintf(tr->metrics, "{\"step\": %ld, \"val_loss\": %.7g}\n", (long)tr->step - 1, vl);
                 fflush(tr->metrics);
