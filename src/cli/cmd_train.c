@@ -28,6 +28,18 @@ static void print_summary(const tera_trainer *tr) {
             m->bytes_scratch / MiB);
     /* exact figures by category (tests compare them with the formulas of docs/PARALLELISM.md) */
     const int64_t ea = m->n_moe_layers * 2 * (m->bytes_comm / (2 * m->n_moe_layers + 2)); /* part of activations */
+    int64_t rep = 0, split = 0, expert = 0; /* elements held, by how they are divided among ranks */
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (p->expert_stacked)
+            expert += p->numel;
+        else if (p->tp_dim >= 0)
+            split += p->numel;
+        else
+            rep += p->numel;
+    }
+    fprintf(stderr, "tera: parameters on this rank: replicated %ld, tensor-parallel %ld, expert %ld elements\n",
+            (long)rep, (long)split, (long)expert);
     fprintf(stderr,
             "tera: memory bytes per rank: params %ld (non-expert %ld floats + expert %ld floats) grads %ld optimizer %ld "
             "activations %ld scratch %ld comm %ld\n",
