@@ -3,7 +3,7 @@ BUILD ?= build
 ASAN_BUILD ?= build-asan
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build run test test-asan bench clean fixtures docs
+.PHONY: all deps build run test test-asan test-dist bench clean fixtures docs
 
 all: build
 
@@ -30,6 +30,11 @@ test-asan: deps
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTERA_SANITIZE=ON >/dev/null
 	@cmake --build $(ASAN_BUILD) -j $(JOBS) -- --no-print-directory
 	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 -LE slow
+
+# The whole table of parallel layouts against one rank (CI runs a subset inside `make test`).
+test-dist: build
+	@TERA_TEST_FULL=1 OMP_WAIT_POLICY=PASSIVE bash tests/cli_layouts.sh $(BUILD)/tera $(CURDIR)
+	@OMP_WAIT_POLICY=PASSIVE bash tests/cli_dist.sh $(BUILD)/tera $(CURDIR)
 
 # bench-s and bench-m on 1 and 2 threads, tera beside PyTorch eager (needs python3-torch).
 bench: build

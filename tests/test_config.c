@@ -68,6 +68,7 @@ static const char *const all_keys[] = {
     "parallel.tp",
     "parallel.pp",
     "parallel.ep",
+    "parallel.ep_overlap",
     "parallel.zero",
     "checkpoint.every",
     "checkpoint.keep",
@@ -500,12 +501,16 @@ static void test_finalize(void **state) {
     expect_finalize(TERA_ERR_CONFIG, "model.dense_ffn_dim", "model.top_k=8",
                     "model.ffn_dim=1000000000");
     expect_finalize(TERA_OK, NULL, "parallel.dp=2", NULL); /* data parallelism is supported */
-    expect_finalize(TERA_ERR_CONFIG, "parallel.tp > 1 is not supported in this build yet",
-                    "parallel.tp=2", NULL);
+    expect_finalize(TERA_OK, NULL, "parallel.tp=2", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "parallel.tp (3) must divide model.vocab_size", "parallel.tp=3", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.pp > 1 is not supported in this build yet",
                     "parallel.pp=4", NULL);
-    expect_finalize(TERA_ERR_CONFIG, "parallel.ep > 1 is not supported in this build yet",
-                    "parallel.ep=8", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (8) must divide parallel.dp (1)", "parallel.ep=8", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (3) must divide model.n_experts (8)", "parallel.ep=3",
+                    "parallel.dp=6");
+    expect_finalize(TERA_ERR_CONFIG, "parallel.ep (2) must divide parallel.dp (3)", "parallel.ep=2",
+                    "parallel.dp=3");
+    expect_finalize(TERA_OK, NULL, "parallel.ep=4", "parallel.dp=8");
 
     /* Fields set directly, bypassing the parser, are range-checked too. */
     tera_config c;

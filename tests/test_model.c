@@ -267,14 +267,75 @@ static void test_param_table(void **state) {
     int n;
     int64_t nf;
     tera_param *t = tera_param_table(&mc, &n, &nf);
+    /* offsets: the non-expert tensors in table order, then the expert tensors in table order */
     int64_t prev_end = 0;
-    for (int i = 0; i < n; i++) {
-        assert_true(t[i].offset >= prev_end);        /* no overlap */
-        assert_int_equal(t[i].offset % 16, 0);       /* 64-byte aligned */
-        prev_end = t[i].offset + t[i].numel;
-        assert_int_equal(t[i].decay, t[i].ndim >= 2); /* decay on matrices only */
-    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n; i++) {
+            if (t[i].expert_stacked != pass) continue;
+            assert_true(t[i].offset >= prev_end);        /* no overlap */
+            assert_int_equal(t[i].offset % 16, 0);       /* 64-byte aligned */
+            prev_end = t[i].offset + t[i].numel;
+            assert_int_equal(t[i].decay, t[i].ndim >= 2); /* decay on matrices only */
+            for (int d = 0; d < 3; d++) {
+                assert_int_equal(t[i].lo[d], 0);
+                assert_int_equal(t[i].len[d], t[i].shape[d]);
+            }
+        }
     assert_true(prev_end <= nf);
+    /* expert parallelism: rank r of ep stores experts [r E/ep, (r+1) E/ep) of each expert tensor,
+     * the same non-expert region, and 1/ep of the expert region */
+    for (int ep = 2; ep <= mc.n_experts; ep *= 2) {
+        for (int r = 0; r < ep; r++) {
+            int ne;
+            int64_t nfe, nde, nd1;
+            tera_param *te = tera_param_table_ep(&mc, ep, r, &ne, &nfe, &nde);
+            free(tera_param_table_ep(&mc, 1, 0, &ne, &nf, &nd1));
+            assert_int_equal(ne, n);
+            assert_int_equal(nde, nd1);
+            assert_int_equal((nfe - nde) * ep, nf - nd1);
+            for (int i = 0; i < n; i++) {
+                assert_string_equal(te[i].name, t[i].name);
+                if (!te[i].expert_stacked) {
+                    assert_int_equal(te[i].offset, t[i].offset);
+                    continue;
+                }
+                assert_true(te[i].offset >= nde);
+                assert_int_equal(te[i].len[0] * ep, te[i].shape[0]);
+                assert_int_equal(te[i].lo[0], r * te[i].len[0]);
+                assert_int_equal(te[i].numel * ep, t[i].numel);
+            }
+            free(te);
+        }
+    }
+    /* tensor parallelism: Megatron's split (heads of q/k/v and the o_proj input, FFN widths,
+     * vocabulary rows); norms and the router whole on every rank */
+    mc.vocab_size = 38; /* divisible by tp */
+    for (int tp = 2; tp <= 2; tp++) {
+        for (int r = 0; r < tp; r++) {
+            int nt;
+            int64_t nft, ndt;
+            tera_param *tt = tera_param_table_par(&mc, 2, 1, tp, r, &nt, &nft, &ndt);
+            for (int i = 0; i < nt; i++) {
+                const tera_param *p = &tt[i];
+                int want = -1;
+                switch (p->kind) {
+                case TERA_P_EMBED: case TERA_P_LM_HEAD: case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV:
+                case TERA_P_SHARED_W1: case TERA_P_SHARED_W3: case TERA_P_DENSE_W1: case TERA_P_DENSE_W3: want = 0; break;
+                case TERA_P_WO: case TERA_P_SHARED_W2: case TERA_P_DENSE_W2: case TERA_P_EXP_W1: case TERA_P_EXP_W3: want = 1; break;
+                case TERA_P_EXP_W2: want = 2; break;
+                default: break;
+                }
+                assert_int_equal(p->tp_dim, want);
+                if (want >= 0) {
+                    assert_int_equal(p->len[want] * tp, p->shape[want]);
+                    assert_int_equal(p->lo[want], r * p->len[want]);
+                }
+                if (p->expert_stacked) assert_int_equal(p->lo[0], p->len[0]); /* ep rank 1 of 2 */
+                assert_int_equal(p->numel, p->len[0] * p->len[1] * p->len[2]);
+            }
+            free(tt);
+        }
+    }
     /* o_proj / w2 use the scaled init std / sqrt(2L) */
     for (int i = 0; i < n; i++)
         if (t[i].kind == TERA_P_WO || t[i].kind == TERA_P_EXP_W2 || t[i].kind == TERA_P_DENSE_W2)

@@ -23,6 +23,8 @@ const char *tera_comm_backend(void); /* "mpi" or "single" */
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n);
 void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n);
 void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n);
+/* In-place element-wise maximum over every rank of c. */
+void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n);
 
 /* In-place reduce-scatter of a buffer split into consecutive ranges of counts[r] elements: on
  * return, rank r's range holds the sum over all ranks of that range (other ranges: undefined). */
@@ -41,10 +43,31 @@ void tera_comm_wait(tera_comm_req *req);
 void tera_comm_poll(tera_comm_req *reqs, int n);
 void tera_comm_barrier(tera_comm *c);
 
+/* A sub-group: ranks of c passing the same color form one group, ordered by key (MPI_Comm_split).
+ * Called by every rank of c. On one rank it returns a one-rank group. Freed with tera_comm_free. */
+tera_comm *tera_comm_split(tera_comm *c, int color, int key);
+void tera_comm_free(tera_comm *c);
+/* All-to-all of n int32 per rank: send[r*n ..] goes to rank r, recv[r*n ..] comes from rank r. */
+void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n);
+/* Non-blocking point-to-point of n floats with rank `peer` of c (complete with tera_comm_wait).
+ * n = 0 posts nothing. The tag tells apart messages between the same pair in flight together. */
+void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
+void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
+
 /* Watchdog: a blocking collective (or a wait) that makes no progress for `seconds` means a peer
  * rank stopped answering; the rank then prints which operation stalled and aborts every rank
  * (MPI_Abort), so a hung peer never hangs the job. 0 disables it. A dead peer is already reported
  * by the launcher (mpirun names the rank and its signal and stops the job). */
 void tera_comm_set_timeout(double seconds);
+
+/* Bytes this rank has sent since the last reset, by kind. Point-to-point transfers count exactly;
+ * a collective over p ranks counts what a bandwidth-optimal (ring) algorithm sends from each rank
+ * (all-reduce 2(p-1)/p of the buffer, reduce-scatter and all-gather (p-1)/p, all-to-all (p-1)/p):
+ * the volume the layout needs, whatever algorithm the MPI library picks. */
+typedef struct {
+    double allreduce, reduce_scatter, allgather, alltoall, p2p;
+} tera_comm_traffic;
+tera_comm_traffic tera_comm_traffic_get(void);
+void tera_comm_traffic_reset(void);
 
 #endif

@@ -90,7 +90,8 @@ typedef struct {
 } tera_data_config;
 
 typedef struct {
-    int dp, tp, pp, ep;         /* parallel degrees (1 = off) */
+    int dp, tp, pp, ep;         /* parallel degrees (1 = off); ep divides dp (experts split inside dp) */
+    int ep_overlap;             /* expert parallelism: overlap exchanges with expert compute */
     int zero;                   /* ZeRO stage 0-3 */
     float timeout_s;            /* collective watchdog (0 = off) */
 } tera_parallel_config;

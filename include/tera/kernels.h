@@ -61,6 +61,24 @@ void tera_swiglu_backward(float *da1, float *da3, const float *dg, const float *
 void tera_embedding_forward(float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D);
 void tera_embedding_backward(float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D);
 
+/* Vocabulary-parallel pieces: this rank holds rows [v0, v0 + Vl) of the table.
+ * x[n] = table[tokens[n] - v0] for tokens in range, else 0 (the ranks' x sum to the lookup);
+ * backward accumulates only rows in range. */
+void tera_embedding_forward_range(float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D,
+                                  int64_t v0, int64_t Vl);
+void tera_embedding_backward_range(float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D,
+                                   int64_t v0, int64_t Vl);
+/* Cross-entropy over logits split by vocabulary (this rank: logits[N, Vl] of [v0, v0 + Vl)):
+ * rowmax[N] = max of the slice; after the max over ranks, sumexp[N] = sum exp(x - rowmax) of the
+ * slice, tlogit[N] = the target's logit when it is in the slice, else 0; after sums over ranks
+ * lse = rowmax + log(sumexp) and loss = lse - tlogit. */
+void tera_ce_slice_max(float *rowmax, const float *logits, int64_t N, int64_t Vl);
+void tera_ce_slice_sums(float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+                        const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
+/* dlogits[N,Vl] = scale * (softmax - onehot) on the slice (may alias logits). */
+void tera_ce_backward_range(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+                            int64_t N, int64_t Vl, int64_t v0, float scale);
+
 /* Cross-entropy of logits[N,V] against targets[N]: writes lse[N], returns the sum of losses. */
 double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V);
 /* dlogits[N,V] = scale * (softmax(logits) - onehot(target)); dlogits may alias logits. */

@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/status.h"
 
@@ -28,7 +29,11 @@ typedef struct {
     int layer;            /* layer index, -1 outside the layers */
     int ndim;             /* 1, 2, or 3 for expert-stacked [E, out, in] */
     int64_t shape[3];     /* global shape */
-    int64_t numel;
+    int64_t lo[3], len[3]; /* the block stored on this rank: [lo[d], lo[d] + len[d]) of each dim
+                              (expert parallelism splits dim 0 of expert tensors, tensor
+                              parallelism the dim given by tp_dim; else the whole tensor) */
+    int tp_dim;           /* dim split over tensor-parallel ranks, -1: replicated on each */
+    int64_t numel;        /* elements stored on this rank: len[0] * len[1] * len[2] */
     int64_t offset;       /* in floats, into the flat parameter/gradient/moment buffers */
     int expert_stacked;   /* 1: stored in HF as shape[0] tensors of shape [shape[1], shape[2]] */
     int decay;            /* AdamW weight decay applies (matrices, not norm weights) */
@@ -44,8 +49,8 @@ typedef struct {
     float *wo;            /* [D, H*hd] */
     float *ffn_norm;      /* [D] */
     float *router;        /* [E, D]          MoE layers */
-    float *w1, *w3;       /* [E, F, D]       MoE layers */
-    float *w2;            /* [E, D, F]       MoE layers */
+    float *w1, *w3;       /* [El, F, D]      MoE layers: this rank's El = E / ep experts */
+    float *w2;            /* [El, D, F]      MoE layers */
     float *sw1, *sw3;     /* [Fs, D]         shared experts, Fs = n_shared * F */
     float *sw2;           /* [D, Fs] */
     float *dw1, *dw3;     /* [Fd, D]         dense layers */
@@ -78,12 +83,36 @@ typedef struct {
 
 typedef struct tera_acts tera_acts; /* activation storage, private to src/model */
 
+/* Expert parallelism: the ep ranks of `group` each hold E / ep routed experts of every MoE layer
+ * (rank r: experts [r E/ep, (r+1) E/ep)); tokens travel to their experts' ranks and back by
+ * point-to-point exchanges inside forward and backward. Every rank of the group must run the same
+ * sequence of forwards and backwards. */
+typedef struct {
+    int ep;               /* 1: every expert is local (no exchange) */
+    tera_comm *group;     /* the expert-parallel group (its size is ep); NULL when ep = 1 */
+    int overlap;          /* 1: exchange one source's tokens while computing another's */
+    /* Tensor parallelism (Megatron): the tp ranks of tp_group see the same tokens and split
+     * attention by heads, every FFN (dense, shared and routed experts) by its hidden width, and
+     * the embedding and LM head by vocabulary; partial sums meet in all-reduces over tp_group
+     * (after o_proj, after the FFN block, and their mirrors in backward); the cross-entropy is
+     * computed from the vocabulary slices without gathering the logits. */
+    int tp;               /* 1: no tensor parallelism */
+    tera_comm *tp_group;  /* NULL when tp = 1 */
+} tera_model_par;
+
 typedef struct {
     tera_model_config cfg;
     int B, T;             /* micro-batch shape the activations were sized for */
     int n_params;
     tera_param *params;   /* the table */
-    int64_t n_floats;     /* total parameter floats */
+    int64_t n_floats;     /* parameter floats stored on this rank */
+    int64_t n_dense_floats; /* the non-expert tensors are [0, n_dense_floats); routed experts follow */
+    tera_model_par par;
+    int ep_rank;          /* this rank in par.group */
+    int tp_rank;          /* this rank in par.tp_group */
+    int64_t Hl, Hkvl;     /* query and key/value heads on this rank (H / tp, Hkv / tp) */
+    int64_t Fl, Fsl, Fdl; /* routed-expert, shared-expert and dense FFN widths on this rank (/ tp) */
+    int64_t Vl, v0;       /* vocabulary rows on this rank: [v0, v0 + Vl) */
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
     tera_weights_view W, G;
@@ -93,7 +122,7 @@ typedef struct {
     double *router_entropy; /* [L] sum over tokens of the router distribution's entropy (nats), same period */
     int64_t routed_tokens;  /* tokens per MoE layer counted in that period */
     tera_acts *acts;
-    float *logits;        /* [B*T, V] after forward */
+    float *logits;        /* [B*T, Vl] after forward (this rank's vocabulary slice) */
     tera_fwd_stats stats; /* of the last forward */
     /* Gradient buckets: called during backward as soon as a contiguous range of the flat gradient
      * buffer holds its final value for this micro-batch (the LM head and final norm, then each
@@ -102,13 +131,25 @@ typedef struct {
     void (*grad_ready)(void *ctx, int64_t offset, int64_t count);
     void *grad_ready_ctx;
     int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
+    int64_t bytes_comm;   /* expert-parallel exchange buffers (received rows and their results; a part
+                             of bytes_acts and bytes_scratch, reported apart) */
 } tera_model;
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */
 tera_param *tera_param_table(const tera_model_config *cfg, int *n, int64_t *n_floats);
+/* The same for rank ep_rank of ep expert-parallel ranks (its slice of each expert tensor) and
+ * tp_rank of tp tensor-parallel ranks; *n_dense (may be NULL) receives the size of the non-expert
+ * region. tera_param_table_ep: tp = 1. */
+tera_param *tera_param_table_ep(const tera_model_config *cfg, int ep, int ep_rank, int *n, int64_t *n_floats,
+                                int64_t *n_dense);
+tera_param *tera_param_table_par(const tera_model_config *cfg, int ep, int ep_rank, int tp, int tp_rank, int *n,
+                                 int64_t *n_floats, int64_t *n_dense);
 const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
+/* The same on one rank of an expert-parallel group (par NULL: one rank holds every expert). */
+tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
+                                  const tera_model_par *par);
 void tera_model_destroy(tera_model *m);
 /* Counter-based init: element i of parameter p draws from Philox(seed, p's kind/layer, i), so the
  * values do not depend on how parameters are laid out or sharded. */

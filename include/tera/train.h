@@ -30,6 +30,10 @@ void tera_adamw_free(tera_adamw *o);
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
                      int zero_grad, double *update_sq, double *param_sq);
 
+/* The same, also adding each tensor's sums into usq[n_params] and psq[n_params]. */
+void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
+                              int zero_grad, double *update_sq, double *param_sq, double *usq, double *psq);
+
 /* MODEL.md's schedule: linear warmup (s+1)/W, then cosine from lr to min_lr over steps - W. */
 float tera_lr_at(const tera_train_config *t, int64_t step);
 /* Global L2 norm of all gradients (fixed reduction order, independent of the thread count). */
@@ -102,6 +106,20 @@ typedef struct {
     int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
     struct tera_comm *dp;       /* the data-parallel group (the world for now) */
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
+    /* expert parallelism (src/train/layout.c): rank = edp_index * ep + ep_rank; the ep ranks
+     * of one group split the experts, the edp = dp / ep ranks holding the same experts average
+     * their gradients. edp is the dp group itself when ep = 1. */
+    struct tera_comm *ep_group, *edp;
+    int ep, ep_rank, edp_size, edp_rank;
+    /* tensor parallelism: world rank = dp_rank * tp + tp_rank (tp varies fastest); the tp ranks
+     * of a group read the same samples. mp: the ep x tp ranks with the same edp_rank, which
+     * together hold one whole copy of the model. */
+    struct tera_comm *tp_group, *mp;
+    int tp, tp_rank;
+    int wrank, wsize, root;     /* world rank and size; root: world rank 0 (writes outputs) */
+    tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
+                                   ZeRO-1 shard of it); opt holds the non-expert region's */
+    int64_t *shard_counts_x;    /* [edp_size] ZeRO-1 shards of the expert region */
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
     int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
@@ -114,11 +132,14 @@ typedef struct {
     int spike_repeats;
     int64_t spike_events;       /* spikes handled so far */
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
-    int64_t *shard_counts;      /* [world] floats of the flat buffer each rank's shard holds */
+    int64_t *shard_counts;      /* [world] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
     tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
 } tera_trainer;
 
+/* overwrite: 0 = refuse a non-empty run directory, TERA_RUN_CONTINUE = use it as it is (resume),
+ * TERA_RUN_FRESH = start over in it (--force: its metrics and checkpoints are removed). */
+enum { TERA_RUN_CONTINUE = 1, TERA_RUN_FRESH = 2 };
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
  * (a Hugging Face directory) when set, else a seeded random init. run_dir "" = no run directory
  * (tests). An existing non-empty run_dir is refused unless overwrite. */
@@ -132,6 +153,9 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
 /* Writes run_dir/checkpoints/step_NNNNNNNN/: HF weights + config.json (with the router bias),
  * optimizer.safetensors (moments), state.json (step, data position, seed) and config.ini. */
 tera_status tera_trainer_save(tera_trainer *tr);
+/* The writer behind it (src/train/checkpoint.c): tr must hold the whole model in the one-process
+ * layout (tera_trainer_save builds that view from every rank's blocks and shards); rank 0 only. */
+tera_status tera_trainer_save_whole(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data
  * position, batch growth state, loss-spike guard state). The data must be the same token stream
  * (checked: token count, sample length, shuffle, seed); the batch size may differ, since the
@@ -145,6 +169,26 @@ tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
 void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
+
+/* ---------------------------------------------------------------- layout (src/train/layout.c)
+ * Process groups, the optimizer's ranges (ZeRO-1 shards) and conversion between this rank's
+ * storage and the whole model as one process holds it (the parameter table of ep = 1). */
+tera_status tera_layout_groups(tera_trainer *tr); /* process groups, before the model is created */
+tera_status tera_layout_init(tera_trainer *tr);   /* optimizer ranges, after the model is created */
+void tera_layout_free(tera_trainer *tr);
+/* Every rank receives the whole model: weights, Adam moments [n_global floats each]. */
+void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv);
+/* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). */
+void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv);
+/* A model shell with the one-process parameter table and no buffers (caller sets w). */
+void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell);
+/* Global gradient norm squared, per tensor into tr->grad_sq (same value on every rank). */
+double tera_layout_grad_sq(tera_trainer *tr);
+/* The optimizer step on this rank's ranges, then the parameters every rank needs (ZeRO-1
+ * all-gather). sums: [2] update and parameter squares over the whole model. */
+void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double *sums);
+/* Sum of the gradient over the ranks that hold each part (after the last backward). */
+void tera_layout_reduce_grads(tera_trainer *tr);
 
 /* ---------------------------------------------------------------- checkpoints
  * (src/train/checkpoint.c; on-disk format and readers in include/tera/ckpt.h, docs/CHECKPOINTS.md)

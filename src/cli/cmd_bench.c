@@ -57,24 +57,64 @@ int tera_cmd_bench(int argc, char **argv) {
     cfg.training.warmup_steps = 0;
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
-    double peak = sgemm_peak_gflops();
+    /* several ranks share this machine's cores: a peak measured by all at once means nothing */
+    const int multi = tr.wsize > 1;
+    double peak = multi ? 0.0 : sgemm_peak_gflops();
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
     for (int s = 0; s < warmup + steps; s++) {
-        if (s == warmup) tera_prof_reset();
+        if (s == warmup) {
+            tera_prof_reset();
+            tera_comm_barrier(tera_comm_world());
+            tera_comm_traffic_reset();
+        }
         if (tera_trainer_step(&tr, &r) != TERA_OK) {
             tera_trainer_free(&tr);
             return tera_cli_error();
         }
         if (s >= warmup) sec[s - warmup] = r.seconds;
     }
-    const double peak_after = sgemm_peak_gflops();
+    const tera_comm_traffic tx = tera_comm_traffic_get();
+    const double peak_after = multi ? 0.0 : sgemm_peak_gflops();
     if (peak_after > peak) peak = peak_after;
     qsort(sec, (size_t)steps, sizeof(double), cmp_double);
     const double med = sec[steps / 2];
     const double tps = (double)tr.tokens_per_step / med;
     const double fpt = tera_model_flops_per_token(&cfg.model, cfg.training.seq_len);
     const double gflops = tps * fpt / 1e9;
+    if (multi) {
+        /* steps end in collectives, so every rank's step time is the job's; rank 0 reports */
+        const tera_model *m = &tr.model;
+        const int dp = tr.world, ep = tr.ep, edp = tr.edp_size;
+        const double nd = (double)m->n_dense_floats, nx = (double)(m->n_floats - m->n_dense_floats);
+        /* the minimum: each gradient element summed over the ranks holding it (ring: 2(p-1)/p of
+         * the buffer per rank, the same for ZeRO-1's reduce-scatter + all-gather), and every
+         * routed assignment whose expert lives on another rank carried there and back in forward
+         * and backward (uniform routing: (ep-1)/ep of them) */
+        const double grad_min = 2.0 * (dp - 1) / dp * 4.0 * nd + 2.0 * (edp - 1) / edp * 4.0 * nx;
+        const double N = (double)cfg.training.micro_batch * cfg.training.seq_len;
+        const double ep_min = (double)cfg.training.grad_accum * m->n_moe_layers * 4.0 * N * cfg.model.top_k *
+                              (ep - 1) / ep * cfg.model.dim * 4.0;
+        const double tot = (tx.allreduce + tx.reduce_scatter + tx.allgather + tx.alltoall + tx.p2p) / steps;
+        if (tr.root) {
+            tera_prof_print(stderr, steps);
+            printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, \"zero\": %d, "
+                   "\"ep_overlap\": %d, \"threads_per_rank\": %d, \"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, "
+                   "\"bytes_sent_per_step\": %.0f, \"min_bytes_per_step\": %.0f, \"grad_min_bytes\": %.0f, "
+                   "\"ep_min_bytes\": %.0f, \"sent_allreduce\": %.0f, \"sent_reduce_scatter\": %.0f, "
+                   "\"sent_allgather\": %.0f, \"sent_alltoall\": %.0f, \"sent_p2p\": %.0f, \"mem_params\": %ld, "
+                   "\"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, \"mem_comm\": %ld, "
+                   "\"final_loss\": %.4f}\n",
+                   val[3] ? val[3] : "custom", tr.wsize, dp, tr.tp, ep, tr.zero ? cfg.parallel.zero : 0, cfg.parallel.ep_overlap,
+                   tera_get_threads(), tps, 1e3 * med, tot, grad_min + ep_min, grad_min, ep_min, tx.allreduce / steps,
+                   tx.reduce_scatter / steps, tx.allgather / steps, tx.alltoall / steps, tx.p2p / steps,
+                   (long)m->bytes_params, (long)m->bytes_grads, (long)(8 * (tr.opt.n + tr.opt_x.n)),
+                   (long)m->bytes_acts, (long)m->bytes_comm, r.loss);
+        }
+        free(sec);
+        tera_trainer_free(&tr);
+        return 0;
+    }
     tera_prof_print(stderr, steps);
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"fp32\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "

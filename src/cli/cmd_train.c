@@ -24,7 +24,7 @@ static void print_summary(const tera_trainer *tr) {
             c->data.path[0] ? c->data.path : "embedded default corpus", (long)tr->src.n_tokens,
             (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
-            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)tr->opt.n * sizeof(float) / MiB, m->bytes_acts / MiB,
+            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             m->bytes_scratch / MiB);
     const tera_train_config *t = &c->training;
     static const char *const rules[] = {"sqrt", "linear", "none"};
@@ -36,6 +36,26 @@ static void print_summary(const tera_trainer *tr) {
                 "LR rule %s; accum now %d\n", t->batch_grow_max ? t->batch_grow_max : 4 * t->grad_accum,
                 t->batch_grow_window, (double)t->batch_grow_gnorm, rules[t->batch_lr_scaling],
                 tera_batch_accum(t, &tr->batch, tr->step));
+    /* exact figures by category (tests compare them with the formulas of docs/PARALLELISM.md) */
+    const int64_t ea = m->n_moe_layers * 2 * (m->bytes_comm / (2 * m->n_moe_layers + 2)); /* part of activations */
+    int64_t rep = 0, split = 0, expert = 0; /* elements held, by how they are divided among ranks */
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (p->expert_stacked)
+            expert += p->numel;
+        else if (p->tp_dim >= 0)
+            split += p->numel;
+        else
+            rep += p->numel;
+    }
+    fprintf(stderr, "tera: parameters on this rank: replicated %ld, tensor-parallel %ld, expert %ld elements\n",
+            (long)rep, (long)split, (long)expert);
+    fprintf(stderr,
+            "tera: memory bytes per rank: params %ld (non-expert %ld floats + expert %ld floats) grads %ld optimizer %ld "
+            "activations %ld scratch %ld comm %ld\n",
+            (long)m->bytes_params, (long)m->n_dense_floats, (long)(m->n_floats - m->n_dense_floats), (long)m->bytes_grads,
+            (long)(2 * (tr->opt.n + tr->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
+            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)m->bytes_comm);
 }
 
 int tera_cmd_train(int argc, char **argv) {
@@ -50,18 +70,26 @@ int tera_cmd_train(int argc, char **argv) {
             fprintf(stderr, "tera: model configuration and weights from %s\n", cfg.training.init_from);
     }
     tera_trainer tr;
-    if (tera_trainer_init(&tr, &cfg, cfg.logging.run_dir, set[0] || set[1]) != TERA_OK) return tera_cli_error();
+    const int mode = set[1] ? TERA_RUN_CONTINUE : (set[0] ? TERA_RUN_FRESH : 0);
+    if (tera_trainer_init(&tr, &cfg, cfg.logging.run_dir, mode) != TERA_OK) return tera_cli_error();
     if (set[1]) {
         if (tera_trainer_resume(&tr) != TERA_OK) {
             tera_trainer_free(&tr);
             return tera_cli_error();
         }
-        if (tr.rank == 0) fprintf(stderr, "tera: resumed %s at step %ld\n", cfg.logging.run_dir, (long)tr.step);
+        if (tr.root) fprintf(stderr, "tera: resumed %s at step %ld\n", cfg.logging.run_dir, (long)tr.step);
     }
-    if (tr.rank == 0) {
+    if (tr.root) {
         print_summary(&tr);
         fprintf(stderr, "tera: run directory %s | %d data-parallel rank%s (%s)\n", cfg.logging.run_dir, tr.world,
                 tr.world == 1 ? "" : "s", tera_comm_backend());
+        if (tr.wsize > 1)
+            fprintf(stderr,
+                    "tera: layout %d ranks = dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
+                    "(edp_rank * ep + ep_rank) * tp + tp_rank (tp varies fastest, then ep); ep rank r holds experts "
+                    "[r*%d, (r+1)*%d) of each MoE layer\n",
+                    tr.wsize, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
+                    cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
     }
     tera_prof_reset();
     int64_t step0 = tr.step;
@@ -71,8 +99,8 @@ int tera_cmd_train(int argc, char **argv) {
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
-    if (cfg.logging.profile && tr.rank == 0) tera_prof_print(stderr, (int)(tr.step - step0));
-    if (tr.rank == 0)
+    if (cfg.logging.profile && tr.root) tera_prof_print(stderr, (int)(tr.step - step0));
+    if (tr.root)
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",
             (long)tr.step, last.loss, cfg.logging.run_dir, (long)tr.step);
     tera_trainer_free(&tr);

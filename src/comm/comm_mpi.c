@@ -122,20 +122,27 @@ int tera_comm_rank(const tera_comm *c) { return c->rank; }
 int tera_comm_size(const tera_comm *c) { return c->size; }
 const char *tera_comm_backend(void) { return g_mpi ? "mpi" : "single"; }
 
+static tera_comm_traffic g_traffic;
+tera_comm_traffic tera_comm_traffic_get(void) { return g_traffic; }
+void tera_comm_traffic_reset(void) { memset(&g_traffic, 0, sizeof g_traffic); }
+static double ring_share(const tera_comm *c) { return (double)(c->size - 1) / (double)c->size; }
+
 /* MPI counts are int: large buffers go in pieces */
 #define MAX_PIECE ((int64_t)1 << 30)
 
-static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es) {
+static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es, MPI_Op op) {
     if (c->size == 1 || n == 0) return;
+    g_traffic.allreduce += 2.0 * ring_share(c) * (double)n * (double)es;
     for (int64_t off = 0; off < n; off += MAX_PIECE) {
         int64_t k = n - off < MAX_PIECE ? n - off : MAX_PIECE;
-        GUARDED("MPI_Allreduce", MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, MPI_SUM, c->mpi));
+        GUARDED("MPI_Allreduce", MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, op, c->mpi));
     }
 }
 
-void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4); }
-void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8); }
-void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8); }
+void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_SUM); }
+void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8, MPI_SUM); }
+void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8, MPI_SUM); }
+void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_MAX); }
 
 /* counts/displacements as MPI ints (ranges must stay below 2^31 elements each) */
 static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int *disp) {
@@ -154,6 +161,7 @@ void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *count
     int cnt[1024], disp[1024];
     TERA_ASSERT(c->size <= 1024);
     int_counts(c, counts, cnt, disp);
+    g_traffic.reduce_scatter += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
     /* MPI_IN_PLACE: input from buf, this rank's result at the START of buf: move it into place */
     GUARDED("MPI_Reduce_scatter", MPI_Reduce_scatter(MPI_IN_PLACE, buf, cnt, MPI_FLOAT, MPI_SUM, c->mpi));
     if (disp[c->rank] > 0) memmove(buf + disp[c->rank], buf, sizeof(float) * (size_t)cnt[c->rank]);
@@ -164,6 +172,7 @@ void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
     int cnt[1024], disp[1024];
     TERA_ASSERT(c->size <= 1024);
     int_counts(c, counts, cnt, disp);
+    g_traffic.allgather += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
     GUARDED("MPI_Allgatherv", MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, c->mpi));
 }
 
@@ -175,13 +184,14 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
     req->active = 0;
     if (c->size == 1 || n == 0) return;
     TERA_ASSERTF(n <= MAX_PIECE, "non-blocking all-reduce of %ld floats: buckets must be smaller", (long)n);
+    g_traffic.allreduce += 2.0 * ring_share(c) * 4.0 * (double)n;
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, c->mpi, req_of(req)));
     req->active = 1;
 }
 
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
-    GUARDED("MPI_Wait (gradient all-reduce)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
+    GUARDED("MPI_Wait (non-blocking transfer)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));
     req->active = 0;
 }
 
@@ -192,6 +202,53 @@ void tera_comm_poll(tera_comm_req *reqs, int n) {
         MPI_CHECK(MPI_Test(req_of(&reqs[i]), &done, MPI_STATUS_IGNORE));
         if (done) reqs[i].active = 0;
     }
+}
+
+tera_comm *tera_comm_split(tera_comm *c, int color, int key) {
+    tera_comm *g = tera_calloc(1, sizeof *g);
+    if (c->size == 1) {
+        *g = (tera_comm){.mpi = MPI_COMM_NULL, .rank = 0, .size = 1};
+        return g;
+    }
+    GUARDED("MPI_Comm_split", MPI_Comm_split(c->mpi, color, key, &g->mpi));
+    MPI_Comm_set_errhandler(g->mpi, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(g->mpi, &g->rank);
+    MPI_Comm_size(g->mpi, &g->size);
+    return g;
+}
+
+void tera_comm_free(tera_comm *c) {
+    if (!c || c == &g_world) return;
+    if (c->mpi != MPI_COMM_NULL && g_mpi) MPI_Comm_free(&c->mpi);
+    free(c);
+}
+
+void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {
+    if (c->size == 1) {
+        memcpy(recv, send, sizeof(int32_t) * (size_t)n);
+        return;
+    }
+    g_traffic.alltoall += (double)(c->size - 1) * 4.0 * n;
+    GUARDED("MPI_Alltoall", MPI_Alltoall(send, n, MPI_INT32_T, recv, n, MPI_INT32_T, c->mpi));
+}
+
+void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+    req->active = 0;
+    if (n == 0) return;
+    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point send to rank %d of a group of %d", peer, c->size);
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    g_traffic.p2p += 4.0 * (double)n;
+    MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    req->active = 1;
+}
+
+void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+    req->active = 0;
+    if (n == 0) return;
+    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point receive from rank %d of a group of %d", peer, c->size);
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    req->active = 1;
 }
 
 void tera_comm_barrier(tera_comm *c) {

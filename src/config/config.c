@@ -212,9 +212,16 @@ static const config__key config__keys[] = {
 
     /* [parallel] ------------------------------------------------------------------------------- */
     K_INT(parallel, dp, "1", 1, INT_MAX, "data-parallel degree"),
-    K_INT(parallel, tp, "1", 1, INT_MAX, "tensor-parallel degree"),
+    K_INT(parallel, tp, "1", 1, INT_MAX,
+          "tensor-parallel degree: groups of tp consecutive ranks split attention heads, FFN widths and the vocabulary "
+          "(Megatron); the job runs dp x tp ranks"),
     K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
-    K_INT(parallel, ep, "1", 1, INT_MAX, "expert-parallel degree"),
+    K_INT(parallel, ep, "1", 1, INT_MAX,
+          "expert-parallel degree: the routed experts of each MoE layer are split over groups of ep of the dp "
+          "data-parallel ranks (ep must divide parallel.dp and model.n_experts)"),
+    K_INT(parallel, ep_overlap, "1", 0, 1,
+          "expert parallelism: compute the experts over one source rank's tokens while the other ranks' tokens "
+          "are still in flight (0 = wait for every exchange first; results are identical)"),
     K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
     K_FLOAT(parallel, timeout_s, "600", R_CLOSED(0.0, 1e9),
             "a collective that makes no progress this long aborts every rank (a peer stopped answering); 0 = off"),
@@ -831,14 +838,22 @@ tera_status tera_config_finalize(tera_config *c) {
                     "training.batch_grow_max (%d) must be 0 or at least training.grad_accum (%d)",
                     t->batch_grow_max, t->grad_accum);
 
-    /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
-    /* data parallelism works; the other dimensions arrive with the distributed issue */
-    static const char *const names[] = {"tp", "pp", "ep"};
-    const int degrees[] = {p->tp, p->pp, p->ep};
-    for (int i = 0; i < 3; i++)
-        CONFIG__REQUIRE(degrees[i] == 1,
-                        "parallel.%s = %d: parallel.%s > 1 is not supported in this build yet",
-                        names[i], degrees[i], names[i]);
+    /* expert parallelism splits the experts over ranks of the data-parallel group */
+    CONFIG__REQUIRE(p->dp % p->ep == 0,
+                    "parallel.ep (%d) must divide parallel.dp (%d): expert-parallel ranks are data-parallel ranks "
+                    "that split the experts among themselves", p->ep, p->dp);
+    CONFIG__REQUIRE(m->n_experts % p->ep == 0, "parallel.ep (%d) must divide model.n_experts (%d)", p->ep,
+                    m->n_experts);
+    /* tensor parallelism splits heads, FFN widths and the vocabulary */
+    {
+        static const char *const what[] = {"model.vocab_size", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+                                           "model.dense_ffn_dim"};
+        const int v[] = {m->vocab_size, m->n_heads, m->n_kv_heads, m->ffn_dim, m->dense_ffn_dim};
+        for (int i = 0; i < 5; i++)
+            CONFIG__REQUIRE(v[i] % p->tp == 0, "parallel.tp (%d) must divide %s (%d)", p->tp, what[i], v[i]);
+    }
+    /* pipeline parallelism is not built yet: refuse, never quietly run 1-way */
+    CONFIG__REQUIRE(p->pp == 1, "parallel.pp = %d: parallel.pp > 1 is not supported in this build yet", p->pp);
     return TERA_OK;
 }
 

@@ -34,10 +34,16 @@ typedef struct {
     int32_t *row_tok;  /* [N*k] token of each grouped row */
     int32_t *exp_off;  /* [E+1] */
     int32_t *sel_count;/* [B, E] selected assignments per sequence and expert */
-    float *xg;       /* [N*k, D] gathered expert inputs */
-    float *a1, *a3;  /* [N*k, F] */
-    float *gact;     /* [N*k, F] silu(a1)*a3 */
-    float *ye;       /* [N*k, D] expert outputs (unweighted) */
+    float *xg;       /* [N*k, D] gathered expert inputs (ep > 1: the rows sent to the experts' ranks) */
+    float *a1, *a3;  /* [R, F] R = N*k, or (ep > 1) Rmax rows received */
+    float *gact;     /* [R, F] silu(a1)*a3 */
+    float *ye;       /* [N*k, D] expert outputs (unweighted; ep > 1: as returned by the experts' ranks) */
+    /* expert parallelism (ep > 1): rows received from source rank s for local expert e are
+     * rcnt[s*El + e]; they sit in xr from row roff[s] on, grouped by expert */
+    int32_t *rcnt;   /* [ep, El] */
+    int32_t *roff;   /* [ep + 1] */
+    float *xr;       /* [Rmax, D] rows received for this rank's experts */
+    float *yr;       /* [Rmax, D] their expert outputs, sent back */
     /* dense layer or shared experts */
     float *fa1, *fa3, *fg; /* [N, Fd or Fs] */
 } layer_acts;
@@ -60,13 +66,17 @@ struct tera_acts {
     float *dxg;          /* [N*k, D] */
     float *dye;          /* [N*k, D] */
     float *da1, *da3, *dgact; /* [N*k, F] (also used for dense/shared widths) */
+    float *dyr, *dxr;    /* [Rmax, D] expert parallelism: received output gradients, input gradients sent back */
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
     float *attn_scratch; /* attention kernel scratch */
+    float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
     void *plan_scratch;  /* dispatch plan scratch */
     void *act_block, *scratch_block;
     int threads;         /* thread count the attention scratch was sized for */
+    int64_t Rmax;        /* rows a rank's experts can receive in one layer (ep > 1) */
+    tera_comm_req *req;  /* [4 * ep] in-flight exchanges: sends, receives, returns sent, returns received */
 };
 
 /* A size table: pass 1 counts bytes, pass 2 assigns pointers into one block. */
@@ -85,10 +95,14 @@ static void *carve(carver *c, size_t bytes) {
 
 static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
 
-static void carve_acts(tera_acts *a, carver *c, const tera_model_config *cfg, int B, int T) {
-    const int64_t N = (int64_t)B * T, D = cfg->dim, H = cfg->n_heads, Hkv = cfg->n_kv_heads;
-    const int64_t hd = D / H, E = cfg->n_experts, K = cfg->top_k, F = cfg->ffn_dim;
-    const int64_t Fs = (int64_t)cfg->n_shared_experts * F, Fd = cfg->dense_ffn_dim;
+/* Widths are this rank's (tensor parallelism: heads, FFN widths and vocabulary divided by tp). */
+static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
+    const tera_model_config *cfg = &m->cfg;
+    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
+    const int64_t R = ep > 1 ? a->Rmax : N * K; /* rows the local experts process */
+    const int64_t Fs = m->Fsl, Fd = m->Fdl;
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_acts *la = &a->layer[l];
         la->x_in = CARVE_F(c, N * D);
@@ -113,10 +127,16 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model_config *cfg, in
             la->exp_off = CARVE_I(c, E + 1);
             la->sel_count = CARVE_I(c, (int64_t)B * E);
             la->xg = CARVE_F(c, N * K * D);
-            la->a1 = CARVE_F(c, N * K * F);
-            la->a3 = CARVE_F(c, N * K * F);
-            la->gact = CARVE_F(c, N * K * F);
+            la->a1 = CARVE_F(c, R * F);
+            la->a3 = CARVE_F(c, R * F);
+            la->gact = CARVE_F(c, R * F);
             la->ye = CARVE_F(c, N * K * D);
+            if (ep > 1) {
+                la->rcnt = CARVE_I(c, E);
+                la->roff = CARVE_I(c, ep + 1);
+                la->xr = CARVE_F(c, R * D);
+                la->yr = CARVE_F(c, R * D);
+            }
         }
         int64_t Fx = is_moe(cfg, l) ? Fs : Fd;
         if (Fx > 0) {
@@ -133,15 +153,18 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model_config *cfg, in
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
 }
 
-static void carve_scratch(tera_acts *a, carver *c, const tera_model_config *cfg, int B, int T,
-                          float **logits) {
-    const int64_t N = (int64_t)B * T, D = cfg->dim, H = cfg->n_heads, Hkv = cfg->n_kv_heads;
-    const int64_t hd = D / H, E = cfg->n_experts, K = cfg->top_k, F = cfg->ffn_dim;
-    const int64_t Fs = (int64_t)cfg->n_shared_experts * F, Fd = cfg->dense_ffn_dim;
-    int64_t Fw = N * K * F; /* widest hidden buffer */
+static void carve_scratch(tera_acts *a, carver *c, const tera_model *m, float **logits) {
+    const tera_model_config *cfg = &m->cfg;
+    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
+    const int64_t Fs = m->Fsl, Fd = m->Fdl;
+    const int64_t R = ep > 1 ? a->Rmax : N * K;
+    int64_t Fw = R * F; /* widest hidden buffer */
     if (N * Fs > Fw) Fw = N * Fs;
     if (N * Fd > Fw) Fw = N * Fd;
-    *logits = CARVE_F(c, N * cfg->vocab_size);
+    *logits = CARVE_F(c, N * m->Vl);
+    if (m->par.tp > 1) a->ce_buf = CARVE_F(c, 3 * N);
     a->dres = CARVE_F(c, N * D);
     a->dln = CARVE_F(c, N * D);
     a->dq = CARVE_F(c, N * H * hd);
@@ -150,6 +173,10 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model_config *cfg,
     a->datt = CARVE_F(c, N * H * hd);
     a->dxg = CARVE_F(c, N * K * D);
     a->dye = CARVE_F(c, N * K * D);
+    if (ep > 1) {
+        a->dyr = CARVE_F(c, R * D);
+        a->dxr = CARVE_F(c, R * D);
+    }
     a->da1 = CARVE_F(c, Fw);
     a->da3 = CARVE_F(c, Fw);
     a->dgact = CARVE_F(c, Fw);
@@ -193,7 +220,50 @@ static void make_views(tera_weights_view *v, float *base, const tera_model *m) {
 }
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T) {
+    return tera_model_create_par(m, cfg, B, T, NULL);
+}
+
+/* Rows the experts of one rank can receive in one layer: from each of the ep sources, at most
+ * min(k, El) assignments per token (a token's k experts are distinct), and with a capacity at
+ * most capacity per sequence for each of the El experts. */
+static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
+    const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
+    int64_t per_src = N * (c->top_k < El ? c->top_k : El);
+    if (c->capacity_factor > 0.0f) {
+        const int64_t cap = (int64_t)ceil((double)c->capacity_factor * T * c->top_k / c->n_experts);
+        if (El * B * cap < per_src) per_src = El * B * cap;
+    }
+    return (int64_t)ep * per_src;
+}
+
+tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
+                                  const tera_model_par *par) {
     memset(m, 0, sizeof *m);
+    m->par = par ? *par : (tera_model_par){.ep = 1, .tp = 1};
+    if (m->par.ep < 1) m->par.ep = 1;
+    if (m->par.tp < 1) m->par.tp = 1;
+    const int ep = m->par.ep, tp = m->par.tp;
+    if (tp > 1) {
+        TERA_ASSERTF(m->par.tp_group && tera_comm_size(m->par.tp_group) == tp, "tensor-parallel group for tp = %d", tp);
+        static const char *const what[] = {"model.vocab_size", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+                                           "model.dense_ffn_dim"};
+        const int v[] = {cfg->vocab_size, cfg->n_heads, cfg->n_kv_heads, cfg->ffn_dim, cfg->dense_ffn_dim};
+        for (int i = 0; i < 5; i++)
+            if (v[i] % tp != 0)
+                return tera_fail(TERA_ERR_CONFIG, "parallel.tp = %d must divide %s = %d", tp, what[i], v[i]);
+        m->tp_rank = tera_comm_rank(m->par.tp_group);
+    }
+    m->Hl = cfg->n_heads / tp, m->Hkvl = cfg->n_kv_heads / tp;
+    m->Fl = cfg->ffn_dim / tp, m->Fsl = (int64_t)cfg->n_shared_experts * cfg->ffn_dim / tp;
+    m->Fdl = cfg->dense_ffn_dim / tp;
+    m->Vl = cfg->vocab_size / tp, m->v0 = (int64_t)m->tp_rank * m->Vl;
+    if (ep > 1) {
+        TERA_ASSERTF(m->par.group && tera_comm_size(m->par.group) == ep,
+                     "expert-parallel group of %d ranks for ep = %d", m->par.group ? tera_comm_size(m->par.group) : 0, ep);
+        if (cfg->n_experts % ep != 0)
+            return tera_fail(TERA_ERR_CONFIG, "parallel.ep = %d must divide model.n_experts = %d", ep, cfg->n_experts);
+        m->ep_rank = tera_comm_rank(m->par.group);
+    }
     if (cfg->n_experts > 64)
         return tera_fail(TERA_ERR_CONFIG, "model.n_experts = %d: at most 64 experts per layer are supported",
                          cfg->n_experts);
@@ -203,7 +273,8 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
     m->cfg = *cfg;
     m->B = B;
     m->T = T;
-    m->params = tera_param_table(cfg, &m->n_params, &m->n_floats);
+    m->params = tera_param_table_par(cfg, ep, m->ep_rank, tp, m->tp_rank, &m->n_params, &m->n_floats,
+                                     &m->n_dense_floats);
     m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
     m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
     m->bytes_params = m->bytes_grads = m->n_floats * (int64_t)sizeof(float);
@@ -216,21 +287,27 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
 
     tera_acts *a = tera_calloc(1, sizeof(tera_acts));
     a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
+    if (ep > 1) {
+        a->Rmax = ep_rows_max(cfg, B, T, ep);
+        a->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
+    }
     carver c = {0};
-    carve_acts(a, &c, cfg, B, T);
+    carve_acts(a, &c, m);
     a->act_block = tera_malloc(c.off);
     memset(a->act_block, 0, c.off);
     m->bytes_acts = (int64_t)c.off;
     c = (carver){.base = a->act_block};
-    carve_acts(a, &c, cfg, B, T);
+    carve_acts(a, &c, m);
     c = (carver){0};
-    carve_scratch(a, &c, cfg, B, T, &m->logits);
+    carve_scratch(a, &c, m, &m->logits);
     a->scratch_block = tera_malloc(c.off);
     memset(a->scratch_block, 0, c.off);
     m->bytes_scratch = (int64_t)c.off;
     c = (carver){.base = a->scratch_block};
-    carve_scratch(a, &c, cfg, B, T, &m->logits);
+    carve_scratch(a, &c, m, &m->logits);
     a->threads = omp_get_max_threads();
+    if (ep > 1) /* xr, yr per MoE layer; dyr, dxr shared */
+        m->bytes_comm = (int64_t)(2 * m->n_moe_layers + 2) * a->Rmax * cfg->dim * (int64_t)sizeof(float);
     tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     m->acts = a;
     return TERA_OK;
@@ -250,6 +327,7 @@ void tera_model_destroy(tera_model *m) {
         free(m->acts->act_block);
         free(m->acts->scratch_block);
         free(m->acts->layer);
+        free(m->acts->req);
         free(m->acts);
     }
     memset(m, 0, sizeof *m);
@@ -271,8 +349,14 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
         }
         const uint64_t stream = name_key(p->name);
         const float std = p->init_std;
+        /* element (i0, i1, i2) of this rank's block is element (lo + i) of the whole tensor */
+        const int64_t L1 = p->len[1], L2 = p->len[2], S1 = p->shape[1], S2 = p->shape[2];
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < p->numel; j++) w[j] = std * tera_rng_normal(seed, stream, (uint64_t)j);
+        for (int64_t j = 0; j < p->numel; j++) {
+            const int64_t i0 = j / (L1 * L2), i1 = j / L2 % L1, i2 = j % L2;
+            const uint64_t g = (uint64_t)(((p->lo[0] + i0) * S1 + p->lo[1] + i1) * S2 + p->lo[2] + i2);
+            w[j] = std * tera_rng_normal(seed, stream, g);
+        }
     }
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
@@ -316,28 +400,157 @@ static void experts_by_load(int *order, const int32_t *exp_off, int E) {
     }
 }
 
+/* One expert over n rows: y[n,D] = w2(silu(x w1^T) * (x w3^T)); a1, a3, g: [n, F] kept for backward. */
+static void expert_rows_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
+                                const float *w3, const float *w2, int64_t n, int64_t D, int64_t F) {
+    if (n == 0) return;
+    tera_linear_forward(a1, x, w1, n, D, F, 0.0f);
+    tera_linear_forward(a3, x, w3, n, D, F, 0.0f);
+    tera_swiglu_forward(g, a1, a3, n * F);
+    tera_linear_forward(y, g, w2, n, F, D, 0.0f);
+}
+
+/* Its backward: dx[n,D] = (input gradient), weight gradients +=; da1, da3, dg: [n, F] scratch. */
+static void expert_rows_backward(float *dx, float *gw1, float *gw3, float *gw2, float *da1, float *da3, float *dg,
+                                 const float *dy, const float *x, const float *a1, const float *a3, const float *g,
+                                 const float *w1, const float *w3, const float *w2, int64_t n, int64_t D, int64_t F) {
+    if (n == 0) return;
+    tera_linear_backward(dg, gw2, dy, g, w2, n, F, D, 0.0f);
+    tera_swiglu_backward(da1, da3, dg, a1, a3, n * F);
+    tera_linear_backward(dx, gw1, da1, x, w1, n, D, F, 0.0f);
+    tera_linear_backward(dx, gw3, da3, x, w3, n, D, F, 1.0f);
+}
+
 /* Expert e over its grouped rows: ye = w2(silu(xg w1^T) * (xg w3^T)). */
 static void expert_forward(layer_acts *la, const tera_layer_view *W, int e, int64_t D, int64_t F) {
     const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    if (n == 0) return;
-    tera_linear_forward(la->a1 + r0 * F, la->xg + r0 * D, W->w1 + e * F * D, n, D, F, 0.0f);
-    tera_linear_forward(la->a3 + r0 * F, la->xg + r0 * D, W->w3 + e * F * D, n, D, F, 0.0f);
-    tera_swiglu_forward(la->gact + r0 * F, la->a1 + r0 * F, la->a3 + r0 * F, n * F);
-    tera_linear_forward(la->ye + r0 * D, la->gact + r0 * F, W->w2 + e * D * F, n, F, D, 0.0f);
+    expert_rows_forward(la->ye + r0 * D, la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D,
+                        W->w1 + e * F * D, W->w3 + e * F * D, W->w2 + e * D * F, n, D, F);
 }
 
 static void expert_backward(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G,
                             int e, int64_t D, int64_t F) {
     const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    if (n == 0) return;
-    tera_linear_backward(a->dgact + r0 * F, G->w2 + e * D * F, a->dye + r0 * D, la->gact + r0 * F,
-                         W->w2 + e * D * F, n, F, D, 0.0f);
-    tera_swiglu_backward(a->da1 + r0 * F, a->da3 + r0 * F, a->dgact + r0 * F, la->a1 + r0 * F, la->a3 + r0 * F,
-                         n * F);
-    tera_linear_backward(a->dxg + r0 * D, G->w1 + e * F * D, a->da1 + r0 * F, la->xg + r0 * D,
-                         W->w1 + e * F * D, n, D, F, 0.0f);
-    tera_linear_backward(a->dxg + r0 * D, G->w3 + e * F * D, a->da3 + r0 * F, la->xg + r0 * D,
-                         W->w3 + e * F * D, n, D, F, 1.0f);
+    expert_rows_backward(a->dxg + r0 * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F, a->da1 + r0 * F,
+                         a->da3 + r0 * F, a->dgact + r0 * F, a->dye + r0 * D, la->xg + r0 * D, la->a1 + r0 * F,
+                         la->a3 + r0 * F, la->gact + r0 * F, W->w1 + e * F * D, W->w3 + e * F * D,
+                         W->w2 + e * D * F, n, D, F);
+}
+
+/* ------------------------------------------------------------ expert parallelism
+ * Rank r of the ep group owns experts [r El, (r+1) El). After routing, this rank's assignments are
+ * grouped by expert (exp_off), so the rows bound for rank s are one contiguous block. Each rank
+ * sends each peer its block, receives the peers' rows for its own experts (xr, one block per
+ * source, grouped by expert), runs its experts over each source's block, and sends the outputs
+ * back into ye, where the combine step finds them exactly as with local experts. Backward does the
+ * same with the output gradients (dye -> dyr) and the input gradients (dxr -> dxg).
+ * Blocks are computed in a fixed order (own block first, then the next ranks in ring order), so
+ * results do not depend on arrival times; with overlap on, a block is computed as soon as it has
+ * arrived while later blocks are still in flight, and each result block is sent back at once. */
+enum { EP_TAG_X, EP_TAG_Y, EP_TAG_DY, EP_TAG_DX };
+static int ep_tag(int l, int what) { return 4 * l + what; }
+
+/* Row offsets inside source s's block of each local expert: off[e] .. off[e+1]. */
+static void ep_block_offsets(const layer_acts *la, int s, int El, int64_t *off) {
+    off[0] = la->roff[s];
+    for (int e = 0; e < El; e++) off[e + 1] = off[e] + la->rcnt[s * El + e];
+}
+
+static void ep_block_forward(const tera_model *m, layer_acts *la, const tera_layer_view *W, int s, int64_t D,
+                             int64_t F) {
+    const int El = m->cfg.n_experts / m->par.ep;
+    int64_t off[65];
+    ep_block_offsets(la, s, El, off);
+#define EP_FWD(e)                                                                                          \
+    expert_rows_forward(la->yr + off[e] * D, la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, \
+                        la->xr + off[e] * D, W->w1 + (e) * F * D, W->w3 + (e) * F * D, W->w2 + (e) * D * F,  \
+                        off[(e) + 1] - off[e], D, F)
+    if (experts_in_parallel(El)) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int e = 0; e < El; e++) EP_FWD(e);
+    } else {
+        for (int e = 0; e < El; e++) EP_FWD(e);
+    }
+#undef EP_FWD
+}
+
+static void ep_block_backward(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
+                              const tera_layer_view *G, int s, int64_t D, int64_t F) {
+    const int El = m->cfg.n_experts / m->par.ep;
+    int64_t off[65];
+    ep_block_offsets(la, s, El, off);
+#define EP_BWD(e)                                                                                          \
+    expert_rows_backward(a->dxr + off[e] * D, G->w1 + (e) * F * D, G->w3 + (e) * F * D, G->w2 + (e) * D * F,   \
+                         a->da1 + off[e] * F, a->da3 + off[e] * F, a->dgact + off[e] * F, a->dyr + off[e] * D, \
+                         la->xr + off[e] * D, la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, \
+                         W->w1 + (e) * F * D, W->w3 + (e) * F * D, W->w2 + (e) * D * F, off[(e) + 1] - off[e], D, F)
+    if (experts_in_parallel(El)) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int e = 0; e < El; e++) EP_BWD(e);
+    } else {
+        for (int e = 0; e < El; e++) EP_BWD(e);
+    }
+#undef EP_BWD
+}
+
+/* The exchange of one layer, forward (fwd = 1: xg -> xr, experts, yr -> ye) or backward
+ * (fwd = 0: dye -> dyr, expert backward, dxr -> dxg). */
+static void ep_exchange(tera_model *m, int l, int fwd) {
+    tera_acts *a = m->acts;
+    layer_acts *la = &a->layer[l];
+    tera_comm *g = m->par.group;
+    const int ep = m->par.ep, me = m->ep_rank, E = m->cfg.n_experts, El = E / ep;
+    const int64_t D = m->cfg.dim, F = m->Fl;
+    tera_comm_req *snd = a->req, *rcv = a->req + ep, *rsnd = a->req + 2 * ep, *rrcv = a->req + 3 * ep;
+    float *out_local = fwd ? la->xg : a->dye;  /* [N*k, D] this rank's rows, grouped by expert */
+    float *in_local = fwd ? la->ye : a->dxg;   /* [N*k, D] where their results come back */
+    float *recv = fwd ? la->xr : a->dyr;       /* [Rmax, D] rows for this rank's experts */
+    float *res = fwd ? la->yr : a->dxr;        /* [Rmax, D] their results */
+    const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
+    if (fwd) { /* counts first: how many rows each source sends for each of this rank's experts */
+        int32_t cnt[64];
+        for (int e = 0; e < E; e++) cnt[e] = la->exp_off[e + 1] - la->exp_off[e];
+        tera_comm_alltoall_i32(g, cnt, la->rcnt, El);
+        la->roff[0] = 0;
+        for (int s = 0; s < ep; s++) {
+            int64_t t = 0;
+            for (int e = 0; e < El; e++) t += la->rcnt[s * El + e];
+            la->roff[s + 1] = la->roff[s] + (int32_t)t;
+        }
+        TERA_ASSERTF(la->roff[ep] <= a->Rmax, "layer %d: %d rows received for %d experts, buffers hold %ld", l,
+                     la->roff[ep], El, (long)a->Rmax);
+    }
+    for (int s = 0; s < ep; s++) {
+        if (s == me) continue;
+        const int64_t o0 = la->exp_off[s * El], o1 = la->exp_off[(s + 1) * El];
+        tera_comm_irecv_f32(g, recv + (int64_t)la->roff[s] * D, (int64_t)(la->roff[s + 1] - la->roff[s]) * D, s,
+                            tag_out, &rcv[s]);
+        tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
+        tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
+    }
+    const int64_t m0 = la->exp_off[me * El], m1 = la->exp_off[(me + 1) * El];
+    memcpy(recv + (int64_t)la->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
+    if (!m->par.overlap)
+        for (int s = 0; s < ep; s++) tera_comm_wait(&rcv[s]);
+    for (int i = 0; i < ep; i++) {
+        const int s = (me + i) % ep;
+        tera_comm_wait(&rcv[s]);
+        if (fwd)
+            ep_block_forward(m, la, &m->W.layers[l], s, D, F);
+        else
+            ep_block_backward(m, a, la, &m->W.layers[l], &m->G.layers[l], s, D, F);
+        const int64_t r0 = la->roff[s], n = la->roff[s + 1] - r0;
+        if (s == me)
+            memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
+        else
+            tera_comm_isend_f32(g, res + r0 * D, n * D, s, tag_back, &rsnd[s]);
+        if (m->par.overlap) tera_comm_poll(a->req, 4 * ep); /* progress the other transfers */
+    }
+    for (int s = 0; s < ep; s++) {
+        tera_comm_wait(&snd[s]);
+        tera_comm_wait(&rrcv[s]);
+        tera_comm_wait(&rsnd[s]);
+    }
 }
 
 static void moe_forward(tera_model *m, int l, float *out) {
@@ -345,7 +558,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
     layer_acts *la = &m->acts->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = c->ffn_dim;
+    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl; /* F: this rank's share of each expert */
 
     TERA_PROF(ROUTER_FWD, {
         tera_linear_forward(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
@@ -398,7 +611,9 @@ static void moe_forward(tera_model *m, int l, float *out) {
     {
         TERA_PROF_BEGIN(EXPERT_FWD);
         int order[64];
-        if (experts_in_parallel(E)) {
+        if (m->par.ep > 1) {
+            ep_exchange(m, l, 1);
+        } else if (experts_in_parallel(E)) {
             experts_by_load(order, la->exp_off, E);
 #pragma omp parallel for schedule(dynamic, 1)
             for (int i = 0; i < E; i++) expert_forward(la, W, order[i], D, F);
@@ -424,15 +639,26 @@ static void moe_forward(tera_model *m, int l, float *out) {
     }
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
-                                         D, (int64_t)c->n_shared_experts * F));
+                                         D, m->Fsl));
+}
+
+/* Tensor parallelism: sums the ranks' partial results (no-op without it). */
+static void tp_sum(tera_model *m, float *buf, int64_t n) {
+    if (m->par.tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_f32(m->par.tp_group, buf, n));
+}
+
+static void add_inplace(float *y, const float *x, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
 
 static void layer_forward(tera_model *m, int l, float *out) {
     const tera_model_config *c = &m->cfg;
     layer_acts *la = &m->acts->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
-    const int B = m->B, T = m->T, H = c->n_heads, Hkv = c->n_kv_heads;
-    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / H;
+    const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
+    const int tp = m->par.tp > 1;
 
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
     TERA_PROF(QKV_FWD, {
@@ -446,37 +672,77 @@ static void layer_forward(tera_model *m, int l, float *out) {
     });
     TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
-    TERA_PROF(OPROJ_FWD, {
-        memcpy(la->h, la->x_in, sizeof(float) * (size_t)(N * D));
-        tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 1.0f);
-    });
+    if (tp) { /* row-parallel o_proj: the heads' partial outputs are summed, then the residual */
+        TERA_PROF(OPROJ_FWD, tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 0.0f));
+        tp_sum(m, la->h, N * D);
+        add_inplace(la->h, la->x_in, N * D);
+    } else {
+        TERA_PROF(OPROJ_FWD, {
+            memcpy(la->h, la->x_in, sizeof(float) * (size_t)(N * D));
+            tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 1.0f);
+        });
+    }
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
-    memcpy(out, la->h, sizeof(float) * (size_t)(N * D));
+    /* the FFN block adds into out: the residual first, or (tp) the partial sums, then the residual */
+    if (tp)
+        memset(out, 0, sizeof(float) * (size_t)(N * D));
+    else
+        memcpy(out, la->h, sizeof(float) * (size_t)(N * D));
     if (is_moe(c, l))
         moe_forward(m, l, out);
     else
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
-                                         c->dense_ffn_dim));
+                                         m->Fdl));
+    if (tp) {
+        tp_sum(m, out, N * D);
+        add_inplace(out, la->h, N * D);
+    }
+}
+
+/* Cross-entropy over this rank's vocabulary slice of the logits, combined over the tensor-parallel
+ * ranks with three sums of N floats (never the logits themselves). */
+static double ce_forward_parallel(tera_model *m, const int32_t *targets) {
+    tera_acts *a = m->acts;
+    const int64_t N = (int64_t)m->B * m->T;
+    float *mx = a->ce_buf, *se = a->ce_buf + N, *tl = a->ce_buf + 2 * N;
+    TERA_PROF(LOSS_FWD, tera_ce_slice_max(mx, m->logits, N, m->Vl));
+    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(m->par.tp_group, mx, N));
+    TERA_PROF(LOSS_FWD, tera_ce_slice_sums(se, tl, m->logits, mx, targets, N, m->Vl, m->v0));
+    tp_sum(m, se, 2 * N); /* se and tl are adjacent */
+    double sum = 0.0; /* fixed order */
+    for (int64_t n = 0; n < N; n++) {
+        a->loss_lse[n] = mx[n] + logf(se[n]);
+        sum += (double)a->loss_lse[n] - (double)tl[n];
+    }
+    return sum;
 }
 
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
-    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = c->vocab_size;
+    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
     TERA_ASSERTF(omp_get_max_threads() <= a->threads,
                  "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
                  omp_get_max_threads(), a->threads);
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;
-    TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+    if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
+        TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
+        tp_sum(m, a->layer[0].x_in, N * D);
+    } else {
+        TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+    }
     for (int l = 0; l < c->n_layers; l++) {
         float *out = l + 1 < c->n_layers ? a->layer[l + 1].x_in : a->x_final;
         layer_forward(m, l, out);
     }
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
     TERA_PROF(HEAD_FWD, tera_linear_forward(m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-    TERA_PROF(LOSS_FWD, m->stats.ce_sum = tera_ce_forward(a->loss_lse, m->logits, targets, N, V));
+    if (m->par.tp > 1)
+        m->stats.ce_sum = ce_forward_parallel(m, targets);
+    else
+        TERA_PROF(LOSS_FWD, m->stats.ce_sum = tera_ce_forward(a->loss_lse, m->logits, targets, N, V));
     m->stats.n_positions = N;
 }
 
@@ -498,15 +764,14 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = c->ffn_dim;
+    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl;
     const float *dy = a->dres; /* gradient of the layer output */
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
     memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
-                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D,
-                                          (int64_t)c->n_shared_experts * F));
+                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl));
     {
         TERA_PROF_BEGIN(COMBINE_BWD);
 #pragma omp parallel for schedule(static)
@@ -529,10 +794,15 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
         TERA_PROF_END(COMBINE_BWD);
     }
+    /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
+     * are the combine-weight gradients: sum them before the router sees them */
+    tp_sum(m, a->dtopw, N * K);
     {
         TERA_PROF_BEGIN(EXPERT_BWD);
         int order[64];
-        if (experts_in_parallel(E)) {
+        if (m->par.ep > 1) {
+            ep_exchange(m, l, 0);
+        } else if (experts_in_parallel(E)) {
             experts_by_load(order, la->exp_off, E);
 #pragma omp parallel for schedule(dynamic, 1)
             for (int i = 0; i < E; i++) expert_backward(a, la, W, G, order[i], D, F);
@@ -555,6 +825,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
         TERA_PROF_END(COMBINE_BWD);
     }
+    /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
+     * contribution, added below, is whole on every rank) */
+    tp_sum(m, a->dln, N * D);
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         /* combine weights w_j = p_{e_j} / S  ->  dp_{e_i} = (dw_i - sum_j dw_j w_j) / S */
@@ -590,16 +863,17 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     tera_acts *a = m->acts;
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
-    const int B = m->B, T = m->T, H = c->n_heads, Hkv = c->n_kv_heads;
-    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / H;
+    const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
     /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward. */
     if (is_moe(c, l)) {
-        moe_backward(m, l, s);
+        moe_backward(m, l, s); /* sums the tensor-parallel partial input gradients itself */
     } else {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
-                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, c->dense_ffn_dim));
+                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl));
+        tp_sum(m, a->dln, N * D);
     }
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
     /* attention */
@@ -615,19 +889,22 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_linear_backward(a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
         tera_linear_backward(a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
     });
+    tp_sum(m, a->dln, N * D); /* the heads' partial input gradients */
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
-/* Flat-buffer range [lo, hi) of the parameters selected by `pick` (layer index, or -1 with the
- * kinds of the head / embedding). Parameters of one layer are contiguous in the table. */
-static void param_range(const tera_model *m, int layer, int head, int64_t *lo, int64_t *hi) {
+/* Flat-buffer range [lo, hi) of the parameters of one layer (layer >= 0), or of the head (final
+ * norm, LM head) or the embedding (layer -1), restricted to the routed-expert tensors (experts = 1)
+ * or the others (experts = 0): each is contiguous since the flat buffer holds the non-expert
+ * tensors first, in table order, then the expert tensors, in table order. */
+static void param_range(const tera_model *m, int layer, int head, int experts, int64_t *lo, int64_t *hi) {
     *lo = INT64_MAX;
     *hi = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         int in = layer >= 0 ? p->layer == layer
                             : (head ? (p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD) : p->kind == TERA_P_EMBED);
-        if (!in) continue;
+        if (!in || p->expert_stacked != experts) continue;
         if (p->offset < *lo) *lo = p->offset;
         if (p->offset + p->numel > *hi) *hi = p->offset + p->numel;
     }
@@ -635,18 +912,24 @@ static void param_range(const tera_model *m, int layer, int head, int64_t *lo, i
 
 static void notify_grads(tera_model *m, int layer, int head) {
     if (!m->grad_ready) return;
-    int64_t lo, hi;
-    param_range(m, layer, head, &lo, &hi);
-    if (hi > lo) m->grad_ready(m->grad_ready_ctx, lo, hi - lo);
+    for (int experts = 0; experts < 2; experts++) {
+        int64_t lo, hi;
+        param_range(m, layer, head, experts, &lo, &hi);
+        if (hi > lo) m->grad_ready(m->grad_ready_ctx, lo, hi - lo);
+    }
 }
 
 void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
-    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = c->vocab_size;
-    /* dlogits overwrite the logits */
-    TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
+    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
+    /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
+    if (m->par.tp > 1)
+        TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
+    else
+        TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
     TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+    tp_sum(m, a->dln, N * D); /* the vocabulary slices' partial input gradients */
     memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                               a->rstdf, N, D));
@@ -655,7 +938,10 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
         layer_backward(m, l, s);
         notify_grads(m, l, 0);
     }
-    TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
+    if (m->par.tp > 1)
+        TERA_PROF(EMBED_BWD, tera_embedding_backward_range(m->G.embed, a->dres, a->tokens, N, D, m->v0, m->Vl));
+    else
+        TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
     notify_grads(m, -1, 0);
     if (c->tie_embeddings) notify_grads(m, -1, 1);
 }

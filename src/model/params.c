@@ -8,7 +8,8 @@
 typedef struct {
     tera_param *rows;
     int n, cap;
-    int64_t off;
+    int ep, ep_rank; /* expert parallelism: this rank stores experts [ep_rank*E/ep, +E/ep) */
+    int tp, tp_rank; /* tensor parallelism: this rank stores 1/tp of the split dim */
 } table_builder;
 
 static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const char *name, int ndim,
@@ -29,17 +30,65 @@ static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const 
     p->shape[0] = s0;
     p->shape[1] = ndim > 1 ? s1 : 1;
     p->shape[2] = ndim > 2 ? s2 : 1;
+    for (int d = 0; d < 3; d++) p->lo[d] = 0, p->len[d] = p->shape[d];
+    p->tp_dim = -1;
     p->numel = p->shape[0] * p->shape[1] * p->shape[2];
-    p->offset = b->off;
-    b->off += p->numel;
-    /* keep every tensor 16-float (64-byte) aligned inside the flat buffer */
-    b->off = (b->off + 15) & ~(int64_t)15;
     p->decay = ndim >= 2;
     return p;
 }
 
+static void split(tera_param *p, int dim, int parts, int part) {
+    p->len[dim] = p->shape[dim] / parts;
+    p->lo[dim] = (int64_t)part * p->len[dim];
+    p->numel = p->len[0] * p->len[1] * p->len[2];
+}
+
+/* Megatron's split: column-parallel (output rows, dim 0 of [out, in]) or row-parallel (input
+ * columns, the last dim); dim counts from the expert dim for stacked tensors. */
+static void tp_split(table_builder *b, tera_param *p, int dim) {
+    p->tp_dim = dim;
+    split(p, dim, b->tp, b->tp_rank);
+}
+
+static void stack_experts(table_builder *b, tera_param *p) {
+    p->expert_stacked = 1;
+    split(p, 0, b->ep, b->ep_rank);
+}
+
+/* Offsets: every non-expert tensor first (in table order), then every routed-expert tensor, so
+ * that the parameters replicated over all data-parallel ranks and those split over expert-parallel
+ * ranks are two contiguous regions. Each tensor is 16-float (64-byte) aligned. */
+static int64_t assign_offsets(table_builder *b, int64_t *n_dense) {
+    int64_t off = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < b->n; i++) {
+            tera_param *p = &b->rows[i];
+            if (p->expert_stacked != pass) continue;
+            p->offset = off;
+            off = (off + p->numel + 15) & ~(int64_t)15;
+        }
+        if (pass == 0 && n_dense) *n_dense = off;
+    }
+    return off;
+}
+
 tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floats) {
-    table_builder b = {0};
+    return tera_param_table_ep(c, 1, 0, n, n_floats, NULL);
+}
+
+tera_param *tera_param_table_ep(const tera_model_config *c, int ep, int ep_rank, int *n, int64_t *n_floats,
+                                int64_t *n_dense) {
+    return tera_param_table_par(c, ep, ep_rank, 1, 0, n, n_floats, n_dense);
+}
+
+tera_param *tera_param_table_par(const tera_model_config *c, int ep, int ep_rank, int tp, int tp_rank, int *n,
+                                 int64_t *n_floats, int64_t *n_dense) {
+    TERA_ASSERTF(ep >= 1 && c->n_experts % ep == 0 && ep_rank >= 0 && ep_rank < ep,
+                 "expert parallelism %d (rank %d) with %d experts", ep, ep_rank, c->n_experts);
+    TERA_ASSERTF(tp >= 1 && tp_rank >= 0 && tp_rank < tp && c->vocab_size % tp == 0 && c->n_heads % tp == 0 &&
+                     c->n_kv_heads % tp == 0 && c->ffn_dim % tp == 0 && c->dense_ffn_dim % tp == 0,
+                 "tensor parallelism %d (rank %d) does not divide the model's widths", tp, tp_rank);
+    table_builder b = {.ep = ep, .ep_rank = ep_rank, .tp = tp, .tp_rank = tp_rank};
     const int64_t D = c->dim, V = c->vocab_size, H = c->n_heads, Hkv = c->n_kv_heads;
     const int64_t hd = D / H, E = c->n_experts, F = c->ffn_dim;
     const int64_t Fs = (int64_t)c->n_shared_experts * F, Fd = c->dense_ffn_dim;
@@ -49,47 +98,61 @@ tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floa
 
     p = add(&b, TERA_P_EMBED, -1, "model.embed_tokens.weight", 2, V, D, 0);
     p->init_std = std;
+    tp_split(&b, p, 0); /* vocabulary-parallel */
     for (int l = 0; l < c->n_layers; l++) {
 #define NAME(...) (snprintf(nm, sizeof nm, __VA_ARGS__), nm)
         p = add(&b, TERA_P_ATTN_NORM, l, NAME("model.layers.%d.input_layernorm.weight", l), 1, D, 0, 0);
         p->init_one = 1;
         p = add(&b, TERA_P_WQ, l, NAME("model.layers.%d.self_attn.q_proj.weight", l), 2, H * hd, D, 0);
         p->init_std = std;
+        tp_split(&b, p, 0);
         p = add(&b, TERA_P_WK, l, NAME("model.layers.%d.self_attn.k_proj.weight", l), 2, Hkv * hd, D, 0);
         p->init_std = std;
+        tp_split(&b, p, 0);
         p = add(&b, TERA_P_WV, l, NAME("model.layers.%d.self_attn.v_proj.weight", l), 2, Hkv * hd, D, 0);
         p->init_std = std;
+        tp_split(&b, p, 0);
         p = add(&b, TERA_P_WO, l, NAME("model.layers.%d.self_attn.o_proj.weight", l), 2, D, H * hd, 0);
         p->init_std = std_out;
+        tp_split(&b, p, 1);
         p = add(&b, TERA_P_FFN_NORM, l, NAME("model.layers.%d.post_attention_layernorm.weight", l), 1, D, 0, 0);
         p->init_one = 1;
         if (l < c->first_k_dense) {
             p = add(&b, TERA_P_DENSE_W1, l, NAME("model.layers.%d.mlp.gate_proj.weight", l), 2, Fd, D, 0);
             p->init_std = std;
+            tp_split(&b, p, 0);
             p = add(&b, TERA_P_DENSE_W3, l, NAME("model.layers.%d.mlp.up_proj.weight", l), 2, Fd, D, 0);
             p->init_std = std;
+            tp_split(&b, p, 0);
             p = add(&b, TERA_P_DENSE_W2, l, NAME("model.layers.%d.mlp.down_proj.weight", l), 2, D, Fd, 0);
             p->init_std = std_out;
+            tp_split(&b, p, 1);
             continue;
         }
         p = add(&b, TERA_P_ROUTER, l, NAME("model.layers.%d.block_sparse_moe.gate.weight", l), 2, E, D, 0);
         p->init_std = std;
         p = add(&b, TERA_P_EXP_W1, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), 3, E, F, D);
         p->init_std = std;
-        p->expert_stacked = 1;
+        tp_split(&b, p, 1);
+        stack_experts(&b, p);
         p = add(&b, TERA_P_EXP_W3, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), 3, E, F, D);
         p->init_std = std;
-        p->expert_stacked = 1;
+        tp_split(&b, p, 1);
+        stack_experts(&b, p);
         p = add(&b, TERA_P_EXP_W2, l, NAME("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), 3, E, D, F);
         p->init_std = std_out;
-        p->expert_stacked = 1;
+        tp_split(&b, p, 2);
+        stack_experts(&b, p);
         if (Fs > 0) {
             p = add(&b, TERA_P_SHARED_W1, l, NAME("model.layers.%d.mlp.shared_experts.gate_proj.weight", l), 2, Fs, D, 0);
             p->init_std = std;
+            tp_split(&b, p, 0);
             p = add(&b, TERA_P_SHARED_W3, l, NAME("model.layers.%d.mlp.shared_experts.up_proj.weight", l), 2, Fs, D, 0);
             p->init_std = std;
+            tp_split(&b, p, 0);
             p = add(&b, TERA_P_SHARED_W2, l, NAME("model.layers.%d.mlp.shared_experts.down_proj.weight", l), 2, D, Fs, 0);
             p->init_std = std_out;
+            tp_split(&b, p, 1);
         }
 #undef NAME
     }
@@ -98,9 +161,10 @@ tera_param *tera_param_table(const tera_model_config *c, int *n, int64_t *n_floa
     if (!c->tie_embeddings) {
         p = add(&b, TERA_P_LM_HEAD, -1, "lm_head.weight", 2, V, D, 0);
         p->init_std = std;
+        tp_split(&b, p, 0);
     }
     *n = b.n;
-    *n_floats = b.off;
+    *n_floats = assign_offsets(&b, n_dense);
     return b.rows;
 }
 
@@ -114,7 +178,7 @@ int64_t tera_model_total_params(const tera_model_config *c) {
     int n;
     int64_t nf, total = 0;
     tera_param *t = tera_param_table(c, &n, &nf);
-    for (int i = 0; i < n; i++) total += t[i].numel;
+    for (int i = 0; i < n; i++) total += t[i].numel; /* one rank: every slice is whole */
     free(t);
     return total;
 }

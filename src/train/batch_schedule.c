@@ -70,7 +70,7 @@ void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r) {
     const int a = tera_batch_accum(t, &tr->batch, r->step + 1);
     const int64_t seqs = (int64_t)a * t->micro_batch * tr->world;
     const float f = tera_batch_lr_factor(t, a);
-    if (tr->rank != 0) return;
+    if (!tr->root) return;
     fprintf(stderr,
             "tera: mean grad norm %.4g over %d steps > %.4g: batch grows to %d micro-batches per rank "
             "(%ld sequences) from step %ld, LR x %.4g\n",

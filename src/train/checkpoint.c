@@ -732,7 +732,7 @@ static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr) {
     c->state_json = state_text(tr);
 }
 
-tera_status tera_trainer_save(tera_trainer *tr) {
+tera_status tera_trainer_save_whole(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
     const int final = tr->step >= tr->cfg.training.steps;
     if (!tr->ckpt) tr->ckpt = ctx_create(tr);
@@ -779,21 +779,20 @@ tera_status tera_trainer_save(tera_trainer *tr) {
 tera_status tera_trainer_resume(tera_trainer *tr) {
     char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 128];
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
-    if (tr->opt.n == tr->model.n_floats) {
-        TERA_TRY(tera_ckpt_load(dir, &tr->model, tr->opt.m, tr->opt.v));
-    } else { /* ZeRO-1: load the whole moments, keep this rank's shard */
-        const size_t n = (size_t)tr->model.n_floats;
-        float *fm = tera_malloc(sizeof(float) * n), *fv = tera_malloc(sizeof(float) * n);
-        tera_status st = tera_ckpt_load(dir, &tr->model, fm, fv);
-        if (st == TERA_OK) {
-            memcpy(tr->opt.m, fm + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
-            memcpy(tr->opt.v, fv + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
-        }
-        free(fm);
-        free(fv);
-        TERA_TRY(st);
-    }
+    /* the checkpoint holds the whole model: load it, keep this rank's part (its experts, its
+     * ZeRO-1 shards of the moments) */
+    tera_model shell;
+    tera_layout_global_shell(tr, &shell);
+    const int64_t n = shell.n_floats;
+    float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
+    shell.w = buf;
+    tera_status st = tera_ckpt_load(dir, &shell, buf + n, buf + 2 * n);
+    if (st == TERA_OK) tera_layout_scatter(tr, buf, buf + n, buf + 2 * n);
+    free(buf);
+    free(shell.params);
+    TERA_TRY(st);
     snprintf(path, sizeof path, "%s/state.json", dir);
     TERA_TRY(read_state(tr, path));
+    tr->opt_x.t = tr->opt.t;
     return tera_trainer_open_metrics(tr, "a");
 }

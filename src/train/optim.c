@@ -24,6 +24,11 @@ void tera_adamw_free(tera_adamw *o) {
 
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
                      int zero_grad, double *update_sq, double *param_sq) {
+    tera_adamw_step_by_param(o, m, lr, grad_scale, c, zero_grad, update_sq, param_sq, NULL, NULL);
+}
+
+void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
+                              int zero_grad, double *update_sq, double *param_sq, double *usq, double *psq) {
     o->t++;
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
@@ -60,7 +65,11 @@ void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, c
             up[ch] = us;
             pp[ch] = ps;
         }
-        for (int ch = 0; ch < CHUNKS; ch++) usum += up[ch], psum += pp[ch];
+        double ut = 0.0, pt = 0.0;
+        for (int ch = 0; ch < CHUNKS; ch++) ut += up[ch], pt += pp[ch];
+        usum += ut, psum += pt;
+        if (usq) usq[i] += ut;
+        if (psq) psq[i] += pt;
     }
     if (update_sq) *update_sq = usum;
     if (param_sq) *param_sq = psum;

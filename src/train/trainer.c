@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "tera/ckpt.h"
 #include "tera/hf.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
@@ -54,8 +55,29 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->cfg = *cfg;
     const tera_train_config *t = &cfg->training;
     tera_set_threads(t->threads);
-    tr->dp = tera_comm_world();
+    tera_comm *world = tera_comm_world();
     tera_comm_set_timeout(cfg->parallel.timeout_s);
+    tr->wrank = tera_comm_rank(world);
+    tr->wsize = tera_comm_size(world);
+    tr->root = tr->wrank == 0;
+    tr->tp = cfg->parallel.tp;
+    if (tr->wsize != cfg->parallel.dp * tr->tp) {
+        if (tr->tp == 1)
+            return tera_fail(TERA_ERR_CONFIG,
+                             "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
+                             cfg->parallel.dp, tr->wsize, tr->wsize == 1 ? " is" : "s are", cfg->parallel.dp, tr->wsize);
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.dp x parallel.tp = %d x %d = %d ranks, but %d %s running (launch with mpirun -np %d)",
+                         cfg->parallel.dp, tr->tp, cfg->parallel.dp * tr->tp, tr->wsize, tr->wsize == 1 ? "is" : "are",
+                         cfg->parallel.dp * tr->tp);
+    }
+    /* world rank = dp_rank * tp + tp_rank: tensor-parallel groups are consecutive ranks */
+    tr->tp_rank = tr->wrank % tr->tp;
+    tr->dp = world;
+    if (tr->tp > 1) { /* collective: every rank makes the same calls */
+        tr->dp = tera_comm_split(world, tr->tp_rank, tr->wrank / tr->tp);
+        tr->tp_group = tera_comm_split(world, tr->wrank / tr->tp, tr->tp_rank);
+    }
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
     if (cfg->parallel.zero > 1 && cfg->parallel.dp > 1)
@@ -63,10 +85,6 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                          "parallel.zero = %d with parallel.dp = %d: ZeRO stages 2 and 3 are not supported in this "
                          "build yet (stage 1, optimizer-state sharding, is; with one rank there is nothing to shard)",
                          cfg->parallel.zero, cfg->parallel.dp);
-    if (tr->world != cfg->parallel.dp)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
-                         cfg->parallel.dp, tr->world, tr->world == 1 ? " is" : "s are", cfg->parallel.dp, tr->world);
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -80,7 +98,12 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                        (long)tr->loader.n_samples);
         goto fail_src;
     }
-    st = tera_model_create(&tr->model, &cfg->model, t->micro_batch, t->seq_len);
+    if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
+    {
+        const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
+                                    .tp = tr->tp, .tp_group = tr->tp_group};
+        st = tera_model_create_par(&tr->model, &cfg->model, t->micro_batch, t->seq_len, &par);
+    }
     if (st != TERA_OK) goto fail_src;
     if (t->init_from[0]) {
         tera_model_config hc = cfg->model;
@@ -94,29 +117,26 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                            t->init_from, diff);
             goto fail_model;
         }
-        st = tera_hf_import(&tr->model, t->init_from);
+        /* import into the whole model, then keep this rank's part */
+        tera_model shell;
+        tera_layout_global_shell(tr, &shell);
+        shell.w = tera_calloc((size_t)shell.n_floats + 1, sizeof(float));
+        st = tera_hf_import(&shell, t->init_from);
+        free(shell.params);
+        if (st != TERA_OK) {
+            free(shell.w);
+            goto fail_model;
+        }
+        st = tera_layout_init(tr);
+        if (st == TERA_OK) tera_layout_scatter(tr, shell.w, NULL, NULL);
+        free(shell.w);
         if (st != TERA_OK) goto fail_model;
     } else {
         tera_model_init_weights(&tr->model, t->seed);
     }
-    /* ZeRO-1: rank r keeps the Adam moments of the r-th contiguous slice of the flat buffer */
-    tr->zero = cfg->parallel.zero >= 1 && tr->world > 1;
-    tr->shard_counts = tera_calloc((size_t)tr->world, sizeof(int64_t));
-    {
-        const int64_t n = tr->model.n_floats;
-        const int64_t S = ((n + tr->world - 1) / tr->world + 15) & ~(int64_t)15;
-        for (int r = 0; r < tr->world; r++) {
-            int64_t lo = (int64_t)r * S < n ? (int64_t)r * S : n, hi = lo + S < n ? lo + S : n;
-            tr->shard_counts[r] = tr->zero ? hi - lo : (r == 0 ? n : 0);
-        }
-        if (tr->zero) {
-            const int64_t lo = (int64_t)tr->rank * S < n ? (int64_t)tr->rank * S : n;
-            tera_adamw_init_range(&tr->opt, lo, lo + tr->shard_counts[tr->rank]);
-        } else {
-            tera_adamw_init(&tr->opt, n);
-        }
-    }
-    tr->grad_sq = tera_calloc((size_t)tr->model.n_params, sizeof(double));
+    /* optimizer ranges: the whole model, or ZeRO-1 shards (src/train/layout.c) */
+    if (!tr->shard_counts && (st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
+    tr->grad_sq = tera_calloc((size_t)(4 * tr->model.n_params), sizeof(double)); /* + scratch of src/train/layout.c */
     tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
     tr->last_spike_step = -1;
     tera_batch_init(&tr->batch);
@@ -133,9 +153,9 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
 
-    tr->n_buckets = cfg->model.n_layers + 2;
+    tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
     tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
-    if (tr->run_dir[0] && tr->rank == 0) {
+    if (tr->run_dir[0] && tr->root) {
         if (dir_nonempty(tr->run_dir) && !overwrite) {
             st = tera_fail(TERA_ERR_EXISTS,
                            "run directory '%s' already exists and is not empty; choose another "
@@ -143,8 +163,18 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                            tr->run_dir);
             goto fail_all;
         }
-        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         char path[TERA_PATH_MAX + 64];
+        if (overwrite == TERA_RUN_FRESH && dir_nonempty(tr->run_dir)) {
+            /* --force: the old run's metrics and checkpoints go, so a later --resume cannot mix runs */
+            snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+            if (unlink(path) != 0 && errno != ENOENT) {
+                st = tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+                goto fail_all;
+            }
+            snprintf(path, sizeof path, "%s/checkpoints", tr->run_dir);
+            if (access(path, F_OK) == 0 && (st = tera_ckpt_rmtree(path)) != TERA_OK) goto fail_all;
+        }
+        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
@@ -153,7 +183,6 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
 
 fail_all:
     free(tr->spike_hist);
-    free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
@@ -163,6 +192,7 @@ fail_all:
 fail_model:
     tera_model_destroy(&tr->model);
 fail_src:
+    tera_layout_free(tr);
     tera_source_close(&tr->src);
     return st;
 }
@@ -190,19 +220,19 @@ void tera_trainer_free(tera_trainer *tr) {
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
     free(tr->spike_hist);
-    free(tr->shard_counts);
     free(tr->buckets);
     free(tr->grad_sq);
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
+    tera_layout_free(tr);
     tera_model_destroy(&tr->model);
     tera_source_close(&tr->src);
     memset(tr, 0, sizeof *tr);
 }
 
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
-    if (!tr->run_dir[0] || tr->metrics || tr->rank != 0) return TERA_OK;
+    if (!tr->run_dir[0] || tr->metrics || !tr->root) return TERA_OK;
     char path[TERA_PATH_MAX + 64];
     snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
     tr->metrics = fopen(path, mode);
@@ -281,7 +311,10 @@ static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
     int i = 0;
     while (i < tr->n_buckets && tr->buckets[i].active) i++;
     TERA_ASSERTF(i < tr->n_buckets, "more gradient buckets than the %d expected", tr->n_buckets);
-    tera_comm_iallreduce_f32(tr->dp, tr->model.g + offset, count, &tr->buckets[i]);
+    /* non-expert tensors: summed over every data-parallel rank; this rank's experts: over the
+     * ranks holding the same experts */
+    tera_comm *g = offset >= tr->model.n_dense_floats ? tr->edp : tr->dp;
+    tera_comm_iallreduce_f32(g, tr->model.g + offset, count, &tr->buckets[i]);
     tera_comm_poll(tr->buckets, i);
 }
 
@@ -343,7 +376,7 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
     }
     if (back < 0) tr->step = spike_step + 1; /* no rollback: this batch is already consumed */
     tr->spike_n = tr->spike_pos = 0; /* the window refills from healthy steps */
-    if (tr->rank == 0) {
+    if (tr->root) {
         fprintf(stderr,
                 "tera: loss spike at step %ld (loss %.4f, grad norm %.4g, z %.1f): update dropped, %s, "
                 "samples [%ld, %ld) skipped, LR x %.2g until step %ld\n",
@@ -422,10 +455,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     if (tr->world > 1) {
         /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard);
          * statistics: one small sum over the ranks */
-        if (tr->zero)
-            tera_comm_reduce_scatter_f32(tr->dp, m->g, tr->shard_counts);
-        else
-            for (int i = 0; i < tr->n_buckets; i++) tera_comm_wait(&tr->buckets[i]);
+        tera_layout_reduce_grads(tr);
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
         tera_comm_allreduce_f64(tr->dp, sums, 5);
         ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
@@ -444,15 +474,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     double t_opt = tera_now();
     if (tr->step == tr->fault_nan_step) m->g[m->n_floats / 2] = NAN;
-    if (tr->zero) { /* the norm of the whole gradient from every rank's shard */
-        tera_grad_sq_by_param_range(m, tr->opt.lo, tr->opt.hi, tr->grad_sq);
-        tera_comm_allreduce_f64(tr->dp, tr->grad_sq, m->n_params);
-        double tot = 0.0;
-        for (int i = 0; i < m->n_params; i++) tot += tr->grad_sq[i];
-        r->grad_norm = sqrt(tot);
-    } else {
-        r->grad_norm = sqrt(tera_grad_sq_by_param(m, tr->grad_sq));
-    }
+    r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
     if (step_sample == tr->fault_spike_sample) { /* test hook: a gradient blow-up on this batch */
         tera_grad_scale(m, 100.0f);
         r->grad_norm *= 100.0;
@@ -468,11 +490,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
         double sums[2];
-        tera_adamw_step(&tr->opt, m, r->lr, scale, &cfg->optimizer, !tr->zero, &sums[0], &sums[1]);
-        if (tr->zero) { /* every rank gets every shard's new parameters */
-            tera_comm_allgather_f32(tr->dp, m->w, tr->shard_counts);
-            tera_comm_allreduce_f64(tr->dp, sums, 2);
-        }
+        tera_layout_adamw_step(tr, r->lr, scale, sums);
         r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
         tr->grads_zero = !tr->zero; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
@@ -495,9 +513,14 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
     tera_model *m = &tr->model;
     double sums[2] = {0.0, 0.0}; /* cross-entropy, positions */
-    for (int i = tr->rank; i < batches; i += tr->world) { /* the batches are shared out over the ranks */
+    /* the batches are shared out over the ranks; with expert parallelism every rank of a group
+     * must run as many forwards as the others (a rank past the end evaluates batch 0 again and
+     * does not count it) */
+    const int rounds = tr->ep > 1 ? (batches + tr->world - 1) / tr->world : 0;
+    for (int j = 0, i = tr->rank; i < batches || j < rounds; j++, i += tr->world) {
+        const int counted = i < batches;
         for (int b = 0; b < B; b++) {
-            int64_t v = (int64_t)i * B + b;
+            int64_t v = (int64_t)(counted ? i : 0) * B + b;
             int32_t *in = tr->tokens + (int64_t)b * T, *tg = tr->targets + (int64_t)b * T;
             if (tr->loader.n_val > 0)
                 tera_loader_val_sample(&tr->loader, v, in, tg);
@@ -505,6 +528,7 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
                 tera_loader_train_sample(&tr->loader, v, in, tg);
         }
         tera_model_forward(m, tr->tokens, tr->targets);
+        if (!counted) continue;
         sums[0] += m->stats.ce_sum;
         sums[1] += (double)m->stats.n_positions;
     }
@@ -523,27 +547,32 @@ static void fmt_eta(char *buf, size_t n, double sec) {
 
 /* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
-static tera_status save_agreed(tera_trainer *tr) {
+tera_status tera_trainer_save(tera_trainer *tr) {
     tera_status st = TERA_OK;
-    if (tr->zero) {
-        /* ZeRO-1: the checkpoint holds the whole moments (per-rank shards come with sharded
-         * checkpoints): gather them for the save (a temporary of 2 x the parameters per rank) */
-        const int64_t n = tr->model.n_floats;
-        tera_adamw shard = tr->opt;
-        float *full = tera_calloc((size_t)(2 * n + 1), sizeof(float));
-        memcpy(full + shard.lo, shard.m, sizeof(float) * (size_t)shard.n);
-        memcpy(full + n + shard.lo, shard.v, sizeof(float) * (size_t)shard.n);
-        tera_comm_allgather_f32(tr->dp, full, tr->shard_counts);
-        tera_comm_allgather_f32(tr->dp, full + n, tr->shard_counts);
-        tr->opt.m = full, tr->opt.v = full + n, tr->opt.lo = 0, tr->opt.hi = tr->opt.n = n;
-        if (tr->rank == 0) st = tera_trainer_save(tr); /* snapshots the moments before returning */
-        tr->opt = shard;
-        free(full);
-    } else if (tr->rank == 0) {
-        st = tera_trainer_save(tr);
+    if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
+    {
+        /* the checkpoint holds the whole model as one process does (per-rank shard files are not
+         * written yet): every rank contributes its blocks and moment shards, rank 0 writes (one
+         * rank: the two optimizer regions are joined into whole moments) */
+        tera_model shell;
+        tera_layout_global_shell(tr, &shell);
+        const int64_t n = shell.n_floats;
+        float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
+        tera_layout_gather(tr, buf, buf + n, buf + 2 * n);
+        if (tr->root) {
+            tera_trainer whole = *tr; /* the same run, seen as one process */
+            shell.w = buf;
+            whole.model = shell;
+            whole.opt.m = buf + n, whole.opt.v = buf + 2 * n, whole.opt.lo = 0, whole.opt.hi = whole.opt.n = n;
+            st = tera_trainer_save_whole(&whole); /* snapshots before returning */
+            tr->ckpt = whole.ckpt;
+            tr->metrics = whole.metrics;
+        }
+        free(shell.params);
+        free(buf);
     }
     int64_t failed = st != TERA_OK;
-    tera_comm_allreduce_i64(tr->dp, &failed, 1);
+    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
     if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
     return st;
 }
@@ -560,7 +589,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
         const int log_now = cfg->logging.log_every > 0 &&
                             (tr->step % cfg->logging.log_every == 0 || tr->step == S || tr->step == 1);
-        if (tr->rank == 0 && cfg->logging.progress && (log_now || tty)) {
+        if (tr->root && cfg->logging.progress && (log_now || tty)) {
             char eta[32];
             const int64_t step_tokens = r.batch_seqs * cfg->training.seq_len > tr->tokens_per_step
                                          ? r.batch_seqs * cfg->training.seq_len : tr->tokens_per_step; /* grown or full */
@@ -573,16 +602,16 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
             double vl;
             TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
-            if (tr->rank == 0) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
+            if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
             if (tr->metrics) {
                 fprintf(tr->metrics, "{\"step\": %ld, \"val_loss\": %.7g}\n", (long)tr->step - 1, vl);
                 fflush(tr->metrics);
             }
         }
         if (cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0 && tr->step < S)
-            TERA_TRY(save_agreed(tr));
+            TERA_TRY(tera_trainer_save(tr));
     }
-    if (tr->run_dir[0]) TERA_TRY(save_agreed(tr));
+    if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
     if (last) *last = r;
     return TERA_OK;
 }

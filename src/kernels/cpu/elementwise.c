@@ -182,3 +182,60 @@ void tera_ce_backward(float *dlogits, const float *logits, const float *lse, con
         d[targets[n]] -= scale;
     }
 }
+
+/* ------------------------------------------------------------- vocabulary-parallel pieces */
+
+void tera_embedding_forward_range(float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D,
+                                  int64_t v0, int64_t Vl) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t v = (int64_t)tokens[n] - v0;
+        if (v >= 0 && v < Vl)
+            memcpy(x + n * D, table + v * D, sizeof(float) * (size_t)D);
+        else
+            memset(x + n * D, 0, sizeof(float) * (size_t)D);
+    }
+}
+
+void tera_embedding_backward_range(float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D,
+                                   int64_t v0, int64_t Vl) {
+    const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t d0 = blk * COL_BLOCK, d1 = d0 + COL_BLOCK < D ? d0 + COL_BLOCK : D;
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t v = (int64_t)tokens[n] - v0;
+            if (v < 0 || v >= Vl) continue;
+            float *dst = dtable + v * D;
+            for (int64_t d = d0; d < d1; d++) dst[d] += dx[n * D + d];
+        }
+    }
+}
+
+void tera_ce_slice_max(float *rowmax, const float *logits, int64_t N, int64_t Vl) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) rowmax[n] = tera_max(logits + n * Vl, Vl);
+}
+
+void tera_ce_slice_sums(float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+                        const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        sumexp[n] = tera_sum_exp(logits + n * Vl, Vl, rowmax[n]);
+        const int64_t t = (int64_t)targets[n] - v0;
+        tlogit[n] = t >= 0 && t < Vl ? logits[n * Vl + t] : 0.0f;
+    }
+}
+
+void tera_ce_backward_range(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+                            int64_t N, int64_t Vl, int64_t v0, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * Vl;
+        float *d = dlogits + n * Vl;
+        const float l = lse[n];
+        for (int64_t v = 0; v < Vl; v++) d[v] = scale * tera_vexpf(r[v] - l);
+        const int64_t t = (int64_t)targets[n] - v0;
+        if (t >= 0 && t < Vl) d[t] -= scale;
+    }
+}

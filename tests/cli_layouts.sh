@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Parallel layouts train the same model as one process. For each layout of the table, the tiny
+# MoE trains 8 steps with the same global batch as a one-rank run (which accumulates 4
+# micro-batches); every step's loss and grad norm and the final weights (the validation loss of the
+# final checkpoints) agree with one rank to float32 rounding: relative 2e-5 (sums over ranks
+# and over expert blocks add in a different order than one process does, so bit-identity is not
+# expected). Memory per rank by category is compared with the formulas of docs/PARALLELISM.md.
+# Also: dropless routing under expert parallelism, overlap on/off bit-identical, checkpoints
+# resumed under another layout (ep 2 -> 1, ep 2 -> 4 with ZeRO-1).
+#
+# Naming: the degrees multiply to the rank count. "tpT" splits each tensor over T ranks (parallel.tp);
+# "epE" splits the experts over E data-parallel ranks, which also read different samples, so
+# parallel.dp counts them: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
+# parallel.tp = T, parallel.ep = E.
+# CI runs a representative subset; TERA_TEST_FULL=1 (make test-dist) runs the whole table.
+# Usage: cli_layouts.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" # Open MPI's own allocations (see cli_dist.sh)
+MPIRUN="mpirun --oversubscribe"
+command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
+. "$(dirname "$0")/testlib.sh"
+head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
+# GQA (8 query, 4 key/value heads), a dense first layer, a shared expert, capacity with drops,
+# z-loss and aux-free bias: every tensor kind, and widths that tp 4 divides
+TINY=(--model.dim=32 --model.n_layers=3 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=4 --model.ffn_dim=32
+      --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --model.n_shared_experts=1
+      --model.first_k_dense=1 --training.seq_len=32 --training.warmup_steps=2 --training.steps=8
+      --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1)
+
+same_steps() { # loss (field 2) and grad_norm (field 7) of every step of two metrics files
+    [ "$(grep -c '"loss"' "$1")" = 8 ] && [ "$(grep -c '"loss"' "$2")" = 8 ] || { echo "expected 8 steps"; return 1; }
+    paste -d' ' <(grep '"loss"' "$1" | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') \
+                <(grep '"loss"' "$2" | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') |
+        awk -v tol="${3:-2e-5}" '{ for (i = 1; i <= 2; i++) { a = $i; b = $(i + 2); d = a - b; if (d < 0) d = -d;
+               if (d > tol * (a < 0 ? -a : a) + 1e-7) { print "step " NR - 1 ": " a " vs " b; bad = 1 } } }
+             END { exit bad }'
+}
+val_loss() { "$TERA" eval --from "$1" --data.path="$W/c.txt" --data.val_fraction=0.1 --training.seq_len=32 \
+    --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | sed 's/.*"val_loss": \([0-9.]*\).*/\1/'; }
+field() { grep "memory bytes per rank" "$1" | grep -o "$2 [0-9]*" | head -1 | cut -d' ' -f2; } # a figure of that line
+
+"$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/one" > "$W/one.log" 2>&1 \
+    || { fail "one rank"; cat "$W/one.log"; }
+elems() { grep -o "replicated [0-9]*, tensor-parallel [0-9]*, expert [0-9]*" "$1" | tr -dc '0-9 ' | tr -s ' '; }
+read -r REP SPL EXP <<< "$(elems "$W/one.log")"
+
+# name parallel.dp parallel.tp parallel.ep zero
+LAYOUTS="dp2:2:1:1:0 tp2:1:2:1:0 ep4:4:1:4:1 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:1"
+[ "${TERA_TEST_FULL:-0}" = 1 ] &&
+    LAYOUTS="dp2:2:1:1:0 dp2:2:1:1:1 dp4:4:1:1:0 dp4:4:1:1:1 tp2:1:2:1:0 tp4:1:4:1:0
+             ep2:2:1:2:0 ep2:2:1:2:1 ep4:4:1:4:0 ep4:4:1:4:1 dp2xtp2:2:2:1:0 dp2xtp2:2:2:1:1
+             dp2xep2:4:1:2:0 dp2xep2:4:1:2:1 tp2xep2:2:2:2:0 tp2xep2:2:2:2:1 dp4xep2:8:1:2:0 dp4xep2:8:1:2:1
+             dp2xep4:8:1:4:1 tp4xep2:2:4:2:1 dp2xtp2xep2:4:2:2:0 dp2xtp2xep2:4:2:2:1"
+for l in $LAYOUTS; do
+    IFS=: read -r name dp tp ep zero <<< "$l"
+    tag="$name zero$zero"
+    R="$W/$name-$zero"
+    accum=1
+    micro=$((4 / dp))
+    [ "$micro" = 0 ] && { micro=1; accum=1; } # dp 8: 8 sequences per step
+    if [ "$dp" = 8 ]; then # compare with one rank accumulating 8 micro-batches
+        [ -d "$W/one8" ] || "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=8 \
+            --logging.run_dir="$W/one8" > "$W/one8.log" 2>&1
+        ref="$W/one8"
+    else
+        ref="$W/one"
+    fi
+    $MPIRUN -np $((dp * tp)) "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --training.grad_accum=$accum \
+        --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.zero="$zero" --logging.run_dir="$R" \
+        > "$R.log" 2>&1 || { fail "$tag run"; tail -5 "$R.log"; continue; }
+    same_steps "$ref/metrics.jsonl" "$R/metrics.jsonl" && pass "$tag: every step's loss and grad norm match one rank" \
+        || fail "$tag: losses differ from one rank"
+    a=$(val_loss "$ref/checkpoints/step_00000008"); b=$(val_loss "$R/checkpoints/step_00000008")
+    awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= 2e-5 * a) }' \
+        && pass "$tag: final weights give the same validation loss ($a vs $b)" || fail "$tag: final weights $a vs $b"
+    # memory per rank (rank 0's figures): each rank holds every replicated element (norms, router),
+    # 1/tp of the tensor-parallel ones and 1/(ep tp) of the experts' (exact element counts); the
+    # flat buffers of parameters and gradients hold those plus 64-byte alignment; Adam's two
+    # moments the same, or with ZeRO-1 a 1/dp shard of the non-expert region and a 1/(dp/ep) shard
+    # of the expert region (each rounded up to 16 floats)
+    read -r rep spl exp <<< "$(elems "$R.log")"
+    p=$(field "$R.log" "params"); g=$(field "$R.log" "grads"); o=$(field "$R.log" "optimizer")
+    nd=$(grep -o 'non-expert [0-9]*' "$R.log" | cut -d' ' -f2); nx=$(grep -o 'expert [0-9]* floats)' "$R.log" | cut -d' ' -f2)
+    awk -v rep="$rep" -v spl="$spl" -v exp_="$exp" -v R="$REP" -v S="$SPL" -v X="$EXP" -v p="$p" -v g="$g" -v o="$o" \
+        -v nd="$nd" -v nx="$nx" -v dp="$dp" -v tp="$tp" -v ep="$ep" -v z="$zero" 'BEGIN {
+        ok = rep == R && spl * tp == S && exp_ * ep * tp == X
+        held = rep + spl + exp_
+        ok = ok && p == 4 * (nd + nx) && g == p && 4 * held <= p && p <= 4 * (held + 16 * 64)
+        if (z == 0) ok = ok && o == 2 * p
+        else { lo = 8 * (nd / dp + nx / (dp / ep)); ok = ok && o >= lo - 8 && o <= lo + 8 * 32 }
+        exit !ok }' \
+        && pass "$tag: memory per rank matches the formula (elements $rep + $spl + $exp; params $p, optimizer $o bytes)" \
+        || fail "$tag: memory: elements $rep $spl $exp (one rank $REP $SPL $EXP), params $p grads $g optimizer $o"
+    rm -rf "$R"
+done
+
+# dropless routing: the token counts are exchanged first, buffers hold the worst case
+DL=(--model.capacity_factor=0)
+"$TERA" train "${TINY[@]}" "${DL[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/dl1" \
+    > "$W/dl1.log" 2>&1 || fail "dropless one rank"
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" "${DL[@]}" --training.micro_batch=1 --parallel.dp=4 --parallel.ep=4 \
+    --logging.run_dir="$W/dl4" > "$W/dl4.log" 2>&1 || { fail "dropless ep4"; tail -5 "$W/dl4.log"; }
+same_steps "$W/dl1/metrics.jsonl" "$W/dl4/metrics.jsonl" && pass "dropless ep4: every step matches one rank" \
+    || fail "dropless ep4 differs"
+# overlap of the exchange with expert compute changes nothing, bit for bit
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" "${DL[@]}" --training.micro_batch=1 --parallel.dp=4 --parallel.ep=4 \
+    --parallel.ep_overlap=0 --logging.run_dir="$W/dl4n" > "$W/dl4n.log" 2>&1 || fail "dropless ep4 without overlap"
+cmp -s <(cut -d, -f1-7 "$W/dl4/metrics.jsonl") <(cut -d, -f1-7 "$W/dl4n/metrics.jsonl") &&
+    cmp -s "$W/dl4/checkpoints/step_00000008/model.safetensors" "$W/dl4n/checkpoints/step_00000008/model.safetensors" \
+    && pass "ep overlap on and off: bit-identical losses and final weights" || fail "overlap changes results"
+
+# checkpoints hold the whole model: an ep2 ZeRO-1 checkpoint of step 4 resumes on one rank and on
+# ep4 with ZeRO-1 (each rank takes its experts and its moment shards); steps 4..7 match
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.ep=2 --parallel.zero=1 \
+    --checkpoint.every=4 --logging.run_dir="$W/rs" > "$W/rs.log" 2>&1 || { fail "ep2 run with checkpoints"; tail -5 "$W/rs.log"; }
+for to in "1 1 0" "4 4 1"; do
+    read -r dp ep zero <<< "$to"
+    D="$W/rs-$dp"
+    cp -r "$W/rs" "$D"
+    rm -rf "$D/checkpoints/step_00000008"
+    head -4 "$W/rs/metrics.jsonl" > "$D/metrics.jsonl"
+    if [ "$dp" = 1 ]; then
+        "$TERA" train "${TINY[@]}" --training.micro_batch=2 --training.grad_accum=2 --logging.run_dir="$D" --resume \
+            > "$D.log" 2>&1 || { fail "resume on one rank"; tail -5 "$D.log"; }
+    else
+        $MPIRUN -np "$dp" "$TERA" train "${TINY[@]}" --training.micro_batch=1 --parallel.dp="$dp" --parallel.ep="$ep" \
+            --parallel.zero="$zero" --logging.run_dir="$D" --resume > "$D.log" 2>&1 || { fail "resume on ep$ep"; tail -5 "$D.log"; }
+    fi
+    grep -q "resumed .* at step 4" "$D.log" && same_steps "$W/rs/metrics.jsonl" "$D/metrics.jsonl" \
+        && pass "ep2 zero1 checkpoint resumed as dp$dp ep$ep zero$zero: steps 4..7 match" || fail "resume ep2 -> dp$dp ep$ep"
+done
+
+# a tp4 ZeRO-0 checkpoint resumes as dp2 x tp2 with ZeRO-1 (blocks re-cut from the whole tensors)
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=4 --parallel.tp=4 --checkpoint.every=4 \
+    --logging.run_dir="$W/rt" > "$W/rt.log" 2>&1 || { fail "tp4 run with checkpoints"; tail -5 "$W/rt.log"; }
+cp -r "$W/rt" "$W/rt2"
+rm -rf "$W/rt2/checkpoints/step_00000008"
+head -4 "$W/rt/metrics.jsonl" > "$W/rt2/metrics.jsonl"
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.tp=2 --parallel.zero=1 \
+    --logging.run_dir="$W/rt2" --resume > "$W/rt2.log" 2>&1 || { fail "resume tp4 -> dp2 tp2"; tail -5 "$W/rt2.log"; }
+grep -q "resumed .* at step 4" "$W/rt2.log" && same_steps "$W/rt/metrics.jsonl" "$W/rt2/metrics.jsonl" \
+    && pass "tp4 checkpoint resumed as dp2 x tp2 zero1: steps 4..7 match" || fail "resume tp4 -> dp2 tp2"
+
+# invalid layouts are refused before any work, naming the constraint
+bad() { # expected message, then the options
+    local want=$1 np=$2
+    shift 2
+    if $MPIRUN -np "$np" "$TERA" train "${TINY[@]}" "$@" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1; then
+        fail "accepted: $*"
+    else
+        grep -q "$want" "$W/bad.log" && pass "refused: $want" || fail "message for $*: $(head -3 "$W/bad.log")"
+    fi
+    rm -rf "$W/bad"
+}
+bad "parallel.ep (4) must divide parallel.dp (2)" 2 --parallel.dp=2 --parallel.ep=4
+bad "parallel.tp (3) must divide model.vocab_size (256)" 3 --parallel.tp=3
+bad "parallel.dp x parallel.tp = 2 x 2 = 4 ranks, but 2 are running" 2 --parallel.dp=2 --parallel.tp=2
+echo "cli_layouts: $fails failed"
+[ "$fails" = 0 ]
