@@ -48,12 +48,14 @@ elems() { grep -o "replicated [0-9]*, tensor-parallel [0-9]*, expert [0-9]*" "$1
 read -r REP SPL EXP <<< "$(elems "$W/one.log")"
 
 # name parallel.dp parallel.tp parallel.ep zero
-LAYOUTS="dp2:2:1:1:0 tp2:1:2:1:0 ep4:4:1:4:1 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:1"
-[ "${TERA_TEST_FULL:-0}" = 1 ] &&
-    LAYOUTS="dp2:2:1:1:0 dp2:2:1:1:1 dp4:4:1:1:0 dp4:4:1:1:1 tp2:1:2:1:0 tp4:1:4:1:0
-             ep2:2:1:2:0 ep2:2:1:2:1 ep4:4:1:4:0 ep4:4:1:4:1 dp2xtp2:2:2:1:0 dp2xtp2:2:2:1:1
-             dp2xep2:4:1:2:0 dp2xep2:4:1:2:1 tp2xep2:2:2:2:0 tp2xep2:2:2:2:1 dp4xep2:8:1:2:0 dp4xep2:8:1:2:1
-             dp2xep4:8:1:4:1 tp4xep2:2:4:2:1 dp2xtp2xep2:4:2:2:0 dp2xtp2xep2:4:2:2:1"
+LAYOUTS="dp2:2:1:1:3 tp2:1:2:1:0 ep4:4:1:4:2 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:3"
+if [ "${TERA_TEST_FULL:-0}" = 1 ]; then # every layout with every ZeRO stage it can shard over
+    LAYOUTS="tp2:1:2:1:0 tp4:1:4:1:0"
+    for l in dp2:2:1:1 dp4:4:1:1 ep2:2:1:2 ep4:4:1:4 dp2xtp2:2:2:1 dp2xep2:4:1:2 tp2xep2:2:2:2 dp4xep2:8:1:2 \
+             dp2xep4:8:1:4 tp4xep2:2:4:2 dp2xtp2xep2:4:2:2; do
+        for z in 0 1 2 3; do LAYOUTS="$LAYOUTS $l:$z"; done
+    done
+fi
 for l in $LAYOUTS; do
     IFS=: read -r name dp tp ep zero <<< "$l"
     tag="$name zero$zero"
@@ -79,8 +81,9 @@ for l in $LAYOUTS; do
     # memory per rank (rank 0's figures): each rank holds every replicated element (norms, router),
     # 1/tp of the tensor-parallel ones and 1/(ep tp) of the experts' (exact element counts); the
     # flat buffers of parameters and gradients hold those plus 64-byte alignment; Adam's two
-    # moments the same, or with ZeRO-1 a 1/dp shard of the non-expert region and a 1/(dp/ep) shard
-    # of the expert region (each rounded up to 16 floats)
+    # moments the same, or with ZeRO a 1/dp shard of the non-expert region and a 1/(dp/ep) shard
+    # of the expert region (each rounded up to 16 floats); ZeRO-2 keeps gradients only for that
+    # shard, ZeRO-3 parameters too (the staging of one group at a time counts as communication)
     read -r rep spl exp <<< "$(elems "$R.log")"
     p=$(field "$R.log" "params"); g=$(field "$R.log" "grads"); o=$(field "$R.log" "optimizer")
     nd=$(grep -o 'non-expert [0-9]*' "$R.log" | cut -d' ' -f2); nx=$(grep -o 'expert [0-9]* floats)' "$R.log" | cut -d' ' -f2)
@@ -88,13 +91,32 @@ for l in $LAYOUTS; do
         -v nd="$nd" -v nx="$nx" -v dp="$dp" -v tp="$tp" -v ep="$ep" -v z="$zero" 'BEGIN {
         ok = rep == R && spl * tp == S && exp_ * ep * tp == X
         held = rep + spl + exp_
-        ok = ok && p == 4 * (nd + nx) && g == p && 4 * held <= p && p <= 4 * (held + 16 * 64)
-        if (z == 0) ok = ok && o == 2 * p
+        whole = 4 * (nd + nx)
+        ok = ok && 4 * held <= whole && whole <= 4 * (held + 16 * 64)
+        if (z == 0) ok = ok && o == 2 * whole
         else { lo = 8 * (nd / dp + nx / (dp / ep)); ok = ok && o >= lo - 8 && o <= lo + 8 * 32 }
+        ok = ok && p == (z >= 3 ? o / 2 : whole) && g == (z >= 2 ? o / 2 : whole)
         exit !ok }' \
         && pass "$tag: memory per rank matches the formula (elements $rep + $spl + $exp; params $p, optimizer $o bytes)" \
         || fail "$tag: memory: elements $rep $spl $exp (one rank $REP $SPL $EXP), params $p grads $g optimizer $o"
     rm -rf "$R"
+done
+
+# ZeRO-2/3 reduce-scatter every micro-batch's gradients (accumulating in the shards) and ZeRO-3
+# gathers parameters for evaluation too: dp2 x ep2 with 2 micro-batches per step and a validation
+# every 4 steps against one rank
+EV=(--training.eval_every=4 --training.eval_batches=3)
+"$TERA" train "${TINY[@]}" "${EV[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/ev1" \
+    > "$W/ev1.log" 2>&1 || fail "one rank with evaluation"
+for z in 2 3; do
+    $MPIRUN -np 2 "$TERA" train "${TINY[@]}" "${EV[@]}" --training.micro_batch=1 --training.grad_accum=2 --parallel.dp=2 \
+        --parallel.ep=2 --parallel.zero=$z --logging.run_dir="$W/ev$z" > "$W/ev$z.log" 2>&1 || { fail "zero$z accum"; tail -5 "$W/ev$z.log"; }
+    same_steps "$W/ev1/metrics.jsonl" "$W/ev$z/metrics.jsonl" &&
+        paste -d' ' <(grep -o '"val_loss": [0-9.]*' "$W/ev1/metrics.jsonl" | cut -d' ' -f2) \
+                    <(grep -o '"val_loss": [0-9.]*' "$W/ev$z/metrics.jsonl" | cut -d' ' -f2) |
+        awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * $1) bad = 1; n++ } END { exit bad || n != 2 }' \
+        && pass "ep2 zero$z with 2 micro-batches per step: every step and both validations match one rank" \
+        || fail "zero$z with accumulation or evaluation differs"
 done
 
 # dropless routing: the token counts are exchanged first, buffers hold the worst case
@@ -113,10 +135,10 @@ cmp -s <(cut -d, -f1-7 "$W/dl4/metrics.jsonl") <(cut -d, -f1-7 "$W/dl4n/metrics.
     && pass "ep overlap on and off: bit-identical losses and final weights" || fail "overlap changes results"
 
 # checkpoints hold the whole model: an ep2 ZeRO-1 checkpoint of step 4 resumes on one rank and on
-# ep4 with ZeRO-1 (each rank takes its experts and its moment shards); steps 4..7 match
+# ep4 with ZeRO-2 (each rank takes its experts and its moment shards); steps 4..7 match
 $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.ep=2 --parallel.zero=1 \
     --checkpoint.every=4 --logging.run_dir="$W/rs" > "$W/rs.log" 2>&1 || { fail "ep2 run with checkpoints"; tail -5 "$W/rs.log"; }
-for to in "1 1 0" "4 4 1"; do
+for to in "1 1 0" "4 4 2"; do
     read -r dp ep zero <<< "$to"
     D="$W/rs-$dp"
     cp -r "$W/rs" "$D"
@@ -133,16 +155,17 @@ for to in "1 1 0" "4 4 1"; do
         && pass "ep2 zero1 checkpoint resumed as dp$dp ep$ep zero$zero: steps 4..7 match" || fail "resume ep2 -> dp$dp ep$ep"
 done
 
-# a tp4 ZeRO-0 checkpoint resumes as dp2 x tp2 with ZeRO-1 (blocks re-cut from the whole tensors)
+# a tp4 ZeRO-0 checkpoint resumes as dp2 x tp2 with ZeRO-3 (blocks re-cut from the whole tensors,
+# parameters and moments sharded)
 $MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=4 --parallel.tp=4 --checkpoint.every=4 \
     --logging.run_dir="$W/rt" > "$W/rt.log" 2>&1 || { fail "tp4 run with checkpoints"; tail -5 "$W/rt.log"; }
 cp -r "$W/rt" "$W/rt2"
 rm -rf "$W/rt2/checkpoints/step_00000008"
 head -4 "$W/rt/metrics.jsonl" > "$W/rt2/metrics.jsonl"
-$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.tp=2 --parallel.zero=1 \
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.tp=2 --parallel.zero=3 \
     --logging.run_dir="$W/rt2" --resume > "$W/rt2.log" 2>&1 || { fail "resume tp4 -> dp2 tp2"; tail -5 "$W/rt2.log"; }
 grep -q "resumed .* at step 4" "$W/rt2.log" && same_steps "$W/rt/metrics.jsonl" "$W/rt2/metrics.jsonl" \
-    && pass "tp4 checkpoint resumed as dp2 x tp2 zero1: steps 4..7 match" || fail "resume tp4 -> dp2 tp2"
+    && pass "tp4 checkpoint resumed as dp2 x tp2 zero3: steps 4..7 match" || fail "resume tp4 -> dp2 tp2"
 
 # invalid layouts are refused before any work, naming the constraint
 bad() { # expected message, then the options

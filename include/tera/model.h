@@ -98,7 +98,14 @@ typedef struct {
      * computed from the vocabulary slices without gathering the logits. */
     int tp;               /* 1: no tensor parallelism */
     tera_comm *tp_group;  /* NULL when tp = 1 */
+    /* ZeRO-3 / ZeRO-2: the model allocates no whole parameter / gradient buffer; the trainer binds
+     * each group's when use_params / use_grads ask (tera_model_bind_group) */
+    int shard_params, shard_grads;
 } tera_model_par;
+
+/* Parameter groups, the unit of gradient buckets and of ZeRO-3 gathering: layer l (>= 0), the
+ * embedding, the head (final norm and, untied, the LM head). */
+enum { TERA_GROUP_EMBED = -1, TERA_GROUP_HEAD = -2 };
 
 typedef struct {
     tera_model_config cfg;
@@ -130,6 +137,12 @@ typedef struct {
      * backward goes on. NULL: not called. */
     void (*grad_ready)(void *ctx, int64_t offset, int64_t count);
     void *grad_ready_ctx;
+    /* Called before a group's parameters are read (forward and backward) and before its gradients
+     * are written (backward; a group can be asked twice in one backward: the embedding when tied).
+     * NULL: the whole buffers are bound. */
+    void (*use_params)(void *ctx, int group);
+    void (*use_grads)(void *ctx, int group);
+    void *bind_ctx;
     int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
     int64_t bytes_comm;   /* expert-parallel exchange buffers (received rows and their results; a part
                              of bytes_acts and bytes_scratch, reported apart) */
@@ -145,6 +158,15 @@ tera_param *tera_param_table_ep(const tera_model_config *cfg, int ep, int ep_ran
 tera_param *tera_param_table_par(const tera_model_config *cfg, int ep, int ep_rank, int tp, int tp_rank, int *n,
                                  int64_t *n_floats, int64_t *n_dense);
 const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
+
+/* Flat-buffer range [lo, hi) of a group's expert (experts = 1) or other tensors (lo = hi = 0: none). */
+void tera_model_group_range(const tera_model *m, int group, int experts, int64_t *lo, int64_t *hi);
+/* Points the group's parameter (w*) and gradient (g*) views at buffers holding its non-expert
+ * range (wd, gd: the element at the range's lo) and expert range (wx, gx); NULL leaves a view. */
+void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float *gd, float *gx);
+/* Points every view into whole buffers laid out like the flat buffer (NULL: left as they are,
+ * or cleared when the model has no whole buffer of its own). */
+void tera_model_bind_all(tera_model *m, float *w, float *g);
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
 /* The same on one rank of an expert-parallel group (par NULL: one rank holds every expert). */

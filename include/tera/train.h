@@ -16,6 +16,8 @@ typedef struct {
     int64_t t;      /* updates taken (for bias correction) */
     int64_t n;      /* hi - lo */
     int64_t lo, hi; /* the parameters this optimizer updates: all of them, or a ZeRO-1 shard */
+    float *g;       /* ZeRO-2/3: the shard's gradients [n] (NULL: the model's whole buffer) */
+    float *w;       /* ZeRO-3: the shard's parameters [n] (NULL: the model's whole buffer) */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
@@ -42,6 +44,8 @@ double tera_grad_norm(const tera_model *m);
 double tera_grad_sq_by_param(const tera_model *m, double *sq);
 /* The same over the flat range [lo, hi) only (a ZeRO shard). */
 double tera_grad_sq_by_param_range(const tera_model *m, int64_t lo, int64_t hi, double *sq);
+/* The same with the gradients of [lo, hi) at glo (a ZeRO-2/3 shard's own buffer). */
+double tera_grad_sq_by_param_at(const tera_model *m, int64_t lo, int64_t hi, const float *glo, double *sq);
 void tera_grad_scale(tera_model *m, float s);
 
 /* One optimizer step's results. */
@@ -120,6 +124,8 @@ typedef struct {
     tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
                                    ZeRO-1 shard of it); opt holds the non-expert region's */
     int64_t *shard_counts_x;    /* [edp_size] ZeRO-1 shards of the expert region */
+    struct tera_zero_ctx *zctx; /* ZeRO-2/3 staging (src/train/layout.c) */
+    int64_t bytes_zero_staging; /* its slots: one group's gradients (and parameters) at a time */
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
     int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
@@ -189,6 +195,15 @@ double tera_layout_grad_sq(tera_trainer *tr);
 void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double *sums);
 /* Sum of the gradient over the ranks that hold each part (after the last backward). */
 void tera_layout_reduce_grads(tera_trainer *tr);
+/* ZeRO-2/3: the model's use_params / use_grads callbacks; the per-micro-batch gradient callback. */
+typedef struct tera_zero_ctx tera_zero_ctx;
+void tera_layout_bind_hooks(tera_trainer *tr);
+void (*tera_layout_grad_ready(tera_trainer *tr))(void *, int64_t, int64_t);
+void tera_layout_zero_grads(tera_trainer *tr);
+void tera_layout_grad_scale(tera_trainer *tr, float s);
+void tera_layout_poison_grad(tera_trainer *tr);
+/* The seeded init of this rank's part (ZeRO-3: of its parameter shards). */
+void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);
 
 /* ---------------------------------------------------------------- checkpoints
  * (src/train/checkpoint.c; on-disk format and readers in include/tera/ckpt.h, docs/CHECKPOINTS.md)

@@ -55,7 +55,7 @@ static void print_summary(const tera_trainer *tr) {
             "activations %ld scratch %ld comm %ld\n",
             (long)m->bytes_params, (long)m->n_dense_floats, (long)(m->n_floats - m->n_dense_floats), (long)m->bytes_grads,
             (long)(2 * (tr->opt.n + tr->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
-            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)m->bytes_comm);
+            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)(m->bytes_comm + tr->bytes_zero_staging));
 }
 
 int tera_cmd_train(int argc, char **argv) {

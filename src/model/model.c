@@ -187,36 +187,78 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m, float **
     a->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(N * K));
 }
 
+/* Points the view's entry for parameter p at ptr (NULL base: NULL). */
+static void set_view(tera_weights_view *v, const tera_param *p, float *ptr) {
+    tera_layer_view *lv = p->layer >= 0 ? &v->layers[p->layer] : NULL;
+    switch (p->kind) {
+    case TERA_P_EMBED: v->embed = ptr; break;
+    case TERA_P_ATTN_NORM: lv->attn_norm = ptr; break;
+    case TERA_P_WQ: lv->wq = ptr; break;
+    case TERA_P_WK: lv->wk = ptr; break;
+    case TERA_P_WV: lv->wv = ptr; break;
+    case TERA_P_WO: lv->wo = ptr; break;
+    case TERA_P_FFN_NORM: lv->ffn_norm = ptr; break;
+    case TERA_P_ROUTER: lv->router = ptr; break;
+    case TERA_P_EXP_W1: lv->w1 = ptr; break;
+    case TERA_P_EXP_W3: lv->w3 = ptr; break;
+    case TERA_P_EXP_W2: lv->w2 = ptr; break;
+    case TERA_P_SHARED_W1: lv->sw1 = ptr; break;
+    case TERA_P_SHARED_W3: lv->sw3 = ptr; break;
+    case TERA_P_SHARED_W2: lv->sw2 = ptr; break;
+    case TERA_P_DENSE_W1: lv->dw1 = ptr; break;
+    case TERA_P_DENSE_W3: lv->dw3 = ptr; break;
+    case TERA_P_DENSE_W2: lv->dw2 = ptr; break;
+    case TERA_P_FINAL_NORM: v->final_norm = ptr; break;
+    case TERA_P_LM_HEAD: v->lm_head = ptr; break;
+    case TERA_P_COUNT: break;
+    }
+}
+
 static void make_views(tera_weights_view *v, float *base, const tera_model *m) {
-    v->layers = tera_calloc((size_t)m->cfg.n_layers, sizeof(tera_layer_view));
+    if (!v->layers) v->layers = tera_calloc((size_t)m->cfg.n_layers, sizeof(tera_layer_view));
+    for (int i = 0; i < m->n_params; i++) set_view(v, &m->params[i], base ? base + m->params[i].offset : NULL);
+    if (m->cfg.tie_embeddings) v->lm_head = v->embed;
+}
+
+static int in_group(const tera_param *p, int group) {
+    if (group >= 0) return p->layer == group;
+    if (group == TERA_GROUP_EMBED) return p->kind == TERA_P_EMBED;
+    return p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD;
+}
+
+void tera_model_group_range(const tera_model *m, int group, int experts, int64_t *lo, int64_t *hi) {
+    *lo = INT64_MAX;
+    *hi = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
-        float *ptr = base + p->offset;
-        tera_layer_view *lv = p->layer >= 0 ? &v->layers[p->layer] : NULL;
-        switch (p->kind) {
-        case TERA_P_EMBED: v->embed = ptr; break;
-        case TERA_P_ATTN_NORM: lv->attn_norm = ptr; break;
-        case TERA_P_WQ: lv->wq = ptr; break;
-        case TERA_P_WK: lv->wk = ptr; break;
-        case TERA_P_WV: lv->wv = ptr; break;
-        case TERA_P_WO: lv->wo = ptr; break;
-        case TERA_P_FFN_NORM: lv->ffn_norm = ptr; break;
-        case TERA_P_ROUTER: lv->router = ptr; break;
-        case TERA_P_EXP_W1: lv->w1 = ptr; break;
-        case TERA_P_EXP_W3: lv->w3 = ptr; break;
-        case TERA_P_EXP_W2: lv->w2 = ptr; break;
-        case TERA_P_SHARED_W1: lv->sw1 = ptr; break;
-        case TERA_P_SHARED_W3: lv->sw3 = ptr; break;
-        case TERA_P_SHARED_W2: lv->sw2 = ptr; break;
-        case TERA_P_DENSE_W1: lv->dw1 = ptr; break;
-        case TERA_P_DENSE_W3: lv->dw3 = ptr; break;
-        case TERA_P_DENSE_W2: lv->dw2 = ptr; break;
-        case TERA_P_FINAL_NORM: v->final_norm = ptr; break;
-        case TERA_P_LM_HEAD: v->lm_head = ptr; break;
-        case TERA_P_COUNT: break;
-        }
+        if (!in_group(p, group) || p->expert_stacked != experts || p->numel == 0) continue;
+        if (p->offset < *lo) *lo = p->offset;
+        if (p->offset + p->numel > *hi) *hi = p->offset + p->numel;
     }
-    if (m->cfg.tie_embeddings) v->lm_head = v->embed;
+    if (*hi == 0) *lo = 0;
+}
+
+void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float *gd, float *gx) {
+    int64_t lo[2], hi[2];
+    tera_model_group_range(m, group, 0, &lo[0], &hi[0]);
+    tera_model_group_range(m, group, 1, &lo[1], &hi[1]);
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (!in_group(p, group)) continue;
+        const int x = p->expert_stacked;
+        float *wb = x ? wx : wd, *gb = x ? gx : gd;
+        if (wb) set_view(&m->W, p, wb + (p->offset - lo[x]));
+        if (gb) set_view(&m->G, p, gb + (p->offset - lo[x]));
+    }
+    if (m->cfg.tie_embeddings && group == TERA_GROUP_EMBED) {
+        if (wd) m->W.lm_head = m->W.embed;
+        if (gd) m->G.lm_head = m->G.embed;
+    }
+}
+
+void tera_model_bind_all(tera_model *m, float *w, float *g) {
+    if (w || !m->w) make_views(&m->W, w, m); /* NULL and no whole buffer: views cleared */
+    if (g || !m->g) make_views(&m->G, g, m);
 }
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T) {
@@ -275,9 +317,12 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     m->T = T;
     m->params = tera_param_table_par(cfg, ep, m->ep_rank, tp, m->tp_rank, &m->n_params, &m->n_floats,
                                      &m->n_dense_floats);
-    m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
-    m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
-    m->bytes_params = m->bytes_grads = m->n_floats * (int64_t)sizeof(float);
+    /* ZeRO-3 / ZeRO-2: the trainer holds shards and binds each group's parameters / gradients
+     * (tera_model_bind_group) when the use_params / use_grads callbacks ask for them */
+    if (!m->par.shard_params) m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
+    if (!m->par.shard_grads) m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
+    m->bytes_params = m->w ? m->n_floats * (int64_t)sizeof(float) : 0;
+    m->bytes_grads = m->g ? m->n_floats * (int64_t)sizeof(float) : 0;
     make_views(&m->W, m->w, m);
     make_views(&m->G, m->g, m);
     for (int l = 0; l < cfg->n_layers; l++) m->n_moe_layers += is_moe(cfg, l);
@@ -361,7 +406,9 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
 
-void tera_model_zero_grad(tera_model *m) { memset(m->g, 0, sizeof(float) * (size_t)m->n_floats); }
+void tera_model_zero_grad(tera_model *m) {
+    if (m->g) memset(m->g, 0, sizeof(float) * (size_t)m->n_floats);
+}
 
 void tera_model_reset_load(tera_model *m) {
     memset(m->expert_load, 0, sizeof(int64_t) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
@@ -642,6 +689,14 @@ static void moe_forward(tera_model *m, int l, float *out) {
                                          D, m->Fsl));
 }
 
+static void need_params(tera_model *m, int group) {
+    if (m->use_params) m->use_params(m->bind_ctx, group);
+}
+
+static void need_grads(tera_model *m, int group) {
+    if (m->use_grads) m->use_grads(m->bind_ctx, group);
+}
+
 /* Tensor parallelism: sums the ranks' partial results (no-op without it). */
 static void tp_sum(tera_model *m, float *buf, int64_t n) {
     if (m->par.tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_f32(m->par.tp_group, buf, n));
@@ -727,6 +782,7 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;
+    need_params(m, TERA_GROUP_EMBED);
     if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
         TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
         tp_sum(m, a->layer[0].x_in, N * D);
@@ -735,8 +791,11 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
     }
     for (int l = 0; l < c->n_layers; l++) {
         float *out = l + 1 < c->n_layers ? a->layer[l + 1].x_in : a->x_final;
+        need_params(m, l);
         layer_forward(m, l, out);
     }
+    need_params(m, TERA_GROUP_HEAD);
+    if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
     TERA_PROF(HEAD_FWD, tera_linear_forward(m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
     if (m->par.tp > 1)
@@ -893,28 +952,13 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
-/* Flat-buffer range [lo, hi) of the parameters of one layer (layer >= 0), or of the head (final
- * norm, LM head) or the embedding (layer -1), restricted to the routed-expert tensors (experts = 1)
- * or the others (experts = 0): each is contiguous since the flat buffer holds the non-expert
- * tensors first, in table order, then the expert tensors, in table order. */
-static void param_range(const tera_model *m, int layer, int head, int experts, int64_t *lo, int64_t *hi) {
-    *lo = INT64_MAX;
-    *hi = 0;
-    for (int i = 0; i < m->n_params; i++) {
-        const tera_param *p = &m->params[i];
-        int in = layer >= 0 ? p->layer == layer
-                            : (head ? (p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD) : p->kind == TERA_P_EMBED);
-        if (!in || p->expert_stacked != experts) continue;
-        if (p->offset < *lo) *lo = p->offset;
-        if (p->offset + p->numel > *hi) *hi = p->offset + p->numel;
-    }
-}
-
-static void notify_grads(tera_model *m, int layer, int head) {
+/* Gradients of a group are final for this micro-batch: hand each contiguous range (non-expert
+ * tensors, then expert tensors) to the trainer. */
+static void notify_grads(tera_model *m, int group) {
     if (!m->grad_ready) return;
     for (int experts = 0; experts < 2; experts++) {
         int64_t lo, hi;
-        param_range(m, layer, head, experts, &lo, &hi);
+        tera_model_group_range(m, group, experts, &lo, &hi);
         if (hi > lo) m->grad_ready(m->grad_ready_ctx, lo, hi - lo);
     }
 }
@@ -923,6 +967,12 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
+    need_params(m, TERA_GROUP_HEAD);
+    need_grads(m, TERA_GROUP_HEAD);
+    if (c->tie_embeddings) {
+        need_params(m, TERA_GROUP_EMBED);
+        need_grads(m, TERA_GROUP_EMBED);
+    }
     /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
     if (m->par.tp > 1)
         TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
@@ -933,17 +983,20 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                               a->rstdf, N, D));
-    if (!c->tie_embeddings) notify_grads(m, -1, 1); /* tied: the head is the embedding, final below */
+    if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
     for (int l = c->n_layers - 1; l >= 0; l--) {
+        need_params(m, l);
+        need_grads(m, l);
         layer_backward(m, l, s);
-        notify_grads(m, l, 0);
+        notify_grads(m, l);
     }
+    need_grads(m, TERA_GROUP_EMBED);
     if (m->par.tp > 1)
         TERA_PROF(EMBED_BWD, tera_embedding_backward_range(m->G.embed, a->dres, a->tokens, N, D, m->v0, m->Vl));
     else
         TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
-    notify_grads(m, -1, 0);
-    if (c->tie_embeddings) notify_grads(m, -1, 1);
+    notify_grads(m, TERA_GROUP_EMBED);
+    if (c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD);
 }
 
 void tera_model_update_router_bias(tera_model *m) {

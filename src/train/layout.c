@@ -43,7 +43,248 @@ tera_status tera_layout_groups(tera_trainer *tr) {
     }
     if (tr->ep * tr->tp > 1) /* over the world */
         tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank, tr->ep_rank * tr->tp + tr->tp_rank);
+    /* ZeRO needs more than one data-parallel rank to shard over */
+    tr->zero = tr->world > 1 ? p->zero : 0;
     return TERA_OK;
+}
+
+/* ------------------------------------------------------------------ ZeRO-2 and ZeRO-3
+ * Stage 2: no whole gradient buffer. Before a group's backward the model asks for its gradients
+ * (use_grads): they go to a staging slot, zeroed; when the group is done (grad_ready) each of its
+ * two ranges is reduce-scattered over the ranks sharing it (non-expert: dp, experts: edp) and
+ * every rank adds its piece into its shard's gradient (opt.g, opt_x.g), micro-batch by
+ * micro-batch. Stage 3: no whole parameter buffer either. Before a group is used (use_params, in
+ * forward and again in backward) its ranges are all-gathered from the shards' fp32 parameters
+ * (opt.w, opt_x.w) into a staging slot; the slot is reused by the next group. Slots: the
+ * embedding, the head, and one for the layer in use (the embedding and head slots live through a
+ * whole backward: with tied embeddings both are in use from the first to the last op). */
+enum { SLOT_EMBED, SLOT_HEAD, SLOT_LAYER, N_SLOTS };
+
+typedef struct {
+    int group;              /* group held, or INT32_MIN */
+    int64_t version;        /* ZeRO-3: parameter version (optimizer steps) it was gathered at */
+    int live;               /* ZeRO-2: gradients accumulating (zeroed at first use in a backward) */
+    int pending;            /* ZeRO-2: ranges not yet reduce-scattered */
+    float *w[2], *g[2];     /* [non-expert, expert] staging */
+} zslot;
+
+struct tera_zero_ctx {
+    zslot slot[N_SLOTS];
+    int64_t version;
+    float *block;
+    int64_t *cnt;           /* [max(dp, edp)] reduce-scatter / all-gather counts */
+};
+
+static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : group == TERA_GROUP_HEAD ? SLOT_HEAD : SLOT_LAYER; }
+
+/* Counts of [lo, hi) per rank of a region's shards (counts[r] floats from the region start at
+ * lo_r = sum of earlier counts); returns the offset inside [lo, hi) of this rank's piece. */
+static int64_t piece_counts(const int64_t *shard_counts, int ranks, int me, int64_t lo, int64_t hi, int64_t *cnt,
+                            int64_t *my_shard_off) {
+    int64_t s0 = 0, mine = 0;
+    *my_shard_off = 0;
+    for (int r = 0; r < ranks; r++) {
+        const int64_t s1 = s0 + shard_counts[r];
+        const int64_t a = lo > s0 ? lo : s0, b = hi < s1 ? hi : s1;
+        cnt[r] = b > a ? b - a : 0;
+        if (r == me && cnt[r] > 0) {
+            mine = a - lo;
+            *my_shard_off = a - s0;
+        }
+        s0 = s1;
+    }
+    return mine;
+}
+
+static void zero23_init(tera_trainer *tr) {
+    tera_model *m = &tr->model;
+    tera_zero_ctx *z = tera_calloc(1, sizeof *z);
+    tr->zctx = z;
+    int64_t size[N_SLOTS][2] = {{0}};
+    for (int g = TERA_GROUP_HEAD; g < m->cfg.n_layers; g++)
+        for (int x = 0; x < 2; x++) {
+            int64_t lo, hi;
+            tera_model_group_range(m, g, x, &lo, &hi);
+            int64_t *sz = &size[slot_of(g)][x];
+            if (hi - lo > *sz) *sz = hi - lo;
+        }
+    int64_t total = 0;
+    const int nb = tr->zero >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
+    for (int k = 0; k < N_SLOTS; k++)
+        for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
+    z->block = tera_calloc((size_t)total + 1, sizeof(float));
+    float *p = z->block;
+    for (int k = 0; k < N_SLOTS; k++) {
+        z->slot[k].group = INT32_MIN;
+        for (int x = 0; x < 2; x++) {
+            const int64_t n = (size[k][x] + 15) & ~(int64_t)15;
+            z->slot[k].g[x] = p, p += n;
+            if (nb == 2) z->slot[k].w[x] = p, p += n;
+        }
+    }
+    z->cnt = tera_calloc((size_t)(tr->world > tr->edp_size ? tr->world : tr->edp_size), sizeof(int64_t));
+    /* the shards' gradients (and parameters for stage 3) */
+    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    for (int k = 0; k < 2; k++) {
+        o[k]->g = tera_calloc((size_t)o[k]->n + 1, sizeof(float));
+        if (tr->zero >= 3) o[k]->w = tera_calloc((size_t)o[k]->n + 1, sizeof(float));
+    }
+    /* memory accounting: the shards; the staging slots are communication buffers */
+    m->bytes_grads = (int64_t)sizeof(float) * (o[0]->n + o[1]->n);
+    if (tr->zero >= 3) m->bytes_params = (int64_t)sizeof(float) * (o[0]->n + o[1]->n);
+    tr->bytes_zero_staging = (int64_t)sizeof(float) * total;
+}
+
+static void zero23_free(tera_trainer *tr) {
+    tera_zero_ctx *z = tr->zctx;
+    if (!z) return;
+    free(z->block);
+    free(z->cnt);
+    free(z);
+    tr->zctx = NULL;
+    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    for (int k = 0; k < 2; k++) {
+        free(o[k]->g), o[k]->g = NULL;
+        free(o[k]->w), o[k]->w = NULL;
+    }
+}
+
+/* The region (0: non-expert over dp, 1: experts over edp) as the shard machinery sees it. */
+static void region(tera_trainer *tr, int x, tera_comm **c, const int64_t **counts, int *ranks, int *me, int64_t *base,
+                   tera_adamw **o) {
+    *c = x ? tr->edp : tr->dp;
+    *counts = x ? tr->shard_counts_x : tr->shard_counts;
+    *ranks = x ? tr->edp_size : tr->world;
+    *me = x ? tr->edp_rank : tr->rank;
+    *base = x ? tr->model.n_dense_floats : 0;
+    *o = x ? &tr->opt_x : &tr->opt;
+}
+
+static void zero_use_params(void *ctx, int group) {
+    tera_trainer *tr = ctx;
+    tera_zero_ctx *z = tr->zctx;
+    zslot *sl = &z->slot[slot_of(group)];
+    if (sl->group == group && sl->version == z->version) return; /* still there */
+    for (int x = 0; x < 2; x++) {
+        int64_t lo, hi;
+        tera_model_group_range(&tr->model, group, x, &lo, &hi);
+        if (hi <= lo) continue;
+        tera_comm *c;
+        const int64_t *counts;
+        int ranks, me;
+        int64_t base, soff = 0;
+        tera_adamw *o;
+        region(tr, x, &c, &counts, &ranks, &me, &base, &o);
+        const int64_t mine = piece_counts(counts, ranks, me, lo - base, hi - base, z->cnt, &soff);
+        if (z->cnt[me] > 0) memcpy(sl->w[x] + mine, o->w + soff, sizeof(float) * (size_t)z->cnt[me]);
+        tera_comm_allgather_f32(c, sl->w[x], z->cnt);
+    }
+    sl->group = group;
+    sl->version = z->version;
+    tera_model_bind_group(&tr->model, group, sl->w[0], sl->w[1], NULL, NULL);
+}
+
+static void zero_use_grads(void *ctx, int group) {
+    tera_trainer *tr = ctx;
+    tera_zero_ctx *z = tr->zctx;
+    zslot *sl = &z->slot[slot_of(group)];
+    if (sl->live && sl->group == group) return; /* accumulating since earlier in this backward */
+    TERA_ASSERTF(!sl->live, "ZeRO-2: group %d's gradients were never reduced", sl->group);
+    sl->live = 1;
+    sl->pending = 0;
+    for (int x = 0; x < 2; x++) {
+        int64_t lo, hi;
+        tera_model_group_range(&tr->model, group, x, &lo, &hi);
+        if (hi > lo) memset(sl->g[x], 0, sizeof(float) * (size_t)(hi - lo)), sl->pending++;
+    }
+    sl->group = group;
+    tera_model_bind_group(&tr->model, group, NULL, NULL, sl->g[0], sl->g[1]);
+}
+
+/* A group range's gradients are final for this micro-batch: sum them into the owners' shards. */
+static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
+    tera_trainer *tr = ctx;
+    tera_zero_ctx *z = tr->zctx;
+    const int x = offset >= tr->model.n_dense_floats;
+    zslot *sl = NULL;
+    for (int k = 0; k < N_SLOTS; k++) {
+        if (!z->slot[k].live) continue;
+        int64_t lo, hi;
+        tera_model_group_range(&tr->model, z->slot[k].group, x, &lo, &hi);
+        if (lo == offset && hi == offset + count) sl = &z->slot[k];
+    }
+    TERA_ASSERTF(sl, "ZeRO-2: gradients of [%ld, %ld) are in no live slot", (long)offset, (long)(offset + count));
+    tera_comm *c;
+    const int64_t *counts;
+    int ranks, me;
+    int64_t base, soff = 0;
+    tera_adamw *o;
+    region(tr, x, &c, &counts, &ranks, &me, &base, &o);
+    const int64_t mine = piece_counts(counts, ranks, me, offset - base, offset + count - base, z->cnt, &soff);
+    tera_comm_reduce_scatter_f32(c, sl->g[x], z->cnt);
+    const float *src = sl->g[x] + mine;
+    float *dst = o->g + soff;
+    for (int64_t i = 0; i < z->cnt[me]; i++) dst[i] += src[i];
+    if (--sl->pending == 0) sl->live = 0;
+}
+
+void tera_layout_bind_hooks(tera_trainer *tr) {
+    tera_model *m = &tr->model;
+    if (tr->zero < 2) return;
+    m->bind_ctx = tr;
+    m->use_grads = zero_use_grads;
+    if (tr->zero >= 3) m->use_params = zero_use_params;
+}
+
+/* The gradient callback of a micro-batch's backward under this layout (NULL: none needed). */
+void (*tera_layout_grad_ready(tera_trainer *tr))(void *, int64_t, int64_t) {
+    return tr->zero >= 2 ? zero_grad_ready : NULL;
+}
+
+void tera_layout_zero_grads(tera_trainer *tr) {
+    if (tr->zero < 2) {
+        tera_model_zero_grad(&tr->model);
+        return;
+    }
+    memset(tr->opt.g, 0, sizeof(float) * (size_t)tr->opt.n);
+    memset(tr->opt_x.g, 0, sizeof(float) * (size_t)tr->opt_x.n);
+}
+
+/* Test hooks (fault injection): scale every gradient, poison one. */
+void tera_layout_grad_scale(tera_trainer *tr, float s) {
+    if (tr->zero < 2) {
+        tera_grad_scale(&tr->model, s);
+        return;
+    }
+    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    for (int k = 0; k < 2; k++)
+        for (int64_t i = 0; i < o[k]->n; i++) o[k]->g[i] *= s;
+}
+
+void tera_layout_poison_grad(tera_trainer *tr) {
+    if (tr->zero < 2)
+        tr->model.g[tr->model.n_floats / 2] = NAN;
+    else if (tr->opt.n > 0)
+        tr->opt.g[tr->opt.n / 2] = NAN;
+}
+
+void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
+    tera_model *m = &tr->model;
+    if (m->w) {
+        tera_model_init_weights(m, seed);
+        return;
+    }
+    /* ZeRO-3: initialise this rank's storage in a temporary (the init is keyed by global element
+     * indices, so every shard gets its own values), keep the shards */
+    float *lw = tera_malloc(sizeof(float) * (size_t)(m->n_floats + 1));
+    m->w = lw;
+    tera_model_bind_all(m, lw, NULL);
+    tera_model_init_weights(m, seed);
+    memcpy(tr->opt.w, lw + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
+    memcpy(tr->opt_x.w, lw + tr->opt_x.lo, sizeof(float) * (size_t)tr->opt_x.n);
+    m->w = NULL;
+    tera_model_bind_all(m, NULL, NULL); /* views are bound group by group from now on */
+    free(lw);
 }
 
 tera_status tera_layout_init(tera_trainer *tr) {
@@ -51,7 +292,7 @@ tera_status tera_layout_init(tera_trainer *tr) {
     tera_model *m = &tr->model;
     /* the groups (tera_layout_groups) exist; here the optimizer's ranges */
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    tr->zero = p->zero >= 1 && tr->world > 1;
+    (void)p;
     tr->shard_counts = tera_calloc((size_t)tr->world, sizeof(int64_t));
     tr->shard_counts_x = tera_calloc((size_t)tr->edp_size, sizeof(int64_t));
     if (tr->zero) {
@@ -65,10 +306,12 @@ tera_status tera_layout_init(tera_trainer *tr) {
         tera_adamw_init_range(&tr->opt, 0, nd);
         tera_adamw_init_range(&tr->opt_x, nd, n);
     }
+    if (tr->zero >= 2) zero23_init(tr);
     return TERA_OK;
 }
 
 void tera_layout_free(tera_trainer *tr) {
+    zero23_free(tr);
     free(tr->shard_counts);
     free(tr->shard_counts_x);
     tr->shard_counts = tr->shard_counts_x = NULL;
@@ -92,21 +335,21 @@ void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
     shell->router_bias = tr->model.router_bias;
 }
 
-/* Whole Adam moments of this rank's storage (local layout, n floats each) from the shards. */
-static void local_moments(tera_trainer *tr, float *lm, float *lv) {
+/* This rank's whole storage (local layout, n floats) of a quantity held in shards: the two
+ * regions' shards (pd, px) are copied into place, then all-gathered (ZeRO) over the ranks that
+ * share each region. */
+static void assemble(tera_trainer *tr, float *dst, const float *pd, const float *px) {
     const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
-    const tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
-    for (int k = 0; k < 2; k++) {
-        memcpy(lm + o[k]->lo, o[k]->m, sizeof(float) * (size_t)o[k]->n);
-        memcpy(lv + o[k]->lo, o[k]->v, sizeof(float) * (size_t)o[k]->n);
-    }
+    memcpy(dst + tr->opt.lo, pd, sizeof(float) * (size_t)tr->opt.n);
+    memcpy(dst + tr->opt_x.lo, px, sizeof(float) * (size_t)tr->opt_x.n);
     if (!tr->zero) return;
-    tera_comm_allgather_f32(tr->dp, lm, tr->shard_counts);
-    tera_comm_allgather_f32(tr->dp, lv, tr->shard_counts);
-    if (n > nd) {
-        tera_comm_allgather_f32(tr->edp, lm + nd, tr->shard_counts_x);
-        tera_comm_allgather_f32(tr->edp, lv + nd, tr->shard_counts_x);
-    }
+    tera_comm_allgather_f32(tr->dp, dst, tr->shard_counts);
+    if (n > nd) tera_comm_allgather_f32(tr->edp, dst + nd, tr->shard_counts_x);
+}
+
+static void local_moments(tera_trainer *tr, float *lm, float *lv) {
+    assemble(tr, lm, tr->opt.m, tr->opt_x.m);
+    assemble(tr, lv, tr->opt.v, tr->opt_x.v);
 }
 
 /* Copies one tensor's block between a rank's storage (contiguous [len0, len1, len2]) and the whole
@@ -143,7 +386,12 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
         tab[r] = tera_param_table_par(&m->cfg, tr->ep, r / tr->tp, tr->tp, r % tr->tp, &np, &nf, NULL);
     }
     const int me = tr->ep_rank * tr->tp + tr->tp_rank;
-    const float *src[3] = {m->w, lm, lv};
+    float *lw = NULL; /* ZeRO-3: no whole parameter buffer, assemble one from the shards */
+    if (!m->w) {
+        lw = tera_malloc(sizeof(float) * (size_t)(n + 1));
+        assemble(tr, lw, tr->opt.w, tr->opt_x.w);
+    }
+    const float *src[3] = {m->w ? m->w : lw, lm, lv};
     float *dst[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!dst[k]) continue;
@@ -156,6 +404,7 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     free(tab);
     free(cnt);
     free(all);
+    free(lw);
     free(shell.params);
     free(lm);
 }
@@ -165,12 +414,17 @@ void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, con
     const int64_t n = m->n_floats;
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
-    float *lm = tera_calloc((size_t)(2 * n + 1), sizeof(float)), *lv = lm + n;
-    float *dst[3] = {m->w, lm, lv};
+    float *lm = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lv = lm + n, *lw = lm + 2 * n;
+    float *dst[3] = {m->w ? m->w : lw, lm, lv};
     const float *src[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!src[k]) continue;
         for (int i = 0; i < m->n_params; i++) block_copy(&m->params[i], &shell.params[i], dst[k], (float *)src[k], 0);
+    }
+    if (!m->w && gw) { /* ZeRO-3: this rank keeps its shards of the parameters */
+        memcpy(tr->opt.w, lw + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
+        memcpy(tr->opt_x.w, lw + tr->opt_x.lo, sizeof(float) * (size_t)tr->opt_x.n);
+        if (tr->zctx) tr->zctx->version++;
     }
     if (gm && gv) {
         tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
@@ -196,7 +450,7 @@ static int counts_here(const tera_trainer *tr, const tera_param *p) {
 void tera_layout_reduce_grads(tera_trainer *tr) {
     tera_model *m = &tr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    if (tr->world == 1) return;
+    if (tr->world == 1 || tr->zero >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
     if (tr->zero) { /* each rank sums only its own shard of each region */
         tera_comm_reduce_scatter_f32(tr->dp, m->g, tr->shard_counts);
         if (n > nd) tera_comm_reduce_scatter_f32(tr->edp, m->g + nd, tr->shard_counts_x);
@@ -208,8 +462,9 @@ void tera_layout_reduce_grads(tera_trainer *tr) {
 double tera_layout_grad_sq(tera_trainer *tr) {
     tera_model *m = &tr->model;
     double *sq = tr->grad_sq, *sq2 = tr->grad_sq + m->n_params;
-    tera_grad_sq_by_param_range(m, tr->opt.lo, tr->opt.hi, sq);
-    tera_grad_sq_by_param_range(m, tr->opt_x.lo, tr->opt_x.hi, sq2);
+    const tera_adamw *o = &tr->opt, *ox = &tr->opt_x;
+    tera_grad_sq_by_param_at(m, o->lo, o->hi, o->g ? o->g : m->g + o->lo, sq);
+    tera_grad_sq_by_param_at(m, ox->lo, ox->hi, ox->g ? ox->g : m->g + ox->lo, sq2);
     for (int i = 0; i < m->n_params; i++) sq[i] = counts_here(tr, &m->params[i]) ? sq[i] + sq2[i] : 0.0;
     if (tr->wsize > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
     double tot = 0.0;
@@ -225,7 +480,8 @@ void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double
     memset(usq, 0, sizeof(double) * 2 * (size_t)m->n_params);
     tera_adamw_step_by_param(&tr->opt, m, lr, clip_scale, oc, !tr->zero, NULL, NULL, usq, psq);
     tera_adamw_step_by_param(&tr->opt_x, m, lr, clip_scale, oc, !tr->zero, NULL, NULL, usq, psq);
-    if (tr->zero) { /* every rank gets every shard's new parameters */
+    if (tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
+    if (tr->zero && tr->zero < 3) { /* every rank gets every shard's new parameters */
         tera_comm_allgather_f32(tr->dp, m->w, tr->shard_counts);
         if (n > nd) tera_comm_allgather_f32(tr->edp, m->w + nd, tr->shard_counts_x);
     }

@@ -40,8 +40,8 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
         const int64_t a = p->offset > o->lo ? p->offset : o->lo;
         const int64_t b = p->offset + p->numel < o->hi ? p->offset + p->numel : o->hi;
         if (b <= a) continue;
-        float *w = m->w + a;
-        float *g = m->g + a;
+        float *w = o->w ? o->w + (a - o->lo) : m->w + a;
+        float *g = o->g ? o->g + (a - o->lo) : m->g + a;
         float *mm = o->m + (a - o->lo), *vv = o->v + (a - o->lo);
         const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
         const int64_t n = b - a, len = (n + CHUNKS - 1) / CHUNKS;
@@ -89,6 +89,10 @@ double tera_grad_sq_by_param(const tera_model *m, double *sq) {
 }
 
 double tera_grad_sq_by_param_range(const tera_model *m, int64_t lo, int64_t hi, double *sq) {
+    return tera_grad_sq_by_param_at(m, lo, hi, m->g + lo, sq);
+}
+
+double tera_grad_sq_by_param_at(const tera_model *m, int64_t lo, int64_t hi, const float *glo, double *sq) {
     double total = 0.0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
@@ -98,7 +102,7 @@ double tera_grad_sq_by_param_range(const tera_model *m, int64_t lo, int64_t hi, 
             if (sq) sq[i] = 0.0;
             continue;
         }
-        const float *g = m->g + a;
+        const float *g = glo + (a - lo);
         const int64_t n = b - a, len = (n + CHUNKS - 1) / CHUNKS;
         double part[CHUNKS];
 #pragma omp parallel for schedule(static)

@@ -80,11 +80,6 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
-    if (cfg->parallel.zero > 1 && cfg->parallel.dp > 1)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.zero = %d with parallel.dp = %d: ZeRO stages 2 and 3 are not supported in this "
-                         "build yet (stage 1, optimizer-state sharding, is; with one rank there is nothing to shard)",
-                         cfg->parallel.zero, cfg->parallel.dp);
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -101,10 +96,14 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
     {
         const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
-                                    .tp = tr->tp, .tp_group = tr->tp_group};
+                                    .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
+                                    .shard_params = tr->zero >= 3};
         st = tera_model_create_par(&tr->model, &cfg->model, t->micro_batch, t->seq_len, &par);
     }
     if (st != TERA_OK) goto fail_src;
+    /* optimizer ranges: the whole model, or ZeRO shards (src/train/layout.c) */
+    if ((st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
+    tera_layout_bind_hooks(tr);
     if (t->init_from[0]) {
         tera_model_config hc = cfg->model;
         st = tera_hf_read_config(t->init_from, &hc);
@@ -127,15 +126,11 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             free(shell.w);
             goto fail_model;
         }
-        st = tera_layout_init(tr);
-        if (st == TERA_OK) tera_layout_scatter(tr, shell.w, NULL, NULL);
+        tera_layout_scatter(tr, shell.w, NULL, NULL);
         free(shell.w);
-        if (st != TERA_OK) goto fail_model;
     } else {
-        tera_model_init_weights(&tr->model, t->seed);
+        tera_layout_init_weights(tr, t->seed);
     }
-    /* optimizer ranges: the whole model, or ZeRO-1 shards (src/train/layout.c) */
-    if (!tr->shard_counts && (st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
     tr->grad_sq = tera_calloc((size_t)(4 * tr->model.n_params), sizeof(double)); /* + scratch of src/train/layout.c */
     tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
     tr->last_spike_step = -1;
@@ -420,7 +415,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         if (tr->samples_consumed < tr->skip_hi[i] && tr->samples_consumed + seqs > tr->skip_lo[i])
             tr->samples_consumed = tr->skip_hi[i], i = -1;
     const int64_t step_sample = tr->samples_consumed;
-    if (!tr->grads_zero) tera_model_zero_grad(m);
+    if (!tr->grads_zero) tera_layout_zero_grads(tr);
     tr->grads_zero = 0;
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
@@ -443,6 +438,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         tera_model_forward(m, in, tg);
         const int last = a == A - 1 && tr->world > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
         m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
+        if (tr->zero >= 2) m->grad_ready = tera_layout_grad_ready(tr); /* every micro-batch, group by group */
         m->grad_ready_ctx = tr;
         tera_model_backward(m, &s);
         m->grad_ready = NULL;
@@ -473,10 +469,10 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     if (tr->step < tr->lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
-    if (tr->step == tr->fault_nan_step) m->g[m->n_floats / 2] = NAN;
+    if (tr->step == tr->fault_nan_step) tera_layout_poison_grad(tr);
     r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
     if (step_sample == tr->fault_spike_sample) { /* test hook: a gradient blow-up on this batch */
-        tera_grad_scale(m, 100.0f);
+        tera_layout_grad_scale(tr, 100.0f);
         r->grad_norm *= 100.0;
         r->loss *= 10.0;
     }
