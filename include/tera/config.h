@@ -63,6 +63,9 @@ typedef struct {
     float spike_lr_factor; /* LR multiplier after a spike */
     int spike_lr_steps;    /* for this many steps */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
+    char precision[8];     /* auto | fp32 | bf16 | fp16: the linear layers' products (tera_precision_resolve) */
+    float loss_scale;      /* fp16: initial dynamic loss scale */
+    int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
 } tera_train_config;
 
 typedef struct {

@@ -10,6 +10,7 @@
 #include "tera/config.h"
 #include "tera/data.h"
 #include "tera/model.h"
+#include "tera/precision.h"
 
 typedef struct {
     float *m, *v;   /* first and second moments of the flat range [lo, hi), one allocation */
@@ -51,6 +52,7 @@ typedef struct {
     int skipped;    /* 1: non-finite loss or gradient, update skipped */
     double update_ratio; /* ||w_new - w_old|| / ||w_old|| of this step's update */
     int spike;           /* 1: loss spike detected, update dropped (and rolled back when possible) */
+    double loss_scale;   /* the loss scale this step's backward used (1 unless fp16) */
 } tera_step_result;
 
 typedef struct {
@@ -88,6 +90,9 @@ typedef struct {
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [world] floats of the flat buffer each rank's shard holds */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
+    tera_precision precision;   /* of the linear layers' products (training.precision resolved) */
+    const char *precision_note; /* one line: the precision in effect and why */
+    tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
 } tera_trainer;
 
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
