@@ -3,7 +3,8 @@
 # rule); bf16 and fp16 runs follow the fp32 loss curve within a stated margin (fidelity, short
 # version: docs/PERFORMANCE.md has the long one); fp16 with a deliberately huge initial loss scale
 # recovers (overflowing steps skipped, scale halved each time, then training; the scale doubles
-# after loss_scale_window clean steps); --resume restores the scaler exactly.
+# after loss_scale_window clean steps); --resume restores the scaler exactly; bf16 and fp16 runs
+# are deterministic.
 # Usage: cli_precision.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -67,4 +68,13 @@ rm -rf "$W/b/checkpoints/step_00000060"
 grep -q "resumed .* at step 30" "$W/b.log" && rows "$W/b/metrics.jsonl" | cmp -s - "$W/a.rows" \
     && pass "resumed fp16 run identical to the straight run (loss, loss scale, skips)" \
     || { fail "resume differs"; diff <(rows "$W/b/metrics.jsonl") "$W/a.rows" | head; }
+
+# 5. bf16 and fp16 runs are bit-identical for a fixed seed, like fp32 ones
+for p in bf16 fp16; do
+    for i in 1 2; do
+        "$TERA" train "${TINY[@]}" --training.steps=12 --training.precision=$p --logging.run_dir="$W/d_${p}_$i" > /dev/null 2>&1
+    done
+    cmp -s "$W/d_${p}_1/checkpoints/step_00000012/model.safetensors" "$W/d_${p}_2/checkpoints/step_00000012/model.safetensors" \
+        && pass "$p: two runs bit-identical" || fail "$p runs differ"
+done
 finish cli_precision
