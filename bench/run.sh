@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# make bench: bench-s and bench-m (../shared/spec/BENCH.md) on 1 and 2 threads, tera beside the
-# PyTorch eager peer in the same run. Prints a table (tokens/s, MFU vs the sgemm peak measured in
-# the same run, ratio to PyTorch) and tera's per-operation profile; raw JSON lines go to
-# bench/results/latest.jsonl.  Usage: bench/run.sh [TERA] [configs...]   (STEPS=10 WARMUP=3)
+# make bench: bench-s and bench-m (../shared/spec/BENCH.md) on 1 and 2 threads, in fp32 and bf16,
+# tera beside the PyTorch eager peer (fp32; bf16 = torch.autocast("cpu", dtype=torch.bfloat16)) in
+# the same run. Prints a table (tokens/s, MFU vs the fp32 sgemm peak measured in the same run, ratio
+# to PyTorch at the same precision and thread count) and tera's per-operation profile; raw JSON
+# lines go to bench/results/latest.jsonl.
+# Usage: bench/run.sh [TERA] [configs...]   (STEPS=10 WARMUP=3 THREADS="1 2" PRECISIONS="fp32 bf16")
 set -euo pipefail
 TERA=${1:-build/tera}
 shift || true
@@ -10,6 +12,7 @@ CONFIGS=${*:-bench-s bench-m}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 THREADS=${THREADS:-1 2}
+PRECISIONS=${PRECISIONS:-fp32 bf16}
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
 OUT=bench/results/latest.jsonl
@@ -21,27 +24,29 @@ PEER_GEMM=${PEER_GEMM:-blas}
 have_torch=1
 /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
 
-printf "%-8s %3s | %12s %7s %7s | %12s %7s | %6s\n" config thr "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
+printf "%-8s %3s %4s | %12s %7s %7s | %12s %7s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
 for cfg in $CONFIGS; do
     for t in $THREADS; do
-        tj=$(OMP_WAIT_POLICY=PASSIVE "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
-             --warmup $WARMUP 2> bench/results/profile-$cfg-t$t.txt)
-        echo "$tj" >> "$OUT"
-        pj='{}'
-        if [ $have_torch = 1 ]; then
-            pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
-                 --threads $t --precision fp32 --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
-            echo "$pj" >> "$OUT"
-        fi
-        /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
+        for p in $PRECISIONS; do
+            tj=$(OMP_WAIT_POLICY=PASSIVE "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
+                 --warmup $WARMUP --training.precision=$p 2> bench/results/profile-$cfg-t$t-$p.txt)
+            echo "$tj" >> "$OUT"
+            pj='{}'
+            if [ $have_torch = 1 ]; then
+                pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
+                     --threads $t --precision $p --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
+                echo "$pj" >> "$OUT"
+            fi
+            /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
 import json, sys
 a = json.loads(sys.argv[1]); b = json.loads(sys.argv[2])
 pt = b.get("tokens_per_s"); pg = b.get("tflops", 0) * 1e3 if b else None
-print("%-8s %3d | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
-    a["config"], a["threads"], a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
+print("%-8s %3d %4s | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
+    a["config"], a["threads"], a["precision"], a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
     "%.0f" % pt if pt else "-", "%.1f" % pg if pt else "-",
     "%.2fx" % (a["tokens_per_s"] / pt) if pt else "-"))
 PY
+        done
     done
 done
 echo
@@ -49,4 +54,4 @@ echo "fp32 GEMM peak (best of 2048^3 products before and after the steps, same r
 grep -o '"threads": [0-9]*, .*"sgemm_peak_gflops": [0-9.]*' "$OUT" | sed 's/"precision.*"sgemm/ sgemm/' | sort -u
 echo
 echo "tera per-operation profile, bench-m, 2 threads:"
-cat bench/results/profile-bench-m-t2.txt 2>/dev/null || cat bench/results/profile-*-t2.txt
+cat bench/results/profile-bench-m-t2-fp32.txt 2>/dev/null || cat bench/results/profile-*-t2-fp32.txt

@@ -124,6 +124,7 @@ static tera_config small_train_cfg(int micro, int accum) {
     c.training.steps = 4;
     c.training.warmup_steps = 1;
     c.logging.progress = 0;
+    snprintf(c.training.precision, sizeof c.training.precision, "fp32"); /* tolerances are fp32's */
     assert_int_equal(tera_config_finalize(&c), TERA_OK);
     return c;
 }

@@ -161,6 +161,7 @@ static void run_fixture(const char *name) {
     snprintf(cfg.data.format, sizeof cfg.data.format, "bin");
     cfg.data.val_fraction = 0.0f;
     snprintf(cfg.training.init_from, sizeof cfg.training.init_from, "%s", dir);
+    snprintf(cfg.training.precision, sizeof cfg.training.precision, "fp32"); /* the fixtures are fp32 */
     tera_trainer tr;
     assert_int_equal(tera_trainer_init(&tr, &cfg, "", 0), TERA_OK);
     float *w_losses = read_tensor(&f, "train_losses", NULL), *w_norms = read_tensor(&f, "train_grad_norms", NULL),

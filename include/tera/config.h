@@ -75,6 +75,9 @@ typedef struct {
     int batch_grow_max;     /* largest accumulation count growth may reach (0 = 4 x grad_accum) */
     tera_batch_lr_rule batch_lr_scaling; /* LR rule for a batch other than the full one */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
+    char precision[8];     /* auto | fp32 | bf16 | fp16: the linear layers' products (tera_precision_resolve) */
+    float loss_scale;      /* fp16: initial dynamic loss scale */
+    int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
 } tera_train_config;
 
 typedef struct {

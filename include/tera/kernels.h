@@ -19,6 +19,32 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
                const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                int64_t ldc);
 
+/* Precision of the linear layers' products (tera_linear_forward / backward), process-wide, set by
+ * the trainer. FP32: fp32 throughout. BF16: the operands are rounded to bf16 (round to nearest
+ * even) on the fly and multiplied with fp32 accumulation into the fp32 output (oneDNN bf16 matmul /
+ * gemm_bf16bf16f32). FP16: the operands are rounded to fp16 (values beyond +-65504 become inf) and
+ * multiplied in fp32 (oneDNN has no f16 matmul on CPUs in this version: emulated; the products of
+ * fp16 values are exact in fp32, so only the accumulation order differs from an fp16 unit).
+ * tera_gemm itself (attention) and the *_fp32 variants (the router) always run in fp32. */
+typedef enum { TERA_PREC_FP32 = 0, TERA_PREC_BF16, TERA_PREC_FP16 } tera_precision;
+void tera_matmul_set_precision(tera_precision p);
+tera_precision tera_matmul_precision(void);
+const char *tera_precision_name(tera_precision p);
+/* Conversion scratch, allocated here once (not per call): main_elems operand elements (both
+ * operands of a product together) for products outside parallel regions, thread_elems for each
+ * other thread (experts side by side). A product that needs more grows its buffer and counts in
+ * tera_matmul_scratch_grows() (a test checks that it stays 0 over a run). */
+void tera_matmul_reserve(int64_t main_elems, int64_t thread_elems);
+void tera_matmul_release(void);
+int64_t tera_matmul_scratch_grows(void);
+/* 1 when oneDNN reports AMX (avx512_core_amx) on this CPU: where bf16 products are faster than fp32;
+ * isa_name receives the ISA oneDNN dispatches to. */
+int tera_bf16_fast(const char **isa_name);
+/* Elementwise roundings used by the low-precision products (exposed for tests). */
+void tera_round_bf16(uint16_t *dst, const float *src, int64_t n);
+void tera_round_fp16(float *dst, const float *src, int64_t n);
+float tera_bf16_to_float(uint16_t h);
+
 /* y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y) */
 void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                          float beta);
@@ -26,6 +52,11 @@ void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, in
  * dx or dw may be NULL to skip that product. */
 void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
                           int64_t N, int64_t in, int64_t out, float dx_beta);
+/* The same, always in fp32 whatever the precision mode (the router). */
+void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+                              float beta);
+void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                               int64_t N, int64_t in, int64_t out, float dx_beta);
 
 /* y[N,D] = w[D] * x / sqrt(mean(x^2) + eps); rstd[N] saved for backward. */
 void tera_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D,

@@ -10,6 +10,7 @@
 #include "tera/config.h"
 #include "tera/data.h"
 #include "tera/model.h"
+#include "tera/precision.h"
 
 typedef struct {
     float *m, *v;   /* first and second moments of the flat range [lo, hi), one allocation */
@@ -61,6 +62,7 @@ typedef struct {
     int spike;           /* 1: loss spike detected, update dropped (and rolled back when possible) */
     int accum;           /* micro-batches per rank this step (the dynamic batch size) */
     int64_t batch_seqs;  /* global batch of this step in sequences: accum * micro_batch * world */
+    double loss_scale;   /* the loss scale this step's backward used (1 unless fp16) */
 } tera_step_result;
 
 /* ---------------------------------------------------------------- dynamic batch size
@@ -141,6 +143,9 @@ typedef struct {
     int64_t *shard_counts;      /* [world] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
     tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
+    tera_precision precision;   /* of the linear layers' products (training.precision resolved) */
+    const char *precision_note; /* one line: the precision in effect and why */
+    tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
 } tera_trainer;
 
 /* overwrite: 0 = refuse a non-empty run directory, TERA_RUN_CONTINUE = use it as it is (resume),

@@ -57,6 +57,7 @@ int tera_cmd_bench(int argc, char **argv) {
     cfg.training.warmup_steps = 0;
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
+    fprintf(stderr, "tera bench: precision %s\n", tr.precision_note);
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
     const int multi = tr.wsize > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
@@ -116,10 +117,10 @@ int tera_cmd_bench(int argc, char **argv) {
         return 0;
     }
     tera_prof_print(stderr, steps);
-    printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"fp32\", "
+    printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f}\n",
-           val[3] ? val[3] : "custom", tera_get_threads(), tps, 1e3 * med, fpt, gflops, peak, gflops / peak,
+           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision), tps, 1e3 * med, fpt, gflops, peak, gflops / peak,
            r.loss);
     free(sec);
     tera_trainer_free(&tr);

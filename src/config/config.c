@@ -190,6 +190,15 @@ static const config__key config__keys[] = {
            "LR of a step of A micro-batches: x sqrt(A / grad_accum) (Adam), x A / grad_accum, or unchanged"),
     K_STRING(training, init_from, "",
              "Hugging Face Mixtral directory to start from; empty = random init"),
+    K_CHOICE(training, precision, "auto", "auto|fp32|bf16|fp16",
+             "matrix products of the linear layers: bf16 = bf16 operands, fp32 accumulation; fp16 = "
+             "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
+             "optimizer, norms, softmax, router, attention and losses stay fp32; auto = bf16 where oneDNN "
+             "reports AMX, else fp32 (README, Precision)"),
+    K_FLOAT(training, loss_scale, "65536", R_CLOSED(1.0, 1099511627776.0),
+            "fp16: initial loss scale, at most 2^40 (halved, and the update skipped, on a non-finite gradient)"),
+    K_INT(training, loss_scale_window, "1000", 1, INT_MAX,
+          "fp16: the loss scale doubles after this many consecutive steps without overflow"),
 
     /* [optimizer] ------------------------------------------------------------------------------ */
     K_FLOAT(optimizer, beta1, "0.9", R_UNIT_OPEN, "AdamW first-moment decay"),

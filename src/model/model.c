@@ -608,7 +608,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
     const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl; /* F: this rank's share of each expert */
 
     TERA_PROF(ROUTER_FWD, {
-        tera_linear_forward(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
+        tera_linear_forward_fp32(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
         tera_softmax_forward(la->probs, la->rlse, la->rlogits, N, E);
         tera_moe_topk(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL,
                       N, E, K);
@@ -912,7 +912,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
                 for (int e = 0; e < E; e++)
                     a->drlogits[t * E + e] += s->z * 2.0f * la->rlse[t] * la->probs[t * E + e];
         }
-        tera_linear_backward(a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
+        tera_linear_backward_fp32(a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }
 }

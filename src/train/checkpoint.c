@@ -252,6 +252,12 @@ static char *state_text(const tera_trainer *tr) {
     cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
     cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
     cJSON_AddNumberToObject(root, "skipped_steps", (double)tr->skipped_steps);
+    if (tr->precision == TERA_PREC_FP16) { /* the dynamic loss scaler, restored exactly on resume */
+        cJSON *sc = cJSON_AddObjectToObject(root, "loss_scaler");
+        cJSON_AddNumberToObject(sc, "scale", (double)tr->scaler.scale);
+        cJSON_AddNumberToObject(sc, "good_steps", (double)tr->scaler.good_steps);
+        cJSON_AddNumberToObject(sc, "overflows", (double)tr->scaler.overflows);
+    }
     cJSON_AddItemToObject(root, "data", data);
     cJSON_AddStringToObject(data, "path", tr->cfg.data.path[0] ? tr->cfg.data.path : "(embedded corpus)");
     cJSON_AddNumberToObject(data, "n_tokens", (double)tr->src.n_tokens);
@@ -299,6 +305,21 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     const int shuffle = cJSON_IsTrue(sh);
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
     const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
+    /* fp16: the scaler's state when the checkpoint has one (else the configured initial scale) */
+    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(root, "loss_scaler");
+    const cJSON *sc_scale = cJSON_GetObjectItemCaseSensitive(sc, "scale");
+    const cJSON *sc_good = cJSON_GetObjectItemCaseSensitive(sc, "good_steps");
+    const cJSON *sc_over = cJSON_GetObjectItemCaseSensitive(sc, "overflows");
+    tera_loss_scaler scaler = tr->scaler;
+    if (tr->precision == TERA_PREC_FP16 && cJSON_IsNumber(sc_scale)) {
+        if (!(sc_scale->valuedouble >= TERA_LOSS_SCALE_MIN && sc_scale->valuedouble <= TERA_LOSS_SCALE_MAX)) {
+                    return tera_fail(TERA_ERR_FORMAT, "%s: \"loss_scaler.scale\" = %g is outside [%g, %g]", path,
+                             sc_scale->valuedouble, (double)TERA_LOSS_SCALE_MIN, (double)TERA_LOSS_SCALE_MAX);
+        }
+        scaler.scale = (float)sc_scale->valuedouble;
+        scaler.good_steps = cJSON_IsNumber(sc_good) ? (int64_t)sc_good->valuedouble : 0;
+        scaler.overflows = cJSON_IsNumber(sc_over) ? (int64_t)sc_over->valuedouble : 0;
+    }
     const tera_loader *l = &tr->loader;
     if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
         shuffle != l->shuffle || (uint64_t)v[2] != tr->cfg.training.seed) {
@@ -318,6 +339,7 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     tr->opt.t = (int64_t)v[1];
     tr->samples_consumed = (int64_t)d[3];
     tr->skipped_steps = skipped;
+    tr->scaler = scaler;
     return TERA_OK;
 }
 

@@ -173,6 +173,15 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
         if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
+    /* mixed precision (src/train/precision.c): set the kernels' mode and size their scratch once */
+    tr->precision = tera_precision_resolve(t->precision, &tr->precision_note);
+    tera_matmul_set_precision(tr->precision);
+    if (tr->precision != TERA_PREC_FP32) {
+        int64_t me, te;
+        tera_precision_scratch_elems(&cfg->model, t->micro_batch, t->seq_len, tr->ep, &me, &te);
+        tera_matmul_reserve(me, te);
+    }
+    tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
     tr->t_start = tera_now();
     return TERA_OK;
 
@@ -223,6 +232,8 @@ void tera_trainer_free(tera_trainer *tr) {
     tera_layout_free(tr);
     tera_model_destroy(&tr->model);
     tera_source_close(&tr->src);
+    tera_matmul_set_precision(TERA_PREC_FP32);
+    tera_matmul_release();
     memset(tr, 0, sizeof *tr);
 }
 
@@ -259,10 +270,12 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
             "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
             "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
             "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d, "
-            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"batch\": %ld, \"accum\": %d, \"grad_norm_by_group\": {",
+            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"batch\": %ld, \"accum\": %d, \"loss_scale\": %.17g, "
+            "\"grad_norm_by_group\": {",
             (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
             (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds, tera_now() - tr->t_start, r->seconds, r->data_seconds,
-            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio, (long)r->batch_seqs, r->accum);
+            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio, (long)r->batch_seqs, r->accum,
+            r->loss_scale);
     double gsq[7] = {0};
     int present[7] = {0};
     for (int i = 0; i < m->n_params; i++) {
@@ -404,10 +417,12 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
     r->accum = A, r->batch_seqs = seqs;
     const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
+    const float ls = tr->scaler.scale; /* fp16's loss scale (1 otherwise) */
+    r->loss_scale = ls;
     tera_loss_scales s = {
-        .ce = 1.0f / (float)(seqs * T),
-        .aux = cfg->model.aux_coef / (float)(nmoe * seqs),
-        .z = cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
+        .ce = ls / (float)(seqs * T),
+        .aux = ls * cfg->model.aux_coef / (float)(nmoe * seqs),
+        .z = ls * cfg->model.z_coef / (float)((int64_t)nmoe * seqs * T),
     };
     /* data windows that caused spikes: a batch that would touch one starts after it instead (the
      * batch size of a replay may differ), checked again against every window */
@@ -471,14 +486,19 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     double t_opt = tera_now();
     if (tr->step == tr->fault_nan_step) tera_layout_poison_grad(tr);
     r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
+    if (ls != 1.0f) { /* unscale the norms; the gradients themselves are unscaled in the update below */
+        r->grad_norm /= ls;
+        for (int i = 0; i < m->n_params; i++) tr->grad_sq[i] /= (double)ls * ls;
+    }
     if (step_sample == tr->fault_spike_sample) { /* test hook: a gradient blow-up on this batch */
         tera_layout_grad_scale(tr, 100.0f);
         r->grad_norm *= 100.0;
         r->loss *= 10.0;
     }
     if (isfinite(r->loss) && isfinite(r->grad_norm)) r->spike = spike_check(tr, r);
+    if (tr->precision == TERA_PREC_FP16) tera_scaler_update(&tr->scaler, isfinite(r->grad_norm));
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
-        r->skipped = 1; /* the data position still advances with the step counter */
+        r->skipped = 1; /* the data position still advances with the step counter (fp16: scale halved) */
         tr->skipped_steps++;
     } else if (r->spike) {
         r->skipped = 1; /* handled after the bookkeeping below: roll back, skip the batch, lower the LR */
@@ -486,7 +506,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
         double sums[2];
-        tera_layout_adamw_step(tr, r->lr, scale, sums);
+        tera_layout_adamw_step(tr, r->lr, scale / ls, sums);
         r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
         tr->grads_zero = !tr->zero; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
@@ -590,8 +610,10 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             const int64_t step_tokens = r.batch_seqs * cfg->training.seq_len > tr->tokens_per_step
                                          ? r.batch_seqs * cfg->training.seq_len : tr->tokens_per_step; /* grown or full */
             fmt_eta(eta, sizeof eta, (double)(S - tr->step) * step_tokens / tok_s_ema);
-            fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | ETA %s%s%s",
-                    tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, tok_s_ema,
+            char ls[48] = "";
+            if (tr->precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, " | scale %g", r.loss_scale);
+            fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f%s | %8.0f tok/s | ETA %s%s%s",
+                    tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, ls, tok_s_ema,
                     eta, r.skipped ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
             fflush(stderr);
         }

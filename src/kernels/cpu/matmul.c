@@ -5,7 +5,13 @@
  *   (TN 16384x512x2048: 164 vs 105 GFLOP/s) and more so on two (272 vs 110), docs/PERFORMANCE.md;
  * - dnnl_sgemm for small products and inside parallel regions (attention tiles, experts run side by
  *   side), where creating a primitive would cost more than the product.
- * Both are deterministic for a given shape and thread count. */
+ * Both are deterministic for a given shape and thread count.
+ * The linear layers can run in bf16 or (emulated) fp16: see tera_matmul_set_precision in
+ * include/tera/kernels.h and "Mixed precision" below. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <math.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 #include <pthread.h>
@@ -46,6 +52,7 @@ static void engine_init(void) {
  * allocates nothing. A model has a few dozen distinct products. Only the calling thread that is
  * outside any parallel region uses this path, so the cache needs no lock. */
 typedef struct {
+    dnnl_data_type_t dt;             /* operand type: f32, or bf16 (the output is always f32) */
     int ta, tb;
     int64_t M, N, K, lda, ldb, ldc;
     int accumulate;                  /* beta != 0 (beta is 0 or 1 in tera) */
@@ -58,22 +65,22 @@ typedef struct {
 static prim_entry g_cache[PRIM_CACHE];
 static int g_cached = 0;
 
-static prim_entry *prim_get(int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, float beta,
-                            int64_t ldc) {
+static prim_entry *prim_get(dnnl_data_type_t dt, int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t lda,
+                            int64_t ldb, float beta, int64_t ldc) {
     for (int i = 0; i < g_cached; i++) {
         prim_entry *e = &g_cache[i];
-        if (e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K && e->lda == lda && e->ldb == ldb &&
+        if (e->dt == dt && e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K && e->lda == lda && e->ldb == ldb &&
             e->ldc == ldc && e->beta == beta)
             return e;
     }
     if (g_cached == PRIM_CACHE) return NULL; /* full: the caller falls back to sgemm */
     prim_entry *e = &g_cache[g_cached];
-    *e = (prim_entry){.ta = ta, .tb = tb, .M = M, .N = N, .K = K, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta};
+    *e = (prim_entry){.dt = dt, .ta = ta, .tb = tb, .M = M, .N = N, .K = K, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta};
     dnnl_memory_desc_t ad, bd, cd;
     dnnl_dims_t adims = {M, K}, bdims = {K, N}, cdims = {M, N};
     dnnl_dims_t as = {ta ? 1 : lda, ta ? lda : 1}, bs = {tb ? 1 : ldb, tb ? ldb : 1}, cs = {ldc, 1};
-    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&ad, 2, adims, dnnl_f32, as));
-    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&bd, 2, bdims, dnnl_f32, bs));
+    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&ad, 2, adims, dt, as));
+    DNNL_CHECK(dnnl_memory_desc_init_by_strides(&bd, 2, bdims, dt, bs));
     DNNL_CHECK(dnnl_memory_desc_init_by_strides(&cd, 2, cdims, dnnl_f32, cs));
     dnnl_matmul_desc_t md;
     DNNL_CHECK(dnnl_matmul_desc_init(&md, &ad, &bd, NULL, &cd));
@@ -98,11 +105,12 @@ static prim_entry *prim_get(int ta, int tb, int64_t M, int64_t N, int64_t K, int
     return e;
 }
 
-/* C[M,N] = op(A) op(B) + beta C with a cached matmul primitive; returns 0 if the cache is full. */
-static int matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                            const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+/* C[M,N] = op(A) op(B) + beta C with a cached matmul primitive (A, B of type dt, C f32); returns 0
+ * if the cache is full. */
+static int matmul_primitive(dnnl_data_type_t dt, int ta, int tb, int64_t M, int64_t N, int64_t K, const void *A,
+                            int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     pthread_once(&g_once, engine_init);
-    prim_entry *e = prim_get(ta, tb, M, N, K, lda, ldb, beta, ldc);
+    prim_entry *e = prim_get(dt, ta, tb, M, N, K, lda, ldb, beta, ldc);
     if (!e) return 0;
     DNNL_CHECK(dnnl_memory_set_data_handle(e->a, (void *)A));
     DNNL_CHECK(dnnl_memory_set_data_handle(e->b, (void *)B));
@@ -121,6 +129,19 @@ static int matmul_primitive(int ta, int tb, int64_t M, int64_t N, int64_t K, con
  * measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
 static int64_t g_primitive_min_macs = 1LL << 30; /* TERA_GEMM_PRIMITIVE_MIN overrides (A/B timing) */
 
+#if HAVE_MATMUL_PRIMITIVE
+static int use_primitive(void) {
+    static int use = -1; /* TERA_GEMM=sgemm forces sgemm everywhere (for A/B timing) */
+    if (use < 0) {
+        const char *e = getenv("TERA_GEMM");
+        const char *mn = getenv("TERA_GEMM_PRIMITIVE_MIN");
+        if (mn) g_primitive_min_macs = atoll(mn);
+        use = !(e && strcmp(e, "sgemm") == 0);
+    }
+    return use;
+}
+#endif
+
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M == 0 || N == 0) return;
@@ -131,30 +152,228 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
         return;
     }
 #if HAVE_MATMUL_PRIMITIVE
-    static int use_primitive = -1; /* TERA_GEMM=sgemm forces sgemm everywhere (for A/B timing) */
-    if (use_primitive < 0) {
-        const char *e = getenv("TERA_GEMM");
-        use_primitive = !(e && strcmp(e, "sgemm") == 0);
-        const char *mn = getenv("TERA_GEMM_PRIMITIVE_MIN");
-        if (mn) g_primitive_min_macs = atoll(mn);
-    }
-    if (use_primitive && alpha == 1.0f && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
-        matmul_primitive(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
+    if (use_primitive() && alpha == 1.0f && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
+        matmul_primitive(dnnl_f32, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
         return;
 #endif
     DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
 
-void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
-                         float beta) {
+/* ------------------------------------------------------------------ mixed precision */
+
+/* oneDNN's bf16 GEMM: exported by libdnnl (DNNL_API in its src/cpu/gemm/gemm.hpp) but not declared in
+ * the public headers of 2.x. Row-major like dnnl_sgemm; A and B are bf16 bit patterns, C is f32. */
+dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, dnnl_dim_t N, dnnl_dim_t K,
+                                    float alpha, const uint16_t *A, dnnl_dim_t lda, const uint16_t *B,
+                                    dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
+
+static tera_precision g_prec = TERA_PREC_FP32;
+
+void tera_matmul_set_precision(tera_precision p) { g_prec = p; }
+tera_precision tera_matmul_precision(void) { return g_prec; }
+
+const char *tera_precision_name(tera_precision p) {
+    return p == TERA_PREC_BF16 ? "bf16" : p == TERA_PREC_FP16 ? "fp16" : "fp32";
+}
+
+int tera_bf16_fast(const char **isa_name) {
+    const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    const char *name = "older than avx512_core";
+    if ((isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx)
+        name = "avx512_core_amx";
+    else if ((isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16)
+        name = "avx512_core_bf16";
+    else if ((isa & dnnl_cpu_isa_avx512_core_vnni) == dnnl_cpu_isa_avx512_core_vnni)
+        name = "avx512_core_vnni";
+    else if ((isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core)
+        name = "avx512_core";
+    if (isa_name) *isa_name = name;
+    return (isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
+}
+
+/* Per-thread conversion scratch: thread 0 (the only caller outside parallel regions) holds the
+ * large one. Sized by tera_matmul_reserve at set-up; reallocated only if a product outgrows it. */
+#define SCRATCH_THREADS 256
+typedef struct {
+    void *p;
+    size_t bytes;
+} scratch_buf;
+static scratch_buf g_scratch[SCRATCH_THREADS];
+static int64_t g_grows = 0;
+
+static void scratch_resize(scratch_buf *b, size_t bytes) {
+    free(b->p);
+    b->p = tera_malloc(bytes);
+    b->bytes = bytes;
+}
+
+void tera_matmul_reserve(int64_t main_elems, int64_t thread_elems) {
+    const size_t es = g_prec == TERA_PREC_FP16 ? sizeof(float) : sizeof(uint16_t); /* set the precision first */
+    const int nt = tera_get_threads() < SCRATCH_THREADS ? tera_get_threads() : SCRATCH_THREADS;
+    for (int t = 0; t < nt; t++) {
+        const size_t want = (size_t)(t == 0 ? main_elems : thread_elems) * es;
+        if (g_scratch[t].bytes < want) scratch_resize(&g_scratch[t], want);
+    }
+    g_grows = 0;
+}
+
+void tera_matmul_release(void) {
+    for (int t = 0; t < SCRATCH_THREADS; t++) {
+        free(g_scratch[t].p);
+        g_scratch[t] = (scratch_buf){0};
+    }
+    g_grows = 0;
+}
+
+int64_t tera_matmul_scratch_grows(void) { return g_grows; }
+
+static void *scratch_get(size_t bytes) {
+    const int t = omp_in_parallel() ? omp_get_thread_num() : 0;
+    TERA_ASSERTF(t < SCRATCH_THREADS, "thread %d: at most %d threads use low-precision products", t,
+                 SCRATCH_THREADS);
+    scratch_buf *b = &g_scratch[t];
+    if (b->bytes < bytes) {
+        /* only thread t touches its buffer; the counter is for tests */
+#pragma omp atomic
+        g_grows++;
+        scratch_resize(b, bytes);
+    }
+    return b->p;
+}
+
+float tera_bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_scalar(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fp16_scalar(float x) {
+    if (!isfinite(x)) return x;
+    float a = fabsf(x);
+    if (a >= 65520.0f) return copysignf(INFINITY, x); /* past the largest fp16 (65504) once rounded */
+    if (a < 6.103515625e-05f) {                       /* fp16 subnormals: multiples of 2^-24 */
+        a = nearbyintf(a * 16777216.0f) / 16777216.0f;
+    } else { /* 11 significant bits, round to nearest even */
+        uint32_t u;
+        memcpy(&u, &a, sizeof u);
+        u += 0xfffu + ((u >> 13) & 1u);
+        u &= ~0x1fffu;
+        memcpy(&a, &u, sizeof a);
+    }
+    return copysignf(a, x);
+}
+
+static void round_bf16_range(uint16_t *d, const float *s, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    for (; i + 32 <= n; i += 32) {
+        __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i));
+        _mm512_storeu_si512((void *)(d + i), (__m512i)r);
+    }
+#endif
+    for (; i < n; i++) d[i] = bf16_scalar(s[i]);
+}
+
+static void round_fp16_range(float *d, const float *s, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_storeu_ps(d + i, _mm512_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; i++) d[i] = fp16_scalar(s[i]);
+}
+
+/* Conversions run on every thread outside parallel regions (chunks of a fixed size: the result does
+ * not depend on the thread count), on the calling thread inside them. */
+#define CVT_CHUNK 16384
+void tera_round_bf16(uint16_t *dst, const float *src, int64_t n) {
+    if (n <= CVT_CHUNK || omp_in_parallel()) {
+        round_bf16_range(dst, src, n);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_bf16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
+}
+
+void tera_round_fp16(float *dst, const float *src, int64_t n) {
+    if (n <= CVT_CHUNK || omp_in_parallel()) {
+        round_fp16_range(dst, src, n);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_fp16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
+}
+
+/* C[M,N] = op(A) op(B) + beta C in the current low precision. A holds na elements, B nb (dense
+ * operands: the linear layers' arrays). */
+static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
+                      const float *B, int64_t ldb, int64_t nb, float beta, float *C, int64_t ldc) {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+        tera_gemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    if (g_prec == TERA_PREC_FP16) {
+        float *s = scratch_get(sizeof(float) * (size_t)(na + nb));
+        tera_round_fp16(s, A, na);
+        tera_round_fp16(s + na, B, nb);
+        tera_gemm(ta, tb, M, N, K, 1.0f, s, lda, s + na, ldb, beta, C, ldc);
+        return;
+    }
+    /* bf16: the bf16 copy of B starts at an even element, so 4-byte aligned */
+    uint16_t *s = scratch_get(sizeof(uint16_t) * (size_t)(na + (na & 1) + nb));
+    uint16_t *a16 = s, *b16 = s + na + (na & 1);
+    tera_round_bf16(a16, A, na);
+    tera_round_bf16(b16, B, nb);
+#if HAVE_MATMUL_PRIMITIVE
+    if (use_primitive() && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
+        matmul_primitive(dnnl_bf16, ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc))
+        return;
+#endif
+    DNNL_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, a16, lda, b16, ldb, beta, C, ldc));
+}
+
+void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+                              float beta) {
     /* y[N,out] = x[N,in] w[out,in]^T */
     tera_gemm(0, 1, N, out, in, 1.0f, x, in, w, in, beta, y, out);
 }
 
-void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                          int64_t N, int64_t in, int64_t out, float dx_beta) {
+void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                               int64_t N, int64_t in, int64_t out, float dx_beta) {
     /* dx[N,in] = dy[N,out] w[out,in] */
     if (dx) tera_gemm(0, 0, N, in, out, 1.0f, dy, out, w, in, dx_beta, dx, in);
     /* dw[out,in] += dy^T[out,N] x[N,in] */
     if (dw) tera_gemm(1, 0, out, in, N, 1.0f, dy, out, x, in, 1.0f, dw, in);
+}
+
+void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+                         float beta) {
+    if (g_prec == TERA_PREC_FP32) {
+        tera_linear_forward_fp32(y, x, w, N, in, out, beta);
+        return;
+    }
+    gemm_lowp(0, 1, N, out, in, x, in, N * in, w, in, out * in, beta, y, out);
+}
+
+void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                          int64_t N, int64_t in, int64_t out, float dx_beta) {
+    if (g_prec == TERA_PREC_FP32) {
+        tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
+        return;
+    }
+    /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays */
+    if (dx) gemm_lowp(0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
+    if (dw) gemm_lowp(1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
 }

@@ -1,0 +1,41 @@
+/* Mixed precision: the precision a run's linear layers use (training.precision), the conversion
+ * scratch it needs, and fp16's dynamic loss scaler. The products themselves are in the kernel layer
+ * (tera_matmul_set_precision, include/tera/kernels.h); model code holds no precision logic. */
+#ifndef TERA_PRECISION_H
+#define TERA_PRECISION_H
+
+#include <stdint.h>
+
+#include "tera/config.h"
+#include "tera/kernels.h"
+
+/* training.precision ("auto", "fp32", "bf16", "fp16") -> the precision in effect. auto = bf16 where
+ * oneDNN reports AMX (tera_bf16_fast), else fp32: on AVX512-BF16 without AMX, oneDNN's bf16 products
+ * were measured at ~0.6x its fp32 ones (docs/PERFORMANCE.md). *note receives one line saying why
+ * (static storage). */
+tera_precision tera_precision_resolve(const char *name, const char **note);
+
+/* Operand elements (both operands of one product) the largest linear product of this model converts
+ * at once: outside parallel regions (main) and on each thread running experts side by side (ep:
+ * expert-parallel degree; a rank's expert can receive rows from every rank of its group). */
+void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int ep, int64_t *main_elems,
+                                  int64_t *thread_elems);
+
+/* Dynamic loss scaling (fp16). The loss scales passed to backward are multiplied by scale; the
+ * gradients are unscaled before the norm and the clip; a step whose gradient is not finite halves
+ * the scale and is skipped; after `window` consecutive finite steps the scale doubles. */
+#define TERA_LOSS_SCALE_MIN (1.0f / 65536.0f)
+#define TERA_LOSS_SCALE_MAX 1099511627776.0f /* 2^40 */
+typedef struct {
+    float scale;
+    int64_t good_steps; /* consecutive finite steps since the scale last changed */
+    int64_t overflows;  /* steps skipped for a non-finite gradient */
+    int window;
+} tera_loss_scaler;
+
+void tera_scaler_init(tera_loss_scaler *s, float init_scale, int window);
+/* After a step: finite = its gradient was finite. Returns -1 (halved, update to be skipped),
+ * +1 (doubled) or 0. The scale stays within [TERA_LOSS_SCALE_MIN, TERA_LOSS_SCALE_MAX]. */
+int tera_scaler_update(tera_loss_scaler *s, int finite);
+
+#endif

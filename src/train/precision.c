@@ -1,0 +1,52 @@
+/* training.precision: the rule for `auto`, and the size of the conversion scratch. */
+#include <stdio.h>
+#include <string.h>
+
+#include "tera/precision.h"
+
+tera_precision tera_precision_resolve(const char *name, const char **note) {
+    static char buf[256];
+    const char *isa;
+    const int fast = tera_bf16_fast(&isa);
+    tera_precision p;
+    if (!strcmp(name, "bf16")) {
+        p = TERA_PREC_BF16;
+        snprintf(buf, sizeof buf, "bf16 (set; oneDNN ISA %s%s)", isa,
+                 fast ? "" : ": no AMX, bf16 products are slower than fp32 on this CPU");
+    } else if (!strcmp(name, "fp16")) {
+        p = TERA_PREC_FP16;
+        snprintf(buf, sizeof buf, "fp16 (set; emulated: fp16-rounded operands, fp32 products; dynamic loss scaling)");
+    } else if (!strcmp(name, "fp32")) {
+        p = TERA_PREC_FP32;
+        snprintf(buf, sizeof buf, "fp32 (set)");
+    } else { /* auto */
+        p = fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
+        snprintf(buf, sizeof buf, "%s (auto: oneDNN ISA %s, %s)", tera_precision_name(p), isa,
+                 fast ? "AMX bf16 products" : "no AMX: bf16 products would be slower than fp32");
+    }
+    if (note) *note = buf;
+    return p;
+}
+
+/* One linear layer x[N,in] -> [N,out]: its three products convert at most N*in + N*out + in*out
+ * operand elements together (+1: the second operand starts at an even element). */
+static int64_t linear_elems(int64_t N, int64_t in, int64_t out) { return N * (in + out) + in * out + 1; }
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int ep, int64_t *main_elems,
+                                  int64_t *thread_elems) {
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = c->dim / c->n_heads;
+    const int64_t Ne = N * (ep > 1 ? ep : 1); /* expert parallelism: rows from each of ep ranks */
+    const int64_t H = c->n_heads, Hkv = c->n_kv_heads > 0 ? c->n_kv_heads : c->n_heads, F = c->ffn_dim;
+    const int64_t Fd = c->dense_ffn_dim > 0 ? c->dense_ffn_dim : (int64_t)c->top_k * F;
+    int64_t m = linear_elems(N, D, H * hd);        /* q, and o (the same sizes swapped) */
+    m = max64(m, linear_elems(N, D, Hkv * hd));    /* k, v */
+    m = max64(m, linear_elems(N, D, c->vocab_size)); /* LM head */
+    const int64_t e = linear_elems(Ne, D, F);      /* an expert's rows are at most N per source rank */
+    m = max64(m, e);
+    if (c->n_shared_experts > 0) m = max64(m, linear_elems(N, D, (int64_t)c->n_shared_experts * F));
+    if (c->first_k_dense > 0) m = max64(m, linear_elems(N, D, Fd));
+    *main_elems = m;
+    *thread_elems = e;
+}

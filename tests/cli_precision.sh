@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Mixed precision through the command line: the precision in effect is printed (auto follows the AMX
+# rule); bf16 and fp16 runs follow the fp32 loss curve within a stated margin (fidelity, short
+# version: docs/PERFORMANCE.md has the long one); fp16 with a deliberately huge initial loss scale
+# recovers (overflowing steps skipped, scale halved each time, then training; the scale doubles
+# after loss_scale_window clean steps); --resume restores the scaler exactly; bf16 and fp16 runs
+# are deterministic.
+# Usage: cli_precision.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+. "$(dirname "$0")/testlib.sh"
+TINY=(--model.dim=64 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=64
+      --training.seq_len=64 --training.micro_batch=8 --training.warmup_steps=10 --training.threads=2
+      --logging.progress=false)
+# step loss loss_scale skipped, one line per step (the last record of a step wins: resumed runs log
+# some steps twice)
+rows() {
+    grep '"loss": ' "$1" | grep -v '"event"' | sed 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*"skipped": \([01]\),.*"loss_scale": \([^,]*\),.*/\1 \2 \4 \3/' \
+        | awk '{r[$1]=$0} END {for (s in r) print r[s]}' | sort -n
+}
+
+# 1. the precision in effect is printed at start
+"$TERA" train "${TINY[@]}" --training.steps=2 --training.warmup_steps=1 --logging.run_dir="$W/auto" > "$W/auto.log" 2>&1 || { fail "auto run"; cat "$W/auto.log"; }
+grep -q "^tera: precision \(fp32\|bf16\) (auto: oneDNN ISA " "$W/auto.log" && pass "$(grep '^tera: precision' "$W/auto.log")" \
+    || { fail "no precision line"; cat "$W/auto.log"; }
+if grep -q "ISA avx512_core_amx" "$W/auto.log"; then grep -q "precision bf16 (auto" "$W/auto.log"; else grep -q "precision fp32 (auto" "$W/auto.log"; fi \
+    && pass "auto = bf16 exactly when oneDNN reports AMX" || fail "auto rule"
+
+# 2. fidelity: 20-step window means of the loss within 5% of fp32's over 120 steps (embedded corpus)
+for p in fp32 bf16 fp16; do
+    "$TERA" train "${TINY[@]}" --training.steps=120 --training.precision=$p --logging.run_dir="$W/f_$p" > "$W/f_$p.log" 2>&1 \
+        || { fail "$p run"; cat "$W/f_$p.log"; }
+done
+for p in bf16 fp16; do
+    grep -q "^tera: precision $p (set" "$W/f_$p.log" || fail "$p not in effect"
+    paste <(rows "$W/f_fp32/metrics.jsonl") <(rows "$W/f_$p/metrics.jsonl") | awk -v p=$p '
+        { w = int($1 / 20); a[w] += $2; b[w] += $6; n[w]++; if ($2 != $6) differ = 1 }
+        END { worst = 0; for (i in n) { r = (b[i] - a[i]) / a[i]; if (r < 0) r = -r; if (r > worst) worst = r }
+              printf "%s: %d windows, worst window-mean difference %.2f%%, first %.3f last %.3f (fp32 %.3f %.3f)\n",
+                     p, length(n), 100 * worst, b[0] / n[0], b[5] / n[5], a[0] / n[0], a[5] / n[5]
+              exit !(length(n) == 6 && worst <= 0.05 && differ && b[5] / n[5] < b[0] / n[0] - 1.0) }' > "$W/fid.txt" \
+        && pass "$(cat "$W/fid.txt")" || fail "fidelity $(cat "$W/fid.txt")"
+done
+
+# 3. fp16 with a loss scale of 2^36: the first steps overflow (skipped, scale halved each time),
+#    then it trains; after 10 clean steps the scale doubles
+F16=("${TINY[@]}" --training.precision=fp16 --training.loss_scale=68719476736 --training.loss_scale_window=10
+     --training.steps=60 --checkpoint.every=30)
+"$TERA" train "${F16[@]}" --logging.run_dir="$W/a" > "$W/a.log" 2>&1 || { fail "fp16 run"; cat "$W/a.log"; }
+rows "$W/a/metrics.jsonl" > "$W/a.rows"
+awk 'NR == 1 { ok = $3 == 68719476736 && $4 == 1 }
+     prev_skip == 1 { if ($3 != prev_scale / 2) bad = 1 }            # each overflow halved the scale
+     $4 == 1 { skips++ } $4 == 0 { clean++; if (!first_clean) first_clean = NR }
+     prev_skip == 0 && NR > 1 && $3 == 2 * prev_scale { grew = 1 }    # a doubling after clean steps
+     NR <= 10 { l0 += $2; n0++ } NR > 50 { l1 += $2; n1++ }
+     { prev_scale = $3; prev_skip = $4 }
+     END { printf "%d overflowing steps skipped, first clean step %d, doubled later: %d, loss %.3f -> %.3f\n",
+                  skips, first_clean - 1, grew, l0 / n0, l1 / n1
+           exit !(ok && !bad && skips >= 3 && clean >= 40 && grew && l1 / n1 < l0 / n0 - 0.5) }' "$W/a.rows" > "$W/a.txt" \
+    && pass "fp16 huge scale recovers: $(cat "$W/a.txt")" || { fail "fp16 recovery: $(cat "$W/a.txt")"; head -20 "$W/a.rows"; }
+grep -q '"loss_scaler"' "$W/a/checkpoints/step_00000030/state.json" && pass "state.json holds the scaler" || fail "no scaler in state.json"
+
+# 4. resume from step 30 restores the scaler: steps 30..59 (loss, scale, skips) as in the straight run
+cp -r "$W/a" "$W/b"
+rm -rf "$W/b/checkpoints/step_00000060"
+"$TERA" train "${F16[@]}" --logging.run_dir="$W/b" --resume > "$W/b.log" 2>&1 || { fail "resume"; cat "$W/b.log"; }
+grep -q "resumed .* at step 30" "$W/b.log" && rows "$W/b/metrics.jsonl" | cmp -s - "$W/a.rows" \
+    && pass "resumed fp16 run identical to the straight run (loss, loss scale, skips)" \
+    || { fail "resume differs"; diff <(rows "$W/b/metrics.jsonl") "$W/a.rows" | head; }
+
+# 5. bf16 and fp16 runs are bit-identical for a fixed seed, like fp32 ones
+for p in bf16 fp16; do
+    for i in 1 2; do
+        "$TERA" train "${TINY[@]}" --training.steps=12 --training.precision=$p --logging.run_dir="$W/d_${p}_$i" > /dev/null 2>&1
+    done
+    cmp -s "$W/d_${p}_1/checkpoints/step_00000012/model.safetensors" "$W/d_${p}_2/checkpoints/step_00000012/model.safetensors" \
+        && pass "$p: two runs bit-identical" || fail "$p runs differ"
+done
+finish cli_precision

@@ -1,0 +1,282 @@
+/* Mixed precision: bf16 and fp16 linear products against fp32 (stated error bounds), the roundings,
+ * the fp32 router variant, the conversion scratch, the rule for `auto`, and the loss scaler. */
+#include <omp.h>
+
+#include "testutil.h"
+#include "tera/kernels.h"
+#include "tera/precision.h"
+#include "tera/train.h"
+
+/* Reference y[N,out] = x w^T in double, with each operand first rounded as the mode rounds it. */
+static void ref_linear(double *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+                       tera_precision p) {
+    float *xr = malloc(sizeof(float) * (size_t)(N * in)), *wr = malloc(sizeof(float) * (size_t)(out * in));
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)((N > out ? N : out) * in));
+    if (p == TERA_PREC_BF16) {
+        tera_round_bf16(h, x, N * in);
+        for (int64_t i = 0; i < N * in; i++) xr[i] = tera_bf16_to_float(h[i]);
+        tera_round_bf16(h, w, out * in);
+        for (int64_t i = 0; i < out * in; i++) wr[i] = tera_bf16_to_float(h[i]);
+    } else if (p == TERA_PREC_FP16) {
+        tera_round_fp16(xr, x, N * in);
+        tera_round_fp16(wr, w, out * in);
+    } else {
+        memcpy(xr, x, sizeof(float) * (size_t)(N * in));
+        memcpy(wr, w, sizeof(float) * (size_t)(out * in));
+    }
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < out; o++) {
+            double s = 0;
+            for (int64_t k = 0; k < in; k++) s += (double)xr[n * in + k] * wr[o * in + k];
+            y[n * out + o] = s;
+        }
+    free(xr);
+    free(wr);
+    free(h);
+}
+
+/* Checks a low-precision forward against (a) the exact product of the rounded operands: fp32
+ * accumulation only, |err| <= K * 2^-23 * sum|x||w|; (b) the fp32 product: operand rounding,
+ * |err| <= (2u + u^2 + K * 2^-23) * sum|x||w| with u = 2^-8 (bf16) or 2^-11 (fp16). Returns the
+ * largest error against fp32 relative to sum|x||w| (> 0: the operands really were rounded). */
+static double check_forward(tera_precision p, int64_t N, int64_t in, int64_t out, int in_parallel) {
+    float *x = malloc(sizeof(float) * (size_t)(N * in)), *w = malloc(sizeof(float) * (size_t)(out * in));
+    float *y = malloc(sizeof(float) * (size_t)(N * out));
+    double *yr = malloc(sizeof(double) * (size_t)(N * out)), *y32 = malloc(sizeof(double) * (size_t)(N * out));
+    tu_fill(x, N * in, 11 + (uint64_t)N, 1.0f);
+    tu_fill(w, out * in, 12 + (uint64_t)out, 0.5f);
+    tera_matmul_set_precision(p);
+    if (in_parallel) {
+#pragma omp parallel num_threads(2)
+        if (omp_get_thread_num() == 1) tera_linear_forward(y, x, w, N, in, out, 0.0f);
+    } else {
+        tera_linear_forward(y, x, w, N, in, out, 0.0f);
+    }
+    tera_matmul_set_precision(TERA_PREC_FP32);
+    ref_linear(yr, x, w, N, in, out, p);
+    ref_linear(y32, x, w, N, in, out, TERA_PREC_FP32);
+    const double u = p == TERA_PREC_BF16 ? 1.0 / 256 : 1.0 / 2048, acc = (double)in * ldexp(1.0, -23);
+    double worst = 0.0;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < out; o++) {
+            double mag = 0;
+            for (int64_t k = 0; k < in; k++) mag += fabs((double)x[n * in + k] * w[o * in + k]);
+            const double e_acc = fabs(y[n * out + o] - yr[n * out + o]), e32 = fabs(y[n * out + o] - y32[n * out + o]);
+            if (e_acc > acc * mag + 1e-30 || e32 > (2 * u + u * u + acc) * mag) {
+                fprintf(stderr, "%s %ldx%ldx%ld [%ld,%ld]: got %.9g, rounded-operand product %.9g, fp32 %.9g\n",
+                        tera_precision_name(p), (long)N, (long)in, (long)out, (long)n, (long)o, y[n * out + o],
+                        yr[n * out + o], y32[n * out + o]);
+                fail();
+            }
+            if (e32 / mag > worst) worst = e32 / mag;
+        }
+    free(x), free(w), free(y), free(yr), free(y32);
+    return worst;
+}
+
+static void test_forward_bounds(void **state) {
+    (void)state;
+    tera_matmul_reserve(1 << 20, 1 << 20);
+    for (int p = TERA_PREC_BF16; p <= TERA_PREC_FP16; p++) {
+        /* small (oneDNN gemm), large enough for the matmul primitive (TERA_GEMM_PRIMITIVE_MIN set in
+         * main), and inside a parallel region (per-thread scratch) */
+        const double a = check_forward(p, 7, 33, 5, 0), b = check_forward(p, 96, 80, 70, 0),
+                     c = check_forward(p, 40, 24, 17, 1);
+        const double lo = p == TERA_PREC_BF16 ? 1e-4 : 1e-5; /* rounding is visible: not an fp32 product */
+        assert_true(a > lo && b > lo && c > lo);
+    }
+    tera_matmul_release();
+}
+
+/* Backward: dx = dy w and dw += dy^T x against the rounded-operand double products (dw accumulates
+ * into what is there). */
+static void test_backward_bounds(void **state) {
+    (void)state;
+    enum { N = 50, IN = 24, OUT = 36 };
+    float x[N * IN], w[OUT * IN], dy[N * OUT], dx[N * IN], dw[OUT * IN];
+    tu_fill(x, N * IN, 1, 1.0f);
+    tu_fill(w, OUT * IN, 2, 0.5f);
+    tu_fill(dy, N * OUT, 3, 1.0f);
+    tera_matmul_reserve(1 << 16, 1 << 16);
+    for (int p = TERA_PREC_BF16; p <= TERA_PREC_FP16; p++) {
+        for (int i = 0; i < OUT * IN; i++) dw[i] = 1.0f;
+        tera_matmul_set_precision(p);
+        tera_linear_backward(dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+        tera_matmul_set_precision(TERA_PREC_FP32);
+        /* dx[n,i] = sum_o dy[n,o] w[o,i]: as a forward of dy against w^T */
+        float wt[IN * OUT], dyt[OUT * N], xt[IN * N];
+        for (int o = 0; o < OUT; o++)
+            for (int i = 0; i < IN; i++) wt[i * OUT + o] = w[o * IN + i];
+        for (int n = 0; n < N; n++) {
+            for (int o = 0; o < OUT; o++) dyt[o * N + n] = dy[n * OUT + o];
+            for (int i = 0; i < IN; i++) xt[i * N + n] = x[n * IN + i];
+        }
+        double rdx[N * IN], rdw[OUT * IN];
+        ref_linear(rdx, dy, wt, N, OUT, IN, (tera_precision)p);
+        ref_linear(rdw, dyt, xt, OUT, N, IN, (tera_precision)p);
+        for (int i = 0; i < N * IN; i++) assert_true(fabs(dx[i] - rdx[i]) <= OUT * ldexp(1.0, -23) * 20 + 1e-6);
+        for (int i = 0; i < OUT * IN; i++) assert_true(fabs(dw[i] - (1.0 + rdw[i])) <= N * ldexp(1.0, -23) * 20 + 1e-6);
+    }
+    tera_matmul_release();
+}
+
+/* The router's fp32 variant ignores the mode: bit-identical to the fp32 product. */
+static void test_fp32_variant(void **state) {
+    (void)state;
+    enum { N = 16, IN = 32, OUT = 8 };
+    float x[N * IN], w[OUT * IN], a[N * OUT], b[N * OUT];
+    tu_fill(x, N * IN, 4, 1.0f);
+    tu_fill(w, OUT * IN, 5, 1.0f);
+    tera_linear_forward(a, x, w, N, IN, OUT, 0.0f);
+    tera_matmul_set_precision(TERA_PREC_BF16);
+    tera_linear_forward_fp32(b, x, w, N, IN, OUT, 0.0f);
+    tera_matmul_set_precision(TERA_PREC_FP32);
+    assert_memory_equal(a, b, sizeof a);
+}
+
+static void test_roundings(void **state) {
+    (void)state;
+    /* fp16: ties to even, the largest finite value, overflow to inf, subnormals; vector body and
+     * scalar tail agree (37 elements) */
+    float s[37], d[37];
+    const float in[] = {1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 65504.0f, 65519.0f, 65520.0f, -70000.0f, 0x1p-25f,
+                        3 * 0x1p-26f, 1e-3f, -2.5f};
+    const float want[] = {1.0f, 1.0f + 0x1p-9f, 65504.0f, 65504.0f, INFINITY, -INFINITY, 0.0f, 0x1p-24f,
+                          0.0010004043579101562f, -2.5f};
+    for (int rep = 0; rep < 2; rep++) { /* rep 0: in the vector body; rep 1: in the scalar tail */
+        for (int i = 0; i < 37; i++) s[i] = 0.25f;
+        for (int i = 0; i < 10; i++) s[rep ? 27 + i : i] = in[i];
+        tera_round_fp16(d, s, 37);
+        for (int i = 0; i < 10; i++) {
+            const float g = d[rep ? 27 + i : i];
+            if (!(g == want[i])) {
+                fprintf(stderr, "fp16(%.9g) = %.9g, want %.9g\n", in[i], g, want[i]);
+                fail();
+            }
+        }
+    }
+    /* bf16: ties to even, NaN stays NaN, inf stays inf */
+    float b[40];
+    uint16_t h[40];
+    for (int i = 0; i < 40; i++) b[i] = 1.0f;
+    b[3] = 1.0f + 0x1p-8f, b[4] = 1.0f + 3 * 0x1p-8f, b[5] = NAN, b[6] = INFINITY;
+    b[35] = 1.0f + 0x1p-8f, b[36] = NAN;
+    tera_round_bf16(h, b, 40);
+    assert_true(tera_bf16_to_float(h[3]) == 1.0f && tera_bf16_to_float(h[35]) == 1.0f);
+    assert_true(tera_bf16_to_float(h[4]) == 1.0f + 0x1p-6f);
+    assert_true(isnan(tera_bf16_to_float(h[5])) && isnan(tera_bf16_to_float(h[36])));
+    assert_true(isinf(tera_bf16_to_float(h[6])));
+}
+
+/* The scaler: doubles after `window` clean steps, halves (and reports a skip) on overflow, and
+ * stays within its bounds. */
+static void test_scaler(void **state) {
+    (void)state;
+    tera_loss_scaler s;
+    tera_scaler_init(&s, 8.0f, 3);
+    assert_int_equal(tera_scaler_update(&s, 1), 0);
+    assert_int_equal(tera_scaler_update(&s, 1), 0);
+    assert_true(s.scale == 8.0f);
+    assert_int_equal(tera_scaler_update(&s, 1), 1);
+    assert_true(s.scale == 16.0f && s.good_steps == 0);
+    assert_int_equal(tera_scaler_update(&s, 1), 0);
+    assert_int_equal(tera_scaler_update(&s, 0), -1);
+    assert_true(s.scale == 8.0f && s.good_steps == 0 && s.overflows == 1);
+    assert_int_equal(tera_scaler_update(&s, 1), 0); /* the count restarted after the overflow */
+    assert_int_equal(tera_scaler_update(&s, 1), 0);
+    assert_int_equal(tera_scaler_update(&s, 1), 1);
+    assert_true(s.scale == 16.0f);
+    tera_scaler_init(&s, 1e30f, 1);
+    assert_true(s.scale == TERA_LOSS_SCALE_MAX);
+    tera_scaler_update(&s, 1);
+    assert_true(s.scale == TERA_LOSS_SCALE_MAX);
+    tera_scaler_init(&s, TERA_LOSS_SCALE_MIN, 1);
+    assert_int_equal(tera_scaler_update(&s, 0), -1);
+    assert_true(s.scale == TERA_LOSS_SCALE_MIN);
+}
+
+static tera_config tiny_cfg(const char *precision) {
+    tera_config c;
+    tera_config_defaults(&c);
+    c.model.dim = 32;
+    c.model.n_layers = 2;
+    c.model.n_heads = 4;
+    c.model.n_experts = 4;
+    c.model.ffn_dim = 48;
+    c.model.max_seq_len = 32;
+    c.model.n_shared_experts = 1;
+    c.training.seq_len = 32;
+    c.training.micro_batch = 4;
+    c.training.steps = 3;
+    c.training.warmup_steps = 1;
+    c.logging.progress = 0;
+    snprintf(c.training.precision, sizeof c.training.precision, "%s", precision);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    return c;
+}
+
+/* Training steps in bf16 and fp16 convert inside the scratch reserved at set-up (no growth in the
+ * step loop); `auto` follows the AMX rule; the mode is back to fp32 after the trainer is freed. */
+static void test_trainer_modes(void **state) {
+    (void)state;
+    const char *names[] = {"bf16", "fp16", "auto"};
+    for (int i = 0; i < 3; i++) {
+        tera_config c = tiny_cfg(names[i]);
+        tera_trainer tr;
+        assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
+        const tera_precision want = i == 0 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
+                                    : tera_bf16_fast(NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
+        assert_int_equal(tr.precision, want);
+        assert_int_equal(tera_matmul_precision(), want);
+        tera_step_result r;
+        for (int s = 0; s < 3; s++) {
+            assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
+            assert_true(isfinite(r.loss) && !r.skipped);
+            assert_true(r.loss_scale == (want == TERA_PREC_FP16 ? c.training.loss_scale : 1.0f));
+        }
+        assert_int_equal(tera_matmul_scratch_grows(), 0);
+        tera_trainer_free(&tr);
+        assert_int_equal(tera_matmul_precision(), TERA_PREC_FP32);
+    }
+}
+
+/* fp16 with a scale far too large: the gradient overflows, the update is skipped (weights and Adam
+ * step count unchanged) and the scale halves, step after step, until a step goes through. */
+static void test_fp16_overflow_skip(void **state) {
+    (void)state;
+    tera_config c = tiny_cfg("fp16");
+    c.training.loss_scale = 0x1p36f;
+    c.training.steps = 40;
+    tera_trainer tr;
+    assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
+    float *w0 = malloc(sizeof(float) * (size_t)tr.model.n_floats);
+    memcpy(w0, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
+    tera_step_result r;
+    assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
+    assert_true(r.skipped && r.loss_scale == 0x1p36f && tr.scaler.scale == 0x1p35f);
+    assert_memory_equal(w0, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
+    assert_int_equal(tr.opt.t, 0);
+    int steps = 1;
+    while (r.skipped && steps < 40) {
+        assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
+        steps++;
+    }
+    assert_false(r.skipped);
+    assert_int_equal(tr.opt.t, 1);
+    assert_int_equal(tr.scaler.overflows, steps - 1);
+    assert_true(r.loss_scale == ldexpf(1.0f, 36 - (steps - 1)));
+    free(w0);
+    tera_trainer_free(&tr);
+}
+
+int main(void) {
+    setenv("TERA_GEMM_PRIMITIVE_MIN", "100000", 1); /* read at the first product: small products reach the primitive */
+    tera_set_threads(2);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_forward_bounds), cmocka_unit_test(test_backward_bounds),
+        cmocka_unit_test(test_fp32_variant),   cmocka_unit_test(test_roundings),
+        cmocka_unit_test(test_scaler),         cmocka_unit_test(test_trainer_modes),
+        cmocka_unit_test(test_fp16_overflow_skip),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
