@@ -8,6 +8,8 @@
 # Also: dropless routing under expert parallelism, overlap on/off bit-identical, checkpoints
 # resumed under another layout (ep 2 -> 1, ep 2 -> 4 with ZeRO-1).
 #
+# Pipelines ("ppP", "ppP/gpipe", "ppP/interleaved") split the layers into P stages, the micro-batches
+# of a step (training.grad_accum) flowing through the schedule.
 # Naming: the degrees multiply to the rank count. "tpT" splits each tensor over T ranks (parallel.tp);
 # "epE" splits the experts over E data-parallel ranks, which also read different samples, so
 # parallel.dp counts them: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
@@ -25,7 +27,7 @@ command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
 head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
 # GQA (8 query, 4 key/value heads), a dense first layer, a shared expert, capacity with drops,
 # z-loss and aux-free bias: every tensor kind, and widths that tp 4 divides
-TINY=(--model.dim=32 --model.n_layers=3 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=4 --model.ffn_dim=32
+TINY=(--model.dim=32 --model.n_layers=4 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=4 --model.ffn_dim=32
       --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --model.n_shared_experts=1
       --model.first_k_dense=1 --training.seq_len=32 --training.warmup_steps=2 --training.steps=8
       --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1)
@@ -47,22 +49,31 @@ field() { grep "memory bytes per rank" "$1" | grep -o "$2 [0-9]*" | head -1 | cu
 elems() { grep -o "replicated [0-9]*, tensor-parallel [0-9]*, expert [0-9]*" "$1" | tr -dc '0-9 ' | tr -s ' '; }
 read -r REP SPL EXP <<< "$(elems "$W/one.log")"
 
-# name parallel.dp parallel.tp parallel.ep zero
-LAYOUTS="dp2:2:1:1:3 tp2:1:2:1:0 ep4:4:1:4:2 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:3"
+# name : parallel.dp : parallel.tp : parallel.ep : zero [: parallel.pp : schedule : chunks]
+LAYOUTS="dp2:2:1:1:3 tp2:1:2:1:0 ep4:4:1:4:2 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:3
+         pp2:1:1:1:0:2:1f1b:1 pp4/gpipe:1:1:1:0:4:gpipe:1 pp2/interleaved:1:1:1:0:2:interleaved:2
+         pp2xdp2xep2:4:1:2:1:2:1f1b:1"
 if [ "${TERA_TEST_FULL:-0}" = 1 ]; then # every layout with every ZeRO stage it can shard over
-    LAYOUTS="tp2:1:2:1:0 tp4:1:4:1:0"
+    LAYOUTS="tp2:1:2:1:0 tp4:1:4:1:0 pp2:1:1:1:0:2:1f1b:1 pp4:1:1:1:0:4:1f1b:1 pp2/gpipe:1:1:1:0:2:gpipe:1
+             pp4/gpipe:1:1:1:0:4:gpipe:1 pp2/interleaved:1:1:1:0:2:interleaved:2 pp2xtp2:1:2:1:0:2:1f1b:1"
     for l in dp2:2:1:1 dp4:4:1:1 ep2:2:1:2 ep4:4:1:4 dp2xtp2:2:2:1 dp2xep2:4:1:2 tp2xep2:2:2:2 dp4xep2:8:1:2 \
              dp2xep4:8:1:4 tp4xep2:2:4:2 dp2xtp2xep2:4:2:2; do
         for z in 0 1 2 3; do LAYOUTS="$LAYOUTS $l:$z"; done
     done
+    for l in pp2xdp2:2:1:1 pp2xep2:2:1:2 pp2xdp2xep2:4:1:2 pp2xdp2xtp2:2:2:1; do
+        for z in 0 1 3; do LAYOUTS="$LAYOUTS $l:$z:2:1f1b:1"; done
+    done
+    LAYOUTS="$LAYOUTS pp2xdp2/interleaved:2:1:1:2:2:interleaved:2"
 fi
 for l in $LAYOUTS; do
-    IFS=: read -r name dp tp ep zero <<< "$l"
+    IFS=: read -r name dp tp ep zero pp sched chunks <<< "$l"
+    pp=${pp:-1} sched=${sched:-1f1b} chunks=${chunks:-1}
     tag="$name zero$zero"
-    R="$W/$name-$zero"
+    R="$W/${name//\//-}-$zero"
     accum=1
     micro=$((4 / dp))
     [ "$micro" = 0 ] && { micro=1; accum=1; } # dp 8: 8 sequences per step
+    [ "$pp" -gt 1 ] && { micro=1; accum=$((4 / dp)); } # a pipeline's micro-batches are the accumulation steps
     if [ "$dp" = 8 ]; then # compare with one rank accumulating 8 micro-batches
         [ -d "$W/one8" ] || "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=8 \
             --logging.run_dir="$W/one8" > "$W/one8.log" 2>&1
@@ -70,8 +81,9 @@ for l in $LAYOUTS; do
     else
         ref="$W/one"
     fi
-    $MPIRUN -np $((dp * tp)) "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --training.grad_accum=$accum \
-        --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.zero="$zero" --logging.run_dir="$R" \
+    $MPIRUN -np $((pp * dp * tp)) "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --training.grad_accum=$accum \
+        --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" \
+        --parallel.pp_schedule="$sched" --parallel.pp_chunks="$chunks" --logging.run_dir="$R" \
         > "$R.log" 2>&1 || { fail "$tag run"; tail -5 "$R.log"; continue; }
     same_steps "$ref/metrics.jsonl" "$R/metrics.jsonl" && pass "$tag: every step's loss and grad norm match one rank" \
         || fail "$tag: losses differ from one rank"
@@ -83,13 +95,15 @@ for l in $LAYOUTS; do
     # flat buffers of parameters and gradients hold those plus 64-byte alignment; Adam's two
     # moments the same, or with ZeRO a 1/dp shard of the non-expert region and a 1/(dp/ep) shard
     # of the expert region (each rounded up to 16 floats); ZeRO-2 keeps gradients only for that
-    # shard, ZeRO-3 parameters too (the staging of one group at a time counts as communication)
+    # shard, ZeRO-3 parameters too (the staging of one group at a time counts as communication);
+    # a pipeline stage holds a part of the layers (rank 0: the first stage's)
     read -r rep spl exp <<< "$(elems "$R.log")"
     p=$(field "$R.log" "params"); g=$(field "$R.log" "grads"); o=$(field "$R.log" "optimizer")
     nd=$(grep -o 'non-expert [0-9]*' "$R.log" | cut -d' ' -f2); nx=$(grep -o 'expert [0-9]* floats)' "$R.log" | cut -d' ' -f2)
     awk -v rep="$rep" -v spl="$spl" -v exp_="$exp" -v R="$REP" -v S="$SPL" -v X="$EXP" -v p="$p" -v g="$g" -v o="$o" \
-        -v nd="$nd" -v nx="$nx" -v dp="$dp" -v tp="$tp" -v ep="$ep" -v z="$zero" 'BEGIN {
-        ok = rep == R && spl * tp == S && exp_ * ep * tp == X
+        -v nd="$nd" -v nx="$nx" -v dp="$dp" -v tp="$tp" -v ep="$ep" -v z="$zero" -v pp="$pp" 'BEGIN {
+        if (pp == 1) ok = rep == R && spl * tp == S && exp_ * ep * tp == X
+        else ok = rep <= R && spl * tp <= S && exp_ * ep * tp <= X && rep + spl * tp + exp_ * ep * tp < R + S + X
         held = rep + spl + exp_
         whole = 4 * (nd + nx)
         ok = ok && 4 * held <= whole && whole <= 4 * (held + 16 * 64)
@@ -167,6 +181,26 @@ $MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=
 grep -q "resumed .* at step 4" "$W/rt2.log" && same_steps "$W/rt/metrics.jsonl" "$W/rt2/metrics.jsonl" \
     && pass "tp4 checkpoint resumed as dp2 x tp2 zero3: steps 4..7 match" || fail "resume tp4 -> dp2 tp2"
 
+# a pp4 (1f1b) checkpoint resumes as one rank, and as pp2 interleaved with dp2 and ZeRO-1
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --parallel.pp=4 \
+    --checkpoint.every=4 --logging.run_dir="$W/rp" > "$W/rp.log" 2>&1 || { fail "pp4 run with checkpoints"; tail -5 "$W/rp.log"; }
+for to in 1 4; do
+    D="$W/rp-$to"
+    cp -r "$W/rp" "$D"
+    rm -rf "$D/checkpoints/step_00000008"
+    head -4 "$W/rp/metrics.jsonl" > "$D/metrics.jsonl"
+    if [ $to = 1 ]; then
+        "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$D" --resume \
+            > "$D.log" 2>&1 || { fail "resume pp4 on one rank"; tail -5 "$D.log"; }
+    else
+        $MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=2 --parallel.dp=2 \
+            --parallel.zero=1 --parallel.pp=2 --parallel.pp_schedule=interleaved --parallel.pp_chunks=2 \
+            --logging.run_dir="$D" --resume > "$D.log" 2>&1 || { fail "resume pp4 as pp2 interleaved"; tail -5 "$D.log"; }
+    fi
+    grep -q "resumed .* at step 4" "$D.log" && same_steps "$W/rp/metrics.jsonl" "$D/metrics.jsonl" \
+        && pass "pp4 checkpoint resumed on $to rank(s): steps 4..7 match" || fail "resume pp4 on $to ranks"
+done
+
 # invalid layouts are refused before any work, naming the constraint
 bad() { # expected message, then the options
     local want=$1 np=$2
@@ -181,5 +215,9 @@ bad() { # expected message, then the options
 bad "parallel.ep (4) must divide parallel.dp (2)" 2 --parallel.dp=2 --parallel.ep=4
 bad "parallel.tp (3) must divide model.vocab_size (256)" 3 --parallel.tp=3
 bad "parallel.dp x parallel.tp = 2 x 2 = 4 ranks, but 2 are running" 2 --parallel.dp=2 --parallel.tp=2
+bad "parallel.pp x parallel.pp_chunks = 8 virtual stages need at least as many layers" 4 --parallel.pp=4 \
+    --parallel.pp_schedule=interleaved --parallel.pp_chunks=2 --training.grad_accum=4
+bad "parallel.pp_layers = \"3,2\": needs 2 counts (pp x pp_chunks) adding up to model.n_layers = 4" 2 --parallel.pp=2 \
+    --parallel.pp_layers=3,2
 echo "cli_layouts: $fails failed"
 [ "$fails" = 0 ]

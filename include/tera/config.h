@@ -95,6 +95,9 @@ typedef struct {
 typedef struct {
     int dp, tp, pp, ep;         /* parallel degrees (1 = off); ep divides dp (experts split inside dp) */
     int ep_overlap;             /* expert parallelism: overlap exchanges with expert compute */
+    char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
+    int pp_chunks;              /* model chunks per stage (interleaved) */
+    char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */
     int zero;                   /* ZeRO stage 0-3 */
     float timeout_s;            /* collective watchdog (0 = off) */
 } tera_parallel_config;

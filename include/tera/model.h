@@ -101,6 +101,12 @@ typedef struct {
     /* ZeRO-3 / ZeRO-2: the model allocates no whole parameter / gradient buffer; the trainer binds
      * each group's when use_params / use_grads ask (tera_model_bind_group) */
     int shard_params, shard_grads;
+    /* Pipeline parallelism: this rank is pp_rank of pp stages with v model chunks each; it holds
+     * the layers of virtual stages chunk * pp + pp_rank (split: layer_first[pp*v + 1]), the
+     * embedding on stage 0 and the head on stage pp-1, and n_slots activation sets (one per
+     * micro-batch in flight; tera_model_use_slot picks the one forward/backward use). */
+    int pp, pp_rank, v, n_slots;
+    const int *layer_first;
 } tera_model_par;
 
 /* Parameter groups, the unit of gradient buckets and of ZeRO-3 gathering: layer l (>= 0), the
@@ -128,7 +134,11 @@ typedef struct {
     int64_t *expert_load; /* [L, E] assignments per expert since the last tera_model_reset_load */
     double *router_entropy; /* [L] sum over tokens of the router distribution's entropy (nats), same period */
     int64_t routed_tokens;  /* tokens per MoE layer counted in that period */
-    tera_acts *acts;
+    tera_acts *acts;      /* the activation slot in use */
+    tera_acts *slots;     /* [n_slots] */
+    int n_slots;
+    unsigned char *held;  /* [L] layers on this rank (pipeline parallelism; else all) */
+    int *layer_first;     /* [pp*v + 1] layer split over virtual stages */
     float *logits;        /* [B*T, Vl] after forward (this rank's vocabulary slice) */
     tera_fwd_stats stats; /* of the last forward */
     /* Gradient buckets: called during backward as soon as a contiguous range of the flat gradient
@@ -157,6 +167,19 @@ tera_param *tera_param_table_ep(const tera_model_config *cfg, int ep, int ep_ran
                                 int64_t *n_dense);
 tera_param *tera_param_table_par(const tera_model_config *cfg, int ep, int ep_rank, int tp, int tp_rank, int *n,
                                  int64_t *n_floats, int64_t *n_dense);
+/* Which part of the model one rank holds. Pipeline parallelism: pp ranks, each with v model chunks
+ * (virtual stage s = chunk * pp + pp_rank holds layers [layer_first[s], layer_first[s+1]), e.g.
+ * tera_pp_split's balanced split); the embedding is on pp rank 0, the final norm and LM head on
+ * pp rank pp-1. Tensors of other stages stay in the table with nothing stored (numel 0). */
+typedef struct {
+    int ep, ep_rank, tp, tp_rank, pp, pp_rank, v;
+    const int *layer_first; /* [pp*v + 1] */
+} tera_shard_spec;
+tera_param *tera_param_table_spec(const tera_model_config *cfg, const tera_shard_spec *spec, int *n, int64_t *n_floats,
+                                  int64_t *n_dense);
+/* Contiguous layer ranges for `stages` virtual stages balancing the modelled compute per stage
+ * (model FLOPs per token of each layer, the LM head counted with the last layer): first[stages+1]. */
+void tera_pp_split(const tera_model_config *cfg, int stages, int T, int *first);
 const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
 
 /* Flat-buffer range [lo, hi) of a group's expert (experts = 1) or other tensors (lo = hi = 0: none). */
@@ -184,6 +207,16 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
 /* Accumulates (+=) parameter gradients of  s.ce*ce_sum + s.aux*aux_sum + s.z*z_sum  into m->g.
  * Must follow the forward of the same micro-batch. */
 void tera_model_backward(tera_model *m, const tera_loss_scales *s);
+/* Pipeline parallelism: the same over layers [l0, l1) only. Forward: from x_in [N, D] (l0 > 0;
+ * l0 = 0 embeds the tokens); the output goes to x_out [N, D] (l1 < L; l1 = L runs the head and the
+ * loss). Backward: from dout [N, D], the gradient of the range's output (l1 < L); writes the
+ * gradient of its input to dx [N, D] (l0 > 0). Statistics of a forward cover its layers only. */
+void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_t *targets, int l0, int l1,
+                              const float *x_in, float *x_out);
+void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0, int l1, const float *dout,
+                               float *dx);
+/* Selects the activation slot the next forward/backward of a micro-batch use. */
+void tera_model_use_slot(tera_model *m, int slot);
 /* Aux-loss-free balancing: b_e += rate * sign(mean load - load_e) per MoE layer from expert_load. */
 void tera_model_update_router_bias(tera_model *m);
 

@@ -122,6 +122,11 @@ typedef struct {
      * together hold one whole copy of the model. */
     struct tera_comm *tp_group, *mp;
     int tp, tp_rank;
+    /* pipeline parallelism: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank; pp_group: the
+     * stages of one pipeline; sg: the ranks whose statistics add up (data-parallel x stages) */
+    struct tera_comm *pp_group, *sg;
+    int pp, pp_rank;
+    struct tera_pipe *pipe;     /* the executor's state (src/train/pipeline.c) */
     int wrank, wsize, root;     /* world rank and size; root: world rank 0 (writes outputs) */
     tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
                                    ZeRO-1 shard of it); opt holds the non-expert region's */
@@ -209,6 +214,22 @@ void tera_layout_grad_scale(tera_trainer *tr, float s);
 void tera_layout_poison_grad(tera_trainer *tr);
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards). */
 void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);
+
+/* ---------------------------------------------------------------- the pipeline (src/train/pipeline.c) */
+typedef struct tera_pipe tera_pipe;
+int tera_pipeline_slots(const tera_trainer *tr); /* activation slots this stage needs (before the model) */
+tera_status tera_pipeline_init(tera_trainer *tr);
+void tera_pipeline_free(tera_trainer *tr);
+/* Runs the step's A micro-batches through the schedule: sums[3] += cross-entropy, aux, z sums of
+ * this stage's layers; counts[2] += assignments, dropped; data_s += reading time. grad_ready is
+ * set for each backward (final_only: only for a chunk's last micro-batch). */
+void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, double *sums, int64_t *counts,
+                        double *data_s, void (*grad_ready)(void *, int64_t, int64_t), int final_only);
+/* One evaluation micro-batch through the stages in turn: the cross-entropy sum and positions on
+ * the last stage (0 elsewhere). */
+double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const int32_t *targets, double *positions);
+/* Mean seconds per step of this stage: running operations, waiting for neighbours, the whole step. */
+void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step);
 
 /* ---------------------------------------------------------------- checkpoints
  * (src/train/checkpoint.c; on-disk format and readers in include/tera/ckpt.h, docs/CHECKPOINTS.md)

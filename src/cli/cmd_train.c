@@ -92,6 +92,18 @@ int tera_cmd_train(int argc, char **argv) {
                     tr.wsize, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
                     cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
     }
+    if (tr.pp > 1 && tr.rank == 0 && tr.tp_rank == 0) { /* one line per pipeline stage */
+        const tera_model *m = &tr.model;
+        char layers[256] = "";
+        for (int vs = tr.pp_rank; vs < tr.pp * m->par.v; vs += tr.pp) {
+            const size_t k = strlen(layers);
+            snprintf(layers + k, sizeof layers - k, "%s[%d, %d)", k ? " " : "", m->layer_first[vs], m->layer_first[vs + 1]);
+        }
+        fprintf(stderr, "tera: pipeline stage %d of %d (%s): layers %s%s%s, %d activation slot%s, activations %.1f MiB\n",
+                tr.pp_rank, tr.pp, cfg.parallel.pp_schedule, layers, tr.pp_rank == 0 ? " + embedding" : "",
+                tr.pp_rank == tr.pp - 1 ? " + head" : "", m->n_slots, m->n_slots == 1 ? "" : "s",
+                (double)m->bytes_acts / (1024.0 * 1024.0));
+    }
     tera_prof_reset();
     int64_t step0 = tr.step;
     tera_step_result last;
@@ -101,6 +113,14 @@ int tera_cmd_train(int argc, char **argv) {
         return tera_cli_error();
     }
     if (cfg.logging.profile && tr.root) tera_prof_print(stderr, (int)(tr.step - step0));
+    if (tr.pp > 1 && tr.rank == 0 && tr.tp_rank == 0) { /* the measured bubble of each stage */
+        double busy, wait, step;
+        tera_pipeline_times(&tr, &busy, &wait, &step);
+        const int m = cfg.training.grad_accum, p = tr.pp, v = cfg.parallel.pp_chunks;
+        fprintf(stderr, "tera: pipeline stage %d: step %.1f ms, busy %.1f ms, waiting %.1f ms: idle fraction %.3f "
+                "(bubble formula %.3f)\n", tr.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
+                step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
+    }
     if (tr.root)
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",
             (long)tr.step, last.loss, cfg.logging.run_dir, (long)tr.step);

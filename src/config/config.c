@@ -224,7 +224,16 @@ static const config__key config__keys[] = {
     K_INT(parallel, tp, "1", 1, INT_MAX,
           "tensor-parallel degree: groups of tp consecutive ranks split attention heads, FFN widths and the vocabulary "
           "(Megatron); the job runs dp x tp ranks"),
-    K_INT(parallel, pp, "1", 1, INT_MAX, "pipeline-parallel degree"),
+    K_INT(parallel, pp, "1", 1, INT_MAX,
+          "pipeline-parallel degree: the layers are split into pp stages (the slowest-varying rank dimension); the job "
+          "runs pp x dp x tp ranks; training.grad_accum micro-batches flow through the pipeline"),
+    K_CHOICE(parallel, pp_schedule, "1f1b", "gpipe|1f1b|interleaved",
+             "pipeline schedule: all forwards then all backwards (gpipe), one-forward-one-backward (1f1b, at most pp "
+             "micro-batches in flight), or 1f1b over pp_chunks model chunks per stage (interleaved)"),
+    K_INT(parallel, pp_chunks, "1", 1, 64,
+          "model chunks per pipeline stage (virtual stages; interleaved needs >= 2 and grad_accum a multiple of pp)"),
+    K_STRING(parallel, pp_layers, "",
+             "layers of each virtual stage, comma-separated (e.g. \"3,3,2\"); empty = balanced by modelled compute"),
     K_INT(parallel, ep, "1", 1, INT_MAX,
           "expert-parallel degree: the routed experts of each MoE layer are split over groups of ep of the dp "
           "data-parallel ranks (ep must divide parallel.dp and model.n_experts)"),
@@ -862,7 +871,48 @@ tera_status tera_config_finalize(tera_config *c) {
             CONFIG__REQUIRE(v[i] % p->tp == 0, "parallel.tp (%d) must divide %s (%d)", p->tp, what[i], v[i]);
     }
     /* pipeline parallelism is not built yet: refuse, never quietly run 1-way */
-    CONFIG__REQUIRE(p->pp == 1, "parallel.pp = %d: parallel.pp > 1 is not supported in this build yet", p->pp);
+    /* pipeline parallelism: the schedule, the chunks and the layer split */
+    {
+        const int interleaved = strcmp(p->pp_schedule, "interleaved") == 0;
+        CONFIG__REQUIRE(!interleaved || p->pp_chunks >= 2,
+                        "parallel.pp_schedule = interleaved needs parallel.pp_chunks >= 2 (it is %d)", p->pp_chunks);
+        CONFIG__REQUIRE(interleaved || p->pp_chunks == 1,
+                        "parallel.pp_chunks = %d needs parallel.pp_schedule = interleaved", p->pp_chunks);
+        CONFIG__REQUIRE(!interleaved || t->grad_accum % p->pp == 0,
+                        "parallel.pp_schedule = interleaved needs training.grad_accum (%d) to be a multiple of "
+                        "parallel.pp (%d)", t->grad_accum, p->pp);
+        CONFIG__REQUIRE(p->pp * p->pp_chunks <= m->n_layers,
+                        "parallel.pp x parallel.pp_chunks = %d virtual stages need at least as many layers "
+                        "(model.n_layers = %d)", p->pp * p->pp_chunks, m->n_layers);
+        CONFIG__REQUIRE(p->pp == 1 || !m->tie_embeddings,
+                        "parallel.pp = %d with model.tie_embeddings: the embedding and the LM head live on different "
+                        "pipeline stages; untie them", p->pp);
+        CONFIG__REQUIRE(p->pp == 1 || t->batch_rampup_steps == 0 || t->batch_rampup_start == 0 ||
+                            t->batch_rampup_start >= t->grad_accum,
+                        "parallel.pp = %d: the pipeline runs training.grad_accum micro-batches every step; a batch "
+                        "ramp-up is not supported with it", p->pp);
+        CONFIG__REQUIRE(p->pp == 1 || t->batch_grow_gnorm <= 0,
+                        "parallel.pp = %d: batch growth (training.batch_grow_gnorm) is not supported with a pipeline",
+                        p->pp);
+        int counts[256], n = 0;
+        if (p->pp_layers[0]) {
+            const char *q = p->pp_layers;
+            while (*q && n < 256) {
+                char *end;
+                long v = strtol(q, &end, 10);
+                CONFIG__REQUIRE(end != q && v >= 1 && v <= m->n_layers && (*end == ',' || *end == 0),
+                                "parallel.pp_layers = \"%s\": expected positive layer counts separated by commas",
+                                p->pp_layers);
+                counts[n++] = (int)v;
+                q = *end ? end + 1 : end;
+            }
+            int sum = 0;
+            for (int i = 0; i < n; i++) sum += counts[i];
+            CONFIG__REQUIRE(n == p->pp * p->pp_chunks && sum == m->n_layers,
+                            "parallel.pp_layers = \"%s\": needs %d counts (pp x pp_chunks) adding up to model.n_layers "
+                            "= %d (got %d adding up to %d)", p->pp_layers, p->pp * p->pp_chunks, m->n_layers, n, sum);
+        }
+    }
     return TERA_OK;
 }
 

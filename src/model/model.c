@@ -70,6 +70,7 @@ struct tera_acts {
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
+    float *logits;       /* [N, Vl] (in the scratch block, or per slot with pipeline parallelism) */
     float *attn_scratch; /* attention kernel scratch */
     float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
     void *plan_scratch;  /* dispatch plan scratch */
@@ -104,6 +105,7 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
     const int64_t R = ep > 1 ? a->Rmax : N * K; /* rows the local experts process */
     const int64_t Fs = m->Fsl, Fd = m->Fdl;
     for (int l = 0; l < cfg->n_layers; l++) {
+        if (!m->held[l]) continue; /* another pipeline stage's layer */
         layer_acts *la = &a->layer[l];
         la->x_in = CARVE_F(c, N * D);
         la->ln1 = CARVE_F(c, N * D);
@@ -151,9 +153,11 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
     a->loss_lse = CARVE_F(c, N);
     a->rope_cos = CARVE_F(c, (int64_t)T * hd / 2);
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
+    /* pipeline: a micro-batch's logits live until its backward, after other micro-batches ran */
+    if (m->n_slots > 1) a->logits = CARVE_F(c, N * m->Vl);
 }
 
-static void carve_scratch(tera_acts *a, carver *c, const tera_model *m, float **logits) {
+static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     const tera_model_config *cfg = &m->cfg;
     const int B = m->B, T = m->T, ep = m->par.ep;
     const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
@@ -163,7 +167,7 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m, float **
     int64_t Fw = R * F; /* widest hidden buffer */
     if (N * Fs > Fw) Fw = N * Fs;
     if (N * Fd > Fw) Fw = N * Fd;
-    *logits = CARVE_F(c, N * m->Vl);
+    if (m->n_slots == 1) a->logits = CARVE_F(c, N * m->Vl);
     if (m->par.tp > 1) a->ce_buf = CARVE_F(c, 3 * N);
     a->dres = CARVE_F(c, N * D);
     a->dln = CARVE_F(c, N * D);
@@ -315,8 +319,25 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     m->cfg = *cfg;
     m->B = B;
     m->T = T;
-    m->params = tera_param_table_par(cfg, ep, m->ep_rank, tp, m->tp_rank, &m->n_params, &m->n_floats,
-                                     &m->n_dense_floats);
+    /* pipeline parallelism: this rank's layers (and the embedding / head on the end stages) */
+    const int pp = m->par.pp > 1 ? m->par.pp : 1, vch = m->par.v > 1 ? m->par.v : 1;
+    m->par.pp = pp, m->par.v = vch;
+    m->n_slots = m->par.n_slots > 1 ? m->par.n_slots : 1;
+    m->held = tera_calloc((size_t)cfg->n_layers, 1);
+    m->layer_first = tera_calloc((size_t)(pp * vch + 1), sizeof(int));
+    if (pp > 1) {
+        TERA_ASSERTF(m->par.layer_first, "pipeline parallelism needs the layer split");
+        memcpy(m->layer_first, m->par.layer_first, sizeof(int) * (size_t)(pp * vch + 1));
+        for (int st = m->par.pp_rank; st < pp * vch; st += pp)
+            for (int l = m->layer_first[st]; l < m->layer_first[st + 1]; l++) m->held[l] = 1;
+    } else {
+        m->layer_first[1] = cfg->n_layers;
+        memset(m->held, 1, (size_t)cfg->n_layers);
+    }
+    m->par.layer_first = m->layer_first;
+    const tera_shard_spec spec = {.ep = ep, .ep_rank = m->ep_rank, .tp = tp, .tp_rank = m->tp_rank, .pp = pp,
+                                  .pp_rank = m->par.pp_rank, .v = vch, .layer_first = m->layer_first};
+    m->params = tera_param_table_spec(cfg, &spec, &m->n_params, &m->n_floats, &m->n_dense_floats);
     /* ZeRO-3 / ZeRO-2: the trainer holds shards and binds each group's parameters / gradients
      * (tera_model_bind_group) when the use_params / use_grads callbacks ask for them */
     if (!m->par.shard_params) m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
@@ -330,32 +351,50 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     m->expert_load = tera_calloc((size_t)cfg->n_layers * (size_t)cfg->n_experts, sizeof(int64_t));
     m->router_entropy = tera_calloc((size_t)cfg->n_layers, sizeof(double));
 
-    tera_acts *a = tera_calloc(1, sizeof(tera_acts));
-    a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
-    if (ep > 1) {
-        a->Rmax = ep_rows_max(cfg, B, T, ep);
-        a->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
-    }
+    /* activation slots: one per micro-batch a pipeline stage holds at once (1 without a pipeline);
+     * the scratch block is shared (carved once, every slot points into it) */
+    const int ns = m->n_slots;
+    m->slots = tera_calloc((size_t)ns, sizeof(tera_acts));
     carver c = {0};
-    carve_acts(a, &c, m);
-    a->act_block = tera_malloc(c.off);
-    memset(a->act_block, 0, c.off);
-    m->bytes_acts = (int64_t)c.off;
-    c = (carver){.base = a->act_block};
-    carve_acts(a, &c, m);
+    tera_acts *a0 = &m->slots[0];
+    for (int i = 0; i < ns; i++) {
+        tera_acts *a = &m->slots[i];
+        a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
+        if (ep > 1) a->Rmax = ep_rows_max(cfg, B, T, ep);
+        c = (carver){0};
+        carve_acts(a, &c, m);
+        a->act_block = tera_malloc(c.off);
+        memset(a->act_block, 0, c.off);
+        m->bytes_acts += (int64_t)c.off;
+        c = (carver){.base = a->act_block};
+        carve_acts(a, &c, m);
+    }
+    if (ep > 1) a0->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
     c = (carver){0};
-    carve_scratch(a, &c, m, &m->logits);
-    a->scratch_block = tera_malloc(c.off);
-    memset(a->scratch_block, 0, c.off);
+    carve_scratch(a0, &c, m);
+    a0->scratch_block = tera_malloc(c.off);
+    memset(a0->scratch_block, 0, c.off);
     m->bytes_scratch = (int64_t)c.off;
-    c = (carver){.base = a->scratch_block};
-    carve_scratch(a, &c, m, &m->logits);
-    a->threads = omp_get_max_threads();
-    if (ep > 1) /* xr, yr per MoE layer; dyr, dxr shared */
-        m->bytes_comm = (int64_t)(2 * m->n_moe_layers + 2) * a->Rmax * cfg->dim * (int64_t)sizeof(float);
-    tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
-    m->acts = a;
+    for (int i = 0; i < ns; i++) {
+        tera_acts *a = &m->slots[i];
+        c = (carver){.base = a0->scratch_block};
+        carve_scratch(a, &c, m);
+        a->req = a0->req;
+        a->threads = omp_get_max_threads();
+        tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
+    }
+    int held_moe = 0;
+    for (int l = 0; l < cfg->n_layers; l++) held_moe += m->held[l] && is_moe(cfg, l);
+    if (ep > 1) /* xr, yr per MoE layer and slot; dyr, dxr shared */
+        m->bytes_comm = (int64_t)(2 * held_moe * ns + 2) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+    tera_model_use_slot(m, 0);
     return TERA_OK;
+}
+
+void tera_model_use_slot(tera_model *m, int slot) {
+    TERA_ASSERTF(slot >= 0 && slot < m->n_slots, "activation slot %d of %d", slot, m->n_slots);
+    m->acts = &m->slots[slot];
+    m->logits = m->acts->logits;
 }
 
 void tera_model_destroy(tera_model *m) {
@@ -368,13 +407,17 @@ void tera_model_destroy(tera_model *m) {
     free(m->router_bias);
     free(m->expert_load);
     free(m->router_entropy);
-    if (m->acts) {
-        free(m->acts->act_block);
-        free(m->acts->scratch_block);
-        free(m->acts->layer);
-        free(m->acts->req);
-        free(m->acts);
+    if (m->slots) {
+        for (int i = 0; i < m->n_slots; i++) {
+            free(m->slots[i].act_block);
+            free(m->slots[i].layer);
+        }
+        free(m->slots[0].scratch_block);
+        free(m->slots[0].req);
+        free(m->slots);
     }
+    free(m->held);
+    free(m->layer_first);
     memset(m, 0, sizeof *m);
 }
 
@@ -773,27 +816,40 @@ static double ce_forward_parallel(tera_model *m, const int32_t *targets) {
 }
 
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets) {
+    tera_model_forward_range(m, tokens, targets, 0, m->cfg.n_layers, NULL, NULL);
+}
+
+void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_t *targets, int l0, int l1,
+                              const float *x_in, float *x_out) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
+    const int L = c->n_layers;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
     TERA_ASSERTF(omp_get_max_threads() <= a->threads,
                  "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
                  omp_get_max_threads(), a->threads);
+    TERA_ASSERTF(0 <= l0 && l0 < l1 && l1 <= L, "layer range [%d, %d) of %d", l0, l1, L);
+    for (int l = l0; l < l1; l++) TERA_ASSERTF(m->held[l], "layer %d is not on this pipeline stage", l);
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;
-    need_params(m, TERA_GROUP_EMBED);
-    if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
-        TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
-        tp_sum(m, a->layer[0].x_in, N * D);
+    if (l0 > 0) {
+        memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(N * D));
     } else {
-        TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+        need_params(m, TERA_GROUP_EMBED);
+        if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
+            TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
+            tp_sum(m, a->layer[0].x_in, N * D);
+        } else {
+            TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
+        }
     }
-    for (int l = 0; l < c->n_layers; l++) {
-        float *out = l + 1 < c->n_layers ? a->layer[l + 1].x_in : a->x_final;
+    for (int l = l0; l < l1; l++) {
+        float *out = l + 1 < l1 ? a->layer[l + 1].x_in : (l1 == L ? a->x_final : x_out);
         need_params(m, l);
         layer_forward(m, l, out);
     }
+    if (l1 < L) return; /* the next stage goes on */
     need_params(m, TERA_GROUP_HEAD);
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
@@ -964,31 +1020,45 @@ static void notify_grads(tera_model *m, int group) {
 }
 
 void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
+    tera_model_backward_range(m, s, 0, m->cfg.n_layers, NULL, NULL);
+}
+
+void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0, int l1, const float *dout,
+                               float *dx) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
+    const int L = c->n_layers;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
-    need_params(m, TERA_GROUP_HEAD);
-    need_grads(m, TERA_GROUP_HEAD);
-    if (c->tie_embeddings) {
-        need_params(m, TERA_GROUP_EMBED);
-        need_grads(m, TERA_GROUP_EMBED);
+    if (l1 < L) {
+        memcpy(a->dres, dout, sizeof(float) * (size_t)(N * D));
+    } else {
+        need_params(m, TERA_GROUP_HEAD);
+        need_grads(m, TERA_GROUP_HEAD);
+        if (c->tie_embeddings) {
+            need_params(m, TERA_GROUP_EMBED);
+            need_grads(m, TERA_GROUP_EMBED);
+        }
+        /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
+        if (m->par.tp > 1)
+            TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
+        else
+            TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
+        TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+        tp_sum(m, a->dln, N * D); /* the vocabulary slices' partial input gradients */
+        memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
+        TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
+                                                  a->rstdf, N, D));
+        if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
     }
-    /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
-    if (m->par.tp > 1)
-        TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
-    else
-        TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
-    TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-    tp_sum(m, a->dln, N * D); /* the vocabulary slices' partial input gradients */
-    memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
-    TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
-                                              a->rstdf, N, D));
-    if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
-    for (int l = c->n_layers - 1; l >= 0; l--) {
+    for (int l = l1 - 1; l >= l0; l--) {
         need_params(m, l);
         need_grads(m, l);
         layer_backward(m, l, s);
         notify_grads(m, l);
+    }
+    if (l0 > 0) {
+        memcpy(dx, a->dres, sizeof(float) * (size_t)(N * D));
+        return;
     }
     need_grads(m, TERA_GROUP_EMBED);
     if (m->par.tp > 1)

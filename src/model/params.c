@@ -10,6 +10,8 @@ typedef struct {
     int n, cap;
     int ep, ep_rank; /* expert parallelism: this rank stores experts [ep_rank*E/ep, +E/ep) */
     int tp, tp_rank; /* tensor parallelism: this rank stores 1/tp of the split dim */
+    const unsigned char *held; /* pipeline parallelism: [L] layers on this rank (NULL: all) */
+    int embed, head; /* this rank holds the embedding / the final norm and LM head */
 } table_builder;
 
 static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const char *name, int ndim,
@@ -34,10 +36,17 @@ static tera_param *add(table_builder *b, tera_param_kind kind, int layer, const 
     p->tp_dim = -1;
     p->numel = p->shape[0] * p->shape[1] * p->shape[2];
     p->decay = ndim >= 2;
+    /* pipeline parallelism: a tensor of another stage is a row with nothing stored here */
+    const int here = layer >= 0 ? (!b->held || b->held[layer]) : (kind == TERA_P_EMBED ? b->embed : b->head);
+    if (!here) {
+        for (int d = 0; d < 3; d++) p->len[d] = 0;
+        p->numel = 0;
+    }
     return p;
 }
 
 static void split(tera_param *p, int dim, int parts, int part) {
+    if (p->numel == 0) return; /* held by another pipeline stage */
     p->len[dim] = p->shape[dim] / parts;
     p->lo[dim] = (int64_t)part * p->len[dim];
     p->numel = p->len[0] * p->len[1] * p->len[2];
@@ -83,12 +92,75 @@ tera_param *tera_param_table_ep(const tera_model_config *c, int ep, int ep_rank,
 
 tera_param *tera_param_table_par(const tera_model_config *c, int ep, int ep_rank, int tp, int tp_rank, int *n,
                                  int64_t *n_floats, int64_t *n_dense) {
+    const tera_shard_spec sp = {.ep = ep, .ep_rank = ep_rank, .tp = tp, .tp_rank = tp_rank, .pp = 1, .v = 1};
+    return tera_param_table_spec(c, &sp, n, n_floats, n_dense);
+}
+
+/* Per-layer cost for the pipeline split: the model FLOPs of one token through the layer (its
+ * matrices and attention, BENCH.md's convention); the LM head counts toward the last layer. */
+static double layer_cost(const tera_model_config *c, int l, int T) {
+    const double D = c->dim, hd = (double)c->dim / c->n_heads, H = c->n_heads, Hkv = c->n_kv_heads, F = c->ffn_dim;
+    double a = D * H * hd * 2 + D * Hkv * hd * 2;
+    if (l < c->first_k_dense)
+        a += 3 * D * c->dense_ffn_dim;
+    else
+        a += (double)c->n_experts * D + c->top_k * 3 * D * F + 3 * D * F * c->n_shared_experts;
+    double cost = 6 * a + 12 * D * T;
+    if (l == c->n_layers - 1) cost += 6.0 * c->vocab_size * D;
+    return cost;
+}
+
+void tera_pp_split(const tera_model_config *c, int stages, int T, int *first) {
+    /* contiguous layers per virtual stage minimising the largest stage cost (dynamic programme
+     * over split points; ties go to the earlier split), every stage at least one layer */
+    const int L = c->n_layers, S = stages;
+    double *pre = tera_calloc((size_t)L + 1, sizeof(double));
+    for (int l = 0; l < L; l++) pre[l + 1] = pre[l] + layer_cost(c, l, T);
+    double *best = tera_calloc((size_t)(S + 1) * (size_t)(L + 1), sizeof(double));
+    int *cut = tera_calloc((size_t)(S + 1) * (size_t)(L + 1), sizeof(int));
+#define BEST(s, l) best[(size_t)(s) * (size_t)(L + 1) + (size_t)(l)]
+#define CUT(s, l) cut[(size_t)(s) * (size_t)(L + 1) + (size_t)(l)]
+    for (int l = 0; l <= L; l++) BEST(0, l) = l == 0 ? 0.0 : 1e300;
+    for (int s = 1; s <= S; s++)
+        for (int l = 0; l <= L; l++) {
+            BEST(s, l) = 1e300;
+            for (int k = s - 1; k < l; k++) { /* stages 0..s-2 take layers [0, k), stage s-1 [k, l) */
+                const double v = BEST(s - 1, k) > pre[l] - pre[k] ? BEST(s - 1, k) : pre[l] - pre[k];
+                if (v < BEST(s, l)) BEST(s, l) = v, CUT(s, l) = k;
+            }
+        }
+    first[S] = L;
+    for (int s = S, l = L; s > 0; s--) l = first[s - 1] = CUT(s, l);
+#undef BEST
+#undef CUT
+    free(pre);
+    free(best);
+    free(cut);
+}
+
+tera_param *tera_param_table_spec(const tera_model_config *c, const tera_shard_spec *sp, int *n, int64_t *n_floats,
+                                  int64_t *n_dense) {
+    const int ep = sp->ep, ep_rank = sp->ep_rank, tp = sp->tp, tp_rank = sp->tp_rank;
     TERA_ASSERTF(ep >= 1 && c->n_experts % ep == 0 && ep_rank >= 0 && ep_rank < ep,
                  "expert parallelism %d (rank %d) with %d experts", ep, ep_rank, c->n_experts);
     TERA_ASSERTF(tp >= 1 && tp_rank >= 0 && tp_rank < tp && c->vocab_size % tp == 0 && c->n_heads % tp == 0 &&
                      c->n_kv_heads % tp == 0 && c->ffn_dim % tp == 0 && c->dense_ffn_dim % tp == 0,
                  "tensor parallelism %d (rank %d) does not divide the model's widths", tp, tp_rank);
-    table_builder b = {.ep = ep, .ep_rank = ep_rank, .tp = tp, .tp_rank = tp_rank};
+    table_builder b = {.ep = ep, .ep_rank = ep_rank, .tp = tp, .tp_rank = tp_rank, .embed = 1, .head = 1};
+    unsigned char *held = NULL;
+    if (sp->pp > 1) { /* virtual stage s = chunk * pp + rank holds layers [first[s], first[s+1]) */
+        const int S = sp->pp * sp->v;
+        const int *first = sp->layer_first;
+        TERA_ASSERTF(first && first[0] == 0 && first[S] == c->n_layers, "pipeline split of %d layers into %d stages",
+                     c->n_layers, S);
+        held = tera_calloc((size_t)c->n_layers, 1);
+        for (int s = 0; s < S; s++)
+            if (s % sp->pp == sp->pp_rank)
+                for (int l = first[s]; l < first[s + 1]; l++) held[l] = 1;
+        b.held = held;
+        b.embed = sp->pp_rank == 0;
+        b.head = sp->pp_rank == sp->pp - 1;
+    }
     const int64_t D = c->dim, V = c->vocab_size, H = c->n_heads, Hkv = c->n_kv_heads;
     const int64_t hd = D / H, E = c->n_experts, F = c->ffn_dim;
     const int64_t Fs = (int64_t)c->n_shared_experts * F, Fd = c->dense_ffn_dim;
@@ -165,6 +237,7 @@ tera_param *tera_param_table_par(const tera_model_config *c, int ep, int ep_rank
     }
     *n = b.n;
     *n_floats = assign_offsets(&b, n_dense);
+    free(held);
     return b.rows;
 }
 

@@ -41,8 +41,9 @@ tera_status tera_layout_groups(tera_trainer *tr) {
         tr->ep_group = tera_comm_split(tr->dp, tr->edp_rank, tr->ep_rank);
         tr->edp = tera_comm_split(tr->dp, tr->ep_rank, tr->edp_rank);
     }
-    if (tr->ep * tr->tp > 1) /* over the world */
-        tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank, tr->ep_rank * tr->tp + tr->tp_rank);
+    if (tr->ep * tr->tp * tr->pp > 1) /* over the world */
+        tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank,
+                                 (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank);
     /* ZeRO needs more than one data-parallel rank to shard over */
     tr->zero = tr->world > 1 ? p->zero : 0;
     return TERA_OK;
@@ -320,8 +321,10 @@ void tera_layout_free(tera_trainer *tr) {
     if (tr->edp && tr->edp != tr->dp) tera_comm_free(tr->edp);
     if (tr->mp) tera_comm_free(tr->mp);
     if (tr->tp_group) tera_comm_free(tr->tp_group);
+    if (tr->pp_group) tera_comm_free(tr->pp_group);
+    if (tr->sg && tr->sg != tr->dp) tera_comm_free(tr->sg);
     if (tr->dp && tr->dp != tera_comm_world()) tera_comm_free(tr->dp);
-    tr->ep_group = tr->edp = tr->mp = tr->tp_group = tr->dp = NULL;
+    tr->ep_group = tr->edp = tr->mp = tr->tp_group = tr->pp_group = tr->sg = tr->dp = NULL;
 }
 
 void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
@@ -374,18 +377,22 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     local_moments(tr, lm, lv);
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
-    /* the mp group's ranks together hold every block once: gather their storage, and their tables */
-    const int P = tr->ep * tr->tp;
-    float *all = tera_malloc(sizeof(float) * (size_t)(n * P + 1));
-    int64_t *cnt = tera_calloc((size_t)P, sizeof(int64_t));
-    for (int r = 0; r < P; r++) cnt[r] = n;
+    /* the mp group's ranks together hold every block once: gather their storage, and their tables
+     * (stages of a pipeline hold different layers: their storage sizes differ) */
+    const int P = tr->ep * tr->tp * tr->pp;
+    int64_t *cnt = tera_calloc((size_t)P, sizeof(int64_t)), *off = tera_calloc((size_t)P + 1, sizeof(int64_t));
     tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-    for (int r = 0; r < P; r++) {
+    for (int r = 0; r < P; r++) { /* member r = (pp_rank * ep + ep_rank) * tp + tp_rank */
         int np;
-        int64_t nf;
-        tab[r] = tera_param_table_par(&m->cfg, tr->ep, r / tr->tp, tr->tp, r % tr->tp, &np, &nf, NULL);
+        const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp, .tp_rank = r % tr->tp,
+                                    .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep), .v = m->par.v,
+                                    .layer_first = m->layer_first};
+        tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &cnt[r], NULL);
+        off[r + 1] = off[r] + cnt[r];
     }
-    const int me = tr->ep_rank * tr->tp + tr->tp_rank;
+    const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
+    TERA_ASSERTF(cnt[me] == n, "layout: member %d holds %ld floats, this rank %ld", me, (long)cnt[me], (long)n);
+    float *all = tera_malloc(sizeof(float) * (size_t)(off[P] + 1));
     float *lw = NULL; /* ZeRO-3: no whole parameter buffer, assemble one from the shards */
     if (!m->w) {
         lw = tera_malloc(sizeof(float) * (size_t)(n + 1));
@@ -395,11 +402,12 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     float *dst[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!dst[k]) continue;
-        memcpy(all + (int64_t)me * n, src[k], sizeof(float) * (size_t)n);
+        memcpy(all + off[me], src[k], sizeof(float) * (size_t)n);
         if (P > 1) tera_comm_allgather_f32(tr->mp, all, cnt);
         for (int r = 0; r < P; r++)
-            for (int i = 0; i < m->n_params; i++) block_copy(&tab[r][i], &shell.params[i], all + (int64_t)r * n, dst[k], 1);
+            for (int i = 0; i < m->n_params; i++) block_copy(&tab[r][i], &shell.params[i], all + off[r], dst[k], 1);
     }
+    free(off);
     for (int r = 0; r < P; r++) free(tab[r]);
     free(tab);
     free(cnt);

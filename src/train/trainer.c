@@ -61,7 +61,13 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->wsize = tera_comm_size(world);
     tr->root = tr->wrank == 0;
     tr->tp = cfg->parallel.tp;
-    if (tr->wsize != cfg->parallel.dp * tr->tp) {
+    tr->pp = cfg->parallel.pp;
+    if (tr->pp > 1 && tr->wsize != cfg->parallel.dp * tr->tp * tr->pp)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.pp x parallel.dp x parallel.tp = %d x %d x %d = %d ranks, but %d %s running (launch "
+                         "with mpirun -np %d)", tr->pp, cfg->parallel.dp, tr->tp, tr->pp * cfg->parallel.dp * tr->tp,
+                         tr->wsize, tr->wsize == 1 ? "is" : "are", tr->pp * cfg->parallel.dp * tr->tp);
+    if (tr->pp == 1 && tr->wsize != cfg->parallel.dp * tr->tp) {
         if (tr->tp == 1)
             return tera_fail(TERA_ERR_CONFIG,
                              "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
@@ -71,15 +77,27 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                          cfg->parallel.dp, tr->tp, cfg->parallel.dp * tr->tp, tr->wsize, tr->wsize == 1 ? "is" : "are",
                          cfg->parallel.dp * tr->tp);
     }
-    /* world rank = dp_rank * tp + tp_rank: tensor-parallel groups are consecutive ranks */
-    tr->tp_rank = tr->wrank % tr->tp;
-    tr->dp = world;
-    if (tr->tp > 1) { /* collective: every rank makes the same calls */
-        tr->dp = tera_comm_split(world, tr->tp_rank, tr->wrank / tr->tp);
-        tr->tp_group = tera_comm_split(world, tr->wrank / tr->tp, tr->tp_rank);
+    /* world rank = (pp_rank * dp + dp_rank) * tp + tp_rank: tensor-parallel groups are consecutive
+     * ranks, pipeline stages the slowest dimension. Collectives: every rank makes the same calls. */
+    const int per_stage = tr->wsize / tr->pp;
+    tr->pp_rank = tr->wrank / per_stage;
+    const int srank = tr->wrank % per_stage; /* rank inside the stage */
+    tera_comm *stage = world;
+    if (tr->pp > 1) {
+        stage = tera_comm_split(world, tr->pp_rank, srank);
+        tr->pp_group = tera_comm_split(world, srank, tr->pp_rank);
+    }
+    tr->tp_rank = srank % tr->tp;
+    tr->dp = stage;
+    if (tr->tp > 1) {
+        tr->dp = tera_comm_split(stage, tr->tp_rank, srank / tr->tp);
+        tr->tp_group = tera_comm_split(stage, srank / tr->tp, tr->tp_rank);
+        if (stage != world) tera_comm_free(stage);
     }
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
+    /* statistics (losses, expert loads) are summed over the data-parallel ranks of every stage */
+    tr->sg = tr->tp > 1 || tr->pp > 1 ? tera_comm_split(world, tr->tp_rank, tr->pp_rank * tr->world + tr->rank) : tr->dp;
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -95,12 +113,29 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
     {
+        /* pipeline: the layers of each virtual stage (configured, or balanced by modelled compute) */
+        const int S = tr->pp * cfg->parallel.pp_chunks;
+        int *first = tera_calloc((size_t)S + 1, sizeof(int));
+        if (cfg->parallel.pp_layers[0]) {
+            const char *q = cfg->parallel.pp_layers;
+            for (int i = 0; i < S; i++) {
+                char *end;
+                first[i + 1] = first[i] + (int)strtol(q, &end, 10); /* validated by the config */
+                q = *end ? end + 1 : end;
+            }
+        } else {
+            tera_pp_split(&cfg->model, S, t->seq_len, first);
+        }
         const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
                                     .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
-                                    .shard_params = tr->zero >= 3};
+                                    .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
+                                    .v = cfg->parallel.pp_chunks, .layer_first = first,
+                                    .n_slots = tr->pp > 1 ? tera_pipeline_slots(tr) : 1};
         st = tera_model_create_par(&tr->model, &cfg->model, t->micro_batch, t->seq_len, &par);
+        free(first);
     }
     if (st != TERA_OK) goto fail_src;
+    if (tr->pp > 1 && (st = tera_pipeline_init(tr)) != TERA_OK) goto fail_model;
     /* optimizer ranges: the whole model, or ZeRO shards (src/train/layout.c) */
     if ((st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
     tera_layout_bind_hooks(tr);
@@ -144,7 +179,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
     tr->tokens_per_step = (int64_t)bt * t->grad_accum * tr->world; /* the global batch */
-    if (cfg->data.prefetch > 0 &&
+    if (cfg->data.prefetch > 0 && tr->pp == 1 && /* the pipeline reads its micro-batches as it goes */
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
 
@@ -194,6 +229,7 @@ fail_all:
     free(tr->targets);
     tera_adamw_free(&tr->opt);
 fail_model:
+    tera_pipeline_free(tr);
     tera_model_destroy(&tr->model);
 fail_src:
     tera_layout_free(tr);
@@ -229,6 +265,7 @@ void tera_trainer_free(tera_trainer *tr) {
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
+    tera_pipeline_free(tr);
     tera_layout_free(tr);
     tera_model_destroy(&tr->model);
     tera_source_close(&tr->src);
@@ -435,7 +472,15 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
-    for (int a = 0; a < A; a++) {
+    if (tr->pp > 1) { /* the micro-batches flow through the pipeline's schedule */
+        double sm[3] = {0, 0, 0};
+        int64_t cn[2] = {0, 0};
+        void (*gr)(void *, int64_t, int64_t) = tr->zero >= 2 ? tera_layout_grad_ready(tr)
+                                               : (tr->world > 1 && !tr->zero ? on_grad_ready : NULL);
+        tera_pipeline_step(tr, &s, A, sm, cn, &r->data_seconds, gr, tr->zero < 2);
+        ce = sm[0], aux = sm[1], z = sm[2], assign = cn[0], dropped = cn[1];
+    }
+    for (int a = 0; a < A && tr->pp == 1; a++) {
         const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->rank, tr->world, 0);
         const int32_t *in = tr->tokens, *tg = tr->targets;
         double dw;
@@ -463,17 +508,17 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         assign += m->stats.n_assign;
         dropped += m->stats.n_dropped;
     }
-    if (tr->world > 1) {
-        /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard);
-         * statistics: one small sum over the ranks */
-        tera_layout_reduce_grads(tr);
+    /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
+    if (tr->world > 1) tera_layout_reduce_grads(tr);
+    if (tera_comm_size(tr->sg) > 1) {
+        /* statistics: one small sum over the data-parallel ranks of every pipeline stage */
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
-        tera_comm_allreduce_f64(tr->dp, sums, 5);
+        tera_comm_allreduce_f64(tr->sg, sums, 5);
         ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
         const int64_t LE = (int64_t)cfg->model.n_layers * cfg->model.n_experts;
-        tera_comm_allreduce_i64(tr->dp, m->expert_load, LE);
-        tera_comm_allreduce_f64(tr->dp, m->router_entropy, cfg->model.n_layers);
-        tera_comm_allreduce_i64(tr->dp, &m->routed_tokens, 1);
+        tera_comm_allreduce_i64(tr->sg, m->expert_load, LE);
+        tera_comm_allreduce_f64(tr->sg, m->router_entropy, cfg->model.n_layers);
+        tera_comm_allreduce_i64(tr->sg, &m->routed_tokens, 1);
     }
     r->ce_loss = ce / (double)(seqs * T);
     r->aux_loss = m->n_moe_layers ? aux / (double)(nmoe * seqs) : 0.0;
@@ -543,12 +588,18 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
             else /* no split (data.val_fraction = 0): the whole dataset is evaluation data */
                 tera_loader_train_sample(&tr->loader, v, in, tg);
         }
-        tera_model_forward(m, tr->tokens, tr->targets);
+        double ce, pos;
+        if (tr->pp > 1) { /* through the pipeline's stages in turn; the last stage has the loss */
+            ce = tera_pipeline_eval_batch(tr, tr->tokens, tr->targets, &pos);
+        } else {
+            tera_model_forward(m, tr->tokens, tr->targets);
+            ce = m->stats.ce_sum, pos = (double)m->stats.n_positions;
+        }
         if (!counted) continue;
-        sums[0] += m->stats.ce_sum;
-        sums[1] += (double)m->stats.n_positions;
+        sums[0] += ce;
+        sums[1] += pos;
     }
-    tera_comm_allreduce_f64(tr->dp, sums, 2);
+    tera_comm_allreduce_f64(tr->sg, sums, 2);
     *loss = sums[1] > 0 ? sums[0] / sums[1] : NAN;
     return TERA_OK;
 }

@@ -1,0 +1,257 @@
+/* The pipeline executor: runs a schedule (include/tera/schedule.h) on this rank's stage.
+ *
+ * Stage r of pp holds the layers of virtual stages c * pp + r (c = 0 .. v-1, the chunks); virtual
+ * stage s takes its input activations from s - 1 and sends its output to s + 1 (rank (r +- 1) mod
+ * pp), and gradients travel back the same way. Each operation of the schedule is one micro-batch
+ * through one chunk: a forward receives its input (blocking; stage 0's first chunk embeds the
+ * tokens instead), runs, and sends its output without waiting; a backward receives the output's
+ * gradient, runs, and sends its input's gradient. Sends complete in the background: a buffer is
+ * reused only after its send is waited for, and every send is waited for by the step's end.
+ *
+ * A micro-batch holds an activation slot of the model from its first forward on this rank to its
+ * last backward; the schedule's simulation gives the most micro-batches in flight on each rank,
+ * which is the number of slots (GPipe: all m; 1F1B: at most pp). Each rank reads the micro-batch's
+ * tokens itself (the data position is the same everywhere). Busy time (operations) and waiting
+ * time (receives) are measured per step: the measured bubble. */
+#include <string.h>
+
+#include "tera/profile.h"
+#include "tera/schedule.h"
+#include "tera/train.h"
+
+struct tera_pipe {
+    tera_schedule sched;
+    int pp, v, S, rank, m;     /* stages, chunks, virtual stages, this stage, micro-batches */
+    const int *first;          /* [S + 1] layer split (the model's) */
+    int n_slots;
+    int *slot_of;              /* [m] slot of each micro-batch in flight, -1 */
+    int *slot_busy;            /* [n_slots] */
+    int64_t nd;                /* floats of one activation tensor [N, D] */
+    float *buf;                /* one allocation: per slot and chunk: input, output, output grad, input grad */
+    int32_t *tok, *tgt;        /* [n_slots][N] */
+    tera_comm_req *req;        /* [n_slots][v][2] sends: forward output, backward input gradient */
+    double busy_s, wait_s, step_s; /* the last step's */
+    double busy_total, wait_total, step_total;
+    int steps;
+};
+
+static float *pbuf(tera_pipe *p, int slot, int chunk, int which) {
+    return p->buf + (((int64_t)slot * p->v + chunk) * 4 + which) * p->nd;
+}
+
+enum { BUF_XIN, BUF_XOUT, BUF_DYIN, BUF_DXOUT };
+
+/* A message is named by its micro-batch and the virtual stage it goes to (sender and receiver
+ * differ in chunk index where the pipeline wraps from the last rank to the first). */
+static int tag_of(const tera_pipe *p, int micro, int dst_vs, int bwd) { return ((micro * p->S + dst_vs) << 1) | bwd; }
+
+tera_status tera_pipeline_init(tera_trainer *tr) {
+    const tera_parallel_config *pc = &tr->cfg.parallel;
+    const tera_train_config *t = &tr->cfg.training;
+    tera_pipe *p = tera_calloc(1, sizeof *p);
+    p->pp = tr->pp;
+    p->v = tr->model.par.v;
+    p->S = p->pp * p->v;
+    p->rank = tr->pp_rank;
+    p->m = t->grad_accum;
+    p->first = tr->model.layer_first;
+    tera_sched_kind kind;
+    tera_status st = tera_sched_kind_parse(pc->pp_schedule, &kind);
+    if (st == TERA_OK) st = tera_schedule_build(&p->sched, kind, p->pp, p->m, p->v);
+    if (st != TERA_OK) {
+        free(p);
+        return st;
+    }
+    tera_sched_stats ss;
+    if ((st = tera_schedule_simulate(&p->sched, 1.0, 2.0, &ss)) != TERA_OK) {
+        tera_schedule_free(&p->sched);
+        free(p);
+        return st;
+    }
+    p->n_slots = p->rank < 64 ? ss.peak_in_flight_rank[p->rank] : ss.peak_in_flight;
+    if (p->n_slots < 1) p->n_slots = 1;
+    p->nd = (int64_t)t->micro_batch * t->seq_len * tr->cfg.model.dim;
+    const int64_t N = (int64_t)t->micro_batch * t->seq_len;
+    p->buf = tera_calloc((size_t)(p->n_slots * p->v * 4 * p->nd + 1), sizeof(float));
+    p->tok = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));
+    p->tgt = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));
+    p->req = tera_calloc((size_t)(p->n_slots * p->v * 2), sizeof(tera_comm_req));
+    p->slot_of = tera_calloc((size_t)p->m, sizeof(int));
+    p->slot_busy = tera_calloc((size_t)p->n_slots, sizeof(int));
+    tr->pipe = p;
+    return TERA_OK;
+}
+
+int tera_pipeline_slots(const tera_trainer *tr) {
+    /* the slot count, before the model exists: the same simulation */
+    const tera_parallel_config *pc = &tr->cfg.parallel;
+    tera_sched_kind kind;
+    tera_schedule s;
+    tera_sched_stats ss;
+    if (tera_sched_kind_parse(pc->pp_schedule, &kind) != TERA_OK) return 1;
+    if (tera_schedule_build(&s, kind, tr->pp, tr->cfg.training.grad_accum, pc->pp_chunks) != TERA_OK) return 1;
+    int n = 1;
+    if (tera_schedule_simulate(&s, 1.0, 2.0, &ss) == TERA_OK)
+        n = tr->pp_rank < 64 ? ss.peak_in_flight_rank[tr->pp_rank] : ss.peak_in_flight;
+    tera_schedule_free(&s);
+    return n > 0 ? n : 1;
+}
+
+void tera_pipeline_free(tera_trainer *tr) {
+    tera_pipe *p = tr->pipe;
+    if (!p) return;
+    for (int i = 0; i < p->n_slots * p->v * 2; i++) tera_comm_wait(&p->req[i]);
+    tera_schedule_free(&p->sched);
+    free(p->buf);
+    free(p->tok);
+    free(p->tgt);
+    free(p->req);
+    free(p->slot_of);
+    free(p->slot_busy);
+    free(p);
+    tr->pipe = NULL;
+}
+
+static void wait_slot_sends(tera_pipe *p, int slot) {
+    for (int i = 0; i < p->v * 2; i++) tera_comm_wait(&p->req[(int64_t)slot * p->v * 2 + i]);
+}
+
+static int take_slot(tera_pipe *p) {
+    for (int i = 0; i < p->n_slots; i++)
+        if (!p->slot_busy[i]) {
+            wait_slot_sends(p, i); /* its buffers may still be on their way from a previous use */
+            p->slot_busy[i] = 1;
+            return i;
+        }
+    TERA_ASSERTF(0, "pipeline: more micro-batches in flight than the %d activation slots", p->n_slots);
+    return -1;
+}
+
+/* Reads micro-batch a of this step into a slot's token buffers (every stage reads it: stage 0
+ * embeds the tokens, the last stage needs the targets). */
+static double load_micro(tera_trainer *tr, tera_pipe *p, int a, int slot) {
+    const int B = tr->cfg.training.micro_batch, T = tr->cfg.training.seq_len;
+    const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->rank, tr->world, 0);
+    const double t0 = tera_now();
+    for (int b = 0; b < B; b++)
+        tera_loader_train_sample(&tr->loader, g0 + b, p->tok + ((int64_t)slot * B + b) * T,
+                                 p->tgt + ((int64_t)slot * B + b) * T);
+    return tera_now() - t0;
+}
+
+void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, double *sums, int64_t *counts,
+                        double *data_s, void (*grad_ready)(void *, int64_t, int64_t), int final_only) {
+    tera_pipe *p = tr->pipe;
+    tera_model *m = &tr->model;
+    TERA_ASSERTF(A == p->m, "pipeline built for %d micro-batches, step has %d (dynamic batch size with pp > 1)", p->m,
+                 A);
+    const int L = tr->cfg.model.n_layers;
+    const int64_t N = (int64_t)tr->cfg.training.micro_batch * tr->cfg.training.seq_len;
+    const int prev = (p->rank - 1 + p->pp) % p->pp, next = (p->rank + 1) % p->pp;
+    const tera_sched_op *ops = tera_schedule_rank(&p->sched, p->rank);
+    for (int i = 0; i < p->m; i++) p->slot_of[i] = -1;
+    for (int i = 0; i < p->n_slots; i++) p->slot_busy[i] = 0;
+    const double t_start = tera_now();
+    double busy = 0.0, wait = 0.0;
+    for (int k = 0; k < p->sched.n_ops; k++) {
+        const tera_sched_op *op = &ops[k];
+        const int i = op->micro, c = op->chunk, vs = c * p->pp + p->rank;
+        const int l0 = p->first[vs], l1 = p->first[vs + 1];
+        if (op->kind == TERA_OP_FWD) {
+            if (p->slot_of[i] < 0) {
+                p->slot_of[i] = take_slot(p);
+                *data_s += load_micro(tr, p, i, p->slot_of[i]);
+            }
+            const int sl = p->slot_of[i];
+            tera_model_use_slot(m, sl);
+            float *xin = pbuf(p, sl, c, BUF_XIN), *xout = pbuf(p, sl, c, BUF_XOUT);
+            if (vs > 0) {
+                tera_comm_req rq;
+                const double t0 = tera_now();
+                tera_comm_irecv_f32(tr->pp_group, xin, p->nd, prev, tag_of(p, i, vs, 0), &rq);
+                tera_comm_wait(&rq);
+                wait += tera_now() - t0;
+            }
+            const double t1 = tera_now();
+            tera_model_forward_range(m, p->tok + (int64_t)sl * N, p->tgt + (int64_t)sl * N, l0, l1, xin, xout);
+            busy += tera_now() - t1;
+            sums[0] += m->stats.ce_sum, sums[1] += m->stats.aux_sum, sums[2] += m->stats.z_sum;
+            counts[0] += m->stats.n_assign, counts[1] += m->stats.n_dropped;
+            if (l1 < L)
+                tera_comm_isend_f32(tr->pp_group, xout, p->nd, next, tag_of(p, i, vs + 1, 0),
+                                    &p->req[((int64_t)sl * p->v + c) * 2]);
+        } else {
+            const int sl = p->slot_of[i];
+            TERA_ASSERTF(sl >= 0, "pipeline: backward of micro-batch %d before its forward", i);
+            tera_model_use_slot(m, sl);
+            float *dyin = pbuf(p, sl, c, BUF_DYIN), *dxout = pbuf(p, sl, c, BUF_DXOUT);
+            if (l1 < L) {
+                tera_comm_req rq;
+                const double t0 = tera_now();
+                tera_comm_irecv_f32(tr->pp_group, dyin, p->nd, next, tag_of(p, i, vs, 1), &rq);
+                tera_comm_wait(&rq);
+                wait += tera_now() - t0;
+            }
+            /* gradient buckets start reducing once a chunk's last micro-batch is through */
+            m->grad_ready = !final_only || i == p->m - 1 ? grad_ready : NULL;
+            m->grad_ready_ctx = tr;
+            const double t1 = tera_now();
+            tera_model_backward_range(m, s, l0, l1, dyin, dxout);
+            busy += tera_now() - t1;
+            m->grad_ready = NULL;
+            if (vs > 0)
+                tera_comm_isend_f32(tr->pp_group, dxout, p->nd, prev, tag_of(p, i, vs - 1, 1),
+                                    &p->req[((int64_t)sl * p->v + c) * 2 + 1]);
+            if (c == 0) { /* the micro-batch's last operation on this rank: its slot is free */
+                p->slot_busy[sl] = 0;
+                p->slot_of[i] = -1;
+            }
+        }
+        tera_comm_poll(p->req, p->n_slots * p->v * 2); /* let sends progress */
+    }
+    for (int i = 0; i < p->n_slots; i++) wait_slot_sends(p, i);
+    tera_model_use_slot(m, 0);
+    p->busy_s = busy, p->wait_s = wait, p->step_s = tera_now() - t_start;
+    p->busy_total += busy, p->wait_total += wait, p->step_total += p->step_s;
+    p->steps++;
+}
+
+double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const int32_t *targets, double *positions) {
+    tera_pipe *p = tr->pipe;
+    tera_model *m = &tr->model;
+    const int L = tr->cfg.model.n_layers;
+    const int prev = (p->rank - 1 + p->pp) % p->pp, next = (p->rank + 1) % p->pp;
+    double ce = 0.0;
+    *positions = 0.0;
+    tera_model_use_slot(m, 0);
+    for (int vs = 0; vs < p->S; vs++) { /* one micro-batch through every virtual stage in turn */
+        if (vs % p->pp != p->rank) continue;
+        const int c = vs / p->pp, l0 = p->first[vs], l1 = p->first[vs + 1];
+        float *xin = pbuf(p, 0, c, BUF_XIN), *xout = pbuf(p, 0, c, BUF_XOUT);
+        tera_comm_req rq;
+        if (vs > 0) {
+            tera_comm_irecv_f32(tr->pp_group, xin, p->nd, prev, tag_of(p, 0, vs, 0), &rq);
+            tera_comm_wait(&rq);
+        }
+        tera_model_forward_range(m, tokens, targets, l0, l1, xin, xout);
+        if (l1 < L) {
+            tera_comm_isend_f32(tr->pp_group, xout, p->nd, next, tag_of(p, 0, vs + 1, 0), &rq);
+            tera_comm_wait(&rq);
+        } else {
+            ce = m->stats.ce_sum;
+            *positions = (double)m->stats.n_positions;
+        }
+    }
+    return ce;
+}
+
+void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step) {
+    const tera_pipe *p = tr->pipe;
+    if (!p || p->steps == 0) {
+        *busy = *wait = *step = 0.0;
+        return;
+    }
+    *busy = p->busy_total / p->steps;
+    *wait = p->wait_total / p->steps;
+    *step = p->step_total / p->steps;
+}
