@@ -42,6 +42,9 @@ typedef struct {
     float z_coef;          /* router z-loss coefficient */
     int aux_free;          /* aux-loss-free bias balancing on/off */
     float aux_free_rate;   /* bias update rate u: b_e += u * sign(mean load - load_e) */
+    /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
+     * training.recompute); NULL or "" = none. */
+    const char *recompute;
 } tera_model_config;
 
 typedef struct {
@@ -63,6 +66,7 @@ typedef struct {
     float spike_lr_factor; /* LR multiplier after a spike */
     int spike_lr_steps;    /* for this many steps */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
+    char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */
 } tera_train_config;
 
 typedef struct {

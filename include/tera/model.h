@@ -78,6 +78,22 @@ typedef struct {
 
 typedef struct tera_acts tera_acts; /* activation storage, private to src/model */
 
+/* Activation recomputation, chosen per layer (training.recompute; docs/ARCHITECTURE.md):
+ *   NONE       every activation the backward needs is kept from the forward;
+ *   SELECTIVE  kept except the attention core's outputs (att, att_lse) and the SwiGLU hidden
+ *              activations (a1, a3, silu(a1)*a3) of the layer's FFNs (routed experts, shared
+ *              experts, dense FFN): the backward recomputes them from the kept q/k/v and FFN inputs;
+ *   FULL       only the layer input is kept; the backward reruns the layer's forward.
+ * Recomputed values live in one shared work set sized for the largest such layer, and are
+ * bit-identical to the kept ones (same code, same inputs); statistics are not counted twice. */
+typedef enum { TERA_RECOMPUTE_NONE = 0, TERA_RECOMPUTE_SELECTIVE = 1, TERA_RECOMPUTE_FULL = 2 } tera_recompute;
+
+/* Parses a training.recompute spec ("none", "full", "selective", "full:0-3,selective:4-7"; ""
+ * = none) for n_layers layers into policy[n_layers] (tera_recompute values; may be NULL to only
+ * validate). Error: TERA_ERR_CONFIG naming the key, the value and the problem. */
+tera_status tera_recompute_parse(const char *spec, int n_layers, uint8_t *policy);
+const char *tera_recompute_name(int policy); /* "none", "selective", "full" */
+
 typedef struct {
     tera_model_config cfg;
     int B, T;             /* micro-batch shape the activations were sized for */
@@ -92,6 +108,7 @@ typedef struct {
     int64_t *expert_load; /* [L, E] assignments per expert since the last tera_model_reset_load */
     double *router_entropy; /* [L] sum over tokens of the router distribution's entropy (nats), same period */
     int64_t routed_tokens;  /* tokens per MoE layer counted in that period */
+    uint8_t *recompute;   /* [L] tera_recompute policy of each layer (from cfg.recompute) */
     tera_acts *acts;
     float *logits;        /* [B*T, V] after forward */
     tera_fwd_stats stats; /* of the last forward */
@@ -108,6 +125,8 @@ typedef struct {
 tera_param *tera_param_table(const tera_model_config *cfg, int *n, int64_t *n_floats);
 const tera_param *tera_model_param(const tera_model *m, const char *name); /* NULL if absent */
 
+/* cfg->recompute (a training.recompute spec, NULL = none) sets the per-layer recomputation; the
+ * model keeps the parsed policy (m->recompute) and clears m->cfg.recompute. */
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
 void tera_model_destroy(tera_model *m);
 /* Counter-based init: element i of parameter p draws from Philox(seed, p's kind/layer, i), so the

@@ -4,6 +4,7 @@
  * Adding a key: add the field to include/tera/config.h and one line to config__keys below. The
  * type-checking macros make a mismatch between the declared type and the field a compile error. */
 #include "tera/config.h"
+#include "tera/model.h"
 
 #include <errno.h>
 #include <ini.h>
@@ -178,6 +179,10 @@ static const config__key config__keys[] = {
     K_INT(training, spike_lr_steps, "100", 0, INT_MAX, "steps after a spike that run at the lowered LR"),
     K_STRING(training, init_from, "",
              "Hugging Face Mixtral directory to start from; empty = random init"),
+    K_STRING(training, recompute, "none",
+             "activation recomputation per layer: none, selective (attention core and FFN hidden "
+             "activations recomputed in backward), full (only each layer's input kept), or per layer range "
+             "as POLICY:FIRST-LAST items, e.g. full:0-3,selective:4-7 (layers not named: none)"),
 
     /* [optimizer] ------------------------------------------------------------------------------ */
     K_FLOAT(optimizer, beta1, "0.9", R_UNIT_OPEN, "AdamW first-moment decay"),
@@ -809,6 +814,8 @@ tera_status tera_config_finalize(tera_config *c) {
     CONFIG__REQUIRE(t->warmup_steps <= t->steps,
                     "training.warmup_steps (%d) must be at most training.steps (%d)",
                     t->warmup_steps, t->steps);
+
+    TERA_TRY(tera_recompute_parse(t->recompute, m->n_layers, NULL));
 
     /* One process only until the distributed build lands: refuse, never quietly run 1-way. */
     /* data parallelism works; the other dimensions arrive with the distributed issue */

@@ -80,7 +80,11 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                        (long)tr->loader.n_samples);
         goto fail_src;
     }
-    st = tera_model_create(&tr->model, &cfg->model, t->micro_batch, t->seq_len);
+    {
+        tera_model_config mc = cfg->model;
+        mc.recompute = t->recompute;
+        st = tera_model_create(&tr->model, &mc, t->micro_batch, t->seq_len);
+    }
     if (st != TERA_OK) goto fail_src;
     if (t->init_from[0]) {
         tera_model_config hc = cfg->model;
