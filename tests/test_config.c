@@ -503,8 +503,12 @@ static void test_finalize(void **state) {
     expect_finalize(TERA_OK, NULL, "parallel.dp=2", NULL); /* data parallelism is supported */
     expect_finalize(TERA_OK, NULL, "parallel.tp=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.tp (3) must divide model.vocab_size", "parallel.tp=3", NULL);
-    expect_finalize(TERA_ERR_CONFIG, "parallel.pp > 1 is not supported in this build yet",
-                    "parallel.pp=4", NULL);
+    expect_finalize(TERA_OK, NULL, "parallel.pp=2", NULL); /* pipeline parallelism */
+    expect_finalize(TERA_ERR_CONFIG, "parallel.pp_chunks = 2 needs parallel.pp_schedule = interleaved",
+                    "parallel.pp_chunks=2", NULL);
+    expect_finalize(TERA_ERR_CONFIG, "with model.tie_embeddings", "parallel.pp=2", "model.tie_embeddings=true");
+    expect_finalize(TERA_ERR_CONFIG, "parallel.pp_layers = \"1,x\": expected positive layer counts",
+                    "parallel.pp_layers=1,x", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.ep (8) must divide parallel.dp (1)", "parallel.ep=8", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.ep (3) must divide model.n_experts (8)", "parallel.ep=3",
                     "parallel.dp=6");

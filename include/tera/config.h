@@ -48,6 +48,9 @@ typedef struct {
     float z_coef;          /* router z-loss coefficient */
     int aux_free;          /* aux-loss-free bias balancing on/off */
     float aux_free_rate;   /* bias update rate u: b_e += u * sign(mean load - load_e) */
+    /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
+     * training.recompute); NULL or "" = none. */
+    const char *recompute;
 } tera_model_config;
 
 typedef struct {
@@ -78,6 +81,7 @@ typedef struct {
     char precision[8];     /* auto | fp32 | bf16 | fp16: the linear layers' products (tera_precision_resolve) */
     float loss_scale;      /* fp16: initial dynamic loss scale */
     int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
+    char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */
 } tera_train_config;
 
 typedef struct {

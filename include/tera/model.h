@@ -109,6 +109,22 @@ typedef struct {
     const int *layer_first;
 } tera_model_par;
 
+/* Activation recomputation, chosen per layer (training.recompute; docs/ARCHITECTURE.md):
+ *   NONE       every activation the backward needs is kept from the forward;
+ *   SELECTIVE  kept except the attention core's outputs (att, att_lse) and the SwiGLU hidden
+ *              activations (a1, a3, silu(a1)*a3) of the layer's FFNs (routed experts, shared
+ *              experts, dense FFN): the backward recomputes them from the kept q/k/v and FFN inputs;
+ *   FULL       only the layer input is kept; the backward reruns the layer's forward.
+ * Recomputed values live in one shared work set sized for the largest such layer, and are
+ * bit-identical to the kept ones (same code, same inputs); statistics are not counted twice. */
+typedef enum { TERA_RECOMPUTE_NONE = 0, TERA_RECOMPUTE_SELECTIVE = 1, TERA_RECOMPUTE_FULL = 2 } tera_recompute;
+
+/* Parses a training.recompute spec ("none", "full", "selective", "full:0-3,selective:4-7"; ""
+ * = none) for n_layers layers into policy[n_layers] (tera_recompute values; may be NULL to only
+ * validate). Error: TERA_ERR_CONFIG naming the key, the value and the problem. */
+tera_status tera_recompute_parse(const char *spec, int n_layers, uint8_t *policy);
+const char *tera_recompute_name(int policy); /* "none", "selective", "full" */
+
 /* Parameter groups, the unit of gradient buckets and of ZeRO-3 gathering: layer l (>= 0), the
  * embedding, the head (final norm and, untied, the LM head). */
 enum { TERA_GROUP_EMBED = -1, TERA_GROUP_HEAD = -2 };
@@ -134,6 +150,7 @@ typedef struct {
     int64_t *expert_load; /* [L, E] assignments per expert since the last tera_model_reset_load */
     double *router_entropy; /* [L] sum over tokens of the router distribution's entropy (nats), same period */
     int64_t routed_tokens;  /* tokens per MoE layer counted in that period */
+    uint8_t *recompute;   /* [L] tera_recompute policy of each layer (from cfg.recompute) */
     tera_acts *acts;      /* the activation slot in use */
     tera_acts *slots;     /* [n_slots] */
     int n_slots;
@@ -191,6 +208,8 @@ void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float
  * or cleared when the model has no whole buffer of its own). */
 void tera_model_bind_all(tera_model *m, float *w, float *g);
 
+/* cfg->recompute (a training.recompute spec, NULL = none) sets the per-layer recomputation; the
+ * model keeps the parsed policy (m->recompute) and clears m->cfg.recompute. */
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
 /* The same on one rank of an expert-parallel group (par NULL: one rank holds every expert). */
 tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,

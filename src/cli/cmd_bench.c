@@ -3,6 +3,7 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
 #include "tera/kernels.h"
@@ -42,6 +43,14 @@ static double sgemm_peak_gflops(void) {
     return best;
 }
 
+/* CPU seconds of this process (all threads): with passive OpenMP waits, the compute done, which
+ * other work on the machine slows down far less than it slows wall time. */
+static double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 int tera_cmd_bench(int argc, char **argv) {
     tera_config cfg;
     static const char *const opts[] = {"steps", "warmup", "threads", "name", NULL};
@@ -63,11 +72,13 @@ int tera_cmd_bench(int argc, char **argv) {
     double peak = multi ? 0.0 : sgemm_peak_gflops();
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
+    double cpu0 = 0.0;
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tera_prof_reset();
             tera_comm_barrier(tera_comm_world());
             tera_comm_traffic_reset();
+            cpu0 = cpu_seconds();
         }
         if (tera_trainer_step(&tr, &r) != TERA_OK) {
             tera_trainer_free(&tr);
@@ -76,6 +87,7 @@ int tera_cmd_bench(int argc, char **argv) {
         if (s >= warmup) sec[s - warmup] = r.seconds;
     }
     const tera_comm_traffic tx = tera_comm_traffic_get();
+    const double cpu_ms = 1e3 * (cpu_seconds() - cpu0) / steps;
     const double peak_after = multi ? 0.0 : sgemm_peak_gflops();
     if (peak_after > peak) peak = peak_after;
     qsort(sec, (size_t)steps, sizeof(double), cmp_double);
@@ -117,11 +129,16 @@ int tera_cmd_bench(int argc, char **argv) {
         return 0;
     }
     tera_prof_print(stderr, steps);
+    const tera_model *m = &tr.model;
+    fprintf(stderr, "tera bench: memory MiB: params %.1f, grads %.1f, activations %.1f (recompute %s), scratch %.1f\n",
+            m->bytes_params / 1048576.0, m->bytes_grads / 1048576.0, m->bytes_acts / 1048576.0,
+            cfg.training.recompute, m->bytes_scratch / 1048576.0);
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
-           "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f}\n",
-           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision), tps, 1e3 * med, fpt, gflops, peak, gflops / peak,
-           r.loss);
+           "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f, \"recompute\": \"%s\", "
+           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f}\n",
+           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision), tps, 1e3 * med, fpt,
+           gflops, peak, gflops / peak, r.loss, cfg.training.recompute, (long long)m->bytes_acts, cpu_ms);
     free(sec);
     tera_trainer_free(&tr);
     return 0;

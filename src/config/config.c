@@ -4,6 +4,7 @@
  * Adding a key: add the field to include/tera/config.h and one line to config__keys below. The
  * type-checking macros make a mismatch between the declared type and the field a compile error. */
 #include "tera/config.h"
+#include "tera/model.h"
 
 #include <errno.h>
 #include <ini.h>
@@ -199,6 +200,10 @@ static const config__key config__keys[] = {
             "fp16: initial loss scale, at most 2^40 (halved, and the update skipped, on a non-finite gradient)"),
     K_INT(training, loss_scale_window, "1000", 1, INT_MAX,
           "fp16: the loss scale doubles after this many consecutive steps without overflow"),
+    K_STRING(training, recompute, "none",
+             "activation recomputation per layer: none, selective (attention core and FFN hidden "
+             "activations recomputed in backward), full (only each layer's input kept), or per layer range "
+             "as POLICY:FIRST-LAST items, e.g. full:0-3,selective:4-7 (layers not named: none)"),
 
     /* [optimizer] ------------------------------------------------------------------------------ */
     K_FLOAT(optimizer, beta1, "0.9", R_UNIT_OPEN, "AdamW first-moment decay"),
@@ -870,7 +875,6 @@ tera_status tera_config_finalize(tera_config *c) {
         for (int i = 0; i < 5; i++)
             CONFIG__REQUIRE(v[i] % p->tp == 0, "parallel.tp (%d) must divide %s (%d)", p->tp, what[i], v[i]);
     }
-    /* pipeline parallelism is not built yet: refuse, never quietly run 1-way */
     /* pipeline parallelism: the schedule, the chunks and the layer split */
     {
         const int interleaved = strcmp(p->pp_schedule, "interleaved") == 0;
@@ -913,6 +917,7 @@ tera_status tera_config_finalize(tera_config *c) {
                             "= %d (got %d adding up to %d)", p->pp_layers, p->pp * p->pp_chunks, m->n_layers, n, sum);
         }
     }
+    TERA_TRY(tera_recompute_parse(t->recompute, m->n_layers, NULL));
     return TERA_OK;
 }
 

@@ -49,7 +49,13 @@ typedef struct {
 } layer_acts;
 
 struct tera_acts {
-    layer_acts *layer;   /* [L] */
+    layer_acts *layer;   /* [L] kept per layer, or pointing into `work` (recomputation) */
+    /* Recomputation (tera_recompute): the fields a layer does not keep point into this one set,
+     * sized for the largest layer that shares it. It holds the activations of one layer at a time:
+     * layer `work_owner`'s (-1: none or unknown), written by its forward or by its recomputation. */
+    layer_acts work;
+    const uint8_t *policy; /* [L] tera_recompute */
+    int work_owner;
     float *x_final;      /* [N, D] output of the last layer */
     float *lnf;          /* [N, D] */
     float *rstdf;        /* [N] */
@@ -96,29 +102,54 @@ static void *carve(carver *c, size_t bytes) {
 
 static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
 
-/* Widths are this rank's (tensor parallelism: heads, FFN widths and vocabulary divided by tp). */
-static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
+/* Parts of a layer's activations, for carving: what a layer keeps under each policy. */
+enum {
+    PART_XIN = 1,     /* x_in */
+    PART_CORE = 2,    /* attention core outputs: att, att_lse */
+    PART_HIDDEN = 4,  /* SwiGLU hidden activations: a1, a3, gact (routed), fa1, fa3, fg (dense/shared) */
+    PART_REST = 8,    /* everything else */
+    PART_ALL = 15
+};
+
+static unsigned kept_parts(int policy) {
+    switch (policy) {
+    case TERA_RECOMPUTE_FULL: return PART_XIN;
+    case TERA_RECOMPUTE_SELECTIVE: return PART_ALL & ~(unsigned)(PART_CORE | PART_HIDDEN);
+    default: return PART_ALL;
+    }
+}
+
+/* Carves the `parts` of one layer's activations; moe: MoE fields; Fx: dense/shared hidden width.
+ * Widths are this rank's (tensor parallelism: heads, FFN widths divided by tp); R: the rows this
+ * rank's experts process (expert parallelism: the most it can receive). */
+static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const tera_acts *a, int moe, int64_t Fx,
+                        unsigned parts) {
     const tera_model_config *cfg = &m->cfg;
     const int B = m->B, T = m->T, ep = m->par.ep;
     const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
     const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
-    const int64_t R = ep > 1 ? a->Rmax : N * K; /* rows the local experts process */
-    const int64_t Fs = m->Fsl, Fd = m->Fdl;
-    for (int l = 0; l < cfg->n_layers; l++) {
-        if (!m->held[l]) continue; /* another pipeline stage's layer */
-        layer_acts *la = &a->layer[l];
-        la->x_in = CARVE_F(c, N * D);
+    const int64_t R = ep > 1 ? a->Rmax : N * K;
+    const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
+    const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
+    if (xin) la->x_in = CARVE_F(c, N * D);
+    if (rest) {
         la->ln1 = CARVE_F(c, N * D);
         la->rstd1 = CARVE_F(c, N);
         la->q = CARVE_F(c, N * H * hd);
         la->k = CARVE_F(c, N * Hkv * hd);
         la->v = CARVE_F(c, N * Hkv * hd);
+    }
+    if (core) {
         la->att = CARVE_F(c, N * H * hd);
         la->att_lse = CARVE_F(c, (int64_t)B * H * T);
+    }
+    if (rest) {
         la->h = CARVE_F(c, N * D);
         la->ln2 = CARVE_F(c, N * D);
         la->rstd2 = CARVE_F(c, N);
-        if (is_moe(cfg, l)) {
+    }
+    if (moe) {
+        if (rest) {
             la->rlogits = CARVE_F(c, N * E);
             la->probs = CARVE_F(c, N * E);
             la->rlse = CARVE_F(c, N);
@@ -129,10 +160,6 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
             la->exp_off = CARVE_I(c, E + 1);
             la->sel_count = CARVE_I(c, (int64_t)B * E);
             la->xg = CARVE_F(c, N * K * D);
-            la->a1 = CARVE_F(c, R * F);
-            la->a3 = CARVE_F(c, R * F);
-            la->gact = CARVE_F(c, R * F);
-            la->ye = CARVE_F(c, N * K * D);
             if (ep > 1) {
                 la->rcnt = CARVE_I(c, E);
                 la->roff = CARVE_I(c, ep + 1);
@@ -140,12 +167,67 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
                 la->yr = CARVE_F(c, R * D);
             }
         }
-        int64_t Fx = is_moe(cfg, l) ? Fs : Fd;
-        if (Fx > 0) {
-            la->fa1 = CARVE_F(c, N * Fx);
-            la->fa3 = CARVE_F(c, N * Fx);
-            la->fg = CARVE_F(c, N * Fx);
+        if (hid) {
+            la->a1 = CARVE_F(c, R * F);
+            la->a3 = CARVE_F(c, R * F);
+            la->gact = CARVE_F(c, R * F);
         }
+        if (rest) la->ye = CARVE_F(c, N * K * D);
+    }
+    if (Fx > 0 && hid) {
+        la->fa1 = CARVE_F(c, N * Fx);
+        la->fa3 = CARVE_F(c, N * Fx);
+        la->fg = CARVE_F(c, N * Fx);
+    }
+}
+
+static int64_t layer_ffn_width(const tera_model *m, int l) { return is_moe(&m->cfg, l) ? m->Fsl : m->Fdl; }
+
+/* Per-layer activations of this rank's layers (each layer its kept parts), then the work set for
+ * the others, then the head's. Bytes: sum over layers of the kept parts + the work set + the
+ * head's, where the work set is everything but x_in (some layer is full) or the core and hidden
+ * parts (some layer selective, none full), with the MoE fields if a recomputing layer is MoE and
+ * the widest recomputing dense/shared FFN; nothing when no layer recomputes. */
+static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
+    const tera_model_config *cfg = &m->cfg;
+    const int B = m->B, T = m->T;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, hd = D / cfg->n_heads;
+    unsigned work_parts = 0;
+    int work_moe = 0;
+    int64_t work_Fx = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        if (!m->held[l]) continue; /* another pipeline stage's layer */
+        const unsigned kept = kept_parts(a->policy[l]);
+        a->layer[l] = (layer_acts){0};
+        carve_layer(&a->layer[l], c, m, a, is_moe(cfg, l), layer_ffn_width(m, l), kept);
+        if (kept != PART_ALL) {
+            work_parts |= PART_ALL & ~kept;
+            work_moe |= is_moe(cfg, l);
+            if (layer_ffn_width(m, l) > work_Fx) work_Fx = layer_ffn_width(m, l);
+        }
+    }
+    a->work = (layer_acts){0};
+    if (work_parts) carve_layer(&a->work, c, m, a, work_moe, work_Fx, work_parts);
+    for (int l = 0; l < cfg->n_layers; l++) { /* what a layer does not keep, it finds in the work set */
+        if (!m->held[l]) continue;
+        layer_acts *la = &a->layer[l];
+        const unsigned kept = kept_parts(a->policy[l]);
+        const int moe = is_moe(cfg, l), ffn = layer_ffn_width(m, l) > 0, ep = m->par.ep > 1;
+#define SHARE(part, cond, f)                                                                       \
+    if (!(kept & (part)) && (cond)) la->f = a->work.f
+        SHARE(PART_REST, 1, ln1); SHARE(PART_REST, 1, rstd1); SHARE(PART_REST, 1, q);
+        SHARE(PART_REST, 1, k); SHARE(PART_REST, 1, v); SHARE(PART_REST, 1, h);
+        SHARE(PART_REST, 1, ln2); SHARE(PART_REST, 1, rstd2);
+        SHARE(PART_CORE, 1, att); SHARE(PART_CORE, 1, att_lse);
+        SHARE(PART_REST, moe, rlogits); SHARE(PART_REST, moe, probs); SHARE(PART_REST, moe, rlse);
+        SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, slot_row);
+        SHARE(PART_REST, moe, row_tok); SHARE(PART_REST, moe, exp_off); SHARE(PART_REST, moe, sel_count);
+        SHARE(PART_REST, moe, xg); SHARE(PART_REST, moe, ye);
+        SHARE(PART_REST, moe && ep, rcnt); SHARE(PART_REST, moe && ep, roff);
+        SHARE(PART_REST, moe && ep, xr); SHARE(PART_REST, moe && ep, yr);
+        SHARE(PART_HIDDEN, moe, a1); SHARE(PART_HIDDEN, moe, a3); SHARE(PART_HIDDEN, moe, gact);
+        SHARE(PART_HIDDEN, ffn, fa1); SHARE(PART_HIDDEN, ffn, fa3); SHARE(PART_HIDDEN, ffn, fg);
+#undef SHARE
     }
     a->x_final = CARVE_F(c, N * D);
     a->lnf = CARVE_F(c, N * D);
@@ -353,6 +435,13 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
 
     /* activation slots: one per micro-batch a pipeline stage holds at once (1 without a pipeline);
      * the scratch block is shared (carved once, every slot points into it) */
+    m->recompute = tera_calloc((size_t)cfg->n_layers, 1);
+    tera_status rst = tera_recompute_parse(cfg->recompute, cfg->n_layers, m->recompute);
+    m->cfg.recompute = NULL; /* the caller's string; the parsed policy is m->recompute */
+    if (rst != TERA_OK) {
+        tera_model_destroy(m);
+        return rst;
+    }
     const int ns = m->n_slots;
     m->slots = tera_calloc((size_t)ns, sizeof(tera_acts));
     carver c = {0};
@@ -360,6 +449,8 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
         a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
+        a->policy = m->recompute;
+        a->work_owner = -1;
         if (ep > 1) a->Rmax = ep_rows_max(cfg, B, T, ep);
         c = (carver){0};
         carve_acts(a, &c, m);
@@ -418,6 +509,7 @@ void tera_model_destroy(tera_model *m) {
     }
     free(m->held);
     free(m->layer_first);
+    free(m->recompute);
     memset(m, 0, sizeof *m);
 }
 
@@ -461,12 +553,18 @@ void tera_model_reset_load(tera_model *m) {
 
 /* ------------------------------------------------------------------------------ forward */
 
-/* SwiGLU FFN on all N rows: y[N,D] += w2(silu(x w1^T) * (x w3^T)). */
-static void ffn_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
-                        const float *w3, const float *w2, int64_t N, int64_t D, int64_t F) {
+/* SwiGLU hidden activations of x[N,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([N,F]). */
+static void ffn_hidden(float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3,
+                       int64_t N, int64_t D, int64_t F) {
     tera_linear_forward(a1, x, w1, N, D, F, 0.0f);
     tera_linear_forward(a3, x, w3, N, D, F, 0.0f);
     tera_swiglu_forward(g, a1, a3, N * F);
+}
+
+/* SwiGLU FFN on all N rows: y[N,D] += w2(silu(x w1^T) * (x w3^T)). */
+static void ffn_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
+                        const float *w3, const float *w2, int64_t N, int64_t D, int64_t F) {
+    ffn_hidden(a1, a3, g, x, w1, w3, N, D, F);
     tera_linear_forward(y, g, w2, N, F, D, 1.0f);
 }
 
@@ -494,9 +592,7 @@ static void experts_by_load(int *order, const int32_t *exp_off, int E) {
 static void expert_rows_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
                                 const float *w3, const float *w2, int64_t n, int64_t D, int64_t F) {
     if (n == 0) return;
-    tera_linear_forward(a1, x, w1, n, D, F, 0.0f);
-    tera_linear_forward(a3, x, w3, n, D, F, 0.0f);
-    tera_swiglu_forward(g, a1, a3, n * F);
+    ffn_hidden(a1, a3, g, x, w1, w3, n, D, F);
     tera_linear_forward(y, g, w2, n, F, D, 0.0f);
 }
 
@@ -509,6 +605,14 @@ static void expert_rows_backward(float *dx, float *gw1, float *gw3, float *gw2, 
     tera_swiglu_backward(da1, da3, dg, a1, a3, n * F);
     tera_linear_backward(dx, gw1, da1, x, w1, n, D, F, 0.0f);
     tera_linear_backward(dx, gw3, da3, x, w3, n, D, F, 1.0f);
+}
+
+/* Expert e's hidden activations over its grouped rows: a1, a3, gact = silu(a1) * a3. */
+static void expert_hidden(layer_acts *la, const tera_layer_view *W, int e, int64_t D, int64_t F) {
+    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
+    if (n == 0) return;
+    ffn_hidden(la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, W->w1 + e * F * D,
+               W->w3 + e * F * D, n, D, F);
 }
 
 /* Expert e over its grouped rows: ye = w2(silu(xg w1^T) * (xg w3^T)). */
@@ -844,10 +948,12 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
             TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
         }
     }
+    a->work_owner = -1;
     for (int l = l0; l < l1; l++) {
         float *out = l + 1 < l1 ? a->layer[l + 1].x_in : (l1 == L ? a->x_final : x_out);
         need_params(m, l);
         layer_forward(m, l, out);
+        if (a->policy[l] != TERA_RECOMPUTE_NONE) a->work_owner = l; /* its parts in the work set */
     }
     if (l1 < L) return; /* the next stage goes on */
     need_params(m, TERA_GROUP_HEAD);
@@ -1008,6 +1114,80 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
+/* Selective recomputation of expert hidden activations under expert parallelism: over each
+ * source rank's block of received rows, with the forward's thread layout (ep_block_forward). */
+static void ep_block_hidden(const tera_model *m, layer_acts *la, const tera_layer_view *W, int s, int64_t D,
+                            int64_t F) {
+    const int El = m->cfg.n_experts / m->par.ep;
+    int64_t off[65];
+    ep_block_offsets(la, s, El, off);
+#define EP_HID(e)                                                                                          \
+    if (off[(e) + 1] > off[e])                                                                             \
+    ffn_hidden(la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, la->xr + off[e] * D,        \
+               W->w1 + (e) * F * D, W->w3 + (e) * F * D, off[(e) + 1] - off[e], D, F)
+    if (experts_in_parallel(El)) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int e = 0; e < El; e++) EP_HID(e);
+    } else {
+        for (int e = 0; e < El; e++) EP_HID(e);
+    }
+#undef EP_HID
+}
+
+/* Brings back what layer l did not keep (tera_recompute), into the work set, before its backward.
+ * The same code on the same inputs (kept x_in or q/k/v/xg/xr/ln2, unchanged weights and router
+ * bias, the same thread layout, 64-byte aligned buffers at the same relative offsets) gives the
+ * same bits. Nothing to do when the work set still holds layer l's (the last recomputing layer of
+ * the forward). The statistics a MoE forward accumulates are restored afterwards: counted once.
+ * A full recomputation reruns the layer's forward, exchanges between ranks included (every rank of
+ * a group has the same policy, so they run it together). */
+static void layer_recompute(tera_model *m, int l) {
+    const tera_model_config *c = &m->cfg;
+    tera_acts *a = m->acts;
+    const int policy = a->policy[l];
+    if (policy == TERA_RECOMPUTE_NONE || a->work_owner == l) return;
+    layer_acts *la = &a->layer[l];
+    const tera_layer_view *W = &m->W.layers[l];
+    const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl, E = c->n_experts;
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads, F = m->Fl;
+    a->work_owner = -1;
+    if (policy == TERA_RECOMPUTE_FULL) {
+        /* the layer's output is not needed: a->dln is free until layer_backward clears it */
+        const tera_fwd_stats stats = m->stats;
+        int64_t load[64];
+        if (is_moe(c, l)) memcpy(load, m->expert_load + (int64_t)l * E, sizeof(int64_t) * (size_t)E);
+        const double entropy = m->router_entropy[l];
+        const int64_t routed = m->routed_tokens;
+        layer_forward(m, l, a->dln);
+        m->stats = stats;
+        if (is_moe(c, l)) memcpy(m->expert_load + (int64_t)l * E, load, sizeof(int64_t) * (size_t)E);
+        m->router_entropy[l] = entropy;
+        m->routed_tokens = routed;
+    } else { /* selective: attention core, then the FFN hidden activations */
+        TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
+                                                   (int)hd, a->attn_scratch));
+        if (is_moe(c, l)) {
+            TERA_PROF_BEGIN(EXPERT_FWD);
+            int order[64];
+            if (m->par.ep > 1) { /* the received rows are kept (xr): no exchange needed */
+                for (int i = 0; i < m->par.ep; i++) ep_block_hidden(m, la, W, (m->ep_rank + i) % m->par.ep, D, F);
+            } else if (experts_in_parallel(E)) { /* the forward's thread layout (moe_forward) */
+                experts_by_load(order, la->exp_off, E);
+#pragma omp parallel for schedule(dynamic, 1)
+                for (int i = 0; i < E; i++) expert_hidden(la, W, order[i], D, F);
+            } else {
+                for (int e = 0; e < E; e++) expert_hidden(la, W, e, D, F);
+            }
+            TERA_PROF_END(EXPERT_FWD);
+            if (c->n_shared_experts > 0)
+                TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, N, D, m->Fsl));
+        } else {
+            TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, N, D, m->Fdl));
+        }
+    }
+    a->work_owner = l;
+}
+
 /* Gradients of a group are final for this micro-batch: hand each contiguous range (non-expert
  * tensors, then expert tensors) to the trainer. */
 static void notify_grads(tera_model *m, int group) {
@@ -1052,6 +1232,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     }
     for (int l = l1 - 1; l >= l0; l--) {
         need_params(m, l);
+        layer_recompute(m, l);
         need_grads(m, l);
         layer_backward(m, l, s);
         notify_grads(m, l);

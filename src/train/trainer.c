@@ -131,7 +131,9 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
                                     .n_slots = tr->pp > 1 ? tera_pipeline_slots(tr) : 1};
-        st = tera_model_create_par(&tr->model, &cfg->model, t->micro_batch, t->seq_len, &par);
+        tera_model_config mc = cfg->model;
+        mc.recompute = t->recompute;
+        st = tera_model_create_par(&tr->model, &mc, t->micro_batch, t->seq_len, &par);
         free(first);
     }
     if (st != TERA_OK) goto fail_src;
