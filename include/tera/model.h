@@ -173,6 +173,7 @@ typedef struct {
     int64_t bytes_params, bytes_grads, bytes_acts, bytes_scratch; /* memory accounting */
     int64_t bytes_comm;   /* expert-parallel exchange buffers (received rows and their results; a part
                              of bytes_acts and bytes_scratch, reported apart) */
+    int64_t bytes_comm_acts; /* the part of bytes_comm inside bytes_acts */
 } tera_model;
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */

@@ -38,7 +38,7 @@ static void print_summary(const tera_trainer *tr) {
                 t->batch_grow_window, (double)t->batch_grow_gnorm, rules[t->batch_lr_scaling],
                 tera_batch_accum(t, &tr->batch, tr->step));
     /* exact figures by category (tests compare them with the formulas of docs/PARALLELISM.md) */
-    const int64_t ea = m->n_moe_layers * 2 * (m->bytes_comm / (2 * m->n_moe_layers + 2)); /* part of activations */
+    const int64_t ea = m->bytes_comm_acts; /* the exchange buffers inside the activations */
     int64_t rep = 0, split = 0, expert = 0; /* elements held, by how they are divided among ranks */
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];

@@ -476,8 +476,10 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     }
     int held_moe = 0;
     for (int l = 0; l < cfg->n_layers; l++) held_moe += m->held[l] && is_moe(cfg, l);
-    if (ep > 1) /* xr, yr per MoE layer and slot; dyr, dxr shared */
-        m->bytes_comm = (int64_t)(2 * held_moe * ns + 2) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+    if (ep > 1) { /* xr, yr per MoE layer and slot (activations); dyr, dxr shared (scratch) */
+        m->bytes_comm_acts = (int64_t)(2 * held_moe * ns) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+        m->bytes_comm = m->bytes_comm_acts + 2 * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+    }
     tera_model_use_slot(m, 0);
     return TERA_OK;
 }
