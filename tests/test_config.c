@@ -504,6 +504,10 @@ static void test_finalize(void **state) {
     expect_finalize(TERA_OK, NULL, "parallel.tp=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.tp (3) must divide model.vocab_size", "parallel.tp=3", NULL);
     expect_finalize(TERA_OK, NULL, "parallel.pp=2", NULL); /* pipeline parallelism */
+    expect_finalize(TERA_ERR_CONFIG,
+                    "training.global_batch = 8, but training.micro_batch x training.grad_accum x parallel.dp = "
+                    "8 x 1 x 2 = 16 sequences", "training.global_batch=8", "parallel.dp=2");
+    expect_finalize(TERA_OK, NULL, "training.global_batch=16", "parallel.dp=2");
     expect_finalize(TERA_ERR_CONFIG, "parallel.pp_chunks = 2 needs parallel.pp_schedule = interleaved",
                     "parallel.pp_chunks=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "with model.tie_embeddings", "parallel.pp=2", "model.tie_embeddings=true");

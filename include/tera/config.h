@@ -58,6 +58,7 @@ typedef struct {
     int seq_len;           /* T, tokens per sequence */
     int micro_batch;       /* sequences per micro-batch (per data-parallel rank) */
     int grad_accum;        /* micro-batches per optimizer step */
+    int global_batch;      /* sequences per step when stated (0 = derived), checked against the layout */
     uint64_t seed;         /* seeds init, data shuffling and every other random stream */
     int threads;           /* compute threads (0 = all cores) */
     int warmup_steps;      /* W */

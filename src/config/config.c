@@ -159,7 +159,11 @@ static const config__key config__keys[] = {
           "tokens per sequence T (at most model.max_seq_len)"),
     K_INT(training, micro_batch, "8", 1, INT_MAX,
           "sequences per micro-batch (per data-parallel rank)"),
-    K_INT(training, grad_accum, "1", 1, INT_MAX, "micro-batches per optimizer step"),
+    K_INT(training, grad_accum, "1", 1, INT_MAX,
+          "micro-batches per optimizer step (with a pipeline: the micro-batches flowing through it)"),
+    K_INT(training, global_batch, "0", 0, INT_MAX,
+          "sequences per optimizer step, if given: checked against micro_batch x grad_accum x parallel.dp at start; "
+          "0 = not checked"),
     K_UINT64(training, seed, "1234", "seeds init, data shuffling and every other random stream"),
     K_INT(training, threads, "0", 0, INT_MAX, "compute threads; 0 = all cores"),
     K_INT(training, warmup_steps, "30", 0, INT_MAX, "linear warmup steps W (at most steps)"),
@@ -861,6 +865,11 @@ tera_status tera_config_finalize(tera_config *c) {
                     "training.batch_grow_max (%d) must be 0 or at least training.grad_accum (%d)",
                     t->batch_grow_max, t->grad_accum);
 
+    /* the global batch, when stated, must be what the layout makes of it */
+    CONFIG__REQUIRE(t->global_batch == 0 || (int64_t)t->global_batch == (int64_t)t->micro_batch * t->grad_accum * p->dp,
+                    "training.global_batch = %d, but training.micro_batch x training.grad_accum x parallel.dp = "
+                    "%d x %d x %d = %lld sequences", t->global_batch, t->micro_batch, t->grad_accum, p->dp,
+                    (long long)t->micro_batch * t->grad_accum * p->dp);
     /* expert parallelism splits the experts over ranks of the data-parallel group */
     CONFIG__REQUIRE(p->dp % p->ep == 0,
                     "parallel.ep (%d) must divide parallel.dp (%d): expert-parallel ranks are data-parallel ranks "
