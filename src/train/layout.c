@@ -150,15 +150,22 @@ static void zero23_free(tera_trainer *tr) {
     }
 }
 
-/* The region (0: non-expert over dp, 1: experts over edp) as the shard machinery sees it. */
-static void region(tera_trainer *tr, int x, tera_comm **c, const int64_t **counts, int *ranks, int *me, int64_t *base,
-                   tera_adamw **o) {
-    *c = x ? tr->edp : tr->dp;
-    *counts = x ? tr->shard_counts_x : tr->shard_counts;
-    *ranks = x ? tr->edp_size : tr->world;
-    *me = x ? tr->edp_rank : tr->rank;
-    *base = x ? tr->model.n_dense_floats : 0;
-    *o = x ? &tr->opt_x : &tr->opt;
+/* The pieces of the flat range [lo, hi) of region x (0: non-expert, sharded over dp; 1: experts,
+ * over edp) that each rank's shard holds: z->cnt[r] floats each, in rank order. */
+typedef struct {
+    tera_comm *c;    /* the ranks sharing the region */
+    tera_adamw *o;   /* this rank's shard of it */
+    int me;          /* this rank in c */
+    int64_t mine;    /* offset of this rank's piece inside [lo, hi) */
+    int64_t soff;    /* offset of this rank's piece inside its shard */
+} zpiece;
+
+static zpiece pieces(tera_trainer *tr, int x, int64_t lo, int64_t hi) {
+    zpiece p = {.c = x ? tr->edp : tr->dp, .o = x ? &tr->opt_x : &tr->opt, .me = x ? tr->edp_rank : tr->rank};
+    const int64_t base = x ? tr->model.n_dense_floats : 0;
+    p.mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, x ? tr->edp_size : tr->world, p.me, lo - base,
+                          hi - base, tr->zctx->cnt, &p.soff);
+    return p;
 }
 
 static void zero_use_params(void *ctx, int group) {
@@ -170,15 +177,9 @@ static void zero_use_params(void *ctx, int group) {
         int64_t lo, hi;
         tera_model_group_range(&tr->model, group, x, &lo, &hi);
         if (hi <= lo) continue;
-        tera_comm *c;
-        const int64_t *counts;
-        int ranks, me;
-        int64_t base, soff = 0;
-        tera_adamw *o;
-        region(tr, x, &c, &counts, &ranks, &me, &base, &o);
-        const int64_t mine = piece_counts(counts, ranks, me, lo - base, hi - base, z->cnt, &soff);
-        if (z->cnt[me] > 0) memcpy(sl->w[x] + mine, o->w + soff, sizeof(float) * (size_t)z->cnt[me]);
-        tera_comm_allgather_f32(c, sl->w[x], z->cnt);
+        const zpiece p = pieces(tr, x, lo, hi);
+        if (z->cnt[p.me] > 0) memcpy(sl->w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
+        tera_comm_allgather_f32(p.c, sl->w[x], z->cnt);
     }
     sl->group = group;
     sl->version = z->version;
@@ -215,17 +216,11 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
         if (lo == offset && hi == offset + count) sl = &z->slot[k];
     }
     TERA_ASSERTF(sl, "ZeRO-2: gradients of [%ld, %ld) are in no live slot", (long)offset, (long)(offset + count));
-    tera_comm *c;
-    const int64_t *counts;
-    int ranks, me;
-    int64_t base, soff = 0;
-    tera_adamw *o;
-    region(tr, x, &c, &counts, &ranks, &me, &base, &o);
-    const int64_t mine = piece_counts(counts, ranks, me, offset - base, offset + count - base, z->cnt, &soff);
-    tera_comm_reduce_scatter_f32(c, sl->g[x], z->cnt);
-    const float *src = sl->g[x] + mine;
-    float *dst = o->g + soff;
-    for (int64_t i = 0; i < z->cnt[me]; i++) dst[i] += src[i];
+    const zpiece p = pieces(tr, x, offset, offset + count);
+    tera_comm_reduce_scatter_f32(p.c, sl->g[x], z->cnt);
+    const float *src = sl->g[x] + p.mine;
+    float *dst = p.o->g + p.soff;
+    for (int64_t i = 0; i < z->cnt[p.me]; i++) dst[i] += src[i];
     if (--sl->pending == 0) sl->live = 0;
 }
 

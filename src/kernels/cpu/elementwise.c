@@ -173,14 +173,7 @@ double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, 
 
 void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
                       int64_t N, int64_t V, float scale) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *r = logits + n * V;
-        float *d = dlogits + n * V;
-        const float l = lse[n];
-        for (int64_t v = 0; v < V; v++) d[v] = scale * tera_vexpf(r[v] - l);
-        d[targets[n]] -= scale;
-    }
+    tera_ce_backward_range(dlogits, logits, lse, targets, N, V, 0, scale); /* the whole vocabulary */
 }
 
 /* ------------------------------------------------------------- vocabulary-parallel pieces */
