@@ -27,6 +27,15 @@ awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls 
 [ -f "$W/run/checkpoints/step_00000010/model.safetensors" ] && [ -f "$W/run/checkpoints/step_00000020/config.json" ] \
     && pass "checkpoints at 10 and 20" || fail "checkpoints missing"
 
+# --force starts over in an existing run directory: the old run's metrics and checkpoints go
+# (a later --resume must not pick up the old run's checkpoints)
+cp -r "$W/run" "$W/forced"
+"$TERA" train "${TINY[@]}" --training.steps=5 --data.path="$W/corpus.txt" --logging.run_dir="$W/forced" --force \
+    > /dev/null 2>&1 || fail "train --force"
+[ "$(wc -l < "$W/forced/metrics.jsonl")" = 5 ] && [ "$(ls "$W/forced/checkpoints" | tr '\n' ' ')" = "step_00000005 " ] \
+    && pass "--force replaces the old run's metrics and checkpoints" \
+    || fail "--force left old files: $(wc -l < "$W/forced/metrics.jsonl") metrics lines, $(ls "$W/forced/checkpoints" | tr '\n' ' ')"
+
 # retention: checkpoint.keep=2 with a save every 5 steps keeps the newest two
 "$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/keep" \
     --checkpoint.every=5 --checkpoint.keep=2 > /dev/null 2>&1
