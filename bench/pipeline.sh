@@ -29,7 +29,8 @@ for run in gpipe:2:1 1f1b:2:1 interleaved:2:2 gpipe:4:1 1f1b:4:1 interleaved:4:2
         tim=$(grep "pipeline stage $st: step" "$W/log" | sed 's/.*step \([0-9.]*\) ms, busy \([0-9.]*\) ms, waiting [0-9.]* ms: idle fraction \([0-9.]*\) (bubble formula \([0-9.]*\))/\1 \2 \3 \4/')
         read -r slots mib <<< "$mem"
         read -r step busy idle formula <<< "$tim"
-        printf '| %s | %d | %d | %d | %s | %s | %s | %s | %s | %s |\n' "$sched${v/#1/}" "$pp" "$M" "$st" "$step" "$busy" \
+        name=$sched; [ "$v" -gt 1 ] && name="$sched v=$v"
+        printf '| %s | %d | %d | %d | %s | %s | %s | %s | %s | %s |\n' "$name" "$pp" "$M" "$st" "$step" "$busy" \
             "$idle" "$formula" "$slots" "$mib"
     done
 done

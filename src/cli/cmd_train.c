@@ -86,10 +86,10 @@ int tera_cmd_train(int argc, char **argv) {
                 tr.world == 1 ? "" : "s", tera_comm_backend());
         if (tr.wsize > 1)
             fprintf(stderr,
-                    "tera: layout %d ranks = dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
-                    "(edp_rank * ep + ep_rank) * tp + tp_rank (tp varies fastest, then ep); ep rank r holds experts "
-                    "[r*%d, (r+1)*%d) of each MoE layer\n",
-                    tr.wsize, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
+                    "tera: layout %d ranks = pp %d x dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
+                    "(pp_rank * dp + dp_rank) * tp + tp_rank, dp_rank = edp_rank * ep + ep_rank (tp varies fastest, "
+                    "pp slowest); ep rank r holds experts [r*%d, (r+1)*%d) of each MoE layer\n",
+                    tr.wsize, tr.pp, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
                     cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
     }
     if (tr.pp > 1 && tr.rank == 0 && tr.tp_rank == 0) { /* one line per pipeline stage */
