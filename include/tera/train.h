@@ -178,6 +178,10 @@ tera_status tera_trainer_save_whole(tera_trainer *tr);
  * position is counted in samples. Spike-guard knowledge newer than the checkpoint (a rollback:
  * skipped windows, the LR cut, the last spike) is kept, merged with the checkpoint's. */
 tera_status tera_trainer_resume(tera_trainer *tr);
+/* The same from one committed checkpoint directory (full, or differential with its base beside it),
+ * saved under any layout; the caller verifies it first (tera_ckpt_verify) when it wants the damaged
+ * file named. Opens no metrics file (tera ckpt convert). */
+tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir);
 /* Opens run_dir/metrics.jsonl for appending (no-op without a run directory). */
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
 /* After a step: a healthy step's grad norm goes to the batch growth trigger; a growth is logged

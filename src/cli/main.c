@@ -23,6 +23,7 @@ static void usage(FILE *f) {
             "             tera schedule --kind gpipe|1f1b|interleaved --pp P --micro M [--chunks V]\n"
             "  bench      time training steps:  tera bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N]\n"
             "  ckpt       checkpoints:  tera ckpt ls RUN_DIR | verify DIR | export-hf DIR --out HFDIR [--force]\n"
+            "             [mpirun -np N] tera ckpt convert --from CKPT_DIR --out RUN_DIR [--force] [--parallel.*=...]\n"
             "  help       this text\n"
             "\n"
             "Every config key can be overridden on the command line as --section.key=value\n"

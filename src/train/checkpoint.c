@@ -798,9 +798,8 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     return s;
 }
 
-tera_status tera_trainer_resume(tera_trainer *tr) {
-    char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 128];
-    TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
+tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
+    char path[TERA_PATH_MAX + 128];
     /* the checkpoint holds the whole model: load it, keep this rank's part (its experts, its
      * ZeRO-1 shards of the moments) */
     tera_model shell;
@@ -816,5 +815,12 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     snprintf(path, sizeof path, "%s/state.json", dir);
     TERA_TRY(read_state(tr, path));
     tr->opt_x.t = tr->opt.t;
+    return TERA_OK;
+}
+
+tera_status tera_trainer_resume(tera_trainer *tr) {
+    char dir[TERA_PATH_MAX + 64];
+    TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
+    TERA_TRY(tera_trainer_resume_dir(tr, dir));
     return tera_trainer_open_metrics(tr, "a");
 }
