@@ -28,9 +28,10 @@ tera_precision tera_precision_resolve(const char *name, const char **note) {
     return p;
 }
 
-/* One linear layer x[N,in] -> [N,out]: its three products convert at most N*in + N*out + in*out
- * operand elements together (+1: the second operand starts at an even element). */
-static int64_t linear_elems(int64_t N, int64_t in, int64_t out) { return N * (in + out) + in * out + 1; }
+/* One linear layer x[N,in] -> [N,out]: its products convert at most N*in + N*out + in*out operand
+ * elements together (the backward rounds dy, w and x once for both of its products; +2: each copy
+ * after the first starts at an even element). */
+static int64_t linear_elems(int64_t N, int64_t in, int64_t out) { return N * (in + out) + in * out + 2; }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

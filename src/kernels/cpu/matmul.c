@@ -315,6 +315,17 @@ void tera_round_fp16(float *dst, const float *src, int64_t n) {
     for (int64_t c = 0; c < n; c += CVT_CHUNK) round_fp16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
 }
 
+/* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
+static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
+                      const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
+#if HAVE_MATMUL_PRIMITIVE
+    if (use_primitive() && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
+        matmul_primitive(dnnl_bf16, ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc))
+        return;
+#endif
+    DNNL_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, a16, lda, b16, ldb, beta, C, ldc));
+}
+
 /* C[M,N] = op(A) op(B) + beta C in the current low precision. A holds na elements, B nb (dense
  * operands: the linear layers' arrays). */
 static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
@@ -336,12 +347,7 @@ static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const flo
     uint16_t *a16 = s, *b16 = s + na + (na & 1);
     tera_round_bf16(a16, A, na);
     tera_round_bf16(b16, B, nb);
-#if HAVE_MATMUL_PRIMITIVE
-    if (use_primitive() && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
-        matmul_primitive(dnnl_bf16, ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc))
-        return;
-#endif
-    DNNL_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, a16, lda, b16, ldb, beta, C, ldc));
+    gemm_bf16(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
 }
 
 void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
@@ -374,6 +380,18 @@ void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x,
         return;
     }
     /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays */
+    if (g_prec == TERA_PREC_BF16 && dx && dw && N > 0 && in > 0 && out > 0) {
+        /* bf16: dy is rounded once for both products (each bf16 copy starts at an even element) */
+        const int64_t ny = N * out + ((N * out) & 1), nw = out * in + ((out * in) & 1);
+        uint16_t *dy16 = scratch_get(sizeof(uint16_t) * (size_t)(ny + nw + N * in));
+        uint16_t *w16 = dy16 + ny, *x16 = w16 + nw;
+        tera_round_bf16(dy16, dy, N * out);
+        tera_round_bf16(w16, w, out * in);
+        tera_round_bf16(x16, x, N * in);
+        gemm_bf16(0, 0, N, in, out, dy16, out, w16, in, dx_beta, dx, in);
+        gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
+        return;
+    }
     if (dx) gemm_lowp(0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
     if (dw) gemm_lowp(1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
 }
