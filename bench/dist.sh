@@ -1,37 +1,103 @@
 #!/usr/bin/env bash
 # bench-dist (../shared/spec/BENCH.md) on 1, 2, 4 and 8 MPI ranks in several layouts: tokens/s,
-# bytes each rank sent per step against the analytic minimum of the layout, memory per rank, and
-# what overlapping the expert exchange with expert compute saves (ep_overlap 1 vs 0).
-# One thread per rank; global batch 16 sequences of 256 tokens. Usage: bench/dist.sh [TERA] [STEPS]
+# bytes each rank sent per step against the analytic minimum of the layout (by kind of transfer,
+# see src/cli/cmd_bench.c), memory per rank, and what overlapping the expert exchange with expert
+# compute saves (ep_overlap 1 vs 0). One thread per rank; global batch 16 sequences of 256 tokens
+# (micro_batch = 16 / parallel.dp: tensor-parallel ranks share their samples).
+# Then the overlap A/B: each expert-parallel layout of AB_LAYOUTS run AB_REPEATS times with
+# ep_overlap 1 and 0 alternating (the machine's load drifts; alternation and medians show it).
+# Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
+# and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
 TERA=${1:-build/tera}
-STEPS=${2:-5}
+STEPS=${2:-3}
+WARMUP=${3:-1}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_WAIT_POLICY=PASSIVE
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/dist-results.jsonl}
+mkdir -p bench/results
+OUT=${OUT:-bench/results/dist.jsonl}
+OUT_AB=${OUT_AB:-bench/results/dist-overlap.jsonl}
 : > "$OUT"
-# name dp ep zero overlap
-for l in one:1:1:0:1 dp2:2:1:0:1 ep2:2:2:0:1 dp4:4:1:0:1 dp4-zero1:4:1:1:1 ep4:4:4:0:1 ep4-no-overlap:4:4:0:0 \
-         dp2xep2-zero1:4:2:1:1 dp8:8:1:0:1 dp2xep4-zero1:8:4:1:1 ep8:8:8:0:1 ep8-no-overlap:8:8:0:0; do
-    IFS=: read -r name dp ep zero ov <<< "$l"
-    args=(bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps "$STEPS" --warmup 2
-          --training.micro_batch=$((16 / dp)) --parallel.dp="$dp" --parallel.ep="$ep" --parallel.zero="$zero"
-          --parallel.ep_overlap="$ov" --training.threads=1)
-    if [ "$dp" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$dp" "$TERA" "${args[@]}" 2> /dev/null; fi \
-        | tee -a "$OUT"
+: > "$OUT_AB"
+# Naming as tests/cli_layouts.sh: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
+# parallel.tp = T, parallel.ep = E.   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap
+LAYOUTS=${LAYOUTS-"one:1:1:1:0:1
+    dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
+    dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 dp2xtp2:2:2:1:0:1
+    ep4:4:1:4:0:1 ep4-no-overlap:4:1:4:0:0 dp2xep2-zero1:4:1:2:1:1 tp2xep2-zero3:2:2:2:3:1
+    dp8:8:1:1:0:1 dp2xep4-zero1:8:1:4:1:1 ep8:8:1:8:0:1 ep8-no-overlap:8:1:8:0:0 dp2xtp2xep2-zero2:4:2:2:2:1"}
+run() { # name dp tp ep zero overlap
+    local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 n=$(($2 * $3))
+    local args=(bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
+          --training.micro_batch=$((16 / dp)) --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep"
+          --parallel.zero="$zero" --parallel.ep_overlap="$ov" --training.threads=1)
+    if [ "$n" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$n" "$TERA" "${args[@]}" 2> /dev/null; fi
+}
+for l in $LAYOUTS; do
+    IFS=: read -r name dp tp ep zero ov <<< "$l"
+    run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" | tee -a "$OUT"
 done
-python3 - "$OUT" <<'PY'
-import json, sys
+AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
+for l in $AB_LAYOUTS; do
+    IFS=: read -r name dp tp ep zero <<< "$l"
+    for i in $(seq "${AB_REPEATS:-3}"); do
+        run "$name" "$dp" "$tp" "$ep" "$zero" 1 | tee -a "$OUT_AB"
+        run "$name-no-overlap" "$dp" "$tp" "$ep" "$zero" 0 | tee -a "$OUT_AB"
+    done
+done
+python3 - "$OUT" "$OUT_AB" <<'PY'
+import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("\n| layout | ranks | tokens/s | bytes sent/rank/step | analytic minimum | ratio | params+grads+optimizer MiB/rank | comm buffers MiB |")
-print("|---|---|---|---|---|---|---|---|")
+ab = [json.loads(l) for l in open(sys.argv[2])]
+MiB, KiB = 2**20, 2**10
+print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | step ms | sent MiB/rank/step | minimum MiB | sent/min "
+      "| overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     n = r.get("ranks", 1)
+    name = r["config"].split("/")[-1]
     if n == 1:
-        print(f"| {r['config']} | 1 | {r['tokens_per_s']:.0f} | 0 | 0 | - | - | - |"); continue
-    mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / 2**20
+        print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - |")
+        continue
+    mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / MiB
+    lay = f"{r['dp'] // r['ep']} x {r['tp']} x {r['ep']}"
     ratio = r["bytes_sent_per_step"] / r["min_bytes_per_step"] if r["min_bytes_per_step"] else float("nan")
-    print(f"| {r['config']} | {n} | {r['tokens_per_s']:.0f} | {r['bytes_sent_per_step']/2**20:.1f} MiB | "
-          f"{r['min_bytes_per_step']/2**20:.1f} MiB | {ratio:.3f} | {mem:.0f} | {r['mem_comm']/2**20:.0f} |")
+    p2p = f"{r['sent_p2p'] / r['min_p2p']:.3f}" if r["min_p2p"] else "-"
+    print(f"| {name} | {n} | {lay} | {r['zero']} | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | "
+          f"{r['bytes_sent_per_step'] / MiB:.2f} | {r['min_bytes_per_step'] / MiB:.2f} | {ratio:.4f} | "
+          f"{r['overhead_bytes_per_step'] / KiB:.1f} | {p2p} | {mem:.0f} |")
+kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]
+print("\nMiB sent per rank per step by kind, measured / minimum (+ overhead: statistics, expert row counts):\n")
+print("| layout | " + " | ".join(kinds) + " | gradients | tensor-parallel | ZeRO-3 gathers | expert exchange |")
+print("|---|" + "---|" * (len(kinds) + 4))
+for r in rows:
+    if r.get("ranks", 1) == 1: continue
+    cell = lambda k: "-" if r["sent_" + k] == 0 and r["min_" + k] == 0 else \
+        f"{r['sent_' + k] / MiB:.3f} / {r['min_' + k] / MiB:.3f}" + (f" + {r['overhead_' + k] / MiB:.4f}" if r["overhead_" + k] else "")
+    print(f"| {r['config'].split('/')[-1]} | " + " | ".join(cell(k) for k in kinds) +
+          f" | {r['grad_min_bytes'] / MiB:.2f} | {r['tp_min_bytes'] / MiB:.2f} | {r['zero3_gather_min_bytes'] / MiB:.2f} | "
+          f"{r['ep_min_bytes'] / MiB:.2f} |")
+by = {r["config"].split("/")[-1]: r for r in rows}
+print()
+for name in by:  # the sweep's single pairs
+    off = by.get(name + "-no-overlap")
+    if off is None: continue
+    on = by[name]
+    print(f"sweep, overlap {name}: step {off['step_ms_median']:.0f} ms without, {on['step_ms_median']:.0f} ms with: "
+          f"saves {off['step_ms_median'] - on['step_ms_median']:.0f} ms ({100 * (1 - on['step_ms_median'] / off['step_ms_median']):.1f}%)")
+if ab:  # the alternating A/B runs
+    print("\n| layout | ranks | step ms, overlap on (runs) | step ms, overlap off (runs) | median on | median off | saved |")
+    print("|---|---|---|---|---|---|---|")
+    names = []
+    for r in ab:
+        n = r["config"].split("/")[-1].replace("-no-overlap", "")
+        if n not in names: names.append(n)
+    for n in names:
+        on = [r["step_ms_median"] for r in ab if r["config"].split("/")[-1] == n]
+        off = [r["step_ms_median"] for r in ab if r["config"].split("/")[-1] == n + "-no-overlap"]
+        mon, moff = statistics.median(on), statistics.median(off)
+        ranks = next(r["ranks"] for r in ab if r["config"].split("/")[-1] == n)
+        print(f"| {n} | {ranks} | {', '.join(f'{x:.0f}' for x in on)} | {', '.join(f'{x:.0f}' for x in off)} | "
+              f"{mon:.0f} | {moff:.0f} | {moff - mon:.0f} ms ({100 * (1 - mon / moff):.1f}%) |")
 PY

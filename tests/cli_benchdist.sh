@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The communication volume of the parallel layouts equals the analytic minimum of `tera bench`
+# (src/cli/cmd_bench.c, docs/PERFORMANCE.md "bench-dist"), so a change in what a layout sends
+# fails here. A tiny MoE (a dense first layer, a shared expert, 2 MoE layers) runs 2 timed steps
+# of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, pp2 and tp2 x pp2 (2 micro-batches
+# a step where it matters; rank 0's bytes: with a pipeline, the first stage's), and
+# for each JSON line:
+#   - every kind of transfer whose volume does not depend on the data (all-reduce, reduce-scatter,
+#     all-gather, all-to-all) sent exactly its minimum plus its known overhead (statistics
+#     all-reduces, expert row counts): tolerance 1 byte per step;
+#   - the whole: bytes_sent_per_step equals the minimum plus the overhead (5 bytes), and the
+#     overhead is small (under 5% of the minimum + 1 KiB), except with expert parallelism: the
+#     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
+#     there the point-to-point bytes must lie within 10% of it and the whole within 5%.
+# Usage: cli_benchdist.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" # Open MPI's own allocations (see cli_dist.sh)
+command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
+. "$(dirname "$0")/testlib.sh"
+TINY=(--model.dim=32 --model.n_layers=3 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.vocab_size=256
+      --model.first_k_dense=1 --model.n_shared_experts=1 --training.seq_len=32 --training.micro_batch=2
+      --training.threads=1 --steps 2 --warmup 1)
+num() { grep -o "\"$2\": [-0-9.e+]*" "$1" | head -1 | cut -d' ' -f2; } # a number of the JSON line
+
+# name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp]
+for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2; do
+    IFS=: read -r name dp tp ep zero accum pp <<< "$l"
+    pp=${pp:-1}
+    out="$W/$name.json"
+    if ! mpirun --oversubscribe -np $((pp * dp * tp)) "$TERA" bench "${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" \
+        --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" --training.grad_accum="$accum" \
+        > "$out" 2> "$W/$name.err"; then
+        fail "$name: bench failed"
+        tail -5 "$W/$name.err"
+        continue
+    fi
+    ok=1
+    for k in allreduce reduce_scatter allgather alltoall; do
+        s=$(num "$out" "sent_$k") m=$(num "$out" "min_$k") o=$(num "$out" "overhead_$k")
+        if [ -z "$s" ] || ! awk -v s="$s" -v m="$m" -v o="$o" 'BEGIN { d = s - m - o; exit !(d <= 1 && d >= -1) }'; then
+            fail "$name: $k sent ${s:-?} bytes per step, expected $m (minimum) + $o (overhead)"
+            ok=0
+        fi
+    done
+    s=$(num "$out" sent_p2p) m=$(num "$out" min_p2p)
+    if ! awk -v s="$s" -v m="$m" 'BEGIN { exit !(m == 0 ? s == 0 : s >= 0.9 * m && s <= 1.1 * m) }'; then
+        fail "$name: point-to-point $s bytes per step, minimum $m (uniform routing), tolerance 10%"
+        ok=0
+    fi
+    tot=$(num "$out" bytes_sent_per_step) min=$(num "$out" min_bytes_per_step) over=$(num "$out" overhead_bytes_per_step)
+    tol=$([ "$ep" -gt 1 ] && echo 0.05 || echo 0)
+    if ! awk -v s="$tot" -v m="$min" -v o="$over" -v t="$tol" \
+        'BEGIN { d = s - m - o; if (d < 0) d = -d; exit !(m > 0 && o < 0.05 * m + 1024 && d <= t * m + 5) }'; then
+        fail "$name: $tot bytes sent per step, analytic minimum $min + overhead $over, tolerance $tol"
+        ok=0
+    fi
+    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min"
+done
+finish cli_benchdist
