@@ -19,6 +19,7 @@ typedef struct {
     int64_t lo, hi; /* the parameters this optimizer updates: all of them, or a ZeRO-1 shard */
     float *g;       /* ZeRO-2/3: the shard's gradients [n] (NULL: the model's whole buffer) */
     float *w;       /* ZeRO-3: the shard's parameters [n] (NULL: the model's whole buffer) */
+    int view;       /* 1: m and v point into another optimizer's allocation (not freed here) */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);

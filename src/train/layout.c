@@ -299,8 +299,11 @@ tera_status tera_layout_init(tera_trainer *tr) {
         tera_adamw_init_range(&tr->opt_x, nd + lo[tr->edp_rank], nd + lo[tr->edp_rank] + tr->shard_counts_x[tr->edp_rank]);
         free(lo);
     } else {
-        tera_adamw_init_range(&tr->opt, 0, nd);
-        tera_adamw_init_range(&tr->opt_x, nd, n);
+        /* one allocation for both regions, so the whole moments are contiguous (a one-rank
+         * checkpoint snapshots them directly) */
+        tera_adamw_init_range(&tr->opt, 0, n);
+        tr->opt_x = (tera_adamw){.m = tr->opt.m + nd, .v = tr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
+        tr->opt.hi = tr->opt.n = nd;
     }
     if (tr->zero >= 2) zero23_init(tr);
     return TERA_OK;

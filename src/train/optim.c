@@ -16,7 +16,7 @@ void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi) {
 void tera_adamw_init(tera_adamw *o, int64_t n) { tera_adamw_init_range(o, 0, n); }
 
 void tera_adamw_free(tera_adamw *o) {
-    free(o->m);
+    if (!o->view) free(o->m);
     memset(o, 0, sizeof *o);
 }
 

@@ -619,6 +619,15 @@ static void fmt_eta(char *buf, size_t n, double sec) {
 tera_status tera_trainer_save(tera_trainer *tr) {
     tera_status st = TERA_OK;
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
+    if (tr->wsize == 1 && !tr->zero && tr->model.w && tr->opt_x.view) {
+        /* one process: its storage is the whole model, its moments one contiguous buffer */
+        tera_trainer whole = *tr;
+        whole.opt.hi = whole.opt.n = tr->model.n_floats;
+        st = tera_trainer_save_whole(&whole);
+        tr->ckpt = whole.ckpt;
+        tr->metrics = whole.metrics;
+        return st;
+    }
     {
         /* the checkpoint holds the whole model as one process does (per-rank shard files are not
          * written yet): every rank contributes its blocks and moment shards, rank 0 writes (one
