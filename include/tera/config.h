@@ -114,6 +114,7 @@ typedef struct {
     int async;                  /* write checkpoints in a background thread */
     int full_every;             /* every N-th save full, the others differential (0 = always full) */
     int64_t max_shard_bytes;    /* safetensors shard size limit for export (0 = one file) */
+    int sharded;                /* several ranks: each writes its own blocks (per-rank files) */
 } tera_ckpt_config;
 
 typedef struct {

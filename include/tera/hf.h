@@ -14,6 +14,8 @@
 tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite);
 /* Reads config.json into cfg (fields not present keep their current value). */
 tera_status tera_hf_read_config(const char *dir, tera_model_config *cfg);
+/* Writes cfg as a config.json file at path (atomically). */
+tera_status tera_hf_write_config(const tera_model_config *cfg, const char *path);
 /* Loads every parameter of m (and the router bias when present) from dir. Missing tensors, extra
  * model tensors, or shape mismatches: TERA_ERR_FORMAT naming the tensor. */
 tera_status tera_hf_import(tera_model *m, const char *dir);

@@ -173,6 +173,8 @@ tera_status tera_trainer_save(tera_trainer *tr);
 /* The writer behind it (src/train/checkpoint.c): tr must hold the whole model in the one-process
  * layout (tera_trainer_save builds that view from every rank's blocks and shards); rank 0 only. */
 tera_status tera_trainer_save_whole(tera_trainer *tr);
+/* checkpoint.sharded with several ranks: every rank writes its own blocks (collective). */
+tera_status tera_trainer_save_sharded(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data
  * position, batch growth state, loss-spike guard state). The data must be the same token stream
  * (checked: token count, sample length, shuffle, seed); the batch size may differ, since the
@@ -199,6 +201,12 @@ tera_status tera_layout_init(tera_trainer *tr);   /* optimizer ranges, after the
 void tera_layout_free(tera_trainer *tr);
 /* Every rank receives the whole model: weights, Adam moments [n_global floats each]. */
 void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv);
+/* This rank's whole storage (its layout: ZeRO shards gathered over the ranks sharing them):
+ * parameters and Adam moments [n_floats each]. Collective. */
+void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv);
+/* Whether this rank writes its block of p in a sharded checkpoint (every element of the model by
+ * exactly one rank of the world). */
+int tera_layout_writes(const tera_trainer *tr, const tera_param *p);
 /* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). */
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv);
 /* A model shell with the one-process parameter table and no buffers (caller sets w). */

@@ -368,9 +368,98 @@ static tera_status load_full(const char *dir, tera_model *m, float *ea, float *e
     return st;
 }
 
+/* A sharded checkpoint (written by several ranks, src/train/checkpoint.c): each tensor of the
+ * one-process table (m must be one) is read piece by piece from the files the manifest names,
+ * each piece a block [lo, lo + len) of the tensor, and the router bias from its own file. */
+static int json_dims(const cJSON *a, int ndim, int64_t *out, int64_t fill) {
+    if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != ndim) return 0;
+    for (int d = 0; d < 3; d++) out[d] = d < ndim ? (int64_t)cJSON_GetArrayItem(a, d)->valuedouble : fill;
+    for (int d = 0; d < ndim; d++)
+        if (!cJSON_IsNumber(cJSON_GetArrayItem(a, d)) || out[d] < 0) return 0;
+    return 1;
+}
+
+static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m, float *ea, float *eas) {
+    const cJSON *tens = cJSON_GetObjectItemCaseSensitive(man, "tensors");
+    if (!cJSON_IsArray(tens) || cJSON_GetArraySize(tens) != m->n_params)
+        return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: \"tensors\" must list the model's %d tensors", dir,
+                         m->n_params);
+    char path[4400], key[32];
+    float *dst[3] = {m->w, ea, eas};
+    float *tmp = NULL;
+    size_t tmp_cap = 0;
+    tera_status s = TERA_OK;
+    for (int i = 0; i < m->n_params && s == TERA_OK; i++) {
+        const tera_param *p = &m->params[i];
+        const cJSON *t = cJSON_GetArrayItem(tens, i), *nm = cJSON_GetObjectItemCaseSensitive(t, "name");
+        int64_t gs[3];
+        if (!cJSON_IsString(nm) || strcmp(nm->valuestring, p->name) != 0 ||
+            !json_dims(cJSON_GetObjectItemCaseSensitive(t, "global_shape"), p->ndim, gs, 1) || gs[0] != p->shape[0] ||
+            gs[1] != p->shape[1] || gs[2] != p->shape[2]) {
+            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: tensor %d is not '%s' of this model's shape", dir, i, p->name);
+            break;
+        }
+        int64_t covered = 0;
+        const cJSON *pc;
+        cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
+            const cJSON *file = cJSON_GetObjectItemCaseSensitive(pc, "file");
+            int64_t lo[3], len[3];
+            if (!cJSON_IsString(file) || strchr(file->valuestring, '/') ||
+                !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "lo"), p->ndim, lo, 0) ||
+                !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "len"), p->ndim, len, 1) || lo[0] + len[0] > p->shape[0] ||
+                lo[1] + len[1] > p->shape[1] || lo[2] + len[2] > p->shape[2]) {
+                s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: a piece of '%s' is malformed", dir, p->name);
+                break;
+            }
+            const size_t cnt = (size_t)(len[0] * len[1] * len[2]);
+            if (cnt > tmp_cap) {
+                free(tmp);
+                tmp = tera_malloc(sizeof(float) * cnt);
+                tmp_cap = cnt;
+            }
+            snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+            tera_st_file f;
+            if ((s = tera_st_open(&f, path)) != TERA_OK) break;
+            static const char prefix[3] = {'w', 'm', 'v'};
+            for (int k = 0; k < 3 && s == TERA_OK; k++) {
+                if (!dst[k]) continue;
+                snprintf(key, sizeof key, "%c.%d", prefix[k], i);
+                s = tera_st_read_f32(&f, key, p->ndim, len, tmp);
+                /* the block into the whole tensor */
+                for (int64_t a = 0; a < len[0] && s == TERA_OK; a++)
+                    for (int64_t b = 0; b < len[1]; b++)
+                        memcpy(dst[k] + p->offset + ((lo[0] + a) * p->shape[1] + lo[1] + b) * p->shape[2] + lo[2],
+                               tmp + (a * len[1] + b) * len[2], sizeof(float) * (size_t)len[2]);
+            }
+            tera_st_close(&f);
+            covered += (int64_t)cnt;
+        }
+        if (s == TERA_OK && covered != p->numel)
+            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: the pieces of '%s' hold %ld of its %ld elements", dir,
+                          p->name, (long)covered, (long)p->numel);
+    }
+    free(tmp);
+    const int64_t nb = tera_ckpt_region_floats(m, 3);
+    if (s == TERA_OK && nb > 0) {
+        snprintf(path, sizeof path, "%s/router_bias.safetensors", dir);
+        tera_st_file f;
+        if ((s = tera_st_open(&f, path)) == TERA_OK) {
+            s = tera_st_read_f32(&f, "router_bias", 1, &nb, m->router_bias);
+            tera_st_close(&f);
+        }
+    }
+    return s;
+}
+
 tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas) {
     cJSON *man = read_manifest(dir);
     if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(man, "sharded"))) {
+        /* the files' checksums (COMMIT, manifest) are what tera_ckpt_verify checks */
+        tera_status s = load_sharded(dir, man, m, ea, eas);
+        cJSON_Delete(man);
+        return s;
+    }
     const cJSON *kind = cJSON_GetObjectItemCaseSensitive(man, "kind");
     const int diff = cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff");
     tera_status s = TERA_OK;

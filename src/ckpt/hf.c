@@ -297,6 +297,14 @@ static void add_weights(tera_st_writer *w, const tera_model *m) {
     }
 }
 
+tera_status tera_hf_write_config(const tera_model_config *cfg, const char *path) {
+    char *cfg_text = NULL;
+    TERA_TRY(config_json(cfg, &cfg_text));
+    tera_status s = write_text_atomic(path, cfg_text);
+    cJSON_free(cfg_text);
+    return s;
+}
+
 tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite) {
     char *cfg_text = NULL, path[TERA_PATH_MAX + 16];
     TERA_TRY(join(path, sizeof path, dir, "config.json"));

@@ -264,6 +264,10 @@ static const config__key config__keys[] = {
           "every N-th save is full and the others differential (changed chunks, zstd); 0 = always full"),
     K_INT64(checkpoint, max_shard_bytes, "0", 0, INT64_MAX,
             "safetensors shard size limit for export in bytes; 0 = one file"),
+    K_BOOL(checkpoint, sharded, "false",
+           "with several ranks, every rank writes its own blocks of the parameters and Adam moments "
+           "(rank-NNNNN.safetensors; the manifest lists the slice each file holds) instead of world rank 0 "
+           "writing the whole model; loads under any layout; synchronous and always full"),
 
     /* [logging] -------------------------------------------------------------------------------- */
     K_STRING(logging, run_dir, "runs/default", "the run's own directory (config, metrics.jsonl, checkpoints); \"\" = write nothing"),

@@ -533,6 +533,66 @@ static tera_status clean_uncommitted(const char *root) {
     return s;
 }
 
+/* The end of every save: the data files' checksums into the manifest, manifest.json, then COMMIT
+ * (step, and size + XXH3 of every other file) last, the directory renamed into place and the
+ * parent fsynced. Takes ownership of man. *bytes: the checkpoint's size. */
+static tera_status commit_dir(cJSON *man, const char *tmp, const char *dir, const char *root, int64_t step,
+                              int64_t *bytes_out) {
+    char path[TERA_PATH_MAX + 256], hx[20];
+    tera_status s = TERA_OK;
+    /* checksums of the data files (everything but manifest.json and COMMIT) */
+    char names[64][128];
+    int nf = list_files(tmp, names, 64);
+    cJSON *files = cJSON_AddObjectToObject(man, "files");
+    for (int i = 0; i < nf && s == TERA_OK; i++) {
+        uint64_t h;
+        int64_t sz;
+        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
+        s = tera_ckpt_hash_file(path, &h, &sz);
+        cJSON *o = cJSON_AddObjectToObject(files, names[i]);
+        cJSON_AddNumberToObject(o, "bytes", (double)sz);
+        hex64(hx, h);
+        cJSON_AddStringToObject(o, "xxh3", hx);
+    }
+    char *mtext = s == TERA_OK ? cJSON_Print(man) : NULL;
+    cJSON_Delete(man);
+    if (s != TERA_OK) return s;
+    snprintf(path, sizeof path, "%s/manifest.json", tmp);
+    s = tera_ckpt_write_file(path, mtext, strlen(mtext));
+    free(mtext);
+    if (s != TERA_OK) return s;
+    /* COMMIT: last, after every other file is durable */
+    strbuf cm = {0};
+    char line[512];
+    snprintf(line, sizeof line, "tera-checkpoint-commit 1\nstep %" PRId64 "\n", step);
+    sb_put(&cm, line, strlen(line));
+    nf = list_files(tmp, names, 64);
+    int64_t bytes = 0;
+    for (int i = 0; i < nf && s == TERA_OK; i++) {
+        uint64_t h;
+        int64_t sz;
+        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
+        s = tera_ckpt_hash_file(path, &h, &sz);
+        bytes += sz;
+        snprintf(line, sizeof line, "file %s %" PRId64 " %016" PRIx64 "\n", names[i], sz, h);
+        sb_put(&cm, line, strlen(line));
+    }
+    sb_put(&cm, "end\n", 4);
+    snprintf(path, sizeof path, "%s/COMMIT", tmp);
+    if (s == TERA_OK) s = tera_ckpt_write_file(path, cm.buf, (size_t)cm.n);
+    free(cm.buf);
+    if (s == TERA_OK) s = tera_ckpt_fsync_path(tmp);
+    if (s != TERA_OK) return s;
+    struct stat sb;
+    if (stat(dir, &sb) == 0) TERA_TRY(tera_ckpt_rmtree(dir)); /* a damaged checkpoint of this step */
+    tera_ckpt_io_point("rename", tmp);
+    if (rename(tmp, dir) != 0)
+        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
+    TERA_TRY(tera_ckpt_fsync_path(root));
+    *bytes_out = bytes;
+    return TERA_OK;
+}
+
 static tera_status write_checkpoint(tera_ckpt_ctx *c) {
     char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
     snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
@@ -634,55 +694,8 @@ static tera_status write_checkpoint(tera_ckpt_ctx *c) {
         hex64(hx, tera_ckpt_region_hash(&c->shadow, r, c->reg[r]));
         cJSON_AddStringToObject(o, "xxh3", hx);
     }
-    /* checksums of the data files (everything but manifest.json and COMMIT) */
-    char names[64][128];
-    int nf = list_files(tmp, names, 64);
-    cJSON *files = cJSON_AddObjectToObject(man, "files");
-    for (int i = 0; i < nf && s == TERA_OK; i++) {
-        uint64_t h;
-        int64_t sz;
-        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        s = tera_ckpt_hash_file(path, &h, &sz);
-        cJSON *o = cJSON_AddObjectToObject(files, names[i]);
-        cJSON_AddNumberToObject(o, "bytes", (double)sz);
-        hex64(hx, h);
-        cJSON_AddStringToObject(o, "xxh3", hx);
-    }
-    char *mtext = s == TERA_OK ? cJSON_Print(man) : NULL;
-    cJSON_Delete(man);
-    if (s != TERA_OK) return s;
-    snprintf(path, sizeof path, "%s/manifest.json", tmp);
-    s = tera_ckpt_write_file(path, mtext, strlen(mtext));
-    free(mtext);
-    if (s != TERA_OK) return s;
-    /* COMMIT: last, after every other file is durable */
-    strbuf cm = {0};
-    char line[512];
-    snprintf(line, sizeof line, "tera-checkpoint-commit 1\nstep %" PRId64 "\n", c->step);
-    sb_put(&cm, line, strlen(line));
-    nf = list_files(tmp, names, 64);
     int64_t bytes = 0;
-    for (int i = 0; i < nf && s == TERA_OK; i++) {
-        uint64_t h;
-        int64_t sz;
-        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        s = tera_ckpt_hash_file(path, &h, &sz);
-        bytes += sz;
-        snprintf(line, sizeof line, "file %s %" PRId64 " %016" PRIx64 "\n", names[i], sz, h);
-        sb_put(&cm, line, strlen(line));
-    }
-    sb_put(&cm, "end\n", 4);
-    snprintf(path, sizeof path, "%s/COMMIT", tmp);
-    if (s == TERA_OK) s = tera_ckpt_write_file(path, cm.buf, (size_t)cm.n);
-    free(cm.buf);
-    if (s == TERA_OK) s = tera_ckpt_fsync_path(tmp);
-    if (s != TERA_OK) return s;
-    struct stat sb;
-    if (stat(dir, &sb) == 0) TERA_TRY(tera_ckpt_rmtree(dir)); /* a damaged checkpoint of this step */
-    tera_ckpt_io_point("rename", tmp);
-    if (rename(tmp, dir) != 0)
-        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
-    TERA_TRY(tera_ckpt_fsync_path(root));
+    TERA_TRY(commit_dir(man, tmp, dir, root, c->step, &bytes));
     g_stats.last_write_s = tera_now() - t0;
     g_stats.last_bytes = bytes;
     g_stats.last_full = c->full;
@@ -823,4 +836,176 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
     TERA_TRY(tera_trainer_resume_dir(tr, dir));
     return tera_trainer_open_metrics(tr, "a");
+}
+
+/* ------------------------------------------------------------------ sharded checkpoints
+ * checkpoint.sharded with several ranks: no rank gathers the model. Every element of the model is
+ * written by exactly one rank (tera_layout_writes: the first expert-data-parallel replica, the
+ * first rank of the ep group for non-expert tensors, the first tp rank for tensors replicated over
+ * tp), into rank-NNNNN.safetensors (NNNNN: its index in the model-parallel group, (pp_rank * ep +
+ * ep_rank) * tp + tp_rank): tensors "w.I", "m.I", "v.I" hold its block of parameter I (of the
+ * one-process table) and the block's Adam moments. World rank 0 writes config.json,
+ * router_bias.safetensors, state.json, config.ini and the manifest, whose "tensors" give each
+ * tensor's global shape and, per piece, the file and the slice (lo, len per dim) it holds; then
+ * COMMIT covers every file of every rank. Synchronous (the ranks meet before the commit) and always
+ * full. tera_ckpt_load reads it under any layout. */
+static int sharded_member_writes(const tera_param *p, int ep_rank, int tp_rank) {
+    if (p->numel == 0) return 0;
+    if (!p->expert_stacked && ep_rank != 0) return 0;
+    return p->tp_dim >= 0 || tp_rank == 0;
+}
+
+static tera_status agree(tera_status st, const char *what) {
+    int64_t failed = st != TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+    if (failed && st == TERA_OK) return tera_fail(TERA_ERR_IO, "sharded checkpoint: %s failed on another rank", what);
+    return st;
+}
+
+tera_status tera_trainer_save_sharded(tera_trainer *tr) {
+    const tera_model *m = &tr->model;
+    const int64_t n = m->n_floats;
+    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
+    snprintf(root, sizeof root, "%s/checkpoints", tr->run_dir);
+    snprintf(dir, sizeof dir, "%s/step_%08" PRId64, root, tr->step);
+    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    const double t0 = tera_now();
+    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
+    int64_t have = tr->root && tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
+    if (have) return TERA_OK;
+    float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lw = buf, *lm = buf + n, *lv = buf + 2 * n;
+    tera_layout_local_state(tr, lw, lm, lv); /* collective: ZeRO shards gathered over their ranks */
+    tera_status st = TERA_OK;
+    if (tr->root) {
+        tera_ckpt_io_point("mkdir", root);
+        st = tera_mkdirs(root);
+        if (st == TERA_OK) st = clean_uncommitted(root);
+        tera_ckpt_io_point("mkdir", tmp);
+        if (st == TERA_OK) st = tera_mkdirs(tmp);
+    }
+    st = agree(st, "creating the directory");
+    const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
+    if (st == TERA_OK) {
+        tera_st_writer w;
+        tera_st_writer_init(&w);
+        int any = 0;
+        char nm[3][32];
+        for (int i = 0; i < m->n_params; i++) {
+            const tera_param *p = &m->params[i];
+            if (!tera_layout_writes(tr, p)) continue;
+            any = 1;
+            snprintf(nm[0], sizeof nm[0], "w.%d", i);
+            snprintf(nm[1], sizeof nm[1], "m.%d", i);
+            snprintf(nm[2], sizeof nm[2], "v.%d", i);
+            const float *src[3] = {lw, lm, lv};
+            for (int k = 0; k < 3; k++) tera_st_writer_add(&w, nm[k], TERA_DT_F32, p->ndim, p->len, src[k] + p->offset);
+        }
+        if (any) {
+            snprintf(path, sizeof path, "%s/rank-%05d.safetensors", tmp, me);
+            tera_ckpt_io_point("write", path);
+            st = tera_st_writer_save(&w, path);
+            if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
+        }
+        tera_st_writer_free(&w);
+    }
+    free(buf);
+    st = agree(st, "writing a rank's shard");
+    if (st == TERA_OK && tr->root) {
+        /* the one-process view: its table names the tensors and their global shapes */
+        tera_model shell;
+        tera_layout_global_shell(tr, &shell);
+        snprintf(path, sizeof path, "%s/config.json", tmp);
+        tera_ckpt_io_point("write", path);
+        st = tera_hf_write_config(&m->cfg, path);
+        const int64_t nb = tera_ckpt_region_floats(m, 3);
+        if (st == TERA_OK && nb > 0) {
+            tera_st_writer w;
+            tera_st_writer_init(&w);
+            tera_st_writer_add(&w, "router_bias", TERA_DT_F32, 1, &nb, m->router_bias);
+            snprintf(path, sizeof path, "%s/router_bias.safetensors", tmp);
+            tera_ckpt_io_point("write", path);
+            st = tera_st_writer_save(&w, path);
+            if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
+            tera_st_writer_free(&w);
+        }
+        char *state = state_text(tr);
+        snprintf(path, sizeof path, "%s/state.json", tmp);
+        if (st == TERA_OK) st = tera_ckpt_write_file(path, state, strlen(state));
+        free(state);
+        snprintf(path, sizeof path, "%s/config.ini", tmp);
+        if (st == TERA_OK) {
+            tera_ckpt_io_point("write", path);
+            st = tera_config_write(&tr->cfg, path);
+            if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
+        }
+        if (st == TERA_OK) {
+            cJSON *man = cJSON_CreateObject();
+            cJSON_AddStringToObject(man, "format", "tera-checkpoint");
+            cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
+            cJSON_AddNumberToObject(man, "step", (double)tr->step);
+            cJSON_AddStringToObject(man, "kind", "full");
+            cJSON_AddBoolToObject(man, "sharded", 1);
+            cJSON_AddStringToObject(man, "run_config", "config.ini");
+            cJSON *lay = cJSON_AddObjectToObject(man, "layout");
+            cJSON_AddNumberToObject(lay, "world_size", tr->wsize);
+            cJSON_AddNumberToObject(lay, "dp", tr->cfg.parallel.dp);
+            cJSON_AddNumberToObject(lay, "tp", tr->tp);
+            cJSON_AddNumberToObject(lay, "pp", tr->pp);
+            cJSON_AddNumberToObject(lay, "ep", tr->ep);
+            cJSON_AddNumberToObject(lay, "zero", tr->cfg.parallel.zero);
+            cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
+            const int P = tr->ep * tr->tp * tr->pp;
+            tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
+            for (int r = 0; r < P; r++) {
+                int np;
+                int64_t nf;
+                const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp,
+                                            .tp_rank = r % tr->tp, .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep),
+                                            .v = m->par.v, .layer_first = m->layer_first};
+                tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &nf, NULL);
+            }
+            for (int i = 0; i < shell.n_params; i++) {
+                const tera_param *g = &shell.params[i];
+                cJSON *t = cJSON_CreateObject();
+                cJSON_AddStringToObject(t, "name", g->name);
+                cJSON *gs = cJSON_AddArrayToObject(t, "global_shape");
+                for (int d = 0; d < g->ndim; d++) cJSON_AddItemToArray(gs, cJSON_CreateNumber((double)g->shape[d]));
+                cJSON *pcs = cJSON_AddArrayToObject(t, "pieces");
+                for (int r = 0; r < P; r++) {
+                    const tera_param *p = &tab[r][i];
+                    if (!sharded_member_writes(p, r / tr->tp % tr->ep, r % tr->tp)) continue;
+                    cJSON *pc = cJSON_CreateObject();
+                    snprintf(path, sizeof path, "rank-%05d.safetensors", r);
+                    cJSON_AddStringToObject(pc, "file", path);
+                    cJSON *lo = cJSON_AddArrayToObject(pc, "lo"), *len = cJSON_AddArrayToObject(pc, "len");
+                    for (int d = 0; d < g->ndim; d++) {
+                        cJSON_AddItemToArray(lo, cJSON_CreateNumber((double)p->lo[d]));
+                        cJSON_AddItemToArray(len, cJSON_CreateNumber((double)p->len[d]));
+                    }
+                    cJSON_AddItemToArray(pcs, pc);
+                }
+                cJSON_AddItemToArray(tens, t);
+            }
+            for (int r = 0; r < P; r++) free(tab[r]);
+            free(tab);
+            int64_t bytes = 0;
+            st = commit_dir(man, tmp, dir, root, tr->step, &bytes);
+            if (st == TERA_OK) {
+                g_stats.saves++;
+                g_stats.full_saves++;
+                g_stats.last_write_s = tera_now() - t0;
+                g_stats.last_pause_s = g_stats.last_write_s; /* synchronous */
+                g_stats.total_pause_s += g_stats.last_write_s;
+                if (g_stats.last_write_s > g_stats.max_pause_s) g_stats.max_pause_s = g_stats.last_write_s;
+                g_stats.last_bytes = bytes;
+                g_stats.last_full = 1;
+                tera_ckpt_ctx pc = {.cfg = tr->cfg};
+                snprintf(pc.run_dir, sizeof pc.run_dir, "%s", tr->run_dir);
+                st = prune(&pc);
+            }
+        }
+        free(shell.params);
+    }
+    return agree(st, "committing the checkpoint");
 }

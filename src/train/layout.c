@@ -368,6 +368,20 @@ static void block_copy(const tera_param *lp, const tera_param *gp, float *local,
         }
 }
 
+void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv) {
+    local_moments(tr, lm, lv);
+    if (tr->model.w)
+        memcpy(lw, tr->model.w, sizeof(float) * (size_t)tr->model.n_floats);
+    else /* ZeRO-3 */
+        assemble(tr, lw, tr->opt.w, tr->opt_x.w);
+}
+
+int tera_layout_writes(const tera_trainer *tr, const tera_param *p) {
+    if (p->numel == 0 || tr->edp_rank != 0) return 0;      /* one copy: the first expert-data-parallel replica */
+    if (!p->expert_stacked && tr->ep_rank != 0) return 0;   /* non-expert tensors: the first of the ep group */
+    return p->tp_dim >= 0 || tr->tp_rank == 0;              /* replicated over tp: the first tp rank */
+}
+
 void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     tera_model *m = &tr->model;
     const int64_t n = m->n_floats;

@@ -619,6 +619,7 @@ static void fmt_eta(char *buf, size_t n, double sec) {
 tera_status tera_trainer_save(tera_trainer *tr) {
     tera_status st = TERA_OK;
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
+    if (tr->cfg.checkpoint.sharded && tr->wsize > 1) return tera_trainer_save_sharded(tr);
     if (tr->wsize == 1 && !tr->zero && tr->model.w && tr->opt_x.view) {
         /* one process: its storage is the whole model, its moments one contiguous buffer */
         tera_trainer whole = *tr;

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Sharded checkpoints (checkpoint.sharded): with several ranks, every rank writes its own blocks
+# of the parameters and Adam moments (rank-NNNNN.safetensors), no rank gathers the model, and the
+# manifest lists the slice each file holds. Checked on a five-dimensional layout (pp2 x dp2 x tp2
+# x ep2, ZeRO-3, 8 ranks):
+#   - saving sharded changes nothing in training (metrics bit-identical to an unsharded run);
+#   - the whole state is there: converted to one rank, the weights and optimizer files equal, byte
+#     for byte, those the unsharded run wrote at the same step;
+#   - it resumes on one rank and under another layout (ep4 ZeRO-2), steps 4..7 matching;
+#   - `tera ckpt verify` names a rank file with a flipped byte, and `--resume` skips that
+#     checkpoint for the previous one;
+#   - a writer killed in the middle of a sharded save (fault injection at the N-th I/O operation)
+#     leaves no committed checkpoint for that step, and the run resumes from the newest one.
+# Usage: cli_sharded.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" # Open MPI's own allocations (see cli_dist.sh)
+MPIRUN="mpirun --oversubscribe"
+command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
+. "$(dirname "$0")/testlib.sh"
+head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
+TINY=(--model.dim=32 --model.n_layers=4 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=4 --model.ffn_dim=32
+      --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --model.n_shared_experts=1
+      --model.first_k_dense=1 --training.seq_len=32 --training.warmup_steps=2 --training.steps=8
+      --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1 --checkpoint.every=4 --checkpoint.keep=0)
+FIVE=(--training.micro_batch=1 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 --parallel.tp=2 --parallel.ep=2
+      --parallel.zero=3)
+same_steps() { # loss and grad norm of steps 4..7, relative 2e-5 (as tests/cli_layouts.sh)
+    paste -d' ' <(grep '"loss"' "$1" | tail -4 | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') \
+                <(grep '"loss"' "$2" | tail -4 | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') |
+        awk '{ for (i = 1; i <= 2; i++) { a = $i; b = $(i + 2); d = a - b; if (d < 0) d = -d;
+               if (d > 2e-5 * (a < 0 ? -a : a) + 1e-7) bad = 1 } n++ } END { exit bad || n != 4 }'
+}
+resume_from() { # RUN_DIR [layout options]: a copy of the sharded run cut back to step 4, resumed
+    local D=$1
+    shift
+    cp -r "$W/s" "$D"
+    rm -rf "$D/checkpoints/step_00000008"
+    head -4 "$W/s/metrics.jsonl" > "$D/metrics.jsonl"
+}
+
+$MPIRUN -np 8 "$TERA" train "${TINY[@]}" "${FIVE[@]}" --checkpoint.sharded=true --logging.run_dir="$W/s" > "$W/s.log" 2>&1 \
+    || { fail "sharded 5-D run"; tail -5 "$W/s.log"; }
+$MPIRUN -np 8 "$TERA" train "${TINY[@]}" "${FIVE[@]}" --logging.run_dir="$W/u" > "$W/u.log" 2>&1 \
+    || { fail "unsharded 5-D run"; tail -5 "$W/u.log"; }
+C8="$W/s/checkpoints/step_00000008"
+n=$(ls "$C8" | grep -c '^rank-[0-9]*\.safetensors$')
+[ "$n" = 8 ] && [ ! -e "$C8/model.safetensors" ] && grep -q '"sharded":[[:space:]]*true' "$C8/manifest.json" \
+    && pass "sharded checkpoint: 8 rank files, no whole-model file" || fail "sharded layout: $(ls "$C8" | tr '\n' ' ')"
+cmp -s <(cut -d, -f1-7 "$W/s/metrics.jsonl") <(cut -d, -f1-7 "$W/u/metrics.jsonl") \
+    && pass "saving sharded leaves training bit-identical" || fail "sharded saving changed the metrics"
+"$TERA" ckpt verify "$C8" > /dev/null 2>&1 && pass "sharded checkpoint verifies" || fail "verify of a sharded checkpoint"
+
+# the whole state: converted to one rank (whole files), equal to the unsharded run's, byte for byte
+ONE=(--parallel.pp=1 --parallel.dp=1 --parallel.tp=1 --parallel.ep=1 --parallel.zero=0 --training.grad_accum=4)
+"$TERA" ckpt convert --from "$C8" --out "$W/c1" "${ONE[@]}" --checkpoint.sharded=false > "$W/c1.log" 2>&1 \
+    || { fail "convert a sharded checkpoint"; tail -3 "$W/c1.log"; }
+ok=1
+for f in model.safetensors optimizer.safetensors config.json; do
+    cmp -s "$W/c1/checkpoints/step_00000008/$f" "$W/u/checkpoints/step_00000008/$f" || { ok=0; fail "$f differs"; }
+done
+[ $ok = 1 ] && pass "sharded -> one rank: weights, moments and config byte-identical to the unsharded run's"
+"$TERA" ckpt export-hf "$C8" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$W/u/checkpoints/step_00000008/model.safetensors" \
+    && pass "export-hf of a sharded checkpoint" || fail "export-hf of a sharded checkpoint"
+
+# resumed on one rank and as ep4 with ZeRO-2 (itself saving sharded)
+resume_from "$W/r1"
+"$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/r1" --resume \
+    > "$W/r1.log" 2>&1 || { fail "resume on one rank"; tail -3 "$W/r1.log"; }
+grep -q "resumed .* at step 4" "$W/r1.log" && same_steps "$W/s/metrics.jsonl" "$W/r1/metrics.jsonl" \
+    && pass "sharded 5-D checkpoint resumed on one rank: steps 4..7 match" || fail "resume on one rank"
+resume_from "$W/r4"
+$MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --parallel.dp=4 --parallel.ep=4 --parallel.zero=2 \
+    --checkpoint.sharded=true --logging.run_dir="$W/r4" --resume > "$W/r4.log" 2>&1 || { fail "resume as ep4"; tail -3 "$W/r4.log"; }
+grep -q "resumed .* at step 4" "$W/r4.log" && same_steps "$W/s/metrics.jsonl" "$W/r4/metrics.jsonl" \
+    && ls "$W/r4/checkpoints/step_00000008" | grep -q '^rank-00003.safetensors$' \
+    && pass "resumed as ep4 ZeRO-2: steps 4..7 match, saved sharded again" || fail "resume as ep4 ZeRO-2"
+
+# a flipped byte in a rank file: verify names it; --resume falls back to the previous checkpoint
+cp -r "$W/s" "$W/bad"
+f="$W/bad/checkpoints/step_00000008/rank-00005.safetensors"
+printf '\x55' | dd of="$f" bs=1 seek=$(( $(stat -c %s "$f") - 9 )) conv=notrunc 2> /dev/null
+"$TERA" ckpt verify "$W/bad/checkpoints/step_00000008" > "$W/v.log" 2>&1 && fail "verify missed a flipped byte" \
+    || { grep -q "rank-00005.safetensors" "$W/v.log" && pass "verify names the damaged rank file" || fail "verify: $(head -2 "$W/v.log")"; }
+"$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/bad" --resume \
+    > "$W/bad.log" 2>&1; grep -q "resumed .* at step 4" "$W/bad.log" && pass "--resume skips it for step 4" \
+    || fail "resume past a damaged sharded checkpoint: $(grep -i "error\|resumed" "$W/bad.log" | head -2)"
+
+# a writer killed during a sharded save: never a committed checkpoint of that step, the newest
+# committed one is restored
+for N in 23 27 31; do
+    R="$W/crash$N"
+    TERA_CKPT_FAULT=$N $MPIRUN -np 8 "$TERA" train "${TINY[@]}" "${FIVE[@]}" --checkpoint.sharded=true \
+        --logging.run_dir="$R" > "$R.log" 2>&1
+    bad=0
+    for d in "$R"/checkpoints/step_*; do
+        [ -e "$d/COMMIT" ] || continue
+        "$TERA" ckpt verify "$d" > /dev/null 2>&1 || bad=1
+    done
+    latest=$(ls -d "$R"/checkpoints/step_???????? 2> /dev/null | while read -r d; do [ -e "$d/COMMIT" ] && echo "$d"; done | tail -1)
+    [ -n "$latest" ] || bad=1 # these fault points lie in the second save: step 4's is committed
+    if [ -n "$latest" ]; then
+        "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$R" --resume \
+            > "$R.resume.log" 2>&1 || bad=1
+        [ "$(grep -c '"loss"' "$R/metrics.jsonl")" -ge 8 ] || bad=1
+    fi
+    [ $bad = 0 ] && pass "fault at I/O operation $N: committed checkpoints verify, the run resumes (newest: ${latest##*/})" \
+        || fail "fault at I/O operation $N: $(tail -2 "$R.log")"
+done
+finish cli_sharded
