@@ -65,6 +65,13 @@ done
 "$TERA" ckpt export-hf "$C8" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$W/u/checkpoints/step_00000008/model.safetensors" \
     && pass "export-hf of a sharded checkpoint" || fail "export-hf of a sharded checkpoint"
 
+# evaluated directly (training.init_from / tera eval --from a sharded checkpoint): the same loss
+a=$("$TERA" eval --from "$C8" --data.path="$W/c.txt" --data.val_fraction=0.1 --training.seq_len=32 --training.micro_batch=4 \
+    --training.eval_batches=4 2> /dev/null | grep -o '"val_loss": [0-9.]*')
+b=$("$TERA" eval --from "$W/u/checkpoints/step_00000008" --data.path="$W/c.txt" --data.val_fraction=0.1 --training.seq_len=32 \
+    --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | grep -o '"val_loss": [0-9.]*')
+[ -n "$a" ] && [ "$a" = "$b" ] && pass "tera eval --from a sharded checkpoint: $a (unsharded: $b)" || fail "eval: '$a' vs '$b'"
+
 # resumed on one rank and as ep4 with ZeRO-2 (itself saving sharded)
 resume_from "$W/r1"
 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/r1" --resume \

@@ -148,6 +148,7 @@ typedef struct {
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [world] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
+    struct tera_shard_ckpt *shard_ckpt; /* the same for sharded checkpoints */
     tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
     tera_precision precision;   /* of the linear layers' products (training.precision resolved) */
     const char *precision_note; /* one line: the precision in effect and why */
@@ -251,6 +252,7 @@ void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, dou
  * writes; the next save waits for it. The save at the final step is always full and synchronous
  * and releases the context. */
 typedef struct tera_ckpt_ctx tera_ckpt_ctx;
+typedef struct tera_shard_ckpt tera_shard_ckpt;
 typedef struct {
     int saves, full_saves;
     double last_pause_s, max_pause_s, total_pause_s; /* step-loop pause: wait for the previous write + snapshot */

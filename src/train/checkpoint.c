@@ -127,10 +127,18 @@ static void ctx_free(tera_ckpt_ctx *c) {
     free(c);
 }
 
+static tera_status shard_commit(tera_trainer *tr);
+static void shard_free(tera_trainer *tr);
+
 tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
     tera_status s = ctx_wait(tr->ckpt);
     ctx_free(tr->ckpt);
     tr->ckpt = NULL;
+    if (tr->shard_ckpt) { /* sharded: commit the open save (collective), then free */
+        tera_status s2 = shard_commit(tr);
+        if (s == TERA_OK) s = s2;
+        shard_free(tr);
+    }
     return s;
 }
 
@@ -536,19 +544,52 @@ static tera_status clean_uncommitted(const char *root) {
 /* The end of every save: the data files' checksums into the manifest, manifest.json, then COMMIT
  * (step, and size + XXH3 of every other file) last, the directory renamed into place and the
  * parent fsynced. Takes ownership of man. *bytes: the checkpoint's size. */
+/* A file whose size and XXH3 its writer computed (sharded checkpoints: each rank hashes its own
+ * file, so the committing rank does not read the others). */
+typedef struct {
+    char name[64];
+    int64_t size;
+    uint64_t hash;
+} known_file;
+
+static const known_file *find_known(const known_file *k, int nk, const char *name) {
+    for (int i = 0; i < nk; i++)
+        if (!strcmp(k[i].name, name)) return &k[i];
+    return NULL;
+}
+
+/* Size and XXH3 of tmp/name: from its writer when known, else read. */
+static tera_status file_sum(const char *tmp, const char *name, const known_file *k, int nk, uint64_t *h, int64_t *sz) {
+    const known_file *f = find_known(k, nk, name);
+    if (f) {
+        *h = f->hash, *sz = f->size;
+        return TERA_OK;
+    }
+    char path[TERA_PATH_MAX + 256];
+    snprintf(path, sizeof path, "%s/%s", tmp, name);
+    return tera_ckpt_hash_file(path, h, sz);
+}
+
+static tera_status commit_dir_known(cJSON *man, const char *tmp, const char *dir, const char *root, int64_t step,
+                                    int64_t *bytes_out, const known_file *known, int n_known);
+
 static tera_status commit_dir(cJSON *man, const char *tmp, const char *dir, const char *root, int64_t step,
                               int64_t *bytes_out) {
+    return commit_dir_known(man, tmp, dir, root, step, bytes_out, NULL, 0);
+}
+
+static tera_status commit_dir_known(cJSON *man, const char *tmp, const char *dir, const char *root, int64_t step,
+                                    int64_t *bytes_out, const known_file *known, int n_known) {
     char path[TERA_PATH_MAX + 256], hx[20];
     tera_status s = TERA_OK;
     /* checksums of the data files (everything but manifest.json and COMMIT) */
-    char names[64][128];
-    int nf = list_files(tmp, names, 64);
+    static char names[1024][128]; /* one save at a time (the committing thread) */
+    int nf = list_files(tmp, names, 1024);
     cJSON *files = cJSON_AddObjectToObject(man, "files");
     for (int i = 0; i < nf && s == TERA_OK; i++) {
         uint64_t h;
         int64_t sz;
-        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        s = tera_ckpt_hash_file(path, &h, &sz);
+        s = file_sum(tmp, names[i], known, n_known, &h, &sz);
         cJSON *o = cJSON_AddObjectToObject(files, names[i]);
         cJSON_AddNumberToObject(o, "bytes", (double)sz);
         hex64(hx, h);
@@ -566,13 +607,12 @@ static tera_status commit_dir(cJSON *man, const char *tmp, const char *dir, cons
     char line[512];
     snprintf(line, sizeof line, "tera-checkpoint-commit 1\nstep %" PRId64 "\n", step);
     sb_put(&cm, line, strlen(line));
-    nf = list_files(tmp, names, 64);
+    nf = list_files(tmp, names, 1024);
     int64_t bytes = 0;
     for (int i = 0; i < nf && s == TERA_OK; i++) {
         uint64_t h;
         int64_t sz;
-        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        s = tera_ckpt_hash_file(path, &h, &sz);
+        s = file_sum(tmp, names[i], known, n_known, &h, &sz);
         bytes += sz;
         snprintf(line, sizeof line, "file %s %" PRId64 " %016" PRIx64 "\n", names[i], sz, h);
         sb_put(&cm, line, strlen(line));
@@ -855,6 +895,66 @@ static int sharded_member_writes(const tera_param *p, int ep_rank, int tp_rank) 
     return p->tp_dim >= 0 || tp_rank == 0;
 }
 
+/* The manifest of a sharded checkpoint: format, step, layout, and for every tensor of the
+ * one-process table its global shape and the pieces (file, lo, len) the writing ranks hold. */
+static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
+    const tera_model *m = &tr->model;
+    cJSON *man = cJSON_CreateObject();
+    cJSON_AddStringToObject(man, "format", "tera-checkpoint");
+    cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
+    cJSON_AddNumberToObject(man, "step", (double)step);
+    cJSON_AddStringToObject(man, "kind", "full");
+    cJSON_AddBoolToObject(man, "sharded", 1);
+    cJSON_AddStringToObject(man, "run_config", "config.ini");
+    cJSON *lay = cJSON_AddObjectToObject(man, "layout");
+    cJSON_AddNumberToObject(lay, "world_size", tr->wsize);
+    cJSON_AddNumberToObject(lay, "dp", tr->cfg.parallel.dp);
+    cJSON_AddNumberToObject(lay, "tp", tr->tp);
+    cJSON_AddNumberToObject(lay, "pp", tr->pp);
+    cJSON_AddNumberToObject(lay, "ep", tr->ep);
+    cJSON_AddNumberToObject(lay, "zero", tr->cfg.parallel.zero);
+    tera_model shell;
+    tera_layout_global_shell(tr, &shell);
+    const int P = tr->ep * tr->tp * tr->pp;
+    tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
+    for (int r = 0; r < P; r++) {
+        int np;
+        int64_t nf;
+        const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp, .tp_rank = r % tr->tp,
+                                    .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep), .v = m->par.v,
+                                    .layer_first = m->layer_first};
+        tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &nf, NULL);
+    }
+    cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
+    char file[64];
+    for (int i = 0; i < shell.n_params; i++) {
+        const tera_param *g = &shell.params[i];
+        cJSON *t = cJSON_CreateObject();
+        cJSON_AddStringToObject(t, "name", g->name);
+        cJSON *gs = cJSON_AddArrayToObject(t, "global_shape");
+        for (int d = 0; d < g->ndim; d++) cJSON_AddItemToArray(gs, cJSON_CreateNumber((double)g->shape[d]));
+        cJSON *pcs = cJSON_AddArrayToObject(t, "pieces");
+        for (int r = 0; r < P; r++) {
+            const tera_param *p = &tab[r][i];
+            if (!sharded_member_writes(p, r / tr->tp % tr->ep, r % tr->tp)) continue;
+            cJSON *pc = cJSON_CreateObject();
+            snprintf(file, sizeof file, "rank-%05d.safetensors", r);
+            cJSON_AddStringToObject(pc, "file", file);
+            cJSON *lo = cJSON_AddArrayToObject(pc, "lo"), *len = cJSON_AddArrayToObject(pc, "len");
+            for (int d = 0; d < g->ndim; d++) {
+                cJSON_AddItemToArray(lo, cJSON_CreateNumber((double)p->lo[d]));
+                cJSON_AddItemToArray(len, cJSON_CreateNumber((double)p->len[d]));
+            }
+            cJSON_AddItemToArray(pcs, pc);
+        }
+        cJSON_AddItemToArray(tens, t);
+    }
+    for (int r = 0; r < P; r++) free(tab[r]);
+    free(tab);
+    free(shell.params);
+    return man;
+}
+
 static tera_status agree(tera_status st, const char *what) {
     int64_t failed = st != TERA_OK;
     tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
@@ -862,142 +962,135 @@ static tera_status agree(tera_status st, const char *what) {
     return st;
 }
 
-tera_status tera_trainer_save_sharded(tera_trainer *tr) {
+/* The sharded writer's state: the snapshot (this rank's whole storage), the step's scalar state,
+ * and the background write of this rank's file, committed at the next save (or at close). */
+struct tera_shard_ckpt {
+    float *buf;                 /* [3 n]: parameters, exp_avg, exp_avg_sq (this rank's layout) */
+    float *bias;                /* [L E] router bias (world rank 0) */
+    int64_t n;
+    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96];
+    int64_t step;
+    char *state_json;           /* world rank 0 */
+    int pending;                /* written (or being written), not committed */
+    pthread_t th;
+    int running;
+    tera_status st;
+    char err[1024];
+    int wrote;                  /* this rank has a file */
+    char file[64];
+    int64_t size;
+    uint64_t hash;
+    const tera_trainer *tr;     /* for the writer thread: the table (read only) */
+    double t_start;
+};
+
+static void shard_free(tera_trainer *tr) {
+    tera_shard_ckpt *c = tr->shard_ckpt;
+    free(c->buf);
+    free(c->bias);
+    free(c->state_json);
+    free(c);
+    tr->shard_ckpt = NULL;
+}
+
+static void *shard_writer_main(void *arg) {
+    tera_shard_ckpt *c = arg;
+    const tera_trainer *tr = c->tr;
     const tera_model *m = &tr->model;
-    const int64_t n = m->n_floats;
-    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
-    snprintf(root, sizeof root, "%s/checkpoints", tr->run_dir);
-    snprintf(dir, sizeof dir, "%s/step_%08" PRId64, root, tr->step);
-    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
-    const double t0 = tera_now();
-    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
-    int64_t have = tr->root && tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK;
-    tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
-    if (have) return TERA_OK;
-    float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lw = buf, *lm = buf + n, *lv = buf + 2 * n;
-    tera_layout_local_state(tr, lw, lm, lv); /* collective: ZeRO shards gathered over their ranks */
-    tera_status st = TERA_OK;
-    if (tr->root) {
-        tera_ckpt_io_point("mkdir", root);
-        st = tera_mkdirs(root);
-        if (st == TERA_OK) st = clean_uncommitted(root);
-        tera_ckpt_io_point("mkdir", tmp);
-        if (st == TERA_OK) st = tera_mkdirs(tmp);
-    }
-    st = agree(st, "creating the directory");
-    const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
-    if (st == TERA_OK) {
-        tera_st_writer w;
-        tera_st_writer_init(&w);
-        int any = 0;
-        char nm[3][32];
-        for (int i = 0; i < m->n_params; i++) {
-            const tera_param *p = &m->params[i];
-            if (!tera_layout_writes(tr, p)) continue;
-            any = 1;
-            snprintf(nm[0], sizeof nm[0], "w.%d", i);
-            snprintf(nm[1], sizeof nm[1], "m.%d", i);
-            snprintf(nm[2], sizeof nm[2], "v.%d", i);
-            const float *src[3] = {lw, lm, lv};
-            for (int k = 0; k < 3; k++) tera_st_writer_add(&w, nm[k], TERA_DT_F32, p->ndim, p->len, src[k] + p->offset);
+    const int64_t n = c->n;
+    const float *src[3] = {c->buf, c->buf + n, c->buf + 2 * n};
+    tera_st_writer w;
+    tera_st_writer_init(&w);
+    char (*nm)[3][16] = tera_calloc((size_t)m->n_params + 1, sizeof *nm); /* keys, alive until the save */
+    int any = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (!tera_layout_writes(tr, p)) continue;
+        any = 1;
+        static const char prefix[3] = {'w', 'm', 'v'};
+        for (int k = 0; k < 3; k++) {
+            snprintf(nm[i][k], sizeof nm[i][k], "%c.%d", prefix[k], i);
+            tera_st_writer_add(&w, nm[i][k], TERA_DT_F32, p->ndim, p->len, src[k] + p->offset);
         }
-        if (any) {
-            snprintf(path, sizeof path, "%s/rank-%05d.safetensors", tmp, me);
-            tera_ckpt_io_point("write", path);
-            st = tera_st_writer_save(&w, path);
-            if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
-        }
-        tera_st_writer_free(&w);
     }
-    free(buf);
+    c->st = TERA_OK;
+    if (any) {
+        char path[TERA_PATH_MAX + 200];
+        snprintf(path, sizeof path, "%s/%s", c->tmp, c->file);
+        tera_ckpt_io_point("write", path);
+        c->st = tera_st_writer_save(&w, path);
+        if (c->st == TERA_OK) c->st = tera_ckpt_fsync_path(path);
+        if (c->st == TERA_OK) c->st = tera_ckpt_hash_file(path, &c->hash, &c->size);
+        c->wrote = c->st == TERA_OK;
+    }
+    tera_st_writer_free(&w);
+    free(nm);
+    if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
+    return NULL;
+}
+
+/* Waits for this rank's write of the pending checkpoint, then commits it: the ranks agree, world
+ * rank 0 writes its files, the manifest and COMMIT (with every rank's file size and hash), renames
+ * the directory. Collective. */
+static tera_status shard_commit(tera_trainer *tr) {
+    tera_shard_ckpt *c = tr->shard_ckpt;
+    if (!c || !c->pending) return TERA_OK;
+    if (c->running) pthread_join(c->th, NULL);
+    c->running = 0;
+    c->pending = 0;
+    tera_status st = c->st;
+    if (st != TERA_OK) st = tera_fail(st, "%s", c->err);
+    /* every rank's file: size and hash, to rank 0 (one slot per world rank) */
+    const int W = tr->wsize;
+    int64_t *info = tera_calloc((size_t)(3 * W), sizeof(int64_t));
+    if (c->wrote) {
+        const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
+        info[3 * tr->wrank] = me + 1;
+        info[3 * tr->wrank + 1] = c->size;
+        memcpy(&info[3 * tr->wrank + 2], &c->hash, sizeof c->hash);
+    }
+    tera_comm_allreduce_i64(tera_comm_world(), info, 3 * W);
     st = agree(st, "writing a rank's shard");
     if (st == TERA_OK && tr->root) {
-        /* the one-process view: its table names the tensors and their global shapes */
-        tera_model shell;
-        tera_layout_global_shell(tr, &shell);
-        snprintf(path, sizeof path, "%s/config.json", tmp);
+        const tera_model *m = &tr->model;
+        known_file *known = tera_calloc((size_t)W, sizeof(known_file));
+        int nk = 0;
+        for (int r = 0; r < W; r++) {
+            if (!info[3 * r]) continue;
+            snprintf(known[nk].name, sizeof known[nk].name, "rank-%05d.safetensors", (int)(info[3 * r] - 1));
+            known[nk].size = info[3 * r + 1];
+            memcpy(&known[nk].hash, &info[3 * r + 2], sizeof known[nk].hash);
+            nk++;
+        }
+        char path[TERA_PATH_MAX + 256];
+        snprintf(path, sizeof path, "%s/config.json", c->tmp);
         tera_ckpt_io_point("write", path);
         st = tera_hf_write_config(&m->cfg, path);
         const int64_t nb = tera_ckpt_region_floats(m, 3);
         if (st == TERA_OK && nb > 0) {
             tera_st_writer w;
             tera_st_writer_init(&w);
-            tera_st_writer_add(&w, "router_bias", TERA_DT_F32, 1, &nb, m->router_bias);
-            snprintf(path, sizeof path, "%s/router_bias.safetensors", tmp);
+            tera_st_writer_add(&w, "router_bias", TERA_DT_F32, 1, &nb, c->bias);
+            snprintf(path, sizeof path, "%s/router_bias.safetensors", c->tmp);
             tera_ckpt_io_point("write", path);
             st = tera_st_writer_save(&w, path);
             if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
             tera_st_writer_free(&w);
         }
-        char *state = state_text(tr);
-        snprintf(path, sizeof path, "%s/state.json", tmp);
-        if (st == TERA_OK) st = tera_ckpt_write_file(path, state, strlen(state));
-        free(state);
-        snprintf(path, sizeof path, "%s/config.ini", tmp);
+        snprintf(path, sizeof path, "%s/state.json", c->tmp);
+        if (st == TERA_OK) st = tera_ckpt_write_file(path, c->state_json, strlen(c->state_json));
+        snprintf(path, sizeof path, "%s/config.ini", c->tmp);
         if (st == TERA_OK) {
             tera_ckpt_io_point("write", path);
             st = tera_config_write(&tr->cfg, path);
             if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
         }
         if (st == TERA_OK) {
-            cJSON *man = cJSON_CreateObject();
-            cJSON_AddStringToObject(man, "format", "tera-checkpoint");
-            cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
-            cJSON_AddNumberToObject(man, "step", (double)tr->step);
-            cJSON_AddStringToObject(man, "kind", "full");
-            cJSON_AddBoolToObject(man, "sharded", 1);
-            cJSON_AddStringToObject(man, "run_config", "config.ini");
-            cJSON *lay = cJSON_AddObjectToObject(man, "layout");
-            cJSON_AddNumberToObject(lay, "world_size", tr->wsize);
-            cJSON_AddNumberToObject(lay, "dp", tr->cfg.parallel.dp);
-            cJSON_AddNumberToObject(lay, "tp", tr->tp);
-            cJSON_AddNumberToObject(lay, "pp", tr->pp);
-            cJSON_AddNumberToObject(lay, "ep", tr->ep);
-            cJSON_AddNumberToObject(lay, "zero", tr->cfg.parallel.zero);
-            cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
-            const int P = tr->ep * tr->tp * tr->pp;
-            tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-            for (int r = 0; r < P; r++) {
-                int np;
-                int64_t nf;
-                const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp,
-                                            .tp_rank = r % tr->tp, .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep),
-                                            .v = m->par.v, .layer_first = m->layer_first};
-                tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &nf, NULL);
-            }
-            for (int i = 0; i < shell.n_params; i++) {
-                const tera_param *g = &shell.params[i];
-                cJSON *t = cJSON_CreateObject();
-                cJSON_AddStringToObject(t, "name", g->name);
-                cJSON *gs = cJSON_AddArrayToObject(t, "global_shape");
-                for (int d = 0; d < g->ndim; d++) cJSON_AddItemToArray(gs, cJSON_CreateNumber((double)g->shape[d]));
-                cJSON *pcs = cJSON_AddArrayToObject(t, "pieces");
-                for (int r = 0; r < P; r++) {
-                    const tera_param *p = &tab[r][i];
-                    if (!sharded_member_writes(p, r / tr->tp % tr->ep, r % tr->tp)) continue;
-                    cJSON *pc = cJSON_CreateObject();
-                    snprintf(path, sizeof path, "rank-%05d.safetensors", r);
-                    cJSON_AddStringToObject(pc, "file", path);
-                    cJSON *lo = cJSON_AddArrayToObject(pc, "lo"), *len = cJSON_AddArrayToObject(pc, "len");
-                    for (int d = 0; d < g->ndim; d++) {
-                        cJSON_AddItemToArray(lo, cJSON_CreateNumber((double)p->lo[d]));
-                        cJSON_AddItemToArray(len, cJSON_CreateNumber((double)p->len[d]));
-                    }
-                    cJSON_AddItemToArray(pcs, pc);
-                }
-                cJSON_AddItemToArray(tens, t);
-            }
-            for (int r = 0; r < P; r++) free(tab[r]);
-            free(tab);
+            cJSON *man = sharded_manifest(tr, c->step);
             int64_t bytes = 0;
-            st = commit_dir(man, tmp, dir, root, tr->step, &bytes);
+            st = commit_dir_known(man, c->tmp, c->dir, c->root, c->step, &bytes, known, nk);
             if (st == TERA_OK) {
-                g_stats.saves++;
-                g_stats.full_saves++;
-                g_stats.last_write_s = tera_now() - t0;
-                g_stats.last_pause_s = g_stats.last_write_s; /* synchronous */
-                g_stats.total_pause_s += g_stats.last_write_s;
-                if (g_stats.last_write_s > g_stats.max_pause_s) g_stats.max_pause_s = g_stats.last_write_s;
+                g_stats.last_write_s = tera_now() - c->t_start;
                 g_stats.last_bytes = bytes;
                 g_stats.last_full = 1;
                 tera_ckpt_ctx pc = {.cfg = tr->cfg};
@@ -1005,7 +1098,73 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
                 st = prune(&pc);
             }
         }
-        free(shell.params);
+        free(known);
     }
+    free(info);
     return agree(st, "committing the checkpoint");
+}
+
+tera_status tera_trainer_save_sharded(tera_trainer *tr) {
+    const tera_model *m = &tr->model;
+    const int64_t n = m->n_floats;
+    const int final = tr->step >= tr->cfg.training.steps;
+    const double t0 = tera_now();
+    TERA_TRY(shard_commit(tr)); /* the previous save, if still open */
+    const double t_wait = tera_now() - t0;
+    if (!tr->shard_ckpt) {
+        tera_shard_ckpt *c = tera_calloc(1, sizeof *c);
+        c->n = n;
+        c->buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
+        c->bias = tera_calloc((size_t)tera_ckpt_region_floats(m, 3) + 1, sizeof(float));
+        snprintf(c->root, sizeof c->root, "%s/checkpoints", tr->run_dir);
+        tr->shard_ckpt = c;
+    }
+    tera_shard_ckpt *c = tr->shard_ckpt;
+    snprintf(c->dir, sizeof c->dir, "%s/step_%08" PRId64, c->root, tr->step);
+    snprintf(c->tmp, sizeof c->tmp, "%s.tmp", c->dir);
+    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
+    int64_t have = tr->root && tera_ckpt_committed(c->dir) && tera_ckpt_verify(c->dir, NULL) == TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
+    if (have) return final ? tera_trainer_ckpt_close(tr) : TERA_OK;
+    /* the snapshot: the step loop goes on once it is taken */
+    const double t1 = tera_now();
+    tera_layout_local_state(tr, c->buf, c->buf + n, c->buf + 2 * n); /* collective: ZeRO shards gathered */
+    memcpy(c->bias, m->router_bias, sizeof(float) * (size_t)tera_ckpt_region_floats(m, 3));
+    c->step = tr->step;
+    c->t_start = t1;
+    free(c->state_json);
+    c->state_json = tr->root ? state_text(tr) : NULL;
+    c->tr = tr;
+    c->wrote = 0;
+    snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank);
+    tera_status st = TERA_OK;
+    if (tr->root) {
+        tera_ckpt_io_point("mkdir", c->root);
+        st = tera_mkdirs(c->root);
+        if (st == TERA_OK) st = clean_uncommitted(c->root);
+        tera_ckpt_io_point("mkdir", c->tmp);
+        if (st == TERA_OK) st = tera_mkdirs(c->tmp);
+    }
+    TERA_TRY(agree(st, "creating the directory"));
+    c->pending = 1;
+    const tera_ckpt_options opt = tera_ckpt_options_from_config(&tr->cfg);
+    c->running = opt.async && !final && pthread_create(&c->th, NULL, shard_writer_main, c) == 0;
+    const double pause = tera_now() - t1 + t_wait;
+    g_stats.saves++;
+    g_stats.full_saves++;
+    g_stats.last_pause_s = pause;
+    g_stats.total_pause_s += pause;
+    if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
+    if (c->running) return TERA_OK;
+    shard_writer_main(c); /* synchronous: the final save, or async off */
+    st = shard_commit(tr);
+    if (final) {
+        if (tr->root && tr->cfg.logging.progress)
+            fprintf(stderr, "tera: checkpoints: %d sharded saves, step-loop pause mean %.2f ms, max %.2f ms; last write "
+                    "%.3f s, %" PRId64 " bytes\n", g_stats.saves, 1e3 * g_stats.total_pause_s / g_stats.saves,
+                    1e3 * g_stats.max_pause_s, g_stats.last_write_s, g_stats.last_bytes);
+        tera_status s2 = tera_trainer_ckpt_close(tr);
+        if (st == TERA_OK) st = s2;
+    }
+    return st;
 }

@@ -157,7 +157,10 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         tera_model shell;
         tera_layout_global_shell(tr, &shell);
         shell.w = tera_calloc((size_t)shell.n_floats + 1, sizeof(float));
-        st = tera_hf_import(&shell, t->init_from);
+        /* a tera checkpoint (manifest.json: whole, differential or sharded) or a Hugging Face directory */
+        char man[TERA_PATH_MAX + 32];
+        snprintf(man, sizeof man, "%s/manifest.json", t->init_from);
+        st = access(man, F_OK) == 0 ? tera_ckpt_load(t->init_from, &shell, NULL, NULL) : tera_hf_import(&shell, t->init_from);
         free(shell.params);
         if (st != TERA_OK) {
             free(shell.w);
