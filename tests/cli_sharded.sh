@@ -15,16 +15,8 @@
 set -u
 TERA=$1
 SRC=$2
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" # Open MPI's own allocations (see cli_dist.sh)
-MPIRUN="mpirun --oversubscribe"
-command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
-. "$(dirname "$0")/testlib.sh"
-head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
-TINY=(--model.dim=32 --model.n_layers=4 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=4 --model.ffn_dim=32
-      --model.capacity_factor=1.25 --model.z_coef=0.001 --model.aux_free=true --model.n_shared_experts=1
-      --model.first_k_dense=1 --training.seq_len=32 --training.warmup_steps=2 --training.steps=8
-      --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1 --checkpoint.every=4 --checkpoint.keep=0)
+. "$(dirname "$0")/mpilib.sh"
+TINY=("${MODEL[@]}" --training.steps=8 --checkpoint.every=4 --checkpoint.keep=0)
 FIVE=(--training.micro_batch=1 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 --parallel.tp=2 --parallel.ep=2
       --parallel.zero=3)
 same_steps() { # loss and grad norm of steps 4..7, relative 2e-5 (as tests/cli_layouts.sh)
