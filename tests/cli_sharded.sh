@@ -64,6 +64,13 @@ b=$("$TERA" eval --from "$W/u/checkpoints/step_00000008" --data.path="$W/c.txt" 
     --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | grep -o '"val_loss": [0-9.]*')
 [ -n "$a" ] && [ "$a" = "$b" ] && pass "tera eval --from a sharded checkpoint: $a (unsharded: $b)" || fail "eval: '$a' vs '$b'"
 
+# tera export-hf --from takes a checkpoint too; a parallel eval prints one line
+"$TERA" export-hf --from "$C8" --out "$W/hf2" > /dev/null 2>&1 && cmp -s "$W/hf2/model.safetensors" "$W/hf/model.safetensors" \
+    && pass "export-hf --from a sharded checkpoint" || fail "export-hf --from a sharded checkpoint"
+c=$($MPIRUN -np 2 "$TERA" eval --from "$C8" --parallel.tp=2 --data.path="$W/c.txt" --data.val_fraction=0.1 \
+    --training.seq_len=32 --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | grep -c '"val_loss"')
+[ "$c" = 1 ] && pass "eval under tp2 prints one result" || fail "eval under tp2 printed $c results"
+
 # resumed on one rank and as ep4 with ZeRO-2 (itself saving sharded)
 resume_from "$W/r1"
 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$W/r1" --resume \

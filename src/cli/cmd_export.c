@@ -1,8 +1,10 @@
 /* tera export-hf / tera config */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
+#include "tera/ckpt.h"
 #include "tera/hf.h"
 
 int tera_cmd_export_hf(int argc, char **argv) {
@@ -31,7 +33,10 @@ int tera_cmd_export_hf(int argc, char **argv) {
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
     tera_model m;
     if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
-    tera_status st = tera_hf_import(&m, val[0]);
+    /* a tera checkpoint (whole, differential or sharded: its manifest says) or a Hugging Face directory */
+    char man[TERA_PATH_MAX + 32];
+    snprintf(man, sizeof man, "%s/manifest.json", val[0]);
+    tera_status st = access(man, F_OK) == 0 ? tera_ckpt_load(val[0], &m, NULL, NULL) : tera_hf_import(&m, val[0]);
     if (st == TERA_OK) st = tera_hf_export(&m, val[1], shard, set[0]);
     tera_model_destroy(&m);
     if (st != TERA_OK) return tera_cli_error();

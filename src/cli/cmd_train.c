@@ -148,8 +148,9 @@ int tera_cmd_eval(int argc, char **argv) {
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
-    printf("{\"from\": \"%s\", \"val_loss\": %.6f, \"val_ppl\": %.4f, \"batches\": %d, \"tokens\": %ld}\n", from,
-           loss, exp(loss), batches, (long)batches * cfg.training.micro_batch * cfg.training.seq_len);
+    if (tr.root) /* every rank has the loss; one prints it */
+        printf("{\"from\": \"%s\", \"val_loss\": %.6f, \"val_ppl\": %.4f, \"batches\": %d, \"tokens\": %ld}\n", from,
+               loss, exp(loss), batches, (long)batches * cfg.training.micro_batch * cfg.training.seq_len);
     tera_trainer_free(&tr);
     return 0;
 }
