@@ -206,8 +206,14 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
             if (layer_ffn_width(m, l) > work_Fx) work_Fx = layer_ffn_width(m, l);
         }
     }
-    a->work = (layer_acts){0};
-    if (work_parts) carve_layer(&a->work, c, m, a, work_moe, work_Fx, work_parts);
+    /* one work set for every activation slot (a stage recomputes one layer at a time): slot 0
+     * carves it, the others point into it */
+    if (a != &m->slots[0]) {
+        a->work = m->slots[0].work;
+    } else {
+        a->work = (layer_acts){0};
+        if (work_parts) carve_layer(&a->work, c, m, a, work_moe, work_Fx, work_parts);
+    }
     for (int l = 0; l < cfg->n_layers; l++) { /* what a layer does not keep, it finds in the work set */
         if (!m->held[l]) continue;
         layer_acts *la = &a->layer[l];
@@ -474,10 +480,16 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         a->threads = omp_get_max_threads();
         tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
-    int held_moe = 0;
-    for (int l = 0; l < cfg->n_layers; l++) held_moe += m->held[l] && is_moe(cfg, l);
-    if (ep > 1) { /* xr, yr per MoE layer and slot (activations); dyr, dxr shared (scratch) */
-        m->bytes_comm_acts = (int64_t)(2 * held_moe * ns) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+    /* exchange buffers: xr, yr of each MoE layer that keeps them, per slot, and once in the shared
+     * work set when a MoE layer recomputes fully (activations); dyr, dxr (scratch) */
+    int kept_moe = 0, full_moe = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        if (!m->held[l] || !is_moe(cfg, l)) continue;
+        if (m->recompute[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
+        else kept_moe++;
+    }
+    if (ep > 1) {
+        m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
         m->bytes_comm = m->bytes_comm_acts + 2 * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
     }
     tera_model_use_slot(m, 0);
@@ -846,6 +858,13 @@ static void need_grads(tera_model *m, int group) {
     if (m->use_grads) m->use_grads(m->bind_ctx, group);
 }
 
+/* The shared work set now holds layer l's activations of the slot in use: every other slot's
+ * claim on it is gone. */
+static void claim_work(tera_model *m, int l) {
+    for (int i = 0; i < m->n_slots; i++) m->slots[i].work_owner = -1;
+    m->acts->work_owner = l;
+}
+
 /* Tensor parallelism: sums the ranks' partial results (no-op without it). */
 static void tp_sum(tera_model *m, float *buf, int64_t n) {
     if (m->par.tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_f32(m->par.tp_group, buf, n));
@@ -955,7 +974,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         float *out = l + 1 < l1 ? a->layer[l + 1].x_in : (l1 == L ? a->x_final : x_out);
         need_params(m, l);
         layer_forward(m, l, out);
-        if (a->policy[l] != TERA_RECOMPUTE_NONE) a->work_owner = l; /* its parts in the work set */
+        if (a->policy[l] != TERA_RECOMPUTE_NONE) claim_work(m, l); /* its parts in the work set */
     }
     if (l1 < L) return; /* the next stage goes on */
     need_params(m, TERA_GROUP_HEAD);
@@ -1187,7 +1206,7 @@ static void layer_recompute(tera_model *m, int l) {
             TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, N, D, m->Fdl));
         }
     }
-    a->work_owner = l;
+    claim_work(m, l);
 }
 
 /* Gradients of a group are final for this micro-batch: hand each contiguous range (non-expert
