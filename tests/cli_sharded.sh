@@ -7,6 +7,7 @@
 #   - the whole state is there: converted to one rank, the weights and optimizer files equal, byte
 #     for byte, those the unsharded run wrote at the same step;
 #   - it resumes on one rank and under another layout (ep4 ZeRO-2), steps 4..7 matching;
+#   - differential sharded saves (each rank's changed chunks) resume too;
 #   - `tera ckpt verify` names a rank file with a flipped byte, and `--resume` skips that
 #     checkpoint for the previous one;
 #   - a writer killed in the middle of a sharded save (fault injection at the N-th I/O operation)
@@ -83,6 +84,29 @@ $MPIRUN -np 4 "$TERA" train "${TINY[@]}" --training.micro_batch=1 --parallel.dp=
 grep -q "resumed .* at step 4" "$W/r4.log" && same_steps "$W/s/metrics.jsonl" "$W/r4/metrics.jsonl" \
     && ls "$W/r4/checkpoints/step_00000008" | grep -q '^rank-00003.safetensors$' \
     && pass "resumed as ep4 ZeRO-2: steps 4..7 match, saved sharded again" || fail "resume as ep4 ZeRO-2"
+
+# differential sharded saves (checkpoint.full_every = 2, a save every 2 steps): step 4 holds each
+# rank's changed chunks against step 2; resumed from it on one rank, steps 4..7 match
+$MPIRUN -np 8 "$TERA" train "${TINY[@]}" "${FIVE[@]}" --checkpoint.sharded=true --checkpoint.every=2 \
+    --checkpoint.full_every=2 --logging.run_dir="$W/d" > "$W/d.log" 2>&1 || { fail "sharded differential run"; tail -5 "$W/d.log"; }
+kinds=$("$TERA" ckpt ls "$W/d" | awk 'NR > 1 { printf "%s ", $3 }')
+[ "$kinds" = "full diff full full " ] && ls "$W/d/checkpoints/step_00000004" | grep -q '^rank-00000\.diff$' \
+    && "$TERA" ckpt verify "$W/d/checkpoints/step_00000004" > /dev/null 2>&1 \
+    && pass "sharded differential checkpoints: kinds $kinds, rank diffs verify" || fail "sharded differential: kinds '$kinds'"
+"$TERA" ckpt convert --from "$W/d/checkpoints/step_00000004" --out "$W/dc" "${ONE[@]}" --checkpoint.sharded=false \
+    > "$W/dc.log" 2>&1 || { fail "convert a sharded diff"; tail -3 "$W/dc.log"; }
+cmp -s "$W/dc/checkpoints/step_00000004/model.safetensors" "$W/u/checkpoints/step_00000004/model.safetensors" &&
+    cmp -s "$W/dc/checkpoints/step_00000004/optimizer.safetensors" "$W/u/checkpoints/step_00000004/optimizer.safetensors" \
+    && pass "sharded diff (base step 2 + each rank's chunks) -> one rank: byte-identical to the unsharded step 4" \
+    || fail "sharded diff restores another state"
+D="$W/d1"
+cp -r "$W/d" "$D"
+rm -rf "$D/checkpoints/step_00000006" "$D/checkpoints/step_00000008"
+head -4 "$W/d/metrics.jsonl" > "$D/metrics.jsonl"
+"$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=4 --logging.run_dir="$D" --resume \
+    > "$D.log" 2>&1 || { fail "resume from a sharded diff"; tail -3 "$D.log"; }
+grep -q "resumed .* at step 4" "$D.log" && same_steps "$W/d/metrics.jsonl" "$D/metrics.jsonl" \
+    && pass "resumed from a sharded differential checkpoint on one rank: steps 4..7 match" || { fail "resume from a sharded diff"; grep -i "resumed\|error\|warn" "$D.log"; paste "$W/d/metrics.jsonl" "$D/metrics.jsonl" | cut -c1-60 | tail -4; }
 
 # a flipped byte in a rank file: verify names it; --resume falls back to the previous checkpoint
 cp -r "$W/s" "$W/bad"

@@ -87,5 +87,7 @@ uint64_t tera_ckpt_region_hash(const tera_model *m, int region, const float *buf
 /* Differential file: "TERADIF1", u32 n_records, then per record u32 region, u32 raw_bytes,
  * u64 byte offset into the region, u32 compressed bytes, the zstd frame. */
 tera_status tera_ckpt_apply_diff(const char *path, const tera_model *m, float *const regions[TERA_CKPT_N_REGIONS]);
+/* The same over n_regions buffers of sizes[r] floats (a sharded checkpoint's rank buffer: 1). */
+tera_status tera_ckpt_apply_diff_sized(const char *path, int n_regions, float *const *regions, const int64_t *sizes);
 
 #endif

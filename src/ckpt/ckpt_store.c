@@ -301,6 +301,12 @@ tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap) {
 /* ------------------------------------------------------------------------------ load */
 
 tera_status tera_ckpt_apply_diff(const char *path, const tera_model *m, float *const regions[TERA_CKPT_N_REGIONS]) {
+    int64_t sizes[TERA_CKPT_N_REGIONS];
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) sizes[r] = tera_ckpt_region_floats(m, r);
+    return tera_ckpt_apply_diff_sized(path, TERA_CKPT_N_REGIONS, regions, sizes);
+}
+
+tera_status tera_ckpt_apply_diff_sized(const char *path, int n_regions, float *const *regions, const int64_t *sizes) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
@@ -329,8 +335,7 @@ tera_status tera_ckpt_apply_diff(const char *path, const tera_model *m, float *c
         memcpy(&off, p + at + 8, 8);
         memcpy(&comp, p + at + 16, 4);
         at += 20;
-        if (region >= TERA_CKPT_N_REGIONS || at + comp > n ||
-            off + raw > (uint64_t)tera_ckpt_region_floats(m, (int)region) * sizeof(float)) {
+        if (region >= (uint32_t)n_regions || at + comp > n || off + raw > (uint64_t)sizes[region] * sizeof(float)) {
             s = tera_fail(TERA_ERR_FORMAT, "%s: record %u is out of bounds", path, r);
             break;
         }
@@ -451,12 +456,98 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
     return s;
 }
 
+/* A sharded differential checkpoint: for each rank file of the pieces, the rank's buffer (its
+ * blocks in table order, each as parameters, exp_avg, exp_avg_sq) is rebuilt from the loaded base,
+ * the rank's diff applied to it, and the blocks copied back. */
+static tera_status apply_sharded_diffs(const char *dir, const cJSON *man, tera_model *m, float *ea, float *eas) {
+    const cJSON *tens = cJSON_GetObjectItemCaseSensitive(man, "tensors");
+    float *zm = NULL, *zv = NULL; /* moments not asked for: scratch */
+    if (!ea) ea = zm = tera_calloc((size_t)m->n_floats + 1, sizeof(float));
+    if (!eas) eas = zv = tera_calloc((size_t)m->n_floats + 1, sizeof(float));
+    float *arr[3] = {m->w, ea, eas};
+    char files[1024][64];
+    int nfiles = 0;
+    const cJSON *t, *pc;
+    cJSON_ArrayForEach(t, tens) cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(pc, "file");
+        int seen = 0;
+        for (int i = 0; i < nfiles && !seen; i++) seen = !strcmp(files[i], f->valuestring);
+        if (!seen && nfiles < 1024) snprintf(files[nfiles++], sizeof files[0], "%s", f->valuestring);
+    }
+    tera_status s = TERA_OK;
+    float *buf = NULL;
+    for (int fi = 0; fi < nfiles && s == TERA_OK; fi++) {
+        /* twice over the pieces of this file: gather into the buffer, then (after the diff) back */
+        for (int pass = 0; pass < 3 && s == TERA_OK; pass++) {
+            int64_t at = 0;
+            int i = 0;
+            cJSON_ArrayForEach(t, tens) {
+                const tera_param *p = &m->params[i++];
+                cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
+                    if (strcmp(cJSON_GetObjectItemCaseSensitive(pc, "file")->valuestring, files[fi])) continue;
+                    int64_t lo[3] = {0, 0, 0}, len[3] = {1, 1, 1};
+                    for (int d = 0; d < p->ndim; d++) {
+                        lo[d] = (int64_t)cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(pc, "lo"), d)->valuedouble;
+                        len[d] = (int64_t)cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(pc, "len"), d)->valuedouble;
+                    }
+                    for (int k = 0; k < 3; k++) {
+                        for (int64_t a = 0; a < len[0]; a++)
+                            for (int64_t b = 0; b < len[1]; b++) {
+                                float *g = arr[k] + p->offset + ((lo[0] + a) * p->shape[1] + lo[1] + b) * p->shape[2] + lo[2];
+                                float *x = buf ? buf + at + (a * len[1] + b) * len[2] : NULL;
+                                if (pass == 1) memcpy(x, g, sizeof(float) * (size_t)len[2]);
+                                if (pass == 2) memcpy(g, x, sizeof(float) * (size_t)len[2]);
+                            }
+                        at += len[0] * len[1] * len[2];
+                    }
+                }
+            }
+            if (pass == 0) { /* sizes known: the buffer */
+                free(buf);
+                buf = tera_calloc((size_t)at + 1, sizeof(float));
+            } else if (pass == 1) { /* the diff onto the rebuilt buffer */
+                char path[4400];
+                snprintf(path, sizeof path, "%s/%.*s.diff", dir, (int)(strlen(files[fi]) - strlen(".safetensors")), files[fi]);
+                float *regions[1] = {buf};
+                const int64_t sizes[1] = {at};
+                s = tera_ckpt_apply_diff_sized(path, 1, regions, sizes);
+            }
+        }
+    }
+    free(buf);
+    free(zm);
+    free(zv);
+    return s;
+}
+
 tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas) {
     cJSON *man = read_manifest(dir);
     if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
     if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(man, "sharded"))) {
         /* the files' checksums (COMMIT, manifest) are what tera_ckpt_verify checks */
-        tera_status s = load_sharded(dir, man, m, ea, eas);
+        const cJSON *kind = cJSON_GetObjectItemCaseSensitive(man, "kind");
+        tera_status s;
+        if (cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff")) {
+            char base[4400];
+            snprintf(base, sizeof base, "%s/../step_%08" PRId64, dir, manifest_int(man, "base_step", -1));
+            cJSON *bman = read_manifest(base);
+            s = bman ? load_sharded(base, bman, m, ea, eas)
+                     : tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed (the base of %s)", base, dir);
+            cJSON_Delete(bman);
+            if (s == TERA_OK) s = apply_sharded_diffs(dir, man, m, ea, eas);
+            const int64_t nb = tera_ckpt_region_floats(m, 3);
+            if (s == TERA_OK && nb > 0) { /* the router bias of this step (every save writes it whole) */
+                char path[4400];
+                snprintf(path, sizeof path, "%s/router_bias.safetensors", dir);
+                tera_st_file f;
+                if ((s = tera_st_open(&f, path)) == TERA_OK) {
+                    s = tera_st_read_f32(&f, "router_bias", 1, &nb, m->router_bias);
+                    tera_st_close(&f);
+                }
+            }
+        } else {
+            s = load_sharded(dir, man, m, ea, eas);
+        }
         cJSON_Delete(man);
         return s;
     }

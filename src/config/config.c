@@ -267,7 +267,7 @@ static const config__key config__keys[] = {
     K_BOOL(checkpoint, sharded, "false",
            "with several ranks, every rank writes its own blocks of the parameters and Adam moments "
            "(rank-NNNNN.safetensors; the manifest lists the slice each file holds) instead of world rank 0 "
-           "writing the whole model; loads under any layout; asynchronous like the others, always full"),
+           "writing the whole model; loads under any layout; asynchronous and differential like the others"),
 
     /* [logging] -------------------------------------------------------------------------------- */
     K_STRING(logging, run_dir, "runs/default", "the run's own directory (config, metrics.jsonl, checkpoints); \"\" = write nothing"),

@@ -982,6 +982,15 @@ struct tera_shard_ckpt {
     uint64_t hash;
     const tera_trainer *tr;     /* for the writer thread: the table (read only) */
     double t_start;
+    /* differential saves (checkpoint.full_every): this rank's buffer = its written blocks, in
+     * table order, each as parameters, exp_avg, exp_avg_sq; chunk hashes of the last full save */
+    int full, has_base, since_full;
+    int64_t base_step;
+    float *sb;                  /* [3 n] at most */
+    int64_t sb_n;
+    uint64_t *base_hash;
+    int64_t n_chunks;
+    int64_t changed, total;     /* chunks of the last differential save */
 };
 
 static void shard_free(tera_trainer *tr) {
@@ -989,8 +998,59 @@ static void shard_free(tera_trainer *tr) {
     free(c->buf);
     free(c->bias);
     free(c->state_json);
+    free(c->sb);
+    free(c->base_hash);
     free(c);
     tr->shard_ckpt = NULL;
+}
+
+/* Differential: the changed 64 KiB chunks of this rank's buffer since its last full save, zstd,
+ * in the TERADIF1 format with one region (tera_ckpt_apply_diff_sized). */
+static tera_status shard_write_diff(tera_shard_ckpt *c, const char *path) {
+    const size_t CH = TERA_CKPT_CHUNK_BYTES, bytes = sizeof(float) * (size_t)c->sb_n, bound = ZSTD_compressBound(CH);
+    const int64_t nc = (int64_t)((bytes + CH - 1) / CH);
+    ZSTD_CCtx *z = ZSTD_createCCtx();
+    uint8_t *tmp = tera_malloc(bound);
+    strbuf out = {0};
+    uint32_t nrec = 0;
+    sb_put(&out, "TERADIF1", 8);
+    sb_put(&out, &nrec, 4);
+    const uint8_t *p = (const uint8_t *)c->sb;
+    c->changed = 0;
+    c->total = nc;
+    for (int64_t k = 0; k < nc; k++) {
+        const size_t off = (size_t)k * CH, len = bytes - off < CH ? bytes - off : CH;
+        if (k < c->n_chunks && XXH3_64bits(p + off, len) == c->base_hash[k]) continue;
+        const size_t cs = ZSTD_compressCCtx(z, tmp, bound, p + off, len, 1);
+        TERA_ASSERT(!ZSTD_isError(cs));
+        const uint32_t region = 0, raw = (uint32_t)len, cc = (uint32_t)cs;
+        const uint64_t o = off;
+        sb_put(&out, &region, 4);
+        sb_put(&out, &raw, 4);
+        sb_put(&out, &o, 8);
+        sb_put(&out, &cc, 4);
+        sb_put(&out, tmp, cs);
+        nrec++;
+        c->changed++;
+    }
+    memcpy(out.buf + 8, &nrec, 4);
+    tera_status st = tera_ckpt_write_file(path, out.buf, (size_t)out.n);
+    free(out.buf);
+    free(tmp);
+    ZSTD_freeCCtx(z);
+    return st;
+}
+
+static void shard_base_hashes(tera_shard_ckpt *c) {
+    const size_t CH = TERA_CKPT_CHUNK_BYTES, bytes = sizeof(float) * (size_t)c->sb_n;
+    c->n_chunks = (int64_t)((bytes + CH - 1) / CH);
+    free(c->base_hash);
+    c->base_hash = tera_malloc(sizeof(uint64_t) * (size_t)(c->n_chunks + 1));
+    const uint8_t *p = (const uint8_t *)c->sb;
+    for (int64_t k = 0; k < c->n_chunks; k++) {
+        const size_t off = (size_t)k * CH, len = bytes - off < CH ? bytes - off : CH;
+        c->base_hash[k] = XXH3_64bits(p + off, len);
+    }
 }
 
 static void *shard_writer_main(void *arg) {
@@ -1003,6 +1063,7 @@ static void *shard_writer_main(void *arg) {
     tera_st_writer_init(&w);
     char (*nm)[3][16] = tera_calloc((size_t)m->n_params + 1, sizeof *nm); /* keys, alive until the save */
     int any = 0;
+    c->sb_n = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         if (!tera_layout_writes(tr, p)) continue;
@@ -1011,15 +1072,24 @@ static void *shard_writer_main(void *arg) {
         for (int k = 0; k < 3; k++) {
             snprintf(nm[i][k], sizeof nm[i][k], "%c.%d", prefix[k], i);
             tera_st_writer_add(&w, nm[i][k], TERA_DT_F32, p->ndim, p->len, src[k] + p->offset);
+            memcpy(c->sb + c->sb_n, src[k] + p->offset, sizeof(float) * (size_t)p->numel);
+            c->sb_n += p->numel;
         }
     }
     c->st = TERA_OK;
     if (any) {
         char path[TERA_PATH_MAX + 200];
-        snprintf(path, sizeof path, "%s/%s", c->tmp, c->file);
-        tera_ckpt_io_point("write", path);
-        c->st = tera_st_writer_save(&w, path);
-        if (c->st == TERA_OK) c->st = tera_ckpt_fsync_path(path);
+        if (c->full) {
+            snprintf(path, sizeof path, "%s/%s", c->tmp, c->file);
+            tera_ckpt_io_point("write", path);
+            c->st = tera_st_writer_save(&w, path);
+            if (c->st == TERA_OK) c->st = tera_ckpt_fsync_path(path);
+            if (c->st == TERA_OK) shard_base_hashes(c);
+        } else {
+            snprintf(path, sizeof path, "%s/%.*s.diff", c->tmp, (int)(strlen(c->file) - strlen(".safetensors")), c->file);
+            tera_ckpt_io_point("write", path);
+            c->st = shard_write_diff(c, path);
+        }
         if (c->st == TERA_OK) c->st = tera_ckpt_hash_file(path, &c->hash, &c->size);
         c->wrote = c->st == TERA_OK;
     }
@@ -1057,7 +1127,8 @@ static tera_status shard_commit(tera_trainer *tr) {
         int nk = 0;
         for (int r = 0; r < W; r++) {
             if (!info[3 * r]) continue;
-            snprintf(known[nk].name, sizeof known[nk].name, "rank-%05d.safetensors", (int)(info[3 * r] - 1));
+            snprintf(known[nk].name, sizeof known[nk].name, "rank-%05d.%s", (int)(info[3 * r] - 1),
+                     c->full ? "safetensors" : "diff");
             known[nk].size = info[3 * r + 1];
             memcpy(&known[nk].hash, &info[3 * r + 2], sizeof known[nk].hash);
             nk++;
@@ -1087,12 +1158,19 @@ static tera_status shard_commit(tera_trainer *tr) {
         }
         if (st == TERA_OK) {
             cJSON *man = sharded_manifest(tr, c->step);
+            if (!c->full) { /* the pieces stay those of the base; the data is base + each rank's diff */
+                cJSON_ReplaceItemInObject(man, "kind", cJSON_CreateString("diff"));
+                cJSON_AddNumberToObject(man, "base_step", (double)c->base_step);
+                char bn[64];
+                snprintf(bn, sizeof bn, "step_%08" PRId64, c->base_step);
+                cJSON_AddStringToObject(man, "base", bn);
+            }
             int64_t bytes = 0;
             st = commit_dir_known(man, c->tmp, c->dir, c->root, c->step, &bytes, known, nk);
             if (st == TERA_OK) {
                 g_stats.last_write_s = tera_now() - c->t_start;
                 g_stats.last_bytes = bytes;
-                g_stats.last_full = 1;
+                g_stats.last_full = c->full;
                 tera_ckpt_ctx pc = {.cfg = tr->cfg};
                 snprintf(pc.run_dir, sizeof pc.run_dir, "%s", tr->run_dir);
                 st = prune(&pc);
@@ -1116,6 +1194,7 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
         c->n = n;
         c->buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
         c->bias = tera_calloc((size_t)tera_ckpt_region_floats(m, 3) + 1, sizeof(float));
+        c->sb = tera_calloc((size_t)(3 * n + 1), sizeof(float));
         snprintf(c->root, sizeof c->root, "%s/checkpoints", tr->run_dir);
         tr->shard_ckpt = c;
     }
@@ -1148,10 +1227,17 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     TERA_TRY(agree(st, "creating the directory"));
     c->pending = 1;
     const tera_ckpt_options opt = tera_ckpt_options_from_config(&tr->cfg);
+    /* the final save is full, like the whole-model path's; the others by checkpoint.full_every */
+    c->full = final || !c->has_base || opt.full_every <= 1 || c->since_full + 1 >= opt.full_every;
+    if (c->full) {
+        c->has_base = 1, c->since_full = 0, c->base_step = tr->step;
+    } else {
+        c->since_full++;
+    }
     c->running = opt.async && !final && pthread_create(&c->th, NULL, shard_writer_main, c) == 0;
     const double pause = tera_now() - t1 + t_wait;
     g_stats.saves++;
-    g_stats.full_saves++;
+    g_stats.full_saves += c->full;
     g_stats.last_pause_s = pause;
     g_stats.total_pause_s += pause;
     if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
@@ -1160,8 +1246,9 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     st = shard_commit(tr);
     if (final) {
         if (tr->root && tr->cfg.logging.progress)
-            fprintf(stderr, "tera: checkpoints: %d sharded saves, step-loop pause mean %.2f ms, max %.2f ms; last write "
-                    "%.3f s, %" PRId64 " bytes\n", g_stats.saves, 1e3 * g_stats.total_pause_s / g_stats.saves,
+            fprintf(stderr, "tera: checkpoints: %d sharded saves (%d full), step-loop pause mean %.2f ms, max %.2f ms; "
+                    "last write %.3f s, %" PRId64 " bytes\n", g_stats.saves, g_stats.full_saves,
+                    1e3 * g_stats.total_pause_s / g_stats.saves,
                     1e3 * g_stats.max_pause_s, g_stats.last_write_s, g_stats.last_bytes);
         tera_status s2 = tera_trainer_ckpt_close(tr);
         if (st == TERA_OK) st = s2;
