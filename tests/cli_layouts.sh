@@ -51,7 +51,7 @@ if [ "${TERA_TEST_FULL:-0}" = 1 ]; then # every layout with every ZeRO stage it 
         for z in 0 1 2 3; do LAYOUTS="$LAYOUTS $l:$z"; done
     done
     for l in pp2xdp2:2:1:1 pp2xep2:2:1:2 pp2xdp2xep2:4:1:2 pp2xdp2xtp2:2:2:1; do
-        for z in 0 1 3; do LAYOUTS="$LAYOUTS $l:$z:2:1f1b:1"; done
+        for z in 0 1 2 3; do LAYOUTS="$LAYOUTS $l:$z:2:1f1b:1"; done
     done
     LAYOUTS="$LAYOUTS pp2xdp2/interleaved:2:1:1:2:2:interleaved:2"
 fi
