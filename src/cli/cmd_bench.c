@@ -159,9 +159,11 @@ static void ep_bytes(const tera_trainer *tr, int A, comm_model *cm) {
     const tera_model *m = &tr->model;
     if (tr->ep < 2) return;
     const double N = (double)m->B * m->T, rows = N * m->cfg.top_k;
-    cm->ep = A * m->n_moe_layers * 4.0 * ring(tr->ep) * rows * m->cfg.dim * 4.0;
+    double moe = 0.0; /* this stage's MoE layers (all of them without a pipeline) */
+    for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) moe += m->held[l];
+    cm->ep = A * moe * 4.0 * ring(tr->ep) * rows * m->cfg.dim * 4.0;
     cm->min[K_P2P] += cm->ep;
-    cm->counts = A * m->n_moe_layers * (tr->ep - 1) * 4.0 * (m->cfg.n_experts / tr->ep);
+    cm->counts = A * moe * (tr->ep - 1) * 4.0 * (m->cfg.n_experts / tr->ep);
     cm->overhead[K_ALLTOALL] += cm->counts;
 }
 
