@@ -311,31 +311,30 @@ static void test_param_table(void **state) {
     /* tensor parallelism: Megatron's split (heads of q/k/v and the o_proj input, FFN widths,
      * vocabulary rows); norms and the router whole on every rank */
     mc.vocab_size = 38; /* divisible by tp */
-    for (int tp = 2; tp <= 2; tp++) {
-        for (int r = 0; r < tp; r++) {
-            int nt;
-            int64_t nft, ndt;
-            tera_param *tt = tera_param_table_par(&mc, 2, 1, tp, r, &nt, &nft, &ndt);
-            for (int i = 0; i < nt; i++) {
-                const tera_param *p = &tt[i];
-                int want = -1;
-                switch (p->kind) {
-                case TERA_P_EMBED: case TERA_P_LM_HEAD: case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV:
-                case TERA_P_SHARED_W1: case TERA_P_SHARED_W3: case TERA_P_DENSE_W1: case TERA_P_DENSE_W3: want = 0; break;
-                case TERA_P_WO: case TERA_P_SHARED_W2: case TERA_P_DENSE_W2: case TERA_P_EXP_W1: case TERA_P_EXP_W3: want = 1; break;
-                case TERA_P_EXP_W2: want = 2; break;
-                default: break;
-                }
-                assert_int_equal(p->tp_dim, want);
-                if (want >= 0) {
-                    assert_int_equal(p->len[want] * tp, p->shape[want]);
-                    assert_int_equal(p->lo[want], r * p->len[want]);
-                }
-                if (p->expert_stacked) assert_int_equal(p->lo[0], p->len[0]); /* ep rank 1 of 2 */
-                assert_int_equal(p->numel, p->len[0] * p->len[1] * p->len[2]);
+    const int tp = 2;
+    for (int r = 0; r < tp; r++) {
+        int nt;
+        int64_t nft, ndt;
+        tera_param *tt = tera_param_table_par(&mc, 2, 1, tp, r, &nt, &nft, &ndt);
+        for (int i = 0; i < nt; i++) {
+            const tera_param *p = &tt[i];
+            int want = -1;
+            switch (p->kind) {
+            case TERA_P_EMBED: case TERA_P_LM_HEAD: case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV:
+            case TERA_P_SHARED_W1: case TERA_P_SHARED_W3: case TERA_P_DENSE_W1: case TERA_P_DENSE_W3: want = 0; break;
+            case TERA_P_WO: case TERA_P_SHARED_W2: case TERA_P_DENSE_W2: case TERA_P_EXP_W1: case TERA_P_EXP_W3: want = 1; break;
+            case TERA_P_EXP_W2: want = 2; break;
+            default: break;
             }
-            free(tt);
+            assert_int_equal(p->tp_dim, want);
+            if (want >= 0) {
+                assert_int_equal(p->len[want] * tp, p->shape[want]);
+                assert_int_equal(p->lo[want], r * p->len[want]);
+            }
+            if (p->expert_stacked) assert_int_equal(p->lo[0], p->len[0]); /* ep rank 1 of 2 */
+            assert_int_equal(p->numel, p->len[0] * p->len[1] * p->len[2]);
         }
+        free(tt);
     }
     /* o_proj / w2 use the scaled init std / sqrt(2L) */
     for (int i = 0; i < n; i++)

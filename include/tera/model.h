@@ -195,6 +195,11 @@ typedef struct {
 } tera_shard_spec;
 tera_param *tera_param_table_spec(const tera_model_config *cfg, const tera_shard_spec *spec, int *n, int64_t *n_floats,
                                   int64_t *n_dense);
+/* Copies the block [lo, lo + len) of a tensor of shape[3] between the whole tensor (whole, row
+ * major) and a contiguous buffer of the block (block, [len0, len1, len2]): to_whole = 1 block ->
+ * whole, 0 whole -> block. */
+void tera_block_copy(const int64_t *shape, const int64_t *lo, const int64_t *len, float *whole, float *block,
+                     int to_whole);
 /* Contiguous layer ranges for `stages` virtual stages balancing the modelled compute per stage
  * (model FLOPs per token of each layer, the LM head counted with the last layer): first[stages+1]. */
 void tera_pp_split(const tera_model_config *cfg, int stages, int T, int *first);

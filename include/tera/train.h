@@ -208,6 +208,12 @@ void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv);
 /* Whether this rank writes its block of p in a sharded checkpoint (every element of the model by
  * exactly one rank of the world). */
 int tera_layout_writes(const tera_trainer *tr, const tera_param *p);
+/* The model-parallel group (the ranks that together hold one copy of the model): this rank's index
+ * in it, (pp_rank * ep + ep_rank) * tp + tp_rank; the table of member `member` (*n_floats: its
+ * storage); whether that member writes its block of p in a sharded checkpoint. */
+int tera_layout_member(const tera_trainer *tr);
+tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats);
+int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p);
 /* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). */
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv);
 /* A model shell with the one-process parameter table and no buffers (caller sets w). */
@@ -231,7 +237,9 @@ void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);
 
 /* ---------------------------------------------------------------- the pipeline (src/train/pipeline.c) */
 typedef struct tera_pipe tera_pipe;
-int tera_pipeline_slots(const tera_trainer *tr); /* activation slots this stage needs (before the model) */
+/* Activation slots this stage needs (before the model): the schedule's peak of micro-batches in
+ * flight here; fails if the schedule cannot be built or deadlocks. */
+tera_status tera_pipeline_slots(const tera_trainer *tr, int *slots);
 tera_status tera_pipeline_init(tera_trainer *tr);
 void tera_pipeline_free(tera_trainer *tr);
 /* Runs the step's A micro-batches through the schedule: sums[3] += cross-entropy, aux, z sums of

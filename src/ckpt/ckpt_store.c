@@ -384,6 +384,32 @@ static int json_dims(const cJSON *a, int ndim, int64_t *out, int64_t fill) {
     return 1;
 }
 
+/* A manifest piece of tensor p: its file (a name inside the checkpoint) and its block [lo, lo +
+ * len) of p's global shape. NULL when malformed. */
+static const char *piece_of(const cJSON *pc, const tera_param *p, int64_t *lo, int64_t *len) {
+    const cJSON *file = cJSON_GetObjectItemCaseSensitive(pc, "file");
+    if (!cJSON_IsString(file) || strchr(file->valuestring, '/') || strlen(file->valuestring) >= 64 ||
+        !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "lo"), p->ndim, lo, 0) ||
+        !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "len"), p->ndim, len, 1))
+        return NULL;
+    for (int d = 0; d < 3; d++)
+        if (lo[d] + len[d] > p->shape[d]) return NULL;
+    return file->valuestring;
+}
+
+/* The router bias [L E] of a sharded checkpoint (written whole by every save). */
+static tera_status read_router_bias(const char *dir, tera_model *m) {
+    const int64_t nb = tera_ckpt_region_floats(m, 3);
+    if (nb == 0) return TERA_OK;
+    char path[4400];
+    snprintf(path, sizeof path, "%s/router_bias.safetensors", dir);
+    tera_st_file f;
+    TERA_TRY(tera_st_open(&f, path));
+    tera_status s = tera_st_read_f32(&f, "router_bias", 1, &nb, m->router_bias);
+    tera_st_close(&f);
+    return s;
+}
+
 static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m, float *ea, float *eas) {
     const cJSON *tens = cJSON_GetObjectItemCaseSensitive(man, "tensors");
     if (!cJSON_IsArray(tens) || cJSON_GetArraySize(tens) != m->n_params)
@@ -407,12 +433,9 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
         int64_t covered = 0;
         const cJSON *pc;
         cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
-            const cJSON *file = cJSON_GetObjectItemCaseSensitive(pc, "file");
             int64_t lo[3], len[3];
-            if (!cJSON_IsString(file) || strchr(file->valuestring, '/') ||
-                !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "lo"), p->ndim, lo, 0) ||
-                !json_dims(cJSON_GetObjectItemCaseSensitive(pc, "len"), p->ndim, len, 1) || lo[0] + len[0] > p->shape[0] ||
-                lo[1] + len[1] > p->shape[1] || lo[2] + len[2] > p->shape[2]) {
+            const char *file = piece_of(pc, p, lo, len);
+            if (!file) {
                 s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: a piece of '%s' is malformed", dir, p->name);
                 break;
             }
@@ -422,7 +445,7 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
                 tmp = tera_malloc(sizeof(float) * cnt);
                 tmp_cap = cnt;
             }
-            snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+            snprintf(path, sizeof path, "%s/%s", dir, file);
             tera_st_file f;
             if ((s = tera_st_open(&f, path)) != TERA_OK) break;
             static const char prefix[3] = {'w', 'm', 'v'};
@@ -430,11 +453,7 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
                 if (!dst[k]) continue;
                 snprintf(key, sizeof key, "%c.%d", prefix[k], i);
                 s = tera_st_read_f32(&f, key, p->ndim, len, tmp);
-                /* the block into the whole tensor */
-                for (int64_t a = 0; a < len[0] && s == TERA_OK; a++)
-                    for (int64_t b = 0; b < len[1]; b++)
-                        memcpy(dst[k] + p->offset + ((lo[0] + a) * p->shape[1] + lo[1] + b) * p->shape[2] + lo[2],
-                               tmp + (a * len[1] + b) * len[2], sizeof(float) * (size_t)len[2]);
+                if (s == TERA_OK) tera_block_copy(p->shape, lo, len, dst[k] + p->offset, tmp, 1); /* into the whole */
             }
             tera_st_close(&f);
             covered += (int64_t)cnt;
@@ -444,16 +463,7 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
                           p->name, (long)covered, (long)p->numel);
     }
     free(tmp);
-    const int64_t nb = tera_ckpt_region_floats(m, 3);
-    if (s == TERA_OK && nb > 0) {
-        snprintf(path, sizeof path, "%s/router_bias.safetensors", dir);
-        tera_st_file f;
-        if ((s = tera_st_open(&f, path)) == TERA_OK) {
-            s = tera_st_read_f32(&f, "router_bias", 1, &nb, m->router_bias);
-            tera_st_close(&f);
-        }
-    }
-    return s;
+    return s == TERA_OK ? read_router_bias(dir, m) : s;
 }
 
 /* A sharded differential checkpoint: for each rank file of the pieces, the rank's buffer (its
@@ -468,36 +478,41 @@ static tera_status apply_sharded_diffs(const char *dir, const cJSON *man, tera_m
     char files[1024][64];
     int nfiles = 0;
     const cJSON *t, *pc;
-    cJSON_ArrayForEach(t, tens) cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
-        const cJSON *f = cJSON_GetObjectItemCaseSensitive(pc, "file");
-        int seen = 0;
-        for (int i = 0; i < nfiles && !seen; i++) seen = !strcmp(files[i], f->valuestring);
-        if (!seen && nfiles < 1024) snprintf(files[nfiles++], sizeof files[0], "%s", f->valuestring);
+    if (!cJSON_IsArray(tens) || cJSON_GetArraySize(tens) != m->n_params) {
+        free(zm);
+        free(zv);
+        return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: \"tensors\" must list the model's %d tensors", dir,
+                         m->n_params);
     }
     tera_status s = TERA_OK;
+    int i = 0;
+    cJSON_ArrayForEach(t, tens) {
+        const tera_param *p = &m->params[i++];
+        cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
+            int64_t lo[3], len[3];
+            const char *f = piece_of(pc, p, lo, len);
+            if (!f) {
+                s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: a piece of '%s' is malformed", dir, p->name);
+                break;
+            }
+            int seen = 0;
+            for (int k = 0; k < nfiles && !seen; k++) seen = !strcmp(files[k], f);
+            if (!seen && nfiles < 1024) snprintf(files[nfiles++], sizeof files[0], "%s", f);
+        }
+    }
     float *buf = NULL;
     for (int fi = 0; fi < nfiles && s == TERA_OK; fi++) {
         /* twice over the pieces of this file: gather into the buffer, then (after the diff) back */
         for (int pass = 0; pass < 3 && s == TERA_OK; pass++) {
             int64_t at = 0;
-            int i = 0;
+            int ti = 0;
             cJSON_ArrayForEach(t, tens) {
-                const tera_param *p = &m->params[i++];
+                const tera_param *p = &m->params[ti++];
                 cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
-                    if (strcmp(cJSON_GetObjectItemCaseSensitive(pc, "file")->valuestring, files[fi])) continue;
-                    int64_t lo[3] = {0, 0, 0}, len[3] = {1, 1, 1};
-                    for (int d = 0; d < p->ndim; d++) {
-                        lo[d] = (int64_t)cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(pc, "lo"), d)->valuedouble;
-                        len[d] = (int64_t)cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(pc, "len"), d)->valuedouble;
-                    }
+                    int64_t lo[3], len[3];
+                    if (strcmp(piece_of(pc, p, lo, len), files[fi])) continue; /* validated above */
                     for (int k = 0; k < 3; k++) {
-                        for (int64_t a = 0; a < len[0]; a++)
-                            for (int64_t b = 0; b < len[1]; b++) {
-                                float *g = arr[k] + p->offset + ((lo[0] + a) * p->shape[1] + lo[1] + b) * p->shape[2] + lo[2];
-                                float *x = buf ? buf + at + (a * len[1] + b) * len[2] : NULL;
-                                if (pass == 1) memcpy(x, g, sizeof(float) * (size_t)len[2]);
-                                if (pass == 2) memcpy(g, x, sizeof(float) * (size_t)len[2]);
-                            }
+                        if (pass > 0) tera_block_copy(p->shape, lo, len, arr[k] + p->offset, buf + at, pass == 2);
                         at += len[0] * len[1] * len[2];
                     }
                 }
@@ -535,16 +550,7 @@ tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas
                      : tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed (the base of %s)", base, dir);
             cJSON_Delete(bman);
             if (s == TERA_OK) s = apply_sharded_diffs(dir, man, m, ea, eas);
-            const int64_t nb = tera_ckpt_region_floats(m, 3);
-            if (s == TERA_OK && nb > 0) { /* the router bias of this step (every save writes it whole) */
-                char path[4400];
-                snprintf(path, sizeof path, "%s/router_bias.safetensors", dir);
-                tera_st_file f;
-                if ((s = tera_st_open(&f, path)) == TERA_OK) {
-                    s = tera_st_read_f32(&f, "router_bias", 1, &nb, m->router_bias);
-                    tera_st_close(&f);
-                }
-            }
+            if (s == TERA_OK) s = read_router_bias(dir, m); /* this step's, not the base's */
         } else {
             s = load_sharded(dir, man, m, ea, eas);
         }

@@ -232,23 +232,28 @@ void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, in
     GUARDED("MPI_Alltoall", MPI_Alltoall(send, n, MPI_INT32_T, recv, n, MPI_INT32_T, c->mpi));
 }
 
-void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+/* A non-blocking send (send = 1, counted as traffic) or receive of n floats with `peer`. */
+static void p2p(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req, int send) {
     req->active = 0;
     if (n == 0) return;
-    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point send to rank %d of a group of %d", peer, c->size);
+    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point %s rank %d of a group of %d",
+                 send ? "send to" : "receive from", peer, c->size);
     TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
-    g_traffic.p2p += 4.0 * (double)n;
-    MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    if (send) {
+        g_traffic.p2p += 4.0 * (double)n;
+        MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    } else {
+        MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
+    }
     req->active = 1;
 }
 
+void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
+    p2p(c, (float *)buf, n, peer, tag, req, 1); /* MPI_Isend reads it only */
+}
+
 void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
-    req->active = 0;
-    if (n == 0) return;
-    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point receive from rank %d of a group of %d", peer, c->size);
-    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
-    MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
-    req->active = 1;
+    p2p(c, buf, n, peer, tag, req, 0);
 }
 
 void tera_comm_barrier(tera_comm *c) {

@@ -664,41 +664,43 @@ static void ep_block_offsets(const layer_acts *la, int s, int El, int64_t *off) 
     for (int e = 0; e < El; e++) off[e + 1] = off[e] + la->rcnt[s * El + e];
 }
 
-static void ep_block_forward(const tera_model *m, layer_acts *la, const tera_layer_view *W, int s, int64_t D,
-                             int64_t F) {
-    const int El = m->cfg.n_experts / m->par.ep;
-    int64_t off[65];
-    ep_block_offsets(la, s, El, off);
-#define EP_FWD(e)                                                                                          \
-    expert_rows_forward(la->yr + off[e] * D, la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, \
-                        la->xr + off[e] * D, W->w1 + (e) * F * D, W->w3 + (e) * F * D, W->w2 + (e) * D * F,  \
-                        off[(e) + 1] - off[e], D, F)
-    if (experts_in_parallel(El)) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int e = 0; e < El; e++) EP_FWD(e);
-    } else {
-        for (int e = 0; e < El; e++) EP_FWD(e);
+/* What a rank's experts do with a source's block of rows: the forward, the backward, or (selective
+ * recomputation) the hidden activations again. */
+enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
+
+/* Local expert e over its rows [off[e], off[e+1]) of the received buffers. */
+static void ep_expert(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
+                      const tera_layer_view *G, const int64_t *off, int e, int op) {
+    const int64_t D = m->cfg.dim, F = m->Fl, r = off[e], n = off[e + 1] - r;
+    const float *w1 = W->w1 + e * F * D, *w3 = W->w3 + e * F * D, *w2 = W->w2 + e * D * F;
+    switch (op) {
+    case EXPERTS_FWD:
+        expert_rows_forward(la->yr + r * D, la->a1 + r * F, la->a3 + r * F, la->gact + r * F, la->xr + r * D, w1, w3,
+                            w2, n, D, F);
+        break;
+    case EXPERTS_BWD:
+        expert_rows_backward(a->dxr + r * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F, a->da1 + r * F,
+                             a->da3 + r * F, a->dgact + r * F, a->dyr + r * D, la->xr + r * D, la->a1 + r * F,
+                             la->a3 + r * F, la->gact + r * F, w1, w3, w2, n, D, F);
+        break;
+    default:
+        if (n > 0) ffn_hidden(la->a1 + r * F, la->a3 + r * F, la->gact + r * F, la->xr + r * D, w1, w3, n, D, F);
     }
-#undef EP_FWD
 }
 
-static void ep_block_backward(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
-                              const tera_layer_view *G, int s, int64_t D, int64_t F) {
+/* This rank's experts over source s's block, side by side when there are enough of them
+ * (experts_in_parallel), the same thread layout for the forward and its recomputation. */
+static void ep_block(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
+                     const tera_layer_view *G, int s, int op) {
     const int El = m->cfg.n_experts / m->par.ep;
     int64_t off[65];
     ep_block_offsets(la, s, El, off);
-#define EP_BWD(e)                                                                                          \
-    expert_rows_backward(a->dxr + off[e] * D, G->w1 + (e) * F * D, G->w3 + (e) * F * D, G->w2 + (e) * D * F,   \
-                         a->da1 + off[e] * F, a->da3 + off[e] * F, a->dgact + off[e] * F, a->dyr + off[e] * D, \
-                         la->xr + off[e] * D, la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, \
-                         W->w1 + (e) * F * D, W->w3 + (e) * F * D, W->w2 + (e) * D * F, off[(e) + 1] - off[e], D, F)
     if (experts_in_parallel(El)) {
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int e = 0; e < El; e++) EP_BWD(e);
+        for (int e = 0; e < El; e++) ep_expert(m, a, la, W, G, off, e, op);
     } else {
-        for (int e = 0; e < El; e++) EP_BWD(e);
+        for (int e = 0; e < El; e++) ep_expert(m, a, la, W, G, off, e, op);
     }
-#undef EP_BWD
 }
 
 /* The exchange of one layer, forward (fwd = 1: xg -> xr, experts, yr -> ye) or backward
@@ -708,7 +710,7 @@ static void ep_exchange(tera_model *m, int l, int fwd) {
     layer_acts *la = &a->layer[l];
     tera_comm *g = m->par.group;
     const int ep = m->par.ep, me = m->ep_rank, E = m->cfg.n_experts, El = E / ep;
-    const int64_t D = m->cfg.dim, F = m->Fl;
+    const int64_t D = m->cfg.dim;
     tera_comm_req *snd = a->req, *rcv = a->req + ep, *rsnd = a->req + 2 * ep, *rrcv = a->req + 3 * ep;
     float *out_local = fwd ? la->xg : a->dye;  /* [N*k, D] this rank's rows, grouped by expert */
     float *in_local = fwd ? la->ye : a->dxg;   /* [N*k, D] where their results come back */
@@ -743,10 +745,7 @@ static void ep_exchange(tera_model *m, int l, int fwd) {
     for (int i = 0; i < ep; i++) {
         const int s = (me + i) % ep;
         tera_comm_wait(&rcv[s]);
-        if (fwd)
-            ep_block_forward(m, la, &m->W.layers[l], s, D, F);
-        else
-            ep_block_backward(m, a, la, &m->W.layers[l], &m->G.layers[l], s, D, F);
+        ep_block(m, a, la, &m->W.layers[l], &m->G.layers[l], s, fwd ? EXPERTS_FWD : EXPERTS_BWD);
         const int64_t r0 = la->roff[s], n = la->roff[s + 1] - r0;
         if (s == me)
             memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
@@ -1135,26 +1134,6 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
-/* Selective recomputation of expert hidden activations under expert parallelism: over each
- * source rank's block of received rows, with the forward's thread layout (ep_block_forward). */
-static void ep_block_hidden(const tera_model *m, layer_acts *la, const tera_layer_view *W, int s, int64_t D,
-                            int64_t F) {
-    const int El = m->cfg.n_experts / m->par.ep;
-    int64_t off[65];
-    ep_block_offsets(la, s, El, off);
-#define EP_HID(e)                                                                                          \
-    if (off[(e) + 1] > off[e])                                                                             \
-    ffn_hidden(la->a1 + off[e] * F, la->a3 + off[e] * F, la->gact + off[e] * F, la->xr + off[e] * D,        \
-               W->w1 + (e) * F * D, W->w3 + (e) * F * D, off[(e) + 1] - off[e], D, F)
-    if (experts_in_parallel(El)) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int e = 0; e < El; e++) EP_HID(e);
-    } else {
-        for (int e = 0; e < El; e++) EP_HID(e);
-    }
-#undef EP_HID
-}
-
 /* Brings back what layer l did not keep (tera_recompute), into the work set, before its backward.
  * The same code on the same inputs (kept x_in or q/k/v/xg/xr/ln2, unchanged weights and router
  * bias, the same thread layout, 64-byte aligned buffers at the same relative offsets) gives the
@@ -1191,7 +1170,8 @@ static void layer_recompute(tera_model *m, int l) {
             TERA_PROF_BEGIN(EXPERT_FWD);
             int order[64];
             if (m->par.ep > 1) { /* the received rows are kept (xr): no exchange needed */
-                for (int i = 0; i < m->par.ep; i++) ep_block_hidden(m, la, W, (m->ep_rank + i) % m->par.ep, D, F);
+                for (int i = 0; i < m->par.ep; i++)
+                    ep_block(m, a, la, W, &m->G.layers[l], (m->ep_rank + i) % m->par.ep, EXPERTS_HIDDEN);
             } else if (experts_in_parallel(E)) { /* the forward's thread layout (moe_forward) */
                 experts_by_load(order, la->exp_off, E);
 #pragma omp parallel for schedule(dynamic, 1)

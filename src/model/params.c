@@ -96,6 +96,19 @@ tera_param *tera_param_table_par(const tera_model_config *c, int ep, int ep_rank
     return tera_param_table_spec(c, &sp, n, n_floats, n_dense);
 }
 
+void tera_block_copy(const int64_t *shape, const int64_t *lo, const int64_t *len, float *whole, float *block,
+                     int to_whole) {
+    for (int64_t i0 = 0; i0 < len[0]; i0++)
+        for (int64_t i1 = 0; i1 < len[1]; i1++) {
+            float *b = block + (i0 * len[1] + i1) * len[2];
+            float *w = whole + ((lo[0] + i0) * shape[1] + lo[1] + i1) * shape[2] + lo[2];
+            if (to_whole)
+                memcpy(w, b, sizeof(float) * (size_t)len[2]);
+            else
+                memcpy(b, w, sizeof(float) * (size_t)len[2]);
+        }
+}
+
 /* Per-layer cost for the pipeline split: the model FLOPs of one token through the layer (its
  * matrices and attention, BENCH.md's convention); the LM head counts toward the last layer. */
 static double layer_cost(const tera_model_config *c, int l, int T) {

@@ -78,6 +78,20 @@ struct tera_ckpt_ctx {
 
 static tera_ckpt_stats g_stats;
 
+/* Whether a save is full: the final one, the first, and every full_every-th (else differential). */
+static int save_is_full(int final, int has_base, int full_every, int since_full) {
+    return final || !has_base || full_every <= 1 || since_full + 1 >= full_every;
+}
+
+/* The step loop's pause of one save, into the statistics. */
+static void record_pause(double pause, int full) {
+    g_stats.saves++;
+    g_stats.full_saves += full;
+    g_stats.last_pause_s = pause;
+    g_stats.total_pause_s += pause;
+    if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
+}
+
 double tera_ckpt_last_pause_seconds(void) { return g_stats.last_pause_s; }
 tera_ckpt_stats tera_ckpt_last_stats(void) { return g_stats; }
 
@@ -820,15 +834,10 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
     if (s == TERA_OK && !(tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK)) {
         /* the final save is always full, so a finished run ends with a Hugging Face directory */
-        c->full = final || !c->has_base || c->opt.full_every <= 1 || c->since_full + 1 >= c->opt.full_every;
+        c->full = save_is_full(final, c->has_base, c->opt.full_every, c->since_full);
         const double t1 = tera_now();
         snapshot(c, tr);
-        const double pause = tera_now() - t1 + t_wait;
-        g_stats.saves++;
-        g_stats.full_saves += c->full;
-        g_stats.last_pause_s = pause;
-        g_stats.total_pause_s += pause;
-        if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
+        record_pause(tera_now() - t1 + t_wait, c->full);
         if (c->opt.async && !final) {
             c->running = 1;
             if (pthread_create(&c->th, NULL, writer_main, c) != 0) {
@@ -889,16 +898,9 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
  * tensor's global shape and, per piece, the file and the slice (lo, len per dim) it holds; then
  * COMMIT covers every file of every rank. Synchronous (the ranks meet before the commit) and always
  * full. tera_ckpt_load reads it under any layout. */
-static int sharded_member_writes(const tera_param *p, int ep_rank, int tp_rank) {
-    if (p->numel == 0) return 0;
-    if (!p->expert_stacked && ep_rank != 0) return 0;
-    return p->tp_dim >= 0 || tp_rank == 0;
-}
-
 /* The manifest of a sharded checkpoint: format, step, layout, and for every tensor of the
  * one-process table its global shape and the pieces (file, lo, len) the writing ranks hold. */
 static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
-    const tera_model *m = &tr->model;
     cJSON *man = cJSON_CreateObject();
     cJSON_AddStringToObject(man, "format", "tera-checkpoint");
     cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
@@ -917,14 +919,7 @@ static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
     tera_layout_global_shell(tr, &shell);
     const int P = tr->ep * tr->tp * tr->pp;
     tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-    for (int r = 0; r < P; r++) {
-        int np;
-        int64_t nf;
-        const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp, .tp_rank = r % tr->tp,
-                                    .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep), .v = m->par.v,
-                                    .layer_first = m->layer_first};
-        tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &nf, NULL);
-    }
+    for (int r = 0; r < P; r++) tab[r] = tera_layout_member_table(tr, r, NULL);
     cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
     char file[64];
     for (int i = 0; i < shell.n_params; i++) {
@@ -936,7 +931,7 @@ static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
         cJSON *pcs = cJSON_AddArrayToObject(t, "pieces");
         for (int r = 0; r < P; r++) {
             const tera_param *p = &tab[r][i];
-            if (!sharded_member_writes(p, r / tr->tp % tr->ep, r % tr->tp)) continue;
+            if (!tera_layout_member_writes(tr, r, p)) continue;
             cJSON *pc = cJSON_CreateObject();
             snprintf(file, sizeof file, "rank-%05d.safetensors", r);
             cJSON_AddStringToObject(pc, "file", file);
@@ -1114,7 +1109,7 @@ static tera_status shard_commit(tera_trainer *tr) {
     const int W = tr->wsize;
     int64_t *info = tera_calloc((size_t)(3 * W), sizeof(int64_t));
     if (c->wrote) {
-        const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
+        const int me = tera_layout_member(tr);
         info[3 * tr->wrank] = me + 1;
         info[3 * tr->wrank + 1] = c->size;
         memcpy(&info[3 * tr->wrank + 2], &c->hash, sizeof c->hash);
@@ -1215,7 +1210,7 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     c->state_json = tr->root ? state_text(tr) : NULL;
     c->tr = tr;
     c->wrote = 0;
-    snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank);
+    snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", tera_layout_member(tr));
     tera_status st = TERA_OK;
     if (tr->root) {
         tera_ckpt_io_point("mkdir", c->root);
@@ -1228,19 +1223,14 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     c->pending = 1;
     const tera_ckpt_options opt = tera_ckpt_options_from_config(&tr->cfg);
     /* the final save is full, like the whole-model path's; the others by checkpoint.full_every */
-    c->full = final || !c->has_base || opt.full_every <= 1 || c->since_full + 1 >= opt.full_every;
+    c->full = save_is_full(final, c->has_base, opt.full_every, c->since_full);
     if (c->full) {
         c->has_base = 1, c->since_full = 0, c->base_step = tr->step;
     } else {
         c->since_full++;
     }
     c->running = opt.async && !final && pthread_create(&c->th, NULL, shard_writer_main, c) == 0;
-    const double pause = tera_now() - t1 + t_wait;
-    g_stats.saves++;
-    g_stats.full_saves += c->full;
-    g_stats.last_pause_s = pause;
-    g_stats.total_pause_s += pause;
-    if (pause > g_stats.max_pause_s) g_stats.max_pause_s = pause;
+    record_pause(tera_now() - t1 + t_wait, c->full);
     if (c->running) return TERA_OK;
     shard_writer_main(c); /* synchronous: the final save, or async off */
     st = shard_commit(tr);

@@ -42,8 +42,7 @@ tera_status tera_layout_groups(tera_trainer *tr) {
         tr->edp = tera_comm_split(tr->dp, tr->ep_rank, tr->edp_rank);
     }
     if (tr->ep * tr->tp * tr->pp > 1) /* over the world */
-        tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank,
-                                 (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank);
+        tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank, tera_layout_member(tr));
     /* ZeRO needs more than one data-parallel rank to shard over */
     tr->zero = tr->world > 1 ? p->zero : 0;
     return TERA_OK;
@@ -356,16 +355,7 @@ static void local_moments(tera_trainer *tr, float *lm, float *lv) {
 /* Copies one tensor's block between a rank's storage (contiguous [len0, len1, len2]) and the whole
  * tensor (global layout, shape of p). to_global: local -> g; else g -> local. */
 static void block_copy(const tera_param *lp, const tera_param *gp, float *local, float *g, int to_global) {
-    const int64_t S1 = gp->shape[1], S2 = gp->shape[2], L0 = lp->len[0], L1 = lp->len[1], L2 = lp->len[2];
-    for (int64_t i0 = 0; i0 < L0; i0++)
-        for (int64_t i1 = 0; i1 < L1; i1++) {
-            float *loc = local + lp->offset + (i0 * L1 + i1) * L2;
-            float *glo = g + gp->offset + ((lp->lo[0] + i0) * S1 + lp->lo[1] + i1) * S2 + lp->lo[2];
-            if (to_global)
-                memcpy(glo, loc, sizeof(float) * (size_t)L2);
-            else
-                memcpy(loc, glo, sizeof(float) * (size_t)L2);
-        }
+    tera_block_copy(gp->shape, lp->lo, lp->len, g + gp->offset, local + lp->offset, to_global);
 }
 
 void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv) {
@@ -376,17 +366,34 @@ void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv) 
         assemble(tr, lw, tr->opt.w, tr->opt_x.w);
 }
 
+int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p) {
+    if (p->numel == 0) return 0;
+    if (!p->expert_stacked && member / tr->tp % tr->ep != 0) return 0; /* non-expert: the first of the ep group */
+    return p->tp_dim >= 0 || member % tr->tp == 0;                     /* replicated over tp: the first tp rank */
+}
+
 int tera_layout_writes(const tera_trainer *tr, const tera_param *p) {
-    if (p->numel == 0 || tr->edp_rank != 0) return 0;      /* one copy: the first expert-data-parallel replica */
-    if (!p->expert_stacked && tr->ep_rank != 0) return 0;   /* non-expert tensors: the first of the ep group */
-    return p->tp_dim >= 0 || tr->tp_rank == 0;              /* replicated over tp: the first tp rank */
+    /* one copy: the first expert-data-parallel replica */
+    return tr->edp_rank == 0 && tera_layout_member_writes(tr, tera_layout_member(tr), p);
+}
+
+int tera_layout_member(const tera_trainer *tr) { return (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank; }
+
+tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats) {
+    const tera_model *m = &tr->model;
+    const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = member / tr->tp % tr->ep, .tp = tr->tp,
+                                .tp_rank = member % tr->tp, .pp = tr->pp, .pp_rank = member / (tr->tp * tr->ep),
+                                .v = m->par.v, .layer_first = m->layer_first};
+    int np;
+    int64_t nf;
+    return tera_param_table_spec(&m->cfg, &sp, &np, n_floats ? n_floats : &nf, NULL);
 }
 
 void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     tera_model *m = &tr->model;
     const int64_t n = m->n_floats;
-    float *lm = tera_calloc((size_t)(2 * n + 1), sizeof(float)), *lv = lm + n;
-    local_moments(tr, lm, lv);
+    float *lw = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lm = lw + n, *lv = lw + 2 * n;
+    tera_layout_local_state(tr, lw, lm, lv); /* this rank's storage, ZeRO shards gathered */
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
     /* the mp group's ranks together hold every block once: gather their storage, and their tables
@@ -394,23 +401,14 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     const int P = tr->ep * tr->tp * tr->pp;
     int64_t *cnt = tera_calloc((size_t)P, sizeof(int64_t)), *off = tera_calloc((size_t)P + 1, sizeof(int64_t));
     tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-    for (int r = 0; r < P; r++) { /* member r = (pp_rank * ep + ep_rank) * tp + tp_rank */
-        int np;
-        const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = r / tr->tp % tr->ep, .tp = tr->tp, .tp_rank = r % tr->tp,
-                                    .pp = tr->pp, .pp_rank = r / (tr->tp * tr->ep), .v = m->par.v,
-                                    .layer_first = m->layer_first};
-        tab[r] = tera_param_table_spec(&m->cfg, &sp, &np, &cnt[r], NULL);
+    for (int r = 0; r < P; r++) {
+        tab[r] = tera_layout_member_table(tr, r, &cnt[r]);
         off[r + 1] = off[r] + cnt[r];
     }
-    const int me = (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank;
+    const int me = tera_layout_member(tr);
     TERA_ASSERTF(cnt[me] == n, "layout: member %d holds %ld floats, this rank %ld", me, (long)cnt[me], (long)n);
     float *all = tera_malloc(sizeof(float) * (size_t)(off[P] + 1));
-    float *lw = NULL; /* ZeRO-3: no whole parameter buffer, assemble one from the shards */
-    if (!m->w) {
-        lw = tera_malloc(sizeof(float) * (size_t)(n + 1));
-        assemble(tr, lw, tr->opt.w, tr->opt_x.w);
-    }
-    const float *src[3] = {m->w ? m->w : lw, lm, lv};
+    const float *src[3] = {lw, lm, lv};
     float *dst[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!dst[k]) continue;
@@ -426,7 +424,6 @@ void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
     free(all);
     free(lw);
     free(shell.params);
-    free(lm);
 }
 
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv) {

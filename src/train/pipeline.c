@@ -62,14 +62,7 @@ tera_status tera_pipeline_init(tera_trainer *tr) {
         free(p);
         return st;
     }
-    tera_sched_stats ss;
-    if ((st = tera_schedule_simulate(&p->sched, 1.0, 2.0, &ss)) != TERA_OK) {
-        tera_schedule_free(&p->sched);
-        free(p);
-        return st;
-    }
-    p->n_slots = p->rank < 64 ? ss.peak_in_flight_rank[p->rank] : ss.peak_in_flight;
-    if (p->n_slots < 1) p->n_slots = 1;
+    p->n_slots = tr->model.n_slots; /* tera_pipeline_slots: the schedule's peak on this stage */
     p->nd = (int64_t)t->micro_batch * t->seq_len * tr->cfg.model.dim;
     const int64_t N = (int64_t)t->micro_batch * t->seq_len;
     p->buf = tera_calloc((size_t)(p->n_slots * p->v * 4 * p->nd + 1), sizeof(float));
@@ -82,19 +75,20 @@ tera_status tera_pipeline_init(tera_trainer *tr) {
     return TERA_OK;
 }
 
-int tera_pipeline_slots(const tera_trainer *tr) {
-    /* the slot count, before the model exists: the same simulation */
+tera_status tera_pipeline_slots(const tera_trainer *tr, int *slots) {
+    /* before the model exists: the schedule is built and simulated (which also checks it) */
     const tera_parallel_config *pc = &tr->cfg.parallel;
     tera_sched_kind kind;
     tera_schedule s;
     tera_sched_stats ss;
-    if (tera_sched_kind_parse(pc->pp_schedule, &kind) != TERA_OK) return 1;
-    if (tera_schedule_build(&s, kind, tr->pp, tr->cfg.training.grad_accum, pc->pp_chunks) != TERA_OK) return 1;
-    int n = 1;
-    if (tera_schedule_simulate(&s, 1.0, 2.0, &ss) == TERA_OK)
-        n = tr->pp_rank < 64 ? ss.peak_in_flight_rank[tr->pp_rank] : ss.peak_in_flight;
+    TERA_TRY(tera_sched_kind_parse(pc->pp_schedule, &kind));
+    TERA_TRY(tera_schedule_build(&s, kind, tr->pp, tr->cfg.training.grad_accum, pc->pp_chunks));
+    const tera_status st = tera_schedule_simulate(&s, 1.0, 2.0, &ss);
     tera_schedule_free(&s);
-    return n > 0 ? n : 1;
+    TERA_TRY(st);
+    const int n = tr->pp_rank < 64 ? ss.peak_in_flight_rank[tr->pp_rank] : ss.peak_in_flight;
+    *slots = n > 0 ? n : 1;
+    return TERA_OK;
 }
 
 void tera_pipeline_free(tera_trainer *tr) {

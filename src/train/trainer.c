@@ -126,11 +126,16 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         } else {
             tera_pp_split(&cfg->model, S, t->seq_len, first);
         }
+        int slots = 1;
+        if (tr->pp > 1 && (st = tera_pipeline_slots(tr, &slots)) != TERA_OK) {
+            free(first);
+            goto fail_src;
+        }
         const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
                                     .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
                                     .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
-                                    .n_slots = tr->pp > 1 ? tera_pipeline_slots(tr) : 1};
+                                    .n_slots = slots};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
         st = tera_model_create_par(&tr->model, &mc, t->micro_batch, t->seq_len, &par);
@@ -629,13 +634,12 @@ tera_status tera_trainer_save(tera_trainer *tr) {
         whole.opt.hi = whole.opt.n = tr->model.n_floats;
         st = tera_trainer_save_whole(&whole);
         tr->ckpt = whole.ckpt;
-        tr->metrics = whole.metrics;
         return st;
     }
     {
-        /* the checkpoint holds the whole model as one process does (per-rank shard files are not
-         * written yet): every rank contributes its blocks and moment shards, rank 0 writes (one
-         * rank: the two optimizer regions are joined into whole moments) */
+        /* the checkpoint holds the whole model as one process does (checkpoint.sharded: each rank
+         * its own file instead): every rank contributes its blocks and moment shards, rank 0
+         * writes */
         tera_model shell;
         tera_layout_global_shell(tr, &shell);
         const int64_t n = shell.n_floats;
@@ -648,7 +652,6 @@ tera_status tera_trainer_save(tera_trainer *tr) {
             whole.opt.m = buf + n, whole.opt.v = buf + 2 * n, whole.opt.lo = 0, whole.opt.hi = whole.opt.n = n;
             st = tera_trainer_save_whole(&whole); /* snapshots before returning */
             tr->ckpt = whole.ckpt;
-            tr->metrics = whole.metrics;
         }
         free(shell.params);
         free(buf);
