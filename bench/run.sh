@@ -5,6 +5,8 @@
 # to PyTorch at the same precision and thread count) and tera's per-operation profile; raw JSON
 # lines go to bench/results/latest.jsonl.
 # Usage: bench/run.sh [TERA] [configs...]   (STEPS=10 WARMUP=3 THREADS="1 2" PRECISIONS="fp32 bf16")
+# A precision may name the bf16 units (training.bf16_gemm): PRECISIONS="fp32 bf16:native bf16:fma";
+# plain bf16 leaves them to auto. The prec column shows the units in effect (bf16/fma, bf16/native).
 set -euo pipefail
 TERA=${1:-build/tera}
 shift || true
@@ -24,25 +26,28 @@ PEER_GEMM=${PEER_GEMM:-blas}
 have_torch=1
 /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
 
-printf "%-8s %3s %4s | %12s %7s %7s | %12s %7s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
+printf "%-8s %3s %11s | %12s %7s %7s | %12s %7s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
 for cfg in $CONFIGS; do
     for t in $THREADS; do
         for p in $PRECISIONS; do
+            prec=${p%%:*}
+            units=(); [ "$prec" != "$p" ] && units=(--training.bf16_gemm=${p#*:})
             tj=$(OMP_WAIT_POLICY=PASSIVE "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
-                 --warmup $WARMUP --training.precision=$p 2> bench/results/profile-$cfg-t$t-$p.txt)
+                 --warmup $WARMUP --training.precision=$prec "${units[@]}" 2> bench/results/profile-$cfg-t$t-${p/:/-}.txt)
             echo "$tj" >> "$OUT"
             pj='{}'
             if [ $have_torch = 1 ]; then
                 pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
-                     --threads $t --precision $p --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
+                     --threads $t --precision $prec --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
                 echo "$pj" >> "$OUT"
             fi
             /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
 import json, sys
 a = json.loads(sys.argv[1]); b = json.loads(sys.argv[2])
 pt = b.get("tokens_per_s"); pg = b.get("tflops", 0) * 1e3 if b else None
-print("%-8s %3d %4s | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
-    a["config"], a["threads"], a["precision"], a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
+prec = a["precision"] + ("/" + a["bf16_gemm"] if a.get("bf16_gemm", "-") != "-" else "")
+print("%-8s %3d %11s | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
+    a["config"], a["threads"], prec, a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
     "%.0f" % pt if pt else "-", "%.1f" % pg if pt else "-",
     "%.2fx" % (a["tokens_per_s"] / pt) if pt else "-"))
 PY

@@ -4,7 +4,8 @@
 # version: docs/PERFORMANCE.md has the long one); fp16 with a deliberately huge initial loss scale
 # recovers (overflowing steps skipped, scale halved each time, then training; the scale doubles
 # after loss_scale_window clean steps); --resume restores the scaler exactly; bf16 and fp16 runs
-# are deterministic.
+# are deterministic, on both kinds of bf16 units (training.bf16_gemm native and fma); the units in
+# effect are printed, and two MPI ranks agree on them and train like one process.
 # Usage: cli_precision.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -27,13 +28,21 @@ grep -q "^tera: precision \(fp32\|bf16\) (auto: oneDNN ISA " "$W/auto.log" && pa
 if grep -q "ISA avx512_core_amx" "$W/auto.log"; then grep -q "precision bf16 (auto" "$W/auto.log"; else grep -q "precision fp32 (auto" "$W/auto.log"; fi \
     && pass "auto = bf16 exactly when oneDNN reports AMX" || fail "auto rule"
 
-# 2. fidelity: 20-step window means of the loss within 5% of fp32's over 120 steps (embedded corpus)
-for p in fp32 bf16 fp16; do
-    "$TERA" train "${TINY[@]}" --training.steps=120 --training.precision=$p --logging.run_dir="$W/f_$p" > "$W/f_$p.log" 2>&1 \
+# 2. fidelity: 20-step window means of the loss within 5% of fp32's over 120 steps (embedded corpus);
+#    bf16n = bf16 on oneDNN's bf16 kernels, bf16f = bf16 on the fp32 FMA kernels
+prec() { case $1 in bf16n) echo "--training.precision=bf16 --training.bf16_gemm=native" ;;
+                    bf16f) echo "--training.precision=bf16 --training.bf16_gemm=fma" ;; *) echo "--training.precision=$1" ;; esac; }
+for p in fp32 bf16n bf16f fp16; do
+    "$TERA" train "${TINY[@]}" --training.steps=120 $(prec $p) --logging.run_dir="$W/f_$p" > "$W/f_$p.log" 2>&1 \
         || { fail "$p run"; cat "$W/f_$p.log"; }
 done
-for p in bf16 fp16; do
-    grep -q "^tera: precision $p (set" "$W/f_$p.log" || fail "$p not in effect"
+grep -q "^tera: precision bf16 (set.* | bf16 products: native (set)$" "$W/f_bf16n.log" \
+    && grep -q "^tera: precision bf16 (set.* | bf16 products: fma (set)$" "$W/f_bf16f.log" \
+    && pass "bf16 units printed: $(grep -h -o 'bf16 products: .*' "$W/f_bf16n.log" "$W/f_bf16f.log" | tr '\n' ' ')" \
+    || { fail "bf16 units line"; grep -h '^tera: precision' "$W"/f_bf16*.log; }
+cmp -s <(rows "$W/f_bf16n/metrics.jsonl") <(rows "$W/f_bf16f/metrics.jsonl") && fail "bf16 native and fma runs identical: one of them is not in effect"
+for p in bf16n bf16f fp16; do
+    grep -q "^tera: precision ${p:0:4} (set" "$W/f_$p.log" || fail "$p not in effect"
     paste <(rows "$W/f_fp32/metrics.jsonl") <(rows "$W/f_$p/metrics.jsonl") | awk -v p=$p '
         { w = int($1 / 20); a[w] += $2; b[w] += $6; n[w]++; if ($2 != $6) differ = 1 }
         END { worst = 0; for (i in n) { r = (b[i] - a[i]) / a[i]; if (r < 0) r = -r; if (r > worst) worst = r }
@@ -70,11 +79,31 @@ grep -q "resumed .* at step 30" "$W/b.log" && rows "$W/b/metrics.jsonl" | cmp -s
     || { fail "resume differs"; diff <(rows "$W/b/metrics.jsonl") "$W/a.rows" | head; }
 
 # 5. bf16 and fp16 runs are bit-identical for a fixed seed, like fp32 ones
-for p in bf16 fp16; do
+for p in bf16n bf16f fp16; do
     for i in 1 2; do
-        "$TERA" train "${TINY[@]}" --training.steps=12 --training.precision=$p --logging.run_dir="$W/d_${p}_$i" > /dev/null 2>&1
+        "$TERA" train "${TINY[@]}" --training.steps=12 $(prec $p) --logging.run_dir="$W/d_${p}_$i" > /dev/null 2>&1
     done
     cmp -s "$W/d_${p}_1/checkpoints/step_00000012/model.safetensors" "$W/d_${p}_2/checkpoints/step_00000012/model.safetensors" \
         && pass "$p: two runs bit-identical" || fail "$p runs differ"
 done
+# 6. two ranks (dp2) in bf16 with the units left to auto: both ranks print the same units, and the
+#    run matches one process (loss and grad norm of every step within 1e-4 relative)
+if command -v mpirun > /dev/null; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+    B16=("${TINY[@]}" --training.threads=1 --training.steps=8 --training.warmup_steps=2 --training.precision=bf16)
+    "$TERA" train "${B16[@]}" --training.micro_batch=8 --logging.run_dir="$W/m1" > "$W/m1.log" 2>&1 || { fail "bf16 one rank"; cat "$W/m1.log"; }
+    mpirun --oversubscribe -np 2 "$TERA" train "${B16[@]}" --training.micro_batch=4 --parallel.dp=2 \
+        --logging.run_dir="$W/m2" > "$W/m2.log" 2>&1 || { fail "bf16 dp2"; cat "$W/m2.log"; }
+    u1=$(grep -o 'bf16 products: [a-z]*' "$W/m1.log"); u2=$(grep -o 'bf16 products: [a-z]*' "$W/m2.log" | sort -u)
+    [ -n "$u2" ] && [ "$(echo "$u2" | wc -l)" = 1 ] && [ "$u1" = "$u2" ] && pass "dp2 ranks agree on the units: $u2" \
+        || fail "units: one rank '$u1', dp2 '$u2'"
+    paste <(grep '"loss": ' "$W/m1/metrics.jsonl" | sed 's/.*"loss": \([^,]*\),.*"grad_norm": \([^,]*\),.*/\1 \2/') \
+          <(grep '"loss": ' "$W/m2/metrics.jsonl" | sed 's/.*"loss": \([^,]*\),.*"grad_norm": \([^,]*\),.*/\1 \2/') | awk '
+        function rel(a, b) { d = (a - b) / a; return d < 0 ? -d : d }
+        { n++; for (i = 1; i <= 2; i++) { r = rel($i, $(i + 2)); if (r > worst) worst = r } }
+        END { printf "%d steps, worst relative difference %.2g\n", n, worst; exit !(n == 8 && worst <= 1e-4) }' > "$W/m.txt" \
+        && pass "bf16 dp2 = one rank: $(cat "$W/m.txt")" || fail "bf16 dp2 differs: $(cat "$W/m.txt")"
+fi
+
 finish cli_precision

@@ -74,18 +74,69 @@ static double check_forward(tera_precision p, int64_t N, int64_t in, int64_t out
     return worst;
 }
 
+/* The modes under test: bf16 on both kinds of units, then fp16. */
+static const struct {
+    tera_precision p;
+    tera_bf16_gemm g;
+} MODES[] = {{TERA_PREC_BF16, TERA_BF16_NATIVE}, {TERA_PREC_BF16, TERA_BF16_FMA}, {TERA_PREC_FP16, TERA_BF16_NATIVE}};
+#define N_MODES 3
+
 static void test_forward_bounds(void **state) {
     (void)state;
-    tera_matmul_reserve(1 << 20, 1 << 20);
-    for (int p = TERA_PREC_BF16; p <= TERA_PREC_FP16; p++) {
+    for (int m = 0; m < N_MODES; m++) {
+        const tera_precision p = MODES[m].p;
+        tera_matmul_set_bf16_gemm(MODES[m].g);
+        tera_matmul_reserve(1 << 20, 1 << 20);
         /* small (oneDNN gemm), large enough for the matmul primitive (TERA_GEMM_PRIMITIVE_MIN set in
          * main), and inside a parallel region (per-thread scratch) */
         const double a = check_forward(p, 7, 33, 5, 0), b = check_forward(p, 96, 80, 70, 0),
                      c = check_forward(p, 40, 24, 17, 1);
         const double lo = p == TERA_PREC_BF16 ? 1e-4 : 1e-5; /* rounding is visible: not an fp32 product */
         assert_true(a > lo && b > lo && c > lo);
+        tera_matmul_release();
     }
+    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
+}
+
+/* bf16 on the FMA units is exactly the fp32 product of the bf16-rounded operands (the same kernel on
+ * the same shapes), forward and both backward products; and the rounded operands are bf16 values. */
+static void test_bf16_fma_is_rounded_fp32(void **state) {
+    (void)state;
+    enum { N = 300, IN = 72, OUT = 40 };
+    float *x = malloc(sizeof(float) * N * IN), *w = malloc(sizeof(float) * OUT * IN), *dy = malloc(sizeof(float) * N * OUT);
+    float *xr = malloc(sizeof(float) * N * IN), *wr = malloc(sizeof(float) * OUT * IN), *dyr = malloc(sizeof(float) * N * OUT);
+    float *y = malloc(sizeof(float) * N * OUT), *y2 = malloc(sizeof(float) * N * OUT);
+    float *dx = malloc(sizeof(float) * N * IN), *dx2 = malloc(sizeof(float) * N * IN);
+    float *dw = calloc(OUT * IN, sizeof(float)), *dw2 = calloc(OUT * IN, sizeof(float));
+    tu_fill(x, N * IN, 21, 1.0f);
+    tu_fill(w, OUT * IN, 22, 0.5f);
+    tu_fill(dy, N * OUT, 23, 1.0f);
+    tera_round_bf16f(xr, x, N * IN);
+    tera_round_bf16f(wr, w, OUT * IN);
+    tera_round_bf16f(dyr, dy, N * OUT);
+    int changed = 0;
+    for (int i = 0; i < N * IN; i++) {
+        uint32_t u;
+        memcpy(&u, &xr[i], sizeof u);
+        assert_true((u & 0xffffu) == 0);
+        changed += xr[i] != x[i];
+    }
+    assert_true(changed > N * IN / 2);
+    tera_matmul_set_precision(TERA_PREC_BF16);
+    tera_matmul_set_bf16_gemm(TERA_BF16_FMA);
+    tera_matmul_reserve(1 << 16, 1 << 16);
+    tera_linear_forward(y, x, w, N, IN, OUT, 0.0f);
+    tera_linear_backward(dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+    tera_matmul_set_precision(TERA_PREC_FP32);
+    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
+    tera_linear_forward(y2, xr, wr, N, IN, OUT, 0.0f);
+    tera_linear_backward(dx2, dw2, dyr, xr, wr, N, IN, OUT, 0.0f);
+    assert_memory_equal(y, y2, sizeof(float) * N * OUT);
+    assert_memory_equal(dx, dx2, sizeof(float) * N * IN);
+    assert_memory_equal(dw, dw2, sizeof(float) * OUT * IN);
+    assert_int_equal(tera_matmul_scratch_grows(), 0);
     tera_matmul_release();
+    free(x), free(w), free(dy), free(xr), free(wr), free(dyr), free(y), free(y2), free(dx), free(dx2), free(dw), free(dw2);
 }
 
 /* Backward: dx = dy w and dw += dy^T x against the rounded-operand double products (dw accumulates
@@ -97,8 +148,10 @@ static void test_backward_bounds(void **state) {
     tu_fill(x, N * IN, 1, 1.0f);
     tu_fill(w, OUT * IN, 2, 0.5f);
     tu_fill(dy, N * OUT, 3, 1.0f);
-    tera_matmul_reserve(1 << 16, 1 << 16);
-    for (int p = TERA_PREC_BF16; p <= TERA_PREC_FP16; p++) {
+    for (int m = 0; m < N_MODES; m++) {
+        const tera_precision p = MODES[m].p;
+        tera_matmul_set_bf16_gemm(MODES[m].g);
+        tera_matmul_reserve(1 << 16, 1 << 16);
         for (int i = 0; i < OUT * IN; i++) dw[i] = 1.0f;
         tera_matmul_set_precision(p);
         tera_linear_backward(dx, dw, dy, x, w, N, IN, OUT, 0.0f);
@@ -116,8 +169,9 @@ static void test_backward_bounds(void **state) {
         ref_linear(rdw, dyt, xt, OUT, N, IN, (tera_precision)p);
         for (int i = 0; i < N * IN; i++) assert_true(fabs(dx[i] - rdx[i]) <= OUT * ldexp(1.0, -23) * 20 + 1e-6);
         for (int i = 0; i < OUT * IN; i++) assert_true(fabs(dw[i] - (1.0 + rdw[i])) <= N * ldexp(1.0, -23) * 20 + 1e-6);
+        tera_matmul_release();
     }
-    tera_matmul_release();
+    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
 }
 
 /* The router's fp32 variant ignores the mode: bit-identical to the fp32 product. */
@@ -166,6 +220,51 @@ static void test_roundings(void **state) {
     assert_true(tera_bf16_to_float(h[4]) == 1.0f + 0x1p-6f);
     assert_true(isnan(tera_bf16_to_float(h[5])) && isnan(tera_bf16_to_float(h[36])));
     assert_true(isinf(tera_bf16_to_float(h[6])));
+    /* the vector body and the scalar tail round alike, subnormals included (rounded, not flushed);
+     * the fp32-kept rounding (the fma units' operands) is the same value */
+    enum { NR = 1000 };
+    float r[NR], rf[NR];
+    uint16_t rh[NR];
+    tu_fill(r, NR, 7, 3.0f);
+    for (int i = 0; i < NR; i += 7) r[i] *= 0x1p-130f; /* subnormal fp32 */
+    r[100] = 0x1p-149f * 3, r[101] = -0x1p-149f * 0x18000, r[102] = NAN, r[103] = -INFINITY, r[999] = 0x1p-140f * 1.00390625f;
+    tera_round_bf16(rh, r, NR);
+    tera_round_bf16f(rf, r, NR);
+    for (int i = 0; i < NR; i++) {
+        uint32_t u, expect;
+        memcpy(&u, &r[i], sizeof u);
+        if (isnan(r[i])) {
+            assert_true(isnan(rf[i]) && isnan(tera_bf16_to_float(rh[i])));
+            continue;
+        }
+        expect = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even on the bit pattern */
+        if (rh[i] != expect || memcmp(&rf[i], &(float){tera_bf16_to_float(rh[i])}, sizeof(float)) != 0) {
+            fprintf(stderr, "bf16(%a) [%d] = %04x / %a, want %04x\n", r[i], i, rh[i], rf[i], expect);
+            fail();
+        }
+    }
+    assert_true(tera_bf16_to_float(rh[100]) == 0.0f && tera_bf16_to_float(rh[101]) == -0x1p-132f); /* a tie on a subnormal, to even */
+}
+
+/* training.bf16_gemm: set values are taken as given; auto gives one of the two with a reason, and
+ * the probe measures both instructions where the CPU has the dot product. */
+static void test_bf16_gemm_resolve(void **state) {
+    (void)state;
+    const char *note;
+    assert_int_equal(tera_bf16_gemm_resolve("native", &note), TERA_BF16_NATIVE);
+    assert_int_equal(tera_bf16_gemm_resolve("fma", &note), TERA_BF16_FMA);
+    const tera_bf16_gemm g = tera_bf16_gemm_resolve("auto", &note);
+    assert_true(strstr(note, "(auto: ") != NULL);
+    double fma, dot;
+    if (tera_bf16_probe(&fma, &dot)) {
+        assert_true(fma > 1e8 && dot > 1e8);
+        if (!tera_bf16_fast(NULL))
+            assert_true(strstr(note, "probe") != NULL);
+        fprintf(stderr, "bf16 units: %s (this probe: FMA %.1f G, dot %.1f G multiply-adds/s)\n", note, fma * 1e-9, dot * 1e-9);
+    } else {
+        assert_true(fma == 0.0 && dot == 0.0);
+        assert_int_equal(g, tera_bf16_fast(NULL) ? TERA_BF16_NATIVE : TERA_BF16_FMA);
+    }
 }
 
 /* The scaler: doubles after `window` clean steps, halves (and reports a skip) on overflow, and
@@ -219,14 +318,16 @@ static tera_config tiny_cfg(const char *precision) {
  * step loop); `auto` follows the AMX rule; the mode is back to fp32 after the trainer is freed. */
 static void test_trainer_modes(void **state) {
     (void)state;
-    const char *names[] = {"bf16", "fp16", "auto"};
-    for (int i = 0; i < 3; i++) {
+    const char *names[] = {"bf16", "fp16", "auto", "bf16"};
+    for (int i = 0; i < 4; i++) {
         tera_config c = tiny_cfg(names[i]);
+        snprintf(c.training.bf16_gemm, sizeof c.training.bf16_gemm, "%s", i == 0 ? "native" : "fma");
         tera_trainer tr;
         assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
-        const tera_precision want = i == 0 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
+        const tera_precision want = i == 0 || i == 3 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
                                     : tera_bf16_fast(NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
         assert_int_equal(tr.precision, want);
+        if (want == TERA_PREC_BF16) assert_int_equal(tera_matmul_bf16_gemm(), i == 0 ? TERA_BF16_NATIVE : TERA_BF16_FMA);
         assert_int_equal(tera_matmul_precision(), want);
         tera_step_result r;
         for (int s = 0; s < 3; s++) {
@@ -274,6 +375,7 @@ int main(void) {
     tera_set_threads(2);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_bounds), cmocka_unit_test(test_backward_bounds),
+        cmocka_unit_test(test_bf16_fma_is_rounded_fp32), cmocka_unit_test(test_bf16_gemm_resolve),
         cmocka_unit_test(test_fp32_variant),   cmocka_unit_test(test_roundings),
         cmocka_unit_test(test_scaler),         cmocka_unit_test(test_trainer_modes),
         cmocka_unit_test(test_fp16_overflow_skip),

@@ -80,6 +80,7 @@ typedef struct {
     tera_batch_lr_rule batch_lr_scaling; /* LR rule for a batch other than the full one */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
     char precision[8];     /* auto | fp32 | bf16 | fp16: the linear layers' products (tera_precision_resolve) */
+    char bf16_gemm[8];     /* auto | native | fma: the units bf16 products run on (tera_bf16_gemm_resolve) */
     float loss_scale;      /* fp16: initial dynamic loss scale */
     int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
     char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */

@@ -21,8 +21,8 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
 
 /* Precision of the linear layers' products (tera_linear_forward / backward), process-wide, set by
  * the trainer. FP32: fp32 throughout. BF16: the operands are rounded to bf16 (round to nearest
- * even) on the fly and multiplied with fp32 accumulation into the fp32 output (oneDNN bf16 matmul /
- * gemm_bf16bf16f32). FP16: the operands are rounded to fp16 (values beyond +-65504 become inf) and
+ * even) on the fly and multiplied with fp32 accumulation into the fp32 output (on the units that
+ * tera_matmul_set_bf16_gemm names). FP16: the operands are rounded to fp16 (values beyond +-65504 become inf) and
  * multiplied in fp32 (oneDNN has no f16 matmul on CPUs in this version: emulated; the products of
  * fp16 values are exact in fp32, so only the accumulation order differs from an fp16 unit).
  * tera_gemm itself (attention) and the *_fp32 variants (the router) always run in fp32. */
@@ -30,6 +30,20 @@ typedef enum { TERA_PREC_FP32 = 0, TERA_PREC_BF16, TERA_PREC_FP16 } tera_precisi
 void tera_matmul_set_precision(tera_precision p);
 tera_precision tera_matmul_precision(void);
 const char *tera_precision_name(tera_precision p);
+/* Which units run the bf16 products (the numbers are the same up to the order of the fp32 sums: the
+ * product of two bf16 values is exact in fp32). NATIVE: bf16 operand arrays through oneDNN's bf16
+ * kernels (AMX tiles, or AVX512-BF16 dot products). FMA: the operands rounded to bf16 and kept as
+ * fp32 values, multiplied by the fp32 FMA kernels; for CPUs whose bf16 dot product issues fewer
+ * multiply-adds per cycle than their FMA units (tera_bf16_probe). Set before tera_matmul_reserve. */
+typedef enum { TERA_BF16_NATIVE = 0, TERA_BF16_FMA } tera_bf16_gemm;
+void tera_matmul_set_bf16_gemm(tera_bf16_gemm g);
+tera_bf16_gemm tera_matmul_bf16_gemm(void);
+/* 1 when oneDNN dispatches bf16 products to AVX512-BF16 (or AMX) instructions. */
+int tera_bf16_has_dot(void);
+/* Measures the multiply-adds per second one core issues with the vector FMA and with the AVX512-BF16
+ * dot product (a few ms of tight loops, best of 3); returns 0 (both 0) where the CPU has no such
+ * instruction. */
+int tera_bf16_probe(double *fma_macs, double *dot_macs);
 /* Conversion scratch, allocated here once (not per call): main_elems operand elements (both
  * operands of a product together) for products outside parallel regions, thread_elems for each
  * other thread (experts side by side). A product that needs more grows its buffer and counts in
@@ -43,6 +57,7 @@ int tera_bf16_fast(const char **isa_name);
 /* Elementwise roundings used by the low-precision products (exposed for tests). */
 void tera_round_bf16(uint16_t *dst, const float *src, int64_t n);
 void tera_round_fp16(float *dst, const float *src, int64_t n);
+void tera_round_bf16f(float *dst, const float *src, int64_t n); /* bf16 rounding, kept as fp32 values */
 float tera_bf16_to_float(uint16_t h);
 
 /* y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y) */

@@ -15,6 +15,14 @@
  * (static storage). */
 tera_precision tera_precision_resolve(const char *name, const char **note);
 
+/* training.bf16_gemm ("auto", "native", "fma") -> the units bf16 products run on. auto = native where
+ * oneDNN reports AMX; else the probe (tera_bf16_probe): native only when the bf16 dot product issues at
+ * least TERA_BF16_DOT_MARGIN times the FMA's multiply-adds (a margin, so that a noisy probe does not
+ * flip the choice between runs), fma otherwise and where there is no dot-product instruction. A
+ * multi-rank run takes fma if any rank resolved fma (tera_trainer_init). *note: one line saying why. */
+#define TERA_BF16_DOT_MARGIN 1.25
+tera_bf16_gemm tera_bf16_gemm_resolve(const char *name, const char **note);
+
 /* Operand elements (both operands of one product) the largest linear product of this model converts
  * at once: outside parallel regions (main) and on each thread running experts side by side (ep:
  * expert-parallel degree; a rank's expert can receive rows from every rank of its group). */

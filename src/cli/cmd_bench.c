@@ -221,7 +221,8 @@ int tera_cmd_bench(int argc, char **argv) {
     cfg.training.warmup_steps = 0;
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
-    fprintf(stderr, "tera bench: precision %s\n", tr.precision_note);
+    fprintf(stderr, "tera bench: precision %s%s%s\n", tr.precision_note,
+            tr.bf16_gemm_note[0] ? " | bf16 products: " : "", tr.bf16_gemm_note);
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
     const int multi = tr.wsize > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
@@ -287,11 +288,12 @@ int tera_cmd_bench(int argc, char **argv) {
     fprintf(stderr, "tera bench: memory MiB: params %.1f, grads %.1f, activations %.1f (recompute %s), scratch %.1f\n",
             m->bytes_params / 1048576.0, m->bytes_grads / 1048576.0, m->bytes_acts / 1048576.0,
             cfg.training.recompute, m->bytes_scratch / 1048576.0);
-    printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", "
+    printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"bf16_gemm\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f, \"recompute\": \"%s\", "
            "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f}\n",
-           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision), tps, 1e3 * med, fpt,
+           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision),
+           tr.precision != TERA_PREC_BF16 ? "-" : tr.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, r.loss, cfg.training.recompute, (long long)m->bytes_acts, cpu_ms);
     free(sec);
     tera_trainer_free(&tr);

@@ -17,7 +17,7 @@ static void print_summary(const tera_trainer *tr) {
             "tera: model %.2fM params (%.2fM active/token), L=%d D=%d H=%d/%d E=%d k=%d F=%d V=%d | %s\n"
             "tera: data %s (%ld tokens, %ld train / %ld val samples of T=%d) | batch %d x %d x accum %d x dp %d = %ld tokens/step | %d threads\n"
             "tera: memory MiB per rank: params %.1f, grads %.1f, optimizer %.1f, activations %.1f (recompute %s), scratch %.1f\n"
-            "tera: precision %s\n",
+            "tera: precision %s%s%s\n",
             tera_model_total_params(&c->model) / 1e6, tera_model_active_params(&c->model) / 1e6,
             c->model.n_layers, c->model.dim, c->model.n_heads, c->model.n_kv_heads, c->model.n_experts,
             c->model.top_k, c->model.ffn_dim, c->model.vocab_size,
@@ -26,7 +26,8 @@ static void print_summary(const tera_trainer *tr) {
             (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
-            c->training.recompute, m->bytes_scratch / MiB, tr->precision_note);
+            c->training.recompute, m->bytes_scratch / MiB, tr->precision_note,
+            tr->bf16_gemm_note[0] ? " | bf16 products: " : "", tr->bf16_gemm_note);
     const tera_train_config *t = &c->training;
     static const char *const rules[] = {"sqrt", "linear", "none"};
     if (t->batch_rampup_start > 0 && t->batch_rampup_steps > 0 && t->batch_rampup_start < t->grad_accum)

@@ -200,6 +200,11 @@ static const config__key config__keys[] = {
              "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
              "optimizer, norms, softmax, router, attention and losses stay fp32; auto = bf16 where oneDNN "
              "reports AMX, else fp32 (README, Precision)"),
+    K_CHOICE(training, bf16_gemm, "auto", "auto|native|fma",
+             "units for bf16 products (same numbers up to the order of fp32 sums): native = oneDNN's bf16 "
+             "kernels (AMX, AVX512-BF16 dot products); fma = bf16-rounded operands on the fp32 FMA kernels; "
+             "auto = native with AMX, else whichever instruction a start-up probe measures with more "
+             "multiply-adds per cycle (fma unless the dot product is 1.25x faster), agreed over all ranks"),
     K_FLOAT(training, loss_scale, "65536", R_CLOSED(1.0, 1099511627776.0),
             "fp16: initial loss scale, at most 2^40 (halved, and the update skipped, on a non-finite gradient)"),
     K_INT(training, loss_scale_window, "1000", 1, INT_MAX,

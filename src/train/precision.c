@@ -12,7 +12,7 @@ tera_precision tera_precision_resolve(const char *name, const char **note) {
     if (!strcmp(name, "bf16")) {
         p = TERA_PREC_BF16;
         snprintf(buf, sizeof buf, "bf16 (set; oneDNN ISA %s%s)", isa,
-                 fast ? "" : ": no AMX, bf16 products are slower than fp32 on this CPU");
+                 fast ? "" : ": no AMX, bf16 products are no faster than fp32 on this CPU");
     } else if (!strcmp(name, "fp16")) {
         p = TERA_PREC_FP16;
         snprintf(buf, sizeof buf, "fp16 (set; emulated: fp16-rounded operands, fp32 products; dynamic loss scaling)");
@@ -26,6 +26,31 @@ tera_precision tera_precision_resolve(const char *name, const char **note) {
     }
     if (note) *note = buf;
     return p;
+}
+
+tera_bf16_gemm tera_bf16_gemm_resolve(const char *name, const char **note) {
+    static char buf[256];
+    if (!strcmp(name, "native") || !strcmp(name, "fma")) {
+        snprintf(buf, sizeof buf, "%s (set)", name);
+        if (note) *note = buf;
+        return !strcmp(name, "fma") ? TERA_BF16_FMA : TERA_BF16_NATIVE;
+    }
+    if (tera_bf16_fast(NULL)) {
+        snprintf(buf, sizeof buf, "native (auto: AMX)");
+        if (note) *note = buf;
+        return TERA_BF16_NATIVE;
+    }
+    double fma, dot;
+    if (!tera_bf16_probe(&fma, &dot)) {
+        snprintf(buf, sizeof buf, "fma (auto: no bf16 dot-product instruction)");
+        if (note) *note = buf;
+        return TERA_BF16_FMA;
+    }
+    const tera_bf16_gemm g = dot >= TERA_BF16_DOT_MARGIN * fma ? TERA_BF16_NATIVE : TERA_BF16_FMA;
+    snprintf(buf, sizeof buf, "%s (auto: probe %.1f G multiply-adds/s FMA, %.1f G bf16 dot product)",
+             g == TERA_BF16_FMA ? "fma" : "native", fma * 1e-9, dot * 1e-9);
+    if (note) *note = buf;
+    return g;
 }
 
 /* One linear layer x[N,in] -> [N,out]: its products convert at most N*in + N*out + in*out operand

@@ -50,6 +50,16 @@ static const char *model_config_diff(const tera_model_config *a0, const tera_mod
 
 /* Everything a rank sets up by itself, without collectives (so that a failure on one rank cannot
  * leave the others waiting); tera_trainer_init then makes the ranks agree. */
+/* The low-precision conversion scratch, sized once for the model's largest product (set the
+ * precision and the bf16 units first). */
+static void reserve_scratch(const tera_trainer *tr) {
+    if (tr->precision == TERA_PREC_FP32) return;
+    const tera_train_config *t = &tr->cfg.training;
+    int64_t me, te;
+    tera_precision_scratch_elems(&tr->cfg.model, t->micro_batch, t->seq_len, tr->ep, &me, &te);
+    tera_matmul_reserve(me, te);
+}
+
 static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
     tr->cfg = *cfg;
@@ -221,11 +231,15 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     /* mixed precision (src/train/precision.c): set the kernels' mode and size their scratch once */
     tr->precision = tera_precision_resolve(t->precision, &tr->precision_note);
     tera_matmul_set_precision(tr->precision);
-    if (tr->precision != TERA_PREC_FP32) {
-        int64_t me, te;
-        tera_precision_scratch_elems(&cfg->model, t->micro_batch, t->seq_len, tr->ep, &me, &te);
-        tera_matmul_reserve(me, te);
+    tr->bf16_gemm = TERA_BF16_NATIVE;
+    tr->bf16_gemm_note[0] = '\0';
+    if (tr->precision == TERA_PREC_BF16) {
+        const char *why;
+        tr->bf16_gemm = tera_bf16_gemm_resolve(t->bf16_gemm, &why);
+        snprintf(tr->bf16_gemm_note, sizeof tr->bf16_gemm_note, "%s", why);
     }
+    tera_matmul_set_bf16_gemm(tr->bf16_gemm);
+    reserve_scratch(tr);
     tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
     tr->t_start = tera_now();
     return TERA_OK;
@@ -254,7 +268,20 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     /* every rank learns whether every rank is ready (rank 0 alone created the run directory) */
     int64_t failed = st != TERA_OK;
     tera_comm_allreduce_i64(w, &failed, 1);
-    if (failed == 0) return TERA_OK;
+    if (failed == 0) {
+        /* bf16 units: every rank runs the same kernels (fma if any rank's probe chose it) */
+        if (tr->precision == TERA_PREC_BF16 && !strcmp(cfg->training.bf16_gemm, "auto")) {
+            int64_t fma = tr->bf16_gemm == TERA_BF16_FMA;
+            tera_comm_allreduce_i64(w, &fma, 1);
+            if (fma > 0 && tr->bf16_gemm != TERA_BF16_FMA) {
+                tr->bf16_gemm = TERA_BF16_FMA;
+                snprintf(tr->bf16_gemm_note, sizeof tr->bf16_gemm_note, "fma (auto: chosen by another rank's probe)");
+                tera_matmul_set_bf16_gemm(TERA_BF16_FMA);
+                reserve_scratch(tr);
+            }
+        }
+        return TERA_OK;
+    }
     if (st == TERA_OK) {
         tera_trainer_free(tr);
         return tera_fail(TERA_ERR_IO, "set-up failed on another rank (see its message)");

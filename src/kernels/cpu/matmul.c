@@ -168,9 +168,16 @@ dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, dnnl
                                     dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
 
 static tera_precision g_prec = TERA_PREC_FP32;
+static tera_bf16_gemm g_bf16_gemm = TERA_BF16_NATIVE;
 
 void tera_matmul_set_precision(tera_precision p) { g_prec = p; }
 tera_precision tera_matmul_precision(void) { return g_prec; }
+void tera_matmul_set_bf16_gemm(tera_bf16_gemm g) { g_bf16_gemm = g; }
+tera_bf16_gemm tera_matmul_bf16_gemm(void) { return g_bf16_gemm; }
+
+/* 1 when the low-precision operands are rounded into fp32 arrays and multiplied by the fp32 kernels
+ * (fp16 always; bf16 with the fma engine), 0 when they are bf16 arrays for oneDNN's bf16 kernels. */
+static int lowp_in_fp32(void) { return g_prec == TERA_PREC_FP16 || (g_prec == TERA_PREC_BF16 && g_bf16_gemm == TERA_BF16_FMA); }
 
 const char *tera_precision_name(tera_precision p) {
     return p == TERA_PREC_BF16 ? "bf16" : p == TERA_PREC_FP16 ? "fp16" : "fp32";
@@ -191,6 +198,65 @@ int tera_bf16_fast(const char **isa_name) {
     return (isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
 }
 
+int tera_bf16_has_dot(void) {
+    const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+}
+
+/* Instruction-throughput probe: 12 independent accumulators (more than latency x ports), so each
+ * loop runs at the unit's issue rate. Compiled for AVX512-BF16 whatever the build flags; only run
+ * where the CPU has it. Multiply-adds per second of the vector FMA (16 per instruction) and of the
+ * BF16 dot product (32 per instruction). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PROBE_ACC 12
+__attribute__((target("avx512f,avx512bf16"))) static double probe_fma(int64_t iters) {
+    __m512 acc[PROBE_ACC];
+    for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_setzero_ps();
+    __m512 a = _mm512_set1_ps(1e-8f), b = _mm512_set1_ps(1.0f);
+    const double t0 = omp_get_wtime();
+    for (int64_t i = 0; i < iters; i++) {
+        for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
+        __asm__ volatile("" : "+v"(a)); /* keeps the loop from being folded */
+    }
+    const double dt = omp_get_wtime() - t0;
+    float sink = 0.0f;
+    for (int j = 0; j < PROBE_ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
+    __asm__ volatile("" : : "x"(sink));
+    return (double)iters * PROBE_ACC * 16 / dt;
+}
+__attribute__((target("avx512f,avx512bf16"))) static double probe_dot(int64_t iters) {
+    __m512 acc[PROBE_ACC];
+    for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_setzero_ps();
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
+    const double t0 = omp_get_wtime();
+    for (int64_t i = 0; i < iters; i++) {
+        for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+        __asm__ volatile("" : "+v"(a));
+    }
+    const double dt = omp_get_wtime() - t0;
+    float sink = 0.0f;
+    for (int j = 0; j < PROBE_ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
+    __asm__ volatile("" : : "x"(sink));
+    return (double)iters * PROBE_ACC * 32 / dt;
+}
+#endif
+
+int tera_bf16_probe(double *fma_macs, double *dot_macs) {
+    *fma_macs = *dot_macs = 0.0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!tera_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return 0;
+    /* best of 3 alternating pairs of ~2 ms loops: a busy neighbour slows a loop, never speeds it up */
+    for (int r = 0; r < 3; r++) {
+        const double f = probe_fma(400000), d = probe_dot(400000);
+        if (f > *fma_macs) *fma_macs = f;
+        if (d > *dot_macs) *dot_macs = d;
+    }
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Per-thread conversion scratch: thread 0 (the only caller outside parallel regions) holds the
  * large one. Sized by tera_matmul_reserve at set-up; reallocated only if a product outgrows it. */
 #define SCRATCH_THREADS 256
@@ -208,7 +274,7 @@ static void scratch_resize(scratch_buf *b, size_t bytes) {
 }
 
 void tera_matmul_reserve(int64_t main_elems, int64_t thread_elems) {
-    const size_t es = g_prec == TERA_PREC_FP16 ? sizeof(float) : sizeof(uint16_t); /* set the precision first */
+    const size_t es = lowp_in_fp32() ? sizeof(float) : sizeof(uint16_t); /* set the precision and engine first */
     const int nt = tera_get_threads() < SCRATCH_THREADS ? tera_get_threads() : SCRATCH_THREADS;
     for (int t = 0; t < nt; t++) {
         const size_t want = (size_t)(t == 0 ? main_elems : thread_elems) * es;
@@ -272,15 +338,40 @@ static inline float fp16_scalar(float x) {
     return copysignf(a, x);
 }
 
+#if defined(__AVX512F__)
+/* bf16 rounding of 16 floats as 32-bit patterns whose low 16 bits are to be dropped: round to
+ * nearest even on the bit pattern (exact for subnormals too, like bf16_scalar; vcvtneps2bf16 would
+ * flush them), NaN kept quiet. */
+static inline __m512i bf16_round16(__m512i u) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+}
+#endif
+
 static void round_bf16_range(uint16_t *d, const float *s, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    for (; i + 32 <= n; i += 32) {
-        __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i));
-        _mm512_storeu_si512((void *)(d + i), (__m512i)r);
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i r = bf16_round16(_mm512_loadu_si512((const void *)(s + i)));
+        _mm256_storeu_si256((__m256i *)(void *)(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 #endif
     for (; i < n; i++) d[i] = bf16_scalar(s[i]);
+}
+
+/* The same rounding, each result widened back to fp32 (the fma engine's operands). */
+static void round_bf16f_range(float *d, const float *s, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i r = bf16_round16(_mm512_loadu_si512((const void *)(s + i)));
+        _mm512_storeu_si512((void *)(d + i), _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+#endif
+    for (; i < n; i++) d[i] = tera_bf16_to_float(bf16_scalar(s[i]));
 }
 
 static void round_fp16_range(float *d, const float *s, int64_t n) {
@@ -315,6 +406,15 @@ void tera_round_fp16(float *dst, const float *src, int64_t n) {
     for (int64_t c = 0; c < n; c += CVT_CHUNK) round_fp16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
 }
 
+void tera_round_bf16f(float *dst, const float *src, int64_t n) {
+    if (n <= CVT_CHUNK || omp_in_parallel()) {
+        round_bf16f_range(dst, src, n);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_bf16f_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
+}
+
 /* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
 static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
                       const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -326,6 +426,14 @@ static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uin
     DNNL_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, a16, lda, b16, ldb, beta, C, ldc));
 }
 
+/* An operand rounded to the current low precision, kept as fp32 (lowp_in_fp32 modes). */
+static void round_fp32_operand(float *dst, const float *src, int64_t n) {
+    if (g_prec == TERA_PREC_FP16)
+        tera_round_fp16(dst, src, n);
+    else
+        tera_round_bf16f(dst, src, n);
+}
+
 /* C[M,N] = op(A) op(B) + beta C in the current low precision. A holds na elements, B nb (dense
  * operands: the linear layers' arrays). */
 static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
@@ -335,10 +443,10 @@ static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const flo
         tera_gemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
         return;
     }
-    if (g_prec == TERA_PREC_FP16) {
+    if (lowp_in_fp32()) { /* fp16, or bf16 on the fp32 FMA kernels: rounded operands, fp32 product */
         float *s = scratch_get(sizeof(float) * (size_t)(na + nb));
-        tera_round_fp16(s, A, na);
-        tera_round_fp16(s + na, B, nb);
+        round_fp32_operand(s, A, na);
+        round_fp32_operand(s + na, B, nb);
         tera_gemm(ta, tb, M, N, K, 1.0f, s, lda, s + na, ldb, beta, C, ldc);
         return;
     }
@@ -379,9 +487,20 @@ void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x,
         tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
         return;
     }
-    /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays */
-    if (g_prec == TERA_PREC_BF16 && dx && dw && N > 0 && in > 0 && out > 0) {
-        /* bf16: dy is rounded once for both products (each bf16 copy starts at an even element) */
+    /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays;
+     * dy is rounded once for both products */
+    if (dx && dw && N > 0 && in > 0 && out > 0) {
+        if (lowp_in_fp32()) {
+            float *dyr = scratch_get(sizeof(float) * (size_t)(N * out + out * in + N * in));
+            float *wr = dyr + N * out, *xr = wr + out * in;
+            round_fp32_operand(dyr, dy, N * out);
+            round_fp32_operand(wr, w, out * in);
+            round_fp32_operand(xr, x, N * in);
+            tera_gemm(0, 0, N, in, out, 1.0f, dyr, out, wr, in, dx_beta, dx, in);
+            tera_gemm(1, 0, out, in, N, 1.0f, dyr, out, xr, in, 1.0f, dw, in);
+            return;
+        }
+        /* bf16 arrays: each copy starts at an even element */
         const int64_t ny = N * out + ((N * out) & 1), nw = out * in + ((out * in) & 1);
         uint16_t *dy16 = scratch_get(sizeof(uint16_t) * (size_t)(ny + nw + N * in));
         uint16_t *w16 = dy16 + ny, *x16 = w16 + nw;
