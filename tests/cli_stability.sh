@@ -47,5 +47,46 @@ TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.keep=0 --log
 TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.every=0 --logging.run_dir="$W/nockpt" > "$W/n.log" 2>&1 \
     && grep -q '"rolled_back_to": -1' "$W/nockpt/metrics.jsonl" && pass "no checkpoint: update dropped, run continues" \
     || { fail "no-checkpoint spike"; tail -3 "$W/n.log"; }
+# a NaN in the gradient at step 25 (TERA_FAULT_NAN_STEP): that update is skipped and counted, the data
+# position still advances (the next steps see the clean run's batches), and the run ends within 5%
+TERA_FAULT_NAN_STEP=25 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/nan" > "$W/nan.log" 2>&1 || { fail "NaN run"; tail -3 "$W/nan.log"; }
+row() { grep "^{\"step\": $2, \"loss\"" "$1" | tail -1; }
+row "$W/nan/metrics.jsonl" 25 | grep -q '"skipped": 1, "skipped_total": 1' && row "$W/nan/metrics.jsonl" 59 | grep -q '"skipped": 0, "skipped_total": 1' \
+    && [ "$(grep -c '"skipped": 1' "$W/nan/metrics.jsonl")" = 1 ] \
+    && grep -q "^tera: step 25: gradient not finite (loss [0-9.]*, grad norm nan): update skipped on every rank, 1 skipped so far" "$W/nan.log" \
+    && pass "NaN at step 25: that update alone skipped, counted and reported" \
+    || { fail "NaN skip"; row "$W/nan/metrics.jsonl" 25; }
+[ "$(row "$W/nan/metrics.jsonl" 24 | cut -d, -f2)" = "$(row "$W/clean/metrics.jsonl" 24 | cut -d, -f2)" ] \
+    && [ "$(row "$W/nan/metrics.jsonl" 25 | cut -d, -f2)" = "$(row "$W/clean/metrics.jsonl" 25 | cut -d, -f2)" ] \
+    && pass "steps up to the NaN as in the clean run, the NaN step's loss too (data position kept)" || fail "NaN run's early steps differ"
+c=$(val_loss "$W/nan/checkpoints/step_00000060")
+awk -v a="$a" -v b="$c" 'BEGIN { d = b - a; if (d < 0) d = -d; exit !(a > 0 && d <= 0.05 * a) }' \
+    && pass "NaN run ends within 5% of the clean run (validation loss $c vs $a)" || fail "NaN recovery: $c vs $a"
+# on several ranks a NaN in one rank's gradient skips the update on every rank: with the NaN on one
+# rank only, each layout (dp, pp, pp x dp, ZeRO 1-3, tp, ep) trains like one process with the NaN
+# (every step's loss, grad norm and skip)
+if command -v mpirun > /dev/null; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+    D=("${TINY[@]}" --training.threads=1 --training.steps=30 --checkpoint.every=0)
+    TERA_FAULT_NAN_STEP=12 "$TERA" train "${D[@]}" --logging.run_dir="$W/n1" > "$W/n1.log" 2>&1 || { fail "NaN one rank"; tail -3 "$W/n1.log"; }
+    # name, ranks, world rank with the NaN, layout
+    for L in "dp2 2 1 --parallel.dp=2" "pp2 2 1 --parallel.pp=2" "pp2xdp2 4 3 --parallel.pp=2 --parallel.dp=2" \
+             "dp2-zero1 2 0 --parallel.dp=2 --parallel.zero=1" "dp2-zero2 2 1 --parallel.dp=2 --parallel.zero=2" \
+             "dp2xtp2-zero3 4 3 --parallel.dp=2 --parallel.tp=2 --parallel.zero=3" "ep2 2 1 --parallel.dp=2 --parallel.ep=2"; do
+        read -r what np nanrank lay <<< "$L"
+        dp=$(echo "$lay" | grep -o 'dp=[0-9]' | cut -d= -f2); dp=${dp:-1}
+        TERA_FAULT_NAN_STEP=12@$nanrank mpirun --oversubscribe -np $np "$TERA" train "${D[@]}" $lay --training.micro_batch=$((4 / dp)) \
+            --logging.run_dir="$W/n_$what" > "$W/n_$what.log" 2>&1 || { fail "NaN $what"; tail -3 "$W/n_$what.log"; continue; }
+        lgs() { grep '"loss": ' "$1" | sed 's/.*"loss": \([^,]*\),.*"grad_norm": \([^,]*\),.*"skipped": \([01]\),.*/\1 \2 \3/'; }
+        paste -d' ' <(lgs "$W/n1/metrics.jsonl") <(lgs "$W/n_$what/metrics.jsonl") | awk '
+            function rel(a, b) { if (a == b) return 0; d = (a - b) / a; return d < 0 ? -d : d }
+            { n++; if ($3 != $6) bad = 1; for (i = 1; i <= 2; i++) if ($i != "nan" && $(i + 3) != "nan") { r = rel($i, $(i + 3)); if (r > worst) worst = r }
+                   else if ($i != $(i + 3)) bad = 1 }
+            END { printf "%d steps, skipped steps alike: %s, worst relative difference %.2g\n", n, bad ? "no" : "yes", worst
+                  exit !(n == 30 && !bad && worst <= 2e-5) }' > "$W/nd.txt" \
+            && pass "$what, NaN on world rank $nanrank only = one rank with the NaN: $(cat "$W/nd.txt")" || fail "NaN $what: $(cat "$W/nd.txt")"
+    done
+fi
 echo "cli_stability: $fails failed"
 [ "$fails" = 0 ]

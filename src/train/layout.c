@@ -216,6 +216,10 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     }
     TERA_ASSERTF(sl, "ZeRO-2: gradients of [%ld, %ld) are in no live slot", (long)offset, (long)(offset + count));
     const zpiece p = pieces(tr, x, offset, offset + count);
+    if (tr->step == tr->fault_nan_step && count > 0) { /* test hook: a NaN in this rank's own gradient */
+        sl->g[x][0] = NAN;
+        tr->fault_nan_step = -1;
+    }
     tera_comm_reduce_scatter_f32(p.c, sl->g[x], z->cnt);
     const float *src = sl->g[x] + p.mine;
     float *dst = p.o->g + p.soff;
@@ -256,11 +260,15 @@ void tera_layout_grad_scale(tera_trainer *tr, float s) {
         for (int64_t i = 0; i < o[k]->n; i++) o[k]->g[i] *= s;
 }
 
+/* A NaN in this rank's gradient where its own backward would have produced one: in the gradient the
+ * backward accumulates into, before any data-parallel sum (called after the gradients are zeroed).
+ * ZeRO-2/3 stage each group's gradients in a slot that is zeroed when the group starts, so there the
+ * NaN goes into the first slot summed (zero_grad_ready). */
 void tera_layout_poison_grad(tera_trainer *tr) {
-    if (tr->zero < 2)
+    if (tr->zero < 2) {
         tr->model.g[tr->model.n_floats / 2] = NAN;
-    else if (tr->opt.n > 0)
-        tr->opt.g[tr->opt.n / 2] = NAN;
+        tr->fault_nan_step = -1;
+    }
 }
 
 void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
@@ -482,7 +490,12 @@ double tera_layout_grad_sq(tera_trainer *tr) {
     const tera_adamw *o = &tr->opt, *ox = &tr->opt_x;
     tera_grad_sq_by_param_at(m, o->lo, o->hi, o->g ? o->g : m->g + o->lo, sq);
     tera_grad_sq_by_param_at(m, ox->lo, ox->hi, ox->g ? ox->g : m->g + ox->lo, sq2);
-    for (int i = 0; i < m->n_params; i++) sq[i] = counts_here(tr, &m->params[i]) ? sq[i] + sq2[i] : 0.0;
+    /* a tensor another rank counts (a replica) still enters as NaN when this rank's copy of its
+     * gradient is not finite: the update this rank would apply must be skipped everywhere */
+    for (int i = 0; i < m->n_params; i++) {
+        const double v = sq[i] + sq2[i];
+        sq[i] = counts_here(tr, &m->params[i]) || !isfinite(v) ? v : 0.0;
+    }
     if (tr->wsize > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
     double tot = 0.0;
     for (int i = 0; i < m->n_params; i++) tot += sq[i];

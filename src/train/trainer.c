@@ -195,6 +195,12 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         tr->fault_spike_sample = f ? atoll(f) : -1;
     }
     tr->fault_nan_step = -1;
+    {
+        /* test hook: a NaN in this rank's gradient at step S ("S", every rank, or "S@R", world rank R only) */
+        const char *f = getenv("TERA_FAULT_NAN_STEP");
+        const char *at = f ? strchr(f, '@') : NULL;
+        if (f && (!at || atoi(at + 1) == tr->wrank)) tr->fault_nan_step = atoll(f);
+    }
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
@@ -506,6 +512,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const int64_t step_sample = tr->samples_consumed;
     if (!tr->grads_zero) tera_layout_zero_grads(tr);
     tr->grads_zero = 0;
+    if (tr->step == tr->fault_nan_step) tera_layout_poison_grad(tr); /* test hook */
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
@@ -566,7 +573,6 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     if (tr->step < tr->lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
-    if (tr->step == tr->fault_nan_step) tera_layout_poison_grad(tr);
     r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
     if (ls != 1.0f) { /* unscale the norms; the gradients themselves are unscaled in the update below */
         r->grad_norm /= ls;
@@ -710,8 +716,15 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             if (tr->precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, " | scale %g", r.loss_scale);
             fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f%s | %8.0f tok/s | ETA %s%s%s",
                     tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, ls, tok_s_ema,
-                    eta, r.skipped ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
+                    eta, r.skipped && !r.spike ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
             fflush(stderr);
+        }
+        if (tr->root && r.skipped && !r.spike) { /* every non-finite skip is reported, logged or not */
+            char ls[64] = "";
+            if (tr->precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, "; fp16 loss scale now %g", tr->scaler.scale);
+            fprintf(stderr, "%stera: step %ld: %s not finite (loss %g, grad norm %g): update skipped on every rank, %ld "
+                    "skipped so far%s\n", tty ? "\n" : "", (long)r.step, isfinite(r.loss) ? "gradient" : "loss",
+                    r.loss, r.grad_norm, (long)tr->skipped_steps, ls);
         }
         if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
             double vl;
