@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Loss-spike guard: a batch whose loss and gradients blow up (fault injection) is detected by its
-# z-score, its update is dropped, the run rolls back to the newest checkpoint, skips that batch,
-# lowers the LR for a few steps, and ends close to a clean run. Usage: cli_stability.sh TERA SOURCE_DIR
+# Loss-spike guard: a batch whose loss and gradients blow up (fault injection), and a batch of random
+# tokens, are detected by their z-score, the update is dropped, the run rolls back to the newest
+# checkpoint, skips that batch, lowers the LR for a few steps, and ends close to a clean run. Non-finite
+# guard: a NaN in one rank's gradient skips the update on every rank, in every layout.
+# Usage: cli_stability.sh TERA SOURCE_DIR
 set -u
 TERA=$1
 SRC=$2
@@ -47,6 +49,17 @@ TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.keep=0 --log
 TERA_FAULT_SPIKE_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.every=0 --logging.run_dir="$W/nockpt" > "$W/n.log" 2>&1 \
     && grep -q '"rolled_back_to": -1' "$W/nockpt/metrics.jsonl" && pass "no checkpoint: update dropped, run continues" \
     || { fail "no-checkpoint spike"; tail -3 "$W/n.log"; }
+# a really poisoned batch (TERA_FAULT_POISON_SAMPLE: the 4 samples of step 25 are random tokens, no
+# scaling of anything): the guard finds the spike by the loss z-score alone, rolls back, skips those
+# samples and ends within 5% of the clean run
+TERA_FAULT_POISON_SAMPLE=100 "$TERA" train "${TINY[@]}" --checkpoint.keep=0 --logging.run_dir="$W/poison" > "$W/poison.log" 2>&1 \
+    || { fail "poisoned run"; tail -3 "$W/poison.log"; }
+ev=$(grep loss_spike "$W/poison/metrics.jsonl")
+[ "$(grep -c loss_spike "$W/poison/metrics.jsonl")" = 1 ] && echo "$ev" | grep -q '"step": 25,' && echo "$ev" | grep -q '"rolled_back_to": 20' \
+    && echo "$ev" | grep -q '"skipped_samples": \[100, 104\]' && pass "poisoned batch found by its loss: ${ev:0:110}" || fail "poison events: $ev"
+p=$(val_loss "$W/poison/checkpoints/step_00000060")
+awk -v a="$a" -v b="$p" 'BEGIN { d = b - a; if (d < 0) d = -d; exit !(a > 0 && d <= 0.05 * a) }' \
+    && pass "poisoned run ends within 5% of the clean run (validation loss $p vs $a)" || fail "poison recovery: $p vs $a"
 # a NaN in the gradient at step 25 (TERA_FAULT_NAN_STEP): that update is skipped and counted, the data
 # position still advances (the next steps see the clean run's batches), and the run ends within 5%
 TERA_FAULT_NAN_STEP=25 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/nan" > "$W/nan.log" 2>&1 || { fail "NaN run"; tail -3 "$W/nan.log"; }

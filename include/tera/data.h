@@ -56,6 +56,10 @@ typedef struct {
     int64_t n_train, n_val;     /* n_train + n_val = n_samples */
     int shuffle;                /* 0: train sample j of epoch e is sample j */
     uint64_t seed;
+    /* fault injection for tests (TERA_FAULT_POISON_SAMPLE): training samples with global index in
+     * [poison_lo, poison_hi) are uniformly random token ids below poison_vocab (0: off) */
+    int64_t poison_lo, poison_hi;
+    int32_t poison_vocab;
 } tera_loader;
 
 tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T, float val_fraction,

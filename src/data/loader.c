@@ -100,6 +100,14 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
     int64_t epoch = g / l->n_train, j = g % l->n_train;
     int64_t i = l->shuffle ? shuffle_index(l->seed, (uint64_t)epoch, l->n_train, j) : j;
     fill_sample(l, i, inputs, targets);
+    if (l->poison_vocab > 0 && g >= l->poison_lo && g < l->poison_hi) { /* test hook: a poisoned sample */
+        for (int t = 0; t <= l->T; t++) {
+            const int32_t id = (int32_t)(tera_rng_uniform(l->seed ^ 0x706f69736f6eULL, (uint64_t)g, (uint64_t)t) *
+                                         (float)l->poison_vocab) % l->poison_vocab;
+            if (t < l->T) inputs[t] = id;
+            if (t > 0) targets[t - 1] = id;
+        }
+    }
 }
 
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets) {

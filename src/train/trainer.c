@@ -191,8 +191,17 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->last_spike_step = -1;
     tera_batch_init(&tr->batch);
     {
-        const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a poisoned batch */
+        const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a batch whose loss and gradients blow up */
         tr->fault_spike_sample = f ? atoll(f) : -1;
+        /* test hook: a poisoned batch, "S" (the global batch starting at sample S) or "S:N" samples */
+        const char *p = getenv("TERA_FAULT_POISON_SAMPLE");
+        if (p) {
+            const char *colon = strchr(p, ':');
+            tr->loader.poison_lo = atoll(p);
+            tr->loader.poison_hi = tr->loader.poison_lo + (colon ? atoll(colon + 1)
+                                   : (int64_t)t->micro_batch * t->grad_accum * tr->world);
+            tr->loader.poison_vocab = cfg->model.vocab_size;
+        }
     }
     tr->fault_nan_step = -1;
     {
