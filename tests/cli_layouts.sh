@@ -123,6 +123,21 @@ for z in 2 3; do
         || fail "zero$z with accumulation or evaluation differs"
 done
 
+# ZeRO-3 prefetch (parallel.zero_prefetch, on by default above): every layer gather of the ev3 run
+# (training and evaluation) was started while the previous layer computed, none was wasted, and
+# turning it off gives bit-identical steps, validations and final weights
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" "${EV[@]}" --training.micro_batch=1 --training.grad_accum=2 --parallel.dp=2 \
+    --parallel.ep=2 --parallel.zero=3 --parallel.zero_prefetch=0 --logging.run_dir="$W/ev3off" > "$W/ev3off.log" 2>&1 \
+    || { fail "zero3 without prefetch"; tail -5 "$W/ev3off.log"; }
+untimed() { sed 's/"tokens_per_s[^,]*,//; s/"elapsed_s[^,]*,//; s/"step_s[^,]*,//; s/"data_wait_s[^,]*,//' "$1"; }
+counts() { sed -n 's/.*ZeRO-3 layer gathers: \([0-9]*\), \([0-9]*\) of them prefetched.*, \([0-9]*\) prefetches unused.*/\1 \2 \3/p' "$1"; }
+read -r g1 p1 u1 <<< "$(counts "$W/ev3.log")"; read -r g0 p0 u0 <<< "$(counts "$W/ev3off.log")"
+[ -n "$g1" ] && [ "$g1" -gt 0 ] && [ "$p1" = "$g1" ] && [ "$u1" = 0 ] && [ "$g0" = "$g1" ] && [ "$p0" = 0 ] \
+    && cmp -s <(untimed "$W/ev3/metrics.jsonl") <(untimed "$W/ev3off/metrics.jsonl") \
+    && cmp -s "$W/ev3/checkpoints/step_00000008/model.safetensors" "$W/ev3off/checkpoints/step_00000008/model.safetensors" \
+    && pass "zero3 prefetch: $p1 of $g1 layer gathers prefetched, $u1 unused; bit-identical to no prefetch" \
+    || fail "zero3 prefetch: gathers $g1 prefetched $p1 unused $u1 (off: $g0 $p0); or the runs differ"
+
 # five dimensions at once (pp2 x dp2 x tp2 x ep2, ZeRO-1, dropless): activation recomputation
 # (full and selective per layer range) gives bit-identical losses and final weights
 FIVE=(--training.micro_batch=1 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 --parallel.tp=2 --parallel.ep=2

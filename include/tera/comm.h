@@ -38,6 +38,9 @@ typedef struct {
     _Alignas(16) unsigned char storage[32];     /* the backend's request object */
 } tera_comm_req;
 void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req);
+/* Non-blocking in-place all-gather (counts as tera_comm_allgather_f32). scratch: 2 * size ints the
+ * backend keeps its counts in; it and buf must stay untouched until tera_comm_wait. */
+void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, int *scratch, tera_comm_req *req);
 void tera_comm_wait(tera_comm_req *req);
 /* Lets queued non-blocking operations progress (backends without a progress thread). */
 void tera_comm_poll(tera_comm_req *reqs, int n);

@@ -101,6 +101,7 @@ typedef struct {
 typedef struct {
     int dp, tp, pp, ep;         /* parallel degrees (1 = off); ep divides dp (experts split inside dp) */
     int ep_overlap;             /* expert parallelism: overlap exchanges with expert compute */
+    int zero_prefetch;          /* ZeRO-3: gather the next layer's parameters while this one computes */
     char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
     int pp_chunks;              /* model chunks per stage (interleaved) */
     char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */

@@ -122,6 +122,13 @@ int tera_cmd_train(int argc, char **argv) {
                 "(bubble formula %.3f)\n", tr.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
                 step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
     }
+    if (tr.zero >= 3 && tr.root) {
+        int64_t g, pf, un;
+        tera_layout_zero3_counts(&tr, &g, &pf, &un);
+        fprintf(stderr, "tera: ZeRO-3 layer gathers: %ld, %ld of them prefetched while the previous layer computed "
+                "(parallel.zero_prefetch = %d%s), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
+                tr.pp > 1 ? ", off with a pipeline" : "", (long)un);
+    }
     if (tr.root)
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",
             (long)tr.step, last.loss, cfg.logging.run_dir, (long)tr.step);

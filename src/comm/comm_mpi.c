@@ -189,6 +189,16 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
     req->active = 1;
 }
 
+void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, int *scratch, tera_comm_req *req) {
+    req->active = 0;
+    if (c->size == 1) return;
+    int *cnt = scratch, *disp = scratch + c->size;
+    int_counts(c, counts, cnt, disp);
+    g_traffic.allgather += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
+    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, c->mpi, req_of(req)));
+    req->active = 1;
+}
+
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
     GUARDED("MPI_Wait (non-blocking transfer)", MPI_Wait(req_of(req), MPI_STATUS_IGNORE));

@@ -68,11 +68,26 @@ typedef struct {
     float *w[2], *g[2];     /* [non-expert, expert] staging */
 } zslot;
 
+/* ZeRO-3 prefetch: a second layer slot whose gather is in flight while the layer in use computes. */
+typedef struct {
+    int group;              /* group gathered or in flight, or INT32_MIN */
+    int64_t version;        /* parameter version it was started at */
+    float *w[2];            /* [non-expert, expert], the size of the layer slot's */
+    tera_comm_req req[2];
+    int *ints[2];           /* the backend's counts while in flight (2 max(dp, edp) ints each) */
+} zprefetch;
+
 struct tera_zero_ctx {
     zslot slot[N_SLOTS];
     int64_t version;
     float *block;
     int64_t *cnt;           /* [max(dp, edp)] reduce-scatter / all-gather counts */
+    int prefetch;           /* ZeRO-3 prefetch on (parallel.zero_prefetch, no pipeline) */
+    zprefetch pf;
+    int dir;                /* +1 forward, -1 backward: the order layers are used in */
+    int last_layer;         /* the layer group used last, or INT32_MIN */
+    int *ints;              /* storage of pf.ints */
+    int64_t n_gathered, n_prefetched, n_unused; /* layer gathers: all, of them prefetched, prefetches never used */
 };
 
 static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : group == TERA_GROUP_HEAD ? SLOT_HEAD : SLOT_LAYER; }
@@ -110,8 +125,10 @@ static void zero23_init(tera_trainer *tr) {
         }
     int64_t total = 0;
     const int nb = tr->zero >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
+    z->prefetch = tr->zero >= 3 && tr->pp == 1 && tr->cfg.parallel.zero_prefetch;
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
+    for (int x = 0; x < 2 && z->prefetch; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
     z->block = tera_calloc((size_t)total + 1, sizeof(float));
     float *p = z->block;
     for (int k = 0; k < N_SLOTS; k++) {
@@ -122,7 +139,17 @@ static void zero23_init(tera_trainer *tr) {
             if (nb == 2) z->slot[k].w[x] = p, p += n;
         }
     }
-    z->cnt = tera_calloc((size_t)(tr->world > tr->edp_size ? tr->world : tr->edp_size), sizeof(int64_t));
+    const int ranks = tr->world > tr->edp_size ? tr->world : tr->edp_size;
+    z->pf.group = z->last_layer = INT32_MIN;
+    z->dir = 1;
+    if (z->prefetch) {
+        z->ints = tera_calloc((size_t)(4 * ranks), sizeof(int));
+        for (int x = 0; x < 2; x++) {
+            z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+            z->pf.ints[x] = z->ints + 2 * x * ranks;
+        }
+    }
+    z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
     tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
     for (int k = 0; k < 2; k++) {
@@ -138,6 +165,9 @@ static void zero23_init(tera_trainer *tr) {
 static void zero23_free(tera_trainer *tr) {
     tera_zero_ctx *z = tr->zctx;
     if (!z) return;
+    tera_comm_wait(&z->pf.req[0]); /* a prefetch still in flight (inactive requests return at once) */
+    tera_comm_wait(&z->pf.req[1]);
+    free(z->ints);
     free(z->block);
     free(z->cnt);
     free(z);
@@ -167,22 +197,87 @@ static zpiece pieces(tera_trainer *tr, int x, int64_t lo, int64_t hi) {
     return p;
 }
 
-static void zero_use_params(void *ctx, int group) {
-    tera_trainer *tr = ctx;
+/* Gathers a group's ranges into w (each rank copies its piece in, then all-gather): blocking, or
+ * started into the prefetch slot when pf is given. */
+static void gather_group(tera_trainer *tr, int group, float *const w[2], zprefetch *pf) {
     tera_zero_ctx *z = tr->zctx;
-    zslot *sl = &z->slot[slot_of(group)];
-    if (sl->group == group && sl->version == z->version) return; /* still there */
     for (int x = 0; x < 2; x++) {
         int64_t lo, hi;
         tera_model_group_range(&tr->model, group, x, &lo, &hi);
         if (hi <= lo) continue;
         const zpiece p = pieces(tr, x, lo, hi);
-        if (z->cnt[p.me] > 0) memcpy(sl->w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
-        tera_comm_allgather_f32(p.c, sl->w[x], z->cnt);
+        if (z->cnt[p.me] > 0) memcpy(w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
+        if (pf)
+            tera_comm_iallgather_f32(p.c, w[x], z->cnt, pf->ints[x], &pf->req[x]);
+        else
+            tera_comm_allgather_f32(p.c, w[x], z->cnt);
     }
-    sl->group = group;
-    sl->version = z->version;
-    tera_model_bind_group(&tr->model, group, sl->w[0], sl->w[1], NULL, NULL);
+}
+
+/* Starts gathering layer `group` into the prefetch slot unless it is in use, already there, or
+ * not a layer. A prefetch that was not used is completed first (every rank posts the same
+ * collectives in the same order, so no rank is left waiting). */
+static void prefetch_start(tera_trainer *tr, int group) {
+    tera_zero_ctx *z = tr->zctx;
+    zprefetch *pf = &z->pf;
+    const zslot *sl = &z->slot[SLOT_LAYER];
+    if (group < 0 || group >= tr->model.cfg.n_layers) return;
+    if ((sl->group == group && sl->version == z->version) || (pf->group == group && pf->version == z->version)) return;
+    tera_comm_wait(&pf->req[0]);
+    tera_comm_wait(&pf->req[1]);
+    if (pf->group != INT32_MIN) z->n_unused++;
+    pf->group = group;
+    pf->version = z->version;
+    gather_group(tr, group, pf->w, pf);
+}
+
+static void zero_use_params(void *ctx, int group) {
+    tera_trainer *tr = ctx;
+    tera_zero_ctx *z = tr->zctx;
+    zslot *sl = &z->slot[slot_of(group)];
+    if (sl->group != group || sl->version != z->version) {
+        zprefetch *pf = &z->pf;
+        if (z->prefetch && group >= 0 && pf->group == group && pf->version == z->version) {
+            /* prefetched: finish it and swap the slots (the layer slot's old contents become the
+             * next prefetch's buffer) */
+            tera_comm_wait(&pf->req[0]);
+            tera_comm_wait(&pf->req[1]);
+            for (int x = 0; x < 2; x++) {
+                float *t = sl->w[x];
+                sl->w[x] = pf->w[x], pf->w[x] = t;
+            }
+            pf->group = INT32_MIN;
+            z->n_prefetched++;
+        } else {
+            gather_group(tr, group, sl->w, NULL);
+        }
+        if (group >= 0) z->n_gathered++;
+        sl->group = group;
+        sl->version = z->version;
+        tera_model_bind_group(&tr->model, group, sl->w[0], sl->w[1], NULL, NULL);
+    }
+    if (!z->prefetch) return;
+    /* the next layer in the order of use: forward starts at the embedding (layers ascending), backward
+     * at the head (descending) */
+    const int L = tr->model.cfg.n_layers;
+    int next;
+    if (group == TERA_GROUP_EMBED && tr->model.cfg.tie_embeddings && z->dir == -1 && z->last_layer == L - 1) {
+        next = L - 1; /* the tied embedding as the LM head: backward comes next */
+    } else if (group == TERA_GROUP_EMBED) {
+        z->dir = 1;
+        next = 0;
+    } else if (group == TERA_GROUP_HEAD) {
+        z->dir = -1;
+        next = L - 1;
+    } else {
+        /* a step to a neighbour tells the direction (a jump, as from the last layer back to layer 0
+         * between two forwards, does not: the embedding or the head has set it) */
+        if (z->last_layer != INT32_MIN && (group == z->last_layer + 1 || group == z->last_layer - 1))
+            z->dir = group > z->last_layer ? 1 : -1;
+        z->last_layer = group;
+        next = group + z->dir;
+    }
+    prefetch_start(tr, next);
 }
 
 static void zero_use_grads(void *ctx, int group) {
@@ -225,6 +320,13 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     float *dst = p.o->g + p.soff;
     for (int64_t i = 0; i < z->cnt[p.me]; i++) dst[i] += src[i];
     if (--sl->pending == 0) sl->live = 0;
+}
+
+void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
+    const tera_zero_ctx *z = tr->zctx;
+    *gathered = z ? z->n_gathered : 0;
+    *prefetched = z ? z->n_prefetched : 0;
+    *unused = z ? z->n_unused : 0;
 }
 
 void tera_layout_bind_hooks(tera_trainer *tr) {
