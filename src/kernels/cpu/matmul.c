@@ -388,32 +388,24 @@ static void round_fp16_range(float *d, const float *s, int64_t n) {
 /* Conversions run on every thread outside parallel regions (chunks of a fixed size: the result does
  * not depend on the thread count), on the calling thread inside them. */
 #define CVT_CHUNK 16384
-void tera_round_bf16(uint16_t *dst, const float *src, int64_t n) {
+typedef void (*round_range_fn)(void *dst, const float *src, int64_t n);
+static void bf16_range_v(void *d, const float *s, int64_t n) { round_bf16_range(d, s, n); }
+static void fp16_range_v(void *d, const float *s, int64_t n) { round_fp16_range(d, s, n); }
+static void bf16f_range_v(void *d, const float *s, int64_t n) { round_bf16f_range(d, s, n); }
+
+static void round_chunked(round_range_fn range, void *dst, size_t es, const float *src, int64_t n) {
     if (n <= CVT_CHUNK || omp_in_parallel()) {
-        round_bf16_range(dst, src, n);
+        range(dst, src, n);
         return;
     }
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_bf16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
+    for (int64_t c = 0; c < n; c += CVT_CHUNK)
+        range((char *)dst + (size_t)c * es, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
 }
 
-void tera_round_fp16(float *dst, const float *src, int64_t n) {
-    if (n <= CVT_CHUNK || omp_in_parallel()) {
-        round_fp16_range(dst, src, n);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_fp16_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
-}
-
-void tera_round_bf16f(float *dst, const float *src, int64_t n) {
-    if (n <= CVT_CHUNK || omp_in_parallel()) {
-        round_bf16f_range(dst, src, n);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < n; c += CVT_CHUNK) round_bf16f_range(dst + c, src + c, n - c < CVT_CHUNK ? n - c : CVT_CHUNK);
-}
+void tera_round_bf16(uint16_t *dst, const float *src, int64_t n) { round_chunked(bf16_range_v, dst, sizeof *dst, src, n); }
+void tera_round_fp16(float *dst, const float *src, int64_t n) { round_chunked(fp16_range_v, dst, sizeof *dst, src, n); }
+void tera_round_bf16f(float *dst, const float *src, int64_t n) { round_chunked(bf16f_range_v, dst, sizeof *dst, src, n); }
 
 /* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
 static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
