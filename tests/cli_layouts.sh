@@ -138,6 +138,25 @@ read -r g1 p1 u1 <<< "$(counts "$W/ev3.log")"; read -r g0 p0 u0 <<< "$(counts "$
     && pass "zero3 prefetch: $p1 of $g1 layer gathers prefetched, $u1 unused; bit-identical to no prefetch" \
     || fail "zero3 prefetch: gathers $g1 prefetched $p1 unused $u1 (off: $g0 $p0); or the runs differ"
 
+# the same through a pipeline (pp2 x dp2, ZeRO-3, 1F1B: the executor names the order of use), with
+# 3 validation batches over 2 data-parallel ranks (every rank must run as many forwards: its
+# parameter gathers are collective; this hung before evaluation kept ZeRO-3 ranks in step)
+for pf in 1 0; do
+    $MPIRUN -np 4 "$TERA" train "${TINY[@]}" "${EV[@]}" --training.micro_batch=1 --training.grad_accum=2 --parallel.pp=2 \
+        --parallel.dp=2 --parallel.zero=3 --parallel.zero_prefetch=$pf --parallel.timeout_s=60 --logging.run_dir="$W/pz$pf" \
+        > "$W/pz$pf.log" 2>&1 || { fail "pp2 x dp2 zero3 with evaluation (prefetch $pf)"; tail -5 "$W/pz$pf.log"; }
+done
+read -r g1 p1 u1 <<< "$(counts "$W/pz1.log")"
+same_steps "$W/ev1/metrics.jsonl" "$W/pz1/metrics.jsonl" \
+    && paste -d' ' <(grep -o '"val_loss": [0-9.]*' "$W/ev1/metrics.jsonl" | cut -d' ' -f2) \
+                   <(grep -o '"val_loss": [0-9.]*' "$W/pz1/metrics.jsonl" | cut -d' ' -f2) |
+       awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * $1) bad = 1; n++ } END { exit bad || n != 2 }' \
+    && [ -n "$g1" ] && [ "$p1" -gt $((g1 / 2)) ] && [ "$u1" = 0 ] \
+    && cmp -s <(untimed "$W/pz1/metrics.jsonl") <(untimed "$W/pz0/metrics.jsonl") \
+    && cmp -s "$W/pz1/checkpoints/step_00000008/model.safetensors" "$W/pz0/checkpoints/step_00000008/model.safetensors" \
+    && pass "pp2 x dp2 zero3 with 3 validation batches: matches one rank; prefetch $p1 of $g1 gathers, $u1 unused, bit-identical to none" \
+    || fail "pp2 x dp2 zero3 with evaluation: gathers $g1 prefetched $p1 unused $u1, or differs from one rank / no prefetch"
+
 # five dimensions at once (pp2 x dp2 x tp2 x ep2, ZeRO-1, dropless): activation recomputation
 # (full and selective per layer range) gives bit-identical losses and final weights
 FIVE=(--training.micro_batch=1 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 --parallel.tp=2 --parallel.ep=2

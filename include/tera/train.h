@@ -236,6 +236,10 @@ void tera_layout_grad_scale(tera_trainer *tr, float s);
 void tera_layout_poison_grad(tera_trainer *tr);
 /* ZeRO-3, since set-up: layer parameter gathers, how many of them a prefetch had started while the
  * layer before computed (parallel.zero_prefetch), and prefetches discarded unused. */
+/* ZeRO-3 prefetch in a pipeline stage: before each operation the executor names its last layer in
+ * the order of use (forward: the chunk's last, backward: its first) and the first layer the next
+ * operation uses (-1: none); no-op otherwise. */
+void tera_layout_zero3_plan(tera_trainer *tr, int last, int next);
 void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t *prefetched, int64_t *unused);
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards). */
 void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);

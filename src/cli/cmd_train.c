@@ -126,8 +126,8 @@ int tera_cmd_train(int argc, char **argv) {
         int64_t g, pf, un;
         tera_layout_zero3_counts(&tr, &g, &pf, &un);
         fprintf(stderr, "tera: ZeRO-3 layer gathers: %ld, %ld of them prefetched while the previous layer computed "
-                "(parallel.zero_prefetch = %d%s), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
-                tr.pp > 1 ? ", off with a pipeline" : "", (long)un);
+                "(parallel.zero_prefetch = %d), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
+                (long)un);
     }
     if (tr.root)
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",

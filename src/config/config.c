@@ -256,9 +256,9 @@ static const config__key config__keys[] = {
           "are still in flight (0 = wait for every exchange first; results are identical)"),
     K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
     K_INT(parallel, zero_prefetch, "1", 0, 1,
-          "ZeRO-3 without a pipeline: while a layer computes, gather the parameters of the next one (forward: "
-          "the layer after, backward: the one before) into a second staging slot (0 = gather each on use; "
-          "results are identical)"),
+          "ZeRO-3: while a layer computes, gather the parameters of the next one in the order of use (forward: "
+          "the layer after, backward: the one before; in a pipeline, as the schedule goes) into a second staging "
+          "slot (0 = gather each on use; results are identical)"),
     K_FLOAT(parallel, timeout_s, "600", R_CLOSED(0.0, 1e9),
             "a collective that makes no progress this long aborts every rank (a peer stopped answering); 0 = off"),
 

@@ -87,6 +87,8 @@ struct tera_zero_ctx {
     int dir;                /* +1 forward, -1 backward: the order layers are used in */
     int last_layer;         /* the layer group used last, or INT32_MIN */
     int *ints;              /* storage of pf.ints */
+    int plan;               /* pipeline: the executor names the order of use (tera_layout_zero3_plan) */
+    int plan_last, plan_next; /* the current operation's last layer in its order of use, the next's first (-1: none) */
     int64_t n_gathered, n_prefetched, n_unused; /* layer gathers: all, of them prefetched, prefetches never used */
 };
 
@@ -125,7 +127,9 @@ static void zero23_init(tera_trainer *tr) {
         }
     int64_t total = 0;
     const int nb = tr->zero >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
-    z->prefetch = tr->zero >= 3 && tr->pp == 1 && tr->cfg.parallel.zero_prefetch;
+    z->prefetch = tr->zero >= 3 && tr->cfg.parallel.zero_prefetch;
+    z->plan = tr->pp > 1;
+    z->plan_last = z->plan_next = -1;
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
     for (int x = 0; x < 2 && z->prefetch; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
@@ -257,6 +261,11 @@ static void zero_use_params(void *ctx, int group) {
         tera_model_bind_group(&tr->model, group, sl->w[0], sl->w[1], NULL, NULL);
     }
     if (!z->prefetch) return;
+    if (z->plan) { /* a pipeline stage: the executor said which layer comes after this operation */
+        if (group < 0 || z->plan_last < 0) return;
+        prefetch_start(tr, group == z->plan_last ? z->plan_next : group + (z->plan_last > group ? 1 : -1));
+        return;
+    }
     /* the next layer in the order of use: forward starts at the embedding (layers ascending), backward
      * at the head (descending) */
     const int L = tr->model.cfg.n_layers;
@@ -320,6 +329,13 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     float *dst = p.o->g + p.soff;
     for (int64_t i = 0; i < z->cnt[p.me]; i++) dst[i] += src[i];
     if (--sl->pending == 0) sl->live = 0;
+}
+
+void tera_layout_zero3_plan(tera_trainer *tr, int last, int next) {
+    tera_zero_ctx *z = tr->zctx;
+    if (!z || !z->plan) return;
+    z->plan_last = last;
+    z->plan_next = next;
 }
 
 void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {

@@ -151,6 +151,12 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
         const tera_sched_op *op = &ops[k];
         const int i = op->micro, c = op->chunk, vs = c * p->pp + p->rank;
         const int l0 = p->first[vs], l1 = p->first[vs + 1];
+        int after = -1; /* ZeRO-3 prefetch: the first layer the next operation uses */
+        if (k + 1 < p->sched.n_ops) {
+            const int vn = ops[k + 1].chunk * p->pp + p->rank;
+            after = ops[k + 1].kind == TERA_OP_FWD ? p->first[vn] : p->first[vn + 1] - 1;
+        }
+        tera_layout_zero3_plan(tr, op->kind == TERA_OP_FWD ? l1 - 1 : l0, after);
         if (op->kind == TERA_OP_FWD) {
             if (p->slot_of[i] < 0) {
                 p->slot_of[i] = take_slot(p);
@@ -222,6 +228,7 @@ double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const i
         if (vs % p->pp != p->rank) continue;
         const int c = vs / p->pp, l0 = p->first[vs], l1 = p->first[vs + 1];
         float *xin = pbuf(p, 0, c, BUF_XIN), *xout = pbuf(p, 0, c, BUF_XOUT);
+        tera_layout_zero3_plan(tr, l1 - 1, vs + p->pp < p->S ? p->first[vs + p->pp] : -1);
         tera_comm_req rq;
         if (vs > 0) {
             tera_comm_irecv_f32(tr->pp_group, xin, p->nd, prev, tag_of(p, 0, vs, 0), &rq);

@@ -626,10 +626,10 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
     tera_model *m = &tr->model;
     double sums[2] = {0.0, 0.0}; /* cross-entropy, positions */
-    /* the batches are shared out over the ranks; with expert parallelism every rank of a group
-     * must run as many forwards as the others (a rank past the end evaluates batch 0 again and
-     * does not count it) */
-    const int rounds = tr->ep > 1 ? (batches + tr->world - 1) / tr->world : 0;
+    /* the batches are shared out over the ranks; where a forward communicates over the
+     * data-parallel ranks (the expert exchange, ZeRO-3's parameter gathers) every rank must run as
+     * many forwards as the others (a rank past the end evaluates batch 0 again and does not count it) */
+    const int rounds = tr->ep > 1 || tr->zero >= 3 ? (batches + tr->world - 1) / tr->world : 0;
     for (int j = 0, i = tr->rank; i < batches || j < rounds; j++, i += tr->world) {
         const int counted = i < batches;
         for (int b = 0; b < B; b++) {
