@@ -2,8 +2,9 @@
 # The communication volume of the parallel layouts equals the analytic minimum of `tera bench`
 # (src/cli/cmd_bench.c, docs/PERFORMANCE.md "bench-dist"), so a change in what a layout sends
 # fails here. A tiny MoE (a dense first layer, a shared expert, 2 MoE layers) runs 2 timed steps
-# of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, pp2 and tp2 x pp2 (2 micro-batches
-# a step where it matters; rank 0's bytes: with a pipeline, the first stage's), and
+# of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, pp2, tp2 x pp2, and pp2 x dp2
+# with ZeRO-3 (4 micro-batches: its gathers follow the 1F1B order) (2 micro-batches a step where
+# it matters; rank 0's bytes: with a pipeline, the first stage's), and
 # for each JSON line:
 #   - every kind of transfer whose volume does not depend on the data (all-reduce, reduce-scatter,
 #     all-gather, all-to-all) sent exactly its minimum plus its known overhead (statistics
@@ -25,7 +26,8 @@ TINY=(--model.dim=32 --model.n_layers=3 --model.n_heads=4 --model.n_experts=4 --
 num() { grep -o "\"$2\": [-0-9.e+]*" "$1" | head -1 | cut -d' ' -f2; } # a number of the JSON line
 
 # name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp]
-for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2; do
+for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
+         pp2xdp2-zero3:2:1:1:3:4:2; do
     IFS=: read -r name dp tp ep zero accum pp <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"

@@ -260,6 +260,10 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
  * the last stage (0 elsewhere). */
 double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const int32_t *targets, double *positions);
 /* Mean seconds per step of this stage: running operations, waiting for neighbours, the whole step. */
+/* The parameter groups this stage's schedule uses in one step, in order (forward: the embedding on
+ * the first stage, its layers, the head on the last; backward: the head, its layers descending):
+ * writes at most max, returns the count. */
+int tera_pipeline_param_uses(const tera_trainer *tr, int *uses, int max);
 void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step);
 
 /* ---------------------------------------------------------------- checkpoints

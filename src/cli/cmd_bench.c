@@ -130,23 +130,34 @@ static double group_gather(const tera_trainer *tr, int group) {
  * head, the layer in use) still holds them from this step. The order of uses is the model's
  * (forward: embedding, layers 0..L-1, head, the embedding again when tied; backward: head, tied
  * embedding, layers L-1..0), so the head, the embedding and the last layer are gathered once a
- * step, the other layers twice per micro-batch, layer 0 once more for the next micro-batch. */
+ * step, the other layers twice per micro-batch, layer 0 once more for the next micro-batch. In a
+ * pipeline stage the order is its schedule's (tera_pipeline_param_uses): micro-batches interleave. */
 static void zero3_gather_bytes(const tera_trainer *tr, int A, comm_model *cm) {
     if (tr->zero < 3) return;
     const int L = tr->model.cfg.n_layers, tied = tr->model.cfg.tie_embeddings;
     int held[3] = {INT32_MIN, INT32_MIN, INT32_MIN}; /* embedding, head, layer slots */
+    int n = tr->pp > 1 ? tera_pipeline_param_uses(tr, NULL, 0) : A * (2 * L + 5);
+    int *uses = tera_malloc(sizeof(int) * (size_t)(n + 1));
+    if (tr->pp > 1) {
+        tera_pipeline_param_uses(tr, uses, n);
+    } else {
+        for (int a = 0, j = 0; a < A; a++)
+            for (int i = 0; i < 2 * L + 5; i++) { /* the uses of one micro-batch, in order */
+                int g;
+                if (i == 0) g = TERA_GROUP_EMBED;
+                else if (i <= L) g = i - 1;
+                else if (i == L + 1 || i == L + 3) g = TERA_GROUP_HEAD;
+                else if (i == L + 2 || i == L + 4) g = tied ? TERA_GROUP_EMBED : TERA_GROUP_HEAD;
+                else g = 2 * L + 4 - i; /* i = L+5 .. 2L+4: layers L-1 .. 0 */
+                uses[j++] = g;
+            }
+    }
     double b = 0.0;
-    for (int a = 0; a < A; a++)
-        for (int i = 0; i < 2 * L + 5; i++) { /* the uses of one micro-batch, in order */
-            int g;
-            if (i == 0) g = TERA_GROUP_EMBED;
-            else if (i <= L) g = i - 1;
-            else if (i == L + 1 || i == L + 3) g = TERA_GROUP_HEAD;
-            else if (i == L + 2 || i == L + 4) g = tied ? TERA_GROUP_EMBED : TERA_GROUP_HEAD;
-            else g = 2 * L + 4 - i; /* i = L+5 .. 2L+4: layers L-1 .. 0 */
-            const int k = g == TERA_GROUP_EMBED ? 0 : g == TERA_GROUP_HEAD ? 1 : 2;
-            if (held[k] != g) held[k] = g, b += group_gather(tr, g);
-        }
+    for (int i = 0; i < n; i++) {
+        const int g = uses[i], k = g == TERA_GROUP_EMBED ? 0 : g == TERA_GROUP_HEAD ? 1 : 2;
+        if (held[k] != g) held[k] = g, b += group_gather(tr, g);
+    }
+    free(uses);
     cm->zero3_gather = b;
     cm->min[K_ALLGATHER] += b;
 }

@@ -246,6 +246,27 @@ double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const i
     return ce;
 }
 
+int tera_pipeline_param_uses(const tera_trainer *tr, int *uses, int max) {
+    const tera_pipe *p = tr->pipe;
+    const int L = tr->cfg.model.n_layers;
+    const tera_sched_op *ops = tera_schedule_rank(&p->sched, p->rank);
+    int n = 0;
+#define USE(g) do { if (n < max) uses[n] = (g); n++; } while (0)
+    for (int k = 0; k < p->sched.n_ops; k++) {
+        const int vs = ops[k].chunk * p->pp + p->rank, l0 = p->first[vs], l1 = p->first[vs + 1];
+        if (ops[k].kind == TERA_OP_FWD) { /* tera_model_forward_range */
+            if (l0 == 0) USE(TERA_GROUP_EMBED);
+            for (int l = l0; l < l1; l++) USE(l);
+            if (l1 == L) USE(TERA_GROUP_HEAD);
+        } else { /* tera_model_backward_range (no tied embeddings with a pipeline) */
+            if (l1 == L) USE(TERA_GROUP_HEAD);
+            for (int l = l1 - 1; l >= l0; l--) USE(l);
+        }
+    }
+#undef USE
+    return n;
+}
+
 void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step) {
     const tera_pipe *p = tr->pipe;
     if (!p || p->steps == 0) {
