@@ -5,7 +5,8 @@
 # recovers (overflowing steps skipped, scale halved each time, then training; the scale doubles
 # after loss_scale_window clean steps); --resume restores the scaler exactly; bf16 and fp16 runs
 # are deterministic, on both kinds of bf16 units (training.bf16_gemm native and fma); the units in
-# effect are printed, and two MPI ranks agree on them and train like one process.
+# effect are printed, and two MPI ranks agree on them and train like one process; fp16 on dp2 x tp2
+# ZeRO-2 skips and rescales exactly like one process.
 # Usage: cli_precision.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -104,6 +105,18 @@ if command -v mpirun > /dev/null; then
         { n++; for (i = 1; i <= 2; i++) { r = rel($i, $(i + 2)); if (r > worst) worst = r } }
         END { printf "%d steps, worst relative difference %.2g\n", n, worst; exit !(n == 8 && worst <= 1e-4) }' > "$W/m.txt" \
         && pass "bf16 dp2 = one rank: $(cat "$W/m.txt")" || fail "bf16 dp2 differs: $(cat "$W/m.txt")"
+    # fp16 from a loss scale of 2^36 on dp2 x tp2 with ZeRO-2: every rank skips the same overflowing
+    # steps and moves its scale alike, as one process does (loss, scale and skip of every step)
+    F=("${TINY[@]}" --training.threads=1 --training.steps=24 --training.warmup_steps=2 --training.precision=fp16
+       --training.loss_scale=68719476736 --training.loss_scale_window=5)
+    "$TERA" train "${F[@]}" --training.micro_batch=8 --logging.run_dir="$W/h1" > "$W/h1.log" 2>&1 || { fail "fp16 one rank"; cat "$W/h1.log"; }
+    mpirun --oversubscribe -np 4 "$TERA" train "${F[@]}" --training.micro_batch=4 --parallel.dp=2 --parallel.tp=2 \
+        --parallel.zero=2 --logging.run_dir="$W/h4" > "$W/h4.log" 2>&1 || { fail "fp16 dp2 x tp2"; tail -5 "$W/h4.log"; }
+    paste -d' ' <(rows "$W/h1/metrics.jsonl") <(rows "$W/h4/metrics.jsonl") | awk '
+        { n++; if ($3 != $7 || $4 != $8) bad = 1; skips += $4; d = ($2 - $6) / $2; if (d < 0) d = -d; if (d > worst) worst = d }
+        END { printf "%d steps, %d skipped alike, scales alike, worst loss difference %.2g\n", n, skips, worst
+              exit !(n == 24 && !bad && skips >= 3 && worst <= 1e-4) }' > "$W/h.txt" \
+        && pass "fp16 dp2 x tp2 ZeRO-2 = one rank: $(cat "$W/h.txt")" || fail "fp16 multi-rank: $(cat "$W/h.txt")"
 fi
 
 finish cli_precision
