@@ -81,6 +81,8 @@ awk -v a="$a" -v b="$c" 'BEGIN { d = b - a; if (d < 0) d = -d; exit !(a > 0 && d
 if command -v mpirun > /dev/null; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+    # loss, grad norm and skip of every step record
+    lgs() { grep '"loss": ' "$1" | sed 's/.*"loss": \([^,]*\),.*"grad_norm": \([^,]*\),.*"skipped": \([01]\),.*/\1 \2 \3/'; }
     D=("${TINY[@]}" --training.threads=1 --training.steps=30 --checkpoint.every=0)
     TERA_FAULT_NAN_STEP=12 "$TERA" train "${D[@]}" --logging.run_dir="$W/n1" > "$W/n1.log" 2>&1 || { fail "NaN one rank"; tail -3 "$W/n1.log"; }
     # name, ranks, world rank with the NaN, layout
@@ -91,7 +93,6 @@ if command -v mpirun > /dev/null; then
         dp=$(echo "$lay" | grep -o 'dp=[0-9]' | cut -d= -f2); dp=${dp:-1}
         TERA_FAULT_NAN_STEP=12@$nanrank mpirun --oversubscribe -np $np "$TERA" train "${D[@]}" $lay --training.micro_batch=$((4 / dp)) \
             --logging.run_dir="$W/n_$what" > "$W/n_$what.log" 2>&1 || { fail "NaN $what"; tail -3 "$W/n_$what.log"; continue; }
-        lgs() { grep '"loss": ' "$1" | sed 's/.*"loss": \([^,]*\),.*"grad_norm": \([^,]*\),.*"skipped": \([01]\),.*/\1 \2 \3/'; }
         paste -d' ' <(lgs "$W/n1/metrics.jsonl") <(lgs "$W/n_$what/metrics.jsonl") | awk '
             function rel(a, b) { if (a == b) return 0; d = (a - b) / a; return d < 0 ? -d : d }
             { n++; if ($3 != $6) bad = 1; for (i = 1; i <= 2; i++) if ($i != "nan" && $(i + 3) != "nan") { r = rel($i, $(i + 3)); if (r > worst) worst = r }

@@ -153,7 +153,7 @@ typedef struct {
     tera_precision precision;   /* of the linear layers' products (training.precision resolved) */
     const char *precision_note; /* one line: the precision in effect and why */
     tera_bf16_gemm bf16_gemm;   /* bf16: the units its products run on (training.bf16_gemm resolved) */
-    char bf16_gemm_note[160];   /* bf16: one line, the units and why ("" otherwise) */
+    const char *bf16_gemm_note; /* bf16: one line, the units and why ("" otherwise; static storage) */
     tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
 } tera_trainer;
 

@@ -621,28 +621,42 @@ static void expert_rows_backward(float *dx, float *gw1, float *gw3, float *gw2, 
     tera_linear_backward(dx, gw3, da3, x, w3, n, D, F, 1.0f);
 }
 
-/* Expert e's hidden activations over its grouped rows: a1, a3, gact = silu(a1) * a3. */
-static void expert_hidden(layer_acts *la, const tera_layer_view *W, int e, int64_t D, int64_t F) {
+/* What a rank's experts do with their rows: the forward, the backward, or (selective
+ * recomputation) the hidden activations again. */
+enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
+
+/* Local expert e over its grouped rows [exp_off[e], exp_off[e+1]) (no expert parallelism). */
+static void local_expert(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G, int e,
+                         int64_t D, int64_t F, int op) {
     const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    if (n == 0) return;
-    ffn_hidden(la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, W->w1 + e * F * D,
-               W->w3 + e * F * D, n, D, F);
+    const float *w1 = W->w1 + e * F * D, *w3 = W->w3 + e * F * D, *w2 = W->w2 + e * D * F;
+    switch (op) {
+    case EXPERTS_FWD:
+        expert_rows_forward(la->ye + r0 * D, la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, w1,
+                            w3, w2, n, D, F);
+        break;
+    case EXPERTS_BWD:
+        expert_rows_backward(a->dxg + r0 * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F,
+                             a->da1 + r0 * F, a->da3 + r0 * F, a->dgact + r0 * F, a->dye + r0 * D, la->xg + r0 * D,
+                             la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, w1, w3, w2, n, D, F);
+        break;
+    default:
+        if (n > 0) ffn_hidden(la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, w1, w3, n, D, F);
+    }
 }
 
-/* Expert e over its grouped rows: ye = w2(silu(xg w1^T) * (xg w3^T)). */
-static void expert_forward(layer_acts *la, const tera_layer_view *W, int e, int64_t D, int64_t F) {
-    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    expert_rows_forward(la->ye + r0 * D, la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D,
-                        W->w1 + e * F * D, W->w3 + e * F * D, W->w2 + e * D * F, n, D, F);
-}
-
-static void expert_backward(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G,
-                            int e, int64_t D, int64_t F) {
-    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    expert_rows_backward(a->dxg + r0 * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F, a->da1 + r0 * F,
-                         a->da3 + r0 * F, a->dgact + r0 * F, a->dye + r0 * D, la->xg + r0 * D, la->a1 + r0 * F,
-                         la->a3 + r0 * F, la->gact + r0 * F, W->w1 + e * F * D, W->w3 + e * F * D,
-                         W->w2 + e * D * F, n, D, F);
+/* All local experts, side by side by descending load (experts_in_parallel) or one after another;
+ * the same thread layout for the forward, its recomputation and the backward. */
+static void local_experts(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G, int E,
+                          int64_t D, int64_t F, int op) {
+    if (experts_in_parallel(E)) {
+        int order[64];
+        experts_by_load(order, la->exp_off, E);
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < E; i++) local_expert(a, la, W, G, order[i], D, F, op);
+    } else {
+        for (int e = 0; e < E; e++) local_expert(a, la, W, G, e, D, F, op);
+    }
 }
 
 /* ------------------------------------------------------------ expert parallelism
@@ -663,10 +677,6 @@ static void ep_block_offsets(const layer_acts *la, int s, int El, int64_t *off) 
     off[0] = la->roff[s];
     for (int e = 0; e < El; e++) off[e + 1] = off[e] + la->rcnt[s * El + e];
 }
-
-/* What a rank's experts do with a source's block of rows: the forward, the backward, or (selective
- * recomputation) the hidden activations again. */
-enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
 
 /* Local expert e over its rows [off[e], off[e+1]) of the received buffers. */
 static void ep_expert(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
@@ -817,16 +827,10 @@ static void moe_forward(tera_model *m, int l, float *out) {
 
     {
         TERA_PROF_BEGIN(EXPERT_FWD);
-        int order[64];
-        if (m->par.ep > 1) {
+        if (m->par.ep > 1)
             ep_exchange(m, l, 1);
-        } else if (experts_in_parallel(E)) {
-            experts_by_load(order, la->exp_off, E);
-#pragma omp parallel for schedule(dynamic, 1)
-            for (int i = 0; i < E; i++) expert_forward(la, W, order[i], D, F);
-        } else {
-            for (int e = 0; e < E; e++) expert_forward(la, W, e, D, F);
-        }
+        else
+            local_experts(m->acts, la, W, NULL, E, D, F, EXPERTS_FWD);
         TERA_PROF_END(EXPERT_FWD);
     }
     {
@@ -1040,16 +1044,10 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     tp_sum(m, a->dtopw, N * K);
     {
         TERA_PROF_BEGIN(EXPERT_BWD);
-        int order[64];
-        if (m->par.ep > 1) {
+        if (m->par.ep > 1)
             ep_exchange(m, l, 0);
-        } else if (experts_in_parallel(E)) {
-            experts_by_load(order, la->exp_off, E);
-#pragma omp parallel for schedule(dynamic, 1)
-            for (int i = 0; i < E; i++) expert_backward(a, la, W, G, order[i], D, F);
-        } else {
-            for (int e = 0; e < E; e++) expert_backward(a, la, W, G, e, D, F);
-        }
+        else
+            local_experts(a, la, W, G, E, D, F, EXPERTS_BWD);
         TERA_PROF_END(EXPERT_BWD);
     }
     {
@@ -1168,16 +1166,11 @@ static void layer_recompute(tera_model *m, int l) {
                                                    (int)hd, a->attn_scratch));
         if (is_moe(c, l)) {
             TERA_PROF_BEGIN(EXPERT_FWD);
-            int order[64];
             if (m->par.ep > 1) { /* the received rows are kept (xr): no exchange needed */
                 for (int i = 0; i < m->par.ep; i++)
                     ep_block(m, a, la, W, &m->G.layers[l], (m->ep_rank + i) % m->par.ep, EXPERTS_HIDDEN);
-            } else if (experts_in_parallel(E)) { /* the forward's thread layout (moe_forward) */
-                experts_by_load(order, la->exp_off, E);
-#pragma omp parallel for schedule(dynamic, 1)
-                for (int i = 0; i < E; i++) expert_hidden(la, W, order[i], D, F);
             } else {
-                for (int e = 0; e < E; e++) expert_hidden(la, W, e, D, F);
+                local_experts(a, la, W, NULL, E, D, F, EXPERTS_HIDDEN);
             }
             TERA_PROF_END(EXPERT_FWD);
             if (c->n_shared_experts > 0)

@@ -247,12 +247,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->precision = tera_precision_resolve(t->precision, &tr->precision_note);
     tera_matmul_set_precision(tr->precision);
     tr->bf16_gemm = TERA_BF16_NATIVE;
-    tr->bf16_gemm_note[0] = '\0';
-    if (tr->precision == TERA_PREC_BF16) {
-        const char *why;
-        tr->bf16_gemm = tera_bf16_gemm_resolve(t->bf16_gemm, &why);
-        snprintf(tr->bf16_gemm_note, sizeof tr->bf16_gemm_note, "%s", why);
-    }
+    tr->bf16_gemm_note = "";
+    if (tr->precision == TERA_PREC_BF16) tr->bf16_gemm = tera_bf16_gemm_resolve(t->bf16_gemm, &tr->bf16_gemm_note);
     tera_matmul_set_bf16_gemm(tr->bf16_gemm);
     reserve_scratch(tr);
     tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
@@ -290,7 +286,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
             tera_comm_allreduce_i64(w, &fma, 1);
             if (fma > 0 && tr->bf16_gemm != TERA_BF16_FMA) {
                 tr->bf16_gemm = TERA_BF16_FMA;
-                snprintf(tr->bf16_gemm_note, sizeof tr->bf16_gemm_note, "fma (auto: chosen by another rank's probe)");
+                tr->bf16_gemm_note = "fma (auto: chosen by another rank's probe)";
                 tera_matmul_set_bf16_gemm(TERA_BF16_FMA);
                 reserve_scratch(tr);
             }
