@@ -56,5 +56,13 @@ expect_error "existing run dir" "already exists" -- "$TERA" train --training.ste
 [ "$(cat "$W/keep/notes.txt")" = precious ] && echo "ok: existing file untouched" || { echo "FAIL: file changed"; fails=$((fails + 1)); }
 for d in r0 r1 r2 r3 r4 r5; do [ -e "$W/$d" ] && { echo "FAIL: failed run created $d"; fails=$((fails + 1)); }; done
 
+# ---- run directories, checkpoints, resume, metrics (issue 12) ----
+
+# ---- tokenizer and data preparation (issue 12) ----
+
+# ---- configuration, command line, Hugging Face interchange (issue 12) ----
+
+# ---- multi-rank start-up and hangs (issue 12) ----
+
 echo "cli_errors: $fails failed"
 [ "$fails" = 0 ]

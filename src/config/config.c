@@ -195,11 +195,12 @@ static const config__key config__keys[] = {
            "LR of a step of A micro-batches: x sqrt(A / grad_accum) (Adam), x A / grad_accum, or unchanged"),
     K_STRING(training, init_from, "",
              "Hugging Face Mixtral directory to start from; empty = random init"),
-    K_CHOICE(training, precision, "auto", "auto|fp32|bf16|fp16",
+    K_CHOICE(training, precision, "fp32", "auto|fp32|bf16|fp16",
              "matrix products of the linear layers: bf16 = bf16 operands, fp32 accumulation; fp16 = "
              "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
              "optimizer, norms, softmax, router, attention and losses stay fp32; auto = bf16 where oneDNN "
-             "reports AMX, else fp32 (README, Precision)"),
+             "reports AMX, else fp32, so its results depend on the CPU; the default fp32 gives the same "
+             "numbers on every CPU up to the order of fp32 sums (README, Precision)"),
     K_CHOICE(training, bf16_gemm, "auto", "auto|native|fma",
              "units for bf16 products (same numbers up to the order of fp32 sums): native = oneDNN's bf16 "
              "kernels (AMX, AVX512-BF16 dot products); fma = bf16-rounded operands on the fp32 FMA kernels; "
