@@ -55,7 +55,54 @@ expect_error "missing input" "nope.txt" "$TERA" data prepare --input "$W/nope.tx
 expect_error "existing dataset" "already exists" "$TERA" data prepare --input "$W/corpus.txt" --tokenizer "$W/tok" --output "$W/ds"
 expect_error "missing tokenizer" "notok" "$TERA" data prepare --input "$W/corpus.txt" --tokenizer "$W/notok" --output "$W/x"
 
-# 3. a changed byte in the .bin is caught by the checksum at open
+# 3. several files after one --input (as the usage line says) = one --input per file; the
+#    progress bar ends at 100%; empty documents are skipped with a warning, .txt and JSONL alike
+bin_ids() { od -An -v -tu2 -w1000000 "$1.bin" | tr -s ' ' | sed 's/^ //; s/ $//'; }
+head -c 3000 "$W/corpus.txt" > "$W/part1.txt"; tail -c 2000 "$W/corpus.txt" > "$W/part2.txt"
+printf '{"text": "first document"}\n{"text": "second one"}\n' > "$W/part3.jsonl"
+"$TERA" data prepare --input "$W/part1.txt" "$W/part2.txt" "$W/part3.jsonl" --tokenizer "$W/tok" --output "$W/m1" > "$W/m1.log" 2>&1 \
+    && grep -q "4 documents" "$W/m1.log" && pass "--input A B C: 4 documents" || { fail "--input A B C"; cat "$W/m1.log"; }
+"$TERA" data prepare --input "$W/part1.txt" --input "$W/part2.txt" --input="$W/part3.jsonl" --tokenizer "$W/tok" --output "$W/m2" > /dev/null 2>&1 \
+    && cmp -s "$W/m1.bin" "$W/m2.bin" && cmp -s "$W/m1.idx" "$W/m2.idx" && pass "--input A B C = --input A --input B --input=C" \
+    || fail "one --input per file gives another dataset"
+"$TERA" data prepare --input "$W/part3.jsonl" --tokenizer "$W/tok" --output "$W/m4" > "$W/m4.log" 2>&1 || fail "prepare part3.jsonl"
+last=$(tr '\r' '\n' < "$W/m4.log" | grep '^prepare \[' | tail -1)
+case "$last" in *"100.0%"*) pass "progress ends at 100% ($last)" ;; *) fail "progress ends: '$last'" ;; esac
+"$TERA" tokenizer train --input "$W/part1.txt" "$W/part2.txt" --vocab-size 300 --output "$W/tok2" > "$W/tt2.log" 2>&1 \
+    && [ -f "$W/tok2/vocab.bpe" ] && pass "tokenizer train --input A B" || { fail "tokenizer train --input A B"; cat "$W/tt2.log"; }
+: > "$W/blank.txt"
+printf '{"text": "first document"}\n{"text": ""}\n{"text": "third"}\n' > "$W/gap.jsonl"
+"$TERA" data prepare --input "$W/blank.txt" --input "$W/part1.txt" --input "$W/gap.jsonl" --tokenizer "$W/tok" --output "$W/m3" > "$W/m3.log" 2>&1 \
+    && grep -q "3 documents" "$W/m3.log" && grep -q "warning: input '.*blank.txt' is empty; skipped" "$W/m3.log" \
+    && grep -q "warning: .*gap.jsonl:2: empty document" "$W/m3.log" && pass "empty .txt and empty JSON document: skipped with a warning" \
+    || { fail "empty documents"; cat "$W/m3.log"; }
+[ "$(od -An -tu8 -j18 -N8 "$W/m3.idx" | tr -d ' ')" = 3 ] && pass "m3.idx holds 3 documents" || fail "m3.idx document count"
+"$TERA" tokenizer train --input "$W/blank.txt" --input "$W/part1.txt" --vocab-size 300 --output "$W/tok3" > "$W/tt3.log" 2>&1 \
+    && grep -q "warning: input '.*blank.txt' is empty; skipped" "$W/tt3.log" && pass "tokenizer train: an empty file among others is skipped with a warning" \
+    || { fail "tokenizer train with an empty file"; cat "$W/tt3.log"; }
+
+# 4. special-token text: `tokenizer encode` and `data prepare` agree, with and without --allow-special
+special_agree() { # NAME TOKENIZER_DIR EOT_ID
+    local name=$1 tok=$2 eot=$3 txt='Hello<|endoftext|>world'
+    printf '%s' "$txt" > "$W/sp.txt"
+    local plain allowed
+    plain=$(printf '%s' "$txt" | "$TERA" tokenizer encode --tokenizer "$tok")
+    allowed=$(printf '%s' "$txt" | "$TERA" tokenizer encode --tokenizer "$tok" --allow-special)
+    rm -f "$W"/sp1.* "$W"/sp2.*
+    "$TERA" data prepare --input "$W/sp.txt" --tokenizer "$tok" --output "$W/sp1" > /dev/null 2>&1 || fail "$name: prepare"
+    "$TERA" data prepare --input "$W/sp.txt" --tokenizer "$tok" --output "$W/sp2" --allow-special > /dev/null 2>&1 || fail "$name: prepare --allow-special"
+    [ "$(bin_ids "$W/sp1")" = "$plain $eot" ] && pass "$name: as text by default, both agree ($plain)" \
+        || fail "$name: encode '$plain' vs prepare '$(bin_ids "$W/sp1")'"
+    case " $plain " in *" $eot "*) fail "$name: default encode maps the text to $eot" ;; esac
+    [ "$(bin_ids "$W/sp2")" = "$allowed $eot" ] && pass "$name: --allow-special, both agree ($allowed)" \
+        || fail "$name: --allow-special: encode '$allowed' vs prepare '$(bin_ids "$W/sp2")'"
+    case " $allowed " in *" $eot "*) ;; *) fail "$name: --allow-special does not map the text to $eot" ;; esac
+    [ "$(printf '%s' "$plain" | "$TERA" tokenizer decode --tokenizer "$tok")" = "$txt" ] || fail "$name: decode"
+}
+special_agree "trained tokenizer" "$W/tok" 399
+if [ -f "$GPT2/encoder.json" ]; then special_agree "GPT-2" "$GPT2" 50256; else echo "skip: ../shared/data/gpt2 absent"; fi
+
+# 5. a changed byte in the .bin is caught by the checksum at open
 cp "$W/ds.bin" "$W/ds.bin.orig"
 printf '\x01' | dd of="$W/ds.bin" bs=1 seek=100 conv=notrunc 2>/dev/null
 expect_error "corrupted .bin" "ds.bin: checksum mismatch" "$TERA" train --data.path="$W/ds" --model.vocab_size=400 --logging.run_dir="$W/r9"

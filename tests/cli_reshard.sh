@@ -8,7 +8,7 @@
 # agrees on everything but batch.accum/batch.sequences (the next step's accumulation count and
 # global sequences, which follow from B's own batch settings). Then `tera train -c RUN_DIR/config.ini
 # --resume` (the converted run directory's configuration: layout B) continues: its steps 4 and 5 match A's own steps 4 and 5 to the
-# layouts' tolerance (relative 2e-5, see same_steps in cli_layouts.sh). Errors: a flipped byte
+# layouts' tolerance (LAYOUT_TOL, derived in cli_layouts.sh). Errors: a flipped byte
 # (in the checkpoint or in the base of a differential one), a missing or uncommitted checkpoint,
 # an existing run directory without --force.
 #
@@ -38,17 +38,9 @@ run() { # NP, then the command: one rank without mpirun
     shift
     if [ "$np" = 1 ]; then "$@"; else $MPIRUN -np "$np" "$@"; fi
 }
-# loss (field 2) and grad norm (field 7) of the last N steps of two metrics files, relative 2e-5
-same_last() {
-    local n=$1
-    [ "$(grep -o '^{"step": [0-9]*' "$3" | cut -d' ' -f2 | tr '\n' ' ')" = "$(grep -o '^{"step": [0-9]*' "$2" |
-        tail -n "$n" | cut -d' ' -f2 | tr '\n' ' ')" ] || { echo "steps differ: $(grep -c . "$3") lines"; return 1; }
-    paste -d' ' <(grep '"loss"' "$2" | tail -n "$n" | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') \
-                <(grep '"loss"' "$3" | cut -d, -f2,7 | tr -dc '0-9.e+\-, \n' | tr ',' ' ') |
-        awk '{ for (i = 1; i <= 2; i++) { a = $i; b = $(i + 2); d = a - b; if (d < 0) d = -d;
-               if (d > 2e-5 * (a < 0 ? -a : a) + 1e-7) { print "step " NR + 3 ": " a " vs " b; bad = 1 } } }
-             END { exit bad }'
-}
+# the last N step records of A against all of B, by field name: same steps, loss and grad norm to
+# LAYOUT_TOL (tests/mpilib.sh)
+same_last() { compare_steps "$2" "$3" "$LAYOUT_TOL" "$1"; }
 regions() { sed -n '/"regions"/,/"files"/p' "$1/manifest.json" | grep '"xxh3"'; }
 state() { grep -v '"accum"\|"sequences"' "$1/state.json"; }
 # the converted checkpoint DST is the source SRC: bytes (full sources), state hashes, state.json

@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include "tera/data.h"
+#include "tera/prepare.h"
 #include "tera/rng.h"
+#include "tera/tokenizer.h"
 
 #ifndef TERA_SHARED_DIR
 #define TERA_SHARED_DIR "/work/shared"
@@ -657,6 +659,89 @@ static void test_loader_val_disjoint(void **state) {
     }
 }
 
+/* ---- dataset preparation --------------------------------------------------------------------- */
+
+/* The token ids of PREFIX.bin (uint16). */
+static int32_t *bin_ids(const char *prefix, size_t *n) {
+    char p[600];
+    snprintf(p, sizeof p, "%s.bin", prefix);
+    size_t len;
+    unsigned char *b = read_file(p, &len);
+    int32_t *ids = malloc(sizeof(int32_t) * (len / 2 + 1));
+    assert_non_null(ids);
+    for (size_t i = 0; i < len / 2; i++) ids[i] = b[2 * i] | b[2 * i + 1] << 8;
+    free(b);
+    *n = len / 2;
+    return ids;
+}
+
+/* Appends encode(text, flags) and the end-of-document id to ids[*n]. */
+static void append_doc(const tera_tokenizer *t, const char *text, unsigned flags, int32_t *ids, size_t *n) {
+    int32_t *e;
+    size_t m;
+    assert_int_equal(tera_tokenizer_encode(t, text, strlen(text), flags, &e, &m), TERA_OK);
+    memcpy(ids + *n, e, m * sizeof *e);
+    *n += m;
+    ids[(*n)++] = tera_tokenizer_eot(t);
+    free(e);
+}
+
+/* One rule for empty documents in text files and JSON lines (skipped; a dataset without documents
+ * is refused, naming the input), and special-token text encoded as `tokenizer encode` does. */
+static void test_prepare_empty_and_special(void **state) {
+    (void)state;
+    const char *doc = "Hello<|endoftext|>world", *jl = "{\"text\": \"\"}\n\n{\"text\": \"hi <|endoftext|>\"}\n";
+    char empty[300], txt[300], jsonl[300], only[300], out[300], probe[400];
+    path_in(empty, sizeof empty, "p_empty.txt");
+    path_in(txt, sizeof txt, "p_doc.txt");
+    path_in(jsonl, sizeof jsonl, "p_docs.jsonl");
+    path_in(only, sizeof only, "p_only_empty.jsonl");
+    write_file(empty, "", 0);
+    write_file(txt, doc, strlen(doc));
+    write_file(jsonl, jl, strlen(jl));
+    write_file(only, "{\"text\": \"\"}\n", 13);
+    const char *train_text[] = {"Hello world, hello there <|endoftext|> and hi again"};
+    size_t train_len[] = {strlen(train_text[0])};
+    tera_tokenizer *t;
+    assert_int_equal(tera_tokenizer_train(&t, train_text, train_len, 1, 300), TERA_OK);
+    for (int allow = 0; allow <= 1; allow++) {
+        const char *inputs[] = {empty, txt, jsonl};
+        path_in(out, sizeof out, allow ? "p_allow" : "p_plain");
+        tera_prepare_opts o = {.inputs = inputs, .n_inputs = 3, .output = out, .field = "text", .tok = t,
+                               .threads = 2, .allow_special = allow};
+        tera_prepare_stats st;
+        assert_int_equal(tera_data_prepare(&o, &st), TERA_OK);
+        assert_int_equal(st.documents, 2);
+        const unsigned flags = allow ? TERA_TOK_ALLOW_SPECIAL : 0;
+        int32_t want[256];
+        size_t n_want = 0, n_got;
+        append_doc(t, doc, flags, want, &n_want);
+        append_doc(t, "hi <|endoftext|>", flags, want, &n_want);
+        int32_t *got = bin_ids(out, &n_got);
+        assert_int_equal(n_got, n_want);
+        assert_memory_equal(got, want, n_want * sizeof *want);
+        int eots = 0;
+        for (size_t i = 0; i < n_got; i++) eots += got[i] == tera_tokenizer_eot(t);
+        assert_int_equal(eots, allow ? 4 : 2); /* the text maps to the id only when allowed */
+        free(got);
+    }
+    /* nothing but empty documents: refused, naming the input, and nothing written */
+    const char *cases[][2] = {{empty, NULL}, {only, NULL}, {empty, only}};
+    for (int c = 0; c < 3; c++) {
+        path_in(out, sizeof out, "p_none");
+        tera_prepare_opts o = {.inputs = cases[c], .n_inputs = cases[c][1] ? 2 : 1, .output = out, .field = "text",
+                               .tok = c == 1 ? t : NULL};
+        tera_prepare_stats st;
+        assert_int_equal(tera_data_prepare(&o, &st), TERA_ERR_FORMAT);
+        assert_non_null(strstr(tera_last_error(), c == 1 ? "p_only_empty.jsonl" : "p_empty.txt"));
+        for (int k = 0; k < 3; k++) {
+            snprintf(probe, sizeof probe, "%s.%s", out, (const char *[]){"bin", "idx", "bin.tmp"}[k]);
+            assert_int_not_equal(access(probe, F_OK), 0);
+        }
+    }
+    tera_tokenizer_free(t);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_philox_kat),
@@ -672,6 +757,7 @@ int main(void) {
         cmocka_unit_test(test_loader_layout),
         cmocka_unit_test(test_loader_shuffle),
         cmocka_unit_test(test_loader_val_disjoint),
+        cmocka_unit_test(test_prepare_empty_and_special),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

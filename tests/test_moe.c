@@ -35,7 +35,7 @@ static void test_plan_dropless(void **state) {
     float probs[B * T * E] = {0};
     int32_t slot[A], rtok[A], off[E + 1], sel[B * E];
     _Alignas(16) char scratch[1024];
-    assert_true(tera_moe_plan_scratch_bytes(A) <= sizeof scratch);
+    assert_true(tera_moe_plan_scratch_bytes(A, B, E) <= sizeof scratch);
     int64_t dropped = tera_moe_plan(slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 0, TERA_DROP_POSITION);
     assert_int_equal(dropped, 0);
     /* expert counts 4, 4, 4; rows grouped by expert in assignment order */
@@ -79,11 +79,65 @@ static void test_plan_capacity(void **state) {
     assert_int_equal(d, 0);
 }
 
+/* Thousands of experts: top-8 of 4096 against a brute-force reference (k rounds of arg-max over the
+ * experts not yet taken, ties to the lower index), scores with many ties and a bias; and the plan
+ * with capacity over 4096 experts. */
+static void test_many_experts(void **state) {
+    (void)state;
+    enum { N = 16, E = 4096, K = 8 };
+    float *probs = malloc(sizeof(float) * N * E), *bias = malloc(sizeof(float) * E);
+    int32_t ti[N * K], want[N * K];
+    float tw[N * K];
+    char *taken = malloc(E);
+    uint32_t x = 12345u;
+    for (int i = 0; i < N * E; i++) { /* values on a coarse grid: many exact ties */
+        x = x * 1664525u + 1013904223u;
+        probs[i] = (float)(x >> 24) / 256.0f;
+    }
+    for (int e = 0; e < E; e++) bias[e] = (e % 7 == 0) ? 0.25f : 0.0f;
+    for (int b = 0; b < 2; b++) {
+        const float *bs = b ? bias : NULL;
+        tera_moe_topk(ti, tw, probs, bs, N, E, K);
+        for (int n = 0; n < N; n++) {
+            memset(taken, 0, E);
+            float sum = 0.0f;
+            for (int j = 0; j < K; j++) {
+                int best = -1;
+                for (int e = 0; e < E; e++) {
+                    if (taken[e]) continue;
+                    const float s = probs[n * E + e] + (bs ? bs[e] : 0.0f);
+                    if (best < 0 || s > probs[n * E + best] + (bs ? bs[best] : 0.0f)) best = e;
+                }
+                taken[best] = 1;
+                want[n * K + j] = best;
+                sum += probs[n * E + best];
+            }
+            for (int j = 0; j < K; j++) {
+                assert_int_equal(ti[n * K + j], want[n * K + j]);
+                assert_true(tw[n * K + j] == probs[n * E + want[n * K + j]] / sum);
+            }
+        }
+    }
+    /* the plan: one sequence of N tokens, capacity 1 per expert: every repeat of an expert dropped */
+    int32_t slot[N * K], rtok[N * K], *off = malloc(sizeof(int32_t) * (E + 1)), *sel = malloc(sizeof(int32_t) * E);
+    void *scratch = malloc(tera_moe_plan_scratch_bytes(N * K, 1, E));
+    int64_t repeats = 0;
+    memset(taken, 0, E);
+    for (int a = 0; a < N * K; a++) repeats += taken[ti[a]]++ > 0;
+    const int64_t d = tera_moe_plan(slot, rtok, off, sel, scratch, ti, probs, 1, N, E, K, 1, TERA_DROP_POSITION);
+    assert_int_equal(d, repeats);
+    assert_int_equal(off[E], N * K - repeats);
+    for (int a = 0; a < N * K; a++)
+        if (slot[a] >= 0) assert_true(slot[a] >= off[ti[a]] && slot[a] < off[ti[a] + 1]);
+    free(scratch), free(off), free(sel), free(taken), free(probs), free(bias);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_topk),
         cmocka_unit_test(test_plan_dropless),
         cmocka_unit_test(test_plan_capacity),
+        cmocka_unit_test(test_many_experts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

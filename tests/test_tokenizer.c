@@ -8,7 +8,11 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <dirent.h>
+#include <errno.h>
 #include <ftw.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -399,6 +403,109 @@ static void test_train_errors(void **state) {
     assert_int_equal(tera_tokenizer_train(&t, texts, lens, 1, 256), TERA_ERR_ARG);
 }
 
+/* Errors name the file when the caller gives names; a training set without any text is refused. */
+static void test_train_named_errors(void **state) {
+    (void)state;
+    const char *texts[] = {"fine", "bad \xff here", ""};
+    size_t lens[] = {4, 10, 0};
+    const char *names[] = {"a.txt", "b.txt", "empty.txt"};
+    tera_tokenizer *t = (tera_tokenizer *)1;
+    assert_int_equal(tera_tokenizer_train_named(&t, texts, lens, names, 2, 300), TERA_ERR_FORMAT);
+    assert_null(t);
+    assert_non_null(strstr(tera_last_error(), "'b.txt'"));
+    assert_non_null(strstr(tera_last_error(), "byte offset 4"));
+    assert_int_equal(tera_tokenizer_train_named(&t, texts + 2, lens + 2, names + 2, 1, 300), TERA_ERR_FORMAT);
+    assert_null(t);
+    assert_non_null(strstr(tera_last_error(), "'empty.txt' is empty"));
+    assert_int_equal(tera_tokenizer_train(&t, texts + 2, lens + 2, 1, 300), TERA_ERR_FORMAT);
+    assert_null(t);
+    /* an empty text next to others is fine */
+    assert_int_equal(tera_tokenizer_train_named(&t, texts, lens, names, 1, 300), TERA_OK);
+    tera_tokenizer_free(t);
+}
+
+/* The entries of directory d other than "." and ".." whose name contains `part`. */
+static int count_entries(const char *d, const char *part) {
+    DIR *dp = opendir(d);
+    assert_non_null(dp);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dp)) != NULL)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strstr(e->d_name, part)) n++;
+    closedir(dp);
+    return n;
+}
+
+/* Saving replaces a tokenizer as a whole, keeps other files, and a failed save (a write past the
+ * file-size limit: EFBIG, as on a full disk) leaves the old tokenizer and nothing else behind. */
+static void test_save_atomic(void **state) {
+    (void)state;
+    size_t n;
+    char *corpus = default_corpus(&n);
+    const char *texts[] = {corpus};
+    tera_tokenizer *small, *big, *u;
+    assert_int_equal(tera_tokenizer_train(&small, texts, &n, 1, 300), TERA_OK);
+    assert_int_equal(tera_tokenizer_train(&big, texts, &n, 1, 1000), TERA_OK);
+    char dir[700], base[300], notes[800];
+    snprintf(base, sizeof base, "%s/atomic", g_dir);
+    snprintf(dir, sizeof dir, "%s/a/b/tok/", base); /* missing parents, a trailing slash */
+    assert_int_equal(tera_tokenizer_save(small, dir), TERA_OK);
+    assert_int_equal(tera_tokenizer_save(big, dir), TERA_OK); /* swapped whole */
+    assert_int_equal(tera_tokenizer_load(&u, dir), TERA_OK);
+    assert_same_merges(big, u);
+    tera_tokenizer_free(u);
+    snprintf(dir, sizeof dir, "%s/a/b/tok", base);
+    assert_int_equal(count_entries(dir, ""), 2);
+    snprintf(notes, sizeof notes, "%s/notes.txt", dir);
+    write_all(notes, "precious");
+    assert_int_equal(tera_tokenizer_save(small, dir), TERA_OK); /* file by file: notes.txt stays */
+    assert_int_equal(tera_tokenizer_load(&u, dir), TERA_OK);
+    assert_same_merges(small, u);
+    tera_tokenizer_free(u);
+    size_t k;
+    char *kept = read_all(notes, &k);
+    assert_non_null(kept);
+    assert_int_equal(k, 8);
+    free(kept);
+    assert_int_equal(count_entries(dir, ""), 3);
+    /* a full disk: encoder.json of `big` is larger than the 4 KiB limit */
+    char enc_path[800];
+    snprintf(enc_path, sizeof enc_path, "%s/encoder.json", dir);
+    size_t before_n, after_n;
+    char *before = read_all(enc_path, &before_n);
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = 4096;
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    tera_status st = tera_tokenizer_save(big, dir);
+    char fresh[700];
+    snprintf(fresh, sizeof fresh, "%s/new/x/tok", base);
+    tera_status st2 = tera_tokenizer_save(big, fresh);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, prev);
+    assert_int_equal(st2, TERA_ERR_IO);
+    assert_non_null(strstr(tera_last_error(), "encoder.json"));
+    assert_non_null(strstr(tera_last_error(), strerror(EFBIG)));
+    assert_int_equal(st, TERA_ERR_IO);
+    char *after = read_all(enc_path, &after_n);
+    assert_int_equal(before_n, after_n);
+    assert_memory_equal(before, after, before_n);
+    free(before), free(after);
+    assert_int_equal(count_entries(dir, ""), 3);
+    snprintf(dir, sizeof dir, "%s/a/b", base);
+    assert_int_equal(count_entries(dir, "tmp"), 0);
+    assert_int_equal(count_entries(base, "new"), 0); /* the parents it made are gone too */
+    /* a file where the directory should be */
+    snprintf(fresh, sizeof fresh, "%s/a/file", base);
+    write_all(fresh, "x");
+    assert_int_equal(tera_tokenizer_save(small, fresh), TERA_ERR_EXISTS);
+    snprintf(dir, sizeof dir, "%s/a", base);
+    assert_int_equal(count_entries(dir, "tmp"), 0);
+    tera_tokenizer_free(small), tera_tokenizer_free(big), free(corpus);
+}
+
 /* GPT-2's own files survive save + load unchanged. */
 static void test_gpt2_save_load(void **state) {
     (void)state;
@@ -565,6 +672,8 @@ int main(void) {
         cmocka_unit_test(test_train_small_exact),
         cmocka_unit_test(test_train_corpus),
         cmocka_unit_test(test_train_errors),
+        cmocka_unit_test(test_train_named_errors),
+        cmocka_unit_test(test_save_atomic),
         cmocka_unit_test(test_gpt2_save_load),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_parallel_equals_serial),

@@ -9,3 +9,29 @@ finish() {
     echo "$1: $fails failed"
     [ "$fails" = 0 ]
 }
+
+# Metrics by field name. steps_of FILE: "step loss grad_norm skipped" of every step record of a
+# metrics.jsonl (a line with "loss" and no "event"); a missing field reads "-", a non-finite one "null".
+steps_of() {
+    awk 'function f(k,  s) { if (!match($0, "\"" k "\": [^,}]*")) return "-"; s = substr($0, RSTART, RLENGTH)
+                             sub(/^[^:]*: /, "", s); return s }
+         /"loss": / && !/"event"/ { print f("step"), f("loss"), f("grad_norm"), f("skipped") }' "$1"
+}
+# compare_steps A B TOL [N]: the step records of two metrics files have the same steps and skips, and
+# loss and grad_norm agree to relative TOL (0: identical as printed); with N, the last N records of A
+# against all of B. Prints "K steps, worst relative difference X" (and the steps at fault); fails on
+# a mismatch, or when there is no record.
+compare_steps() {
+    paste -d' ' <(if [ -n "${4:-}" ]; then steps_of "$1" | tail -n "$4"; else steps_of "$1"; fi) <(steps_of "$2") |
+        awk -v tol="$3" '
+        function rel(x, y,  d) { if (x == y) return 0; if (x == "null" || y == "null") return 1e30
+                                 d = (x - y) / (x < 0 ? -x : x); return d < 0 ? -d : d }
+        { n++; if (NF != 8 || $1 != $5 || $4 != $8) { bad = 1; print "record " n " differs: " $0; next }
+          for (i = 2; i <= 3; i++) { r = rel($i, $(i + 4)); if (r > worst) worst = r
+                                     if (r > tol) { bad = 1; print "step " $1 ": " $i " vs " $(i + 4) } } }
+        END { printf "%d steps, worst relative difference %.2g\n", n, worst; exit bad || n == 0 }'
+}
+# untimed FILE: a metrics file without its timing fields, for bit-identity checks (cmp)
+untimed() { sed 's/"tokens_per_s[^,]*,//; s/"elapsed_s[^,]*,//; s/"step_s[^,]*,//; s/"data_wait_s[^,]*,//' "$1"; }
+# within A B TOL: |A - B| <= TOL * |A| (and A > 0)
+within() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= t * a) }'; }

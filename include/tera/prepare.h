@@ -16,6 +16,9 @@ typedef struct {
     const tera_tokenizer *tok;   /* NULL: byte-level tokens (id = byte value), no end-of-document */
     int threads;                 /* encoding threads (<= 0: all cores) */
     int progress;                /* progress bar on stderr */
+    int allow_special;           /* map special-token text ("<|endoftext|>") in documents to its id
+                                    (TERA_TOK_ALLOW_SPECIAL); 0: encode it as ordinary text, as
+                                    `tera tokenizer encode` does without --allow-special */
 } tera_prepare_opts;
 
 typedef struct {
@@ -24,9 +27,11 @@ typedef struct {
 } tera_prepare_stats;
 
 /* Encodes every document, appends the end-of-document token after each (when the tokenizer has
- * one), and writes the dataset atomically (nothing is left at PREFIX on failure). Errors name the
- * file and line/byte offset: unreadable or empty input, invalid JSON, a line without the field,
- * invalid UTF-8. */
+ * one), and writes the dataset atomically (nothing is left at PREFIX on failure). Empty documents
+ * (an empty text file, a JSON line whose field is "") are skipped with a warning on stderr naming
+ * the file (and line); blank JSON lines are skipped silently. A dataset without any document is
+ * refused, naming the input(s). Errors name the file and line/byte offset: unreadable input,
+ * invalid JSON, a line without the field, invalid UTF-8. */
 tera_status tera_data_prepare(const tera_prepare_opts *o, tera_prepare_stats *stats);
 
 #endif

@@ -33,7 +33,12 @@ enum {
 tera_status tera_tokenizer_load_gpt2(tera_tokenizer **t, const char *encoder_json, const char *vocab_bpe);
 /* Loads DIR/encoder.json + DIR/vocab.bpe. */
 tera_status tera_tokenizer_load(tera_tokenizer **t, const char *dir);
-/* Writes DIR/encoder.json + DIR/vocab.bpe (creates DIR; overwrites the two files). */
+/* Writes DIR/encoder.json + DIR/vocab.bpe (creating DIR and its parents), replacing the two files
+ * if present, without ever leaving them half-written: both are written (every write, flush, fsync
+ * and close checked) into a temporary directory next to DIR (DIR.tmp.PID.N) and moved into place
+ * only when complete; a DIR that holds only these files is swapped whole in one step. On failure
+ * (a full disk, ...) DIR is unchanged, nothing is left behind, and the message names the file and
+ * the reason. */
 tera_status tera_tokenizer_save(const tera_tokenizer *t, const char *dir);
 void tera_tokenizer_free(tera_tokenizer *t);
 
@@ -65,8 +70,13 @@ tera_status tera_tokenizer_decode(const tera_tokenizer *t, const int32_t *ids, s
  * frequent adjacent pair within pre-tokens (ties: the pair whose (left bytes, right bytes) is
  * lexicographically smallest) until the vocabulary holds vocab_size - 1 tokens, then
  * `<|endoftext|>` as the last id. Stops early (smaller vocabulary) if no pair is left.
- * Deterministic: the same texts give the same merges. vocab_size must be >= 257. */
+ * Deterministic: the same texts give the same merges. vocab_size must be >= 257. Empty texts are
+ * allowed, but if every text is empty it is TERA_ERR_FORMAT (nothing to learn). Errors (invalid
+ * UTF-8: the byte offset) name the text as "training text I". */
 tera_status tera_tokenizer_train(tera_tokenizer **t, const char *const *texts, const size_t *lens, int n_texts,
                                  int vocab_size);
+/* The same, with errors naming the text by names[i] (e.g. its file) when names is not NULL. */
+tera_status tera_tokenizer_train_named(tera_tokenizer **t, const char *const *texts, const size_t *lens,
+                                       const char *const *names, int n_texts, int vocab_size);
 
 #endif

@@ -1,4 +1,5 @@
 /* tera data prepare / tera tokenizer train|encode|decode */
+#include <errno.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -6,19 +7,32 @@
 #include <unistd.h>
 
 #include "cli.h"
-#include "tera/io.h"
 #include "tera/prepare.h"
 #include "tera/tokenizer.h"
 
 #define MAX_INPUTS 4096
 
-/* Options of these commands: repeated --input, single-valued others, --force. */
+/* Options of these commands: --input FILE... (one or more files, and repeatable), single-valued
+ * others, the flags --force and --allow-special. */
 typedef struct {
     const char *inputs[MAX_INPUTS];
     int n_inputs;
     const char *output, *tokenizer, *field;
-    int vocab_size, threads, force;
+    int vocab_size, threads, force, allow_special;
 } data_args;
+
+static int add_input(data_args *a, const char *v) {
+    if (a->n_inputs == MAX_INPUTS) {
+        tera_fail(TERA_ERR_ARG, "at most %d --input files", MAX_INPUTS);
+        return tera_cli_error();
+    }
+    if (!*v) {
+        tera_fail(TERA_ERR_ARG, "--input: empty file name");
+        return tera_cli_error();
+    }
+    a->inputs[a->n_inputs++] = v;
+    return 0;
+}
 
 static int parse(int argc, char **argv, data_args *a) {
     memset(a, 0, sizeof *a);
@@ -27,6 +41,10 @@ static int parse(int argc, char **argv, data_args *a) {
         const char *k = argv[i];
         if (!strcmp(k, "--force")) {
             a->force = 1;
+            continue;
+        }
+        if (!strcmp(k, "--allow-special")) {
+            a->allow_special = 1;
             continue;
         }
         const char *v = NULL;
@@ -47,12 +65,14 @@ static int parse(int argc, char **argv, data_args *a) {
             }
             v = argv[++i];
         }
-        if (!strcmp(key, "--input")) {
-            if (a->n_inputs == MAX_INPUTS) {
-                tera_fail(TERA_ERR_ARG, "at most %d --input files", MAX_INPUTS);
+        if (!strcmp(key, "--input")) { /* --input A B C: every following argument up to the next option */
+            if (!eq && !strncmp(v, "--", 2)) {
+                tera_fail(TERA_ERR_ARG, "--input needs a file before '%s'", v);
                 return tera_cli_error();
             }
-            a->inputs[a->n_inputs++] = v;
+            if (add_input(a, v)) return 1;
+            while (!eq && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+                if (add_input(a, argv[++i])) return 1;
         } else if (!strcmp(key, "--output")) {
             a->output = v;
         } else if (!strcmp(key, "--tokenizer")) {
@@ -96,7 +116,7 @@ static int data_prepare(int argc, char **argv) {
     data_args a;
     if (parse(argc, argv, &a)) return 1;
     if (!a.n_inputs || !a.output) {
-        tera_fail(TERA_ERR_ARG, "data prepare needs --input FILE (repeatable) and --output PREFIX");
+        tera_fail(TERA_ERR_ARG, "data prepare needs --input FILE... and --output PREFIX");
         return tera_cli_error();
     }
     char idx[1100];
@@ -105,7 +125,8 @@ static int data_prepare(int argc, char **argv) {
     tera_tokenizer *tok;
     if (load_tokenizer(a.tokenizer, &tok) != TERA_OK) return tera_cli_error();
     tera_prepare_opts o = {.inputs = a.inputs, .n_inputs = a.n_inputs, .output = a.output, .field = a.field,
-                           .tok = tok, .threads = a.threads, .progress = 1};
+                           .tok = tok, .threads = a.threads, .progress = 1,
+                           .allow_special = a.allow_special};
     tera_prepare_stats s;
     tera_status st = tera_data_prepare(&o, &s);
     tera_tokenizer_free(tok);
@@ -116,9 +137,37 @@ static int data_prepare(int argc, char **argv) {
     return 0;
 }
 
+/* Reads a whole file (every byte, as data prepare does). */
 static tera_status read_all(const char *path, char **text, size_t *len) {
-    TERA_TRY(tera_read_text_file(path, text));
-    *len = strlen(*text); /* inputs are text: an embedded NUL ends them */
+    *text = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return tera_fail(TERA_ERR_IO, "cannot open input '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return tera_fail(TERA_ERR_IO, "input '%s' is not a regular file", path);
+    }
+    size_t cap = (size_t)sb.st_size + 1, n = 0, k;
+    char *buf = tera_malloc(cap);
+    while ((k = fread(buf + n, 1, cap - n, f)) > 0) {
+        n += k;
+        if (n == cap) { /* grew since fstat */
+            char *g = tera_malloc(cap * 2);
+            memcpy(g, buf, n);
+            free(buf);
+            buf = g;
+            cap *= 2;
+        }
+    }
+    int e = errno, bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return tera_fail(TERA_ERR_IO, "cannot read input '%s': %s", path, strerror(e));
+    }
+    *text = buf;
+    *len = n;
     return TERA_OK;
 }
 
@@ -126,7 +175,7 @@ static int tokenizer_train(int argc, char **argv) {
     data_args a;
     if (parse(argc, argv, &a)) return 1;
     if (!a.n_inputs || !a.output || !a.vocab_size) {
-        tera_fail(TERA_ERR_ARG, "tokenizer train needs --input FILE (repeatable), --vocab-size N and --output DIR");
+        tera_fail(TERA_ERR_ARG, "tokenizer train needs --input FILE..., --vocab-size N and --output DIR");
         return tera_cli_error();
     }
     char enc[1100];
@@ -135,9 +184,16 @@ static int tokenizer_train(int argc, char **argv) {
     char **texts = tera_calloc((size_t)a.n_inputs, sizeof(char *));
     size_t *lens = tera_calloc((size_t)a.n_inputs, sizeof(size_t));
     tera_status st = TERA_OK;
-    for (int i = 0; i < a.n_inputs && st == TERA_OK; i++) st = read_all(a.inputs[i], &texts[i], &lens[i]);
+    size_t total = 0;
+    for (int i = 0; i < a.n_inputs && st == TERA_OK; i++) {
+        st = read_all(a.inputs[i], &texts[i], &lens[i]);
+        total += lens[i];
+    }
+    for (int i = 0; i < a.n_inputs && st == TERA_OK && total > 0; i++) /* all empty: refused below */
+        if (lens[i] == 0) fprintf(stderr, "tera: warning: input '%s' is empty; skipped\n", a.inputs[i]);
     tera_tokenizer *t = NULL;
-    if (st == TERA_OK) st = tera_tokenizer_train(&t, (const char *const *)texts, lens, a.n_inputs, a.vocab_size);
+    if (st == TERA_OK)
+        st = tera_tokenizer_train_named(&t, (const char *const *)texts, lens, a.inputs, a.n_inputs, a.vocab_size);
     if (st == TERA_OK) st = tera_tokenizer_save(t, a.output);
     for (int i = 0; i < a.n_inputs; i++) free(texts[i]);
     free(texts);
@@ -175,11 +231,17 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
             cap *= 2;
         }
     }
+    if (ferror(stdin)) {
+        tera_fail(TERA_ERR_IO, "cannot read stdin: %s", strerror(errno));
+        free(in);
+        tera_tokenizer_free(t);
+        return tera_cli_error();
+    }
     tera_status st;
     if (encode) {
         int32_t *ids;
         size_t m;
-        st = tera_tokenizer_encode(t, in, n, TERA_TOK_ALLOW_SPECIAL, &ids, &m);
+        st = tera_tokenizer_encode(t, in, n, a.allow_special ? TERA_TOK_ALLOW_SPECIAL : 0, &ids, &m);
         if (st == TERA_OK) {
             for (size_t i = 0; i < m; i++) printf(i ? " %d" : "%d", ids[i]);
             printf("\n");
@@ -222,13 +284,15 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
     }
     free(in);
     tera_tokenizer_free(t);
+    if (st == TERA_OK && (fflush(stdout) != 0 || ferror(stdout)))
+        st = tera_fail(TERA_ERR_IO, "cannot write stdout: %s", strerror(errno));
     return st == TERA_OK ? 0 : tera_cli_error();
 }
 
 int tera_cmd_data(int argc, char **argv) {
     if (argc >= 1 && !strcmp(argv[0], "prepare")) return data_prepare(argc - 1, argv + 1);
     tera_fail(TERA_ERR_ARG, "usage: tera data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] "
-                            "[--field NAME] [--threads N] [--force]");
+                            "[--field NAME] [--threads N] [--allow-special] [--force]");
     return tera_cli_error();
 }
 
@@ -237,6 +301,6 @@ int tera_cmd_tokenizer(int argc, char **argv) {
     if (argc >= 1 && !strcmp(argv[0], "encode")) return tokenizer_codec(argc - 1, argv + 1, 1);
     if (argc >= 1 && !strcmp(argv[0], "decode")) return tokenizer_codec(argc - 1, argv + 1, 0);
     tera_fail(TERA_ERR_ARG, "usage: tera tokenizer train --input FILE... --vocab-size N --output DIR [--force] | "
-                            "encode --tokenizer DIR < text | decode --tokenizer DIR < ids");
+                            "encode --tokenizer DIR [--allow-special] < text | decode --tokenizer DIR < ids");
     return tera_cli_error();
 }

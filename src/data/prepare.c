@@ -31,11 +31,15 @@ typedef struct {
     int64_t line;       /* JSON line number (1-based), 0 for whole files */
 } doc_slot;
 
+#define MAX_WARNINGS 10                /* empty-document warnings printed one by one */
+
 typedef struct {
     const tera_prepare_opts *o;
     tera_idx_writer *w;
     tera_prepare_stats *stats;
-    int64_t total_bytes, done_bytes;
+    int64_t total_bytes, done_bytes;   /* input file bytes: all, and read so far */
+    int64_t empty_docs;                /* skipped empty documents */
+    int bar_open;                      /* a progress line without its newline is on stderr */
     double t0, last_print;
 } prep_ctx;
 
@@ -49,7 +53,9 @@ static void progress(prep_ctx *c, int final) {
     double now = tera_now();
     if (!final && now - c->last_print < 0.5) return;
     c->last_print = now;
+    if (final) c->done_bytes = c->total_bytes; /* every input read (even if one changed size meanwhile) */
     double el = now - c->t0, frac = c->total_bytes ? (double)c->done_bytes / (double)c->total_bytes : 1.0;
+    if (frac > 1.0) frac = 1.0;
     int bar = (int)(frac * 30);
     char b[31];
     for (int i = 0; i < 30; i++) b[i] = i < bar ? '#' : '.';
@@ -59,6 +65,17 @@ static void progress(prep_ctx *c, int final) {
             (long)c->stats->documents, (long)c->stats->tokens, el > 0 ? (double)c->done_bytes / el / 1e6 : 0.0, eta,
             final ? "\n" : "");
     fflush(stderr);
+    c->bar_open = !final;
+}
+
+/* An empty document is skipped with a warning naming it (the first MAX_WARNINGS, then a count). */
+static void skip_empty(prep_ctx *c, const char *path, int64_t lineno) {
+    if (++c->empty_docs > MAX_WARNINGS) return;
+    if (c->bar_open) fputc('\n', stderr);
+    c->bar_open = 0;
+    if (lineno) fprintf(stderr, "tera: warning: %s:%ld: empty document (field \"%s\" is \"\"); skipped\n", path,
+                        (long)lineno, c->o->field);
+    else fprintf(stderr, "tera: warning: input '%s' is empty; skipped\n", path);
 }
 
 static void encode_slot(const tera_prepare_opts *o, doc_slot *d, int threads) {
@@ -69,8 +86,9 @@ static void encode_slot(const tera_prepare_opts *o, doc_slot *d, int threads) {
         d->st = TERA_OK;
         return;
     }
-    d->st = threads > 1 ? tera_tokenizer_encode_parallel(o->tok, d->text, d->len, 0, threads, &d->ids, &d->n_ids)
-                        : tera_tokenizer_encode(o->tok, d->text, d->len, 0, &d->ids, &d->n_ids);
+    const unsigned flags = o->allow_special ? TERA_TOK_ALLOW_SPECIAL : 0;
+    d->st = threads > 1 ? tera_tokenizer_encode_parallel(o->tok, d->text, d->len, flags, threads, &d->ids, &d->n_ids)
+                        : tera_tokenizer_encode(o->tok, d->text, d->len, flags, &d->ids, &d->n_ids);
     if (d->st != TERA_OK) snprintf(d->err, sizeof d->err, "%s", tera_last_error());
 }
 
@@ -105,12 +123,11 @@ static tera_status flush_batch(prep_ctx *c, const char *path, doc_slot *slots, i
             c->stats->tokens += (int64_t)d->n_ids;
             c->stats->bytes += (int64_t)d->len;
         }
-        c->done_bytes += (int64_t)d->len;
         free(d->ids);
         free(d->owned);
         memset(d, 0, sizeof *d);
     }
-    progress(c, 0);
+    if (st == TERA_OK) progress(c, 0);
     return st;
 }
 
@@ -122,9 +139,11 @@ static tera_status map_input(const char *path, char **data, size_t *len) {
         close(fd);
         return tera_fail(TERA_ERR_IO, "input '%s' is not a regular file", path);
     }
-    if (sb.st_size == 0) {
+    if (sb.st_size == 0) { /* no mapping: the caller skips it */
         close(fd);
-        return tera_fail(TERA_ERR_FORMAT, "input '%s' is empty", path);
+        *data = NULL;
+        *len = 0;
+        return TERA_OK;
     }
     void *m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
@@ -162,11 +181,17 @@ static tera_status prepare_file(prep_ctx *c, const char *path, doc_slot *slots) 
     char *data = NULL;
     size_t len = 0;
     TERA_TRY(map_input(path, &data, &len));
+    const int64_t base = c->done_bytes, docs_before = c->stats->documents, empty_before = c->empty_docs;
     tera_status st = TERA_OK;
     int n = 0;
+    if (len == 0) {
+        skip_empty(c, path, 0);
+        return TERA_OK;
+    }
     if (!is_jsonl(path)) {
         slots[0].text = data;
         slots[0].len = len;
+        c->done_bytes = base + (int64_t)len;
         st = flush_batch(c, path, slots, 1);
     } else {
         int64_t lineno = 0;
@@ -177,20 +202,30 @@ static tera_status prepare_file(prep_ctx *c, const char *path, doc_slot *slots) 
             lineno++;
             size_t a = pos, b = end;
             while (a < b && (data[a] == ' ' || data[a] == '\t' || data[a] == '\r')) a++;
+            pos = end + 1;
             if (a < b) { /* blank lines are skipped */
                 st = parse_line(path, lineno, data + a, b - a, c->o->field, &slots[n]);
-                if (st == TERA_OK && ++n == BATCH_DOCS) {
+                if (st == TERA_OK && slots[n].len == 0) { /* {"text": ""}: an empty document */
+                    free(slots[n].owned);
+                    memset(&slots[n], 0, sizeof slots[n]);
+                    skip_empty(c, path, lineno);
+                } else if (st == TERA_OK && ++n == BATCH_DOCS) {
+                    c->done_bytes = base + (int64_t)(pos < len ? pos : len);
                     st = flush_batch(c, path, slots, n);
                     n = 0;
                 }
             }
-            pos = end + 1;
         }
+        c->done_bytes = base + (int64_t)len;
         if (st == TERA_OK && n) st = flush_batch(c, path, slots, n);
         else
             for (int i = 0; i < n; i++) free(slots[i].owned), memset(&slots[i], 0, sizeof slots[i]);
-        if (st == TERA_OK && lineno > 0 && c->stats->documents == 0)
-            st = tera_fail(TERA_ERR_FORMAT, "input '%s' holds no documents", path);
+        if (st == TERA_OK && c->stats->documents == docs_before && c->empty_docs == empty_before) {
+            /* only blank lines */
+            if (c->bar_open) fputc('\n', stderr);
+            c->bar_open = 0;
+            fprintf(stderr, "tera: warning: input '%s' holds no documents (only blank lines); skipped\n", path);
+        }
     }
     munmap(data, len);
     return st;
@@ -213,13 +248,25 @@ tera_status tera_data_prepare(const tera_prepare_opts *o, tera_prepare_stats *st
     tera_status st = TERA_OK;
     for (int i = 0; i < o->n_inputs && st == TERA_OK; i++) st = prepare_file(&c, o->inputs[i], slots);
     free(slots);
+    if (st == TERA_OK && c.empty_docs > MAX_WARNINGS)
+        fprintf(stderr, "%stera: warning: %ld empty documents skipped in all\n", c.bar_open ? "\n" : "",
+                (long)c.empty_docs), c.bar_open = 0;
+    if (st == TERA_OK && stats->documents == 0) {
+        if (o->n_inputs == 1)
+            st = tera_fail(TERA_ERR_FORMAT, "input '%s' holds no documents: nothing to prepare",
+                           o->inputs[0]);
+        else
+            st = tera_fail(TERA_ERR_FORMAT, "none of the %d inputs ('%s', ...) holds a document: nothing to prepare",
+                           o->n_inputs, o->inputs[0]);
+    }
     if (st != TERA_OK) {
         tera_idx_writer_abort(c.w);
-        if (o->progress) fputc('\n', stderr);
+        if (c.bar_open) fputc('\n', stderr);
         return st;
     }
     st = tera_idx_writer_commit(c.w);
     stats->seconds = tera_now() - c.t0;
-    progress(&c, 1);
+    if (st == TERA_OK) progress(&c, 1);
+    else if (c.bar_open) fputc('\n', stderr);
     return st;
 }

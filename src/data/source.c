@@ -6,6 +6,8 @@
  * out-of-mapping access whatever the file holds. */
 #include "tera/data.h"
 
+#include "data/atomic_file.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -440,15 +442,6 @@ static int put_u32(FILE *f, uint32_t v) {
     return put_bytes(f, b, 4);
 }
 
-/* Flushes, syncs and closes; returns 0 on any failure (errno set). */
-static int finish_file(FILE *f) {
-    int ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
-    int e = errno;
-    if (fclose(f) != 0) return 0;
-    errno = e;
-    return ok;
-}
-
 struct tera_idx_writer {
     char prefix[TERA_PATH_MAX];
     char bin_tmp[TERA_PATH_MAX + 16];
@@ -549,19 +542,12 @@ static tera_status write_idx(const char *tmp, int dtype, int es, const int64_t *
     for (int64_t d = 0; ok && d <= n_docs; d++) ok = put_u64(f, (uint64_t)d);
     int e = errno;
     if (!ok) fclose(f);
-    else if (!finish_file(f)) { ok = 0; e = errno; }
+    else if (!tera_file_finish(f)) { ok = 0; e = errno; }
     if (!ok) {
         remove(tmp);
         return tera_fail(TERA_ERR_IO, "cannot write '%s': %s", tmp, strerror(e));
     }
     return TERA_OK;
-}
-
-static tera_status rename_into_place(const char *from, const char *to) {
-    if (rename(from, to) == 0) return TERA_OK;
-    int e = errno;
-    remove(from);
-    return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", from, to, strerror(e));
 }
 
 tera_status tera_idx_writer_commit(tera_idx_writer *w) {
@@ -572,13 +558,17 @@ tera_status tera_idx_writer_commit(tera_idx_writer *w) {
     snprintf(idx_tmp, sizeof idx_tmp, "%s.idx.tmp", w->prefix);
     snprintf(sum, sizeof sum, "%s.xxh3", w->prefix);
     snprintf(sum_tmp, sizeof sum_tmp, "%s.xxh3.tmp", w->prefix);
-    if (!writer_flush(w) || !finish_file(w->bin)) {
-        tera_status st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", w->bin_tmp, strerror(errno));
+    int done = writer_flush(w), e = errno;
+    if (done) { /* (on a failed flush the file stays open for abort to close) */
+        done = tera_file_finish(w->bin);
+        e = errno;
         w->bin = NULL;
+    }
+    if (!done) {
+        tera_status st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", w->bin_tmp, strerror(e));
         tera_idx_writer_abort(w);
         return st;
     }
-    w->bin = NULL;
     const uint64_t hbin = XXH3_64bits_digest(w->hash);
     tera_status st = write_idx(idx_tmp, w->dtype, w->es, w->doc_len, w->n_docs);
     if (st != TERA_OK) {
@@ -591,7 +581,7 @@ tera_status tera_idx_writer_commit(tera_idx_writer *w) {
     const char *base = strrchr(w->prefix, '/');
     base = base ? base + 1 : w->prefix;
     if (!f || fprintf(f, "%016llx  %s.idx\n%016llx  %s.bin\n", (unsigned long long)hidx, base,
-                      (unsigned long long)hbin, base) < 0 || !finish_file(f)) {
+                      (unsigned long long)hbin, base) < 0 || !tera_file_finish(f)) {
         st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", sum_tmp, strerror(errno));
         remove(idx_tmp);
         remove(sum_tmp);
@@ -599,9 +589,9 @@ tera_status tera_idx_writer_commit(tera_idx_writer *w) {
         return st;
     }
     /* order: .bin, checksums, .idx last: an .idx on disk implies its .bin and checksums are complete */
-    st = rename_into_place(w->bin_tmp, bin);
-    if (st == TERA_OK) st = rename_into_place(sum_tmp, sum);
-    if (st == TERA_OK) st = rename_into_place(idx_tmp, idx);
+    st = tera_file_rename(w->bin_tmp, bin);
+    if (st == TERA_OK) st = tera_file_rename(sum_tmp, sum);
+    if (st == TERA_OK) st = tera_file_rename(idx_tmp, idx);
     if (st != TERA_OK) {
         remove(idx_tmp);
         remove(sum_tmp);

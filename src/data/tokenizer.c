@@ -6,6 +6,7 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "data/atomic_file.h"
 #include "data/tokenizer_internal.h"
 #include "tera/config.h"
 #include "tera/io.h"
@@ -380,15 +381,6 @@ tera_status tera_tokenizer_load(tera_tokenizer **t, const char *dir) {
 
 /* ---- saving --------------------------------------------------------------------------------- */
 
-/* Writes n bytes to path (replacing it). */
-static tera_status write_file(const char *path, const char *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    if (!f) return tera_fail(TERA_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
-    int bad = fwrite(data, 1, n, f) != n;
-    bad |= fclose(f) != 0;
-    return bad ? tera_fail(TERA_ERR_IO, "%s: write error", path) : TERA_OK;
-}
-
 /* The longest token, in bytes. */
 static size_t max_token_len(const tera_tokenizer *t) {
     size_t mx = 1;
@@ -410,7 +402,7 @@ static tera_status save_encoder(const tera_tokenizer *t, const uint32_t b2u[256]
     char *json = ok ? cJSON_PrintUnformatted(root) : NULL;
     cJSON_Delete(root);
     if (!json) return tera_fail(TERA_ERR_NOMEM, "%s: cannot build the JSON text", path);
-    tera_status s = write_file(path, json, strlen(json));
+    tera_status s = tera_file_write(path, json, strlen(json));
     cJSON_free(json);
     return s;
 }
@@ -428,21 +420,32 @@ static tera_status save_merges(const tera_tokenizer *t, const uint32_t b2u[256],
         n += (size_t)sprintf(out + n, "%s %s\n", a, b);
     }
     free(a), free(b);
-    tera_status s = write_file(path, out, n);
+    tera_status s = tera_file_write(path, out, n);
     free(out);
     return s;
 }
 
+/* Both files are written into a staging directory next to `dir` and moved into place together
+ * (see data/atomic_file.h): a failure at any point leaves `dir` as it was and nothing behind. */
 tera_status tera_tokenizer_save(const tera_tokenizer *t, const char *dir) {
+    static const char *const names[] = {"encoder.json", "vocab.bpe"};
     uint32_t b2u[256];
     int16_t u2b[TOK_U2B_SIZE];
     gpt2_byte_map(b2u, u2b);
-    char enc[TERA_PATH_MAX], bpe[TERA_PATH_MAX];
-    TERA_TRY(join_path(enc, dir, "encoder.json"));
-    TERA_TRY(join_path(bpe, dir, "vocab.bpe"));
-    TERA_TRY(tera_mkdirs(dir));
-    TERA_TRY(save_encoder(t, b2u, enc));
-    return save_merges(t, b2u, bpe);
+    tera_staged_dir sd;
+    TERA_TRY(tera_staged_dir_open(&sd, dir));
+    char enc[TERA_PATH_MAX + 96], bpe[TERA_PATH_MAX + 96];
+    tera_status s = tera_staged_dir_path(&sd, names[0], enc, sizeof enc);
+    if (s == TERA_OK) s = tera_staged_dir_path(&sd, names[1], bpe, sizeof bpe);
+    if (s == TERA_OK) s = save_encoder(t, b2u, enc);
+    if (s == TERA_OK) s = save_merges(t, b2u, bpe);
+    if (s != TERA_OK) {
+        char why[768]; /* (tera_fail must not format from its own buffer) */
+        snprintf(why, sizeof why, "%s", tera_last_error());
+        tera_staged_dir_abort(&sd, names, 2);
+        return tera_fail(s, "tokenizer '%s' not written (nothing was changed): %s", sd.dir, why);
+    }
+    return tera_staged_dir_commit(&sd, names, 2);
 }
 
 /* ---- accessors and decoding ----------------------------------------------------------------- */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "data/tokenizer_internal.h"
+#include "tera/config.h"
 
 /* One distinct adjacent pair. */
 typedef struct {
@@ -174,7 +175,8 @@ static tr_heap_ent heap_pop(tok_trainer *tr) {
 /* ---- counting ------------------------------------------------------------------------------- */
 
 /* Adds the pre-tokens of every text to tr->words / tr->wcount. */
-static tera_status count_words(tok_trainer *tr, const char *const *texts, const size_t *lens, int n_texts) {
+static tera_status count_words(tok_trainer *tr, const char *const *texts, const size_t *lens,
+                               const char *const *names, int n_texts) {
     pcre2_code *re = NULL;
     int jit = 0;
     tok_matcher m;
@@ -182,11 +184,14 @@ static tera_status count_words(tok_trainer *tr, const char *const *texts, const 
     tera_status s = tok_matcher_init(&m, re, jit);
     uint32_t cap = 0;
     for (int i = 0; i < n_texts && s == TERA_OK; i++) {
+        char what[TERA_PATH_MAX + 32];
+        if (names) snprintf(what, sizeof what, "'%s'", names[i]);
+        else snprintf(what, sizeof what, "training text %d", i);
         s = tok_check_utf8(&m, re, texts[i], lens[i], 0);
         if (s != TERA_OK) {
             char why[512]; /* (tera_fail must not format from its own buffer) */
             snprintf(why, sizeof why, "%s", tera_last_error());
-            s = tera_fail(s, "training text %d: %s", i, why);
+            s = tera_fail(s, "%s: %s", what, why);
         }
         size_t p = 0, a, b;
         int rc = 0;
@@ -200,7 +205,7 @@ static tera_status count_words(tok_trainer *tr, const char *const *texts, const 
             tr->wcount[w]++;
             p = b;
         }
-        if (s == TERA_OK && rc < 0) s = tera_fail(TERA_ERR_FORMAT, "training text %d: pre-tokenizer error %d", i, rc);
+        if (s == TERA_OK && rc < 0) s = tera_fail(TERA_ERR_FORMAT, "%s: pre-tokenizer error %d", what, rc);
     }
     tok_matcher_free(&m);
     pcre2_code_free(re);
@@ -317,12 +322,26 @@ static void trainer_free(tok_trainer *tr) {
 
 tera_status tera_tokenizer_train(tera_tokenizer **t, const char *const *texts, const size_t *lens, int n_texts,
                                  int vocab_size) {
+    return tera_tokenizer_train_named(t, texts, lens, NULL, n_texts, vocab_size);
+}
+
+tera_status tera_tokenizer_train_named(tera_tokenizer **t, const char *const *texts, const size_t *lens,
+                                       const char *const *names, int n_texts, int vocab_size) {
     *t = NULL;
     if (vocab_size < 257)
         return tera_fail(TERA_ERR_ARG, "tokenizer training: vocab_size %d must be at least 257 (256 bytes + "
                          "<|endoftext|>)", vocab_size);
     if (n_texts < 0 || (n_texts > 0 && (!texts || !lens)))
         return tera_fail(TERA_ERR_ARG, "tokenizer training: no texts");
+    size_t total = 0;
+    for (int i = 0; i < n_texts; i++) total += lens[i];
+    if (total == 0) { /* nothing to learn from: refuse rather than write a vocabulary of bytes alone */
+        if (n_texts == 0) return tera_fail(TERA_ERR_ARG, "tokenizer training: no texts");
+        if (names)
+            return tera_fail(TERA_ERR_FORMAT, "tokenizer training: '%s'%s empty: no text to learn merges from",
+                             names[0], n_texts > 1 ? " and every other input are" : " is");
+        return tera_fail(TERA_ERR_FORMAT, "tokenizer training: every training text is empty");
+    }
     tok_trainer tr;
     memset(&tr, 0, sizeof tr);
     tok_bmap_init(&tr.vocab, (uint32_t)vocab_size);
@@ -331,7 +350,7 @@ tera_status tera_tokenizer_train(tera_tokenizer **t, const char *const *texts, c
         char c = (char)b;
         tok_bmap_add(&tr.vocab, &c, 1, NULL);
     }
-    tera_status s = count_words(&tr, texts, lens, n_texts);
+    tera_status s = count_words(&tr, texts, lens, names, n_texts);
     if (s == TERA_OK) {
         tr.merge_no = 1;
         init_pairs(&tr);

@@ -80,6 +80,10 @@ struct tera_acts {
     float *attn_scratch; /* attention kernel scratch */
     float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
     void *plan_scratch;  /* dispatch plan scratch */
+    int *expert_order;   /* [E] local experts by descending load */
+    int32_t *expert_cnt; /* [E] rows bound for each expert (expert-parallel counts exchange) */
+    int64_t *expert_load_save; /* [E] a layer's expert loads, kept across its full recomputation */
+    int64_t *expert_block_off; /* [E+1] expert parallelism: rows of each local expert in one source's block */
     void *act_block, *scratch_block;
     int threads;         /* thread count the attention scratch was sized for */
     int64_t Rmax;        /* rows a rank's experts can receive in one layer (ep > 1) */
@@ -276,7 +280,11 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->drlogits = CARVE_F(c, N * E);
     a->dtopw = CARVE_F(c, N * K);
     a->attn_scratch = CARVE_F(c, tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
-    a->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(N * K));
+    a->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(N * K, B, (int)E));
+    a->expert_order = (int *)carve(c, sizeof(int) * 2 * (size_t)E);
+    a->expert_cnt = CARVE_I(c, E);
+    a->expert_load_save = (int64_t *)carve(c, sizeof(int64_t) * (size_t)E);
+    a->expert_block_off = (int64_t *)carve(c, sizeof(int64_t) * (size_t)(E + 1));
 }
 
 /* Points the view's entry for parameter p at ptr (NULL base: NULL). */
@@ -398,9 +406,6 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
             return tera_fail(TERA_ERR_CONFIG, "parallel.ep = %d must divide model.n_experts = %d", ep, cfg->n_experts);
         m->ep_rank = tera_comm_rank(m->par.group);
     }
-    if (cfg->n_experts > 64)
-        return tera_fail(TERA_ERR_CONFIG, "model.n_experts = %d: at most 64 experts per layer are supported",
-                         cfg->n_experts);
     if (T > cfg->max_seq_len)
         return tera_fail(TERA_ERR_CONFIG, "training.seq_len = %d exceeds model.max_seq_len = %d", T,
                          cfg->max_seq_len);
@@ -591,15 +596,25 @@ static int experts_in_parallel(int E) {
     return t > 1 && E >= 2 * t;
 }
 
-/* Expert indices by descending row count (largest first balances the dynamic schedule). */
+/* Expert indices by descending row count (largest first balances the dynamic schedule); ties keep
+ * index order. A merge sort through the upper half of order[2E]: O(E log E), no allocation. */
 static void experts_by_load(int *order, const int32_t *exp_off, int E) {
-    for (int e = 0; e < E; e++) order[e] = e;
-    for (int i = 1; i < E; i++) { /* insertion sort, stable: ties keep index order */
-        int x = order[i], j = i - 1;
-        const int32_t nx = exp_off[x + 1] - exp_off[x];
-        while (j >= 0 && exp_off[order[j] + 1] - exp_off[order[j]] < nx) order[j + 1] = order[j], j--;
-        order[j + 1] = x;
+    int *src = order, *dst = order + E;
+    for (int e = 0; e < E; e++) src[e] = e;
+#define LOAD(x) (exp_off[(x) + 1] - exp_off[(x)])
+    for (int w = 1; w < E; w *= 2) {
+        for (int lo = 0; lo < E; lo += 2 * w) {
+            const int mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E;
+            int i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) dst[o++] = LOAD(src[j]) > LOAD(src[i]) ? src[j++] : src[i++];
+            while (i < mid) dst[o++] = src[i++];
+            while (j < hi) dst[o++] = src[j++];
+        }
+        int *t = src;
+        src = dst, dst = t;
     }
+#undef LOAD
+    if (src != order) memcpy(order, src, sizeof(int) * (size_t)E);
 }
 
 /* One expert over n rows: y[n,D] = w2(silu(x w1^T) * (x w3^T)); a1, a3, g: [n, F] kept for backward. */
@@ -650,7 +665,7 @@ static void local_expert(tera_acts *a, layer_acts *la, const tera_layer_view *W,
 static void local_experts(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G, int E,
                           int64_t D, int64_t F, int op) {
     if (experts_in_parallel(E)) {
-        int order[64];
+        int *order = a->expert_order;
         experts_by_load(order, la->exp_off, E);
 #pragma omp parallel for schedule(dynamic, 1)
         for (int i = 0; i < E; i++) local_expert(a, la, W, G, order[i], D, F, op);
@@ -703,7 +718,7 @@ static void ep_expert(const tera_model *m, tera_acts *a, layer_acts *la, const t
 static void ep_block(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
                      const tera_layer_view *G, int s, int op) {
     const int El = m->cfg.n_experts / m->par.ep;
-    int64_t off[65];
+    int64_t *off = a->expert_block_off;
     ep_block_offsets(la, s, El, off);
     if (experts_in_parallel(El)) {
 #pragma omp parallel for schedule(dynamic, 1)
@@ -728,7 +743,7 @@ static void ep_exchange(tera_model *m, int l, int fwd) {
     float *res = fwd ? la->yr : a->dxr;        /* [Rmax, D] their results */
     const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
     if (fwd) { /* counts first: how many rows each source sends for each of this rank's experts */
-        int32_t cnt[64];
+        int32_t *cnt = a->expert_cnt;
         for (int e = 0; e < E; e++) cnt[e] = la->exp_off[e + 1] - la->exp_off[e];
         tera_comm_alltoall_i32(g, cnt, la->rcnt, El);
         la->roff[0] = 0;
@@ -1152,7 +1167,7 @@ static void layer_recompute(tera_model *m, int l) {
     if (policy == TERA_RECOMPUTE_FULL) {
         /* the layer's output is not needed: a->dln is free until layer_backward clears it */
         const tera_fwd_stats stats = m->stats;
-        int64_t load[64];
+        int64_t *load = a->expert_load_save;
         if (is_moe(c, l)) memcpy(load, m->expert_load + (int64_t)l * E, sizeof(int64_t) * (size_t)E);
         const double entropy = m->router_entropy[l];
         const int64_t routed = m->routed_tokens;

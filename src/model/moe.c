@@ -11,21 +11,18 @@ void tera_moe_topk(int32_t *topi, float *topw, const float *probs, const float *
         const float *p = probs + n * E;
         int32_t *ti = topi + n * k;
         float *tw = topw + n * k;
-        uint64_t taken = 0; /* E <= 64 is checked at model creation */
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            float bs = 0.0f;
-            for (int e = 0; e < E; e++) {
-                if (taken >> e & 1) continue;
-                float s = bias ? p[e] + bias[e] : p[e];
-                if (best < 0 || s > bs) best = e, bs = s;
-            }
-            taken |= 1ull << best;
-            ti[j] = best;
-            tw[j] = p[best];
-            sum += p[best];
+        /* one pass over the experts, keeping the best k so far sorted by score (descending; an
+         * equal score goes after the lower index already there): O(E k) at worst, about O(E) */
+        int cnt = 0;
+        for (int e = 0; e < E; e++) {
+            const float s = bias ? p[e] + bias[e] : p[e];
+            if (cnt == k && !(s > tw[k - 1])) continue;
+            int pos = cnt < k ? cnt++ : k - 1;
+            for (; pos > 0 && s > tw[pos - 1]; pos--) ti[pos] = ti[pos - 1], tw[pos] = tw[pos - 1];
+            ti[pos] = e, tw[pos] = s;
         }
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
         for (int j = 0; j < k; j++) tw[j] /= sum;
     }
 }
@@ -42,8 +39,9 @@ static int prob_assign_cmp(const void *x, const void *y) {
     return (u->a > v->a) - (u->a < v->a);
 }
 
-size_t tera_moe_plan_scratch_bytes(int64_t n_assign) {
-    return (size_t)n_assign * (sizeof(int32_t) + sizeof(prob_assign));
+size_t tera_moe_plan_scratch_bytes(int64_t n_assign, int B, int E) {
+    return (size_t)n_assign * (sizeof(int32_t) + sizeof(prob_assign)) +
+           sizeof(int32_t) * ((size_t)B * (size_t)E + (size_t)E);
 }
 
 int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int32_t *sel_count,
@@ -52,6 +50,8 @@ int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int
     const int64_t A = (int64_t)B * T * k;
     int32_t *keep = scratch;
     prob_assign *sortbuf = (prob_assign *)(keep + A);
+    int32_t *used_all = (int32_t *)(sortbuf + A); /* [B, E] position policy: kept so far */
+    int32_t *fill = used_all + (size_t)B * E;     /* [E] next free row of each expert */
     memset(sel_count, 0, sizeof(int32_t) * (size_t)B * E);
     for (int64_t a = 0; a < A; a++) {
         sel_count[(a / ((int64_t)T * k)) * E + topi[a]]++;
@@ -63,7 +63,8 @@ int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int
         for (int b = 0; b < B; b++) {
             const int64_t a0 = (int64_t)b * T * k, a1 = a0 + (int64_t)T * k;
             if (policy == TERA_DROP_POSITION) {
-                int32_t used[64] = {0};
+                int32_t *used = used_all + (size_t)b * E;
+                memset(used, 0, sizeof(int32_t) * (size_t)E);
                 for (int64_t a = a0; a < a1; a++)
                     if (used[topi[a]]++ >= capacity) keep[a] = 0, dropped++;
             } else {
@@ -84,7 +85,6 @@ int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int
     for (int64_t a = 0; a < A; a++)
         if (keep[a]) exp_off[topi[a] + 1]++;
     for (int e = 0; e < E; e++) exp_off[e + 1] += exp_off[e];
-    int32_t fill[65];
     memcpy(fill, exp_off, sizeof(int32_t) * (size_t)E);
     for (int64_t a = 0; a < A; a++) {
         if (!keep[a]) {

@@ -18,7 +18,7 @@ tera_precision tera_precision_resolve(const char *name, const char **note) {
         snprintf(buf, sizeof buf, "fp16 (set; emulated: fp16-rounded operands, fp32 products; dynamic loss scaling)");
     } else if (!strcmp(name, "fp32")) {
         p = TERA_PREC_FP32;
-        snprintf(buf, sizeof buf, "fp32 (set)");
+        snprintf(buf, sizeof buf, "fp32 (set; oneDNN ISA %s)", isa);
     } else { /* auto */
         p = fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
         snprintf(buf, sizeof buf, "%s (auto: oneDNN ISA %s, %s)", tera_precision_name(p), isa,
