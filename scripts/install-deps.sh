@@ -9,12 +9,12 @@ pkgs=(
   libinih-dev          # INI parser for the human-editable config files
   libcjson-dev         # JSON: config resolve, safetensors headers, metrics, manifests
   libpcre2-dev         # tokenizer pre-tokenizer regular expression
-  libsqlite3-dev       # experiment registry
-  libmicrohttpd-dev    # metrics HTTP endpoint
   libzstd-dev          # checkpoint compression
   libxxhash-dev        # checksums and chunk hashes
   libcmocka-dev        # C unit-test framework (under ctest)
   libopenmpi-dev openmpi-bin  # multi-process communication
+  strace               # tests: tests/cli_ckpt.sh kills the trainer at each unlink of checkpoint retention
+  jq                   # tests: tests/cli_errors.sh checks that metrics.jsonl and state.json are JSON
 )
 if [ "${1:-}" = "--with-torch" ]; then
   # OpenBLAS becomes the system libblas.so.3 (alternatives), which Debian's PyTorch uses for fp32

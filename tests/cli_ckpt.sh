@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checkpoints through the command line: COMMIT/manifest, ckpt ls/verify/export-hf, flipped byte and
 # truncated file, differential checkpoints + resume, SIGKILL at a random step and resume, and the
-# crash-injection loop over every I/O point of the writer. Usage: cli_ckpt.sh TERA SOURCE_DIR
+# crash-injection loop over every I/O point of the writer, and a SIGKILL at each unlink of retention.
+# Usage: cli_ckpt.sh TERA SOURCE_DIR
 set -u
 TERA=$1
 SRC=$2
@@ -121,6 +122,37 @@ done
 [ $aborted -gt 20 ] && [ $corrupt = 0 ] && [ $wrong = 0 ] \
     && pass "crash at each of $aborted I/O points: 0 corrupt loads, newest committed checkpoint restored, final weights identical" \
     || fail "crash loop: $aborted points, $corrupt corrupt, $wrong wrong"
+
+# 5. retention is atomic: a SIGKILL at each unlink of a run that prunes (keep=1, a save every 2 steps;
+#    strace injects the signal, scripts/install-deps.sh installs it) never leaves a checkpoint that
+#    `ckpt ls` lists as committed and `ckpt verify` rejects, and --resume continues from the newest
+if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
+    bad=0 killed=0
+    for when in 1 2 3 4 5 6 7 8 9 10; do
+        R="$W/u$when"
+        # (the counts are per thread: each background save and the main thread's final save)
+        { strace -f -o /dev/null -e trace=unlink -e inject=unlink:signal=SIGKILL:when=$when "$TERA" train "${TINY[@]}" \
+            --training.steps=6 --checkpoint.every=2 --checkpoint.keep=1 --logging.run_dir="$R" > "$R.log" 2>&1; } 2> /dev/null
+        rc=$?
+        listed=$("$TERA" ckpt ls "$R" 2> /dev/null | awk '$5 == "yes" {print $1}')
+        [ $rc != 0 ] && [ -n "$listed" ] && killed=$((killed + 1)) # killed after a checkpoint was committed
+        for c in $listed; do
+            "$TERA" ckpt verify "$R/checkpoints/$c" > /dev/null 2>&1 || { bad=$((bad + 1)); echo "kill at unlink $when: $c listed as committed, does not verify"; }
+        done
+        "$TERA" train "${TINY[@]}" --training.steps=6 --checkpoint.every=2 --checkpoint.keep=1 --logging.run_dir="$R" --resume \
+            > "$R.r.log" 2>&1
+        if [ -z "$listed" ]; then
+            grep -q "no committed checkpoint" "$R.r.log" || { bad=$((bad + 1)); echo "kill at unlink $when: $(tail -2 "$R.r.log")"; }
+        else
+            same "$W/fref/checkpoints/step_00000006" "$R/checkpoints/step_00000006" \
+                || { bad=$((bad + 1)); echo "kill at unlink $when: resume: $(tail -2 "$R.r.log")"; }
+        fi
+    done
+    [ $killed -ge 5 ] && [ $bad = 0 ] && pass "SIGKILL at $killed unlinks after a commit: every listed checkpoint verifies, resume identical" \
+        || fail "retention kills: $killed killed after a commit, $bad bad"
+else
+    echo "skip: strace not installed or not allowed to trace (scripts/install-deps.sh installs it)"
+fi
 
 echo "cli_ckpt: $fails failed"
 [ "$fails" = 0 ]

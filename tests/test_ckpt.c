@@ -10,7 +10,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <math.h>
+#include <sys/stat.h>
+
 #include "tera/ckpt.h"
+#include "tera/io.h"
 #include "tera/train.h"
 
 static char g_dir[256];
@@ -158,6 +162,152 @@ static void test_frozen_diff_small(void **state) {
     unsetenv("TERA_CKPT_ASYNC");
 }
 
+static int exists(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0;
+}
+
+/* A checkpoint whose COMMIT is there but a file it names is not (half removed by an older
+ * retention, or by hand) is not committed: ls says so, --resume takes the one before without
+ * re-hashing it, the next save removes it. Retention renames a checkpoint to .deleting before
+ * removing its files; such a leftover is not listed as committed and is cleaned up too. */
+static void test_half_removed_skipped(void **state) {
+    (void)state;
+    char run[400], dir[500], path[600], out[600], gone[600];
+    snprintf(run, sizeof run, "%s/h", g_dir);
+    tera_trainer t;
+    run_to(run, 4, 2, 0, 0, &t);
+    tera_trainer_free(&t);
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_00000004", run);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    assert_true(tera_ckpt_committed(dir));
+    assert_int_equal(unlink(path), 0);
+    assert_false(tera_ckpt_committed(dir));
+    char root[500];
+    snprintf(root, sizeof root, "%s/checkpoints", run);
+    tera_ckpt_info *v;
+    int n;
+    assert_int_equal(tera_ckpt_list(root, &v, &n), TERA_OK);
+    assert_int_equal(n, 2);
+    assert_true(v[0].committed && v[0].step == 2);
+    assert_false(v[1].committed);
+    free(v);
+    assert_int_equal(tera_ckpt_find_latest(run, out, sizeof out), TERA_OK);
+    assert_non_null(strstr(out, "step_00000002"));
+    /* tera_ckpt_remove: renamed away (a crash after the rename leaves only a .deleting leftover) */
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_00000002", run);
+    snprintf(gone, sizeof gone, "%s.deleting", dir);
+    assert_int_equal(rename(dir, gone), 0);
+    assert_int_equal(tera_ckpt_list(root, &v, &n), TERA_OK);
+    assert_int_equal(n, 2);
+    assert_string_equal(v[0].name, "step_00000002.deleting");
+    assert_false(v[0].committed || v[1].committed);
+    free(v);
+    assert_int_not_equal(tera_ckpt_find_latest(run, out, sizeof out), TERA_OK);
+    assert_int_equal(rename(gone, dir), 0);
+    assert_int_equal(tera_ckpt_remove(dir), TERA_OK);
+    assert_false(exists(dir) || exists(gone));
+    /* the next save (a fresh run over the same directory) removes both leftovers */
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_00000004", run);
+    assert_true(exists(dir));
+    assert_int_equal(mkdir(gone, 0755), 0);
+    run_to(run, 2, 2, 0, 0, &t);
+    tera_trainer_free(&t);
+    assert_false(exists(dir) || exists(gone));
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_00000002", run);
+    assert_true(tera_ckpt_committed(dir));
+}
+
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* metrics.jsonl after a crash or a full disk: cut back to the complete JSON lines. */
+static void test_jsonl_repair(void **state) {
+    (void)state;
+    char path[400], *text = NULL;
+    long dropped = -1;
+    snprintf(path, sizeof path, "%s/m.jsonl", g_dir);
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK); /* missing: nothing to do */
+    assert_int_equal(dropped, 0);
+    write_text(path, "{\"step\": 0}\n{\"step\": 1}\n");
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(dropped, 0);
+    write_text(path, "{\"step\": 0}\n{\"step\": 1}\n{\"step\": 2, \"lo");
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(dropped, 15);
+    assert_int_equal(tera_read_text_file(path, &text), TERA_OK);
+    assert_string_equal(text, "{\"step\": 0}\n{\"step\": 1}\n");
+    free(text);
+    /* the history before the last good line is kept as it is (an older tera's bare nan) */
+    write_text(path, "{\"step\": 0}\n{\"step\": 1, \"loss\": nan}\n{\"step\": 2}\n");
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(dropped, 0);
+    /* a complete last line that does not parse goes too */
+    write_text(path, "{\"step\": 0}\n{\"step\": 1, \"loss\": nan}\n{\"step\": 2, \"lo\n{\"st");
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(tera_read_text_file(path, &text), TERA_OK);
+    assert_string_equal(text, "{\"step\": 0}\n");
+    free(text);
+    /* nothing complete at all: emptied */
+    write_text(path, "{\"step\": 0");
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(dropped, 10);
+    /* a long file: the search window grows past 64 KiB of the tail (one torn line of 100 KB) */
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    for (int i = 0; i < 1000; i++) fprintf(f, "{\"step\": %d}\n", i);
+    const long keep = ftell(f);
+    fputs("{\"x\": \"", f);
+    for (int i = 0; i < 100000; i++) fputc('a', f);
+    assert_int_equal(fclose(f), 0);
+    assert_int_equal(tera_jsonl_repair(path, &dropped), TERA_OK);
+    assert_int_equal(dropped, 100007);
+    struct stat sb;
+    assert_int_equal(stat(path, &sb), 0);
+    assert_int_equal(sb.st_size, keep);
+    /* a device is written to, never cut */
+    assert_int_equal(tera_jsonl_repair("/dev/null", &dropped), TERA_OK);
+    assert_int_equal(dropped, 0);
+}
+
+static void test_json_num(void **state) {
+    (void)state;
+    char b[64];
+    assert_string_equal(tera_json_num(b, sizeof b, "%.7g", NAN), "null");
+    assert_string_equal(tera_json_num(b, sizeof b, "%.7g", INFINITY), "null");
+    assert_string_equal(tera_json_num(b, sizeof b, "%.7g", -INFINITY), "null");
+    assert_string_equal(tera_json_num(b, sizeof b, "%.4f", 1.5), "1.5000");
+}
+
+/* One holder per run directory; the refusal names the holder's pid; the release leaves nothing. */
+static void test_run_lock(void **state) {
+    (void)state;
+    char dir[400], msg[64];
+    snprintf(dir, sizeof dir, "%s/locked/run", g_dir);
+    tera_run_lock a, b;
+    assert_int_equal(tera_run_lock_acquire(&a, dir), TERA_OK);
+    assert_true(a.created_dir);
+    assert_int_equal(tera_run_lock_acquire(&b, dir), TERA_ERR_EXISTS); /* flock: per open file */
+    snprintf(msg, sizeof msg, "(pid %ld)", (long)getpid());
+    assert_non_null(strstr(tera_last_error(), msg));
+    assert_true(exists(dir)); /* the refused one does not remove the holder's directory */
+    tera_run_lock_release(&b);
+    tera_run_lock_release(&a);
+    assert_false(exists(dir)); /* created by the acquire, empty: removed */
+    assert_int_equal(tera_mkdirs(dir), TERA_OK);
+    assert_int_equal(tera_run_lock_acquire(&a, dir), TERA_OK);
+    assert_false(a.created_dir);
+    tera_run_lock_release(&a);
+    assert_true(exists(dir)); /* it was there before: kept */
+    char lockfile[500];
+    snprintf(lockfile, sizeof lockfile, "%s/%s", dir, TERA_RUN_LOCK_NAME);
+    assert_false(exists(lockfile));
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/tera-test-ckpt-XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -165,6 +315,10 @@ int main(void) {
         cmocka_unit_test(test_async_resume_identical),
         cmocka_unit_test(test_commit_required_and_verify),
         cmocka_unit_test(test_frozen_diff_small),
+        cmocka_unit_test(test_half_removed_skipped),
+        cmocka_unit_test(test_jsonl_repair),
+        cmocka_unit_test(test_json_num),
+        cmocka_unit_test(test_run_lock),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char cmd[400];

@@ -5,8 +5,11 @@
  * A checkpoint is RUN/checkpoints/step_NNNNNNNN/. It is written as step_NNNNNNNN.tmp, every file
  * fsynced, then COMMIT (the step and size + XXH3-64 of every other file) is written and fsynced
  * last, the directory renamed into place and its parent fsynced. Only a directory whose COMMIT
- * parses and names its own step counts as a checkpoint; everything else (".tmp", no COMMIT) is
- * ignored by readers and removed by the next save. */
+ * parses and names its own step counts as a checkpoint, and only while every file COMMIT names is
+ * present; everything else (".tmp", ".deleting", no COMMIT, a file missing) is ignored by readers
+ * and removed by the next save. Retention removes a checkpoint by renaming it to
+ * step_NNNNNNNN.deleting first, so a crash in the middle never leaves a half-removed directory
+ * under a checkpoint's name. */
 #ifndef TERA_CKPT_H
 #define TERA_CKPT_H
 
@@ -21,15 +24,15 @@
 #define TERA_CKPT_FORMAT_VERSION 2
 #define TERA_CKPT_CHUNK_BYTES (64 * 1024)   /* differential checkpoints compare 64 KiB chunks */
 
-/* Options (config keys checkpoint.async, checkpoint.full_every once the config table has them). */
+/* Options (config keys checkpoint.async and checkpoint.full_every). */
 typedef struct {
     int async;       /* 1: the step loop snapshots into host buffers, a background thread writes */
     int full_every;  /* every N-th save is full, the others differential against the last full one;
                         0 or 1 = always full */
 } tera_ckpt_options;
 
-/* Defaults async = 1, full_every = 0; the environment variables TERA_CKPT_ASYNC and
- * TERA_CKPT_FULL_EVERY override (tests, and until the config keys exist). */
+/* The config keys' values; the environment variables TERA_CKPT_ASYNC and TERA_CKPT_FULL_EVERY
+ * override them (tests and experiments). */
 tera_ckpt_options tera_ckpt_options_from_config(const tera_config *c);
 
 /* ---------------------------------------------------------------- fault injection (tests) */
@@ -46,14 +49,22 @@ tera_status tera_ckpt_write_file(const char *path, const void *buf, size_t n);
 tera_status tera_ckpt_fsync_path(const char *path);
 /* Removes a directory tree (an I/O point per directory). */
 tera_status tera_ckpt_rmtree(const char *path);
+/* Removes a checkpoint directory atomically as readers see it: renamed to DIR.deleting (an I/O
+ * point), the parent fsynced, then the tree removed. */
+#define TERA_CKPT_DELETING_SUFFIX ".deleting"
+tera_status tera_ckpt_remove(const char *dir);
+/* Writes cfg as run_dir/config.ini through a temporary file, fsynced and renamed into place (the
+ * old one stays whole until the new one is complete). */
+tera_status tera_ckpt_write_run_config(const tera_config *cfg, const char *run_dir);
 /* XXH3-64 and size of a file's contents. */
 tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size);
 
 /* ---------------------------------------------------------------- reading */
 typedef struct {
-    char name[64];       /* directory name: step_NNNNNNNN or step_NNNNNNNN.tmp */
+    char name[64];       /* directory name: step_NNNNNNNN, step_NNNNNNNN.tmp or .deleting */
     int64_t step;
-    int committed;       /* COMMIT present, parses, names this step (not a .tmp) */
+    int committed;       /* COMMIT present, parses, names this step, every file it names present
+                            (not a .tmp or .deleting) */
     int full;            /* 1 full, 0 differential (only when committed) */
     int64_t base_step;   /* the full checkpoint a differential one applies to (-1: none) */
     int64_t bytes;       /* total size of its files */
@@ -62,7 +73,7 @@ typedef struct {
 /* Entries of `ckpt_root` (a run's checkpoints/ directory) that look like checkpoints, sorted by
  * step; *out is malloc'd (free it). A missing directory gives 0 entries. */
 tera_status tera_ckpt_list(const char *ckpt_root, tera_ckpt_info **out, int *n);
-/* 1 when dir holds a COMMIT that parses and names the directory's step. */
+/* 1 when dir holds a COMMIT that parses and names the directory's step, and every file it names. */
 int tera_ckpt_committed(const char *dir);
 /* Re-hashes every file named by COMMIT (size and XXH3) and checks the manifest's checksums, and
  * for a differential checkpoint that its base is committed. TERA_ERR_FORMAT names the first file

@@ -104,6 +104,7 @@ typedef struct {
     int64_t samples_consumed;   /* training samples read so far: the data position (the next step
                                    reads global samples samples_consumed, +1, ...) */
     FILE *metrics;              /* run_dir/metrics.jsonl (NULL: no run directory) */
+    int metrics_errno;          /* a metrics.jsonl write failed (errno): reported, no more lines written */
     char run_dir[TERA_PATH_MAX];
     double t_start;
     int64_t tokens_per_step;
@@ -111,16 +112,16 @@ typedef struct {
     double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
     int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
-    struct tera_comm *dp;       /* the data-parallel group (the world for now) */
+    struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank) */
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
     /* expert parallelism (src/train/layout.c): rank = edp_index * ep + ep_rank; the ep ranks
      * of one group split the experts, the edp = dp / ep ranks holding the same experts average
      * their gradients. edp is the dp group itself when ep = 1. */
     struct tera_comm *ep_group, *edp;
     int ep, ep_rank, edp_size, edp_rank;
-    /* tensor parallelism: world rank = dp_rank * tp + tp_rank (tp varies fastest); the tp ranks
-     * of a group read the same samples. mp: the ep x tp ranks with the same edp_rank, which
-     * together hold one whole copy of the model. */
+    /* tensor parallelism: inside a pipeline stage, rank = dp_rank * tp + tp_rank (tp varies
+     * fastest); the tp ranks of a group read the same samples. mp: the ep x tp x pp ranks with the
+     * same edp_rank, which together hold one whole copy of the model. */
     struct tera_comm *tp_group, *mp;
     int tp, tp_rank;
     /* pipeline parallelism: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank; pp_group: the
@@ -161,7 +162,7 @@ typedef struct {
  * TERA_RUN_FRESH = start over in it (--force: its metrics and checkpoints are removed). */
 enum { TERA_RUN_CONTINUE = 1, TERA_RUN_FRESH = 2 };
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
- * (a Hugging Face directory) when set, else a seeded random init. run_dir "" = no run directory
+ * (a Hugging Face directory or a tera checkpoint) when set, else a seeded random init. run_dir "" = no run directory
  * (tests). An existing non-empty run_dir is refused unless overwrite. */
 tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite);
 void tera_trainer_free(tera_trainer *tr);
@@ -171,7 +172,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r);
  * in order when data.val_fraction = 0). */
 tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
 /* Writes run_dir/checkpoints/step_NNNNNNNN/: HF weights + config.json (with the router bias),
- * optimizer.safetensors (moments), state.json (step, data position, seed) and config.ini. */
+ * optimizer.safetensors (moments), state.json (step, data position, seed, batch-growth, loss-scale
+ * and spike-guard state), config.ini, manifest.json and COMMIT (docs/CHECKPOINTS.md). */
 tera_status tera_trainer_save(tera_trainer *tr);
 /* The writer behind it (src/train/checkpoint.c): tr must hold the whole model in the one-process
  * layout (tera_trainer_save builds that view from every rank's blocks and shards); rank 0 only. */

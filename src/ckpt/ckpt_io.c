@@ -118,3 +118,43 @@ tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size)
     munmap(map, (size_t)sb.st_size);
     return TERA_OK;
 }
+
+tera_status tera_ckpt_remove(const char *dir) {
+    char gone[4200], parent[4200];
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    if (n + strlen(TERA_CKPT_DELETING_SUFFIX) + 1 > sizeof gone) return tera_fail(TERA_ERR_IO, "%s: path too long", dir);
+    snprintf(gone, sizeof gone, "%.*s%s", (int)n, dir, TERA_CKPT_DELETING_SUFFIX);
+    struct stat sb;
+    if (lstat(gone, &sb) == 0) TERA_TRY(tera_ckpt_rmtree(gone)); /* a removal interrupted before */
+    tera_ckpt_io_point("rename", dir);
+    if (rename(dir, gone) != 0) {
+        if (errno == ENOENT) return TERA_OK;
+        return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", dir, gone, strerror(errno));
+    }
+    /* the rename is what readers see; make it durable before the files go */
+    snprintf(parent, sizeof parent, "%.*s", (int)n, dir);
+    char *slash = strrchr(parent, '/');
+    if (!slash) snprintf(parent, sizeof parent, ".");
+    else if (slash == parent) parent[1] = 0;
+    else *slash = 0;
+    TERA_TRY(tera_ckpt_fsync_path(parent));
+    return tera_ckpt_rmtree(gone);
+}
+
+tera_status tera_ckpt_write_run_config(const tera_config *cfg, const char *run_dir) {
+    char path[4200], tmp[4300];
+    if ((size_t)snprintf(path, sizeof path, "%s/config.ini", run_dir) >= sizeof path)
+        return tera_fail(TERA_ERR_IO, "%s: path too long", run_dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    tera_status st = tera_config_write(cfg, tmp);
+    if (st == TERA_OK) { /* not a fault-injection point: this is not the checkpoint writer */
+        const int fd = open(tmp, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || fsync(fd) != 0) st = tera_fail(TERA_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    if (st == TERA_OK && rename(tmp, path) != 0)
+        st = tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    if (st != TERA_OK) unlink(tmp);
+    return st;
+}

@@ -85,14 +85,28 @@ static int read_commit(const char *dir, commit_t *c) {
     return ok && c->step >= 0;
 }
 
+/* step_N (tmp 0), step_N.tmp (a save in progress) or step_N.deleting (retention removing it):
+ * both leftovers count as uncommitted and are removed by the next save. */
 static int parse_step_name(const char *name, int64_t *step, int *tmp) {
     long long s;
     int len = 0;
     if (sscanf(name, "step_%lld%n", &s, &len) != 1 || s < 0) return 0;
     if (name[len] == 0) *tmp = 0;
-    else if (!strcmp(name + len, ".tmp")) *tmp = 1;
+    else if (!strcmp(name + len, ".tmp") || !strcmp(name + len, TERA_CKPT_DELETING_SUFFIX)) *tmp = 1;
     else return 0;
     *step = s;
+    return 1;
+}
+
+/* Every file COMMIT names is still there (a checkpoint half removed by an older retention, or by
+ * hand, is not a checkpoint). Contents are tera_ckpt_verify's business. */
+static int commit_files_present(const char *dir, const commit_t *c) {
+    char path[4400];
+    struct stat sb;
+    for (int i = 0; i < c->n; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, c->name[i]);
+        if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return 0;
+    }
     return 1;
 }
 
@@ -112,7 +126,8 @@ int tera_ckpt_committed(const char *dir) {
     snprintf(name, sizeof name, "%s", base_name(dir));
     char *slash = strchr(name, '/');
     if (slash) *slash = 0;
-    int ok = c && parse_step_name(name, &step, &tmp) && !tmp && read_commit(dir, c) && c->step == step;
+    int ok = c && parse_step_name(name, &step, &tmp) && !tmp && read_commit(dir, c) && c->step == step &&
+             commit_files_present(dir, c);
     free(c);
     return ok;
 }
@@ -162,7 +177,7 @@ tera_status tera_ckpt_list(const char *root, tera_ckpt_info **out, int *n_out) {
         in->step = step;
         in->base_step = -1;
         snprintf(dir, sizeof dir, "%s/%s", root, e->d_name);
-        in->committed = !tmp && read_commit(dir, c) && c->step == step;
+        in->committed = !tmp && read_commit(dir, c) && c->step == step && commit_files_present(dir, c);
         DIR *dd = opendir(dir);
         for (struct dirent *f; dd && (f = readdir(dd));) {
             struct stat sb;

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
 #include "tera/train.h"
@@ -262,6 +263,7 @@ int tera_cmd_bench(int argc, char **argv) {
     const double tps = (double)tr.tokens_per_step / med;
     const double fpt = tera_model_flops_per_token(&cfg.model, cfg.training.seq_len);
     const double gflops = tps * fpt / 1e9;
+    char fl[64]; /* the final loss as JSON (null when not finite) */
     if (multi) {
         /* steps end in collectives, so every rank's step time is the job's; rank 0 reports */
         const tera_model *m = &tr.model;
@@ -286,9 +288,9 @@ int tera_cmd_bench(int argc, char **argv) {
                 printf(", \"sent_%s\": %.0f, \"min_%s\": %.0f, \"overhead_%s\": %.0f", kind_name[k], kind_sent[k],
                        kind_name[k], cm.min[k], kind_name[k], cm.overhead[k]);
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
-                   "\"mem_comm\": %ld, \"final_loss\": %.4f}\n",
+                   "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)(8 * (tr.opt.n + tr.opt_x.n)),
-                   (long)m->bytes_acts, (long)m->bytes_comm, r.loss);
+                   (long)m->bytes_acts, (long)m->bytes_comm, tera_json_num(fl, sizeof fl, "%.4f", r.loss));
         }
         free(sec);
         tera_trainer_free(&tr);
@@ -301,11 +303,12 @@ int tera_cmd_bench(int argc, char **argv) {
             cfg.training.recompute, m->bytes_scratch / 1048576.0);
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"bf16_gemm\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
-           "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f, \"recompute\": \"%s\", "
+           "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %s, \"recompute\": \"%s\", "
            "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f}\n",
            val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision),
            tr.precision != TERA_PREC_BF16 ? "-" : tr.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
-           gflops, peak, gflops / peak, r.loss, cfg.training.recompute, (long long)m->bytes_acts, cpu_ms);
+           gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
+           (long long)m->bytes_acts, cpu_ms);
     free(sec);
     tera_trainer_free(&tr);
     return 0;

@@ -2,17 +2,20 @@
  *           convert --from CKPT_DIR --out RUN_DIR [--force] [--section.key=value ...] (under mpirun) */
 #pragma GCC diagnostic ignored "-Wformat-truncation"
 #include <dirent.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "tera/ckpt.h"
 #include "tera/comm.h"
 #include "tera/hf.h"
+#include "tera/io.h"
 #include "tera/train.h"
 
 static void ckpt_usage(FILE *f) {
@@ -93,9 +96,9 @@ static int cmd_verify(const char *arg) {
 
 static int cmd_export(int argc, char **argv) {
     tera_config cfg;
-    static const char *const flags[] = {"force", NULL};
+    static const char *const flags[] = {"force", "tera-moe", NULL};
     static const char *const opts[] = {"out", "max-shard-bytes", NULL};
-    int set[1] = {0};
+    int set[2] = {0, 0};
     const char *val[2] = {NULL, NULL};
     if (argc < 1 || argv[0][0] == '-') {
         tera_fail(TERA_ERR_ARG, "ckpt export-hf needs a checkpoint directory: tera ckpt export-hf DIR --out HFDIR");
@@ -120,7 +123,7 @@ static int cmd_export(int argc, char **argv) {
     tera_model m;
     if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
     tera_status st = tera_ckpt_load(dir, &m, NULL, NULL);
-    if (st == TERA_OK) st = tera_hf_export(&m, val[0], shard, set[0]);
+    if (st == TERA_OK) st = tera_hf_export_checked(&m, val[0], shard, set[0], set[1]);
     tera_model_destroy(&m);
     if (st != TERA_OK) return tera_cli_error();
     fprintf(stderr, "tera: exported %s -> %s\n", dir, val[0]);
@@ -197,7 +200,8 @@ static int dir_nonempty(const char *path) {
     DIR *d = opendir(path);
     if (!d) return 0;
     int n = 0;
-    for (struct dirent *e; (e = readdir(d));) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    for (struct dirent *e; (e = readdir(d));)
+        n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, TERA_RUN_LOCK_NAME);
     closedir(d);
     return n > 0;
 }
@@ -254,17 +258,49 @@ static int cmd_convert(int argc, char **argv) {
         st = tera_fail(TERA_ERR_EXISTS, "ckpt convert: run directory '%s' already exists and is not empty; choose "
                        "another --out or pass --force to replace its checkpoints and metrics", out);
     if (agree(st) != TERA_OK) return tera_cli_error();
+    /* every check that needs no trainer passed: lock --out (creating it when missing) */
+    tera_run_lock lock = {.fd = -1};
+    if (agree(root ? tera_run_lock_acquire(&lock, out) : TERA_OK) != TERA_OK) return tera_cli_error();
+    const int created = lock.created_dir;
     snprintf(cfg.logging.run_dir, sizeof cfg.logging.run_dir, "%s", out);
     cfg.training.init_from[0] = 0; /* the weights come from the checkpoint */
+    /* nothing is written into --out until the checkpoint has loaded under the new layout: the
+     * trainer continues (writes nothing), --force's removal and config.ini come after */
     tera_trainer tr;
-    if (tera_trainer_init(&tr, &cfg, out, set[0] ? TERA_RUN_FRESH : TERA_RUN_CONTINUE) != TERA_OK)
+    long step = 0;
+    st = tera_trainer_init(&tr, &cfg, out, TERA_RUN_CONTINUE);
+    if (st == TERA_OK) {
+        st = agree(tera_trainer_resume_dir(&tr, dir));
+        if (st == TERA_OK && set[0]) { /* --force: the old run's metrics and checkpoints go, as train --force */
+            char path[4600];
+            tera_status rs = TERA_OK;
+            if (root) {
+                snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+                if (unlink(path) != 0 && errno != ENOENT)
+                    rs = tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+                snprintf(path, sizeof path, "%s/checkpoints", out);
+                if (rs == TERA_OK && access(path, F_OK) == 0) rs = tera_ckpt_rmtree(path);
+            }
+            st = agree(rs);
+        }
+        if (st == TERA_OK) st = tera_trainer_save(&tr); /* collective; every rank learns the outcome */
+        if (st == TERA_OK) st = agree(tera_trainer_ckpt_close(&tr)); /* a background write finishes */
+        if (st == TERA_OK) st = agree(root ? tera_ckpt_write_run_config(&tr.cfg, out) : TERA_OK);
+        step = (long)tr.step;
+        tera_trainer_free(&tr);
+    }
+    if (st != TERA_OK) {
+        /* a refused conversion leaves nothing new: an --out it created goes again */
+        if (root && created) {
+            char keep[1024];
+            snprintf(keep, sizeof keep, "%s", tera_last_error());
+            tera_ckpt_rmtree(out);
+            tera_fail(st, "%s", keep);
+        }
+        tera_run_lock_release(&lock);
         return tera_cli_error();
-    st = agree(tera_trainer_resume_dir(&tr, dir));
-    if (st == TERA_OK) st = tera_trainer_save(&tr); /* collective; every rank learns the outcome */
-    if (st == TERA_OK) st = agree(tera_trainer_ckpt_close(&tr)); /* a background write finishes */
-    const long step = (long)tr.step;
-    tera_trainer_free(&tr);
-    if (st != TERA_OK) return tera_cli_error();
+    }
+    tera_run_lock_release(&lock);
     if (root)
         fprintf(stderr, "tera: converted %s (step %ld) -> %s/checkpoints/step_%08ld: %d ranks = pp %d x dp %d x tp %d, "
                 "ep %d, ZeRO %d\n", dir, step, out, step, tera_comm_size(tera_comm_world()), cfg.parallel.pp,

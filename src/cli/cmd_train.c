@@ -1,10 +1,14 @@
 /* tera train / tera eval */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include <cjson/cJSON.h>
 
 #include "cli.h"
 #include "tera/comm.h"
 #include "tera/hf.h"
+#include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
 #include "tera/train.h"
@@ -60,17 +64,44 @@ static void print_summary(const tera_trainer *tr) {
             (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)(m->bytes_comm + tr->bytes_zero_staging));
 }
 
+/* The run directory's lock (rank 0 takes it, before anything in the directory is touched; every
+ * rank learns whether it got it, so a refused start ends on every rank instead of hanging). */
+static tera_status lock_run_dir(tera_run_lock *lock, const char *run_dir) {
+    tera_comm *w = tera_comm_world();
+    const int root = tera_comm_rank(w) == 0;
+    lock->fd = -1;
+    lock->created_dir = 0;
+    tera_status st = root && run_dir[0] ? tera_run_lock_acquire(lock, run_dir) : TERA_OK;
+    if (tera_comm_size(w) == 1) return st;
+    int64_t failed = st != TERA_OK;
+    tera_comm_allreduce_i64(w, &failed, 1);
+    if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_EXISTS, "the run directory could not be locked on rank 0 "
+                                                "(see rank 0's message)");
+    return st;
+}
+
+static int train_main(int argc, char **argv, tera_run_lock *lock);
+
 int tera_cmd_train(int argc, char **argv) {
+    tera_run_lock lock = {.fd = -1};
+    const int rc = train_main(argc, argv, &lock);
+    tera_run_lock_release(&lock);
+    return rc;
+}
+
+static int train_main(int argc, char **argv, tera_run_lock *lock) {
     tera_config cfg;
     static const char *const flags[] = {"force", "resume", NULL};
     int set[2] = {0, 0};
     if (tera_cli_parse(argc, argv, &cfg, flags, set, NULL, NULL)) return 1;
     if (cfg.training.init_from[0]) {
-        if (tera_hf_read_config(cfg.training.init_from, &cfg.model) != TERA_OK) return tera_cli_error();
+        if (tera_config_from_hf(&cfg, cfg.training.init_from) != TERA_OK) return tera_cli_error();
         if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
         if (tera_comm_rank(tera_comm_world()) == 0)
             fprintf(stderr, "tera: model configuration and weights from %s\n", cfg.training.init_from);
     }
+    /* one process at a time in a run directory (also --force and --resume while a run is live) */
+    if (lock_run_dir(lock, cfg.logging.run_dir) != TERA_OK) return tera_cli_error();
     tera_trainer tr;
     const int mode = set[1] ? TERA_RUN_CONTINUE : (set[0] ? TERA_RUN_FRESH : 0);
     if (tera_trainer_init(&tr, &cfg, cfg.logging.run_dir, mode) != TERA_OK) return tera_cli_error();
@@ -107,6 +138,15 @@ int tera_cmd_train(int argc, char **argv) {
     }
     tera_prof_reset();
     int64_t step0 = tr.step;
+    if (step0 >= cfg.training.steps) { /* a resumed run that had already finished */
+        if (tr.root)
+            fprintf(stderr, "tera: nothing to train: %s is already at step %ld and training.steps = %ld (raise "
+                    "training.steps to train on); its newest checkpoint is unchanged\n", cfg.logging.run_dir,
+                    (long)step0, (long)cfg.training.steps);
+        tera_status st = tera_trainer_ckpt_close(&tr);
+        tera_trainer_free(&tr);
+        return st == TERA_OK ? 0 : tera_cli_error();
+    }
     tera_step_result last;
     tera_status st = tera_trainer_run(&tr, &last);
     if (st != TERA_OK) {
@@ -129,9 +169,12 @@ int tera_cmd_train(int argc, char **argv) {
                 "(parallel.zero_prefetch = %d), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
                 (long)un);
     }
-    if (tr.root)
+    if (tr.root && cfg.logging.run_dir[0])
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",
             (long)tr.step, last.loss, cfg.logging.run_dir, (long)tr.step);
+    else if (tr.root) /* logging.run_dir = "": nothing was written */
+        fprintf(stderr, "tera: done: %ld steps, final loss %.4f (logging.run_dir is empty: nothing was saved)\n",
+                (long)tr.step, last.loss);
     tera_trainer_free(&tr);
     return 0;
 }
@@ -146,19 +189,33 @@ int tera_cmd_eval(int argc, char **argv) {
         return tera_cli_error();
     }
     snprintf(cfg.training.init_from, sizeof cfg.training.init_from, "%s", from);
-    if (tera_hf_read_config(from, &cfg.model) != TERA_OK) return tera_cli_error();
+    /* fp32 unless this command line says otherwise (a run's config file may say auto or bf16) */
+    const int precision_given = tera_cli_given("training.precision");
+    if (!precision_given) snprintf(cfg.training.precision, sizeof cfg.training.precision, "fp32");
+    if (tera_config_from_hf(&cfg, from) != TERA_OK) return tera_cli_error();
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
+    if (tr.root)
+        fprintf(stderr, "tera eval: precision %s\n",
+                precision_given ? tr.precision_note : "fp32 (the eval default; --training.precision=... changes it)");
     int batches = cfg.training.eval_batches;
     double loss;
     if (tera_trainer_eval(&tr, batches, &loss) != TERA_OK) {
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
-    if (tr.root) /* every rank has the loss; one prints it */
-        printf("{\"from\": \"%s\", \"val_loss\": %.6f, \"val_ppl\": %.4f, \"batches\": %d, \"tokens\": %ld}\n", from,
-               loss, exp(loss), batches, (long)batches * cfg.training.micro_batch * cfg.training.seq_len);
+    if (tr.root) { /* every rank has the loss; one prints it (null when not finite: JSON has no NaN) */
+        char vl[64], vp[64];
+        cJSON *src = cJSON_CreateString(from); /* the path as a JSON string, escaped */
+        char *from_json = src ? cJSON_PrintUnformatted(src) : NULL;
+        printf("{\"from\": %s, \"val_loss\": %s, \"val_ppl\": %s, \"batches\": %d, \"tokens\": %ld}\n",
+               from_json ? from_json : "null", tera_json_num(vl, sizeof vl, "%.6f", loss),
+               tera_json_num(vp, sizeof vp, "%.4f", exp(loss)), batches,
+               (long)batches * cfg.training.micro_batch * cfg.training.seq_len);
+        free(from_json);
+        cJSON_Delete(src);
+    }
     tera_trainer_free(&tr);
     return 0;
 }

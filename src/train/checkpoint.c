@@ -638,7 +638,7 @@ static tera_status commit_dir_known(cJSON *man, const char *tmp, const char *dir
     if (s == TERA_OK) s = tera_ckpt_fsync_path(tmp);
     if (s != TERA_OK) return s;
     struct stat sb;
-    if (stat(dir, &sb) == 0) TERA_TRY(tera_ckpt_rmtree(dir)); /* a damaged checkpoint of this step */
+    if (stat(dir, &sb) == 0) TERA_TRY(tera_ckpt_remove(dir)); /* a damaged checkpoint of this step */
     tera_ckpt_io_point("rename", tmp);
     if (rename(tmp, dir) != 0)
         return tera_fail(TERA_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
@@ -793,7 +793,7 @@ static tera_status prune(tera_ckpt_ctx *c) {
     for (int i = 0; i < n && s == TERA_OK; i++) {
         if (!v[i].committed || keepme[i]) continue;
         snprintf(path, sizeof path, "%s/%s", root, v[i].name);
-        s = tera_ckpt_rmtree(path);
+        s = tera_ckpt_remove(path); /* renamed away first: never half removed under its name */
     }
     free(keepme);
     free(v);
@@ -881,10 +881,29 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
 }
 
 tera_status tera_trainer_resume(tera_trainer *tr) {
-    char dir[TERA_PATH_MAX + 64];
+    char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 64];
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
     TERA_TRY(tera_trainer_resume_dir(tr, dir));
-    return tera_trainer_open_metrics(tr, "a");
+    /* every check passed: only now is the run directory written (a refused --resume leaves it as
+     * it was): the configuration of the continued run, and metrics.jsonl cut back to its last
+     * complete line (a crash or a full disk can leave half a line) before appending */
+    tera_status st = TERA_OK;
+    if (tr->root) {
+        st = tera_ckpt_write_run_config(&tr->cfg, tr->run_dir);
+        long dropped = 0;
+        snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+        if (st == TERA_OK) st = tera_jsonl_repair(path, &dropped);
+        if (st == TERA_OK && dropped > 0)
+            fprintf(stderr, "tera: warning: %s: removed an incomplete last line (%ld bytes) before appending\n", path,
+                    dropped);
+        if (st == TERA_OK) st = tera_trainer_open_metrics(tr, "a");
+    }
+    if (tr->wsize > 1) { /* every rank learns whether rank 0 could write */
+        int64_t failed = st != TERA_OK;
+        tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+        if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--resume: writing the run directory failed on rank 0");
+    }
+    return st;
 }
 
 /* ------------------------------------------------------------------ sharded checkpoints

@@ -23,7 +23,7 @@ static int dir_nonempty(const char *path) {
     struct dirent *e;
     int n = 0;
     while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, TERA_RUN_LOCK_NAME)) n++;
     closedir(d);
     return n > 0;
 }
@@ -241,7 +241,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         }
         if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
         snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
-        if ((st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
+        /* continuing (--resume, ckpt convert): written once the checkpoint has been accepted */
+        if (overwrite != TERA_RUN_CONTINUE && (st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
     /* mixed precision (src/train/precision.c): set the kernels' mode and size their scratch once */
     tr->precision = tera_precision_resolve(t->precision, &tr->precision_note);
@@ -345,22 +346,63 @@ static int param_group(tera_param_kind k) {
     }
 }
 
+/* Appends one complete line to metrics.jsonl, checked: a failed write (a full disk, a file size
+ * limit) is reported once, naming the file and the error; the partial line is cut off again, no
+ * more lines are written, and the run ends with an error (tera_trainer_run). */
+static void metrics_put(tera_trainer *tr, const char *text, size_t n) {
+    if (!tr->metrics || tr->metrics_errno) return;
+    int err = fflush(tr->metrics) != 0 ? (errno ? errno : EIO) : 0; /* lines other code wrote through the FILE */
+    const int fd = fileno(tr->metrics);
+    const off_t at = lseek(fd, 0, SEEK_END); /* the end of the last complete line (opened for appending) */
+    for (size_t done = 0; !err && done < n;) {
+        const ssize_t k = write(fd, text + done, n - done);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) err = k < 0 ? errno : ENOSPC;
+        else done += (size_t)k;
+    }
+    if (!err) return;
+    if (at >= 0 && ftruncate(fd, at) != 0) { /* best effort: --resume also cuts a torn last line */ }
+    tr->metrics_errno = err;
+    fprintf(stderr, "tera: warning: %s/metrics.jsonl: write failed: %s; no more metrics are written (the run goes "
+            "on and ends with an error)\n", tr->run_dir, strerror(err));
+}
+
+/* A JSON number (null when not finite: JSON has no NaN or infinity). */
+static void put_num(FILE *f, const char *fmt, double v) {
+    char buf[64];
+    fputs(tera_json_num(buf, sizeof buf, fmt, v), f);
+}
+
 /* One JSON object per step: the training figures, then health metrics (per-group gradient
- * norms, update/parameter ratio, router entropy and expert load per MoE layer). */
+ * norms, update/parameter ratio, router entropy and expert load per MoE layer). The line is
+ * built in memory and appended whole. */
 static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     static const char *const groups[7] = {"embed", "attn", "router", "experts", "dense_shared_ffn", "norms", "lm_head"};
     const tera_model *m = &tr->model;
-    FILE *f = tr->metrics;
-    fprintf(f,
-            "{\"step\": %ld, \"loss\": %.7g, \"ce_loss\": %.7g, \"aux_loss\": %.7g, \"z_loss\": %.7g, "
-            "\"lr\": %.7g, \"grad_norm\": %.7g, \"tokens_per_s\": %.1f, \"elapsed_s\": %.3f, "
-            "\"step_s\": %.4f, \"data_wait_s\": %.6f, \"dropped_frac\": %.5f, \"skipped\": %d, "
-            "\"skipped_total\": %ld, \"update_ratio\": %.5g, \"batch\": %ld, \"accum\": %d, \"loss_scale\": %.17g, "
-            "\"grad_norm_by_group\": {",
-            (long)r->step, r->loss, r->ce_loss, r->aux_loss, r->z_loss, r->lr, r->grad_norm,
-            (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds, tera_now() - tr->t_start, r->seconds, r->data_seconds,
-            r->dropped_frac, r->skipped, (long)tr->skipped_steps, r->update_ratio, (long)r->batch_seqs, r->accum,
-            r->loss_scale);
+    char *line = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&line, &len);
+    if (!f) return;
+    const struct {
+        const char *key, *fmt;
+        double v;
+    } nums[] = {
+        {"loss", "%.7g", r->loss}, {"ce_loss", "%.7g", r->ce_loss}, {"aux_loss", "%.7g", r->aux_loss},
+        {"z_loss", "%.7g", r->z_loss}, {"lr", "%.7g", r->lr}, {"grad_norm", "%.7g", r->grad_norm},
+        {"tokens_per_s", "%.1f", (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds},
+        {"elapsed_s", "%.3f", tera_now() - tr->t_start}, {"step_s", "%.4f", r->seconds},
+        {"data_wait_s", "%.6f", r->data_seconds}, {"dropped_frac", "%.5f", r->dropped_frac},
+    };
+    fprintf(f, "{\"step\": %ld", (long)r->step);
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+        fprintf(f, ", \"%s\": ", nums[i].key);
+        put_num(f, nums[i].fmt, nums[i].v);
+    }
+    fprintf(f, ", \"skipped\": %d, \"skipped_total\": %ld, \"update_ratio\": ", r->skipped, (long)tr->skipped_steps);
+    put_num(f, "%.5g", r->update_ratio);
+    fprintf(f, ", \"batch\": %ld, \"accum\": %d, \"loss_scale\": ", (long)r->batch_seqs, r->accum);
+    put_num(f, "%.17g", r->loss_scale);
+    fprintf(f, ", \"grad_norm_by_group\": {");
     double gsq[7] = {0};
     int present[7] = {0};
     for (int i = 0; i < m->n_params; i++) {
@@ -371,14 +413,16 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     int first = 1;
     for (int g = 0; g < 7; g++) {
         if (!present[g]) continue;
-        fprintf(f, "%s\"%s\": %.5g", first ? "" : ", ", groups[g], sqrt(gsq[g]));
+        fprintf(f, "%s\"%s\": ", first ? "" : ", ", groups[g]);
+        put_num(f, "%.5g", sqrt(gsq[g]));
         first = 0;
     }
     fprintf(f, "}, \"router_entropy\": [");
     const int E = m->cfg.n_experts;
     first = 1;
     for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) {
-        fprintf(f, "%s%.5g", first ? "" : ", ", m->routed_tokens ? m->router_entropy[l] / (double)m->routed_tokens : 0.0);
+        fputs(first ? "" : ", ", f);
+        put_num(f, "%.5g", m->routed_tokens ? m->router_entropy[l] / (double)m->routed_tokens : 0.0);
         first = 0;
     }
     fprintf(f, "], \"expert_load_max_over_mean\": [");
@@ -394,7 +438,8 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         first = 0;
     }
     fprintf(f, "]}\n");
-    fflush(f);
+    if (fclose(f) == 0) metrics_put(tr, line, len);
+    free(line);
 }
 
 /* Gradient bucket ready (last micro-batch of a step): start its data-parallel sum now, while
@@ -441,15 +486,17 @@ static int spike_check(tera_trainer *tr, const tera_step_result *r) {
 }
 
 /* A spike's update was dropped. Roll back to the newest committed checkpoint when there is one
- * (steps after it replay the same data bit for bit), skip the batch that caused the spike, and
- * run the next spike_lr_steps steps at spike_lr_factor x LR. Logged to stderr and metrics.jsonl. */
+ * (steps after it replay the same data), skip the batch that caused the spike, and lower the LR to
+ * spike_lr_factor x LR until spike_lr_steps steps past the spike: for the replayed steps and the
+ * spike_lr_steps steps from the spike's step on (with a rollback the spike's step index is run again
+ * on the batch after the skipped one), or, without a rollback, the spike_lr_steps steps after it.
+ * Logged to stderr and metrics.jsonl. */
 static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int64_t sample, int64_t seqs) {
     const tera_train_config *t = &tr->cfg.training;
     const int64_t spike_step = r->step;
     tr->spike_events++;
     tr->spike_repeats = spike_step == tr->last_spike_step ? tr->spike_repeats + 1 : 0;
     tr->last_spike_step = spike_step;
-    tr->lr_cut_until = spike_step + 1 + t->spike_lr_steps;
     int64_t back = -1;
     /* roll back, unless the same step keeps spiking on fresh data (then go on past it) or the
      * table of skipped windows is full */
@@ -468,6 +515,9 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
         }
     }
     if (back < 0) tr->step = spike_step + 1; /* no rollback: this batch is already consumed */
+    /* the first step on the data after the spike's batch, then spike_lr_steps steps in all from it */
+    const int64_t cut = (back < 0 ? spike_step + 1 : spike_step) + t->spike_lr_steps;
+    if (cut > tr->lr_cut_until) tr->lr_cut_until = cut;
     tr->spike_n = tr->spike_pos = 0; /* the window refills from healthy steps */
     if (tr->root) {
         fprintf(stderr,
@@ -498,6 +548,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const double t0 = tera_now();
     memset(r, 0, sizeof *r);
     r->step = tr->step;
+    tera_comm_step_begin(tr->step); /* the watchdog's automatic timeout is measured on steps */
 
     const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
     r->accum = A, r->batch_seqs = seqs;
@@ -609,6 +660,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tr->step++;
     tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
+    tera_comm_step_end(r->seconds);
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
     if (tr->metrics) write_metrics(tr, r);
@@ -706,8 +758,11 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
     const int tty = isatty(2);
     double tok_s_ema = 0.0;
     tera_step_result r = {0};
+    int64_t n_steps = 0, n_nonfinite = 0; /* steps run by this call, and those skipped as not finite */
     while (tr->step < S) {
         TERA_TRY(tera_trainer_step(tr, &r));
+        n_steps++;
+        n_nonfinite += r.skipped && !r.spike;
         double tps = (double)(r.batch_seqs * cfg->training.seq_len) / r.seconds; /* the step's actual batch */
         tok_s_ema = tok_s_ema == 0.0 ? tps : 0.9 * tok_s_ema + 0.1 * tps;
         const int log_now = cfg->logging.log_every > 0 &&
@@ -736,14 +791,25 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
             if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
             if (tr->metrics) {
-                fprintf(tr->metrics, "{\"step\": %ld, \"val_loss\": %.7g}\n", (long)tr->step - 1, vl);
-                fflush(tr->metrics);
+                char line[128], num[64];
+                const int n = snprintf(line, sizeof line, "{\"step\": %ld, \"val_loss\": %s}\n", (long)tr->step - 1,
+                                       tera_json_num(num, sizeof num, "%.7g", vl));
+                metrics_put(tr, line, (size_t)n);
             }
         }
         if (cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0 && tr->step < S)
             TERA_TRY(tera_trainer_save(tr));
     }
+    /* nothing trained is a failure, not a result (the same decision on every rank: the skips are global) */
+    if (n_steps > 0 && n_nonfinite == n_steps)
+        return tera_fail(TERA_ERR_NUMERIC, "all %ld steps were skipped because the loss or the gradient was not finite: "
+                         "nothing was trained (check training.init_from's weights, training.lr and the data)",
+                         (long)n_steps);
     if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
     if (last) *last = r;
+    if (tr->metrics && !tr->metrics_errno && fflush(tr->metrics) != 0) tr->metrics_errno = errno ? errno : EIO;
+    if (tr->metrics_errno)
+        return tera_fail(TERA_ERR_IO, "%s/metrics.jsonl is incomplete (%s: see the warning above); the checkpoints "
+                         "are complete", tr->run_dir, strerror(tr->metrics_errno));
     return TERA_OK;
 }
