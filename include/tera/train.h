@@ -11,6 +11,7 @@
 #include "tera/data.h"
 #include "tera/model.h"
 #include "tera/precision.h"
+#include "tera/topology.h"
 
 typedef struct {
     float *m, *v;   /* first and second moments of the flat range [lo, hi), one allocation */
@@ -112,6 +113,7 @@ typedef struct {
     double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
     int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
+    tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c) */
     struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank) */
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
     /* expert parallelism (src/train/layout.c): rank = edp_index * ep + ep_rank; the ep ranks
@@ -202,6 +204,9 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
  * Process groups, the optimizer's ranges (ZeRO-1 shards) and conversion between this rank's
  * storage and the whole model as one process holds it (the parameter table of ep = 1). */
 tera_status tera_layout_groups(tera_trainer *tr); /* process groups, before the model is created */
+/* The communicator of the topology's group along `axis` holding this rank (the world itself when
+ * the group is the whole world); collective over the world. */
+struct tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis);
 tera_status tera_layout_init(tera_trainer *tr);   /* optimizer ranges, after the model is created */
 void tera_layout_free(tera_trainer *tr);
 /* Every rank receives the whole model: weights, Adam moments [n_global floats each]. */

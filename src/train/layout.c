@@ -1,18 +1,21 @@
 /* The parallel layout of a training run: process groups, which part of the model and of the
  * optimizer state each rank holds, and conversion to and from the whole model.
  *
- * Ranks: world rank = dp_rank * tp + tp_rank. The tp ranks with the same dp_rank form a
- * tensor-parallel group (same samples, Megatron splits of each tensor); the dp ranks with the
- * same tp_rank form a data-parallel group (each reading its own samples). Inside it, with expert
+ * Ranks: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank (set up in trainer.c). The tp
+ * ranks with the same pp_rank and dp_rank form a tensor-parallel group (same samples, Megatron
+ * splits of each tensor); the dp ranks with the same pp_rank and tp_rank form a data-parallel group
+ * (each reading its own samples); the pp ranks with the same dp_rank and tp_rank form a pipeline
+ * (each holding its stages' layers). Inside the data-parallel group, with expert
  * parallelism, dp_rank = edp_rank * ep + ep_rank: consecutive groups of ep ranks split the routed
  * experts of every MoE layer (ep_rank r holds experts [r E/ep, (r+1) E/ep)), and the dp/ep ranks
  * with the same ep_rank (the expert-data-parallel group) hold the same experts.
  *
- * Flat buffers hold the non-expert tensors first, [0, n_dense), replicated on every rank, then
- * this rank's slices of the expert tensors, [n_dense, n). Gradients of the first region are summed
- * over dp, of the second over edp. ZeRO-1 shards the first region's Adam moments over dp and the
- * second's over edp; the optimizer object opt holds the first region (or its shard), opt_x the
- * second. */
+ * Flat buffers hold this rank's blocks (its pipeline stages' tensors, their tensor-parallel slices)
+ * of the non-expert tensors first, [0, n_dense), the same on every rank of the data-parallel group,
+ * then this rank's slices of the expert tensors, [n_dense, n). Gradients of the first region are
+ * summed over dp, of the second over edp. ZeRO (stage 1 and up) shards the first region's Adam
+ * moments over dp and the second's over edp (stages 2 and 3 the gradients and parameters too, below);
+ * the optimizer object opt holds the first region (or its shard), opt_x the second. */
 #include <math.h>
 #include <string.h>
 
@@ -28,23 +31,27 @@ static void shard(int64_t n, int w, int64_t *counts, int64_t *lo_of) {
     }
 }
 
+tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis) {
+    tera_comm *world = tera_comm_world();
+    if (tera_topology_size(t, axis) == t->world) return world;
+    int color, key;
+    tera_topology_split_keys(t, axis, &color, &key);
+    return tera_comm_split(world, color, key); /* collective over the world */
+}
+
 tera_status tera_layout_groups(tera_trainer *tr) {
-    const tera_parallel_config *p = &tr->cfg.parallel;
-    if (p->ep < 1 || tr->world % p->ep != 0)
-        return tera_fail(TERA_ERR_CONFIG, "parallel.ep = %d must divide the %d data-parallel ranks", p->ep, tr->world);
-    tr->ep = p->ep;
-    tr->ep_rank = tr->rank % tr->ep;
-    tr->edp_size = tr->world / tr->ep;
-    tr->edp_rank = tr->rank / tr->ep;
+    const tera_topology *t = &tr->topo; /* validated by tera_topology_init (ep divides dp) */
+    tr->ep = t->ep, tr->ep_rank = t->ep_rank;
+    tr->edp_size = t->edp, tr->edp_rank = t->edp_rank;
     tr->edp = tr->dp;
-    if (tr->ep > 1) { /* collective over the dp group: every rank makes the same calls */
-        tr->ep_group = tera_comm_split(tr->dp, tr->edp_rank, tr->ep_rank);
-        tr->edp = tera_comm_split(tr->dp, tr->ep_rank, tr->edp_rank);
+    if (tr->ep > 1) {
+        tr->ep_group = tera_layout_axis_group(t, TERA_AXIS_EP);
+        tr->edp = tera_layout_axis_group(t, TERA_AXIS_EDP);
     }
-    if (tr->ep * tr->tp * tr->pp > 1) /* over the world */
-        tr->mp = tera_comm_split(tera_comm_world(), tr->edp_rank, tera_layout_member(tr));
+    if (tr->ep * tr->tp * tr->pp > 1) tr->mp = tera_layout_axis_group(t, TERA_AXIS_MP);
+    TERA_ASSERT(!tr->mp || tera_comm_rank(tr->mp) == tera_layout_member(tr));
     /* ZeRO needs more than one data-parallel rank to shard over */
-    tr->zero = tr->world > 1 ? p->zero : 0;
+    tr->zero = tr->world > 1 ? tr->cfg.parallel.zero : 0;
     return TERA_OK;
 }
 
@@ -440,13 +447,14 @@ void tera_layout_free(tera_trainer *tr) {
     free(tr->shard_counts_x);
     tr->shard_counts = tr->shard_counts_x = NULL;
     tera_adamw_free(&tr->opt_x);
-    if (tr->ep_group) tera_comm_free(tr->ep_group);
-    if (tr->edp && tr->edp != tr->dp) tera_comm_free(tr->edp);
-    if (tr->mp) tera_comm_free(tr->mp);
-    if (tr->tp_group) tera_comm_free(tr->tp_group);
-    if (tr->pp_group) tera_comm_free(tr->pp_group);
-    if (tr->sg && tr->sg != tr->dp) tera_comm_free(tr->sg);
-    if (tr->dp && tr->dp != tera_comm_world()) tera_comm_free(tr->dp);
+    tera_comm *world = tera_comm_world(); /* a group spanning the world is the world itself */
+    if (tr->ep_group && tr->ep_group != world) tera_comm_free(tr->ep_group);
+    if (tr->edp && tr->edp != tr->dp && tr->edp != world) tera_comm_free(tr->edp);
+    if (tr->mp && tr->mp != world) tera_comm_free(tr->mp);
+    if (tr->tp_group && tr->tp_group != world) tera_comm_free(tr->tp_group);
+    if (tr->pp_group && tr->pp_group != world) tera_comm_free(tr->pp_group);
+    if (tr->sg && tr->sg != tr->dp && tr->sg != world) tera_comm_free(tr->sg);
+    if (tr->dp && tr->dp != world) tera_comm_free(tr->dp);
     tr->ep_group = tr->edp = tr->mp = tr->tp_group = tr->pp_group = tr->sg = tr->dp = NULL;
 }
 

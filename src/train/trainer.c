@@ -70,44 +70,20 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->wrank = tera_comm_rank(world);
     tr->wsize = tera_comm_size(world);
     tr->root = tr->wrank == 0;
-    tr->tp = cfg->parallel.tp;
-    tr->pp = cfg->parallel.pp;
-    if (tr->pp > 1 && tr->wsize != cfg->parallel.dp * tr->tp * tr->pp)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.pp x parallel.dp x parallel.tp = %d x %d x %d = %d ranks, but %d %s running (launch "
-                         "with mpirun -np %d)", tr->pp, cfg->parallel.dp, tr->tp, tr->pp * cfg->parallel.dp * tr->tp,
-                         tr->wsize, tr->wsize == 1 ? "is" : "are", tr->pp * cfg->parallel.dp * tr->tp);
-    if (tr->pp == 1 && tr->wsize != cfg->parallel.dp * tr->tp) {
-        if (tr->tp == 1)
-            return tera_fail(TERA_ERR_CONFIG,
-                             "parallel.dp = %d but %d rank%s running (launch with mpirun -np %d, or set parallel.dp = %d)",
-                             cfg->parallel.dp, tr->wsize, tr->wsize == 1 ? " is" : "s are", cfg->parallel.dp, tr->wsize);
-        return tera_fail(TERA_ERR_CONFIG,
-                         "parallel.dp x parallel.tp = %d x %d = %d ranks, but %d %s running (launch with mpirun -np %d)",
-                         cfg->parallel.dp, tr->tp, cfg->parallel.dp * tr->tp, tr->wsize, tr->wsize == 1 ? "is" : "are",
-                         cfg->parallel.dp * tr->tp);
-    }
-    /* world rank = (pp_rank * dp + dp_rank) * tp + tp_rank: tensor-parallel groups are consecutive
-     * ranks, pipeline stages the slowest dimension. Collectives: every rank makes the same calls. */
-    const int per_stage = tr->wsize / tr->pp;
-    tr->pp_rank = tr->wrank / per_stage;
-    const int srank = tr->wrank % per_stage; /* rank inside the stage */
-    tera_comm *stage = world;
-    if (tr->pp > 1) {
-        stage = tera_comm_split(world, tr->pp_rank, srank);
-        tr->pp_group = tera_comm_split(world, srank, tr->pp_rank);
-    }
-    tr->tp_rank = srank % tr->tp;
-    tr->dp = stage;
-    if (tr->tp > 1) {
-        tr->dp = tera_comm_split(stage, tr->tp_rank, srank / tr->tp);
-        tr->tp_group = tera_comm_split(stage, srank / tr->tp, tr->tp_rank);
-        if (stage != world) tera_comm_free(stage);
-    }
+    /* ranks -> coordinates -> groups (src/parallel/topology.c): validated once, each group a split
+     * of the world. Collectives: every rank makes the same calls. */
+    tera_status tst = tera_topology_init(&tr->topo, tr->wsize, tr->wrank, cfg->parallel.pp, cfg->parallel.dp,
+                                         cfg->parallel.tp, cfg->parallel.ep);
+    if (tst != TERA_OK) return tst;
+    tr->tp = tr->topo.tp, tr->tp_rank = tr->topo.tp_rank;
+    tr->pp = tr->topo.pp, tr->pp_rank = tr->topo.pp_rank;
+    tr->dp = tera_layout_axis_group(&tr->topo, TERA_AXIS_DP);
+    if (tr->pp > 1) tr->pp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_PP);
+    if (tr->tp > 1) tr->tp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_TP);
     tr->rank = tera_comm_rank(tr->dp);
     tr->world = tera_comm_size(tr->dp);
     /* statistics (losses, expert loads) are summed over the data-parallel ranks of every stage */
-    tr->sg = tr->tp > 1 || tr->pp > 1 ? tera_comm_split(world, tr->tp_rank, tr->pp_rank * tr->world + tr->rank) : tr->dp;
+    tr->sg = tr->tp > 1 || tr->pp > 1 ? tera_layout_axis_group(&tr->topo, TERA_AXIS_STATS) : tr->dp;
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
