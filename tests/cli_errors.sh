@@ -57,12 +57,273 @@ expect_error "existing run dir" "already exists" -- "$TERA" train --training.ste
 for d in r0 r1 r2 r3 r4 r5; do [ -e "$W/$d" ] && { echo "FAIL: failed run created $d"; fails=$((fails + 1)); }; done
 
 # ---- run directories, checkpoints, resume, metrics (issue 12) ----
+# (scratch files r12_*: a tiny model on a 60 kB slice of the corpus, 4 steps, a checkpoint every 2;
+# JSON is checked with jq, which scripts/install-deps.sh installs)
+head -c 60000 "$2/data/default_corpus.txt" > "$W/r12_corpus.txt"
+R12=(--model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32
+     --training.warmup_steps=1 --logging.progress=false --training.threads=1 --data.path="$W/r12_corpus.txt")
+D32=(--model.dim=32 --training.micro_batch=4)   # (a key may be given once: these vary per command)
+r12_ok() { echo "ok: $1"; }
+r12_fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+# every line of a JSON-lines file is JSON: no torn line, no bare nan (and the file is not empty)
+jsonl_ok() { [ -s "$1" ] && jq -e . "$1" > /dev/null 2>&1; }
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_run" > "$W/r12_run.log" 2>&1 || { r12_fail "r12 set-up run"; cat "$W/r12_run.log"; }
+# a refused --resume (another model shape) writes nothing: config.ini still records the run's model
+cp "$W/r12_run/config.ini" "$W/r12_config.before"
+cp "$W/r12_run/metrics.jsonl" "$W/r12_metrics.before"
+expect_error "--resume with another model shape" "shape \[256,32\], expected \[256,64\]" -- \
+    "$TERA" train "${R12[@]}" --model.dim=64 --training.micro_batch=4 --training.steps=4 --logging.run_dir="$W/r12_run" --resume
+cmp -s "$W/r12_config.before" "$W/r12_run/config.ini" && cmp -s "$W/r12_metrics.before" "$W/r12_run/metrics.jsonl" \
+    && r12_ok "refused --resume left config.ini and metrics.jsonl as they were" \
+    || r12_fail "refused --resume changed the run: $(diff "$W/r12_config.before" "$W/r12_run/config.ini" | head -3)"
+# a refused ckpt convert leaves no --out behind (the retry needs no --force), nor changes an existing one
+expect_error "ckpt convert to another model shape" "shape \[256,32\], expected \[256,64\]" -- \
+    "$TERA" ckpt convert --from "$W/r12_run" --out "$W/r12_cv" --model.dim=64
+[ ! -e "$W/r12_cv" ] && r12_ok "refused convert created no --out" || r12_fail "refused convert left: $(ls -A "$W/r12_cv")"
+"$TERA" ckpt convert --from "$W/r12_run" --out "$W/r12_cv" > "$W/r12_cv.log" 2>&1 && [ -f "$W/r12_cv/config.ini" ] \
+    && "$TERA" ckpt verify "$W/r12_cv/checkpoints/step_00000004" > /dev/null 2>&1 \
+    && r12_ok "the retried convert works without --force" || { r12_fail "retried convert"; cat "$W/r12_cv.log"; }
+mkdir -p "$W/r12_cv2"; echo '{"step": 0}' > "$W/r12_cv2/metrics.jsonl"
+expect_error "ckpt convert --force to another model shape" "shape \[256,32\], expected \[256,64\]" -- \
+    "$TERA" ckpt convert --from "$W/r12_run" --out "$W/r12_cv2" --force --model.dim=64
+[ "$(ls -A "$W/r12_cv2")" = metrics.jsonl ] && [ "$(cat "$W/r12_cv2/metrics.jsonl")" = '{"step": 0}' ] \
+    && r12_ok "refused convert --force kept the old --out" || r12_fail "refused convert --force changed --out: $(ls -A "$W/r12_cv2")"
+# a resumed run that had already finished says so (no "final loss 0.0000")
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_run" --resume > "$W/r12_done.log" 2>&1 \
+    && grep -q "nothing to train: .* already at step 4 and training.steps = 4" "$W/r12_done.log" \
+    && ! grep -q "final loss" "$W/r12_done.log" && r12_ok "--resume of a finished run: $(grep 'nothing to train' "$W/r12_done.log")" \
+    || { r12_fail "--resume of a finished run"; cat "$W/r12_done.log"; }
+# no run directory: no word of a checkpoint
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=1 --logging.run_dir= > "$W/r12_nodir.log" 2>&1 \
+    && grep -q "done: 1 steps" "$W/r12_nodir.log" && ! grep -qi "checkpoint" "$W/r12_nodir.log" \
+    && r12_ok "logging.run_dir= : $(grep 'done:' "$W/r12_nodir.log")" || { r12_fail "logging.run_dir= message"; cat "$W/r12_nodir.log"; }
+# non-finite values are written as null: metrics.jsonl stays JSON; a run that skips every step fails
+TERA_FAULT_NAN_STEP=1 "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_nan" > "$W/r12_nan.log" 2>&1 \
+    && jsonl_ok "$W/r12_nan/metrics.jsonl" \
+    && [ "$(jq -r 'select(.step == 1 and .loss != null) | .grad_norm' "$W/r12_nan/metrics.jsonl")" = null ] \
+    && r12_ok "a NaN gradient is logged as \"grad_norm\": null, every line JSON" \
+    || { r12_fail "NaN in metrics.jsonl: $(sed -n 2p "$W/r12_nan/metrics.jsonl" | cut -c1-200)"; tail -3 "$W/r12_nan.log"; }
+for f in "$W"/r12_nan/checkpoints/*/state.json "$W"/r12_nan/checkpoints/*/manifest.json; do
+    jq -e . "$f" > /dev/null 2>&1 || r12_fail "not JSON: $f"
+done
+# tera eval of weights whose logits overflow (the final norm at FLT_MAX: finite, so they load): null, not nan
+mkdir -p "$W/r12_hf"
+cp "$W/r12_run/checkpoints/step_00000004/config.json" "$W/r12_run/checkpoints/step_00000004/model.safetensors" "$W/r12_hf/"
+at=$(jq -r '.tensors[] | select(.name == "model.norm.weight") | .byte_range[0]' "$W/r12_run/checkpoints/step_00000004/manifest.json")
+for i in $(seq 32); do printf '\xff\xff\x7f\x7f'; done | dd of="$W/r12_hf/model.safetensors" bs=1 seek="$at" conv=notrunc 2> /dev/null
+"$TERA" eval --from "$W/r12_hf" --data.path="$W/r12_corpus.txt" --training.seq_len=32 --data.val_fraction=0.1 \
+    > "$W/r12_eval.json" 2> "$W/r12_eval.err"
+jq -e '.val_loss == null and .val_ppl == null' "$W/r12_eval.json" > /dev/null 2>&1 \
+    && r12_ok "eval with an overflowing model prints \"val_loss\": null" \
+    || { r12_fail "eval output: $(cat "$W/r12_eval.json")"; cat "$W/r12_eval.err"; }
+expect_error "every step skipped (non-finite)" "all 1 steps were skipped" -- \
+    env TERA_FAULT_NAN_STEP=0 "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=1 --logging.run_dir="$W/r12_allnan"
+# a full disk (/dev/full as metrics.jsonl): the failed write is reported once, by file and error; the
+# run ends with an error, its checkpoints complete
+cp -r "$W/r12_run" "$W/r12_full"
+rm "$W/r12_full/metrics.jsonl"; ln -s /dev/full "$W/r12_full/metrics.jsonl"
+expect_error "metrics.jsonl on a full disk" "r12_full/metrics.jsonl: write failed: No space left on device" -- \
+    "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=6 --logging.run_dir="$W/r12_full" --resume
+[ "$(grep -c "write failed" "$W/err")" = 1 ] && "$TERA" ckpt verify "$W/r12_full/checkpoints/step_00000006" > /dev/null 2>&1 \
+    && r12_ok "reported once; the step-6 checkpoint is complete" || { r12_fail "full disk"; cat "$W/err"; }
+# a file-size limit (ulimit -f, SIGXFSZ ignored: writes fail with EFBIG) cuts metrics.jsonl mid-line:
+# the torn line is removed again, the file stays JSON lines
+r12_limit() { (trap '' XFSZ; ulimit -f 24; exec "$@"); }
+expect_error "metrics.jsonl past a file-size limit" "metrics.jsonl: write failed: File too large" -- \
+    r12_limit "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=60 --logging.run_dir="$W/r12_efbig"
+jsonl_ok "$W/r12_efbig/metrics.jsonl" && r12_ok "metrics.jsonl cut back to complete lines ($(wc -l < "$W/r12_efbig/metrics.jsonl") lines)" \
+    || r12_fail "torn metrics.jsonl: $(tail -c 100 "$W/r12_efbig/metrics.jsonl")"
+# --resume cuts a torn last line (a crash or a full disk in an older run) before appending
+cp -r "$W/r12_run" "$W/r12_torn"
+printf '{"step": 3, "loss": 5.4' >> "$W/r12_torn/metrics.jsonl"
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=6 --logging.run_dir="$W/r12_torn" --resume > "$W/r12_torn.log" 2>&1 \
+    && jsonl_ok "$W/r12_torn/metrics.jsonl" && grep -q "metrics.jsonl: removed an incomplete last line" "$W/r12_torn.log" \
+    && [ "$(jq -r 'select(.loss) | .step' "$W/r12_torn/metrics.jsonl" | tail -1)" = 5 ] \
+    && r12_ok "--resume removed a torn last line of metrics.jsonl and appended whole lines" \
+    || { r12_fail "torn line on resume: $(tail -c 300 "$W/r12_torn/metrics.jsonl")"; cat "$W/r12_torn.log"; }
+# one process per run directory: a second train (--resume, --force, or a plain start) is refused while a
+# run is live, naming its pid, and changes nothing; the same under mpirun on every rank, without a hang
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=100000 --checkpoint.every=0 --logging.run_dir="$W/r12_live" \
+    > "$W/r12_live.log" 2>&1 &
+r12_pid=$!
+for i in $(seq 1 300); do [ -s "$W/r12_live/metrics.jsonl" ] && break; sleep 0.1; done
+expect_error "--resume while the run is live" "in use by another tera process (pid $r12_pid)" -- \
+    "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_live" --resume
+expect_error "--force while the run is live" "in use by another tera process (pid $r12_pid)" -- \
+    "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_live" --force
+expect_error "ckpt convert --force into a live run" "in use by another tera process (pid $r12_pid)" -- \
+    "$TERA" ckpt convert --from "$W/r12_run" --out "$W/r12_live" --force
+[ -f "$W/r12_live/config.ini" ] && kill -0 $r12_pid 2> /dev/null && n1=$(wc -l < "$W/r12_live/metrics.jsonl") \
+    && sleep 0.3 && [ "$(wc -l < "$W/r12_live/metrics.jsonl")" -gt "$n1" ] \
+    && r12_ok "the live run goes on, its files in place" || r12_fail "the live run was disturbed"
+if command -v mpirun > /dev/null; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    timeout 120 mpirun --oversubscribe -np 2 "$TERA" train "${R12[@]}" --model.dim=32 --parallel.dp=2 --training.micro_batch=2 --training.steps=4 \
+        --logging.run_dir="$W/r12_live" --force > /dev/null 2> "$W/r12_mpi.err"
+    rc=$?
+    [ $rc != 0 ] && [ $rc != 124 ] && grep -q "in use by another tera process (pid $r12_pid)" "$W/r12_mpi.err" \
+        && [ "$(grep -c 'tera: error' "$W/r12_mpi.err")" = 1 ] \
+        && r12_ok "mpirun -np 2 --force into a live run: refused on every rank (rc $rc), one message" \
+        || { r12_fail "mpirun into a live run: rc $rc"; cat "$W/r12_mpi.err"; }
+fi
+kill -9 $r12_pid; wait $r12_pid 2> /dev/null
+# a killed holder's lock is stale: the next run takes it over
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=2 --logging.run_dir="$W/r12_live" --force > "$W/r12_after.log" 2>&1 \
+    && r12_ok "after the holder was killed, --force takes the run directory" || { r12_fail "stale lock"; cat "$W/r12_after.log"; }
 
 # ---- tokenizer and data preparation (issue 12) ----
+# (scratch files d12_*; a full disk is simulated by `ulimit -f 4` with SIGXFSZ ignored: a write
+# past 4 KiB fails with EFBIG, as root too)
+head -c 40000 "$2/data/default_corpus.txt" > "$W/d12_corpus.txt"
+: > "$W/d12_empty.txt"
+expect_error "tokenizer train: empty input" "d12_empty.txt.*empty" -- \
+    "$TERA" tokenizer train --input "$W/d12_empty.txt" --vocab-size 300 --output "$W/d12_tok0"
+[ ! -e "$W/d12_tok0" ] && echo "ok: refused training wrote nothing" || { echo "FAIL: d12_tok0 created"; fails=$((fails + 1)); }
+printf 'fine text\nbad \xff byte\n' > "$W/d12_latin1.txt"
+expect_error "tokenizer train: invalid UTF-8" "d12_latin1.txt.*byte offset 14" -- \
+    "$TERA" tokenizer train --input "$W/d12_latin1.txt" --vocab-size 300 --output "$W/d12_tok1"
+fulldisk() { (trap '' XFSZ; ulimit -f 4; exec "$@"); }
+"$TERA" tokenizer train --input "$W/d12_corpus.txt" --vocab-size 1000 --output "$W/d12_tok" > /dev/null 2>&1 \
+    && [ "$(stat -c %s "$W/d12_tok/encoder.json")" -gt 4096 ] || { echo "FAIL: d12 tokenizer setup"; fails=$((fails + 1)); }
+cp -r "$W/d12_tok" "$W/d12_tok.orig"
+expect_error "tokenizer train --force on a full disk" "encoder.json.*File too large" -- \
+    fulldisk "$TERA" tokenizer train --force --input "$W/d12_corpus.txt" --vocab-size 900 --output "$W/d12_tok"
+diff -r "$W/d12_tok" "$W/d12_tok.orig" > /dev/null && echo "ok: the old tokenizer survives a full disk" \
+    || { echo "FAIL: the old tokenizer changed: $(ls -l "$W/d12_tok")"; fails=$((fails + 1)); }
+expect_error "tokenizer train (new directory) on a full disk" "encoder.json.*File too large" -- \
+    fulldisk "$TERA" tokenizer train --input "$W/d12_corpus.txt" --vocab-size 900 --output "$W/d12_new/tok"
+left=$(ls -d "$W"/d12_tok.tmp* "$W"/d12_new* 2>/dev/null)
+[ -z "$left" ] && echo "ok: failed tokenizer writes leave nothing behind" || { echo "FAIL: left behind: $left"; fails=$((fails + 1)); }
+printf '{"text": ""}\n\n' > "$W/d12_empty.jsonl"
+expect_error "data prepare: only an empty text file" "d12_empty.txt' holds no documents" -- \
+    "$TERA" data prepare --input "$W/d12_empty.txt" --output "$W/d12_ds0"
+expect_error "data prepare: only an empty JSON document" "d12_empty.jsonl' holds no documents" -- \
+    "$TERA" data prepare --input "$W/d12_empty.jsonl" --output "$W/d12_ds0"
+expect_error "data prepare: several inputs, all empty" "none of the 2 inputs" -- \
+    "$TERA" data prepare --input "$W/d12_empty.txt" "$W/d12_empty.jsonl" --output "$W/d12_ds0"
+[ -z "$(ls "$W"/d12_ds0* 2>/dev/null)" ] && echo "ok: refused prepares wrote nothing" || { echo "FAIL: d12_ds0 files left"; fails=$((fails + 1)); }
+expect_error "data prepare: a missing file among several" "cannot open input.*d12_nope.txt" -- \
+    "$TERA" data prepare --input "$W/d12_corpus.txt" "$W/d12_nope.txt" --output "$W/d12_ds0"
+expect_error "data prepare: --input without a file" "needs a value" -- "$TERA" data prepare --output "$W/d12_ds0" --input
+expect_error "data prepare: --input followed by an option" "needs a file before '--output'" -- \
+    "$TERA" data prepare --input --output "$W/d12_ds0"
 
 # ---- configuration, command line, Hugging Face interchange (issue 12) ----
+# (scratch files c12_*: a tiny model with one dense layer, trained 2 steps on the embedded corpus)
+c12_ok() { echo "ok: $1"; }
+c12_fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
+# every subcommand answers --help with its usage on stdout and exit 0
+for c in train eval export-hf config bench "data prepare" "tokenizer train" "tokenizer encode" "tokenizer decode" \
+         "ckpt ls" "ckpt verify" "ckpt export-hf" "ckpt convert" schedule data tokenizer ckpt; do
+    # shellcheck disable=SC2086
+    if "$TERA" $c --help > "$W/c12_help" 2>&1 && grep -q "tera $c" "$W/c12_help"; then c12_ok "tera $c --help"
+    else c12_fail "tera $c --help: $(head -2 "$W/c12_help")"; fi
+done
+"$TERA" train -h > "$W/c12_help" 2>&1 && grep -q "tera train" "$W/c12_help" && c12_ok "tera train -h" || c12_fail "tera train -h"
+# contradictions and repeats on the command line
+expect_error "--resume with --force" "contradict" -- "$TERA" train --resume --force --logging.run_dir="$W/c12_rf"
+# a key set twice on the command line: the last value applies (wrapper scripts append "$@" to their
+# defaults), with a note naming both; the same value twice says nothing
+"$TERA" config --model.dim=64 "--model .dim=32" > "$W/c12_twice" 2> "$W/c12_twice.err" \
+    && grep -q '^dim = 32' "$W/c12_twice" \
+    && grep -q "note: the command line sets model.dim twice ('--model.dim=64', then '--model .dim=32'): the last one applies" "$W/c12_twice.err" \
+    && c12_ok "a key twice on the command line: the last applies, with a note" || c12_fail "a key twice: $(cat "$W/c12_twice.err")"
+"$TERA" config --model.dim=64 --model.dim=64 > /dev/null 2> "$W/c12_twice.err" && [ ! -s "$W/c12_twice.err" ] \
+    && c12_ok "the same value twice: no note" || c12_fail "same value twice: $(cat "$W/c12_twice.err")"
+expect_error "an option twice" "--from is given twice ('.*/a' and '.*/b')" -- "$TERA" eval --from "$W/a" --from "$W/b"
+[ -e "$W/c12_rf" ] && c12_fail "a refused command line created its run directory" \
+    || c12_ok "refused command lines created nothing"
+# a model that no transformers class computes (dense first layer): export-hf refuses it unless --tera-moe
+C12=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.first_k_dense=1
+     --training.seq_len=32 --training.micro_batch=2 --training.warmup_steps=0 --logging.progress=false --training.threads=1)
+"$TERA" train "${C12[@]}" --training.steps=2 --logging.run_dir="$W/c12_run" > "$W/c12_run.log" 2>&1 \
+    || { c12_fail "c12 set-up run"; cat "$W/c12_run.log"; }
+C12CK="$W/c12_run/checkpoints/step_00000002"
+expect_error "export-hf of a model transformers cannot compute" "dense first layers" -- \
+    "$TERA" export-hf --from "$C12CK" --out "$W/c12_hf_refused"
+grep -q -- "--tera-moe" "$W/err" && c12_ok "the refusal names --tera-moe" || c12_fail "the refusal does not name --tera-moe"
+expect_error "ckpt export-hf of a model transformers cannot compute" "dense first layers" -- \
+    "$TERA" ckpt export-hf "$C12CK" --out "$W/c12_hf_refused"
+[ -e "$W/c12_hf_refused" ] && c12_fail "a refused export wrote $W/c12_hf_refused" || c12_ok "a refused export wrote nothing"
+grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$C12CK/config.json" && c12_ok "the checkpoint's config.json says tera_moe" \
+    || c12_fail "checkpoint config.json: $(grep model_type "$C12CK/config.json")"
+"$TERA" export-hf --from "$C12CK" --out "$W/c12_hf" --tera-moe > "$W/c12_exp.log" 2>&1 \
+    && grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$W/c12_hf/config.json" \
+    && c12_ok "export-hf --tera-moe writes model_type tera_moe" || { c12_fail "export-hf --tera-moe"; cat "$W/c12_exp.log"; }
+# derived defaults follow config.json: without dense_intermediate_size the dense width is top_k x 32 = 64
+grep -v '"dense_intermediate_size"' "$W/c12_hf/config.json" > "$W/c12_cfg" && cp "$W/c12_cfg" "$W/c12_hf/config.json"
+C12E=(--training.seq_len=32 --training.micro_batch=2 --training.eval_batches=1 --training.threads=1)
+"$TERA" eval --from "$W/c12_hf" "${C12E[@]}" > "$W/c12_eval.json" 2> "$W/c12_eval.log" \
+    && c12_ok "eval of an HF model without dense_intermediate_size" || { c12_fail "eval without dense_intermediate_size"; cat "$W/c12_eval.log"; }
+"$TERA" export-hf --from "$W/c12_hf" --out "$W/c12_hf2" --tera-moe > /dev/null 2>&1 \
+    && grep -Eq '"dense_intermediate_size":[[:space:]]*64,' "$W/c12_hf2/config.json" \
+    && c12_ok "dense width = top_k x intermediate_size (64)" \
+    || c12_fail "dense width: $(grep dense_intermediate_size "$W/c12_hf2/config.json" 2>&1)"
+# tera eval runs fp32 unless its own command line says otherwise, and says so
+grep -q "^tera eval: precision fp32" "$W/c12_eval.log" && c12_ok "eval says precision fp32" || c12_fail "eval precision line: $(cat "$W/c12_eval.log")"
+printf '[training]\nprecision = bf16\n' > "$W/c12_bf16.ini"
+"$TERA" eval --from "$W/c12_hf" -c "$W/c12_bf16.ini" "${C12E[@]}" > /dev/null 2> "$W/c12_eval2.log"
+grep -q "^tera eval: precision fp32" "$W/c12_eval2.log" && c12_ok "eval ignores a config file's precision" \
+    || c12_fail "eval with a bf16 config file: $(grep precision "$W/c12_eval2.log")"
+"$TERA" eval --from "$W/c12_hf" --training.precision=bf16 "${C12E[@]}" > /dev/null 2> "$W/c12_eval3.log"
+grep -q "^tera eval: precision bf16" "$W/c12_eval3.log" && c12_ok "eval --training.precision=bf16 runs bf16" \
+    || c12_fail "eval --training.precision=bf16: $(grep precision "$W/c12_eval3.log")"
+# under init_from / --from the model comes from config.json: a contradicting value is refused, naming both
+expect_error "--model.dim against config.json" "model.dim = 64 .*hidden_size = 32" -- \
+    "$TERA" eval --from "$W/c12_hf" --model.dim=64 "${C12E[@]}"
+expect_error "--model.aux_coef against config.json under init_from" "model.aux_coef = 0.5 .*router_aux_loss_coef = 0.01" -- \
+    "$TERA" train --training.init_from="$W/c12_hf" --model.aux_coef=0.5 --training.steps=1 --training.warmup_steps=0 \
+    --logging.run_dir="$W/c12_r1"
+printf '[model]\nn_layers = 3\n' > "$W/c12_model.ini"
+expect_error "a config file's model.n_layers against config.json" "model.n_layers = 3 .*num_hidden_layers = 2" -- \
+    "$TERA" eval --from "$W/c12_hf" -c "$W/c12_model.ini" "${C12E[@]}"
+"$TERA" eval --from "$W/c12_hf" --model.dim=32 "${C12E[@]}" > /dev/null 2>&1 && c12_ok "an agreeing --model.dim passes" \
+    || c12_fail "an agreeing --model.dim was refused"
+# an HF attention window shorter than the sequences is refused (tera has no sliding-window attention)
+mkdir -p "$W/c12_sw" && cp "$W/c12_hf/model.safetensors" "$W/c12_sw/"
+sed 's/"sliding_window":[[:space:]]*null/"sliding_window": 16/' "$W/c12_hf/config.json" > "$W/c12_sw/config.json"
+expect_error "sliding_window below seq_len" "sliding_window = 16" -- "$TERA" eval --from "$W/c12_sw" "${C12E[@]}"
+"$TERA" eval --from "$W/c12_sw" --training.seq_len=16 --training.micro_batch=2 --training.eval_batches=1 > /dev/null 2>&1 \
+    && c12_ok "sliding_window >= seq_len is accepted" || c12_fail "sliding_window = seq_len refused"
+# a NaN weight is refused at load (naming file and tensor) instead of skipping every step; the
+# writer stores tensors sorted by name, so the file's last 4 bytes are model.norm.weight's last element
+mkdir -p "$W/c12_nan" && cp "$W/c12_hf/config.json" "$W/c12_hf/model.safetensors" "$W/c12_nan/"
+n=$(stat -c %s "$W/c12_nan/model.safetensors")
+printf '\000\000\300\177' | dd of="$W/c12_nan/model.safetensors" bs=1 seek=$((n - 4)) conv=notrunc 2> /dev/null
+expect_error "init_from with a NaN weight" "model.safetensors: tensor 'model.norm.weight' holds a non-finite value (NaN" -- \
+    "$TERA" train --training.init_from="$W/c12_nan" --training.steps=2 --training.warmup_steps=0 \
+    --logging.run_dir="$W/c12_r2" "${C12E[@]}"
+expect_error "eval --from with a NaN weight" "model.norm.weight" -- "$TERA" eval --from "$W/c12_nan" "${C12E[@]}"
+for d in c12_r1 c12_r2; do [ -e "$W/$d" ] && c12_fail "a refused init_from created $d"; done
 
 # ---- multi-rank start-up and hangs (issue 12) ----
+# an error every rank finds before the run starts is printed once (by rank 0), not once per rank; a
+# stalled rank is named by the others' watchdog (tests/cli_hang.sh)
+if command -v mpirun > /dev/null; then
+    expect_error "same error on 2 ranks, printed once" "must be divisible by model.n_heads" -- \
+        env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 \
+        "$TERA" train --model.dim=30 --model.n_heads=4
+    [ "$(grep -c 'must be divisible by model.n_heads' "$W/err")" = 1 ] && pass "the message appears once" \
+        || fail "the message appears $(grep -c 'must be divisible by model.n_heads' "$W/err") times"
+    # an error on one rank only (mpirun's A : B gives the ranks different arguments) is printed by that
+    # rank, naming it, and stops the job at once instead of leaving the others waiting for it; two
+    # different errors are printed once each
+    ok=(--parallel.dp=2 --training.steps=2 --training.warmup_steps=0 --logging.run_dir=)
+    bad=(--model.dim=30 --model.n_heads=4)
+    for c in "rank 1 only|error (rank 1): config: model.dim (30)|1|${ok[*]}|${ok[*]} ${bad[*]}" \
+             "rank 0 only|error: config: model.dim (30)|1|${ok[*]} ${bad[*]}|${ok[*]}" \
+             "different errors|error (rank 1): config: model.dim (31)|2|${bad[*]}|--model.dim=31 --model.n_heads=4"; do
+        IFS='|' read -r what pat lines a0 a1 <<< "$c"
+        # shellcheck disable=SC2086 # the arguments hold no blanks
+        timeout 60 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe \
+            -np 1 "$TERA" train $a0 : -np 1 "$TERA" train $a1 > "$W/out" 2> "$W/err"
+        rc=$?
+        if [ $rc = 0 ] || [ $rc = 124 ] || [ $rc -ge 128 ]; then fail "error on $what: exit $rc"; cat "$W/err"
+        elif ! grep -qF -- "$pat" "$W/err"; then fail "error on $what: no '$pat'"; cat "$W/err"
+        elif [ "$(grep -c 'tera: error' "$W/err")" != "$lines" ]; then fail "error on $what: not $lines error line(s)"; cat "$W/err"
+        else pass "error on $what: $(grep -F -- "$pat" "$W/err")"; fi
+    done
+fi
 
 echo "cli_errors: $fails failed"
 [ "$fails" = 0 ]

@@ -53,7 +53,7 @@ for f in model.safetensors optimizer.safetensors config.json; do
     cmp -s "$W/c1/checkpoints/step_00000008/$f" "$W/u/checkpoints/step_00000008/$f" || { ok=0; fail "$f differs"; }
 done
 [ $ok = 1 ] && pass "sharded -> one rank: weights, moments and config byte-identical to the unsharded run's"
-"$TERA" ckpt export-hf "$C8" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$W/u/checkpoints/step_00000008/model.safetensors" \
+"$TERA" ckpt export-hf "$C8" --out "$W/hf" --tera-moe > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$W/u/checkpoints/step_00000008/model.safetensors" \
     && pass "export-hf of a sharded checkpoint" || fail "export-hf of a sharded checkpoint"
 
 # evaluated directly (training.init_from / tera eval --from a sharded checkpoint): the same loss
@@ -64,7 +64,7 @@ b=$("$TERA" eval --from "$W/u/checkpoints/step_00000008" --data.path="$W/c.txt" 
 [ -n "$a" ] && [ "$a" = "$b" ] && pass "tera eval --from a sharded checkpoint: $a (unsharded: $b)" || fail "eval: '$a' vs '$b'"
 
 # tera export-hf --from takes a checkpoint too; a parallel eval prints one line
-"$TERA" export-hf --from "$C8" --out "$W/hf2" > /dev/null 2>&1 && cmp -s "$W/hf2/model.safetensors" "$W/hf/model.safetensors" \
+"$TERA" export-hf --from "$C8" --out "$W/hf2" --tera-moe > /dev/null 2>&1 && cmp -s "$W/hf2/model.safetensors" "$W/hf/model.safetensors" \
     && pass "export-hf --from a sharded checkpoint" || fail "export-hf --from a sharded checkpoint"
 c=$($MPIRUN -np 2 "$TERA" eval --from "$C8" --parallel.tp=2 --data.path="$W/c.txt" --data.val_fraction=0.1 \
     --training.seq_len=32 --training.micro_batch=4 --training.eval_batches=4 2> /dev/null | grep -c '"val_loss"')

@@ -11,7 +11,8 @@ SRC=$2
 head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
 TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32
       --training.micro_batch=4 --training.warmup_steps=2 --training.steps=60 --training.threads=2 --data.path="$W/c.txt"
-      --checkpoint.every=10 --training.spike_window=8 --training.spike_lr_steps=5 --training.spike_grad_zscore=1e6)
+      --checkpoint.every=10 --training.spike_window=8 --training.spike_lr_steps=6 --training.spike_grad_zscore=1e6
+      --training.spike_zscore=8) # 8: above the clean runs' loss z-scores at this window (7.7), below the poisoned batch's (12.2)
 val_loss() { "$TERA" eval --from "$1" --data.path="$W/c.txt" --training.seq_len=32 --training.micro_batch=8 \
     --training.eval_batches=20 2> /dev/null | sed 's/.*"val_loss": \([0-9.]*\).*/\1/'; }
 
@@ -25,6 +26,16 @@ ev=$(grep loss_spike "$W/fault/metrics.jsonl")
 echo "$ev" | grep -q '"step": 25,' && echo "$ev" | grep -q '"rolled_back_to": 20' && echo "$ev" | grep -q '"skipped_samples": \[100, 104\]' \
     && pass "spike at step 25 rolled back to step 20, samples [100, 104) skipped" || fail "event content: $ev"
 grep -q "loss spike at step 25" "$W/fault.log" && pass "spike reported on stderr" || fail "no stderr report"
+# the LR cut (spike_lr_steps = 6): the replayed steps 20-24, then 6 steps from the spike's step on (25-30, step 25
+# now on the batch after the skipped one) run at spike_lr_factor x the clean run's LR; step 31 at the full LR
+lr_at() { grep "^{\"step\": $2, \"loss\"" "$1" | tail -1 | grep -o '"lr": [^,]*' | cut -d' ' -f2; }
+cut_ok=1
+for k in 20 24 25 30 31; do
+    f=0.5; [ $k = 31 ] && f=1
+    awk -v a="$(lr_at "$W/clean/metrics.jsonl" $k)" -v b="$(lr_at "$W/fault/metrics.jsonl" $k)" -v f=$f \
+        'BEGIN { d = b - f * a; if (d < 0) d = -d; exit !(a > 0 && d <= 1e-4 * a) }' || { cut_ok=0; echo "step $k: LR $(lr_at "$W/fault/metrics.jsonl" $k) vs clean $(lr_at "$W/clean/metrics.jsonl" $k)"; }
+done
+[ $cut_ok = 1 ] && pass "LR x 0.5 for the replayed steps 20-24 and the 6 steps 25-30, full LR again at step 31" || fail "LR cut after the spike"
 n=$(grep -c '"loss": ' "$W/fault/metrics.jsonl")
 last=$(tail -1 "$W/fault/metrics.jsonl" | grep -o '"step": [0-9]*')
 [ "$last" = '"step": 59' ] && pass "run completed all 60 steps ($n step records incl. the replay)" || fail "last record: $last"

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -33,6 +34,7 @@ static const char *const all_keys[] = {
     "model.first_k_dense",
     "model.dense_ffn_dim",
     "model.max_seq_len",
+    "model.sliding_window",
     "model.rope_theta",
     "model.norm_eps",
     "model.init_std",
@@ -172,6 +174,7 @@ static void test_defaults(void **state) {
     assert_int_equal(c.model.first_k_dense, 0);
     assert_int_equal(c.model.dense_ffn_dim, 0);
     assert_int_equal(c.model.max_seq_len, 1024);
+    assert_int_equal(c.model.sliding_window, 0);
     assert_true(c.model.rope_theta == 10000.0f);
     assert_true(c.model.norm_eps == 1e-5f);
     assert_true(c.model.init_std == 0.02f);
@@ -216,13 +219,17 @@ static void test_defaults(void **state) {
     assert_int_equal(c.logging.progress, 1);
     assert_int_equal(c.logging.profile, 0);
 
-    /* Finalize fills the derived defaults, and is idempotent. */
+    /* Finalize fills the derived defaults, and is idempotent. dense_ffn_dim stays 0 (unused)
+     * without dense layers, and is top_k * ffn_dim with them. */
     assert_int_equal(tera_config_finalize(&c), TERA_OK);
     assert_int_equal(c.model.n_kv_heads, 4);
-    assert_int_equal(c.model.dense_ffn_dim, 2 * 256);
+    assert_int_equal(c.model.dense_ffn_dim, 0);
     tera_config again = c;
     assert_int_equal(tera_config_finalize(&again), TERA_OK);
     assert_memory_equal(&again, &c, sizeof c);
+    assert_int_equal(tera_config_set(&c, "model.first_k_dense=1"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    assert_int_equal(c.model.dense_ffn_dim, 2 * 256);
 }
 
 static void test_load_file(void **state) {
@@ -498,8 +505,19 @@ static void test_finalize(void **state) {
                     "training.warmup_steps (30) must be at most training.steps (10)",
                     "training.steps=10", NULL);
     expect_finalize(TERA_OK, NULL, "logging.run_dir=", NULL); /* "" = no run directory */
-    expect_finalize(TERA_ERR_CONFIG, "model.dense_ffn_dim", "model.top_k=8",
-                    "model.ffn_dim=1000000000");
+    expect_finalize(TERA_OK, NULL, "model.top_k=8", "model.ffn_dim=1000000000"); /* no dense layer: unused */
+    {
+        tera_config c;
+        tera_config_defaults(&c);
+        assert_int_equal(tera_config_set(&c, "model.first_k_dense=1"), TERA_OK);
+        assert_int_equal(tera_config_set(&c, "model.top_k=8"), TERA_OK);
+        assert_int_equal(tera_config_set(&c, "model.ffn_dim=1000000000"), TERA_OK);
+        assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
+        assert_msg_has("model.dense_ffn_dim");
+    }
+    /* a Hugging Face attention window shorter than the sequences: tera has no sliding-window attention */
+    expect_finalize(TERA_ERR_CONFIG, "model.sliding_window = 16", "model.sliding_window=16", "training.seq_len=64");
+    expect_finalize(TERA_OK, NULL, "model.sliding_window=64", "training.seq_len=64");
     expect_finalize(TERA_OK, NULL, "parallel.dp=2", NULL); /* data parallelism is supported */
     expect_finalize(TERA_OK, NULL, "parallel.tp=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.tp (3) must divide model.vocab_size", "parallel.tp=3", NULL);
@@ -572,6 +590,7 @@ static void test_round_trip(void **state) {
         "model.first_k_dense=1",
         "model.dense_ffn_dim=333",
         "model.max_seq_len=4096",
+        "model.sliding_window=300",
         "model.rope_theta=500000",
         "model.norm_eps=1e-6",
         "model.init_std=0.0123456789",
@@ -633,6 +652,8 @@ static void test_round_trip(void **state) {
     assert_memory_equal(&back.parallel, &c.parallel, sizeof c.parallel);
     assert_memory_equal(&back.checkpoint, &c.checkpoint, sizeof c.checkpoint);
     assert_memory_equal(&back.logging, &c.logging, sizeof c.logging);
+    assert_true(back.model_given != 0 && (back.model_given & c.model_given) == c.model_given); /* set by the file */
+    back.model_given = c.model_given; /* not a key: which [model] keys were set, by the file or overrides */
     assert_memory_equal(&back, &c, sizeof c);
 
     /* The dump: a header comment, sections, every key exactly once, short float text. */
@@ -659,6 +680,7 @@ static void test_round_trip(void **state) {
     assert_int_equal(tera_config_set(&back, "model.dim=8"), TERA_OK);
     assert_int_equal(tera_config_set(&back, "data.path=something/long/to/leave/a/tail"), TERA_OK);
     assert_int_equal(tera_config_load(&back, path), TERA_OK);
+    back.model_given = c.model_given; /* not a key (the file set every [model] key) */
     assert_memory_equal(&back, &c, sizeof c);
     assert_int_equal(unlink(path), 0);
 
@@ -673,6 +695,94 @@ static void test_round_trip(void **state) {
     assert_int_equal(tera_config_write(&c, path), TERA_ERR_CONFIG);
     assert_msg_has("data.path");
     assert_int_equal(access(path, F_OK), -1); /* nothing was written */
+}
+
+/* A Hugging Face directory with config.json = text (under the build directory). */
+static const char *hf_dir(const char *text) {
+    const char *dir = tmp_path("hf");
+    char path[TERA_PATH_MAX + 16];
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    assert_int_equal(fputs(text, f) >= 0, 1);
+    assert_int_equal(fclose(f), 0);
+    return dir;
+}
+
+/* tera_config_from_hf (training.init_from, eval/export-hf --from): the model comes from config.json;
+ * a [model] value given in a file or on the command line that config.json contradicts is refused,
+ * naming the key and both values; derived defaults follow config.json's values. */
+static void test_from_hf(void **state) {
+    (void)state;
+    const char *dir = hf_dir("{\"model_type\": \"mixtral\", \"vocab_size\": 300, \"hidden_size\": 64, "
+                             "\"intermediate_size\": 32, \"num_hidden_layers\": 2, \"num_attention_heads\": 8, "
+                             "\"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"first_k_dense_replace\": 1, "
+                             "\"router_aux_loss_coef\": 0.01, \"sliding_window\": null}");
+    /* nothing given: derived defaults from config.json's values, not from the defaults' (2 x 256) */
+    tera_config c;
+    tera_config_defaults(&c);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK); /* as tera_cli_parse does before */
+    assert_int_equal(tera_config_from_hf(&c, dir), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    assert_int_equal(c.model.dim, 64);
+    assert_int_equal(c.model.n_kv_heads, 8);        /* absent: = num_attention_heads */
+    assert_int_equal(c.model.dense_ffn_dim, 2 * 32); /* absent: top_k x intermediate_size */
+    assert_int_equal(c.model.sliding_window, 0);
+
+    /* a conflicting value is refused with both values; c is unchanged */
+    static const char *const bad[][3] = {
+        {"model.dim=32", "model.dim = 32", "hidden_size = 64"},
+        {"model.aux_coef=0.5", "model.aux_coef = 0.5", "router_aux_loss_coef = 0.01"},
+        {"model.n_kv_heads=4", "model.n_kv_heads = 4", "num_key_value_heads = 8"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        tera_config_defaults(&c);
+        assert_int_equal(tera_config_set(&c, bad[i][0]), TERA_OK);
+        assert_int_equal(tera_config_finalize(&c), TERA_OK);
+        tera_config before = c;
+        assert_int_equal(tera_config_from_hf(&c, dir), TERA_ERR_CONFIG);
+        assert_msg_has(bad[i][1]);
+        assert_msg_has(bad[i][2]);
+        assert_msg_has("config.json");
+        assert_memory_equal(&c, &before, sizeof c);
+    }
+    /* in a file too */
+    tera_config_defaults(&c);
+    assert_int_equal(tera_config_load(&c, write_file("m.ini", "[model]\ndim = 32\n")), TERA_OK);
+    assert_int_equal(tera_config_from_hf(&c, dir), TERA_ERR_CONFIG);
+    assert_msg_has("model.dim = 32");
+
+    /* agreeing values pass; a value config.json does not state is kept */
+    tera_config_defaults(&c);
+    assert_int_equal(tera_config_set(&c, "model.dim=64"), TERA_OK);
+    assert_int_equal(tera_config_set(&c, "model.capacity_factor=1.5"), TERA_OK);
+    assert_int_equal(tera_config_set(&c, "model.dense_ffn_dim=64"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    assert_int_equal(tera_config_from_hf(&c, dir), TERA_OK);
+    assert_true(c.model.capacity_factor == 1.5f);
+    tera_config_defaults(&c);
+    assert_int_equal(tera_config_set(&c, "model.dense_ffn_dim=100"), TERA_OK);
+    assert_int_equal(tera_config_from_hf(&c, dir), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    assert_int_equal(c.model.dense_ffn_dim, 100);
+
+    /* a window shorter than the sequences is refused at finalize, naming the key */
+    dir = hf_dir("{\"model_type\": \"mixtral\", \"hidden_size\": 64, \"num_attention_heads\": 8, "
+                 "\"sliding_window\": 16}");
+    tera_config_defaults(&c);
+    assert_int_equal(tera_config_from_hf(&c, dir), TERA_OK);
+    assert_int_equal(c.model.sliding_window, 16);
+    assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
+    assert_msg_has("model.sliding_window = 16");
+    assert_msg_has("training.seq_len = 128");
+    c.training.seq_len = 16;
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    char path[TERA_PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    unlink(path);
+    rmdir(dir);
+    unlink(tmp_path("m.ini"));
 }
 
 static void test_doc(void **state) {
@@ -708,7 +818,7 @@ int main(void) {
         cmocka_unit_test(test_defaults),  cmocka_unit_test(test_load_file),
         cmocka_unit_test(test_overrides), cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_finalize),  cmocka_unit_test(test_round_trip),
-        cmocka_unit_test(test_doc),
+        cmocka_unit_test(test_doc),       cmocka_unit_test(test_from_hf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

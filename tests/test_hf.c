@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <ftw.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +101,7 @@ static tera_model_config full_config(void) {
     c.first_k_dense = 1;
     c.dense_ffn_dim = 12;
     c.max_seq_len = 64;
+    c.sliding_window = 48;
     c.rope_theta = 10000.0f;
     c.norm_eps = 1e-5f;
     c.init_std = 0.02f;
@@ -110,6 +112,10 @@ static tera_model_config full_config(void) {
     c.z_coef = 0.001f;
     c.aux_free = 1;
     c.aux_free_rate = 0.001f;
+    c.router_score = TERA_ROUTER_SIGMOID;
+    c.n_groups = 2;
+    c.topk_groups = 1;
+    c.routed_scale = 2.5f;
     return c;
 }
 
@@ -127,6 +133,11 @@ static tera_model_config plain_config(void) {
     c.rope_theta = 1e6f;
     c.norm_eps = 1e-6f;
     c.init_std = 0.1f;
+    c.sliding_window = 0;
+    c.router_score = TERA_ROUTER_SOFTMAX;
+    c.n_groups = 1;
+    c.topk_groups = 1;
+    c.routed_scale = 1.0f;
     return c;
 }
 
@@ -195,6 +206,7 @@ static void assert_same_config(const tera_model_config *a, const tera_model_conf
     EXPECT_FIELD(first_k_dense);
     EXPECT_FIELD(dense_ffn_dim);
     EXPECT_FIELD(max_seq_len);
+    EXPECT_FIELD(sliding_window);
     EXPECT_FIELD(rope_theta);
     EXPECT_FIELD(norm_eps);
     EXPECT_FIELD(init_std);
@@ -205,6 +217,10 @@ static void assert_same_config(const tera_model_config *a, const tera_model_conf
     EXPECT_FIELD(z_coef);
     EXPECT_FIELD(aux_free);
     EXPECT_FIELD(aux_free_rate);
+    EXPECT_FIELD(router_score);
+    EXPECT_FIELD(n_groups);
+    EXPECT_FIELD(topk_groups);
+    EXPECT_FIELD(routed_scale);
 }
 #undef EXPECT_FIELD
 
@@ -224,6 +240,7 @@ static tera_model_config scrambled(const tera_model_config *c) {
     s.first_k_dense = c->first_k_dense + 1;
     s.dense_ffn_dim = c->dense_ffn_dim + 1;
     s.max_seq_len = c->max_seq_len + 1;
+    s.sliding_window = c->sliding_window + 1;
     s.rope_theta = c->rope_theta + 1;
     s.norm_eps = c->norm_eps * 2;
     s.init_std = c->init_std * 2;
@@ -234,6 +251,10 @@ static tera_model_config scrambled(const tera_model_config *c) {
     s.z_coef = c->z_coef * 2;
     s.aux_free = !c->aux_free;
     s.aux_free_rate = c->aux_free_rate * 2;
+    s.router_score = c->router_score == TERA_ROUTER_SOFTMAX ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
+    s.n_groups = c->n_groups + 1;
+    s.topk_groups = c->topk_groups + 1;
+    s.routed_scale = c->routed_scale + 1;
     return s;
 }
 
@@ -290,12 +311,19 @@ static void test_roundtrip_full(void **state) {
     assert_non_null(strstr(js, "\"rms_norm_eps\":\t1e-05"));
     assert_non_null(strstr(js, "\"rope_theta\":\t10000.0"));
     assert_non_null(strstr(js, "\"capacity_factor\":\t1.25"));
-    assert_non_null(strstr(js, "\"model_type\":\t\"mixtral\""));
-    assert_non_null(strstr(js, "\"MixtralForCausalLM\""));
+    /* dense layer, shared expert, aux-free bias, dropping capacity: no transformers class computes it */
+    assert_non_null(strstr(js, "\"model_type\":\t\"tera_moe\""));
+    assert_non_null(strstr(js, "\"TeraMoeForCausalLM\""));
+    assert_null(strstr(js, "Mixtral"));
+    assert_non_null(strstr(js, "\"sliding_window\":\t48"));
     assert_non_null(strstr(js, "\"intermediate_size\":\t8"));
     assert_non_null(strstr(js, "\"moe_intermediate_size\":\t8"));
     assert_non_null(strstr(js, "\"drop_policy\":\t\"probability\""));
     assert_non_null(strstr(js, "\"aux_loss_free\":\ttrue"));
+    assert_non_null(strstr(js, "\"scoring_func\":\t\"sigmoid\""));
+    assert_non_null(strstr(js, "\"n_group\":\t2"));
+    assert_non_null(strstr(js, "\"topk_group\":\t1"));
+    assert_non_null(strstr(js, "\"routed_scaling_factor\":\t2.5"));
     assert_non_null(strstr(js, "\"hidden_act\":\t\"silu\""));
     assert_non_null(strstr(js, "\"torch_dtype\":\t\"float32\""));
     free(js);
@@ -304,6 +332,11 @@ static void test_roundtrip_full(void **state) {
 static void test_roundtrip_plain_tied(void **state) {
     tera_model_config c = plain_config();
     roundtrip(&c, 0);
+    char *js = read_text(in_out("config.json")); /* exactly a Mixtral: labelled so, no window */
+    assert_non_null(strstr(js, "\"model_type\":\t\"mixtral\""));
+    assert_non_null(strstr(js, "\"MixtralForCausalLM\""));
+    assert_non_null(strstr(js, "\"sliding_window\":\tnull"));
+    free(js);
     tera_st_file f;
     assert_int_equal(tera_st_open(&f, in_out("model.safetensors")), TERA_OK);
     assert_null(tera_st_find(&f, "lm_head.weight"));
@@ -386,6 +419,8 @@ static void test_config_refusals(void **state) {
         {"{\"tie_word_embeddings\": 1}", "tie_word_embeddings"},
         {"{\"aux_loss_free\": \"yes\"}", "aux_loss_free"},
         {"{\"drop_policy\": \"random\"}", "drop_policy"},
+        {"{\"scoring_func\": \"relu\"}", "scoring_func"},
+        {"{\"n_group\": 1.5}", "n_group"},
         {"{\"hidden_act\": \"gelu\"}", "hidden_act"},
         {"{\"vocab_size\": 10, \"hidden_size\": [16]}", "hidden_size"},
         {"{\"vocab_size\": 10,", "config.json"},
@@ -565,6 +600,118 @@ static void test_export_overwrite_shards(void **state) {
     destroy(&b);
 }
 
+/* --------------------------------------------------------------- transformers interop -- */
+
+/* Which models transformers' MixtralForCausalLM computes exactly (tera_hf_transformers_gaps), and
+ * the export-hf refusal of the others unless --tera-moe. */
+static void test_transformers_gaps(void **state) {
+    tera_model_config c = plain_config();
+    char buf[512];
+    assert_int_equal(tera_hf_transformers_gaps(&c, buf, sizeof buf), 0);
+    assert_string_equal(buf, "");
+    /* no effect at inference: still Mixtral */
+    c.aux_coef = 0.5f, c.z_coef = 0.1f, c.aux_free_rate = 0.1f, c.init_std = 1, c.tie_embeddings = 0;
+    c.n_kv_heads = 2, c.sliding_window = 64, c.drop_policy = TERA_DROP_PROBABILITY;
+    assert_int_equal(tera_hf_transformers_gaps(&c, NULL, 0), 0);
+    /* a capacity that can never drop (cf * k >= E: capacity >= T) is dropless */
+    c.capacity_factor = 2.0f; /* k = 2, E = 4 */
+    assert_int_equal(tera_hf_transformers_gaps(&c, NULL, 0), 0);
+    tera_model_config g = plain_config();
+    g.first_k_dense = 1;
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 1);
+    assert_non_null(strstr(buf, "first_k_dense"));
+    g = plain_config();
+    g.n_shared_experts = 1;
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 1);
+    assert_non_null(strstr(buf, "n_shared_experts"));
+    g = plain_config();
+    g.aux_free = 1;
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 1);
+    assert_non_null(strstr(buf, "aux_free"));
+    g = plain_config();
+    g.capacity_factor = 1.25f;
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 1);
+    assert_non_null(strstr(buf, "capacity_factor"));
+    g = plain_config(); /* DeepSeek-V3 routing */
+    g.router_score = TERA_ROUTER_SIGMOID;
+    g.n_groups = 2, g.topk_groups = 1;
+    g.routed_scale = 2.5f;
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 3);
+    assert_non_null(strstr(buf, "router_score"));
+    assert_non_null(strstr(buf, "topk_groups"));
+    assert_non_null(strstr(buf, "routed_scale"));
+    g.router_score = TERA_ROUTER_SOFTMAX, g.topk_groups = 2, g.routed_scale = 1; /* every group allowed, x 1 */
+    assert_int_equal(tera_hf_transformers_gaps(&g, NULL, 0), 0);
+    g = full_config();
+    assert_int_equal(tera_hf_transformers_gaps(&g, buf, sizeof buf), 7);
+
+    /* export-hf refuses (nothing written) unless allowed; the plain model passes */
+    tera_model a, b;
+    build(&a, &g, 3);
+    expect_error(tera_hf_export_checked(&a, g_out, 0, 0, 0), TERA_ERR_CONFIG, "--tera-moe", "shared experts");
+    assert_non_null(strstr(tera_last_error(), "dense first layers"));
+    assert_non_null(strstr(tera_last_error(), "aux-loss-free"));
+    assert_non_null(strstr(tera_last_error(), "capacity factor"));
+    assert_false(exists(g_out));
+    assert_int_equal(tera_hf_export_checked(&a, g_out, 0, 0, 1), TERA_OK);
+    build(&b, &g, 0);
+    assert_int_equal(tera_hf_import(&b, g_out), TERA_OK); /* tera reads its tera_moe export */
+    assert_same_weights(&a, &b);
+    tera_model_config got = scrambled(&g);
+    assert_int_equal(tera_hf_read_config(g_out, &got), TERA_OK);
+    assert_same_config(&g, &got);
+    destroy(&a);
+    destroy(&b);
+    tera_model_config p = plain_config();
+    build(&a, &p, 4);
+    assert_int_equal(tera_hf_export_checked(&a, g_out, 0, 1, 0), TERA_OK);
+    destroy(&a);
+}
+
+/* sliding_window: null or absent = 0 (none), an integer is kept (tera_config_finalize refuses a
+ * window below training.seq_len), anything else is refused. */
+static void test_config_sliding_window(void **state) {
+    assert_int_equal(mkdir(g_out, 0755), 0);
+    tera_model_config c = full_config();
+    write_text(in_out("config.json"), "{\"sliding_window\": 4096}");
+    assert_int_equal(tera_hf_read_config(g_out, &c), TERA_OK);
+    assert_int_equal(c.sliding_window, 4096);
+    write_text(in_out("config.json"), "{\"sliding_window\": null}");
+    assert_int_equal(tera_hf_read_config(g_out, &c), TERA_OK);
+    assert_int_equal(c.sliding_window, 0);
+    write_text(in_out("config.json"), "{\"model_type\": \"tera_moe\"}");
+    assert_int_equal(tera_hf_read_config(g_out, &c), TERA_OK);
+    static const char *const bad[] = {"{\"sliding_window\": -1}", "{\"sliding_window\": \"16\"}",
+                                      "{\"sliding_window\": 1.5}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_text(in_out("config.json"), bad[i]);
+        expect_error(tera_hf_read_config(g_out, &c), TERA_ERR_FORMAT, "sliding_window", "config.json");
+    }
+}
+
+/* A NaN or infinite weight is refused at load, naming the file and the tensor. */
+static void test_import_nonfinite(void **state) {
+    tera_model_config c = plain_config();
+    tera_model a, b;
+    build(&a, &c, 11);
+    build(&b, &c, 0);
+    const tera_param *p = tera_model_param(&a, "model.layers.1.self_attn.k_proj.weight");
+    assert_non_null(p);
+    a.w[p->offset + 5] = NAN;
+    assert_int_equal(tera_hf_export(&a, g_out, 0, 0), TERA_OK);
+    expect_error(tera_hf_import(&b, g_out), TERA_ERR_NUMERIC, "model.layers.1.self_attn.k_proj.weight",
+                 "model.safetensors");
+    assert_non_null(strstr(tera_last_error(), "NaN"));
+    a.w[p->offset + 5] = -INFINITY;
+    assert_int_equal(tera_hf_export(&a, g_out, 0, 1), TERA_OK);
+    expect_error(tera_hf_import(&b, g_out), TERA_ERR_NUMERIC, "k_proj", "-inf");
+    a.w[p->offset + 5] = 1.0f;
+    assert_int_equal(tera_hf_export(&a, g_out, 0, 1), TERA_OK);
+    assert_int_equal(tera_hf_import(&b, g_out), TERA_OK);
+    destroy(&a);
+    destroy(&b);
+}
+
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup_dir, teardown_dir)
 
 int main(void) {
@@ -572,7 +719,8 @@ int main(void) {
         T(test_roundtrip_full),        T(test_roundtrip_plain_tied),  T(test_roundtrip_sharded),
         T(test_bias_absent_is_zero),   T(test_config_fields),         T(test_config_refusals),
         T(test_import_refusals),       T(test_import_tied_lm_head),   T(test_export_refuses_nonempty),
-        T(test_export_overwrite_shards),
+        T(test_export_overwrite_shards), T(test_transformers_gaps),    T(test_config_sliding_window),
+        T(test_import_nonfinite),
     };
     return cmocka_run_group_tests_name("hf", tests, NULL, NULL);
 }

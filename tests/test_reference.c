@@ -101,7 +101,7 @@ static void run_fixture(const char *name) {
 
     tera_config cfg;
     tera_config_defaults(&cfg);
-    assert_int_equal(tera_hf_read_config(dir, &cfg.model), TERA_OK);
+    assert_int_equal(tera_hf_read_config(dir, &cfg.model), TERA_OK); /* the routing options too */
     cfg.training.seq_len = T;
     cfg.training.micro_batch = B;
     cfg.training.grad_accum = 1;
@@ -208,6 +208,11 @@ static void run_fixture(const char *name) {
 static void test_mixtral(void **state) { (void)state; run_fixture("mixtral"); }
 static void test_deepseek(void **state) { (void)state; run_fixture("deepseek"); }
 static void test_capprob(void **state) { (void)state; run_fixture("capprob"); }
+/* DeepSeek-V3 routing: 256 experts, top-8 by sigmoid score + aux-free bias inside the 4 best of 8
+ * groups, weights x 2.5, balancing loss on s / sum(s) */
+static void test_sigmoid(void **state) { (void)state; run_fixture("sigmoid"); }
+/* group-limited routing on softmax probabilities (group score = max), weights x 1.5 */
+static void test_softgroups(void **state) { (void)state; run_fixture("softgroups"); }
 
 int main(void) {
     tera_set_threads(2);
@@ -215,6 +220,8 @@ int main(void) {
         cmocka_unit_test(test_mixtral),
         cmocka_unit_test(test_deepseek),
         cmocka_unit_test(test_capprob),
+        cmocka_unit_test(test_sigmoid),
+        cmocka_unit_test(test_softgroups),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

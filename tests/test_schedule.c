@@ -1,6 +1,7 @@
 /* Pipeline schedules: every kind is deadlock-free by simulation, runs each micro-batch's forward
  * before its backward exactly once per virtual stage, 1F1B keeps at most p - r micro-batches in
- * flight (GPipe m), and the simulated bubble matches (p-1)/(m+p-1) (interleaved: (p-1)/(vm+p-1)). */
+ * flight (GPipe m), and the simulated bubble equals (p-1)/(m+p-1) (interleaved: (p-1)/(vm+p-1))
+ * exactly, for every backward/forward cost ratio tried. */
 #include "testutil.h"
 #include "tera/schedule.h"
 
@@ -23,31 +24,37 @@ static void check(tera_sched_kind kind, int pp, int m, int v) {
         }
         for (int k = 0; k < m * s.v; k++) assert_true(seen_f[k] == 1 && seen_b[k] == 1);
     }
-    tera_sched_stats st;
-    tera_status rc = tera_schedule_simulate(&s, 1.0, 2.0, &st);
-    if (rc != TERA_OK) fprintf(stderr, "%s\n", tera_last_error());
-    assert_int_equal(rc, TERA_OK);
-    if (kind == TERA_SCHED_GPIPE) assert_int_equal(st.peak_in_flight, m);
-    if (kind == TERA_SCHED_1F1B)
-        for (int r = 0; r < pp; r++) assert_true(st.peak_in_flight_rank[r] <= (pp - r < m ? pp - r : m));
-    if (kind != TERA_SCHED_INTERLEAVED) /* the classic formula is exact for these two */
-        assert_true(fabs(st.bubble - st.bubble_theory) < 1e-9);
-    else /* interleaving cuts the bubble below the non-interleaved one */
-        assert_true(st.bubble <= (double)(pp - 1) / (m + pp - 1) + 1e-9);
+    const double tbs[] = {2.0, 1.0, 3.0, 0.5}; /* backward cost per forward cost */
+    for (int t = 0; t < 4; t++) {
+        tera_sched_stats st;
+        tera_status rc = tera_schedule_simulate(&s, 1.0, tbs[t], &st);
+        if (rc != TERA_OK) fprintf(stderr, "%s\n", tera_last_error());
+        assert_int_equal(rc, TERA_OK);
+        if (kind == TERA_SCHED_GPIPE) assert_int_equal(st.peak_in_flight, m);
+        if (kind == TERA_SCHED_1F1B)
+            for (int r = 0; r < pp; r++) assert_true(st.peak_in_flight_rank[r] <= (pp - r < m ? pp - r : m));
+        /* the formula, exactly: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1); the makespan is the ideal
+         * v m (tf + tb) plus p - 1 stage-passes of (tf + tb) / v */
+        const double want = (double)(pp - 1) / ((double)s.v * m + pp - 1);
+        if (fabs(st.bubble - want) >= 1e-12 || fabs(st.bubble_theory - want) >= 1e-12)
+            fprintf(stderr, "%s p=%d m=%d v=%d tb/tf=%g: simulated bubble %.15f, formula %.15f\n",
+                    tera_sched_kind_name(kind), pp, m, s.v, tbs[t], st.bubble, want);
+        assert_true(fabs(st.bubble - want) < 1e-12);
+        assert_true(fabs(st.bubble_theory - want) < 1e-12);
+        assert_true(fabs(st.makespan - ((double)s.v * m + pp - 1) * (1.0 + tbs[t])) < 1e-9);
+    }
     tera_schedule_free(&s);
 }
 
 static void test_all_kinds(void **state) {
     (void)state;
-    const int pps[] = {1, 2, 3, 4, 8}, ms[] = {1, 2, 4, 8, 16};
+    const int pps[] = {1, 2, 3, 4, 8}, ms[] = {1, 2, 3, 4, 6, 8, 12, 16, 24};
     for (int a = 0; a < 5; a++)
-        for (int b = 0; b < 5; b++) {
+        for (int b = 0; b < 9; b++) {
             check(TERA_SCHED_GPIPE, pps[a], ms[b], 1);
             check(TERA_SCHED_1F1B, pps[a], ms[b], 1);
-            if (ms[b] % pps[a] == 0 && pps[a] > 1) {
-                check(TERA_SCHED_INTERLEAVED, pps[a], ms[b], 2);
-                check(TERA_SCHED_INTERLEAVED, pps[a], ms[b], 4);
-            }
+            if (ms[b] % pps[a] == 0 && pps[a] > 1) /* interleaved needs m a multiple of p */
+                for (int v = 2; v <= 4; v++) check(TERA_SCHED_INTERLEAVED, pps[a], ms[b], v);
         }
 }
 
@@ -65,7 +72,8 @@ static void test_known_values(void **state) {
     tera_schedule_free(&s);
     assert_int_equal(tera_schedule_build(&s, TERA_SCHED_INTERLEAVED, 4, 8, 2), TERA_OK);
     assert_int_equal(tera_schedule_simulate(&s, 0.5, 1.0, &st), TERA_OK); /* a chunk is half a stage */
-    assert_true(st.bubble < 3.0 / 11.0);
+    assert_true(fabs(st.bubble - 3.0 / 19.0) < 1e-12);                    /* (p-1)/(vm+p-1), below 3/11 */
+    assert_true(fabs(st.makespan - (16 + 3) * 1.5) < 1e-12);
     tera_schedule_free(&s);
     /* a hand-made order that deadlocks is caught: rank 1 wants B0 before F0 arrives... */
     assert_int_equal(tera_schedule_build(&s, TERA_SCHED_GPIPE, 2, 2, 1), TERA_OK);

@@ -87,6 +87,29 @@ tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap);
  * against the manifest's per-region XXH3. */
 tera_status tera_ckpt_load(const char *dir, tera_model *m, float *exp_avg, float *exp_avg_sq);
 
+/* ---------------------------------------------------------------- piecewise reading
+ * A rank reads only the pieces it holds, straight from the files (pread; no whole-model buffer):
+ * full, differential (base + changed chunks) and sharded checkpoints alike. `global` is the
+ * one-process parameter table (tera_layout_global_shell) and must outlive the reader. */
+typedef struct tera_ckpt_reader tera_ckpt_reader;
+tera_status tera_ckpt_reader_open(tera_ckpt_reader **r, const char *dir, const tera_model *global);
+void tera_ckpt_reader_close(tera_ckpt_reader *r);
+int tera_ckpt_reader_sharded(const tera_ckpt_reader *r);
+/* Elements [g0, g0 + n) (flat, row-major over the global shape) of parameter i of region k (0
+ * weights, 1 exp_avg, 2 exp_avg_sq). */
+tera_status tera_ckpt_reader_read(tera_ckpt_reader *r, int k, int i, int64_t g0, int64_t n, float *dst);
+/* The router bias [n_layers * n_experts] (zeros where the checkpoint has none). */
+tera_status tera_ckpt_reader_bias(tera_ckpt_reader *r, float *bias);
+/* Compares a region's XXH3 with the manifest's (*checked = 0: the manifest has none, sharded). */
+tera_status tera_ckpt_region_check(const char *dir, int region, uint64_t hash, int *checked);
+
+/* A block [lo, lo + len) of a tensor of shape[3] as runs contiguous in both the whole tensor and
+ * the block (dims merged where the block spans them): their number, and run r's global offset g
+ * (inside the tensor), offset l inside the block and length n, in increasing g. */
+int64_t tera_block_n_runs(const int64_t *shape, const int64_t *len);
+void tera_block_run(const int64_t *shape, const int64_t *lo, const int64_t *len, int64_t r, int64_t *g, int64_t *l,
+                    int64_t *n);
+
 /* ---------------------------------------------------------------- shared with the writer */
 /* The state is four regions of floats: 0 weights, 1 exp_avg, 2 exp_avg_sq (each laid out as the
  * flat parameter buffer, [n_floats]), 3 router bias ([n_layers * n_experts], empty without one). */

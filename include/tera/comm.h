@@ -57,11 +57,37 @@ void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, in
 void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
 void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
 
-/* Watchdog: a blocking collective (or a wait) that makes no progress for `seconds` means a peer
- * rank stopped answering; the rank then prints which operation stalled and aborts every rank
- * (MPI_Abort), so a hung peer never hangs the job. 0 disables it. A dead peer is already reported
- * by the launcher (mpirun names the rank and its signal and stops the job). */
+/* Waiting and the watchdog. Every wait (collectives, tera_comm_wait) polls: after its first
+ * millisecond with sleeps growing to 1 ms, so a rank waiting for a peer does not spin a core. A wait that makes no progress for the
+ * timeout means a peer rank stopped answering: the rank asks every other rank what it is doing (a
+ * side channel every waiting rank answers), prints one line naming the ranks that did not answer
+ * (stalled outside communication, stopped or dead) and where the others wait, and aborts every rank
+ * (MPI_Abort), so a hung peer never hangs the job. A dead peer is already reported by the launcher.
+ *
+ * tera_comm_set_timeout: seconds > 0 fixed, 0 off, < 0 automatic (parallel.timeout_s's default):
+ * inside a training step (between tera_comm_step_begin and _end), once TERA_COMM_AUTO_AFTER_STEPS
+ * steps have been timed, max(TERA_COMM_AUTO_FLOOR_S, TERA_COMM_AUTO_FACTOR x the slowest step after
+ * the first); before that and outside steps (set-up, evaluation, checkpoints, a rollback), max(
+ * TERA_COMM_STARTUP_S, TERA_COMM_AUTO_FACTOR x the slowest step). */
+#define TERA_COMM_AUTO_AFTER_STEPS 3
+#define TERA_COMM_AUTO_FLOOR_S 60.0
+#define TERA_COMM_AUTO_FACTOR 20.0
+#define TERA_COMM_STARTUP_S 600.0
 void tera_comm_set_timeout(double seconds);
+/* The trainer marks each step (the automatic timeout is measured on them). Test hook:
+ * TERA_FAULT_STALL_STEP=S[@RANK] makes world rank RANK (default 0) sleep for ever at the start of
+ * step S. */
+void tera_comm_step_begin(int64_t step);
+void tera_comm_step_end(double seconds);
+double tera_comm_timeout_now(void); /* the limit in effect now, seconds (0 = off) */
+
+/* Prints "tera: error: MSG" once for the job: rank 0 prints its message and sends it to the other
+ * ranks; another rank prints its own (naming itself) only when it differs from rank 0's. Messages
+ * that refer to another rank's message ("... on another rank", "see rank 0's message") are printed
+ * by rank 0 only. Every rank with an error calls it. An error the other ranks do not share (rank 0
+ * sent none within 5 s, or a rank did not take rank 0's) stops the job with MPI_Abort after the
+ * message, since those ranks would wait for this one. One rank: a plain print. */
+void tera_comm_print_error(const char *msg);
 
 /* Bytes this rank has sent since the last reset, by kind. Point-to-point transfers count exactly;
  * a collective over p ranks counts what a bandwidth-optimal (ring) algorithm sends from each rank

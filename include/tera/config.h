@@ -20,6 +20,11 @@ typedef enum {
 } tera_drop_policy;
 
 typedef enum {
+    TERA_ROUTER_SOFTMAX = 0, /* scores = softmax of the router logits (Mixtral, DeepSeek-V2) */
+    TERA_ROUTER_SIGMOID,     /* scores = sigmoid of each logit (DeepSeek-V3) */
+} tera_router_score;
+
+typedef enum {
     TERA_BATCH_LR_SQRT = 0, /* LR x sqrt(A / grad_accum) for a step of A micro-batches (Adam's rule) */
     TERA_BATCH_LR_LINEAR,   /* LR x A / grad_accum (SGD's linear scaling rule) */
     TERA_BATCH_LR_NONE,     /* LR unchanged */
@@ -36,8 +41,11 @@ typedef struct {
     int ffn_dim;           /* F, routed-expert hidden width */
     int n_shared_experts;  /* shared experts (DeepSeek); hidden width n_shared_experts * F */
     int first_k_dense;     /* the first N layers use a dense SwiGLU FFN instead of MoE */
-    int dense_ffn_dim;     /* hidden width of dense layers; 0 in a file means = top_k * F */
+    int dense_ffn_dim;     /* hidden width of dense layers; 0 in a file means = top_k * F (resolved by
+                            * tera_config_finalize when first_k_dense > 0, else left 0: unused) */
     int max_seq_len;       /* longest sequence the model is built for (max_position_embeddings) */
+    int sliding_window;    /* a Hugging Face config's attention window (0 = none). tera has no
+                            * sliding-window attention: a window must be >= training.seq_len */
     float rope_theta;      /* RoPE base */
     float norm_eps;        /* RMSNorm epsilon */
     float init_std;        /* std of the normal init; o_proj / w2 use init_std / sqrt(2L) */
@@ -48,6 +56,10 @@ typedef struct {
     float z_coef;          /* router z-loss coefficient */
     int aux_free;          /* aux-loss-free bias balancing on/off */
     float aux_free_rate;   /* bias update rate u: b_e += u * sign(mean load - load_e) */
+    tera_router_score router_score; /* how router logits become scores (top-k and combine weights) */
+    int n_groups;          /* group-limited routing: E experts in n_groups equal groups (1 = off) */
+    int topk_groups;       /* a token picks its top-k experts inside its topk_groups best groups */
+    float routed_scale;    /* routed scaling factor: combine weights = renormalised scores x this */
     /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
      * training.recompute); NULL or "" = none. */
     const char *recompute;
@@ -117,6 +129,7 @@ typedef struct {
     int full_every;             /* every N-th save full, the others differential (0 = always full) */
     int64_t max_shard_bytes;    /* safetensors shard size limit for export (0 = one file) */
     int sharded;                /* several ranks: each writes its own blocks (per-rank files) */
+    int writer_buffer_mb;       /* several ranks: the bounded window a save streams through (MiB) */
 } tera_ckpt_config;
 
 typedef struct {
@@ -134,6 +147,9 @@ typedef struct {
     tera_parallel_config parallel;
     tera_ckpt_config checkpoint;
     tera_logging_config logging;
+    /* Not a key: which [model] keys a file or a --model.* override set (bit i = the i-th [model] key
+     * of the table), so that tera_config_from_hf can refuse a value config.json contradicts. */
+    uint64_t model_given;
 } tera_config;
 
 /* Fills every field with its documented default. */
@@ -144,8 +160,15 @@ tera_status tera_config_load(tera_config *c, const char *path);
 /* Applies one override "section.key=value" (the leading "--" already stripped). */
 tera_status tera_config_set(tera_config *c, const char *assignment);
 /* Cross-field checks (H divides D, k <= E, hd even, ...) and derived defaults (n_kv_heads,
- * dense_ffn_dim). Call once after loading and overriding. */
+ * dense_ffn_dim): the one place they are computed. Call after loading and overriding, and again
+ * after tera_config_from_hf (idempotent). */
 tera_status tera_config_finalize(tera_config *c);
+/* The model of a Hugging Face directory (training.init_from, tera eval/export-hf --from): replaces
+ * c->model by dir/config.json's values (fields config.json lacks keep a value given in a file or
+ * on the command line, else their default; derived defaults are derived again by finalize). A
+ * [model] value given in a file or on the command line that config.json contradicts is an error
+ * naming the key, both values and the file. c is unchanged on error. Call finalize afterwards. */
+tera_status tera_config_from_hf(tera_config *c, const char *dir);
 /* Writes the resolved configuration as a loadable INI file. */
 tera_status tera_config_write(const tera_config *c, const char *path);
 /* Writes docs: every section and key with type, default, range/choices and doc (Markdown). */

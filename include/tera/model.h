@@ -3,7 +3,8 @@
  * Every parameter is described by a row of a table (tera_param): its Hugging Face name, global
  * shape, offset into one flat float buffer, weight-decay flag and init. The same table drives
  * allocation (parameters, gradients and optimizer moments are each ONE allocation carved by these
- * offsets), initialisation, export/import, and (later) sharding. Routed-expert weights are stored
+ * offsets), initialisation, export/import, and sharding (each rank's block of every tensor under
+ * expert, tensor and pipeline parallelism; ZeRO's ranges). Routed-expert weights are stored
  * stacked with a leading expert dimension ([E, out, in]) so an expert-parallel shard is a slice. */
 #ifndef TERA_MODEL_H
 #define TERA_MODEL_H
@@ -217,7 +218,8 @@ void tera_model_bind_all(tera_model *m, float *w, float *g);
 /* cfg->recompute (a training.recompute spec, NULL = none) sets the per-layer recomputation; the
  * model keeps the parsed policy (m->recompute) and clears m->cfg.recompute. */
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T);
-/* The same on one rank of an expert-parallel group (par NULL: one rank holds every expert). */
+/* The same on one rank of a parallel layout: its experts, tensor-parallel slices, pipeline stages
+ * and ZeRO sharding as par says (par NULL: one rank holds the whole model). */
 tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
                                   const tera_model_par *par);
 void tera_model_destroy(tera_model *m);

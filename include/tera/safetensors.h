@@ -52,7 +52,8 @@ void tera_st_close(tera_st_file *f);
 const tera_st_tensor *tera_st_find(const tera_st_file *f, const char *name);
 const char *tera_st_meta(const tera_st_file *f, const char *key); /* NULL when absent */
 /* Copies a tensor into dst as float32, converting from F32/F16/BF16/F64. The tensor's shape must
- * equal (ndim, shape) exactly; otherwise TERA_ERR_FORMAT naming the tensor and both shapes. */
+ * equal (ndim, shape) exactly; otherwise TERA_ERR_FORMAT naming the tensor and both shapes. A NaN
+ * or infinity in the tensor is TERA_ERR_NUMERIC naming the file, the tensor and the element. */
 tera_status tera_st_read_f32(const tera_st_file *f, const char *name, int ndim, const int64_t *shape,
                              float *dst);
 
@@ -85,6 +86,27 @@ tera_status tera_st_writer_save(const tera_st_writer *w, const char *path);
  * `dir`/model-0000i-of-0000n.safetensors plus model.safetensors.index.json
  * ({"metadata": {"total_size": N}, "weight_map": {name: file}}). */
 tera_status tera_st_writer_save_dir(const tera_st_writer *w, const char *dir, int64_t max_shard_bytes);
+
+/* Streaming writes, for data that is never in memory at once (a checkpoint gathered piece by
+ * piece): lays out w's entries as tera_st_writer_save (is_dir 0: the file `path`) or
+ * tera_st_writer_save_dir (is_dir 1: `path` is the directory, shards and index as max_shard_bytes
+ * says) would, creates each file as FILE.tmp holding its header, and takes the data in any order
+ * through tera_st_stream_write (entry: w's insertion index; byte_off inside that tensor's data).
+ * w's entries' data pointers are not read, and w must outlive the stream. finish fsyncs, renames
+ * and writes the index: the files are byte for byte those the writer would have written. abort
+ * removes the .tmp files. Both free the stream. */
+typedef struct tera_st_stream tera_st_stream;
+tera_status tera_st_stream_open(tera_st_stream **s, const tera_st_writer *w, const char *path, int is_dir,
+                                int64_t max_shard_bytes);
+tera_status tera_st_stream_write(tera_st_stream *s, int entry, uint64_t byte_off, const void *p, uint64_t n);
+tera_status tera_st_stream_finish(tera_st_stream *s);
+void tera_st_stream_abort(tera_st_stream *s);
+
+/* Elements [lo, lo + n) of a tensor (flat, row-major) as float32, checked finite like
+ * tera_st_read_f32. fd >= 0: an open descriptor of f's file, read with pread (the pages do not stay
+ * mapped into the process: a rank reading its pieces does not grow by the file); -1: from the map. */
+tera_status tera_st_read_range_f32(const tera_st_file *f, int fd, const char *name, int64_t lo, int64_t n,
+                                   float *dst);
 
 /* A directory's tensors: model.safetensors, or the files named by model.safetensors.index.json
  * (every file the index names must exist and hold exactly the tensors the index maps to it). */

@@ -180,6 +180,11 @@ tera_status tera_trainer_save(tera_trainer *tr);
 /* The writer behind it (src/train/checkpoint.c): tr must hold the whole model in the one-process
  * layout (tera_trainer_save builds that view from every rank's blocks and shards); rank 0 only. */
 tera_status tera_trainer_save_whole(tera_trainer *tr);
+/* Several ranks, whole checkpoint: streamed window by window to world rank 0, which writes the
+ * files as tera_trainer_save_whole would (collective, synchronous; no rank holds the whole model). */
+tera_status tera_trainer_save_streamed(tera_trainer *tr);
+/* The transfer window every rank of a streamed save holds (checkpoint.writer_buffer_mb), bytes. */
+int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c);
 /* checkpoint.sharded with several ranks: every rank writes its own blocks (collective). */
 tera_status tera_trainer_save_sharded(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data
@@ -192,6 +197,9 @@ tera_status tera_trainer_resume(tera_trainer *tr);
  * saved under any layout; the caller verifies it first (tera_ckpt_verify) when it wants the damaged
  * file named. Opens no metrics file (tera ckpt convert). */
 tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir);
+/* Loads this rank's part of a checkpoint's weights (and moments) and the router bias, piece by
+ * piece, then checks the regions against the manifest (collective). */
+tera_status tera_trainer_load_dir(tera_trainer *tr, const char *dir, int moments);
 /* Opens run_dir/metrics.jsonl for appending (no-op without a run directory). */
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode);
 /* After a step: a healthy step's grad norm goes to the batch growth trigger; a growth is logged
@@ -209,11 +217,18 @@ tera_status tera_layout_groups(tera_trainer *tr); /* process groups, before the 
 struct tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis);
 tera_status tera_layout_init(tera_trainer *tr);   /* optimizer ranges, after the model is created */
 void tera_layout_free(tera_trainer *tr);
-/* Every rank receives the whole model: weights, Adam moments [n_global floats each]. */
-void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv);
-/* This rank's whole storage (its layout: ZeRO shards gathered over the ranks sharing them):
- * parameters and Adam moments [n_floats each]. Collective. */
-void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv);
+/* Streaming without whole-model buffers (src/train/layout.c). Window [a, b) of region k (0
+ * weights, 1 exp_avg, 2 exp_avg_sq) of the one-process flat buffer (shell: tera_layout_global_shell)
+ * into win (room for b - a floats rounded up to even), assembled bit-exactly from every rank's
+ * blocks and ZeRO shards; collective over the world. */
+void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win);
+/* Window [a, b) of region k of this rank's own flat buffer, inside its non-expert (x = 0) or expert
+ * (x = 1) range; collective over the ranks sharing the range's ZeRO shards (dp or edp) when sharded. */
+void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t b, float *dst);
+/* Reads this rank's part (its blocks, its ZeRO shards; moments too when asked) and the router bias
+ * from a checkpoint, piece by piece. */
+struct tera_ckpt_reader;
+tera_status tera_layout_load(tera_trainer *tr, struct tera_ckpt_reader *rd, int moments);
 /* Whether this rank writes its block of p in a sharded checkpoint (every element of the model by
  * exactly one rank of the world). */
 int tera_layout_writes(const tera_trainer *tr, const tera_param *p);
@@ -223,7 +238,8 @@ int tera_layout_writes(const tera_trainer *tr, const tera_param *p);
 int tera_layout_member(const tera_trainer *tr);
 tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats);
 int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p);
-/* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). */
+/* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). Used only
+ * for a Hugging Face training.init_from (imported whole); checkpoints go through tera_layout_load. */
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv);
 /* A model shell with the one-process parameter table and no buffers (caller sets w). */
 void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell);

@@ -608,3 +608,453 @@ tera_status tera_ckpt_load(const char *dir, tera_model *m, float *ea, float *eas
     cJSON_Delete(man);
     return s;
 }
+
+/* ------------------------------------------------------------------------------ runs of a block */
+
+int64_t tera_block_n_runs(const int64_t *shape, const int64_t *len) {
+    if (len[0] * len[1] * len[2] == 0) return 0;
+    if (len[2] == shape[2] && len[1] == shape[1]) return 1;
+    if (len[2] == shape[2]) return len[0];
+    return len[0] * len[1];
+}
+
+void tera_block_run(const int64_t *shape, const int64_t *lo, const int64_t *len, int64_t r, int64_t *g, int64_t *l,
+                    int64_t *n) {
+    const int64_t S1 = shape[1], S2 = shape[2];
+    if (len[2] == S2 && len[1] == S1) { /* the whole block is one run */
+        *g = lo[0] * S1 * S2, *l = 0, *n = len[0] * S1 * S2;
+    } else if (len[2] == S2) { /* one run per index of dim 0 */
+        *g = ((lo[0] + r) * S1 + lo[1]) * S2, *l = r * len[1] * S2, *n = len[1] * S2;
+    } else {
+        const int64_t i0 = r / len[1], i1 = r % len[1];
+        *g = ((lo[0] + i0) * S1 + lo[1] + i1) * S2 + lo[2], *l = r * len[2], *n = len[2];
+    }
+}
+
+/* The first run of a block whose global range ends after g (runs are in increasing global order). */
+static int64_t first_run_after(const int64_t *shape, const int64_t *lo, const int64_t *len, int64_t g) {
+    int64_t a = 0, b = tera_block_n_runs(shape, len);
+    while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        int64_t rg, rl, rn;
+        tera_block_run(shape, lo, len, mid, &rg, &rl, &rn);
+        if (rg + rn <= g) a = mid + 1;
+        else b = mid;
+    }
+    return a;
+}
+
+/* ------------------------------------------------------------------------------ piecewise reader */
+
+#define HF_BIAS_NAME "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias"
+
+typedef struct {
+    int region;
+    uint32_t raw, comp;
+    uint64_t off, at;    /* byte offset into the region, position of the frame in the file */
+} diff_rec;
+
+typedef struct {
+    char path[4400];
+    int fd;
+    diff_rec *rec;
+    int n;
+    uint8_t *cbuf;      /* one compressed frame */
+    size_t cbuf_cap;
+    int cached;         /* record decompressed into chunk, or -1 */
+    uint8_t *chunk;     /* [TERA_CKPT_CHUNK_BYTES] */
+} diff_file;
+
+typedef struct {
+    int file;
+    int64_t lo[3], len[3];
+    int64_t sb_off;     /* floats before this piece's blocks in its file's buffer (differential) */
+} piece;
+
+struct tera_ckpt_reader {
+    const tera_model *g;   /* the one-process table */
+    int sharded;
+    tera_ckpt_reader *base; /* a differential checkpoint's base */
+    diff_file *diffs;      /* whole: one (diff.bin); sharded: one per file (NULL entries: none) */
+    int n_diffs;
+    /* whole */
+    tera_st_set set;
+    int *set_fd;
+    tera_st_file opt;
+    int opt_fd, has_opt;
+    /* sharded */
+    int n_files;
+    char (*fname)[64];
+    tera_st_file *files;
+    int *fds;
+    piece **pieces;        /* [n_params] */
+    int *n_pieces;
+    char dir[4200];
+};
+
+static tera_status diff_open(diff_file *d, const char *path) {
+    memset(d, 0, sizeof *d);
+    d->cached = -1;
+    d->fd = open(path, O_RDONLY | O_CLOEXEC);
+    snprintf(d->path, sizeof d->path, "%s", path);
+    if (d->fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    uint8_t hdr[20];
+    if (fstat(d->fd, &sb) != 0 || sb.st_size < 12 || pread(d->fd, hdr, 12, 0) != 12 || memcmp(hdr, "TERADIF1", 8) != 0)
+        return tera_fail(TERA_ERR_FORMAT, "%s: too short or bad magic", path);
+    uint32_t nrec;
+    memcpy(&nrec, hdr + 8, 4);
+    if ((uint64_t)nrec * 20 > (uint64_t)sb.st_size) return tera_fail(TERA_ERR_FORMAT, "%s: bad record count", path);
+    d->rec = tera_calloc((size_t)nrec + 1, sizeof *d->rec);
+    uint64_t at = 12;
+    for (uint32_t r = 0; r < nrec; r++) {
+        if (at + 20 > (uint64_t)sb.st_size || pread(d->fd, hdr, 20, (off_t)at) != 20)
+            return tera_fail(TERA_ERR_FORMAT, "%s: record %u runs past the end", path, r);
+        diff_rec *e = &d->rec[d->n++];
+        uint32_t region;
+        memcpy(&region, hdr, 4);
+        memcpy(&e->raw, hdr + 4, 4);
+        memcpy(&e->off, hdr + 8, 8);
+        memcpy(&e->comp, hdr + 16, 4);
+        e->region = (int)region;
+        e->at = at + 20;
+        at += 20 + e->comp;
+        if (at > (uint64_t)sb.st_size || e->raw > TERA_CKPT_CHUNK_BYTES || region >= TERA_CKPT_N_REGIONS ||
+            (d->n > 1 && (e->region < e[-1].region || (e->region == e[-1].region && e->off < e[-1].off + e[-1].raw))))
+            return tera_fail(TERA_ERR_FORMAT, "%s: record %u is out of bounds or out of order", path, r);
+    }
+    d->chunk = tera_malloc(TERA_CKPT_CHUNK_BYTES);
+    return TERA_OK;
+}
+
+static void diff_close(diff_file *d) {
+    if (d->fd >= 0) close(d->fd);
+    free(d->rec);
+    free(d->cbuf);
+    free(d->chunk);
+    memset(d, 0, sizeof *d);
+    d->fd = -1;
+}
+
+/* Overlays the diff's bytes of region `region` at float positions [pos, pos + n) onto dst. */
+static tera_status diff_overlay(diff_file *d, int region, int64_t pos, int64_t n, float *dst) {
+    const uint64_t b0 = (uint64_t)pos * sizeof(float), b1 = (uint64_t)(pos + n) * sizeof(float);
+    int a = 0, b = d->n; /* first record of the region ending after b0 */
+    while (a < b) {
+        const int mid = a + (b - a) / 2;
+        const diff_rec *e = &d->rec[mid];
+        if (e->region < region || (e->region == region && e->off + e->raw <= b0)) a = mid + 1;
+        else b = mid;
+    }
+    for (int r = a; r < d->n && d->rec[r].region == region && d->rec[r].off < b1; r++) {
+        const diff_rec *e = &d->rec[r];
+        if (d->cached != r) {
+            if (e->comp > d->cbuf_cap) {
+                free(d->cbuf);
+                d->cbuf = tera_malloc(e->comp);
+                d->cbuf_cap = e->comp;
+            }
+            if (pread(d->fd, d->cbuf, e->comp, (off_t)e->at) != (ssize_t)e->comp)
+                return tera_fail(TERA_ERR_IO, "%s: read of record %d failed", d->path, r);
+            const size_t got = ZSTD_decompress(d->chunk, TERA_CKPT_CHUNK_BYTES, d->cbuf, e->comp);
+            if (ZSTD_isError(got) || got != e->raw) {
+                d->cached = -1;
+                return tera_fail(TERA_ERR_FORMAT, "%s: record %d does not decompress", d->path, r);
+            }
+            d->cached = r;
+        }
+        const uint64_t x0 = e->off > b0 ? e->off : b0, x1 = e->off + e->raw < b1 ? e->off + e->raw : b1;
+        memcpy((uint8_t *)dst + (x0 - b0), d->chunk + (x0 - e->off), (size_t)(x1 - x0));
+    }
+    return TERA_OK;
+}
+
+void tera_ckpt_reader_close(tera_ckpt_reader *r) {
+    if (!r) return;
+    tera_ckpt_reader_close(r->base);
+    for (int i = 0; i < r->n_diffs; i++) diff_close(&r->diffs[i]);
+    free(r->diffs);
+    if (r->set_fd) {
+        for (int i = 0; i < r->set.n_files; i++)
+            if (r->set_fd[i] >= 0) close(r->set_fd[i]);
+        tera_st_set_close(&r->set);
+        free(r->set_fd);
+    }
+    if (r->has_opt) tera_st_close(&r->opt);
+    if (r->opt_fd >= 0) close(r->opt_fd);
+    for (int f = 0; f < r->n_files; f++) {
+        if (r->fds[f] >= 0) close(r->fds[f]);
+        if (r->files[f].path[0]) tera_st_close(&r->files[f]);
+    }
+    free(r->files);
+    free(r->fds);
+    free(r->fname);
+    if (r->pieces)
+        for (int i = 0; i < r->g->n_params; i++) free(r->pieces[i]);
+    free(r->pieces);
+    free(r->n_pieces);
+    free(r);
+}
+
+static int open_ro(const char *path) { return open(path, O_RDONLY | O_CLOEXEC); }
+
+/* The pieces of a sharded manifest, checked to cover each tensor. */
+static tera_status reader_pieces(tera_ckpt_reader *r, const cJSON *man, const char *dir) {
+    const tera_model *m = r->g;
+    const cJSON *tens = cJSON_GetObjectItemCaseSensitive(man, "tensors");
+    if (!cJSON_IsArray(tens) || cJSON_GetArraySize(tens) != m->n_params)
+        return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: \"tensors\" must list the model's %d tensors", dir,
+                         m->n_params);
+    r->pieces = tera_calloc((size_t)m->n_params, sizeof(piece *));
+    r->n_pieces = tera_calloc((size_t)m->n_params, sizeof(int));
+    int cap = 64;
+    r->fname = tera_calloc((size_t)cap, sizeof *r->fname);
+    int64_t *sb_at = tera_calloc((size_t)cap, sizeof(int64_t));
+    tera_status s = TERA_OK;
+    for (int i = 0; i < m->n_params && s == TERA_OK; i++) {
+        const tera_param *p = &m->params[i];
+        const cJSON *t = cJSON_GetArrayItem(tens, i), *nm = cJSON_GetObjectItemCaseSensitive(t, "name");
+        int64_t gs[3];
+        if (!cJSON_IsString(nm) || strcmp(nm->valuestring, p->name) != 0 ||
+            !json_dims(cJSON_GetObjectItemCaseSensitive(t, "global_shape"), p->ndim, gs, 1) || gs[0] != p->shape[0] ||
+            gs[1] != p->shape[1] || gs[2] != p->shape[2]) {
+            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: tensor %d is not '%s' of this model's shape", dir, i, p->name);
+            break;
+        }
+        const cJSON *pcs = cJSON_GetObjectItemCaseSensitive(t, "pieces"), *pc;
+        r->pieces[i] = tera_calloc((size_t)cJSON_GetArraySize(pcs) + 1, sizeof(piece));
+        int64_t covered = 0;
+        cJSON_ArrayForEach(pc, pcs) {
+            piece *q = &r->pieces[i][r->n_pieces[i]];
+            const char *file = piece_of(pc, p, q->lo, q->len);
+            if (!file) {
+                s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: a piece of '%s' is malformed", dir, p->name);
+                break;
+            }
+            int f = 0;
+            while (f < r->n_files && strcmp(r->fname[f], file)) f++;
+            if (f == r->n_files) {
+                if (f == cap) {
+                    cap *= 2;
+                    char (*nf)[64] = tera_calloc((size_t)cap, sizeof *nf);
+                    memcpy(nf, r->fname, sizeof *nf * (size_t)f);
+                    free(r->fname);
+                    r->fname = nf;
+                    int64_t *ns = tera_calloc((size_t)cap, sizeof(int64_t));
+                    memcpy(ns, sb_at, sizeof(int64_t) * (size_t)f);
+                    free(sb_at);
+                    sb_at = ns;
+                }
+                snprintf(r->fname[f], sizeof r->fname[f], "%s", file);
+                r->n_files++;
+            }
+            const int64_t cnt = q->len[0] * q->len[1] * q->len[2];
+            q->file = f;
+            q->sb_off = sb_at[f];
+            sb_at[f] += 3 * cnt;
+            covered += cnt;
+            r->n_pieces[i]++;
+        }
+        if (s == TERA_OK && covered != p->numel)
+            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: the pieces of '%s' hold %ld of its %ld elements", dir,
+                          p->name, (long)covered, (long)p->numel);
+    }
+    free(sb_at);
+    if (s != TERA_OK) return s;
+    r->files = tera_calloc((size_t)r->n_files + 1, sizeof(tera_st_file));
+    r->fds = tera_malloc(sizeof(int) * ((size_t)r->n_files + 1));
+    char path[4400];
+    for (int f = 0; f < r->n_files; f++) r->fds[f] = -1;
+    for (int f = 0; f < r->n_files && s == TERA_OK; f++) {
+        snprintf(path, sizeof path, "%s/%s", dir, r->fname[f]);
+        s = tera_st_open(&r->files[f], path);
+        if (s == TERA_OK && (r->fds[f] = open_ro(path)) < 0)
+            s = tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    }
+    return s;
+}
+
+static tera_status reader_open_one(tera_ckpt_reader **out, const char *dir, const tera_model *g, int depth) {
+    cJSON *man = read_manifest(dir);
+    if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
+    tera_ckpt_reader *r = tera_calloc(1, sizeof *r);
+    r->g = g;
+    r->opt_fd = -1;
+    snprintf(r->dir, sizeof r->dir, "%s", dir);
+    r->sharded = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(man, "sharded"));
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(man, "kind");
+    const int diff = cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff");
+    char path[4400];
+    tera_status s = TERA_OK;
+    if (diff) {
+        snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, manifest_int(man, "base_step", -1));
+        s = depth > 0 ? tera_fail(TERA_ERR_FORMAT, "%s: a differential checkpoint's base is differential", dir)
+                      : reader_open_one(&r->base, path, g, depth + 1);
+    }
+    if (s == TERA_OK && r->sharded) {
+        /* the pieces: a differential one lists its base's */
+        s = reader_pieces(r, man, diff ? r->base->dir : dir);
+        if (s == TERA_OK && diff) {
+            r->n_diffs = r->n_files;
+            r->diffs = tera_calloc((size_t)r->n_diffs + 1, sizeof(diff_file));
+            for (int f = 0; f < r->n_diffs; f++) r->diffs[f].fd = -1;
+            for (int f = 0; f < r->n_diffs && s == TERA_OK; f++) {
+                snprintf(path, sizeof path, "%s/%.*s.diff", dir, (int)(strlen(r->fname[f]) - strlen(".safetensors")),
+                         r->fname[f]);
+                if (access(path, F_OK) == 0) s = diff_open(&r->diffs[f], path);
+            }
+        }
+    } else if (s == TERA_OK && diff) {
+        r->n_diffs = 1;
+        r->diffs = tera_calloc(1, sizeof(diff_file));
+        snprintf(path, sizeof path, "%s/diff.bin", dir);
+        s = diff_open(&r->diffs[0], path);
+    } else if (s == TERA_OK) {
+        s = tera_st_set_open(&r->set, dir);
+        if (s == TERA_OK) {
+            r->set_fd = tera_malloc(sizeof(int) * ((size_t)r->set.n_files + 1));
+            for (int f = 0; f < r->set.n_files; f++) r->set_fd[f] = open_ro(r->set.files[f].path);
+            snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+            if (access(path, F_OK) == 0) {
+                s = tera_st_open(&r->opt, path);
+                r->has_opt = s == TERA_OK;
+                if (s == TERA_OK) r->opt_fd = open_ro(path);
+            }
+        }
+    }
+    cJSON_Delete(man);
+    if (s != TERA_OK) {
+        tera_ckpt_reader_close(r);
+        return s;
+    }
+    *out = r;
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_reader_open(tera_ckpt_reader **r, const char *dir, const tera_model *global) {
+    *r = NULL;
+    return reader_open_one(r, dir, global, 0);
+}
+
+int tera_ckpt_reader_sharded(const tera_ckpt_reader *r) { return r->sharded; }
+
+/* Elements [g0, g0 + n) of tensor i (global, flat) of region k from a full checkpoint's files. */
+static tera_status read_full(tera_ckpt_reader *r, int k, int i, int64_t g0, int64_t n, float *dst) {
+    const tera_param *p = &r->g->params[i];
+    char name[192];
+    if (!r->sharded) {
+        if (k > 0) {
+            if (!r->has_opt) return tera_fail(TERA_ERR_FORMAT, "%s: no optimizer.safetensors (the moments)", r->dir);
+            snprintf(name, sizeof name, k == 1 ? "exp_avg.%d" : "exp_avg_sq.%d", i);
+            return tera_st_read_range_f32(&r->opt, r->opt_fd, name, g0, n, dst);
+        }
+        const int64_t per = p->expert_stacked ? p->shape[1] * p->shape[2] : p->numel;
+        for (int64_t done = 0; done < n;) { /* expert-stacked tensors are E files' tensors */
+            const int64_t at = g0 + done, e = at / per, off = at % per, k1 = per - off < n - done ? per - off : n - done;
+            if (p->expert_stacked) {
+                const char *pc = strstr(p->name, "%d");
+                snprintf(name, sizeof name, "%.*s%d%s", (int)(pc - p->name), p->name, (int)e, pc + 2);
+            } else {
+                snprintf(name, sizeof name, "%s", p->name);
+            }
+            const tera_st_file *f = tera_st_set_find(&r->set, name);
+            if (!f) return tera_fail(TERA_ERR_FORMAT, "%s: missing tensor '%s'", r->dir, name);
+            TERA_TRY(tera_st_read_range_f32(f, r->set_fd[f - r->set.files], name, off, k1, dst + done));
+            done += k1;
+        }
+        return TERA_OK;
+    }
+    /* sharded: the pieces' runs that meet [g0, g0 + n) */
+    static const char prefix[3] = {'w', 'm', 'v'};
+    snprintf(name, sizeof name, "%c.%d", prefix[k], i);
+    int64_t got = 0;
+    for (int q = 0; q < r->n_pieces[i]; q++) {
+        const piece *pc = &r->pieces[i][q];
+        const int64_t nr = tera_block_n_runs(p->shape, pc->len);
+        for (int64_t run = first_run_after(p->shape, pc->lo, pc->len, g0); run < nr; run++) {
+            int64_t rg, rl, rn;
+            tera_block_run(p->shape, pc->lo, pc->len, run, &rg, &rl, &rn);
+            if (rg >= g0 + n) break;
+            const int64_t x0 = rg > g0 ? rg : g0, x1 = rg + rn < g0 + n ? rg + rn : g0 + n;
+            TERA_TRY(tera_st_read_range_f32(&r->files[pc->file], r->fds[pc->file], name, rl + (x0 - rg), x1 - x0,
+                                            dst + (x0 - g0)));
+            got += x1 - x0;
+        }
+    }
+    if (got != n)
+        return tera_fail(TERA_ERR_FORMAT, "%s: the pieces of '%s' do not cover elements [%lld, %lld)", r->dir, p->name,
+                         (long long)g0, (long long)(g0 + n));
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_reader_read(tera_ckpt_reader *r, int k, int i, int64_t g0, int64_t n, float *dst) {
+    const tera_param *p = &r->g->params[i];
+    TERA_ASSERTF(i >= 0 && i < r->g->n_params && k >= 0 && k < 3 && g0 >= 0 && g0 + n <= p->numel,
+                 "checkpoint reader: tensor %d region %d elements [%lld, %lld)", i, k, (long long)g0,
+                 (long long)(g0 + n));
+    if (n <= 0) return TERA_OK;
+    if (!r->base) return read_full(r, k, i, g0, n, dst);
+    TERA_TRY(read_full(r->base, k, i, g0, n, dst)); /* base, then this checkpoint's changed chunks */
+    if (!r->sharded) return diff_overlay(&r->diffs[0], k, p->offset + g0, n, dst);
+    for (int q = 0; q < r->n_pieces[i]; q++) { /* each piece's part lies at its own place in its file's buffer */
+        const piece *pc = &r->pieces[i][q];
+        diff_file *d = &r->diffs[pc->file];
+        if (d->fd < 0 && !d->rec) continue; /* that file did not change */
+        const int64_t cnt = pc->len[0] * pc->len[1] * pc->len[2], nr = tera_block_n_runs(p->shape, pc->len);
+        for (int64_t run = first_run_after(p->shape, pc->lo, pc->len, g0); run < nr; run++) {
+            int64_t rg, rl, rn;
+            tera_block_run(p->shape, pc->lo, pc->len, run, &rg, &rl, &rn);
+            if (rg >= g0 + n) break;
+            const int64_t x0 = rg > g0 ? rg : g0, x1 = rg + rn < g0 + n ? rg + rn : g0 + n;
+            TERA_TRY(diff_overlay(d, 0, pc->sb_off + k * cnt + rl + (x0 - rg), x1 - x0, dst + (x0 - g0)));
+        }
+    }
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_reader_bias(tera_ckpt_reader *r, float *bias) {
+    const int64_t nb = tera_ckpt_region_floats(r->g, 3);
+    if (nb == 0 || !bias) return TERA_OK;
+    if (r->sharded) { /* every save writes the whole bias, a differential one too */
+        tera_model m = *r->g;
+        m.router_bias = bias;
+        return read_router_bias(r->dir, &m);
+    }
+    if (r->base) {
+        TERA_TRY(tera_ckpt_reader_bias(r->base, bias));
+        return diff_overlay(&r->diffs[0], 3, 0, nb, bias);
+    }
+    const int64_t E = r->g->cfg.n_experts;
+    memset(bias, 0, sizeof(float) * (size_t)nb);
+    char name[160];
+    for (int l = 0; l < r->g->cfg.n_layers; l++) {
+        snprintf(name, sizeof name, HF_BIAS_NAME, l);
+        const tera_st_file *f = l >= r->g->cfg.first_k_dense && E > 0 ? tera_st_set_find(&r->set, name) : NULL;
+        if (f) TERA_TRY(tera_st_read_f32(f, name, 1, &E, bias + (int64_t)l * E));
+    }
+    return TERA_OK;
+}
+
+tera_status tera_ckpt_region_check(const char *dir, int region, uint64_t hash, int *checked) {
+    *checked = 0;
+    cJSON *man = read_manifest(dir);
+    if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
+    const cJSON *regs = cJSON_GetObjectItemCaseSensitive(man, "regions");
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(regs, tera_ckpt_region_names[region]);
+    const cJSON *hx = cJSON_GetObjectItemCaseSensitive(it, "xxh3");
+    tera_status s = TERA_OK;
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(man, "sharded"))) {
+        /* sharded checkpoints carry no region checksums */
+    } else if (!cJSON_IsString(hx)) {
+        s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: no checksum for region %s", dir, tera_ckpt_region_names[region]);
+    } else {
+        char got[32];
+        snprintf(got, sizeof got, "%016" PRIx64, hash);
+        *checked = 1;
+        if (strcmp(got, hx->valuestring) != 0)
+            s = tera_fail(TERA_ERR_FORMAT, "%s: restored %s differ from the saved state (xxh3 %s, manifest %s)", dir,
+                          tera_ckpt_region_names[region], got, hx->valuestring);
+    }
+    cJSON_Delete(man);
+    return s;
+}

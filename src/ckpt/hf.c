@@ -1,5 +1,9 @@
 /* Hugging Face Mixtral interchange: config.json plus safetensors weights.
  *
+ * config.json says model_type "mixtral" (architectures MixtralForCausalLM) only when the model is
+ * exactly what transformers' MixtralForCausalLM computes at inference (tera_hf_transformers_gaps
+ * lists what it is not), else "tera_moe", a type only tera reads. The reader takes both.
+ *
  * One table (g_fields) maps every numeric/boolean config.json field to its tera_model_config member
  * and drives both export and import, so the two cannot drift apart. Weights are written as F32
  * under the names of the parameter table; expert-stacked parameters ([E, out, in] in memory) become
@@ -22,7 +26,12 @@
 
 #define HF_BIAS_FMT "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias"
 
-typedef enum { HF_INT, HF_FLOAT, HF_BOOL } hf_kind;
+typedef enum {
+    HF_INT,      /* JSON integer */
+    HF_FLOAT,    /* JSON number */
+    HF_BOOL,     /* JSON true/false */
+    HF_INT_NULL, /* JSON integer, or null for the member's 0 ("none") */
+} hf_kind;
 
 /* One config.json field stored in a tera_model_config member. */
 typedef struct {
@@ -47,6 +56,7 @@ static const hf_field g_fields[] = {
     F_("tie_word_embeddings", HF_BOOL, tie_embeddings),
     F_("max_position_embeddings", HF_INT, max_seq_len),
     F_("initializer_range", HF_FLOAT, init_std),
+    F_("sliding_window", HF_INT_NULL, sliding_window),
     /* tera extensions (DeepSeek-V3 / Qwen-MoE names where they exist); moe_intermediate_size comes
      * after intermediate_size so that, when both are present, it sets the routed-expert width */
     F_("moe_intermediate_size", HF_INT, ffn_dim),
@@ -57,11 +67,16 @@ static const hf_field g_fields[] = {
     F_("capacity_factor", HF_FLOAT, capacity_factor),
     F_("aux_loss_free", HF_BOOL, aux_free),
     F_("aux_free_bias_update_rate", HF_FLOAT, aux_free_rate),
+    /* DeepSeek-V3 routing (its names; scoring_func is a string, below) */
+    F_("n_group", HF_INT, n_groups),
+    F_("topk_group", HF_INT, topk_groups),
+    F_("routed_scaling_factor", HF_FLOAT, routed_scale),
 };
 #undef F_
 #define N_FIELDS ((int)(sizeof g_fields / sizeof g_fields[0]))
 
 static const char *const g_drop_names[] = {[TERA_DROP_POSITION] = "position", [TERA_DROP_PROBABILITY] = "probability"};
+static const char *const g_score_names[] = {[TERA_ROUTER_SOFTMAX] = "softmax", [TERA_ROUTER_SIGMOID] = "sigmoid"};
 
 /* ----------------------------------------------------------------------------- utilities -- */
 
@@ -155,8 +170,9 @@ static tera_status put_field(cJSON *o, const hf_field *f, const tera_model_confi
     int ok;
     switch (f->kind) {
     case HF_INT:
+    case HF_INT_NULL:
         memcpy(&iv, base, sizeof iv);
-        ok = put(o, f->key, cJSON_CreateNumber(iv));
+        ok = put(o, f->key, f->kind == HF_INT_NULL && iv == 0 ? cJSON_CreateNull() : cJSON_CreateNumber(iv));
         break;
     case HF_BOOL:
         memcpy(&iv, base, sizeof iv);
@@ -172,14 +188,52 @@ static tera_status put_field(cJSON *o, const hf_field *f, const tera_model_confi
     return ok ? TERA_OK : tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
 }
 
+int tera_hf_transformers_gaps(const tera_model_config *c, char *buf, size_t cap) {
+    int n = 0;
+    if (cap) buf[0] = '\0';
+#define GAP(cond, text)                                                                            \
+    if (cond) {                                                                                    \
+        if (cap) snprintf(buf + strlen(buf), cap - strlen(buf), "%s%s", n ? "; " : "", text);     \
+        n++;                                                                                       \
+    }
+    /* Mixtral: every layer is a sparse MoE block; no dense FFN layers */
+    GAP(c->first_k_dense > 0, "dense first layers (model.first_k_dense > 0)");
+    /* Mixtral: the routed experts only; a shared expert adds an always-on FFN */
+    GAP(c->n_shared_experts > 0, "shared experts (model.n_shared_experts > 0)");
+    /* Mixtral: top-k of the router's softmax; the aux-free bias shifts which experts are chosen */
+    GAP(c->aux_free, "the aux-loss-free router bias (model.aux_free = true)");
+    /* Mixtral is dropless. A capacity of ceil(cf*T*k/E) >= T (cf*k >= E) can never drop a token (an
+     * expert gets at most T of a sequence's tokens): that is dropless too */
+    GAP(c->capacity_factor > 0 && (double)c->capacity_factor * c->top_k < (double)c->n_experts,
+        "a capacity factor that drops tokens (model.capacity_factor > 0 and below n_experts / top_k)");
+    /* Mixtral: softmax scores, top-k over every expert, combine weights summing to 1 */
+    GAP(c->router_score != TERA_ROUTER_SOFTMAX, "sigmoid router scores (model.router_score = sigmoid)");
+    GAP(c->n_groups > 1 && c->topk_groups < c->n_groups, "group-limited routing (model.topk_groups < model.n_groups)");
+    GAP(c->routed_scale > 0.0f && c->routed_scale != 1.0f, "a routed scaling factor (model.routed_scale != 1)");
+#undef GAP
+    /* Not gaps (no effect at inference, or the same in both): aux_coef, z_coef, aux_free_rate,
+     * init_std, drop_policy when nothing is dropped, tie_embeddings (MixtralForCausalLM ties too), GQA,
+     * sliding_window (tera refuses sequences longer than the window, where the two would differ). */
+    return n;
+}
+
+const char *tera_hf_config_key(size_t member_offset) {
+    for (int i = 0; i < N_FIELDS; i++)
+        if (g_fields[i].off == member_offset) return g_fields[i].key;
+    if (member_offset == offsetof(tera_model_config, drop_policy)) return "drop_policy";
+    if (member_offset == offsetof(tera_model_config, router_score)) return "scoring_func";
+    return NULL;
+}
+
 /* config.json text for cfg. Caller frees with cJSON_free. */
 static tera_status config_json(const tera_model_config *c, char **out) {
     cJSON *o = cJSON_CreateObject();
     if (!o) return tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    const int mixtral = tera_hf_transformers_gaps(c, NULL, 0) == 0;
     cJSON *arch = cJSON_CreateArray();
     int ok = put(o, "architectures", arch);
-    ok = ok && cJSON_AddItemToArray(arch, cJSON_CreateString("MixtralForCausalLM"));
-    ok = ok && put(o, "model_type", cJSON_CreateString("mixtral"));
+    ok = ok && cJSON_AddItemToArray(arch, cJSON_CreateString(mixtral ? "MixtralForCausalLM" : "TeraMoeForCausalLM"));
+    ok = ok && put(o, "model_type", cJSON_CreateString(mixtral ? "mixtral" : "tera_moe"));
     ok = ok && put(o, "hidden_act", cJSON_CreateString("silu"));
     ok = ok && put(o, "torch_dtype", cJSON_CreateString("float32"));
     tera_status s = ok ? TERA_OK : tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
@@ -188,6 +242,12 @@ static tera_status config_json(const tera_model_config *c, char **out) {
         int dp = (int)c->drop_policy;
         if (dp < 0 || dp > TERA_DROP_PROBABILITY) s = tera_fail(TERA_ERR_CONFIG, "config.json: bad drop_policy %d", dp);
         else if (!put(o, "drop_policy", cJSON_CreateString(g_drop_names[dp])))
+            s = tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
+    }
+    if (s == TERA_OK) {
+        int rs = (int)c->router_score;
+        if (rs < 0 || rs > TERA_ROUTER_SIGMOID) s = tera_fail(TERA_ERR_CONFIG, "config.json: bad router_score %d", rs);
+        else if (!put(o, "scoring_func", cJSON_CreateString(g_score_names[rs])))
             s = tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
     }
     if (s == TERA_OK && !(*out = cJSON_Print(o))) s = tera_fail(TERA_ERR_NOMEM, "config.json: out of memory");
@@ -204,6 +264,11 @@ static tera_status get_field(const char *path, const hf_field *f, const cJSON *j
         memcpy(base, &v, sizeof v);
         return TERA_OK;
     }
+    if (f->kind == HF_INT_NULL && cJSON_IsNull(j)) {
+        const int zero = 0;
+        memcpy(base, &zero, sizeof zero);
+        return TERA_OK;
+    }
     if (!cJSON_IsNumber(j) || !isfinite(j->valuedouble))
         return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be a number", path, f->key);
     double d = j->valuedouble;
@@ -214,6 +279,8 @@ static tera_status get_field(const char *path, const hf_field *f, const cJSON *j
     }
     if (floor(d) != d || d < INT_MIN || d > INT_MAX)
         return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be an integer (got %g)", path, f->key, d);
+    if (f->kind == HF_INT_NULL && d < 0)
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" must be null or an integer >= 0 (got %g)", path, f->key, d);
     int v = (int)d;
     memcpy(base, &v, sizeof v);
     return TERA_OK;
@@ -239,16 +306,18 @@ static tera_status get_choice(const char *path, const cJSON *root, const char *k
 
 static tera_status apply_config(const char *path, const cJSON *root, tera_model_config *c) {
     if (!cJSON_IsObject(root)) return tera_fail(TERA_ERR_FORMAT, "%s: not a JSON object", path);
-    static const char *const mixtral[] = {"mixtral"}, *const silu[] = {"silu"};
+    static const char *const types[] = {"mixtral", "tera_moe"}, *const silu[] = {"silu"};
     int idx;
-    TERA_TRY(get_choice(path, root, "model_type", mixtral, 1, &idx));
+    TERA_TRY(get_choice(path, root, "model_type", types, 2, &idx));
     TERA_TRY(get_choice(path, root, "hidden_act", silu, 1, &idx));
     TERA_TRY(get_choice(path, root, "drop_policy", g_drop_names, 2, &idx));
     if (idx >= 0) c->drop_policy = (tera_drop_policy)idx;
+    TERA_TRY(get_choice(path, root, "scoring_func", g_score_names, 2, &idx));
+    if (idx >= 0) c->router_score = (tera_router_score)idx;
     int have_kv = 0;
     for (int i = 0; i < N_FIELDS; i++) {
         const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, g_fields[i].key);
-        if (!j || cJSON_IsNull(j)) continue;
+        if (!j || (cJSON_IsNull(j) && g_fields[i].kind != HF_INT_NULL)) continue;
         TERA_TRY(get_field(path, &g_fields[i], j, c));
         if (g_fields[i].off == offsetof(tera_model_config, n_kv_heads)) have_kv = 1;
     }
@@ -321,6 +390,19 @@ tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_sha
     if (s == TERA_OK) s = write_text_atomic(path, cfg_text);
     cJSON_free(cfg_text);
     return s;
+}
+
+tera_status tera_hf_export_checked(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
+                                   int allow_tera_moe) {
+    char gaps[512];
+    if (!allow_tera_moe && tera_hf_transformers_gaps(&m->cfg, gaps, sizeof gaps) > 0)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "%s: not exported: the model has %s, which transformers' MixtralForCausalLM does not "
+                         "compute (and no transformers class does); a config.json saying \"mixtral\" would load "
+                         "as another model. Pass --tera-moe to write it as model_type \"tera_moe\" (read by tera "
+                         "only), or use the checkpoint directory itself with tera",
+                         dir, gaps);
+    return tera_hf_export(m, dir, max_shard_bytes, overwrite);
 }
 
 /* ------------------------------------------------------------------------------ import -- */

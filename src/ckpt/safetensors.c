@@ -388,6 +388,15 @@ tera_status tera_st_read_f32(const tera_st_file *f, const char *name, int ndim, 
         return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' has dtype %s, which cannot be read as float", f->path, name,
                          tera_dtype_name(t->dtype));
     convert_to_f32(t, f->data + t->begin, dst);
+    /* a NaN or infinity is never a usable weight, moment or bias: refuse it here, where the file and
+     * the tensor are known, rather than let every step of a run be skipped */
+    for (int64_t i = 0; i < t->numel; i++)
+        if (!isfinite(dst[i]))
+            return tera_fail(TERA_ERR_NUMERIC,
+                             "%s: tensor '%s' holds a non-finite value (%s at element %lld of %lld); refusing to "
+                             "load it (the file was written after the values diverged, or is damaged)",
+                             f->path, name, isnan(dst[i]) ? "NaN" : dst[i] > 0 ? "+inf" : "-inf", (long long)i,
+                             (long long)t->numel);
     return TERA_OK;
 }
 
@@ -849,4 +858,191 @@ tera_status tera_st_set_read_f32(const tera_st_set *s, const char *name, int ndi
         return tera_fail(TERA_ERR_FORMAT, "tensor '%s' is in none of the %d safetensors files%s%s", name, s->n_files,
                          s->n_files ? " starting with " : "", s->n_files ? s->files[0].path : "");
     return tera_st_read_f32(f, name, ndim, shape, dst);
+}
+
+/* ------------------------------------------------------------------------------ streaming -- */
+
+struct tera_st_stream {
+    const tera_st_writer *w;
+    const tera_st_entry **sorted;
+    int n_files;
+    int *fds;
+    char (*paths)[1100];
+    int *file_of;           /* [w->n] by insertion index */
+    uint64_t *off_of;       /* absolute byte offset of the entry's data in its file */
+    int *shard_of;          /* [w->n] by sorted position (1-based), for the index */
+    int is_dir, indexed;
+    char dir[1024];
+};
+
+static int entry_index(const tera_st_writer *w, const tera_st_entry *e) { return (int)(e - w->entries); }
+
+void tera_st_stream_abort(tera_st_stream *s) {
+    if (!s) return;
+    char tmp[1200];
+    for (int f = 0; f < s->n_files; f++) {
+        if (s->fds[f] >= 0) close(s->fds[f]);
+        snprintf(tmp, sizeof tmp, "%s.tmp", s->paths[f]);
+        unlink(tmp);
+    }
+    free(s->sorted);
+    free(s->fds);
+    free(s->paths);
+    free(s->file_of);
+    free(s->off_of);
+    free(s->shard_of);
+    free(s);
+}
+
+tera_status tera_st_stream_open(tera_st_stream **out, const tera_st_writer *w, const char *path, int is_dir,
+                                int64_t max_shard_bytes) {
+    *out = NULL;
+    const tera_st_entry **srt = sorted_entries(w->entries, w->n, path);
+    if (!srt) return TERA_ERR_ARG;
+    tera_st_stream *s = tera_calloc(1, sizeof *s);
+    s->w = w;
+    s->sorted = srt;
+    s->is_dir = is_dir;
+    snprintf(s->dir, sizeof s->dir, "%s", path);
+    const int n = w->n;
+    s->file_of = tera_calloc((size_t)n + 1, sizeof(int));
+    s->off_of = tera_calloc((size_t)n + 1, sizeof(uint64_t));
+    s->shard_of = tera_calloc((size_t)n + 1, sizeof(int));
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) total += srt[i]->nbytes;
+    s->indexed = is_dir && max_shard_bytes > 0 && total > (uint64_t)max_shard_bytes;
+    s->n_files = s->indexed ? assign_shards(srt, n, max_shard_bytes, s->shard_of) : 1;
+    if (!s->indexed)
+        for (int i = 0; i < n; i++) s->shard_of[i] = 1;
+    s->fds = tera_malloc(sizeof(int) * (size_t)s->n_files);
+    s->paths = tera_calloc((size_t)s->n_files, sizeof *s->paths);
+    for (int f = 0; f < s->n_files; f++) s->fds[f] = -1;
+    tera_status st = TERA_OK;
+    if (s->n_files > 99999) st = tera_fail(TERA_ERR_ARG, "%s: %d shards exceed 99999", path, s->n_files);
+    for (int f = 0, i = 0; st == TERA_OK && f < s->n_files; f++) {
+        char name[64];
+        if (s->indexed) snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, s->n_files);
+        if (!is_dir) snprintf(s->paths[f], sizeof s->paths[f], "%s", path);
+        else st = join_path(s->paths[f], sizeof s->paths[f], path, s->indexed ? name : "model.safetensors");
+        int j = i;
+        while (j < n && s->shard_of[j] == f + 1) j++;
+        if (st != TERA_OK) break;
+        /* the header of entries [i, j), as save_sorted writes it */
+        tera_st_writer sub = *w;
+        sub.n = j - i;
+        size_t hlen = 0;
+        char *hdr = build_header(&sub, srt + i, &hlen);
+        if (!hdr) {
+            st = tera_fail(TERA_ERR_NOMEM, "%s: out of memory building the header", s->paths[f]);
+            break;
+        }
+        uint64_t at = 8 + hlen;
+        for (int k = i; k < j; k++) {
+            const int e = entry_index(w, srt[k]);
+            s->file_of[e] = f;
+            s->off_of[e] = at;
+            at += srt[k]->nbytes;
+        }
+        char tmp[1200];
+        snprintf(tmp, sizeof tmp, "%s.tmp", s->paths[f]);
+        s->fds[f] = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        uint8_t len8[8];
+        store_u64(len8, hlen);
+        int err = s->fds[f] < 0 ? errno : 0;
+        if (!err && (write_all(s->fds[f], len8, 8) != 0 || write_all(s->fds[f], hdr, hlen) != 0)) err = errno ? errno : EIO;
+        if (!err && ftruncate(s->fds[f], (off_t)at) != 0) err = errno;
+        free(hdr);
+        if (err) st = tera_fail(TERA_ERR_IO, "%s: cannot create: %s", tmp, strerror(err));
+        i = j;
+    }
+    if (st != TERA_OK) {
+        tera_st_stream_abort(s);
+        return st;
+    }
+    *out = s;
+    return TERA_OK;
+}
+
+tera_status tera_st_stream_write(tera_st_stream *s, int entry, uint64_t byte_off, const void *p, uint64_t n) {
+    TERA_ASSERTF(entry >= 0 && entry < s->w->n && byte_off + n <= s->w->entries[entry].nbytes,
+                 "safetensors stream: entry %d, bytes [%llu, %llu) out of range", entry, (unsigned long long)byte_off,
+                 (unsigned long long)(byte_off + n));
+    const int fd = s->fds[s->file_of[entry]];
+    const uint8_t *b = p;
+    uint64_t at = s->off_of[entry] + byte_off;
+    while (n > 0) {
+        const size_t step = n > (1u << 30) ? (1u << 30) : (size_t)n;
+        const ssize_t k = pwrite(fd, b, step, (off_t)at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0)
+            return tera_fail(TERA_ERR_IO, "%s.tmp: write failed: %s", s->paths[s->file_of[entry]],
+                             strerror(errno ? errno : EIO));
+        b += k, at += (uint64_t)k, n -= (uint64_t)k;
+    }
+    return TERA_OK;
+}
+
+tera_status tera_st_stream_finish(tera_st_stream *s) {
+    tera_status st = TERA_OK;
+    char tmp[1200];
+    for (int f = 0; f < s->n_files && st == TERA_OK; f++) {
+        snprintf(tmp, sizeof tmp, "%s.tmp", s->paths[f]);
+        int err = fsync(s->fds[f]) != 0 ? errno : 0;
+        if (close(s->fds[f]) != 0 && !err) err = errno;
+        s->fds[f] = -1;
+        if (!err && rename(tmp, s->paths[f]) != 0) err = errno;
+        if (err) st = tera_fail(TERA_ERR_IO, "%s: write failed: %s", s->paths[f], strerror(err));
+        else if (fsync_parent(s->paths[f]) != 0)
+            st = tera_fail(TERA_ERR_IO, "%s: fsync of its directory failed: %s", s->paths[f], strerror(errno));
+    }
+    char path[1100];
+    if (st == TERA_OK && s->indexed) st = save_index(s->dir, s->sorted, s->w->n, s->shard_of, s->n_files);
+    else if (st == TERA_OK && s->is_dir && join_path(path, sizeof path, s->dir, ST_INDEX_NAME) == TERA_OK &&
+             unlink(path) != 0 && errno != ENOENT)
+        st = tera_fail(TERA_ERR_IO, "%s: cannot remove stale index: %s", path, strerror(errno));
+    tera_st_stream_abort(s); /* frees (the renamed files are no longer .tmp) */
+    return st;
+}
+
+tera_status tera_st_read_range_f32(const tera_st_file *f, int fd, const char *name, int64_t lo, int64_t n,
+                                   float *dst) {
+    const tera_st_tensor *t = tera_st_find(f, name);
+    if (!t) return tera_fail(TERA_ERR_FORMAT, "%s: no tensor '%s'", f->path, name);
+    if (lo < 0 || n < 0 || lo + n > t->numel)
+        return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' has %lld elements, elements [%lld, %lld) were asked for",
+                         f->path, name, (long long)t->numel, (long long)lo, (long long)(lo + n));
+    if (t->dtype != TERA_DT_F32 && t->dtype != TERA_DT_F16 && t->dtype != TERA_DT_BF16 && t->dtype != TERA_DT_F64)
+        return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' has dtype %s, which cannot be read as float", f->path, name,
+                         tera_dtype_name(t->dtype));
+    const size_t es = tera_dtype_size(t->dtype);
+    const uint64_t base = (uint64_t)(f->data - (const uint8_t *)f->map) + t->begin;
+    enum { CH = 4096 };
+    uint8_t raw[CH * 8];
+    for (int64_t done = 0; done < n;) {
+        const int64_t k = n - done < CH ? n - done : CH;
+        const uint8_t *src = f->data + t->begin + (uint64_t)(lo + done) * es;
+        if (fd >= 0) { /* read(2): the rank's pieces only, nothing of the file stays resident */
+            size_t got = 0;
+            const size_t want = (size_t)k * es;
+            while (got < want) {
+                const ssize_t r = pread(fd, raw + got, want - got, (off_t)(base + (uint64_t)(lo + done) * es + got));
+                if (r < 0 && errno == EINTR) continue;
+                if (r <= 0) return tera_fail(TERA_ERR_IO, "%s: read failed: %s", f->path, r < 0 ? strerror(errno) : "short file");
+                got += (size_t)r;
+            }
+            src = raw;
+        }
+        tera_st_tensor part = *t;
+        part.numel = k;
+        convert_to_f32(&part, src, dst + done);
+        for (int64_t i = 0; i < k; i++)
+            if (!isfinite(dst[done + i]))
+                return tera_fail(TERA_ERR_NUMERIC,
+                                 "%s: tensor '%s' holds a non-finite value (%s at element %lld of %lld); refusing to "
+                                 "load it (the file was written after the values diverged, or is damaged)",
+                                 f->path, name, isnan(dst[done + i]) ? "NaN" : dst[done + i] > 0 ? "+inf" : "-inf",
+                                 (long long)(lo + done + i), (long long)t->numel);
+        done += k;
+    }
+    return TERA_OK;
 }

@@ -20,5 +20,9 @@ int tera_cmd_schedule(int argc, char **argv);
 int tera_cli_parse(int argc, char **argv, tera_config *cfg, const char *const *flags, int *flag_set,
                    const char *const *opts, const char **opt_val);
 int tera_cli_error(void); /* prints tera_last_error() as "tera: error: ..." and returns 1 */
+/* 1 when the last tera_cli_parse's command line set `key` ("section.key") with --section.key=value
+ * (not through -c FILE). A key or an option given twice on one command line is an error there, and
+ * so are --resume with --force. */
+int tera_cli_given(const char *key);
 
 #endif

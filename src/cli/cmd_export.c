@@ -9,9 +9,9 @@
 
 int tera_cmd_export_hf(int argc, char **argv) {
     tera_config cfg;
-    static const char *const flags[] = {"force", NULL};
+    static const char *const flags[] = {"force", "tera-moe", NULL};
     static const char *const opts[] = {"from", "out", "max-shard-bytes", NULL};
-    int set[1] = {0};
+    int set[2] = {0, 0};
     const char *val[3] = {NULL, NULL, NULL};
     if (tera_cli_parse(argc, argv, &cfg, flags, set, opts, val)) return 1;
     if (!val[0] || !val[1]) {
@@ -27,7 +27,7 @@ int tera_cmd_export_hf(int argc, char **argv) {
             return tera_cli_error();
         }
     }
-    if (tera_hf_read_config(val[0], &cfg.model) != TERA_OK) return tera_cli_error();
+    if (tera_config_from_hf(&cfg, val[0]) != TERA_OK) return tera_cli_error();
     cfg.training.seq_len = 1;
     cfg.training.micro_batch = 1;
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
@@ -37,10 +37,11 @@ int tera_cmd_export_hf(int argc, char **argv) {
     char man[TERA_PATH_MAX + 32];
     snprintf(man, sizeof man, "%s/manifest.json", val[0]);
     tera_status st = access(man, F_OK) == 0 ? tera_ckpt_load(val[0], &m, NULL, NULL) : tera_hf_import(&m, val[0]);
-    if (st == TERA_OK) st = tera_hf_export(&m, val[1], shard, set[0]);
+    if (st == TERA_OK) st = tera_hf_export_checked(&m, val[1], shard, set[0], set[1]);
     tera_model_destroy(&m);
     if (st != TERA_OK) return tera_cli_error();
-    fprintf(stderr, "tera: exported %s -> %s\n", val[0], val[1]);
+    fprintf(stderr, "tera: exported %s -> %s (model_type %s)\n", val[0], val[1],
+            tera_hf_transformers_gaps(&cfg.model, NULL, 0) ? "tera_moe" : "mixtral");
     return 0;
 }
 
@@ -56,7 +57,7 @@ int tera_cmd_config(int argc, char **argv) {
           "on/off. Unknown sections or keys, a key set twice, and out-of-range values are errors that "
           "name the file, line and key.\n\n"
           "Any key can be overridden on the command line as `--section.key=value`, e.g. "
-          "`--model.dim=256 --training.lr=1e-3`; overrides apply after the file. Cross-field rules "
+          "`--model.dim=256 --training.lr=1e-3`, once per command line; overrides apply after the file. Cross-field rules "
           "(n_heads divides dim, even head width, top_k <= n_experts, seq_len <= max_seq_len, ...) are "
           "checked once everything is applied. The resolved configuration, every key with its value, is "
           "written to the run directory as `config.ini`, which loads back to the same run.\n\n",

@@ -7,27 +7,79 @@
 
 static int dispatch(int argc, char **argv, const char *cmd);
 
+/* Every command's usage, in one table: `tera help` prints all of it, `tera CMD --help` the rows of
+ * CMD, `tera CMD SUB --help` the row of CMD SUB (all of CMD's rows for an unknown SUB). */
+typedef struct {
+    const char *cmd, *sub; /* sub: NULL for a command without subcommands */
+    const char *usage;     /* the synopsis after "tera " */
+    const char *about;     /* what it does (lines indented by the printer) */
+} usage_row;
+
+static const usage_row g_usage[] = {
+    {"train", NULL, "train [-c FILE] [--section.key=value ...] [--force | --resume]",
+     "train a model; --force overwrites logging.run_dir, --resume continues it from its newest checkpoint"},
+    {"eval", NULL, "eval --from DIR [-c FILE] [--section.key=value ...]",
+     "validation loss of a Hugging Face directory or checkpoint, as one JSON line; runs in fp32 unless\n"
+     "--training.precision is given on the command line"},
+    {"export-hf", NULL, "export-hf --from DIR --out DIR [--max-shard-bytes N] [--force] [--tera-moe]",
+     "write a Hugging Face Mixtral directory from a checkpoint or HF directory; a model transformers cannot\n"
+     "compute (dense first layers, shared experts, aux-free bias, dropping capacity, DeepSeek-V3 routing)\n"
+     "is refused unless --tera-moe (model_type tera_moe: read by tera only); README, Hugging Face interchange"},
+    {"config", NULL, "config [-c FILE] [--section.key=value ...] | config --doc",
+     "print the resolved configuration, or with --doc every key documented (docs/CONFIG.md)"},
+    {"bench", NULL, "bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N] [--name NAME]",
+     "time training steps: one JSON line (tokens/s, MFU, memory) and the profile"},
+    {"data", "prepare",
+     "data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME] [--threads N]\n"
+     "                  [--allow-special] [--force]",
+     "text (one document per file) or .jsonl (one per line) -> Megatron .bin/.idx + checksums"},
+    {"tokenizer", "train", "tokenizer train --input FILE... --vocab-size N --output DIR [--threads N] [--force]",
+     "train a byte-level BPE vocabulary (encoder.json + vocab.bpe)"},
+    {"tokenizer", "encode", "tokenizer encode --tokenizer DIR [--allow-special] < text", "text -> ids on stdout"},
+    {"tokenizer", "decode", "tokenizer decode --tokenizer DIR < ids", "ids -> text on stdout"},
+    {"ckpt", "ls", "ckpt ls RUN_DIR", "checkpoints of a run: step, kind, size, committed"},
+    {"ckpt", "verify", "ckpt verify DIR|RUN_DIR", "re-hash every file against COMMIT and the manifest"},
+    {"ckpt", "export-hf", "ckpt export-hf DIR --out HFDIR [--max-shard-bytes N] [--force] [--tera-moe]",
+     "a checkpoint (full or differential) -> Hugging Face directory (--tera-moe: as for export-hf)"},
+    {"ckpt", "convert",
+     "ckpt convert --from CKPT_DIR|RUN_DIR --out RUN_DIR [--force] [-c FILE] [--section.key=value ...]",
+     "reshard a checkpoint for another parallel layout (run under mpirun -np N with the new --parallel.*);\n"
+     "`tera train -c RUN_DIR/config.ini --resume` continues from it"},
+    {"schedule", NULL, "schedule --kind gpipe|1f1b|interleaved --pp P --micro M [--chunks V]",
+     "print a pipeline schedule, its simulated bubble and activation footprint"},
+};
+#define N_USAGE (sizeof g_usage / sizeof g_usage[0])
+
+static void print_row(FILE *f, const usage_row *r) {
+    fprintf(f, "  tera %s\n      ", r->usage);
+    for (const char *p = r->about; *p; p++) fputs(*p == '\n' ? "\n      " : (char[2]){*p, 0}, f);
+    fputc('\n', f);
+}
+
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: tera <command> [options]\n"
-            "\n"
-            "commands:\n"
-            "  train      train a model:  tera train [-c FILE] [--section.key=value ...] [--force] [--resume]\n"
-            "  eval       validation loss of a checkpoint:  tera eval --from DIR [-c FILE] [--section.key=value ...]\n"
-            "  export-hf  write a Hugging Face Mixtral directory:  tera export-hf --from DIR --out DIR [--max-shard-bytes N] [--force]\n"
-            "  config     print the resolved config (-c FILE ...) or, with --doc, every key documented\n"
-            "  data       tera data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME]\n"
-            "             (text = one document per file, .jsonl = one per line) -> Megatron .bin/.idx + checksums\n"
-            "  tokenizer  tera tokenizer train --input FILE... --vocab-size N --output DIR | encode | decode --tokenizer DIR\n"
-            "  schedule   print a pipeline schedule and its simulated bubble:\n"
-            "             tera schedule --kind gpipe|1f1b|interleaved --pp P --micro M [--chunks V]\n"
-            "  bench      time training steps:  tera bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N]\n"
-            "  ckpt       checkpoints:  tera ckpt ls RUN_DIR | verify DIR | export-hf DIR --out HFDIR [--force]\n"
-            "             [mpirun -np N] tera ckpt convert --from CKPT_DIR --out RUN_DIR [--force] [--parallel.*=...]\n"
-            "  help       this text\n"
-            "\n"
-            "Every config key can be overridden on the command line as --section.key=value\n"
-            "(see docs/CONFIG.md or `tera config --doc`).\n");
+    fprintf(f, "usage: tera <command> [options]   (tera <command> --help: that command only)\n\ncommands:\n");
+    for (size_t i = 0; i < N_USAGE; i++) print_row(f, &g_usage[i]);
+    fprintf(f, "  tera help\n      this text\n\n"
+               "Every config key can be overridden on the command line as --section.key=value, once each\n"
+               "(see docs/CONFIG.md or `tera config --doc`).\n");
+}
+
+/* `tera CMD [SUB] ... --help|-h`: prints the usage of CMD (SUB) on stdout and returns 1; else 0. */
+static int help_asked(int argc, char **argv, const char *cmd) {
+    int asked = 0;
+    for (int i = 2; i < argc; i++) asked |= !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
+    if (!asked) return 0;
+    const char *sub = argc > 2 && argv[2][0] != '-' ? argv[2] : NULL;
+    int one = 0;
+    for (size_t i = 0; i < N_USAGE; i++)
+        one |= !strcmp(g_usage[i].cmd, cmd) && sub && g_usage[i].sub && !strcmp(g_usage[i].sub, sub);
+    printf("usage:\n");
+    for (size_t i = 0; i < N_USAGE; i++)
+        if (!strcmp(g_usage[i].cmd, cmd) && (!one || !strcmp(g_usage[i].sub, sub))) print_row(stdout, &g_usage[i]);
+    if (strcmp(cmd, "config") != 0 && strcmp(cmd, "schedule") != 0 && strcmp(cmd, "tokenizer") != 0 &&
+        !(sub && (!strcmp(sub, "ls") || !strcmp(sub, "verify"))))
+        printf("\n--section.key=value overrides any config key (tera config --doc lists them)\n");
+    return 1;
 }
 
 int main(int argc, char **argv) {
@@ -36,6 +88,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *cmd = argv[1];
+    int known = 0;
+    for (size_t i = 0; i < N_USAGE; i++) known |= !strcmp(g_usage[i].cmd, cmd);
+    if (known && help_asked(argc, argv, cmd)) return 0; /* before MPI: nothing to set up */
     if (tera_comm_init(&argc, &argv) != TERA_OK) {
         fprintf(stderr, "tera: error: %s\n", tera_last_error());
         return 1;

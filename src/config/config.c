@@ -4,6 +4,7 @@
  * Adding a key: add the field to include/tera/config.h and one line to config__keys below. The
  * type-checking macros make a mismatch between the declared type and the field a compile error. */
 #include "tera/config.h"
+#include "tera/hf.h"
 #include "tera/model.h"
 
 #include <errno.h>
@@ -108,7 +109,9 @@ static const config__section config__sections[] = {
     {"training", "Steps, batch shape, learning-rate schedule, evaluation."},
     {"optimizer", "AdamW (decoupled weight decay on 2-D weights only)."},
     {"data", "Training corpus."},
-    {"parallel", "Parallel layout. This build runs one process: every degree must be 1."},
+    {"parallel", "Parallel layout over MPI ranks: the job runs pp x dp x tp ranks (mpirun -np N; N = 1 without "
+                 "mpirun), ep splits the experts inside dp, zero shards optimizer state, gradients and parameters "
+                 "(docs/PARALLELISM.md)."},
     {"checkpoint", "Checkpoint saving and export."},
     {"logging", "Run directory and progress output."},
 };
@@ -134,9 +137,12 @@ static const config__key config__keys[] = {
     K_INT(model, first_k_dense, "0", 0, INT_MAX,
           "the first N layers use a dense SwiGLU FFN instead of MoE (at most n_layers)"),
     K_INT(model, dense_ffn_dim, "0", 0, INT_MAX,
-          "hidden width of dense layers; 0 = top_k * ffn_dim"),
+          "hidden width of the dense layers (first_k_dense); 0 = top_k * ffn_dim (stays 0 without dense layers)"),
     K_INT(model, max_seq_len, "1024", 1, INT_MAX,
           "longest sequence the model is built for (max_position_embeddings)"),
+    K_INT(model, sliding_window, "0", 0, INT_MAX,
+          "attention window of a Hugging Face config.json (sliding_window; 0 = none, written as null); tera has no "
+          "sliding-window attention, so a window must be at least training.seq_len, where it changes nothing"),
     K_FLOAT(model, rope_theta, "10000", R_GT0, "RoPE base theta"),
     K_FLOAT(model, norm_eps, "1e-5", R_GT0, "RMSNorm epsilon"),
     K_FLOAT(model, init_std, "0.02", R_GT0,
@@ -152,6 +158,18 @@ static const config__key config__keys[] = {
            "aux-loss-free balancing: per-expert bias on selection scores"),
     K_FLOAT(model, aux_free_rate, "0.001", R_GE0,
             "aux-free bias update rate u: b_e += u * sign(mean load - load_e)"),
+    K_ENUM(model, router_score, tera_router_score, "softmax", "softmax|sigmoid",
+           "router scores s: softmax over the experts (Mixtral) or sigmoid of each logit (DeepSeek-V3); the top-k "
+           "is chosen on s (+ the aux-free bias) and the combine weights are the chosen s renormalised to sum 1; "
+           "under sigmoid the balancing loss uses s / sum(s) per token (docs/ARCHITECTURE.md)"),
+    K_INT(model, n_groups, "1", 1, INT_MAX,
+          "group-limited routing: the experts form n_groups equal groups of consecutive ids (must divide "
+          "n_experts; 1 = off); a token chooses its top_k experts inside its topk_groups best groups"),
+    K_INT(model, topk_groups, "1", 1, INT_MAX,
+          "groups a token may use (in [1, n_groups], top_k <= topk_groups * n_experts / n_groups); a group's score is "
+          "its best expert score (softmax) or the sum of its best two (sigmoid)"),
+    K_FLOAT(model, routed_scale, "1", R_GT0,
+            "routed scaling factor: the combine weights are multiplied by it (DeepSeek's routed_scaling_factor)"),
 
     /* [training] ------------------------------------------------------------------------------- */
     K_INT(training, steps, "300", 1, INT_MAX, "optimizer steps S"),
@@ -174,13 +192,18 @@ static const config__key config__keys[] = {
     K_INT(training, eval_batches, "4", 1, INT_MAX, "micro-batches per validation"),
     K_INT(training, spike_window, "0", 0, 100000,
           "loss-spike guard: z-scores of loss and grad norm over this many recent steps; 0 = off"),
-    K_FLOAT(training, spike_zscore, "6", R_CLOSED(0.5, 1e9),
+    K_FLOAT(training, spike_zscore, "12", R_CLOSED(0.5, 1e9),
             "a step whose loss z-score exceeds this is a spike: its update is dropped, the run rolls back "
-            "to the newest checkpoint, skips that batch and lowers the LR"),
-    K_FLOAT(training, spike_grad_zscore, "12", R_CLOSED(0.5, 1e9),
-            "the same for the grad norm (noisier than the loss, hence a higher default)"),
+            "to the newest checkpoint, skips that batch and lowers the LR (clean runs of the test models "
+            "peaked at 9.5 over windows of 4-100 steps; docs/PARALLELISM.md)"),
+    K_FLOAT(training, spike_grad_zscore, "1000", R_CLOSED(0.5, 1e9),
+            "the same for the grad norm: heavy-tailed in clean runs (up to 368; clipping handles those), so "
+            "only a blow-up of about 100x the window's mean counts"),
     K_FLOAT(training, spike_lr_factor, "0.5", R_CLOSED(0.0, 1.0), "LR multiplier after a spike"),
-    K_INT(training, spike_lr_steps, "100", 0, INT_MAX, "steps after a spike that run at the lowered LR"),
+    K_INT(training, spike_lr_steps, "100", 0, INT_MAX,
+          "after a spike the LR stays lowered until this many steps past it: with a rollback the replayed "
+          "steps, then this many from the spike's step on (run again on the batch after the skipped one); "
+          "without one, the next this many steps"),
     K_INT(training, batch_rampup_start, "0", 0, INT_MAX,
           "batch-size ramp-up: micro-batches per step at step 0 (at most grad_accum), rising linearly in "
           "whole micro-batches to grad_accum over batch_rampup_steps; 0 = no ramp-up"),
@@ -194,7 +217,9 @@ static const config__key config__keys[] = {
     K_ENUM(training, batch_lr_scaling, tera_batch_lr_rule, "sqrt", "sqrt|linear|none",
            "LR of a step of A micro-batches: x sqrt(A / grad_accum) (Adam), x A / grad_accum, or unchanged"),
     K_STRING(training, init_from, "",
-             "Hugging Face Mixtral directory to start from; empty = random init"),
+             "Hugging Face directory (model_type mixtral or tera_moe) or tera checkpoint to start from: the model "
+             "comes from its config.json, and a [model] value given here that contradicts it is an error; empty = "
+             "random init"),
     K_CHOICE(training, precision, "fp32", "auto|fp32|bf16|fp16",
              "matrix products of the linear layers: bf16 = bf16 operands, fp32 accumulation; fp16 = "
              "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
@@ -260,8 +285,10 @@ static const config__key config__keys[] = {
           "ZeRO-3: while a layer computes, gather the parameters of the next one in the order of use (forward: "
           "the layer after, backward: the one before; in a pipeline, as the schedule goes) into a second staging "
           "slot (0 = gather each on use; results are identical)"),
-    K_FLOAT(parallel, timeout_s, "600", R_CLOSED(0.0, 1e9),
-            "a collective that makes no progress this long aborts every rank (a peer stopped answering); 0 = off"),
+    K_FLOAT(parallel, timeout_s, "-1", R_CLOSED(-1.0, 1e9),
+            "a wait for other ranks that makes no progress this long aborts every rank, naming the ranks that "
+            "stopped answering; -1 = automatic (inside a step, after 3 steps: max(60, 20 x the slowest step); "
+            "before that and outside steps: max(600, 20 x the slowest step)); 0 = off"),
 
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
@@ -278,6 +305,9 @@ static const config__key config__keys[] = {
            "with several ranks, every rank writes its own blocks of the parameters and Adam moments "
            "(rank-NNNNN.safetensors; the manifest lists the slice each file holds) instead of world rank 0 "
            "writing the whole model; loads under any layout; asynchronous and differential like the others"),
+    K_INT(checkpoint, writer_buffer_mb, "16", 1, 65536,
+          "several ranks: a save streams the model through windows of this many MiB (every rank's one transfer "
+          "buffer; no rank holds the whole model); such saves are synchronous"),
 
     /* [logging] -------------------------------------------------------------------------------- */
     K_STRING(logging, run_dir, "runs/default", "the run's own directory (config, metrics.jsonl, checkpoints); \"\" = write nothing"),
@@ -317,6 +347,13 @@ static const config__key *config__find_key(const char *section, const char *key)
         if (strcmp(config__keys[i].section, section) == 0 && strcmp(config__keys[i].key, key) == 0)
             return &config__keys[i];
     return NULL;
+}
+
+/* The bit of key k in tera_config.model_given: [model] keys come first in the table (checked in
+ * config__check_table); 0 for the keys of other sections. */
+static uint64_t config__given_bit(const config__key *k) {
+    const size_t idx = (size_t)(k - config__keys);
+    return strcmp(k->section, "model") == 0 && idx < 64 ? (uint64_t)1 << idx : 0;
 }
 
 /* "model, training, ..." */
@@ -637,6 +674,9 @@ static void config__check_table(void) {
         if (k->type == CONFIG__ENUM || k->type == CONFIG__BOOL || k->type == CONFIG__INT)
             TERA_ASSERTF(k->size == sizeof(int), "config key %s.%s: not int-sized", k->section,
                          k->key);
+        TERA_ASSERTF(strcmp(k->section, "model") != 0 || (i < 64 && (i == 0 || !strcmp(config__keys[i - 1].section,
+                                                                                       "model"))),
+                     "config key %s.%s: [model] keys must be the first 64 rows of the table", k->section, k->key);
         if (k->type == CONFIG__CHOICE)
             for (const char *p = k->choices; *p;) {
                 const char *bar = strchr(p, '|');
@@ -747,6 +787,7 @@ static int config__handle(void *user, const char *section, const char *name, con
     }
     st->status = config__parse_value(st->cfg, k, value, strlen(value), where);
     if (st->status != TERA_OK) return 0;
+    st->cfg->model_given |= config__given_bit(k);
     st->key_line[idx] = st->line;
     st->failed = false;
     return 1;
@@ -820,7 +861,9 @@ tera_status tera_config_set(tera_config *c, const char *assignment) {
     const char *vend = v + strlen(v);
     while (*v == ' ' || *v == '\t') v++;
     while (vend > v && (vend[-1] == ' ' || vend[-1] == '\t')) vend--;
-    return config__parse_value(c, k, v, (size_t)(vend - v), where);
+    TERA_TRY(config__parse_value(c, k, v, (size_t)(vend - v), where));
+    c->model_given |= config__given_bit(k);
+    return TERA_OK;
 }
 
 /* Cross-field checks fail through this: "config: <message>". */
@@ -835,9 +878,10 @@ tera_status tera_config_finalize(tera_config *c) {
     const tera_train_config *t = &c->training;
     const tera_parallel_config *p = &c->parallel;
 
-    /* Derived defaults. */
+    /* Derived defaults: computed here only (0 = derived; tera_config_from_hf resets the ones not
+     * given so that they follow config.json's values). dense_ffn_dim matters only with dense layers. */
     if (m->n_kv_heads == 0) m->n_kv_heads = m->n_heads;
-    if (m->dense_ffn_dim == 0) {
+    if (m->dense_ffn_dim == 0 && m->first_k_dense > 0) {
         int64_t d = (int64_t)m->top_k * m->ffn_dim;
         CONFIG__REQUIRE(d <= INT_MAX,
                         "model.dense_ffn_dim = model.top_k * model.ffn_dim = %" PRId64
@@ -858,12 +902,27 @@ tera_status tera_config_finalize(tera_config *c) {
     CONFIG__REQUIRE(m->top_k <= m->n_experts,
                     "model.top_k (%d) must be in [1, model.n_experts = %d]", m->top_k,
                     m->n_experts);
+    CONFIG__REQUIRE(m->n_experts % m->n_groups == 0,
+                    "model.n_groups (%d) must divide model.n_experts (%d)", m->n_groups, m->n_experts);
+    CONFIG__REQUIRE(m->topk_groups <= m->n_groups,
+                    "model.topk_groups (%d) must be in [1, model.n_groups = %d]", m->topk_groups, m->n_groups);
+    CONFIG__REQUIRE((int64_t)m->top_k <= (int64_t)m->topk_groups * (m->n_experts / m->n_groups),
+                    "model.top_k (%d) must be at most model.topk_groups x experts per group = %d x %d = %lld "
+                    "(the experts a token may choose from)",
+                    m->top_k, m->topk_groups, m->n_experts / m->n_groups,
+                    (long long)m->topk_groups * (m->n_experts / m->n_groups));
     CONFIG__REQUIRE(m->first_k_dense <= m->n_layers,
                     "model.first_k_dense (%d) must be at most model.n_layers (%d)",
                     m->first_k_dense, m->n_layers);
     CONFIG__REQUIRE(t->seq_len <= m->max_seq_len,
                     "training.seq_len (%d) must be at most model.max_seq_len (%d)", t->seq_len,
                     m->max_seq_len);
+    CONFIG__REQUIRE(m->sliding_window == 0 || t->seq_len <= m->sliding_window,
+                    "model.sliding_window = %d (a Hugging Face config.json's sliding_window) is smaller than "
+                    "training.seq_len = %d: tera has no sliding-window attention (every position attends to all "
+                    "earlier ones), so it would compute another model than the config describes; use "
+                    "training.seq_len <= %d",
+                    m->sliding_window, t->seq_len, m->sliding_window);
     CONFIG__REQUIRE(t->min_lr <= t->lr, "training.min_lr (%g) must be at most training.lr (%g)",
                     (double)t->min_lr, (double)t->lr);
     CONFIG__REQUIRE(t->warmup_steps <= t->steps,
@@ -941,6 +1000,34 @@ tera_status tera_config_finalize(tera_config *c) {
         }
     }
     TERA_TRY(tera_recompute_parse(t->recompute, m->n_layers, NULL));
+    return TERA_OK;
+}
+
+tera_status tera_config_from_hf(tera_config *c, const char *dir) {
+    tera_config given = *c, hf = *c;
+    const config__key *kv = config__find_key("model", "n_kv_heads");
+    const config__key *dense = config__find_key("model", "dense_ffn_dim");
+    /* derived defaults that were not given follow config.json's values (finalize derives them) */
+    if (!(c->model_given & config__given_bit(kv)) || given.model.n_kv_heads == 0) hf.model.n_kv_heads = 0;
+    if (!(c->model_given & config__given_bit(dense)) || given.model.dense_ffn_dim == 0) hf.model.dense_ffn_dim = 0;
+    TERA_TRY(tera_hf_read_config(dir, &hf.model));
+    char a[CONFIG__VALUE_MAX], b[CONFIG__VALUE_MAX];
+    for (size_t i = 0; i < CONFIG__N_KEYS; i++) {
+        const config__key *k = &config__keys[i];
+        if (!(c->model_given & config__given_bit(k))) continue;
+        if ((k == kv && given.model.n_kv_heads == 0) || (k == dense && given.model.dense_ffn_dim == 0)) continue;
+        if (k == dense && hf.model.first_k_dense == 0) continue; /* no dense layer: the width is unused */
+        config__format_value(&given, k, a, sizeof a);
+        config__format_value(&hf, k, b, sizeof b);
+        if (strcmp(a, b) == 0) continue;
+        const char *json = tera_hf_config_key(k->offset - offsetof(tera_config, model));
+        return tera_fail(TERA_ERR_CONFIG,
+                         "%s/config.json: model.%s = %s was given (in a config file or on the command line), but "
+                         "config.json has %s = %s; the model comes from config.json when training.init_from or "
+                         "--from names a Hugging Face directory: drop the model.%s setting or make it agree",
+                         dir, k->key, a, json ? json : k->key, b, k->key);
+    }
+    c->model = hf.model;
     return TERA_OK;
 }
 

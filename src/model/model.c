@@ -26,7 +26,7 @@ typedef struct {
     float *rstd2;    /* [N] */
     /* MoE */
     float *rlogits;  /* [N, E] router logits */
-    float *probs;    /* [N, E] */
+    float *probs;    /* [N, E] router scores: softmax probabilities, or sigmoids (model.router_score) */
     float *rlse;     /* [N] router logsumexp (z-loss) */
     int32_t *topi;   /* [N, k] */
     float *topw;     /* [N, k] combine weights */
@@ -76,6 +76,9 @@ struct tera_acts {
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
+    double *route_p;     /* [E] per-sequence sums of the balancing loss's P */
+    float *rsum;         /* [N] sigmoid scoring: each token's sum of scores (balancing loss), else NULL */
+    void *route_scratch; /* group-limited routing: tera_moe_route's per-thread scratch, else NULL */
     float *logits;       /* [N, Vl] (in the scratch block, or per slot with pipeline parallelism) */
     float *attn_scratch; /* attention kernel scratch */
     float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
@@ -279,6 +282,10 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->dprobs = CARVE_F(c, N * E);
     a->drlogits = CARVE_F(c, N * E);
     a->dtopw = CARVE_F(c, N * K);
+    a->route_p = (double *)carve(c, sizeof(double) * (size_t)E);
+    if (cfg->router_score == TERA_ROUTER_SIGMOID) a->rsum = CARVE_F(c, N);
+    const tera_moe_routing route = tera_moe_routing_of(cfg);
+    if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, omp_get_max_threads()));
     a->attn_scratch = CARVE_F(c, tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
     a->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(N * K, B, (int)E));
     a->expert_order = (int *)carve(c, sizeof(int) * 2 * (size_t)E);
@@ -794,9 +801,10 @@ static void moe_forward(tera_model *m, int l, float *out) {
 
     TERA_PROF(ROUTER_FWD, {
         tera_linear_forward_fp32(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
-        tera_softmax_forward(la->probs, la->rlse, la->rlogits, N, E);
-        tera_moe_topk(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL,
-                      N, E, K);
+        tera_moe_score_forward(la->probs, la->rlse, la->rlogits, N, E, c->router_score);
+        const tera_moe_routing route = tera_moe_routing_of(c);
+        tera_moe_route(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
+                       K, &route, m->acts->route_scratch);
     });
     int capacity = 0;
     if (c->capacity_factor > 0.0f) capacity = (int)ceil((double)c->capacity_factor * T * K / E);
@@ -815,30 +823,17 @@ static void moe_forward(tera_model *m, int l, float *out) {
     m->stats.n_assign += N * K;
     m->stats.n_dropped += dropped;
 
-    /* load statistics: aux loss per sequence, z-loss, expert load */
-    double aux = 0.0, z = 0.0;
-    for (int b = 0; b < B; b++) {
-        double s = 0.0;
-        for (int e = 0; e < E; e++) {
-            double P = 0.0;
-            for (int t = 0; t < T; t++) P += la->probs[((int64_t)b * T + t) * E + e];
-            s += (double)la->sel_count[b * E + e] / ((double)T * K) * (P / T);
-            m->expert_load[(int64_t)l * E + e] += la->sel_count[b * E + e];
-        }
-        aux += E * s;
+    /* load statistics: aux loss per sequence, z-loss, expert load, router entropy */
+    {
+        TERA_PROF_BEGIN(ROUTER_FWD);
+        const tera_moe_stats st = tera_moe_route_stats(m->expert_load + (int64_t)l * E, m->acts->rsum, m->acts->route_p,
+                                                       la->probs, la->rlse, la->sel_count, B, T, E, K, c->router_score);
+        TERA_PROF_END(ROUTER_FWD);
+        m->router_entropy[l] += st.entropy;
+        if (l == c->first_k_dense) m->routed_tokens += N;
+        m->stats.aux_sum += st.aux;
+        m->stats.z_sum += st.z;
     }
-    double ent = 0.0;
-    for (int64_t n = 0; n < N; n++) {
-        z += (double)la->rlse[n] * la->rlse[n];
-        for (int e = 0; e < E; e++) {
-            const float p = la->probs[n * E + e];
-            if (p > 0.0f) ent -= (double)p * log((double)p);
-        }
-    }
-    m->router_entropy[l] += ent;
-    if (l == c->first_k_dense) m->routed_tokens += N;
-    m->stats.aux_sum += aux;
-    m->stats.z_sum += z;
 
     {
         TERA_PROF_BEGIN(EXPERT_FWD);
@@ -1084,29 +1079,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     tp_sum(m, a->dln, N * D);
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
-        /* combine weights w_j = p_{e_j} / S  ->  dp_{e_i} = (dw_i - sum_j dw_j w_j) / S */
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N; t++) {
-            float *dp = a->dprobs + t * E;
-            const float *p = la->probs + t * E;
-            const int b = (int)(t / T);
-            for (int e = 0; e < E; e++)
-                dp[e] = s->aux * (float)E * ((float)la->sel_count[b * E + e] / ((float)T * K)) / (float)T;
-            float S = 0.0f, dot = 0.0f;
-            for (int j = 0; j < K; j++) {
-                S += p[la->topi[t * K + j]];
-                dot += a->dtopw[t * K + j] * la->topw[t * K + j];
-            }
-            for (int j = 0; j < K; j++) dp[la->topi[t * K + j]] += (a->dtopw[t * K + j] - dot) / S;
-        }
-        tera_softmax_backward(a->drlogits, a->dprobs, la->probs, N, E);
-        if (s->z != 0.0f) {
-            /* d(lse^2)/dlogits = 2 lse softmax */
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < N; t++)
-                for (int e = 0; e < E; e++)
-                    a->drlogits[t * E + e] += s->z * 2.0f * la->rlse[t] * la->probs[t * E + e];
-        }
+        const tera_moe_routing route = tera_moe_routing_of(c);
+        tera_moe_router_backward(a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw, a->dtopw,
+                                 la->sel_count, B, T, E, K, &route, s->aux, s->z);
         tera_linear_backward_fp32(a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }

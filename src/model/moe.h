@@ -13,6 +13,73 @@
 void tera_moe_topk(int32_t *topi, float *topw, const float *probs, const float *bias, int64_t N, int E,
                    int k);
 
+/* The router's options (tera_model_config: router_score, n_groups, topk_groups, routed_scale). */
+typedef struct {
+    tera_router_score score; /* softmax or sigmoid scores */
+    int n_groups;            /* experts [g E/G, (g+1) E/G) form group g; 1 = no group limit */
+    int topk_groups;         /* groups a token may use */
+    float scale;             /* routed scaling factor on the combine weights */
+} tera_moe_routing;
+
+tera_moe_routing tera_moe_routing_of(const tera_model_config *c);
+
+/* Router scores from logits: softmax over the E experts, or sigmoid of each logit; lse[N] is the
+ * log-sum-exp of the logits under both (the z-loss).
+ * logits: [N, E]  scores: [N, E]  lse: [N] */
+void tera_moe_score_forward(float *scores, float *lse, const float *logits, int64_t N, int E,
+                            tera_router_score score);
+
+/* Top-k under the routing options. Selection score u = scores + bias (bias may be NULL).
+ * n_groups > 1: a group's score is the max of its u (softmax) or the sum of its two largest u
+ * (sigmoid; the one u when a group has one expert); the token keeps its topk_groups best groups
+ * (ties: lower group index), then its top-k experts of those groups by u (ties: lower expert
+ * index); experts of other groups are never chosen. Combine weights: the chosen scores (not u)
+ * renormalised to sum 1, times r->scale. n_groups = 1 and scale = 1: exactly tera_moe_topk.
+ * scores: [N, E]  topi: [N, k]  topw: [N, k]
+ * scratch: tera_moe_route_scratch_bytes(r, threads) bytes for up to `threads` OpenMP threads. */
+size_t tera_moe_route_scratch_bytes(const tera_moe_routing *r, int threads);
+void tera_moe_route(int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N, int E, int k,
+                    const tera_moe_routing *r, void *scratch);
+
+/* Per-token sums of the scores (the normaliser of the sigmoid balancing loss), in a fixed order.
+ * scores: [N, E]  rsum: [N] */
+void tera_moe_score_sums(float *rsum, const float *scores, int64_t N, int E);
+
+/* Backward of the sigmoid router (scores s = sigmoid(logits)): writes dlogits of
+ *     sum_{t,j} dtopw[t,j] * w[t,j]                       w = scale * s_chosen / sum(s_chosen)
+ *   + aux_scale * sum_b aux_b                             aux_b = E sum_e f_{b,e} P_{b,e},
+ *                                                         P_{b,e} = mean_t s[t,e] / sum_e' s[t,e']
+ *   + z_scale * sum_t lse[t]^2                            lse = logsumexp(logits[t])
+ * where f_{b,e} = sel_count[b,e] / (T k) carries no gradient; the selection is not differentiated.
+ * dlogits, logits, s: [B*T, E]  lse: [B*T]  topi, topw, dtopw: [B*T, k]  sel_count: [B, E] */
+void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float *s, const float *lse,
+                               const int32_t *topi, const float *topw, const float *dtopw,
+                               const int32_t *sel_count, int B, int T, int E, int k, float scale,
+                               float aux_scale, float z_scale);
+
+/* Statistics of one layer's routing over B sequences of T tokens:
+ *   aux     = sum_b E sum_e f_{b,e} P_{b,e}, f = sel_count / (T k), P_{b,e} = mean_t p[t,e] where p is
+ *             the softmax probability, or (sigmoid) the score normalised per token, s / sum_e' s;
+ *   z       = sum_t lse[t]^2;   entropy = sum_t of the entropy (nats) of p[t, :].
+ * Adds sel_count to load[E]. Sums run in a fixed order (no threads).
+ * scores: [B*T, E]  lse: [B*T]  sel_count: [B, E]  rsum: [B*T] scratch (sigmoid; NULL otherwise)
+ * psum: [E] scratch */
+typedef struct {
+    double aux, z, entropy;
+} tera_moe_stats;
+tera_moe_stats tera_moe_route_stats(int64_t *load, float *rsum, double *psum, const float *scores, const float *lse,
+                                    const int32_t *sel_count, int B, int T, int E, int k, tera_router_score score);
+
+/* Router backward under either scoring: dlogits = d/dlogits of
+ *   sum_{t,j} dtopw[t,j] w[t,j] + aux_scale * aux + z_scale * z     (aux, z as tera_moe_route_stats)
+ * with the selection held fixed. Softmax: through dscores [B*T, E] (scratch) and the softmax
+ * backward; sigmoid: tera_moe_sigmoid_backward.
+ * dlogits, logits, scores: [B*T, E]  lse: [B*T]  topi, topw, dtopw: [B*T, k]  sel_count: [B, E] */
+void tera_moe_router_backward(float *dlogits, float *dscores, const float *logits, const float *scores,
+                              const float *lse, const int32_t *topi, const float *topw, const float *dtopw,
+                              const int32_t *sel_count, int B, int T, int E, int k, const tera_moe_routing *r,
+                              float aux_scale, float z_scale);
+
 /* Builds the grouped layout of one micro-batch of B sequences of T tokens.
  * topi: [N, k]; probs: [N, E] (for the probability drop policy); capacity: per sequence and
  * expert (<= 0: dropless). Outputs:

@@ -12,6 +12,7 @@
 /* paths are bounded by TERA_PATH_MAX; a truncated one fails to open and is reported */
 #pragma GCC diagnostic ignored "-Wformat-truncation"
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -74,6 +75,8 @@ struct tera_ckpt_ctx {
     uint64_t *base_hash[TERA_CKPT_N_REGIONS];
     int64_t n_chunks[TERA_CKPT_N_REGIONS];
     char *config_json;               /* the model's config.json text (from the last full save) */
+    float *win;                      /* streamed saves (several ranks): the one transfer window */
+    int64_t win_n;
 };
 
 static tera_ckpt_stats g_stats;
@@ -137,6 +140,7 @@ static void ctx_free(tera_ckpt_ctx *c) {
     free(c->snap);
     free(c->state_json);
     free(c->config_json);
+    free(c->win);
     for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) free(c->base_hash[r]);
     free(c);
 }
@@ -821,6 +825,481 @@ static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr) {
     c->state_json = state_text(tr);
 }
 
+
+/* The end of a whole save whose data files are written: state.json, config.ini, the manifest
+ * (model config, layout, region checksums), COMMIT, retention, statistics. Takes man. */
+static tera_status finish_checkpoint(tera_ckpt_ctx *c, cJSON *man, const char *tmp, const char *dir, const char *root,
+                                     const uint64_t *rhash, int64_t changed, int64_t total, double t0) {
+    char path[TERA_PATH_MAX + 256];
+    snprintf(path, sizeof path, "%s/state.json", tmp);
+    tera_status s = tera_ckpt_write_file(path, c->state_json, strlen(c->state_json));
+    if (s == TERA_OK) {
+        snprintf(path, sizeof path, "%s/config.ini", tmp);
+        tera_ckpt_io_point("write", path);
+        s = tera_config_write(&c->cfg, path);
+        if (s == TERA_OK) s = tera_ckpt_fsync_path(path);
+    }
+    if (s != TERA_OK) {
+        cJSON_Delete(man);
+        return s;
+    }
+    cJSON *mc = c->config_json ? cJSON_Parse(c->config_json) : NULL;
+    cJSON_AddItemToObject(man, "model_config", mc ? mc : cJSON_CreateNull());
+    cJSON_AddStringToObject(man, "run_config", "config.ini");
+    cJSON *lay = cJSON_AddObjectToObject(man, "layout");
+    cJSON_AddNumberToObject(lay, "world_size", 1);
+    cJSON_AddNumberToObject(lay, "dp", c->cfg.parallel.dp);
+    cJSON_AddNumberToObject(lay, "tp", c->cfg.parallel.tp);
+    cJSON_AddNumberToObject(lay, "pp", c->cfg.parallel.pp);
+    cJSON_AddNumberToObject(lay, "ep", c->cfg.parallel.ep);
+    cJSON_AddNumberToObject(lay, "zero", c->cfg.parallel.zero);
+    cJSON *regs = cJSON_AddObjectToObject(man, "regions");
+    char hx[20];
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        cJSON *o = cJSON_AddObjectToObject(regs, tera_ckpt_region_names[r]);
+        cJSON_AddNumberToObject(o, "floats", (double)c->reg_n[r]);
+        hex64(hx, rhash[r]);
+        cJSON_AddStringToObject(o, "xxh3", hx);
+    }
+    int64_t bytes = 0;
+    TERA_TRY(commit_dir(man, tmp, dir, root, c->step, &bytes));
+    g_stats.last_write_s = tera_now() - t0;
+    g_stats.last_bytes = bytes;
+    g_stats.last_full = c->full;
+    g_stats.last_chunks_changed = changed;
+    g_stats.last_chunks_total = total;
+    return prune(c);
+}
+
+/* ------------------------------------------------------------------ streamed saves (several ranks)
+ * No rank holds the whole model. A whole checkpoint: the ranks walk the parameters of the
+ * one-process table in table order, each in windows of at most checkpoint.writer_buffer_mb;
+ * every window is assembled from the ranks holding its blocks and shards
+ * (tera_layout_gather_window) and world rank 0 puts it at its place in the safetensors files
+ * (laid out up front, tera_st_stream_*), into the region checksums, and into the 64 KiB chunks
+ * of the differential scheme. A sharded checkpoint: each writing rank walks its own blocks, each
+ * window gathered over the ranks sharing its ZeRO shards. The files are byte for byte those of
+ * the snapshot writer. These saves are synchronous (the windows travel between ranks). */
+
+static int64_t window_floats(const tera_config *c) {
+    const int64_t mb = c->checkpoint.writer_buffer_mb > 0 ? c->checkpoint.writer_buffer_mb : 16;
+    const int64_t chunk = TERA_CKPT_CHUNK_BYTES / (int64_t)sizeof(float);
+    int64_t w = ((mb << 20) / (int64_t)sizeof(float)) / chunk * chunk;
+    return w < chunk ? chunk : w;
+}
+
+int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c) { return (int64_t)sizeof(float) * (window_floats(c) + 2); }
+
+/* A differential file written as records arrive: "TERADIF1", the record count (patched at the
+ * end), then the records. */
+typedef struct {
+    int fd;
+    uint32_t nrec;
+    char path[TERA_PATH_MAX + 256];
+    int err;
+} dsink;
+
+static tera_status dsink_open(dsink *d, const char *path, int counted) {
+    memset(d, 0, sizeof *d);
+    snprintf(d->path, sizeof d->path, "%s", path);
+    if (counted) tera_ckpt_io_point("open", path);
+    d->fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (d->fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    if (counted && write(d->fd, "TERADIF1\0\0\0\0", 12) != 12) d->err = errno ? errno : EIO;
+    return TERA_OK;
+}
+
+static void dsink_put(dsink *d, const void *p, size_t n) {
+    const uint8_t *b = p;
+    while (n > 0 && !d->err) {
+        const ssize_t k = write(d->fd, b, n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) d->err = errno ? errno : EIO;
+        else b += k, n -= (size_t)k;
+    }
+}
+
+/* Moves the records of tmp (a scratch sink) to the end of d; tmp is emptied. */
+static void dsink_append(dsink *d, dsink *tmp, uint8_t *buf, size_t cap) {
+    if (tmp->err) d->err = tmp->err;
+    off_t at = 0;
+    for (;;) {
+        const ssize_t k = pread(tmp->fd, buf, cap, at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) d->err = errno;
+        if (k <= 0) break;
+        dsink_put(d, buf, (size_t)k);
+        at += k;
+    }
+    if (ftruncate(tmp->fd, 0) != 0 || lseek(tmp->fd, 0, SEEK_SET) != 0) d->err = errno ? errno : EIO;
+    d->nrec += tmp->nrec;
+    tmp->nrec = 0;
+}
+
+static tera_status dsink_close(dsink *d) {
+    if (!d->err && pwrite(d->fd, &d->nrec, 4, 8) != 4) d->err = errno ? errno : EIO;
+    tera_ckpt_io_point("write", d->path);
+    tera_ckpt_io_point("fsync", d->path);
+    if (!d->err && fsync(d->fd) != 0) d->err = errno;
+    if (close(d->fd) != 0 && !d->err) d->err = errno;
+    d->fd = -1;
+    if (d->err) return tera_fail(TERA_ERR_IO, "%s: write failed: %s", d->path, strerror(d->err));
+    return TERA_OK;
+}
+
+/* 64 KiB chunks of one region filled in order (gaps are alignment padding: zeros). A full save
+ * records each chunk's XXH3 as the new base; a differential one stores the chunks whose hash
+ * differs from the base, zstd level 1, into its sink. One chunk may be shared by two streams (the
+ * non-expert and the expert ranges meet inside it): it is finished when both have passed it. */
+typedef struct {
+    uint8_t *buf;           /* [chunk] the chunk being filled */
+    int64_t chunk;          /* its index, -1: none yet */
+    int64_t pos;            /* next float position in the region */
+    dsink *sink;
+} cstream;
+
+typedef struct {
+    int full, region;
+    uint64_t *base;         /* [n_chunks] */
+    int64_t n_chunks;
+    ZSTD_CCtx *z;
+    uint8_t *ztmp;
+    size_t zcap;
+    int64_t changed, total;
+    uint8_t *shared;        /* the chunk both streams touch, or NULL */
+    int64_t shared_chunk;
+    int shared_left;        /* streams still to pass it */
+    dsink *shared_sink;
+} chunker;
+
+static void chunk_done(chunker *k, const uint8_t *data, int64_t chunk, int64_t region_bytes, dsink *sink) {
+    const size_t CH = TERA_CKPT_CHUNK_BYTES, off = (size_t)chunk * CH;
+    const size_t len = (size_t)region_bytes - off < CH ? (size_t)region_bytes - off : CH;
+    const uint64_t h = XXH3_64bits(data, len);
+    k->total++;
+    if (k->full) {
+        k->base[chunk] = h;
+        return;
+    }
+    if (chunk < k->n_chunks && h == k->base[chunk]) return;
+    const size_t cs = ZSTD_compressCCtx(k->z, k->ztmp, k->zcap, data, len, 1);
+    TERA_ASSERT(!ZSTD_isError(cs));
+    const uint32_t rr = (uint32_t)k->region, raw = (uint32_t)len, cc = (uint32_t)cs;
+    const uint64_t o = off;
+    uint8_t hdr[20];
+    memcpy(hdr, &rr, 4), memcpy(hdr + 4, &raw, 4), memcpy(hdr + 8, &o, 8), memcpy(hdr + 16, &cc, 4);
+    dsink_put(sink, hdr, 20);
+    dsink_put(sink, k->ztmp, cs);
+    sink->nrec++;
+    k->changed++;
+}
+
+/* Finishes the chunk s holds (the shared one only once both streams passed it). */
+static void cstream_flush(chunker *k, cstream *s, int64_t region_bytes) {
+    if (s->chunk < 0) return;
+    if (k->shared && s->chunk == k->shared_chunk) {
+        if (--k->shared_left == 0) chunk_done(k, k->shared, s->chunk, region_bytes, k->shared_sink);
+    } else {
+        chunk_done(k, s->buf, s->chunk, region_bytes, s->sink);
+    }
+    s->chunk = -1;
+}
+
+/* Feeds floats at region positions [at, at + n) (at >= s->pos; the gap before is zeros). */
+static void cstream_feed(chunker *k, cstream *s, int64_t at, const float *p, int64_t n, int64_t region_floats) {
+    const int64_t CF = TERA_CKPT_CHUNK_BYTES / (int64_t)sizeof(float), rb = region_floats * (int64_t)sizeof(float);
+    TERA_ASSERT(at >= s->pos);
+    while (s->pos < at + n) {
+        const int64_t c = s->pos / CF;
+        if (s->chunk != c) {
+            cstream_flush(k, s, rb);
+            s->chunk = c;
+        }
+        uint8_t *dst = k->shared && c == k->shared_chunk ? k->shared : s->buf;
+        if (s->pos == c * CF && dst == s->buf) memset(dst, 0, TERA_CKPT_CHUNK_BYTES);
+        const int64_t end = (c + 1) * CF < at + n ? (c + 1) * CF : at + n;
+        if (s->pos < at) { /* padding */
+            const int64_t z1 = at < end ? at : end;
+            memset(dst + (s->pos - c * CF) * 4, 0, (size_t)(z1 - s->pos) * 4);
+            s->pos = z1;
+            continue;
+        }
+        memcpy(dst + (s->pos - c * CF) * 4, p + (s->pos - at), (size_t)(end - s->pos) * 4);
+        s->pos = end;
+    }
+}
+
+/* The rest of the stream's range up to `end` (zeros), then its last chunk. */
+static void cstream_end(chunker *k, cstream *s, int64_t end, int64_t region_floats) {
+    static const float zero[1024];
+    while (s->pos < end) {
+        const int64_t n = end - s->pos < 1024 ? end - s->pos : 1024;
+        cstream_feed(k, s, s->pos, zero, n, region_floats);
+    }
+    cstream_flush(k, s, region_floats * (int64_t)sizeof(float));
+}
+
+/* The streamed whole save's state on world rank 0 (the model and optimizer files, checksums). */
+typedef struct {
+    tera_st_writer wm, wo;
+    tera_st_stream *sm, *so;
+    int *entry;             /* [n_params] model.safetensors entry of tensor i (experts: of expert 0) */
+    XXH3_state_t *rh;
+} wsave;
+
+static tera_status wsave_open(wsave *ws, tera_ckpt_ctx *c, const char *tmp) {
+    const tera_model *g = &c->shadow;
+    char name[192], path[TERA_PATH_MAX + 256];
+    static const char dummy = 0; /* the stream never reads entry data */
+    tera_st_writer_init(&ws->wm);
+    tera_st_writer_init(&ws->wo);
+    tera_st_writer_meta(&ws->wm, "format", "pt");
+    ws->entry = tera_calloc((size_t)g->n_params + 1, sizeof(int));
+    for (int i = 0; i < g->n_params; i++) { /* the order and names of tera_hf_export */
+        const tera_param *p = &g->params[i];
+        ws->entry[i] = ws->wm.n;
+        if (!p->expert_stacked) {
+            tera_st_writer_add(&ws->wm, p->name, TERA_DT_F32, p->ndim, p->shape, &dummy);
+            continue;
+        }
+        for (int e = 0; e < (int)p->shape[0]; e++) {
+            expert_name(name, sizeof name, p->name, e);
+            tera_st_writer_add(&ws->wm, name, TERA_DT_F32, 2, &p->shape[1], &dummy);
+        }
+    }
+    const int64_t E = g->cfg.n_experts;
+    const int bias0 = ws->wm.n;
+    if (g->cfg.aux_free && g->router_bias)
+        for (int l = 0; l < g->cfg.n_layers; l++) {
+            if (l < g->cfg.first_k_dense || E <= 0) continue;
+            snprintf(name, sizeof name, "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias", l);
+            tera_st_writer_add(&ws->wm, name, TERA_DT_F32, 1, &E, &dummy);
+        }
+    for (int i = 0; i < g->n_params; i++) {
+        const tera_param *p = &g->params[i];
+        snprintf(name, sizeof name, "exp_avg.%d", i);
+        tera_st_writer_add(&ws->wo, name, TERA_DT_F32, p->ndim, p->shape, &dummy);
+        snprintf(name, sizeof name, "exp_avg_sq.%d", i);
+        tera_st_writer_add(&ws->wo, name, TERA_DT_F32, p->ndim, p->shape, &dummy);
+    }
+    tera_ckpt_io_point("write", tmp); /* model.safetensors + config.json */
+    TERA_TRY(tera_st_stream_open(&ws->sm, &ws->wm, tmp, 1, c->cfg.checkpoint.max_shard_bytes));
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+    tera_ckpt_io_point("write", path);
+    TERA_TRY(tera_st_stream_open(&ws->so, &ws->wo, path, 0, 0));
+    /* the router biases: world rank 0 holds them */
+    if (g->cfg.aux_free && g->router_bias) {
+        int e = bias0;
+        for (int l = 0; l < g->cfg.n_layers; l++) {
+            if (l < g->cfg.first_k_dense || E <= 0) continue;
+            TERA_TRY(tera_st_stream_write(ws->sm, e++, 0, g->router_bias + (int64_t)l * E, sizeof(float) * (size_t)E));
+        }
+    }
+    return TERA_OK;
+}
+
+static void wsave_free(wsave *ws) {
+    tera_st_stream_abort(ws->sm);
+    tera_st_stream_abort(ws->so);
+    tera_st_writer_free(&ws->wm);
+    tera_st_writer_free(&ws->wo);
+    free(ws->entry);
+    memset(ws, 0, sizeof *ws);
+}
+
+/* A window [a, b) of tensor i's region-k elements into the files. */
+static tera_status wsave_put(wsave *ws, const tera_param *p, int i, int k, int64_t a, int64_t b, const float *win) {
+    if (k > 0) return tera_st_stream_write(ws->so, 2 * i + (k - 1), sizeof(float) * (uint64_t)a, win, sizeof(float) * (uint64_t)(b - a));
+    const int64_t per = p->expert_stacked ? p->shape[1] * p->shape[2] : p->numel;
+    for (int64_t x = a; x < b;) {
+        const int64_t e = x / per, y = (e + 1) * per < b ? (e + 1) * per : b;
+        TERA_TRY(tera_st_stream_write(ws->sm, ws->entry[i] + (int)e, sizeof(float) * (uint64_t)(x - e * per), win + (x - a),
+                                      sizeof(float) * (uint64_t)(y - x)));
+        x = y;
+    }
+    return TERA_OK;
+}
+
+static tera_ckpt_ctx *ctx_create_streamed(const tera_trainer *tr) {
+    tera_ckpt_ctx *c = tera_calloc(1, sizeof *c);
+    c->opt = tera_ckpt_options_from_config(&tr->cfg);
+    c->cfg = tr->cfg;
+    snprintf(c->run_dir, sizeof c->run_dir, "%s", tr->run_dir);
+    tera_layout_global_shell(tr, &c->shadow); /* the one-process table; no buffers */
+    c->params = c->shadow.params;
+    c->shadow.w = NULL;
+    c->shadow.router_bias = tr->model.router_bias;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) c->reg_n[r] = tera_ckpt_region_floats(&c->shadow, r);
+    c->win_n = window_floats(&tr->cfg);
+    c->win = tera_malloc(sizeof(float) * (size_t)(c->win_n + 2));
+    return c;
+}
+
+/* The whole checkpoint of a run on several ranks (collective; world rank 0 writes). */
+tera_status tera_trainer_save_streamed(tera_trainer *tr) {
+    const int final = tr->step >= tr->cfg.training.steps;
+    if (!tr->ckpt) tr->ckpt = ctx_create_streamed(tr);
+    tera_ckpt_ctx *c = tr->ckpt;
+    const double t0 = tera_now();
+    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
+    snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
+    snprintf(dir, sizeof dir, "%s/step_%08" PRId64, root, tr->step);
+    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
+    int64_t have = tr->root && tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
+    tera_status s = TERA_OK;
+    if (!have) {
+        const tera_model *g = &c->shadow;
+        wsave ws = {0};
+        chunker ck = {0};
+        dsink main_sink = {.fd = -1}, tail_sink = {.fd = -1};
+        uint64_t rhash[TERA_CKPT_N_REGIONS] = {0};
+        cJSON *man = NULL;
+        int64_t changed = 0, total = 0;
+        if (tr->root) {
+            c->full = save_is_full(final, c->has_base, c->opt.full_every, c->since_full);
+            c->step = tr->step;
+            free(c->state_json);
+            c->state_json = state_text(tr);
+            tera_ckpt_io_point("mkdir", root);
+            s = tera_mkdirs(root);
+            if (s == TERA_OK) s = clean_uncommitted(root);
+            tera_ckpt_io_point("mkdir", tmp);
+            if (s == TERA_OK) s = tera_mkdirs(tmp);
+            if (s == TERA_OK && c->full) s = wsave_open(&ws, c, tmp);
+            if (s == TERA_OK && !c->full) {
+                snprintf(path, sizeof path, "%s/diff.bin", tmp);
+                s = dsink_open(&main_sink, path, 1);
+                snprintf(path, sizeof path, "%s/diff.bin.part", tmp);
+                if (s == TERA_OK) s = dsink_open(&tail_sink, path, 0);
+            }
+            ws.rh = XXH3_createState();
+            ck.z = ZSTD_createCCtx();
+            ck.zcap = ZSTD_compressBound(TERA_CKPT_CHUNK_BYTES);
+            ck.ztmp = tera_malloc(ck.zcap);
+            ck.full = c->full;
+        }
+        uint8_t *cbuf = tr->root ? tera_malloc(3 * (size_t)TERA_CKPT_CHUNK_BYTES) : NULL;
+        const int64_t nd = g->n_dense_floats, CF = TERA_CKPT_CHUNK_BYTES / (int64_t)sizeof(float);
+        for (int k = 0; k < 3; k++) {
+            const int64_t n = c->reg_n[k], nc = (n * (int64_t)sizeof(float) + TERA_CKPT_CHUNK_BYTES - 1) / TERA_CKPT_CHUNK_BYTES;
+            cstream cs[2] = {{.buf = cbuf, .chunk = -1, .pos = 0, .sink = &main_sink},
+                             {.buf = cbuf ? cbuf + TERA_CKPT_CHUNK_BYTES : NULL, .chunk = -1, .pos = nd, .sink = &tail_sink}};
+            if (tr->root) {
+                XXH3_64bits_reset(ws.rh);
+                ck.region = k;
+                if (c->full) {
+                    free(c->base_hash[k]);
+                    c->base_hash[k] = tera_calloc((size_t)nc + 1, sizeof(uint64_t));
+                    c->n_chunks[k] = nc;
+                }
+                ck.base = c->base_hash[k];
+                ck.n_chunks = nc;
+                const int straddle = nd % CF != 0 && nd < n;
+                ck.shared = straddle ? cbuf + 2 * TERA_CKPT_CHUNK_BYTES : NULL;
+                ck.shared_chunk = straddle ? nd / CF : -1;
+                ck.shared_left = 2;
+                ck.shared_sink = &main_sink;
+                if (straddle) memset(ck.shared, 0, TERA_CKPT_CHUNK_BYTES);
+            }
+            for (int i = 0; i < g->n_params; i++) {
+                const tera_param *p = &g->params[i];
+                for (int64_t a = 0; a < p->numel; a += c->win_n) {
+                    const int64_t b = a + c->win_n < p->numel ? a + c->win_n : p->numel;
+                    tera_layout_gather_window(tr, g, k, p->offset + a, p->offset + b, c->win);
+                    if (!tr->root) continue;
+                    XXH3_64bits_update(ws.rh, c->win, sizeof(float) * (size_t)(b - a));
+                    cstream_feed(&ck, &cs[p->offset >= nd], p->offset + a, c->win, b - a, n);
+                    if (s == TERA_OK && c->full) s = wsave_put(&ws, p, i, k, a, b, c->win);
+                }
+            }
+            if (tr->root) {
+                cstream_end(&ck, &cs[0], nd, n);
+                cstream_end(&ck, &cs[1], n, n);
+                if (!c->full) dsink_append(&main_sink, &tail_sink, cbuf, TERA_CKPT_CHUNK_BYTES);
+                rhash[k] = XXH3_64bits_digest(ws.rh);
+            }
+        }
+        if (tr->root) {
+            /* the router bias: world rank 0's */
+            const int64_t nb = c->reg_n[3];
+            rhash[3] = tera_ckpt_region_hash(g, 3, g->router_bias);
+            const int64_t nc = (nb * (int64_t)sizeof(float) + TERA_CKPT_CHUNK_BYTES - 1) / TERA_CKPT_CHUNK_BYTES;
+            ck.region = 3;
+            ck.shared = NULL;
+            if (c->full) {
+                free(c->base_hash[3]);
+                c->base_hash[3] = tera_calloc((size_t)nc + 1, sizeof(uint64_t));
+                c->n_chunks[3] = nc;
+            }
+            ck.base = c->base_hash[3];
+            cstream bs = {.buf = cbuf, .chunk = -1, .pos = 0, .sink = &main_sink};
+            if (nb > 0) cstream_feed(&ck, &bs, 0, g->router_bias, nb, nb);
+            cstream_flush(&ck, &bs, nb * (int64_t)sizeof(float));
+            changed = ck.changed, total = ck.total;
+            XXH3_freeState(ws.rh);
+            ZSTD_freeCCtx(ck.z);
+            free(ck.ztmp);
+            man = cJSON_CreateObject();
+            cJSON_AddStringToObject(man, "format", "tera-checkpoint");
+            cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
+            cJSON_AddNumberToObject(man, "step", (double)c->step);
+            cJSON_AddStringToObject(man, "kind", c->full ? "full" : "diff");
+            if (c->full) {
+                if (s == TERA_OK) s = tera_st_stream_finish(ws.sm);
+                ws.sm = NULL;
+                if (s == TERA_OK) s = tera_st_stream_finish(ws.so);
+                ws.so = NULL;
+                snprintf(path, sizeof path, "%s/config.json", tmp);
+                if (s == TERA_OK) s = tera_hf_write_config(&g->cfg, path);
+                if (s == TERA_OK) {
+                    free(c->config_json);
+                    c->config_json = NULL;
+                    s = tera_read_text_file(path, &c->config_json);
+                }
+                cJSON *tensors = cJSON_AddArrayToObject(man, "tensors");
+                if (s == TERA_OK) s = manifest_tensors(c, tmp, tensors);
+                if (s == TERA_OK) c->has_base = 1, c->since_full = 0, c->base_step = c->step;
+            } else {
+                close(tail_sink.fd);
+                snprintf(path, sizeof path, "%s/diff.bin.part", tmp);
+                unlink(path);
+                tera_status s2 = dsink_close(&main_sink);
+                if (s == TERA_OK) s = s2;
+                cJSON_AddNumberToObject(man, "base_step", (double)c->base_step);
+                char bn[64];
+                snprintf(bn, sizeof bn, "step_%08" PRId64, c->base_step);
+                cJSON_AddStringToObject(man, "base", bn);
+                cJSON *ch = cJSON_AddObjectToObject(man, "chunks");
+                cJSON_AddNumberToObject(ch, "chunk_bytes", TERA_CKPT_CHUNK_BYTES);
+                cJSON_AddNumberToObject(ch, "total", (double)total);
+                cJSON_AddNumberToObject(ch, "changed", (double)changed);
+                cJSON_AddStringToObject(ch, "compression", "zstd-1");
+                c->since_full++;
+            }
+            wsave_free(&ws);
+            if (s == TERA_OK) s = finish_checkpoint(c, man, tmp, dir, root, rhash, changed, total, t0);
+            else cJSON_Delete(man);
+        }
+        free(cbuf);
+    }
+    int64_t failed = s != TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+    if (failed && s == TERA_OK) s = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
+    if (!have) record_pause(tera_now() - t0, tr->root ? c->full : 1);
+    if (final && g_stats.saves > 0 && tr->root && tr->cfg.logging.progress)
+        fprintf(stderr, "tera: checkpoints: %d streamed saves (%d full), step-loop pause mean %.2f ms, max %.2f ms; "
+                "last write %.3f s, %" PRId64 " bytes; writer window %.1f MiB per rank\n", g_stats.saves,
+                g_stats.full_saves, 1e3 * g_stats.total_pause_s / g_stats.saves, 1e3 * g_stats.max_pause_s,
+                g_stats.last_write_s, g_stats.last_bytes, (double)tera_ckpt_writer_buffer_bytes(&tr->cfg) / (1 << 20));
+    if (final) {
+        tera_status s2 = tera_trainer_ckpt_close(tr);
+        if (s == TERA_OK) s = s2;
+    }
+    return s;
+}
+
 tera_status tera_trainer_save_whole(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
     const int final = tr->step >= tr->cfg.training.steps;
@@ -860,20 +1339,71 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     return s;
 }
 
-tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
-    char path[TERA_PATH_MAX + 128];
-    /* the checkpoint holds the whole model: load it, keep this rank's part (its experts, its
-     * ZeRO-1 shards of the moments) */
+/* Every rank of the world learns whether st failed anywhere. */
+static tera_status agree_world(const tera_trainer *tr, tera_status st, const char *what) {
+    if (tr->wsize == 1) return st;
+    int64_t failed = st != TERA_OK;
+    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+    if (failed && st == TERA_OK) return tera_fail(TERA_ERR_FORMAT, "%s failed on another rank (see its message)", what);
+    return st;
+}
+
+/* The restored state must be the state that was saved: the XXH3 of each region of the whole model
+ * (table order), streamed window by window from the ranks' parts (collective). */
+static tera_status check_regions(tera_trainer *tr, const char *dir, int moments) {
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
-    const int64_t n = shell.n_floats;
-    float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
-    shell.w = buf;
-    tera_status st = tera_ckpt_load(dir, &shell, buf + n, buf + 2 * n);
-    if (st == TERA_OK) tera_layout_scatter(tr, buf, buf + n, buf + 2 * n);
-    free(buf);
+    shell.router_bias = tr->model.router_bias;
+    const int64_t W = window_floats(&tr->cfg);
+    float *win = tera_malloc(sizeof(float) * (size_t)(W + 2));
+    XXH3_state_t *h = XXH3_createState();
+    tera_status st = TERA_OK;
+    for (int k = 0; k < TERA_CKPT_N_REGIONS && st == TERA_OK; k++) {
+        if (k > 0 && k < 3 && !moments) continue;
+        uint64_t hash;
+        if (k == 3) {
+            if (!tera_ckpt_region_floats(&shell, 3)) continue;
+            hash = tera_ckpt_region_hash(&shell, 3, shell.router_bias);
+        } else {
+            XXH3_64bits_reset(h);
+            for (int i = 0; i < shell.n_params; i++) {
+                const tera_param *p = &shell.params[i];
+                for (int64_t a = 0; a < p->numel; a += W) {
+                    const int64_t b = a + W < p->numel ? a + W : p->numel;
+                    tera_layout_gather_window(tr, &shell, k, p->offset + a, p->offset + b, win);
+                    XXH3_64bits_update(h, win, sizeof(float) * (size_t)(b - a));
+                }
+            }
+            hash = XXH3_64bits_digest(h);
+        }
+        int checked;
+        st = tera_ckpt_region_check(dir, k, hash, &checked);
+        if (!checked) break; /* a sharded checkpoint: no region checksums */
+    }
+    XXH3_freeState(h);
+    free(win);
     free(shell.params);
-    TERA_TRY(st);
+    return st;
+}
+
+tera_status tera_trainer_load_dir(tera_trainer *tr, const char *dir, int moments) {
+    /* every rank reads its own part (its blocks, its ZeRO shards) straight from the files */
+    tera_model shell;
+    tera_layout_global_shell(tr, &shell);
+    tera_ckpt_reader *rd = NULL;
+    tera_status st = tera_ckpt_reader_open(&rd, dir, &shell);
+    if (st == TERA_OK) st = tera_layout_load(tr, rd, moments);
+    const int sharded = rd && tera_ckpt_reader_sharded(rd);
+    tera_ckpt_reader_close(rd);
+    free(shell.params);
+    st = agree_world(tr, st, "loading the checkpoint");
+    if (st == TERA_OK && !sharded) st = check_regions(tr, dir, moments);
+    return st;
+}
+
+tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
+    char path[TERA_PATH_MAX + 128];
+    TERA_TRY(tera_trainer_load_dir(tr, dir, 1));
     snprintf(path, sizeof path, "%s/state.json", dir);
     TERA_TRY(read_state(tr, path));
     tr->opt_x.t = tr->opt.t;
@@ -976,32 +1506,32 @@ static tera_status agree(tera_status st, const char *what) {
     return st;
 }
 
-/* The sharded writer's state: the snapshot (this rank's whole storage), the step's scalar state,
- * and the background write of this rank's file, committed at the next save (or at close). */
+/* The sharded writer's state: the step's scalar state, this rank's file (written window by window
+ * from its blocks, each window gathered over the ranks sharing its ZeRO shards), committed right
+ * after (or at close). */
 struct tera_shard_ckpt {
-    float *buf;                 /* [3 n]: parameters, exp_avg, exp_avg_sq (this rank's layout) */
+    float *win;                 /* the one transfer window [win_n] */
+    int64_t win_n;
+    uint8_t *cbuf;              /* one 64 KiB chunk (differential scheme) */
     float *bias;                /* [L E] router bias (world rank 0) */
-    int64_t n;
     char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96];
     int64_t step;
     char *state_json;           /* world rank 0 */
-    int pending;                /* written (or being written), not committed */
+    int pending;                /* written, not committed */
     pthread_t th;
-    int running;
+    int running;                /* always 0: the write is synchronous (the windows travel between ranks) */
     tera_status st;
     char err[1024];
     int wrote;                  /* this rank has a file */
     char file[64];
     int64_t size;
     uint64_t hash;
-    const tera_trainer *tr;     /* for the writer thread: the table (read only) */
     double t_start;
-    /* differential saves (checkpoint.full_every): this rank's buffer = its written blocks, in
-     * table order, each as parameters, exp_avg, exp_avg_sq; chunk hashes of the last full save */
+    /* differential saves (checkpoint.full_every): the rank's written blocks in table order, each as
+     * parameters, exp_avg, exp_avg_sq, form one buffer cut into 64 KiB chunks; their hashes at the
+     * last full save */
     int full, has_base, since_full;
     int64_t base_step;
-    float *sb;                  /* [3 n] at most */
-    int64_t sb_n;
     uint64_t *base_hash;
     int64_t n_chunks;
     int64_t changed, total;     /* chunks of the last differential save */
@@ -1009,108 +1539,95 @@ struct tera_shard_ckpt {
 
 static void shard_free(tera_trainer *tr) {
     tera_shard_ckpt *c = tr->shard_ckpt;
-    free(c->buf);
+    free(c->win);
+    free(c->cbuf);
     free(c->bias);
     free(c->state_json);
-    free(c->sb);
     free(c->base_hash);
     free(c);
     tr->shard_ckpt = NULL;
 }
 
-/* Differential: the changed 64 KiB chunks of this rank's buffer since its last full save, zstd,
- * in the TERADIF1 format with one region (tera_ckpt_apply_diff_sized). */
-static tera_status shard_write_diff(tera_shard_ckpt *c, const char *path) {
-    const size_t CH = TERA_CKPT_CHUNK_BYTES, bytes = sizeof(float) * (size_t)c->sb_n, bound = ZSTD_compressBound(CH);
-    const int64_t nc = (int64_t)((bytes + CH - 1) / CH);
-    ZSTD_CCtx *z = ZSTD_createCCtx();
-    uint8_t *tmp = tera_malloc(bound);
-    strbuf out = {0};
-    uint32_t nrec = 0;
-    sb_put(&out, "TERADIF1", 8);
-    sb_put(&out, &nrec, 4);
-    const uint8_t *p = (const uint8_t *)c->sb;
-    c->changed = 0;
-    c->total = nc;
-    for (int64_t k = 0; k < nc; k++) {
-        const size_t off = (size_t)k * CH, len = bytes - off < CH ? bytes - off : CH;
-        if (k < c->n_chunks && XXH3_64bits(p + off, len) == c->base_hash[k]) continue;
-        const size_t cs = ZSTD_compressCCtx(z, tmp, bound, p + off, len, 1);
-        TERA_ASSERT(!ZSTD_isError(cs));
-        const uint32_t region = 0, raw = (uint32_t)len, cc = (uint32_t)cs;
-        const uint64_t o = off;
-        sb_put(&out, &region, 4);
-        sb_put(&out, &raw, 4);
-        sb_put(&out, &o, 8);
-        sb_put(&out, &cc, 4);
-        sb_put(&out, tmp, cs);
-        nrec++;
-        c->changed++;
-    }
-    memcpy(out.buf + 8, &nrec, 4);
-    tera_status st = tera_ckpt_write_file(path, out.buf, (size_t)out.n);
-    free(out.buf);
-    free(tmp);
-    ZSTD_freeCCtx(z);
-    return st;
-}
-
-static void shard_base_hashes(tera_shard_ckpt *c) {
-    const size_t CH = TERA_CKPT_CHUNK_BYTES, bytes = sizeof(float) * (size_t)c->sb_n;
-    c->n_chunks = (int64_t)((bytes + CH - 1) / CH);
-    free(c->base_hash);
-    c->base_hash = tera_malloc(sizeof(uint64_t) * (size_t)(c->n_chunks + 1));
-    const uint8_t *p = (const uint8_t *)c->sb;
-    for (int64_t k = 0; k < c->n_chunks; k++) {
-        const size_t off = (size_t)k * CH, len = bytes - off < CH ? bytes - off : CH;
-        c->base_hash[k] = XXH3_64bits(p + off, len);
-    }
-}
-
-static void *shard_writer_main(void *arg) {
-    tera_shard_ckpt *c = arg;
-    const tera_trainer *tr = c->tr;
+/* This rank's part of a sharded save (collective over the ranks sharing ZeRO shards): every rank
+ * walks its blocks in table order, window by window; the writing rank puts each window into its
+ * file (full) or into the changed chunks (differential). */
+static tera_status shard_stream(tera_trainer *tr, tera_shard_ckpt *c) {
     const tera_model *m = &tr->model;
-    const int64_t n = c->n;
-    const float *src[3] = {c->buf, c->buf + n, c->buf + 2 * n};
+    static const char dummy = 0;
     tera_st_writer w;
     tera_st_writer_init(&w);
-    char (*nm)[3][16] = tera_calloc((size_t)m->n_params + 1, sizeof *nm); /* keys, alive until the save */
-    int any = 0;
-    c->sb_n = 0;
+    char nm[32], path[TERA_PATH_MAX + 200];
+    int64_t sb_n = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         if (!tera_layout_writes(tr, p)) continue;
-        any = 1;
         static const char prefix[3] = {'w', 'm', 'v'};
         for (int k = 0; k < 3; k++) {
-            snprintf(nm[i][k], sizeof nm[i][k], "%c.%d", prefix[k], i);
-            tera_st_writer_add(&w, nm[i][k], TERA_DT_F32, p->ndim, p->len, src[k] + p->offset);
-            memcpy(c->sb + c->sb_n, src[k] + p->offset, sizeof(float) * (size_t)p->numel);
-            c->sb_n += p->numel;
+            snprintf(nm, sizeof nm, "%c.%d", prefix[k], i);
+            tera_st_writer_add(&w, nm, TERA_DT_F32, p->ndim, p->len, &dummy);
         }
+        sb_n += 3 * p->numel;
     }
-    c->st = TERA_OK;
-    if (any) {
-        char path[TERA_PATH_MAX + 200];
-        if (c->full) {
-            snprintf(path, sizeof path, "%s/%s", c->tmp, c->file);
-            tera_ckpt_io_point("write", path);
-            c->st = tera_st_writer_save(&w, path);
-            if (c->st == TERA_OK) c->st = tera_ckpt_fsync_path(path);
-            if (c->st == TERA_OK) shard_base_hashes(c);
-        } else {
-            snprintf(path, sizeof path, "%s/%.*s.diff", c->tmp, (int)(strlen(c->file) - strlen(".safetensors")), c->file);
-            tera_ckpt_io_point("write", path);
-            c->st = shard_write_diff(c, path);
-        }
-        if (c->st == TERA_OK) c->st = tera_ckpt_hash_file(path, &c->hash, &c->size);
-        c->wrote = c->st == TERA_OK;
+    const int any = w.n > 0;
+    tera_status st = TERA_OK;
+    tera_st_stream *ss = NULL;
+    dsink ds = {.fd = -1};
+    if (any && c->full) {
+        snprintf(path, sizeof path, "%s/%s", c->tmp, c->file);
+        tera_ckpt_io_point("write", path);
+        st = tera_st_stream_open(&ss, &w, path, 0, 0);
+    } else if (any) {
+        snprintf(path, sizeof path, "%s/%.*s.diff", c->tmp, (int)(strlen(c->file) - strlen(".safetensors")), c->file);
+        tera_ckpt_io_point("write", path);
+        st = dsink_open(&ds, path, 1);
+    }
+    const int64_t CHB = TERA_CKPT_CHUNK_BYTES, nc = (sb_n * (int64_t)sizeof(float) + CHB - 1) / CHB;
+    chunker ck = {.full = c->full, .region = 0, .n_chunks = c->n_chunks, .base = c->base_hash};
+    if (any && c->full) {
+        free(c->base_hash);
+        c->base_hash = tera_calloc((size_t)nc + 1, sizeof(uint64_t));
+        c->n_chunks = nc;
+        ck.base = c->base_hash, ck.n_chunks = nc;
+    }
+    if (any && !c->full) {
+        ck.z = ZSTD_createCCtx();
+        ck.zcap = ZSTD_compressBound(TERA_CKPT_CHUNK_BYTES);
+        ck.ztmp = tera_malloc(ck.zcap);
+    }
+    cstream cs = {.buf = c->cbuf, .chunk = -1, .pos = 0, .sink = &ds};
+    int64_t at = 0;
+    int e = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (p->numel == 0 || (p->tp_dim < 0 && tr->tp_rank != 0)) continue; /* the same on the ranks sharing it */
+        const int writes = tera_layout_writes(tr, p), x = p->expert_stacked;
+        for (int k = 0; k < 3; k++)
+            for (int64_t a = 0; a < p->numel; a += c->win_n) {
+                const int64_t b = a + c->win_n < p->numel ? a + c->win_n : p->numel;
+                tera_layout_local_window(tr, k, x, p->offset + a, p->offset + b, c->win);
+                if (!writes) continue;
+                if (ss && st == TERA_OK)
+                    st = tera_st_stream_write(ss, e + k, sizeof(float) * (uint64_t)a, c->win, sizeof(float) * (uint64_t)(b - a));
+                cstream_feed(&ck, &cs, at + k * p->numel + a, c->win, b - a, sb_n);
+            }
+        if (writes) at += 3 * p->numel, e += 3;
+    }
+    if (any) cstream_end(&ck, &cs, sb_n, sb_n);
+    c->changed = ck.changed, c->total = ck.total;
+    ZSTD_freeCCtx(ck.z);
+    free(ck.ztmp);
+    if (ss) {
+        if (st == TERA_OK) st = tera_st_stream_finish(ss);
+        else tera_st_stream_abort(ss);
+        if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
+    } else if (any) {
+        const tera_status s2 = dsink_close(&ds);
+        if (st == TERA_OK) st = s2;
     }
     tera_st_writer_free(&w);
-    free(nm);
-    if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
-    return NULL;
+    if (any && st == TERA_OK) st = tera_ckpt_hash_file(path, &c->hash, &c->size);
+    c->wrote = any && st == TERA_OK;
+    return st;
 }
 
 /* Waits for this rank's write of the pending checkpoint, then commits it: the ranks agree, world
@@ -1198,17 +1715,15 @@ static tera_status shard_commit(tera_trainer *tr) {
 
 tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     const tera_model *m = &tr->model;
-    const int64_t n = m->n_floats;
     const int final = tr->step >= tr->cfg.training.steps;
     const double t0 = tera_now();
     TERA_TRY(shard_commit(tr)); /* the previous save, if still open */
-    const double t_wait = tera_now() - t0;
     if (!tr->shard_ckpt) {
         tera_shard_ckpt *c = tera_calloc(1, sizeof *c);
-        c->n = n;
-        c->buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
+        c->win_n = window_floats(&tr->cfg);
+        c->win = tera_malloc(sizeof(float) * (size_t)(c->win_n + 2));
+        c->cbuf = tera_malloc(TERA_CKPT_CHUNK_BYTES);
         c->bias = tera_calloc((size_t)tera_ckpt_region_floats(m, 3) + 1, sizeof(float));
-        c->sb = tera_calloc((size_t)(3 * n + 1), sizeof(float));
         snprintf(c->root, sizeof c->root, "%s/checkpoints", tr->run_dir);
         tr->shard_ckpt = c;
     }
@@ -1219,15 +1734,11 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     int64_t have = tr->root && tera_ckpt_committed(c->dir) && tera_ckpt_verify(c->dir, NULL) == TERA_OK;
     tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
     if (have) return final ? tera_trainer_ckpt_close(tr) : TERA_OK;
-    /* the snapshot: the step loop goes on once it is taken */
-    const double t1 = tera_now();
-    tera_layout_local_state(tr, c->buf, c->buf + n, c->buf + 2 * n); /* collective: ZeRO shards gathered */
     memcpy(c->bias, m->router_bias, sizeof(float) * (size_t)tera_ckpt_region_floats(m, 3));
     c->step = tr->step;
-    c->t_start = t1;
+    c->t_start = t0;
     free(c->state_json);
     c->state_json = tr->root ? state_text(tr) : NULL;
-    c->tr = tr;
     c->wrote = 0;
     snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", tera_layout_member(tr));
     tera_status st = TERA_OK;
@@ -1248,17 +1759,17 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     } else {
         c->since_full++;
     }
-    c->running = opt.async && !final && pthread_create(&c->th, NULL, shard_writer_main, c) == 0;
-    record_pause(tera_now() - t1 + t_wait, c->full);
-    if (c->running) return TERA_OK;
-    shard_writer_main(c); /* synchronous: the final save, or async off */
+    c->running = 0;
+    c->st = shard_stream(tr, c); /* collective: windows gathered over the ranks sharing ZeRO shards */
+    if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
     st = shard_commit(tr);
+    record_pause(tera_now() - t0, c->full);
     if (final) {
         if (tr->root && tr->cfg.logging.progress)
             fprintf(stderr, "tera: checkpoints: %d sharded saves (%d full), step-loop pause mean %.2f ms, max %.2f ms; "
-                    "last write %.3f s, %" PRId64 " bytes\n", g_stats.saves, g_stats.full_saves,
-                    1e3 * g_stats.total_pause_s / g_stats.saves,
-                    1e3 * g_stats.max_pause_s, g_stats.last_write_s, g_stats.last_bytes);
+                    "last write %.3f s, %" PRId64 " bytes; writer window %.1f MiB per rank\n", g_stats.saves,
+                    g_stats.full_saves, 1e3 * g_stats.total_pause_s / g_stats.saves, 1e3 * g_stats.max_pause_s,
+                    g_stats.last_write_s, g_stats.last_bytes, (double)tera_ckpt_writer_buffer_bytes(&tr->cfg) / (1 << 20));
         tera_status s2 = tera_trainer_ckpt_close(tr);
         if (st == TERA_OK) st = s2;
     }

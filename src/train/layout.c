@@ -19,6 +19,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "tera/ckpt.h"
 #include "tera/train.h"
 
 /* Consecutive 16-float aligned shards of n floats over w ranks. */
@@ -396,23 +397,159 @@ void tera_layout_poison_grad(tera_trainer *tr) {
     }
 }
 
+/* The parts of region k (0 weights, 1 exp_avg, 2 exp_avg_sq) of the flat buffer [0, n) this rank
+ * stores: up to two ranges [lo, hi) with their storage (p[o - lo] holds element o); *sharded: the
+ * ranges are this rank's ZeRO shards (the data-parallel replicas hold other parts), else the rank
+ * holds the whole region as its replicas do. */
+typedef struct {
+    int64_t lo, hi;
+    float *p;
+} lseg;
+
+static int region_segs(const tera_trainer *tr, int k, lseg s[2], int *sharded) {
+    const tera_model *m = &tr->model;
+    if (k == 0 && m->w) {
+        s[0] = (lseg){0, m->n_floats, m->w};
+        *sharded = 0;
+        return 1;
+    }
+    const tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    for (int x = 0; x < 2; x++) s[x] = (lseg){o[x]->lo, o[x]->hi, k == 0 ? o[x]->w : k == 1 ? o[x]->m : o[x]->v};
+    *sharded = k == 0 ? 1 : tr->zero >= 1;
+    return 2;
+}
+
 void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
     tera_model *m = &tr->model;
     if (m->w) {
         tera_model_init_weights(m, seed);
         return;
     }
-    /* ZeRO-3: initialise this rank's storage in a temporary (the init is keyed by global element
-     * indices, so every shard gets its own values), keep the shards */
-    float *lw = tera_malloc(sizeof(float) * (size_t)(m->n_floats + 1));
-    m->w = lw;
-    tera_model_bind_all(m, lw, NULL);
-    tera_model_init_weights(m, seed);
-    memcpy(tr->opt.w, lw + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
-    memcpy(tr->opt_x.w, lw + tr->opt_x.lo, sizeof(float) * (size_t)tr->opt_x.n);
-    m->w = NULL;
-    tera_model_bind_all(m, NULL, NULL); /* views are bound group by group from now on */
-    free(lw);
+    /* ZeRO-3: each rank generates only its shards. The init draws element g of a tensor from
+     * (seed, name, g), so a shard's piece of a block (a flat range of it) is initialised as the
+     * boxes it consists of (each a block of the whole tensor): the model's own init runs over a
+     * table whose rows are those boxes, with offsets into the shard. */
+    tera_param *rows = tera_calloc((size_t)(5 * m->n_params + 1), sizeof(tera_param));
+    lseg sg[2];
+    int sharded;
+    const int ns = region_segs(tr, 0, sg, &sharded);
+    for (int x = 0; x < ns; x++) {
+        int nr = 0;
+        for (int i = 0; i < m->n_params; i++) {
+            const tera_param *p = &m->params[i];
+            const int64_t a = p->offset > sg[x].lo ? p->offset : sg[x].lo;
+            const int64_t b = p->offset + p->numel < sg[x].hi ? p->offset + p->numel : sg[x].hi;
+            if (b <= a) continue;
+            /* [a, b) of the block in row-major order over len[3]: a partial row, partial plane, whole
+             * planes, partial plane, partial row */
+            int64_t j = a - p->offset;
+            const int64_t end = b - p->offset, L1 = p->len[1], L2 = p->len[2], plane = L1 * L2;
+            while (j < end) {
+                const int64_t i0 = j / plane, i1 = j / L2 % L1, i2 = j % L2;
+                int64_t lo[3] = {i0, i1, i2}, len[3] = {1, 1, 1};
+                if (i2 != 0 || j + L2 > end) {
+                    len[2] = (L2 - i2 < end - j ? L2 - i2 : end - j);
+                } else if (i1 != 0 || j + plane > end) {
+                    len[1] = (L1 - i1 < (end - j) / L2 ? L1 - i1 : (end - j) / L2);
+                    len[2] = L2;
+                } else {
+                    len[0] = (end - j) / plane;
+                    len[1] = L1;
+                    len[2] = L2;
+                }
+                tera_param *r = &rows[nr++];
+                TERA_ASSERT(nr <= 5 * m->n_params);
+                *r = *p;
+                for (int d = 0; d < 3; d++) r->lo[d] = p->lo[d] + lo[d], r->len[d] = len[d];
+                r->numel = len[0] * len[1] * len[2];
+                r->offset = (p->offset + j) - sg[x].lo;
+                j += r->numel;
+            }
+        }
+        tera_model view = *m; /* the same model, its table the boxes, its weights the shard */
+        view.params = rows;
+        view.n_params = nr;
+        view.w = sg[x].p;
+        tera_model_init_weights(&view, seed);
+    }
+    free(rows);
+}
+
+void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win) {
+    const tera_model *m = &tr->model;
+    const int64_t nw = b - a, n64 = (nw + 1) / 2;
+    memset(win, 0, sizeof(int64_t) * (size_t)n64);
+    lseg sg[2];
+    int sharded;
+    const int ns = region_segs(tr, k, sg, &sharded);
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *lp = &m->params[i], *gp = &shell->params[i];
+        if (lp->numel == 0 || gp->offset >= b || gp->offset + gp->numel <= a) continue;
+        if (lp->tp_dim < 0 && tr->tp_rank != 0) continue;                          /* tp rank 0's copy */
+        if (!sharded && (lp->expert_stacked ? tr->edp_rank : tr->rank) != 0) continue; /* the first replica's */
+        const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
+        for (int64_t r = 0; r < nr; r++) {
+            int64_t g, l, n;
+            tera_block_run(gp->shape, lp->lo, lp->len, r, &g, &l, &n);
+            g += gp->offset, l += lp->offset;
+            if (g >= b) break;
+            if (g + n <= a) continue;
+            const int64_t x0 = g > a ? g : a, x1 = g + n < b ? g + n : b, y0 = l + (x0 - g), y1 = l + (x1 - g);
+            for (int s = 0; s < ns; s++) {
+                const int64_t z0 = y0 > sg[s].lo ? y0 : sg[s].lo, z1 = y1 < sg[s].hi ? y1 : sg[s].hi;
+                if (z1 > z0) memcpy(win + (x0 - a) + (z0 - y0), sg[s].p + (z0 - sg[s].lo), sizeof(float) * (size_t)(z1 - z0));
+            }
+        }
+    }
+    /* exactly one rank wrote each element, the others hold zero bits: an integer sum of the bits
+     * is a bit-exact gather (a float sum would turn -0.0 into +0.0) */
+    if (tr->wsize > 1) tera_comm_allreduce_i64(tera_comm_world(), (int64_t *)(void *)win, n64);
+}
+
+void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t b, float *dst) {
+    lseg sg[2];
+    int sharded;
+    region_segs(tr, k, sg, &sharded);
+    if (!sharded) {
+        memcpy(dst, sg[0].p + (a - sg[0].lo), sizeof(float) * (size_t)(b - a));
+        return;
+    }
+    const int ranks = x ? tr->edp_size : tr->world, me = x ? tr->edp_rank : tr->rank;
+    const int64_t base = x ? tr->model.n_dense_floats : 0;
+    int64_t *cnt = tera_calloc((size_t)ranks, sizeof(int64_t)), soff;
+    const int64_t mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, ranks, me, a - base, b - base, cnt, &soff);
+    if (cnt[me] > 0) memcpy(dst + mine, sg[x].p + soff, sizeof(float) * (size_t)cnt[me]);
+    tera_comm_allgather_f32(x ? tr->edp : tr->dp, dst, cnt);
+    free(cnt);
+}
+
+tera_status tera_layout_load(tera_trainer *tr, tera_ckpt_reader *rd, int moments) {
+    tera_model *m = &tr->model;
+    tera_model shell;
+    tera_layout_global_shell(tr, &shell);
+    tera_status st = TERA_OK;
+    for (int k = 0; k < (moments ? 3 : 1) && st == TERA_OK; k++) {
+        lseg sg[2];
+        int sharded;
+        const int ns = region_segs(tr, k, sg, &sharded);
+        for (int i = 0; i < m->n_params && st == TERA_OK; i++) {
+            const tera_param *lp = &m->params[i], *gp = &shell.params[i];
+            const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
+            for (int64_t r = 0; r < nr && st == TERA_OK; r++) {
+                int64_t g, l, n;
+                tera_block_run(gp->shape, lp->lo, lp->len, r, &g, &l, &n);
+                l += lp->offset;
+                for (int s = 0; s < ns && st == TERA_OK; s++) {
+                    const int64_t z0 = l > sg[s].lo ? l : sg[s].lo, z1 = l + n < sg[s].hi ? l + n : sg[s].hi;
+                    if (z1 > z0) st = tera_ckpt_reader_read(rd, k, i, g + (z0 - l), z1 - z0, sg[s].p + (z0 - sg[s].lo));
+                }
+            }
+        }
+    }
+    if (st == TERA_OK && m->router_bias) st = tera_ckpt_reader_bias(rd, m->router_bias);
+    if (tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
+    free(shell.params);
+    return st;
 }
 
 tera_status tera_layout_init(tera_trainer *tr) {
@@ -469,35 +606,10 @@ void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
     shell->router_bias = tr->model.router_bias;
 }
 
-/* This rank's whole storage (local layout, n floats) of a quantity held in shards: the two
- * regions' shards (pd, px) are copied into place, then all-gathered (ZeRO) over the ranks that
- * share each region. */
-static void assemble(tera_trainer *tr, float *dst, const float *pd, const float *px) {
-    const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
-    memcpy(dst + tr->opt.lo, pd, sizeof(float) * (size_t)tr->opt.n);
-    memcpy(dst + tr->opt_x.lo, px, sizeof(float) * (size_t)tr->opt_x.n);
-    if (!tr->zero) return;
-    tera_comm_allgather_f32(tr->dp, dst, tr->shard_counts);
-    if (n > nd) tera_comm_allgather_f32(tr->edp, dst + nd, tr->shard_counts_x);
-}
-
-static void local_moments(tera_trainer *tr, float *lm, float *lv) {
-    assemble(tr, lm, tr->opt.m, tr->opt_x.m);
-    assemble(tr, lv, tr->opt.v, tr->opt_x.v);
-}
-
 /* Copies one tensor's block between a rank's storage (contiguous [len0, len1, len2]) and the whole
  * tensor (global layout, shape of p). to_global: local -> g; else g -> local. */
 static void block_copy(const tera_param *lp, const tera_param *gp, float *local, float *g, int to_global) {
     tera_block_copy(gp->shape, lp->lo, lp->len, g + gp->offset, local + lp->offset, to_global);
-}
-
-void tera_layout_local_state(tera_trainer *tr, float *lw, float *lm, float *lv) {
-    local_moments(tr, lm, lv);
-    if (tr->model.w)
-        memcpy(lw, tr->model.w, sizeof(float) * (size_t)tr->model.n_floats);
-    else /* ZeRO-3 */
-        assemble(tr, lw, tr->opt.w, tr->opt_x.w);
 }
 
 int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p) {
@@ -521,43 +633,6 @@ tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t
     int np;
     int64_t nf;
     return tera_param_table_spec(&m->cfg, &sp, &np, n_floats ? n_floats : &nf, NULL);
-}
-
-void tera_layout_gather(tera_trainer *tr, float *gw, float *gm, float *gv) {
-    tera_model *m = &tr->model;
-    const int64_t n = m->n_floats;
-    float *lw = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lm = lw + n, *lv = lw + 2 * n;
-    tera_layout_local_state(tr, lw, lm, lv); /* this rank's storage, ZeRO shards gathered */
-    tera_model shell;
-    tera_layout_global_shell(tr, &shell);
-    /* the mp group's ranks together hold every block once: gather their storage, and their tables
-     * (stages of a pipeline hold different layers: their storage sizes differ) */
-    const int P = tr->ep * tr->tp * tr->pp;
-    int64_t *cnt = tera_calloc((size_t)P, sizeof(int64_t)), *off = tera_calloc((size_t)P + 1, sizeof(int64_t));
-    tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-    for (int r = 0; r < P; r++) {
-        tab[r] = tera_layout_member_table(tr, r, &cnt[r]);
-        off[r + 1] = off[r] + cnt[r];
-    }
-    const int me = tera_layout_member(tr);
-    TERA_ASSERTF(cnt[me] == n, "layout: member %d holds %ld floats, this rank %ld", me, (long)cnt[me], (long)n);
-    float *all = tera_malloc(sizeof(float) * (size_t)(off[P] + 1));
-    const float *src[3] = {lw, lm, lv};
-    float *dst[3] = {gw, gm, gv};
-    for (int k = 0; k < 3; k++) {
-        if (!dst[k]) continue;
-        memcpy(all + off[me], src[k], sizeof(float) * (size_t)n);
-        if (P > 1) tera_comm_allgather_f32(tr->mp, all, cnt);
-        for (int r = 0; r < P; r++)
-            for (int i = 0; i < m->n_params; i++) block_copy(&tab[r][i], &shell.params[i], all + off[r], dst[k], 1);
-    }
-    free(off);
-    for (int r = 0; r < P; r++) free(tab[r]);
-    free(tab);
-    free(cnt);
-    free(all);
-    free(lw);
-    free(shell.params);
 }
 
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv) {

@@ -12,7 +12,9 @@
  * last backward; the schedule's simulation gives the most micro-batches in flight on each rank,
  * which is the number of slots (GPipe: all m; 1F1B: at most pp). Each rank reads the micro-batch's
  * tokens itself (the data position is the same everywhere). Busy time (operations) and waiting
- * time (receives) are measured per step: the measured bubble. */
+ * time (blocked in receives, and in sends: a slot's earlier sends before its buffers are reused, the
+ * last sends at the step's end) are measured per step: the measured bubble. The rest of the step
+ * (reading the micro-batches, ZeRO-3's gathers, bookkeeping) is neither. */
 #include <string.h>
 
 #include "tera/profile.h"
@@ -159,7 +161,9 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
         tera_layout_zero3_plan(tr, op->kind == TERA_OP_FWD ? l1 - 1 : l0, after);
         if (op->kind == TERA_OP_FWD) {
             if (p->slot_of[i] < 0) {
-                p->slot_of[i] = take_slot(p);
+                const double t0 = tera_now();
+                p->slot_of[i] = take_slot(p); /* may wait for the slot's sends from its previous use */
+                wait += tera_now() - t0;
                 *data_s += load_micro(tr, p, i, p->slot_of[i]);
             }
             const int sl = p->slot_of[i];
@@ -209,7 +213,9 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
         }
         tera_comm_poll(p->req, p->n_slots * p->v * 2); /* let sends progress */
     }
+    const double t_sends = tera_now();
     for (int i = 0; i < p->n_slots; i++) wait_slot_sends(p, i);
+    wait += tera_now() - t_sends;
     tera_model_use_slot(m, 0);
     p->busy_s = busy, p->wait_s = wait, p->step_s = tera_now() - t_start;
     p->busy_total += busy, p->wait_total += wait, p->step_total += p->step_s;

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -144,21 +145,25 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                            t->init_from, diff);
             goto fail_model;
         }
-        /* import into the whole model, then keep this rank's part */
-        tera_model shell;
-        tera_layout_global_shell(tr, &shell);
-        shell.w = tera_calloc((size_t)shell.n_floats + 1, sizeof(float));
-        /* a tera checkpoint (manifest.json: whole, differential or sharded) or a Hugging Face directory */
+        /* a tera checkpoint (manifest.json: whole, differential or sharded): each rank reads its
+         * own part; a Hugging Face directory: imported whole, then this rank keeps its part */
         char man[TERA_PATH_MAX + 32];
         snprintf(man, sizeof man, "%s/manifest.json", t->init_from);
-        st = access(man, F_OK) == 0 ? tera_ckpt_load(t->init_from, &shell, NULL, NULL) : tera_hf_import(&shell, t->init_from);
-        free(shell.params);
-        if (st != TERA_OK) {
+        if (access(man, F_OK) == 0) {
+            if ((st = tera_trainer_load_dir(tr, t->init_from, 0)) != TERA_OK) goto fail_model;
+        } else {
+            tera_model shell;
+            tera_layout_global_shell(tr, &shell);
+            shell.w = tera_calloc((size_t)shell.n_floats + 1, sizeof(float));
+            st = tera_hf_import(&shell, t->init_from);
+            free(shell.params);
+            if (st != TERA_OK) {
+                free(shell.w);
+                goto fail_model;
+            }
+            tera_layout_scatter(tr, shell.w, NULL, NULL);
             free(shell.w);
-            goto fail_model;
         }
-        tera_layout_scatter(tr, shell.w, NULL, NULL);
-        free(shell.w);
     } else {
         tera_layout_init_weights(tr, t->seed);
     }
@@ -229,6 +234,16 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_matmul_set_bf16_gemm(tr->bf16_gemm);
     reserve_scratch(tr);
     tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
+    if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
+        if (tr->wsize == 1)
+            fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (the rank's weights, moments and "
+                    "router bias, allocated at the first save; checkpoint.async)\n",
+                    (long)(sizeof(float) * (size_t)(3 * tr->model.n_floats + (int64_t)cfg->model.n_layers * cfg->model.n_experts)));
+        else
+            fprintf(stderr, "tera: checkpoint memory per rank: writer window %ld bytes (checkpoint.writer_buffer_mb) + "
+                    "one %d-byte chunk; saves are streamed, no rank holds the whole model\n",
+                    (long)tera_ckpt_writer_buffer_bytes(cfg), TERA_CKPT_CHUNK_BYTES);
+    }
     tr->t_start = tera_now();
     return TERA_OK;
 
@@ -702,30 +717,32 @@ tera_status tera_trainer_save(tera_trainer *tr) {
         tr->ckpt = whole.ckpt;
         return st;
     }
-    {
-        /* the checkpoint holds the whole model as one process does (checkpoint.sharded: each rank
-         * its own file instead): every rank contributes its blocks and moment shards, rank 0
-         * writes */
-        tera_model shell;
-        tera_layout_global_shell(tr, &shell);
-        const int64_t n = shell.n_floats;
-        float *buf = tera_calloc((size_t)(3 * n + 1), sizeof(float));
-        tera_layout_gather(tr, buf, buf + n, buf + 2 * n);
-        if (tr->root) {
-            tera_trainer whole = *tr; /* the same run, seen as one process */
-            shell.w = buf;
-            whole.model = shell;
-            whole.opt.m = buf + n, whole.opt.v = buf + 2 * n, whole.opt.lo = 0, whole.opt.hi = whole.opt.n = n;
-            st = tera_trainer_save_whole(&whole); /* snapshots before returning */
-            tr->ckpt = whole.ckpt;
-        }
-        free(shell.params);
-        free(buf);
+    /* several ranks: the whole model is streamed window by window to world rank 0, which writes
+     * it; every rank learns whether it worked (no rank holds the whole model) */
+    return tera_trainer_save_streamed(tr);
+}
+
+/* Each rank's peak resident memory so far (getrusage), gathered to world rank 0, which prints the
+ * maximum, the rank holding it and every rank's figure (field names: tests read them). */
+static void report_peak_rss(const tera_trainer *tr) {
+    struct rusage ru;
+    memset(&ru, 0, sizeof ru);
+    getrusage(RUSAGE_SELF, &ru);
+    int64_t *kib = tera_calloc((size_t)tr->wsize, sizeof(int64_t));
+    kib[tr->wrank] = (int64_t)ru.ru_maxrss; /* KiB on Linux */
+    if (tr->wsize > 1) tera_comm_allreduce_i64(tera_comm_world(), kib, tr->wsize);
+    if (tr->root && tr->cfg.logging.progress) {
+        int at = 0;
+        for (int r = 1; r < tr->wsize; r++)
+            if (kib[r] > kib[at]) at = r;
+        char line[8192];
+        int n = snprintf(line, sizeof line, "tera: memory: peak_rss_mib %.1f peak_rss_rank %d ranks %d peak_rss_mib_by_rank",
+                         (double)kib[at] / 1024.0, at, tr->wsize);
+        for (int r = 0; r < tr->wsize && n < (int)sizeof line - 32; r++)
+            n += snprintf(line + n, sizeof line - (size_t)n, "%s%.1f", r ? "," : " ", (double)kib[r] / 1024.0);
+        fprintf(stderr, "%s\n", line);
     }
-    int64_t failed = st != TERA_OK;
-    tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
-    if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
-    return st;
+    free(kib);
 }
 
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
@@ -782,6 +799,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                          "nothing was trained (check training.init_from's weights, training.lr and the data)",
                          (long)n_steps);
     if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
+    report_peak_rss(tr);
     if (last) *last = r;
     if (tr->metrics && !tr->metrics_errno && fflush(tr->metrics) != 0) tr->metrics_errno = errno ? errno : EIO;
     if (tr->metrics_errno)

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Self-checks of tera_ref.py (run: /usr/bin/python3 tests/ref/check_ref.py). Exit status 1 on any
-failure. Covers: float64 gradcheck of the whole loss on tiny configs with every option, the MoE
+failure. Covers: float64 gradcheck of the whole loss on tiny configs with every option (sigmoid
+scores, expert groups and the routed scale included), group-limited top-k against a brute force, the MoE
 gather path against a dense masked path, the aux loss of balanced routing, GQA against tiled MHA,
 attention + RoPE against a naive loop with complex rotations, top-k ties, capacity policies,
 the aux-free bias update, AdamW / LR / clipping against the formulas of MODEL.md, safetensors
@@ -57,6 +58,12 @@ def test_gradcheck():
             0.05),
         "k=1 capacity(probability) MQA": (
             tiny(top_k=1, capacity_factor=1.0, drop_policy="probability"), 0.0),
+        "sigmoid, 4 groups / 2, routed_scale, aux_free, capacity(probability)": (
+            tiny(n_experts=8, top_k=3, router_score="sigmoid", n_groups=4, topk_groups=2,
+                 routed_scale=2.5, aux_free=True, aux_free_rate=0.01, capacity_factor=1.5,
+                 drop_policy="probability"), 0.05),
+        "softmax, 4 groups / 3, routed_scale": (
+            tiny(n_experts=8, top_k=2, n_groups=4, topk_groups=3, routed_scale=1.5), 0.0),
     }
     for name, (cfg, bias_std) in cases.items():
         m, g = build(cfg, 7, bias_std)
@@ -83,7 +90,9 @@ def test_gather_vs_dense():
             ("mixtral-like", tiny(n_experts=5, top_k=2), 0.0),
             ("deepseek-like", tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=10, n_shared_experts=1,
                                    capacity_factor=0.75, aux_free=True, aux_free_rate=0.01), 0.1),
-            ("capprob-like", tiny(top_k=1, capacity_factor=1.0, drop_policy="probability"), 0.0)]:
+            ("capprob-like", tiny(top_k=1, capacity_factor=1.0, drop_policy="probability"), 0.0),
+            ("sigmoid-groups-like", tiny(n_experts=8, top_k=3, router_score="sigmoid", n_groups=4,
+                                         topk_groups=2, routed_scale=2.5, aux_free=True), 0.05)]:
         m, g = build(cfg, 3, bias_std)
         x = torch.randint(0, cfg.vocab_size, (3, 17), generator=g)
         res = {}
@@ -127,6 +136,36 @@ def test_aux_balanced():
           abs(float(o["aux"]) - 1.0) < 1e-6 and sel_ok, f"({float(o['aux'])})")
     z_expected = math.log(4) ** 2
     check("uniform router: z == log(E)^2", abs(float(o["z"]) - z_expected) < 1e-5)
+
+
+def test_group_limited():
+    # brute force: score groups, keep the best topk_groups (ties: lower index), then k rounds of
+    # arg-max over their experts; values on a coarse grid so that ties are everywhere
+    g = torch.Generator().manual_seed(11)
+    for rule, G, Gk, E, k in [("top2", 8, 4, 64, 8), ("max", 8, 4, 64, 8), ("top2", 16, 1, 64, 2),
+                              ("max", 64, 8, 64, 8), ("top2", 64, 8, 64, 8)]:
+        s = torch.randint(0, 16, (40, E), generator=g).double() / 16
+        sel = R.group_limited_topk(s, k, G, Gk, rule)[0]
+        ok = True
+        for t in range(s.shape[0]):
+            grp = s[t].view(G, E // G)
+            if rule == "top2":
+                gs = [sum(sorted(grp[i].tolist(), reverse=True)[:2]) for i in range(G)]
+            else:
+                gs = [max(grp[i].tolist()) for i in range(G)]
+            keep = sorted(range(G), key=lambda i: (-gs[i], i))[:Gk]
+            allowed = [e for e in range(E) if e // (E // G) in keep]
+            want = sorted(allowed, key=lambda e: (-float(s[t, e]), e))[:k]
+            ok = ok and sel[t].tolist() == want
+        check(f"group-limited top-k ({rule}, {G} groups / {Gk}, E {E}, k {k}) == brute force", ok)
+    # sigmoid balancing loss: scores equal across experts (any logits row constant) and balanced
+    # selections give aux = 1; the normaliser makes P independent of the scores' scale
+    E, k, T = 4, 2, 8
+    sel = torch.stack([torch.tensor([t % E, (t + 1) % E]) for t in range(T)])[None]
+    for v in (0.2, 0.9):
+        p = torch.full((1, T, E), v)
+        aux = R.load_balance_loss(p / p.sum(-1, keepdim=True), sel, E)
+        check(f"sigmoid aux == 1 for balanced routing, equal scores {v}", abs(float(aux) - 1) < 1e-6)
 
 
 def test_topk_ties():
@@ -308,7 +347,8 @@ def test_fixtures():
         d_l = maxdiff(o["logits"].reshape(B * T, -1), fx["logits"])
         d_loss = max(maxdiff(o[a].reshape(1), fx[b]) for a, b in
                      (("loss", "loss"), ("ce", "ce_loss"), ("aux", "aux_loss"), ("z", "z_loss")))
-        d_g = max(maxdiff(p.grad, fx["grad." + n]) for n, p in m.named_parameters())
+        d_g = max(maxdiff(p.grad if p.grad is not None else torch.zeros_like(p), fx["grad." + n])
+                  for n, p in m.named_parameters())
         names_ok = {k[5:] for k in fx if k.startswith("grad.")} == {n for n, _ in m.named_parameters()}
         check(f"fixture {name}: batch, logits, losses, grads recomputed", ok and names_ok and
               d_l < 1e-5 and d_loss < 1e-6 and d_g < 1e-6,
@@ -317,7 +357,7 @@ def test_fixtures():
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for fn in (test_topk_ties, test_rmsnorm, test_attention, test_aux_balanced, test_capacity,
+    for fn in (test_topk_ties, test_group_limited, test_rmsnorm, test_attention, test_aux_balanced, test_capacity,
                test_aux_free_update, test_optimizer, test_safetensors, test_gather_vs_dense,
                test_gradcheck, test_fixtures):
         fn()

@@ -38,6 +38,23 @@ FIXTURES = {
                        init_std=0.2, max_position_embeddings=256),
                 2, 40, 101, TrainHP(lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=STEPS,
                                      grad_clip=3.3), 0.0),
+    # DeepSeek-V3 routing at scale: 256 experts in 8 groups, 4 groups per token, top-8 by sigmoid
+    # score (+ aux-free bias), weights renormalised x 2.5; tiny widths and one MoE layer keep the
+    # files small (their size is mostly the names of 256 x 3 expert tensors)
+    "sigmoid": (Config(vocab_size=64, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                       n_experts=256, top_k=8, moe_ffn_dim=2, first_k_dense=1, dense_ffn_dim=16,
+                       router_score="sigmoid", n_groups=8,
+                       topk_groups=4, routed_scale=2.5, aux_coef=0.01, z_coef=0.001, aux_free=True,
+                       aux_free_rate=0.001, init_std=0.2, max_position_embeddings=64),
+                2, 16, 102, TrainHP(lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=STEPS,
+                                     grad_clip=1.0), 0.05),
+    # DeepSeek-V2-style group-limited routing on softmax probabilities (group score = max)
+    "softgroups": (Config(vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=2,
+                          n_experts=16, top_k=3, moe_ffn_dim=8, n_groups=4, topk_groups=2,
+                          routed_scale=1.5, aux_coef=0.01, z_coef=0.001,
+                          init_std=0.2, max_position_embeddings=64),
+                   2, 24, 131, TrainHP(lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=STEPS,
+                                        grad_clip=2.0), 0.0),
 }
 
 
@@ -46,8 +63,18 @@ def routing_margins(cfg, r):
     policy the last kept vs first dropped prob of an over-full expert. Tiny gaps make the fixture
     fragile against another implementation's rounding."""
     k, E = cfg.top_k, cfg.n_experts
-    s = torch.sort(r["scores"], dim=-1, descending=True).values
+    scores = r["scores"]
+    m_grp = float("inf")
+    if cfg.n_groups > 1:
+        # group choice: topk_groups-th vs next group score; expert choice among the allowed experts
+        if cfg.topk_groups < cfg.n_groups:
+            g = torch.sort(r["group_scores"], dim=-1, descending=True).values
+            m_grp = float((g[..., cfg.topk_groups - 1] - g[..., cfg.topk_groups]).min())
+        scores = scores.masked_fill(~r["allowed"], float("-inf"))
+        E = cfg.topk_groups * (cfg.n_experts // cfg.n_groups)
+    s = torch.sort(scores, dim=-1, descending=True).values
     m_sel = float((s[..., k - 1] - s[..., k]).min()) if k < E else float("inf")
+    m_sel = min(m_sel, m_grp)
     m_cap = float("inf")
     if cfg.capacity_factor > 0 and cfg.drop_policy == "probability":
         from tera_ref import capacity
@@ -95,7 +122,7 @@ def make(name, out_root):
         "aux_loss": out["aux"].detach().reshape(1), "z_loss": out["z"].detach().reshape(1),
     }
     for n, p in model.named_parameters():
-        fx["grad." + n] = p.grad.detach().clone()
+        fx["grad." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
     drops = {}
     for l, r in out["routes"].items():
         k = cfg.top_k

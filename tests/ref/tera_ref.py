@@ -23,14 +23,24 @@ Forward (pre-norm decoder):
   Expert/FFN   w2(silu(w1 x) * (w3 x)); dense FFN and shared experts use HF names
                gate_proj (=w1), up_proj (=w3), down_proj (=w2).
 MoE layer (N = B*T tokens of the layer, x its RMSNorm_post output):
-  logits = x @ gate^T in fp32; probs = softmax_E(logits)
+  logits = x @ gate^T in fp32; probs = softmax_E(logits)      (router_score "softmax", the default)
+                               probs = sigmoid(logits)        (router_score "sigmoid", DeepSeek-V3;
+                                                               "probs" below then means these scores)
   scores = probs + bias[l]   (bias = e_score_correction_bias, aux-loss-free balancing; zeros when off;
                               no gradient)
   top-k by score; ties -> lower expert index. CHOICE: slot j of a token is its j-th pick in
                descending score order (slot 0 = best). Slot order does not change any result: an
                expert can hold only one slot of a token, so the capacity orderings below reduce to
                token order.
-  combine weight of slot j = probs[t, e_j] / sum_j' probs[t, e_j']   (the probs, NOT the scores)
+  group-limited routing (n_groups G > 1): experts [g E/G, (g+1) E/G) form group g; group score =
+               max of the group's scores (softmax, DeepSeek-V2) or the sum of its two largest scores
+               (sigmoid, DeepSeek-V3; the one score when a group has one expert), on the biased
+               scores; the token keeps its topk_groups best groups (ties -> lower group index) and
+               takes its top-k among their experts only. CHOICE: experts of other groups are
+               excluded (-inf), not set to 0 as in HF's DeepSeek-V3 (where a negative biased score
+               could lose to a masked expert).
+  combine weight of slot j = routed_scale * probs[t, e_j] / sum_j' probs[t, e_j']   (the probs, NOT
+               the scores; routed_scale = 1 by default, DeepSeek's routed_scaling_factor)
   capacity (cf > 0): per SEQUENCE and per expert, cap = ceil(cf * T * k / E).
                CHOICE: evaluated in double precision as ceil((cf * T * k) / E) (math.ceil in Python).
                Assignment index of (t, j) inside its sequence = t*k + j.
@@ -44,14 +54,16 @@ MoE layer (N = B*T tokens of the layer, x its RMSNorm_post output):
   dense layers: layers l < first_k_dense use a dense SwiGLU of width dense_ffn_dim, no router.
 Losses:
   aux_{l,s} = E * sum_e f_e * P_e, f_e = (#selected assignments of sequence s to e, BEFORE capacity
-              drops) / (T*k) (no gradient), P_e = mean over the T tokens of s of probs[:, e].
+              drops) / (T*k) (no gradient), P_e = mean over the T tokens of s of probs[:, e]
+              (sigmoid: of probs[:, e] / sum_e' probs[:, e'], DeepSeek-V3's sequence-wise balance loss).
   aux  = mean over MoE layers and sequences.
-  z    = mean over MoE layers and over all B*T tokens of logsumexp(router logits)^2.
+  z    = mean over MoE layers and over all B*T tokens of logsumexp(router logits)^2 (either scoring).
   loss = mean over B*T positions of CE(logits, next token) + aux_coef * aux + z_coef * z.
   (aux and z are computed - and reported - even when their coefficient is 0.)
 Training:
   AdamW (torch.optim.AdamW, per-group weight decay: >= 2-D tensors decay - embeddings, lm_head, router
-  included - 1-D norm weights do not), lr set per step:
+  included - 1-D norm weights do not), lr set per step. An expert that no token reached has gradient
+  zero (not None), so AdamW decays it and moves it by its moments like every other tensor:
      s < W: max_lr*(s+1)/W, else min_lr + 0.5*(max_lr-min_lr)*(1+cos(pi*(s-W)/(S-W))).
   Clipping: n = global L2 norm of all gradients; if n > c every gradient is scaled by c/(n+1e-6).
      CHOICE: n is accumulated in float64 and the scale is applied in fp32 (clip_grad_norm_ sums in
@@ -99,6 +111,10 @@ class Config:
     drop_policy: str = "position"  # "position" | "probability"
     aux_free: bool = False
     aux_free_rate: float = 0.0
+    router_score: str = "softmax"  # "softmax" | "sigmoid"
+    n_groups: int = 1             # group-limited routing: G groups of E/G experts (1 = off)
+    topk_groups: int = 1          # groups a token may use
+    routed_scale: float = 1.0     # routed scaling factor on the combine weights
     init_std: float = 0.02
     max_position_embeddings: int = 4096
 
@@ -119,9 +135,27 @@ class Config:
         assert self.drop_policy in ("position", "probability")
         assert self.capacity_factor >= 0
         assert self.first_k_dense == 0 or self.dense_ffn_dim > 0
+        assert self.router_score in ("softmax", "sigmoid")
+        assert self.n_experts % self.n_groups == 0 and 1 <= self.topk_groups <= self.n_groups
+        assert self.top_k <= self.topk_groups * (self.n_experts // self.n_groups)
+        assert self.routed_scale > 0
+
+    def mixtral_routing(self):
+        return (self.router_score == "softmax" and self.n_groups == 1 and self.routed_scale == 1.0)
 
     def to_hf(self):
-        """config.json in Hugging Face Mixtral style plus tera's extensions (always written)."""
+        """config.json in Hugging Face Mixtral style plus tera's extensions (always written). Routing
+        other than Mixtral's (sigmoid scores, expert groups, a routed scale) is written under HF
+        DeepSeek-V3's names, and the model type is then tera_moe."""
+        d = self._to_hf()
+        if not self.mixtral_routing():
+            d["architectures"] = ["TeraMoeForCausalLM"]
+            d["model_type"] = "tera_moe"
+            d.update(scoring_func=self.router_score, n_group=self.n_groups, topk_group=self.topk_groups,
+                     routed_scaling_factor=self.routed_scale, norm_topk_prob=True)
+        return d
+
+    def _to_hf(self):
         return {
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
@@ -169,6 +203,9 @@ class Config:
             drop_policy=d.get("drop_policy", "position"),
             aux_free=d.get("aux_loss_free", False),
             aux_free_rate=d.get("aux_free_bias_update_rate", 0.0),
+            router_score=d.get("scoring_func", "softmax"),
+            n_groups=d.get("n_group", 1) or 1, topk_groups=d.get("topk_group", 1) or 1,
+            routed_scale=d.get("routed_scaling_factor", 1.0),
             init_std=d.get("initializer_range", 0.02),
             max_position_embeddings=d.get("max_position_embeddings", 4096))
 
@@ -293,6 +330,21 @@ def topk_lowest_index_ties(scores, k):
     return torch.cat(picks, dim=-1)
 
 
+def group_limited_topk(scores, k, n_groups, topk_groups, group_rule):
+    """scores [..., E] -> top-k expert ids [..., k] chosen only among the experts of the topk_groups
+    best groups; group score = max ("max") or sum of the two largest ("top2") of its scores."""
+    E = scores.shape[-1]
+    g = scores.reshape(*scores.shape[:-1], n_groups, E // n_groups)        # [..., G, E/G]
+    if group_rule == "top2":
+        gs = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(dim=-1)          # [..., G]
+    else:
+        gs = g.max(dim=-1).values
+    gsel = topk_lowest_index_ties(gs, topk_groups)                           # [..., Gk]
+    gmask = torch.zeros_like(gs, dtype=torch.bool).scatter(-1, gsel, True)  # [..., G]
+    emask = gmask.unsqueeze(-1).expand(g.shape).reshape(scores.shape)       # [..., E]
+    return topk_lowest_index_ties(scores.masked_fill(~emask, float("-inf")), k), gs, emask
+
+
 def capacity(cf, T, k, E):
     return int(math.ceil((cf * T * k) / E))
 
@@ -341,20 +393,31 @@ class SparseMoE(nn.Module):
         with torch.autocast("cpu", enabled=False):
             xr = x.to(_compute_dtype(x))
             logits = F.linear(xr, self.gate.weight.to(xr.dtype))        # [B, T, E], fp32
-        probs = logits.softmax(dim=-1)
+        sigmoid = cfg.router_score == "sigmoid"
+        probs = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
         scores = probs.detach()
         if self.gate.e_score_correction_bias is not None:
             scores = scores + self.gate.e_score_correction_bias.to(scores.dtype)
-        sel = topk_lowest_index_ties(scores, k)                       # [B, T, k]
+        group_scores = allowed = None
+        if cfg.n_groups > 1:
+            sel, group_scores, allowed = group_limited_topk(scores, k, cfg.n_groups, cfg.topk_groups,
+                                                            "top2" if sigmoid else "max")
+        else:
+            sel = topk_lowest_index_ties(scores, k)                   # [B, T, k]
         p_sel = probs.gather(-1, sel)
         weights = p_sel / p_sel.sum(dim=-1, keepdim=True)             # renormalised probs
+        if cfg.routed_scale != 1.0:
+            weights = weights * cfg.routed_scale
+        # what the balancing loss averages: the probs, or (sigmoid) the scores normalised per token
+        aux_probs = probs / probs.sum(dim=-1, keepdim=True) if sigmoid else probs
         if cfg.capacity_factor > 0:
             keep = capacity_keep_mask(sel, probs.detach(), capacity(cfg.capacity_factor, T, k, E),
                                       cfg.drop_policy)
             weights = weights * keep.to(weights.dtype)
         else:
             keep = torch.ones_like(sel, dtype=torch.bool)
-        return dict(logits=logits, probs=probs, scores=scores, sel=sel, keep=keep, weights=weights,
+        return dict(logits=logits, probs=probs, aux_probs=aux_probs, scores=scores, sel=sel, keep=keep,
+                    weights=weights, group_scores=group_scores, allowed=allowed,
                     load=torch.bincount(sel.flatten(), minlength=E),   # before drops, whole batch
                     dropped=int((~keep).sum()))
 
@@ -483,7 +546,7 @@ class TeraModel(nn.Module):
         lg = logits.to(_compute_dtype(logits))
         ce = F.cross_entropy(lg.reshape(-1, V), targets.reshape(-1))
         if routes:
-            aux = torch.stack([load_balance_loss(r["probs"], r["sel"], cfg.n_experts)
+            aux = torch.stack([load_balance_loss(r["aux_probs"], r["sel"], cfg.n_experts)
                                for r in routes.values()]).mean()
             z = torch.stack([torch.logsumexp(r["logits"], dim=-1).pow(2).mean()
                              for r in routes.values()]).mean()
@@ -569,6 +632,9 @@ def train(model, hp, stream, B, T, steps, log=None, on_step=None):
         opt.zero_grad(set_to_none=True)
         out = model(inputs, targets)
         out["loss"].backward()
+        for p in params:   # an expert no token reached has gradient 0 (AdamW still decays it and
+            if p.grad is None:   # moves it by its moments), not None (torch would skip it)
+                p.grad = torch.zeros_like(p)
         if on_step:
             on_step(s, out)
         n = clip_global_norm(params, hp.grad_clip)
