@@ -118,7 +118,7 @@ typedef struct {
     int pp_chunks;              /* model chunks per stage (interleaved) */
     char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */
     int zero;                   /* ZeRO stage 0-3 */
-    float timeout_s;            /* collective watchdog (0 = off) */
+    float timeout_s;            /* collective watchdog: seconds, 0 = off, -1 = automatic from the step times */
 } tera_parallel_config;
 
 typedef struct {
@@ -163,6 +163,12 @@ tera_status tera_config_set(tera_config *c, const char *assignment);
  * dense_ffn_dim): the one place they are computed. Call after loading and overriding, and again
  * after tera_config_from_hf (idempotent). */
 tera_status tera_config_finalize(tera_config *c);
+/* The derived model defaults, the one place they are computed (tera_config_finalize calls it):
+ * n_kv_heads 0 -> n_heads; dense_ffn_dim 0 -> top_k x ffn_dim with dense layers, 0 without. */
+void tera_model_config_derive(tera_model_config *m);
+/* parallel.pp_layers parsed (the one parser): first[i] = the first layer of virtual stage i,
+ * first[pp * pp_chunks] = n_layers; first holds pp * pp_chunks + 1 ints. An error names the value. */
+tera_status tera_config_pp_layers(const tera_parallel_config *p, int n_layers, int *first);
 /* The model of a Hugging Face directory (training.init_from, tera eval/export-hf --from): replaces
  * c->model by dir/config.json's values (fields config.json lacks keep a value given in a file or
  * on the command line, else their default; derived defaults are derived again by finalize). A

@@ -304,7 +304,7 @@ static const config__key config__keys[] = {
     K_BOOL(checkpoint, sharded, "false",
            "with several ranks, every rank writes its own blocks of the parameters and Adam moments "
            "(rank-NNNNN.safetensors; the manifest lists the slice each file holds) instead of world rank 0 "
-           "writing the whole model; loads under any layout; asynchronous and differential like the others"),
+           "writing the whole model; loads under any layout; differential like the others (streamed, synchronous)"),
     K_INT(checkpoint, writer_buffer_mb, "16", 1, 65536,
           "several ranks: a save streams the model through windows of this many MiB (every rank's one transfer "
           "buffer; no rank holds the whole model); such saves are synchronous"),
@@ -872,23 +872,47 @@ tera_status tera_config_set(tera_config *c, const char *assignment) {
         if (!(cond)) return tera_fail(TERA_ERR_CONFIG, "config: " __VA_ARGS__);                    \
     } while (0)
 
+tera_status tera_config_pp_layers(const tera_parallel_config *p, int n_layers, int *first) {
+    const int S = p->pp * p->pp_chunks;
+    const char *q = p->pp_layers;
+    int n = 0;
+    long sum = 0;
+    first[0] = 0;
+    while (*q) {
+        char *end;
+        const long v = strtol(q, &end, 10);
+        if (end == q || v < 1 || v > n_layers || (*end != ',' && *end != 0))
+            return tera_fail(TERA_ERR_CONFIG, "config: parallel.pp_layers = \"%s\": expected positive layer counts "
+                             "separated by commas", p->pp_layers);
+        sum += v;
+        if (n < S) first[n + 1] = first[n] + (int)v;
+        n++;
+        q = *end ? end + 1 : end;
+    }
+    if (n != S || sum != n_layers)
+        return tera_fail(TERA_ERR_CONFIG, "config: parallel.pp_layers = \"%s\": needs %d counts (pp x pp_chunks) adding "
+                         "up to model.n_layers = %d (got %d adding up to %ld)", p->pp_layers, S, n_layers, n, sum);
+    return TERA_OK;
+}
+
+void tera_model_config_derive(tera_model_config *m) {
+    if (m->n_kv_heads == 0) m->n_kv_heads = m->n_heads;
+    if (m->dense_ffn_dim == 0 && m->first_k_dense > 0) m->dense_ffn_dim = m->top_k * m->ffn_dim; /* checked: fits */
+    if (m->first_k_dense == 0) m->dense_ffn_dim = 0; /* no dense layers: unused */
+}
+
 tera_status tera_config_finalize(tera_config *c) {
     TERA_TRY(config__check_keys(c));
     tera_model_config *m = &c->model;
     const tera_train_config *t = &c->training;
     const tera_parallel_config *p = &c->parallel;
 
-    /* Derived defaults: computed here only (0 = derived; tera_config_from_hf resets the ones not
-     * given so that they follow config.json's values). dense_ffn_dim matters only with dense layers. */
-    if (m->n_kv_heads == 0) m->n_kv_heads = m->n_heads;
-    if (m->dense_ffn_dim == 0 && m->first_k_dense > 0) {
-        int64_t d = (int64_t)m->top_k * m->ffn_dim;
-        CONFIG__REQUIRE(d <= INT_MAX,
-                        "model.dense_ffn_dim = model.top_k * model.ffn_dim = %" PRId64
-                        " is too large (set model.dense_ffn_dim)",
-                        d);
-        m->dense_ffn_dim = (int)d;
-    }
+    /* Derived defaults: computed in tera_model_config_derive only (0 = derived; tera_config_from_hf
+     * resets the ones not given so that they follow config.json's values). */
+    CONFIG__REQUIRE(m->dense_ffn_dim != 0 || m->first_k_dense == 0 || (int64_t)m->top_k * m->ffn_dim <= INT_MAX,
+                    "model.dense_ffn_dim = model.top_k * model.ffn_dim = %" PRId64 " is too large (set model.dense_ffn_dim)",
+                    (int64_t)m->top_k * m->ffn_dim);
+    tera_model_config_derive(m);
 
     /* Cross-field checks (per-key ranges, e.g. every size >= 1, are in the table). */
     CONFIG__REQUIRE(m->dim % m->n_heads == 0,
@@ -980,23 +1004,12 @@ tera_status tera_config_finalize(tera_config *c) {
         CONFIG__REQUIRE(p->pp == 1 || t->batch_grow_gnorm <= 0,
                         "parallel.pp = %d: batch growth (training.batch_grow_gnorm) is not supported with a pipeline",
                         p->pp);
-        int counts[256], n = 0;
         if (p->pp_layers[0]) {
-            const char *q = p->pp_layers;
-            while (*q && n < 256) {
-                char *end;
-                long v = strtol(q, &end, 10);
-                CONFIG__REQUIRE(end != q && v >= 1 && v <= m->n_layers && (*end == ',' || *end == 0),
-                                "parallel.pp_layers = \"%s\": expected positive layer counts separated by commas",
-                                p->pp_layers);
-                counts[n++] = (int)v;
-                q = *end ? end + 1 : end;
-            }
-            int sum = 0;
-            for (int i = 0; i < n; i++) sum += counts[i];
-            CONFIG__REQUIRE(n == p->pp * p->pp_chunks && sum == m->n_layers,
-                            "parallel.pp_layers = \"%s\": needs %d counts (pp x pp_chunks) adding up to model.n_layers "
-                            "= %d (got %d adding up to %d)", p->pp_layers, p->pp * p->pp_chunks, m->n_layers, n, sum);
+            int *first = malloc(sizeof(int) * ((size_t)p->pp * (size_t)p->pp_chunks + 1));
+            TERA_ASSERT(first);
+            const tera_status st = tera_config_pp_layers(p, m->n_layers, first);
+            free(first);
+            if (st != TERA_OK) return st;
         }
     }
     TERA_TRY(tera_recompute_parse(t->recompute, m->n_layers, NULL));

@@ -64,8 +64,9 @@ void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int 
                                   int64_t *thread_elems) {
     const int64_t N = (int64_t)B * T, D = c->dim, hd = c->dim / c->n_heads;
     const int64_t Ne = N * (ep > 1 ? ep : 1); /* expert parallelism: rows from each of ep ranks */
-    const int64_t H = c->n_heads, Hkv = c->n_kv_heads > 0 ? c->n_kv_heads : c->n_heads, F = c->ffn_dim;
-    const int64_t Fd = c->dense_ffn_dim > 0 ? c->dense_ffn_dim : (int64_t)c->top_k * F;
+    tera_model_config d = *c;
+    tera_model_config_derive(&d); /* c is finalized already; a raw one gets the same defaults */
+    const int64_t H = c->n_heads, Hkv = d.n_kv_heads, F = c->ffn_dim, Fd = d.dense_ffn_dim;
     int64_t m = linear_elems(N, D, H * hd);        /* q, and o (the same sizes swapped) */
     m = max64(m, linear_elems(N, D, Hkv * hd));    /* k, v */
     m = max64(m, linear_elems(N, D, c->vocab_size)); /* LM head */

@@ -34,12 +34,7 @@ static int dir_nonempty(const char *path) {
 static const char *model_config_diff(const tera_model_config *a0, const tera_model_config *b0) {
     tera_model_config a = *a0, b = *b0;
     tera_model_config *both[2] = {&a, &b};
-    for (int i = 0; i < 2; i++) {
-        tera_model_config *c = both[i];
-        if (c->n_kv_heads == 0) c->n_kv_heads = c->n_heads;
-        if (c->dense_ffn_dim == 0) c->dense_ffn_dim = c->top_k * c->ffn_dim;
-        if (c->first_k_dense == 0) c->dense_ffn_dim = 0;
-    }
+    for (int i = 0; i < 2; i++) tera_model_config_derive(both[i]);
 #define DIFF(f)                                                                                    \
     if (a.f != b.f) return #f
     DIFF(vocab_size); DIFF(dim); DIFF(n_layers); DIFF(n_heads); DIFF(n_kv_heads); DIFF(n_experts);
@@ -104,12 +99,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         const int S = tr->pp * cfg->parallel.pp_chunks;
         int *first = tera_calloc((size_t)S + 1, sizeof(int));
         if (cfg->parallel.pp_layers[0]) {
-            const char *q = cfg->parallel.pp_layers;
-            for (int i = 0; i < S; i++) {
-                char *end;
-                first[i + 1] = first[i] + (int)strtol(q, &end, 10); /* validated by the config */
-                q = *end ? end + 1 : end;
-            }
+            st = tera_config_pp_layers(&cfg->parallel, cfg->model.n_layers, first); /* validated by the config */
+            TERA_ASSERT(st == TERA_OK);
         } else {
             tera_pp_split(&cfg->model, S, t->seq_len, first);
         }
@@ -254,8 +245,8 @@ fail_all:
     tera_prefetch_stop(tr->prefetch);
     free(tr->tokens);
     free(tr->targets);
-    tera_adamw_free(&tr->opt);
 fail_model:
+    tera_adamw_free(&tr->opt); /* allocated by tera_layout_init (zeroed before it: a no-op) */
     tera_pipeline_free(tr);
     tera_model_destroy(&tr->model);
 fail_src:
