@@ -15,6 +15,8 @@ pkgs=(
   libopenmpi-dev openmpi-bin  # multi-process communication
   strace               # tests: tests/cli_ckpt.sh kills the trainer at each unlink of checkpoint retention
   jq                   # tests: tests/cli_errors.sh checks that metrics.jsonl and state.json are JSON
+  libmicrohttpd-dev    # the Prometheus /metrics endpoint (logging.metrics_port, src/obs/metrics_http.c)
+  prometheus curl      # tests: tests/cli_prometheus.sh scrapes tera with a real Prometheus; promtool checks deploy/prometheus rules
 )
 if [ "${1:-}" = "--with-torch" ]; then
   # OpenBLAS becomes the system libblas.so.3 (alternatives), which Debian's PyTorch uses for fp32

@@ -1,7 +1,16 @@
 /* The watchdog's automatic timeout (parallel.timeout_s = -1): the start-up allowance until three
  * steps have been timed and outside steps, then max(floor, factor x the slowest step after the
  * first) inside steps; an explicit value wins, 0 is off. (The stall itself, the message naming the
- * stalled rank and the CPU a waiting rank uses: tests/cli_hang.sh.) */
+ * stalled rank and the CPU a waiting rank uses: tests/cli_hang.sh.)
+ *
+ * The MPI backend's contracts (test_mpi_backend): this program runs itself under mpirun on 3 ranks
+ * (skipped without mpirun) and checks every collective's answer and traffic count, more
+ * non-blocking operations in flight at once than the request pool's first chunk, all-gather counts
+ * the caller changes at once (the backend keeps its own), point-to-point in both directions with
+ * two tags, one-rank and two-rank sub-groups. The one-rank backend: tests/test_comm_single.c. */
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "testutil.h"
 #include "tera/comm.h"
 
@@ -45,7 +54,198 @@ static void test_auto_timeout(void **state) {
     tera_comm_set_timeout(-1.0);
 }
 
-int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_auto_timeout)};
+/* ---- run under mpirun: the MPI backend's contracts, checked on every rank */
+#define CHECK(cond)                                                                                    \
+    do {                                                                                               \
+        if (!(cond)) {                                                                                 \
+            fprintf(stderr, "rank %d: %s:%d: check failed: %s\n", me, __FILE__, __LINE__, #cond);      \
+            fflush(stderr);                                                                            \
+            abort();                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+static int me;
+
+static int close_to(double got, double want) { return fabs(got - want) <= 1e-12 * fabs(want); }
+
+/* the traffic counters since the last reset (sums of doubles: equal up to rounding) */
+static int traffic_is(double ar, double rs, double ag, double a2a, double p2p) {
+    const tera_comm_traffic t = tera_comm_traffic_get();
+    const int ok = close_to(t.allreduce, ar) && close_to(t.reduce_scatter, rs) && close_to(t.allgather, ag) &&
+                   close_to(t.alltoall, a2a) && close_to(t.p2p, p2p);
+    if (!ok)
+        fprintf(stderr, "rank %d: traffic %g %g %g %g %g, expected %g %g %g %g %g\n", me, t.allreduce,
+                t.reduce_scatter, t.allgather, t.alltoall, t.p2p, ar, rs, ag, a2a, p2p);
+    return ok;
+}
+
+#define NOPS 300 /* more than the pool's first chunk (128) in flight at once */
+#define LEN 5
+
+static int mpi_contracts(int argc, char **argv) {
+    if (tera_comm_init(&argc, &argv) != TERA_OK) return 1;
+    tera_comm *w = tera_comm_world();
+    me = tera_comm_rank(w);
+    const int p = tera_comm_size(w);
+    CHECK(strcmp(tera_comm_backend(), "mpi") == 0 && p >= 2);
+    const double share = (double)(p - 1) / (double)p;
+    tera_comm_traffic_reset();
+
+    /* blocking sums and maximum: exact in every type */
+    float x[LEN];
+    double d[LEN];
+    int64_t i64[LEN];
+    for (int i = 0; i < LEN; i++) x[i] = (float)(me + i), d[i] = 0.5 * me, i64[i] = (int64_t)me << 40;
+    tera_comm_allreduce_f32(w, x, LEN);
+    tera_comm_allreduce_f64(w, d, LEN);
+    tera_comm_allreduce_i64(w, i64, LEN);
+    const int tri = p * (p - 1) / 2;
+    for (int i = 0; i < LEN; i++)
+        CHECK(x[i] == (float)(tri + p * i) && d[i] == 0.5 * tri && i64[i] == (int64_t)tri << 40);
+    for (int i = 0; i < LEN; i++) x[i] = (float)(me == i % p ? 100 + i : -i);
+    tera_comm_allreduce_max_f32(w, x, LEN);
+    for (int i = 0; i < LEN; i++) CHECK(x[i] == (float)(100 + i));
+    tera_comm_allreduce_f32(w, x, 0);
+    CHECK(traffic_is(2.0 * share * LEN * 4 * 2 + 2.0 * share * LEN * 8 * 2, 0, 0, 0, 0));
+    tera_comm_traffic_reset();
+
+    /* reduce-scatter and all-gather over ranges of r + 1 elements */
+    int64_t counts[64], total = 0;
+    for (int r = 0; r < p; r++) counts[r] = r + 1, total += r + 1;
+    float *buf = calloc((size_t)total, sizeof(float));
+    for (int64_t i = 0; i < total; i++) buf[i] = (float)(me + 1);
+    tera_comm_reduce_scatter_f32(w, buf, counts);
+    const int64_t off = (int64_t)me * (me + 1) / 2;
+    for (int64_t i = 0; i < counts[me]; i++) CHECK(buf[off + i] == (float)(p * (p + 1) / 2));
+    for (int64_t i = 0; i < total; i++) buf[i] = -1.0f;
+    for (int64_t i = 0; i < counts[me]; i++) buf[off + i] = (float)(10 * me + i);
+    tera_comm_allgather_f32(w, buf, counts);
+    for (int r = 0, o = 0; r < p; o += r + 1, r++)
+        for (int i = 0; i <= r; i++) CHECK(buf[o + i] == (float)(10 * r + i));
+    CHECK(traffic_is(0, share * 4.0 * (double)total, share * 4.0 * (double)total, 0, 0));
+    tera_comm_traffic_reset();
+
+    /* non-blocking: NOPS sums in flight at once (the pool grows), then two all-gathers whose counts
+     * the caller overwrites as soon as each has started */
+    float *many = calloc((size_t)NOPS * LEN, sizeof(float));
+    tera_comm_req *rq = calloc(NOPS, sizeof *rq);
+    for (int k = 0; k < NOPS; k++) {
+        for (int i = 0; i < LEN; i++) many[k * LEN + i] = (float)(k + me);
+        tera_comm_iallreduce_f32(w, many + k * LEN, LEN, &rq[k]);
+        CHECK(rq[k].active);
+    }
+    tera_comm_poll(rq, NOPS);
+    for (int k = 0; k < NOPS; k += 2) tera_comm_wait(&rq[k]);
+    tera_comm_poll(rq, NOPS);
+    for (int k = 0; k < NOPS; k++) tera_comm_wait(&rq[k]);
+    for (int k = 0; k < NOPS; k++) {
+        CHECK(!rq[k].active && rq[k].op == NULL);
+        for (int i = 0; i < LEN; i++) CHECK(many[k * LEN + i] == (float)(p * k + tri));
+    }
+    float *g2[2];
+    int64_t cnt[64], sum2[2] = {0, 0};
+    for (int x2 = 0; x2 < 2; x2++) {
+        for (int r = 0; r < p; r++) cnt[r] = x2 ? 2 * (p - r) : r + 1, sum2[x2] += cnt[r];
+        g2[x2] = calloc((size_t)sum2[x2], sizeof(float));
+        int64_t o = 0;
+        for (int r = 0; r < me; r++) o += cnt[r];
+        for (int64_t i = 0; i < cnt[me]; i++) g2[x2][o + i] = (float)(1000 * x2 + 10 * me + i);
+        tera_comm_iallgather_f32(w, g2[x2], cnt, &rq[x2]);
+        for (int r = 0; r < p; r++) cnt[r] = -77; /* the backend kept its own counts */
+    }
+    tera_comm_wait(&rq[1]);
+    tera_comm_wait(&rq[0]);
+    for (int x2 = 0; x2 < 2; x2++)
+        for (int r = 0, o = 0; r < p; r++) {
+            const int c = x2 ? 2 * (p - r) : r + 1;
+            for (int i = 0; i < c; i++) CHECK(g2[x2][o + i] == (float)(1000 * x2 + 10 * r + i));
+            o += c;
+        }
+    CHECK(traffic_is(2.0 * share * 4.0 * LEN * NOPS, 0, share * 4.0 * (double)(sum2[0] + sum2[1]), 0, 0));
+    tera_comm_traffic_reset();
+
+    /* point-to-point around the ring, both directions, two tags each */
+    const int next = (me + 1) % p, prev = (me + p - 1) % p;
+    float out[2][LEN], in[2][LEN];
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < LEN; i++) out[t][i] = (float)(100 * me + 10 * t + i);
+    tera_comm_req pr[4];
+    tera_comm_irecv_f32(w, in[1], LEN, prev, 11, &pr[0]);
+    tera_comm_irecv_f32(w, in[0], LEN, prev, 10, &pr[1]);
+    tera_comm_isend_f32(w, out[0], LEN, next, 10, &pr[2]);
+    tera_comm_isend_f32(w, out[1], LEN, next, 11, &pr[3]);
+    for (int k = 0; k < 4; k++) tera_comm_wait(&pr[k]);
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < LEN; i++) CHECK(in[t][i] == (float)(100 * prev + 10 * t + i));
+    tera_comm_isend_f32(w, out[0], 0, next, 12, &pr[0]); /* n = 0: nothing posted */
+    CHECK(!pr[0].active);
+    CHECK(traffic_is(0, 0, 0, 0, 2.0 * 4.0 * LEN));
+    tera_comm_traffic_reset();
+
+    /* all-to-all */
+    int32_t s32[64 * 2], r32[64 * 2];
+    for (int r = 0; r < p; r++) s32[2 * r] = 100 * me + r, s32[2 * r + 1] = -me;
+    tera_comm_alltoall_i32(w, s32, r32, 2);
+    for (int r = 0; r < p; r++) CHECK(r32[2 * r] == 100 * r + me && r32[2 * r + 1] == -r);
+    CHECK(traffic_is(0, 0, 0, (double)(p - 1) * 4.0 * 2, 0));
+    tera_comm_traffic_reset();
+
+    /* sub-groups: one rank each (served by the one-rank backend), and pairs by parity */
+    tera_comm *one = tera_comm_split(w, me, 0);
+    CHECK(tera_comm_size(one) == 1 && tera_comm_rank(one) == 0);
+    for (int i = 0; i < LEN; i++) x[i] = (float)i;
+    tera_comm_allreduce_f32(one, x, LEN);
+    tera_comm_iallreduce_f32(one, x, LEN, &pr[0]);
+    CHECK(!pr[0].active);
+    for (int i = 0; i < LEN; i++) CHECK(x[i] == (float)i);
+    tera_comm *par = tera_comm_split(w, me % 2, -me); /* ordered by key: highest world rank first */
+    const int np = (p + 1 - me % 2) / 2;
+    CHECK(tera_comm_size(par) == np && tera_comm_rank(par) == np - 1 - me / 2);
+    int64_t v = me;
+    tera_comm_allreduce_i64(par, &v, 1);
+    int64_t want = 0;
+    for (int r = me % 2; r < p; r += 2) want += r;
+    CHECK(v == want);
+    tera_comm *sub = tera_comm_split(one, 5, 5); /* a split of a one-rank group */
+    CHECK(tera_comm_size(sub) == 1);
+    tera_comm_free(sub);
+    tera_comm_free(one);
+    tera_comm_free(par);
+    tera_comm_barrier(w);
+    CHECK(traffic_is(np > 1 ? 2.0 * ((double)(np - 1) / (double)np) * 1 * 8 : 0, 0, 0, 0, 0));
+
+    free(buf), free(many), free(rq), free(g2[0]), free(g2[1]);
+    tera_comm_finalize();
+    if (me == 0) printf("mpi backend contracts: ok on %d ranks\n", p);
+    return 0;
+}
+
+static void test_mpi_backend(void **state) {
+    (void)state;
+    if (system("command -v mpirun > /dev/null 2>&1") != 0) {
+        fprintf(stderr, "skip: mpirun not installed\n");
+        return;
+    }
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    assert_true(n > 0);
+    self[n] = 0;
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    const char *asan = getenv("ASAN_OPTIONS");
+    char opts[1024];
+    snprintf(opts, sizeof opts, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
+    setenv("ASAN_OPTIONS", opts, 1); /* Open MPI's own allocations (see tests/mpilib.sh) */
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "timeout 300 mpirun --oversubscribe -np 3 '%s'", self);
+    const int rc = system(cmd);
+    assert_true(WIFEXITED(rc));
+    assert_int_equal(WEXITSTATUS(rc), 0);
+}
+
+int main(int argc, char **argv) {
+    if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE")) return mpi_contracts(argc, argv);
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_auto_timeout), cmocka_unit_test(test_mpi_backend)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,7 +1,18 @@
 /* The communicator: collectives over a group of ranks, behind a small interface so that model and
- * training code never see the backend. MPI (Open MPI) is the backend when the program runs under
- * a launcher (mpirun); otherwise the world is one rank and every collective is a no-op. A NCCL
- * backend implements the same functions. */
+ * training code never see the backend. The backends are tables of functions (struct
+ * tera_comm_backend, src/comm/comm_impl.h): src/comm/comm_single.c, the one-rank world (every
+ * collective a no-op or a copy), and src/comm/comm_mpi.c (Open MPI), chosen by tera_comm_init when
+ * a launcher started the program. A NCCL backend implements the same table. This header has no
+ * backend types: groups and requests are opaque to callers, and a backend keeps whatever it needs
+ * for an operation in flight (requests, counts) itself.
+ *
+ * Collective (below): every rank of the group calls it, in the same order as the group's other
+ * collectives, with the same n (or counts). Buffers belong to the caller; a blocking call is done
+ * with them when it returns. A one-rank group (any backend) is served by the one-rank code: sums,
+ * maximum, reduce-scatter and all-gather leave the buffer as it is (already the answer), the
+ * all-to-all copies, non-blocking operations are complete when they return. Misuse (a point-to-point
+ * message to this rank itself, a peer outside the group, ranges too large for the backend) aborts
+ * every rank with file:line. Every function is called from the thread that called tera_comm_init. */
 #ifndef TERA_COMM_H
 #define TERA_COMM_H
 
@@ -9,60 +20,91 @@
 
 #include "tera/status.h"
 
-typedef struct tera_comm tera_comm;
+typedef struct tera_comm tera_comm; /* a group of ranks (opaque) */
+struct tera_comm_backend;           /* a backend's function table (src/comm/comm_impl.h) */
 
-/* Starts the world communicator (MPI_Init when launched by mpirun). Idempotent. */
+/* Starts the world communicator: the first backend that finds its launcher (Open MPI or another
+ * MPI: OMPI_COMM_WORLD_SIZE or PMI_SIZE in the environment; MPI_Init then) serves the world,
+ * otherwise the one-rank world (no launcher needed, nothing initialised). Idempotent; argc/argv may
+ * be NULL. On failure the world stays one rank and the status says why. */
 tera_status tera_comm_init(int *argc, char ***argv);
+/* Ends the world (MPI_Finalize); every request must be complete. No collective after it. */
 void tera_comm_finalize(void);
+/* The world: every rank of the job (before tera_comm_init: the one-rank world). Not freed. */
 tera_comm *tera_comm_world(void);
 int tera_comm_rank(const tera_comm *c);
 int tera_comm_size(const tera_comm *c);
-const char *tera_comm_backend(void); /* "mpi" or "single" */
+const char *tera_comm_backend(void); /* the world's backend: "mpi" or "single" */
 
-/* In-place sums over every rank of c. */
+/* Blocking collectives, in place; buf holds n elements on every rank. Sums over every rank of c
+ * (in the backend's order of additions). n = 0: nothing is sent. */
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n);
 void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n);
 void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n);
 /* In-place element-wise maximum over every rank of c. */
 void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n);
 
-/* In-place reduce-scatter of a buffer split into consecutive ranges of counts[r] elements: on
- * return, rank r's range holds the sum over all ranks of that range (other ranges: undefined). */
+/* In-place reduce-scatter of a buffer split into consecutive ranges of counts[r] elements (counts:
+ * size(c) entries, the same on every rank): on return, rank r's range holds the sum over all ranks
+ * of that range (other ranges: undefined). */
 void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts);
 /* In-place all-gather: rank r contributes its range (counts as above); every rank ends with all. */
 void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts);
 
-/* Non-blocking in-place sum; complete it with tera_comm_wait. */
+/* A non-blocking operation in flight. The caller owns the struct (an array of them, one on the
+ * stack); the backend owns what the operation needs (its request object, the all-gather's counts)
+ * from a pool it sizes at tera_comm_init and grows only when more operations than ever before are in
+ * flight at once (the first step; never in a steady state). A start function sets every field;
+ * tera_comm_wait (or tera_comm_poll seeing it complete) clears it and returns the backend's object
+ * to its pool. A zeroed request is inactive. Every started request must be completed before its
+ * struct is freed or reused. */
 typedef struct {
-    int active;                                 /* 1 while the operation is in flight */
-    _Alignas(16) unsigned char storage[32];     /* the backend's request object */
+    int active;                         /* read-only: 1 while the operation is in flight */
+    const struct tera_comm_backend *be; /* private: the backend that started it */
+    void *op;                           /* private: the backend's object for it (its pool's) */
 } tera_comm_req;
+
+/* Collective, non-blocking in-place sum of n floats (as tera_comm_allreduce_f32). buf must not be
+ * read or written until the request completes. One-rank group or n = 0: complete on return. */
 void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req);
-/* Non-blocking in-place all-gather (counts as tera_comm_allgather_f32). scratch: 2 * size ints the
- * backend keeps its counts in; it and buf must stay untouched until tera_comm_wait. */
-void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, int *scratch, tera_comm_req *req);
+/* Collective, non-blocking in-place all-gather (as tera_comm_allgather_f32): this rank's range of
+ * buf is written before the start; buf (all of it) must then not be read or written until the
+ * request completes. The backend keeps its own copy of counts: the caller may change them at once.
+ * One-rank group: complete on return. */
+void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req);
+/* Blocks until req completes (an inactive request returns at once), under the watchdog below. */
 void tera_comm_wait(tera_comm_req *req);
-/* Lets queued non-blocking operations progress (backends without a progress thread). */
+/* Tests reqs[0..n) once each, completing those that are done (inactive ones are skipped): lets
+ * queued non-blocking operations progress where the backend has no progress thread. Never blocks. */
 void tera_comm_poll(tera_comm_req *reqs, int n);
+/* Collective: returns once every rank of c has entered it. */
 void tera_comm_barrier(tera_comm *c);
 
 /* A sub-group: ranks of c passing the same color form one group, ordered by key (MPI_Comm_split).
- * Called by every rank of c. On one rank it returns a one-rank group. Freed with tera_comm_free. */
+ * Collective over c (blocking). On one rank it returns a one-rank group. The caller owns the group
+ * and frees it with tera_comm_free (not collective; NULL and the world are ignored) once no
+ * operation on it is in flight. */
 tera_comm *tera_comm_split(tera_comm *c, int color, int key);
 void tera_comm_free(tera_comm *c);
-/* All-to-all of n int32 per rank: send[r*n ..] goes to rank r, recv[r*n ..] comes from rank r. */
+/* Collective all-to-all of n int32 per rank: send[r*n ..] goes to rank r, recv[r*n ..] comes from
+ * rank r (send and recv: size(c) * n each, not overlapping). Blocking. */
 void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n);
-/* Non-blocking point-to-point of n floats with rank `peer` of c (complete with tera_comm_wait).
- * n = 0 posts nothing. The tag tells apart messages between the same pair in flight together. */
+/* Non-blocking point-to-point of n floats with rank `peer` of c (not this rank), completed with
+ * tera_comm_wait or tera_comm_poll; not collective: the peer posts the matching call with the same
+ * tag and n. The send's buf must not be written, the receive's not read or written, until the
+ * request completes. n = 0 posts nothing (the request is inactive). The tag tells apart messages
+ * between the same pair in flight together; messages with the same tag arrive in order. */
 void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
 void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req);
 
-/* Waiting and the watchdog. Every wait (collectives, tera_comm_wait) polls: after its first
- * millisecond with sleeps growing to 1 ms, so a rank waiting for a peer does not spin a core. A wait that makes no progress for the
- * timeout means a peer rank stopped answering: the rank asks every other rank what it is doing (a
- * side channel every waiting rank answers), prints one line naming the ranks that did not answer
- * (stalled outside communication, stopped or dead) and where the others wait, and aborts every rank
- * (MPI_Abort), so a hung peer never hangs the job. A dead peer is already reported by the launcher.
+/* Waiting and the watchdog (multi-rank backends; the one-rank world never waits). Every wait
+ * (collectives, tera_comm_wait) polls: after its first millisecond with sleeps growing to 1 ms, so a
+ * rank waiting for a peer does not spin a core. A wait that makes no progress for the timeout means
+ * a peer rank stopped answering: the rank asks every other rank what it is doing (a side channel
+ * every waiting rank answers), prints one line naming the ranks that did not answer (stalled outside
+ * communication, stopped or dead) and where the others wait, and aborts every rank (MPI_Abort), so a
+ * hung peer never hangs the job. A dead peer is already reported by the launcher. The timeout and
+ * the step marks below are kept by src/comm/comm.c for every backend.
  *
  * tera_comm_set_timeout: seconds > 0 fixed, 0 off, < 0 automatic (parallel.timeout_s's default):
  * inside a training step (between tera_comm_step_begin and _end), once TERA_COMM_AUTO_AFTER_STEPS
@@ -86,13 +128,14 @@ double tera_comm_timeout_now(void); /* the limit in effect now, seconds (0 = off
  * that refer to another rank's message ("... on another rank", "see rank 0's message") are printed
  * by rank 0 only. Every rank with an error calls it. An error the other ranks do not share (rank 0
  * sent none within 5 s, or a rank did not take rank 0's) stops the job with MPI_Abort after the
- * message, since those ranks would wait for this one. One rank: a plain print. */
+ * message, since those ranks would wait for this one. One-rank world: a plain print to stderr. */
 void tera_comm_print_error(const char *msg);
 
-/* Bytes this rank has sent since the last reset, by kind. Point-to-point transfers count exactly;
+/* Bytes this rank has sent since the last reset, by kind, counted by src/comm/comm.c whatever the
+ * backend (a one-rank group sends nothing: its counters stay 0). Point-to-point transfers count exactly;
  * a collective over p ranks counts what a bandwidth-optimal (ring) algorithm sends from each rank
  * (all-reduce 2(p-1)/p of the buffer, reduce-scatter and all-gather (p-1)/p, all-to-all (p-1)/p):
- * the volume the layout needs, whatever algorithm the MPI library picks. */
+ * the volume the layout needs, whatever algorithm the backend's library picks. */
 typedef struct {
     double allreduce, reduce_scatter, allgather, alltoall, p2p;
 } tera_comm_traffic;

@@ -137,6 +137,7 @@ typedef struct {
     int log_every;              /* progress line every N steps */
     int progress;               /* 1: progress line on stderr */
     int profile;                /* 1: per-operation time profile at the end */
+    int metrics_port;           /* Prometheus /metrics on this port + world rank (0 = off; docs/MONITORING.md) */
 } tera_logging_config;
 
 typedef struct {

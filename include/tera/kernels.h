@@ -135,4 +135,41 @@ void tera_ce_backward(float *dlogits, const float *logits, const float *lse, con
 void tera_softmax_forward(float *probs, float *lse, const float *logits, int64_t N, int64_t E);
 void tera_softmax_backward(float *dlogits, const float *dprobs, const float *probs, int64_t N, int64_t E);
 
+/* ---- MoE token movement: the row operations of a token dispatcher (src/model/dispatch.c) over
+ * the plan of a micro-batch (tera_moe_plan): slot_row[N*k] is the grouped row of assignment
+ * t*k + j (token t's j-th expert), -1 when dropped; row_tok[R] the token of each grouped row.
+ * Each output row is written by one thread; a row summing several terms adds them in j order. */
+/* Permute: xg[R,D], row r = x[row_tok[r]] (x: [N,D]). Backward: dx[N,D] += sum over token t's kept
+ * assignments j of dxg[slot_row[t*k+j]] (dxg: [R,D]); dx accumulates. */
+void tera_moe_gather_forward(float *xg, const float *x, const int32_t *row_tok, int64_t R, int64_t D);
+void tera_moe_gather_backward(float *dx, const float *dxg, const int32_t *slot_row, int64_t N, int k, int64_t D);
+/* Combine: out[N,D] += sum_j topw[t,j] ye[slot_row[t*k+j]] (ye: [R,D] expert outputs, topw: [N,k]).
+ * Backward: dye[R,D], row slot_row[t*k+j] = topw[t,j] dy[t] (each grouped row is one kept assignment's);
+ * dtopw[N,k] = <dy[t], ye[slot_row[t*k+j]]>, 0 when dropped (both written). dy: [N,D] */
+void tera_moe_combine_forward(float *out, const float *ye, const float *topw, const int32_t *slot_row, int64_t N,
+                              int k, int64_t D);
+void tera_moe_combine_backward(float *dye, float *dtopw, const float *dy, const float *ye, const float *topw,
+                               const int32_t *slot_row, int64_t N, int k, int64_t D);
+
+/* Residual add: y[n] += x[n]. Its backward is the identity (the gradient reaches both inputs
+ * unchanged): no kernel. */
+void tera_add_forward(float *y, const float *x, int64_t n);
+
+/* ---- Scheduling (the CPU backend's threads) */
+/* Threads a parallel region started now would use: per-thread scratch is sized for this. */
+int tera_max_threads(void);
+/* Independent work items (the experts of a MoE layer): 1 when n of them are better run side by side,
+ * each on one thread with single-threaded products (at least two items per thread), 0 when one after
+ * another, each product using every thread. Both give the same numbers. */
+int tera_items_side_by_side(int n);
+/* Calls fn(ctx, i) once for every i in [0, n), side by side: items are handed out one at a time in
+ * index order (so list the largest first), each call runs on exactly one thread, and the kernels it
+ * calls run single-threaded inside it. */
+void tera_for_each_item(int n, void (*fn)(void *ctx, int i), void *ctx);
+
+/* ---- Initialisation: the block [lo, lo + len) (numel = len[0] len[1] len[2] elements, row major)
+ * of a tensor of shape[3], element g of the whole tensor = std * tera_rng_normal(seed, stream, g). */
+void tera_fill_normal_block(float *w, int64_t numel, const int64_t *shape, const int64_t *lo, const int64_t *len,
+                            float std, uint64_t seed, uint64_t stream);
+
 #endif

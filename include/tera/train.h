@@ -158,6 +158,7 @@ typedef struct {
     tera_bf16_gemm bf16_gemm;   /* bf16: the units its products run on (training.bf16_gemm resolved) */
     const char *bf16_gemm_note; /* bf16: one line, the units and why ("" otherwise; static storage) */
     tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
+    struct tera_metrics_http *http; /* logging.metrics_port's endpoint (src/obs/metrics_http.c; NULL: off) */
 } tera_trainer;
 
 /* overwrite: 0 = refuse a non-empty run directory, TERA_RUN_CONTINUE = use it as it is (resume),

@@ -798,6 +798,40 @@ void tera_ckpt_reader_close(tera_ckpt_reader *r) {
 
 static int open_ro(const char *path) { return open(path, O_RDONLY | O_CLOEXEC); }
 
+/* A tensor of f named name must have exactly (ndim, shape), as tera_st_read_f32 demands. */
+static tera_status check_shape(const tera_st_file *f, const char *name, int ndim, const int64_t *shape) {
+    const tera_st_tensor *t = tera_st_find(f, name);
+    if (!t) return tera_fail(TERA_ERR_FORMAT, "%s: no tensor '%s'", f->path, name);
+    int same = t->ndim == ndim;
+    for (int d = 0; same && d < ndim; d++) same = t->shape[d] == shape[d];
+    if (!same) return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' does not have the shape the checkpoint describes", f->path, name);
+    return TERA_OK;
+}
+
+/* Every tensor a full (whole) checkpoint must hold, with its shape. */
+static tera_status check_whole(const tera_ckpt_reader *r) {
+    char name[192];
+    for (int i = 0; i < r->g->n_params; i++) {
+        const tera_param *p = &r->g->params[i];
+        for (int e = 0; e < (p->expert_stacked ? (int)p->shape[0] : 1); e++) {
+            if (p->expert_stacked) {
+                const char *pc = strstr(p->name, "%d");
+                snprintf(name, sizeof name, "%.*s%d%s", (int)(pc - p->name), p->name, e, pc + 2);
+            } else {
+                snprintf(name, sizeof name, "%s", p->name);
+            }
+            const tera_st_file *f = tera_st_set_find(&r->set, name);
+            if (!f) return tera_fail(TERA_ERR_FORMAT, "%s: missing tensor '%s'", r->dir, name);
+            TERA_TRY(check_shape(f, name, p->expert_stacked ? 2 : p->ndim, p->expert_stacked ? &p->shape[1] : p->shape));
+        }
+        for (int k = 1; k < 3 && r->has_opt; k++) {
+            snprintf(name, sizeof name, k == 1 ? "exp_avg.%d" : "exp_avg_sq.%d", i);
+            TERA_TRY(check_shape(&r->opt, name, p->ndim, p->shape));
+        }
+    }
+    return TERA_OK;
+}
+
 /* The pieces of a sharded manifest, checked to cover each tensor. */
 static tera_status reader_pieces(tera_ckpt_reader *r, const cJSON *man, const char *dir) {
     const tera_model *m = r->g;
@@ -871,6 +905,14 @@ static tera_status reader_pieces(tera_ckpt_reader *r, const cJSON *man, const ch
         if (s == TERA_OK && (r->fds[f] = open_ro(path)) < 0)
             s = tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     }
+    static const char prefix[3] = {'w', 'm', 'v'};
+    char key[32];
+    for (int i = 0; i < m->n_params && s == TERA_OK; i++)
+        for (int q = 0; q < r->n_pieces[i] && s == TERA_OK; q++)
+            for (int k = 0; k < 3 && s == TERA_OK; k++) {
+                snprintf(key, sizeof key, "%c.%d", prefix[k], i);
+                s = check_shape(&r->files[r->pieces[i][q].file], key, m->params[i].ndim, r->pieces[i][q].len);
+            }
     return s;
 }
 
@@ -920,6 +962,7 @@ static tera_status reader_open_one(tera_ckpt_reader **out, const char *dir, cons
                 r->has_opt = s == TERA_OK;
                 if (s == TERA_OK) r->opt_fd = open_ro(path);
             }
+            if (s == TERA_OK) s = check_whole(r);
         }
     }
     cJSON_Delete(man);

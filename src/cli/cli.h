@@ -13,6 +13,7 @@ int tera_cmd_data(int argc, char **argv);
 int tera_cmd_tokenizer(int argc, char **argv);
 int tera_cmd_ckpt(int argc, char **argv);
 int tera_cmd_schedule(int argc, char **argv);
+int tera_cmd_plan(int argc, char **argv);
 
 /* Shared argument handling: -c FILE, --section.key=value overrides, and the flags named in
  * `flags` (e.g. "force", "resume"), whose presence is reported through flag_set[i]. Prints one

@@ -55,7 +55,7 @@ static double cpu_seconds(void) {
 
 /* ------------------------------------------------------------------------------------------
  * The communication of one training step under a layout: bytes one rank sends, by kind of
- * transfer, as src/comm/comm_mpi.c counts them (collectives at ring-algorithm volume: an
+ * transfer, as src/comm/comm.c counts them (collectives at ring-algorithm volume: an
  * all-reduce of n bytes over p ranks sends 2(p-1)/p n, a reduce-scatter or an all-gather of n
  * bytes in all (p-1)/p n; point-to-point exactly). The minimum is what the layout must move:
  * gradient sums over the data-parallel ranks, tensor-parallel partial sums, ZeRO-3's parameter

@@ -16,8 +16,9 @@ typedef struct {
 } usage_row;
 
 static const usage_row g_usage[] = {
-    {"train", NULL, "train [-c FILE] [--section.key=value ...] [--force | --resume]",
-     "train a model; --force overwrites logging.run_dir, --resume continues it from its newest checkpoint"},
+    {"train", NULL, "train [-c FILE] [--section.key=value ...] [--force | --resume | --dry-run]",
+     "train a model; --force overwrites logging.run_dir, --resume continues it from its newest checkpoint;\n"
+     "--dry-run prints the memory of every rank of the layout without allocating it (tera plan --dry-run)"},
     {"eval", NULL, "eval --from DIR [-c FILE] [--section.key=value ...]",
      "validation loss of a Hugging Face directory or checkpoint, as one JSON line; runs in fp32 unless\n"
      "--training.precision is given on the command line"},
@@ -47,6 +48,15 @@ static const usage_row g_usage[] = {
      "`tera train -c RUN_DIR/config.ini --resume` continues from it"},
     {"schedule", NULL, "schedule --kind gpipe|1f1b|interleaved --pp P --micro M [--chunks V]",
      "print a pipeline schedule, its simulated bubble and activation footprint"},
+    {"plan", NULL,
+     "plan -c MODEL.ini --hardware FILE --devices N --global-batch B [--seq-len T] [--top K]\n"
+     "                  [--write-config FILE] [--efficiency F] [--reserve F] [--max-tp N] [--threads N] [--json]\n"
+     "  tera plan --dry-run [-c FILE] [--section.key=value ...] [--hardware FILE] [--json]   (= tera train --dry-run)",
+     "search the layouts (dp, tp, pp, ep, ZeRO, schedule, chunks, recompute, micro-batch) that the configuration\n"
+     "accepts for N devices, drop those that do not fit in memory (--reserve, default 0.10), rank the rest by a\n"
+     "first time model (FLOPs at --efficiency of peak, default 0.40; alpha-beta communication; pipeline bubble);\n"
+     "--dry-run prints the memory of every rank role of the configuration's own layout without allocating it;\n"
+     "docs/PLAN.md"},
 };
 #define N_USAGE (sizeof g_usage / sizeof g_usage[0])
 
@@ -101,6 +111,9 @@ int main(int argc, char **argv) {
 }
 
 static int dispatch(int argc, char **argv, const char *cmd) {
+    int dry_run = 0; /* tera train --dry-run: the memory plan of the layout, nothing allocated (tera plan) */
+    for (int i = 2; i < argc; i++) dry_run |= !strcmp(argv[i], "--dry-run");
+    if (!strcmp(cmd, "train") && dry_run) return tera_cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "train")) return tera_cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "eval")) return tera_cmd_eval(argc - 2, argv + 2);
     if (!strcmp(cmd, "export-hf")) return tera_cmd_export_hf(argc - 2, argv + 2);
@@ -110,6 +123,7 @@ static int dispatch(int argc, char **argv, const char *cmd) {
     if (!strcmp(cmd, "tokenizer")) return tera_cmd_tokenizer(argc - 2, argv + 2);
     if (!strcmp(cmd, "ckpt")) return tera_cmd_ckpt(argc - 2, argv + 2);
     if (!strcmp(cmd, "schedule")) return tera_cmd_schedule(argc - 2, argv + 2);
+    if (!strcmp(cmd, "plan")) return tera_cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage(stdout);
         return 0;

@@ -1,8 +1,15 @@
-/* MPI backend of the communicator, and the one-rank world when no launcher started the program.
+/* The MPI (Open MPI) backend of the communicator (struct tera_comm_backend, comm_impl.h): serves
+ * the world when a launcher started the program; src/comm/comm.c routes one-rank groups to the
+ * one-rank backend, so every entry here sees two ranks or more (split and free excepted).
  *
  * Launch detection: Open MPI (OMPI_COMM_WORLD_SIZE), MPICH/Hydra and Slurm (PMI_SIZE) set these in
  * every rank's environment; without them tera runs as one rank and never initialises MPI, so a
  * single-process run needs no mpirun and pays nothing for it.
+ *
+ * Requests: every non-blocking operation takes an object (its MPI_Request, its kind, the
+ * all-gather's counts) from a pool this backend owns: POOL_CHUNK objects allocated at init, another
+ * chunk only when more operations than ever before are in flight at once (the first step), never
+ * moved (MPI reads the counts until the operation completes), all freed at finalize.
  *
  * Waiting: every collective is started non-blocking and completed by one polling loop (MPI_Test on
  * end for 50 us, yielding the core until 1 ms, then sleeps growing from 50 us to 1 ms), so a rank
@@ -23,15 +30,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "tera/comm.h"
+#include "comm_impl.h"
 
-struct tera_comm {
-    MPI_Comm mpi;        /* MPI_COMM_NULL for the one-rank world */
-    int rank, size;
-};
+/* A group's ctx is an MPI_Comm * (the world's: &g_world_comm). */
+static MPI_Comm g_world_comm = MPI_COMM_NULL;
+static int g_rank = 0, g_size = 1; /* this rank in the world, the world's size */
+static int g_mpi = 0;              /* MPI initialised and not finalized */
 
-static tera_comm g_world = {.mpi = MPI_COMM_NULL, .rank = 0, .size = 1};
-static int g_inited = 0, g_mpi = 0;
+static MPI_Comm comm_of(const tera_comm *c) { return *(const MPI_Comm *)c->ctx; }
 
 extern void (*tera_abort_hook)(void);
 
@@ -61,22 +67,7 @@ static void sleep_s(double s) {
     nanosleep(&ts, NULL);
 }
 
-/* ---- the timeout (parallel.timeout_s): fixed, off, or automatic from the measured steps */
-static _Atomic double g_user_timeout = -1.0; /* > 0 fixed, 0 off, < 0 automatic */
-static _Atomic int g_in_step = 0;            /* between tera_comm_step_begin and _end */
-static _Atomic long long g_step = -1;        /* the step begun last */
-static _Atomic int g_steps_timed = 0;        /* steps measured in this process */
-static _Atomic double g_slowest_step = 0.0;  /* the slowest of them after the first */
-
-double tera_comm_timeout_now(void) {
-    const double u = g_user_timeout;
-    if (u >= 0.0) return u;
-    const double auto_t = TERA_COMM_AUTO_FACTOR * g_slowest_step;
-    if (g_in_step && g_steps_timed >= TERA_COMM_AUTO_AFTER_STEPS)
-        return fmax(TERA_COMM_AUTO_FLOOR_S, auto_t);
-    return fmax(TERA_COMM_STARTUP_S, auto_t);
-}
-
+/* ---- the timeout: tera_comm_timeout_now() (comm.c) */
 /* the grace period the stalled operation's rank gives the others to answer its question */
 static double grace_s(double limit) { return fmin(fmax(0.25 * limit, 1.0), 10.0); }
 
@@ -123,9 +114,9 @@ static void serve_questions(void) {
         if (g_answer_req[from] != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&g_answer_req[from], &done, MPI_STATUS_IGNORE));
         if (done) {
             const double t0 = g_op_start;
-            g_answer[from][ST_RANK] = g_world.rank;
+            g_answer[from][ST_RANK] = g_rank;
             g_answer[from][ST_OP] = g_op;
-            g_answer[from][ST_STEP] = g_step;
+            g_answer[from][ST_STEP] = (long long)tera__comm_step();
             g_answer[from][ST_WAITED_MS] = t0 > 0.0 ? (long long)(1e3 * (mono() - t0)) : 0;
             MPI_CHECK(MPI_Isend(g_answer[from], ST_LEN, MPI_LONG_LONG, from, TAG_A, g_side, &g_answer_req[from]));
         }
@@ -149,7 +140,7 @@ static int append(char *buf, size_t n, size_t *len, const char *fmt, ...) {
  * Returns 1 when r completed meanwhile, 0 when a lower rank asked meanwhile (that one reports);
  * otherwise prints one line and aborts every rank. */
 static int diagnose_and_abort(MPI_Request *r, double limit, int op) {
-    const int n = g_world.size, me = g_world.rank;
+    const int n = g_size, me = g_rank;
     long long(*ans)[ST_LEN] = calloc((size_t)n, sizeof *ans);
     MPI_Request *rq = calloc((size_t)n * 2, sizeof *rq);
     int *got = calloc((size_t)n, sizeof(int));
@@ -206,14 +197,14 @@ static int diagnose_and_abort(MPI_Request *r, double limit, int op) {
     } else {
         append(msg, sizeof msg, &len, ": every rank answered and is waiting (the ranks' operations do not match):");
     }
-    append(msg, sizeof msg, &len, " rank %d in %s at step %lld", me, g_op_names[op], (long long)g_step);
+    append(msg, sizeof msg, &len, " rank %d in %s at step %lld", me, g_op_names[op], (long long)tera__comm_step());
     for (int p = 0; p < n; p++)
         if (p != me && got[p]) {
             const int o = ans[p][ST_OP] >= 0 && ans[p][ST_OP] < OP_COUNT ? (int)ans[p][ST_OP] : OP_NONE;
             append(msg, sizeof msg, &len, ", rank %d in %s at step %lld", p, g_op_names[o], ans[p][ST_STEP]);
         }
     append(msg, sizeof msg, &len, "; aborting every rank (parallel.timeout_s%s)",
-           g_user_timeout < 0.0 ? ": automatic, see docs/PARALLELISM.md" : "");
+           tera__comm_timeout_auto() ? ": automatic, see docs/PARALLELISM.md" : "");
     fprintf(stderr, "%s\n", msg);
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 3);
@@ -250,7 +241,7 @@ static void wait_req(MPI_Request *r, int op) {
         const double limit = tera_comm_timeout_now();
         if (limit > 0.0 && now - t0 > limit) {
             /* a lower rank asked recently: it reports; wait for its abort (and report if it never comes) */
-            if (g_asker >= 0 && g_asker < g_world.rank && now - g_asked_at < grace_s(limit) + 30.0) continue;
+            if (g_asker >= 0 && g_asker < g_rank && now - g_asked_at < grace_s(limit) + 30.0) continue;
             if (diagnose_and_abort(r, limit, op)) break; /* completed after all */
         }
     }
@@ -274,7 +265,7 @@ static void *watchdog(void *arg) {
             fprintf(stderr,
                     "tera: fatal: rank %d: %s made no progress for %.0f s: a peer rank stopped answering "
                     "(parallel.timeout_s); aborting every rank\n",
-                    g_world.rank, g_op_names[g_op >= 0 && g_op < OP_COUNT ? g_op : OP_NONE], limit);
+                    g_rank, g_op_names[g_op >= 0 && g_op < OP_COUNT ? g_op : OP_NONE], limit);
             fflush(stderr);
             MPI_Abort(MPI_COMM_WORLD, 3);
             _exit(3);
@@ -283,60 +274,94 @@ static void *watchdog(void *arg) {
     return NULL;
 }
 
-void tera_comm_set_timeout(double seconds) { g_user_timeout = seconds < 0.0 ? -1.0 : seconds; }
-
-/* test hook: TERA_FAULT_STALL_STEP=S@RANK stops world rank RANK at the start of step S (it sleeps) */
-static long long g_stall_step = -1;
-static int g_stall_rank = -1;
-
-void tera_comm_step_begin(int64_t step) {
-    g_step = step;
-    g_in_step = 1;
-    if (step == g_stall_step && g_world.rank == g_stall_rank) {
-        fprintf(stderr, "tera: rank %d stalls at step %lld (TERA_FAULT_STALL_STEP)\n", g_world.rank, g_stall_step);
-        fflush(stderr);
-        for (;;) sleep_s(3600.0);
-    }
-}
-
-void tera_comm_step_end(double seconds) {
-    g_in_step = 0;
-    if (g_steps_timed++ > 0 && seconds > g_slowest_step) g_slowest_step = seconds; /* the first is warm-up */
-}
-
-static int launched_by_mpi(void) {
+static int mpi_launched(void) {
     const char *v = getenv("OMPI_COMM_WORLD_SIZE");
     if (!v) v = getenv("PMI_SIZE");
     return v != NULL;
 }
 
-tera_status tera_comm_init(int *argc, char ***argv) {
-    if (g_inited) return TERA_OK;
-    g_inited = 1;
-    if (!launched_by_mpi()) return TERA_OK;
+/* ---- the request pool: objects never move (MPI reads an all-gather's counts until it completes) */
+typedef struct mpi_op {
+    MPI_Request r;          /* the MPI request, MPI_REQUEST_NULL while free */
+    int kind;               /* OP_WAIT_ALLREDUCE, OP_WAIT_ALLGATHER, OP_SEND or OP_RECV */
+    int *cnt, *disp;        /* the all-gather's counts and displacements ([world size] each) */
+    struct mpi_op *next;    /* the free list */
+} mpi_op;
+
+typedef struct pool_chunk {
+    struct pool_chunk *next; /* the chunks, for finalize */
+    mpi_op *op;              /* [POOL_CHUNK] */
+    int *ints;               /* [POOL_CHUNK][2 world size] the ops' counts */
+} pool_chunk;
+
+#define POOL_CHUNK 128
+static pool_chunk *g_chunks = NULL;
+static mpi_op *g_free_ops = NULL;
+
+static void pool_grow(void) {
+    pool_chunk *ch = tera_calloc(1, sizeof *ch);
+    ch->op = tera_calloc(POOL_CHUNK, sizeof *ch->op);
+    ch->ints = tera_calloc((size_t)POOL_CHUNK * 2 * (size_t)g_size, sizeof(int));
+    for (int i = POOL_CHUNK - 1; i >= 0; i--) {
+        mpi_op *o = &ch->op[i];
+        o->r = MPI_REQUEST_NULL;
+        o->cnt = ch->ints + (size_t)i * 2 * (size_t)g_size;
+        o->disp = o->cnt + g_size;
+        o->next = g_free_ops;
+        g_free_ops = o;
+    }
+    ch->next = g_chunks;
+    g_chunks = ch;
+}
+
+static mpi_op *pool_take(int kind) {
+    if (!g_free_ops) pool_grow(); /* more in flight than ever before */
+    mpi_op *o = g_free_ops;
+    g_free_ops = o->next;
+    o->next = NULL;
+    o->kind = kind;
+    return o;
+}
+
+static void pool_put(mpi_op *o) {
+    TERA_ASSERTF(o->r == MPI_REQUEST_NULL && o->kind != OP_NONE, "MPI backend: request released twice or in flight");
+    o->kind = OP_NONE;
+    o->next = g_free_ops;
+    g_free_ops = o;
+}
+
+static void pool_free(void) {
+    while (g_chunks) {
+        pool_chunk *ch = g_chunks;
+        g_chunks = ch->next;
+        free(ch->ints);
+        free(ch->op);
+        free(ch);
+    }
+    g_free_ops = NULL;
+}
+
+/* ---- the world */
+static tera_status mpi_init(int *argc, char ***argv, tera_comm *world) {
     int provided;
     if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
         return tera_fail(TERA_ERR_IO, "MPI_Init_thread failed");
     g_mpi = 1;
     /* errors return codes (checked by MPI_CHECK, which aborts every rank with file:line) */
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    g_world.mpi = MPI_COMM_WORLD;
-    MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &g_world.size);
+    g_world_comm = MPI_COMM_WORLD;
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+    *world = (tera_comm){.be = &tera__comm_mpi, .ctx = &g_world_comm, .rank = g_rank, .size = g_size};
     tera_abort_hook = abort_all_ranks;
-    const char *f = getenv("TERA_FAULT_STALL_STEP");
-    if (f && *f) {
-        const char *at = strchr(f, '@');
-        g_stall_step = atoll(f);
-        g_stall_rank = at ? atoi(at + 1) : 0;
-    }
-    if (g_world.size > 1) {
+    if (g_size > 1) {
         MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &g_side));
         MPI_Comm_set_errhandler(g_side, MPI_ERRORS_RETURN);
-        g_answer = tera_calloc((size_t)g_world.size, sizeof *g_answer);
-        g_answer_req = tera_calloc((size_t)g_world.size, sizeof *g_answer_req);
-        for (int p = 0; p < g_world.size; p++) g_answer_req[p] = MPI_REQUEST_NULL;
+        g_answer = tera_calloc((size_t)g_size, sizeof *g_answer);
+        g_answer_req = tera_calloc((size_t)g_size, sizeof *g_answer_req);
+        for (int p = 0; p < g_size; p++) g_answer_req[p] = MPI_REQUEST_NULL;
         post_question_recv();
+        pool_grow();
         if (pthread_create(&g_watchdog, NULL, watchdog, NULL) == 0) {
             pthread_detach(g_watchdog);
             g_watchdog_running = 1;
@@ -345,19 +370,20 @@ tera_status tera_comm_init(int *argc, char ***argv) {
     return TERA_OK;
 }
 
-void tera_comm_finalize(void) {
+static void mpi_finalize(void) {
     if (!g_mpi) return;
     g_op_start = 0.0;
     if (g_side != MPI_COMM_NULL) {
         MPI_Cancel(&g_q_req);
         MPI_Wait(&g_q_req, MPI_STATUS_IGNORE);
-        for (int p = 0; p < g_world.size; p++)
+        for (int p = 0; p < g_size; p++)
             if (g_answer_req[p] != MPI_REQUEST_NULL) MPI_Request_free(&g_answer_req[p]);
         MPI_Comm_free(&g_side);
         free(g_answer);
         free(g_answer_req);
     }
     MPI_Finalize();
+    pool_free();
     g_mpi = 0;
 }
 
@@ -368,13 +394,13 @@ void tera_comm_finalize(void) {
  * a rank did not take rank 0's) stops the job with MPI_Abort after printing: the other ranks would
  * wait for it in their next collective. */
 #define ERROR_WAIT_S 5.0
-void tera_comm_print_error(const char *msg) {
-    if (!g_mpi || g_world.size == 1 || g_side == MPI_COMM_NULL) {
+static void mpi_print_error(const char *msg) {
+    if (!g_mpi || g_size == 1 || g_side == MPI_COMM_NULL) {
         fprintf(stderr, "tera: error: %s\n", msg);
         return;
     }
-    const int n = g_world.size;
-    if (g_world.rank == 0) {
+    const int n = g_size;
+    if (g_rank == 0) {
         fprintf(stderr, "tera: error: %s\n", msg);
         fflush(stderr);
         const int len = (int)strnlen(msg, 4095) + 1;
@@ -408,41 +434,42 @@ void tera_comm_print_error(const char *msg) {
     /* messages that refer to another rank's own message are left to that rank */
     const int defers = strstr(msg, "another rank") || strstr(msg, "rank 0's message") || strstr(msg, "on rank 0");
     if (!defers && (!done || strncmp(root, msg, 4095) != 0)) {
-        fprintf(stderr, "tera: error (rank %d): %s\n", g_world.rank, msg);
+        fprintf(stderr, "tera: error (rank %d): %s\n", g_rank, msg);
         fflush(stderr);
     }
     free(root);
     if (!done) MPI_Abort(MPI_COMM_WORLD, 1); /* rank 0 has no error: it waits for this rank */
 }
 
-tera_comm *tera_comm_world(void) { return &g_world; }
-int tera_comm_rank(const tera_comm *c) { return c->rank; }
-int tera_comm_size(const tera_comm *c) { return c->size; }
-const char *tera_comm_backend(void) { return g_mpi ? "mpi" : "single"; }
 
-static tera_comm_traffic g_traffic;
-tera_comm_traffic tera_comm_traffic_get(void) { return g_traffic; }
-void tera_comm_traffic_reset(void) { memset(&g_traffic, 0, sizeof g_traffic); }
-static double ring_share(const tera_comm *c) { return (double)(c->size - 1) / (double)c->size; }
+/* ---- collectives (c->size >= 2: comm.c serves one-rank groups and counts the traffic) */
 
 /* MPI counts are int: large buffers go in pieces */
 #define MAX_PIECE ((int64_t)1 << 30)
 
-static void allreduce(tera_comm *c, void *buf, int64_t n, MPI_Datatype dt, size_t es, MPI_Op op) {
-    if (c->size == 1 || n == 0) return;
-    g_traffic.allreduce += 2.0 * ring_share(c) * (double)n * (double)es;
+static MPI_Datatype mpi_type(tera_comm_dtype dt) {
+    switch (dt) {
+    case TERA_COMM_F32: return MPI_FLOAT;
+    case TERA_COMM_F64: return MPI_DOUBLE;
+    case TERA_COMM_I64: return MPI_INT64_T;
+    }
+    TERA_ASSERTF(0, "MPI backend: unknown data type %d", (int)dt);
+    return MPI_DATATYPE_NULL;
+}
+
+static size_t type_size(tera_comm_dtype dt) { return dt == TERA_COMM_F32 ? 4 : 8; }
+
+static void mpi_allreduce(tera_comm *c, void *buf, int64_t n, tera_comm_dtype dt, tera_comm_redop op) {
+    const MPI_Datatype t = mpi_type(dt);
+    const size_t es = type_size(dt);
+    const MPI_Op o = op == TERA_COMM_MAX ? MPI_MAX : MPI_SUM;
     for (int64_t off = 0; off < n; off += MAX_PIECE) {
         int64_t k = n - off < MAX_PIECE ? n - off : MAX_PIECE;
         MPI_Request r;
-        MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, dt, op, c->mpi, &r));
+        MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + off * (int64_t)es, (int)k, t, o, comm_of(c), &r));
         wait_req(&r, OP_ALLREDUCE);
     }
 }
-
-void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_SUM); }
-void tera_comm_allreduce_f64(tera_comm *c, double *buf, int64_t n) { allreduce(c, buf, n, MPI_DOUBLE, 8, MPI_SUM); }
-void tera_comm_allreduce_i64(tera_comm *c, int64_t *buf, int64_t n) { allreduce(c, buf, n, MPI_INT64_T, 8, MPI_SUM); }
-void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n) { allreduce(c, buf, n, MPI_FLOAT, 4, MPI_MAX); }
 
 /* counts/displacements as MPI ints (ranges must stay below 2^31 elements each) */
 static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int *disp) {
@@ -456,133 +483,123 @@ static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int 
     }
 }
 
-void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    if (c->size == 1) return;
+static void mpi_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
     int cnt[1024], disp[1024];
     TERA_ASSERT(c->size <= 1024);
     int_counts(c, counts, cnt, disp);
-    g_traffic.reduce_scatter += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
     /* MPI_IN_PLACE: input from buf, this rank's result at the START of buf: move it into place */
     MPI_Request r;
-    MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, cnt, MPI_FLOAT, MPI_SUM, c->mpi, &r));
+    MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &r));
     wait_req(&r, OP_REDUCE_SCATTER);
     if (disp[c->rank] > 0) memmove(buf + disp[c->rank], buf, sizeof(float) * (size_t)cnt[c->rank]);
 }
 
-void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    if (c->size == 1) return;
+static void mpi_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
     int cnt[1024], disp[1024];
     TERA_ASSERT(c->size <= 1024);
     int_counts(c, counts, cnt, disp);
-    g_traffic.allgather += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
     MPI_Request r;
-    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, c->mpi, &r));
+    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, comm_of(c), &r));
     wait_req(&r, OP_ALLGATHER);
 }
 
-_Static_assert(sizeof(MPI_Request) <= sizeof(((tera_comm_req *)0)->storage), "tera_comm_req too small");
+static void mpi_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {
+    MPI_Request r;
+    MPI_CHECK(MPI_Ialltoall(send, n, MPI_INT32_T, recv, n, MPI_INT32_T, comm_of(c), &r));
+    wait_req(&r, OP_ALLTOALL);
+}
 
-static MPI_Request *req_of(tera_comm_req *req) { return (MPI_Request *)(void *)req->storage; }
+static void mpi_barrier(tera_comm *c) {
+    MPI_Request r;
+    MPI_CHECK(MPI_Ibarrier(comm_of(c), &r));
+    wait_req(&r, OP_BARRIER);
+}
 
-void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req) {
-    req->active = 0;
-    if (c->size == 1 || n == 0) return;
+/* ---- non-blocking operations: an object from the pool each */
+static void *mpi_iallreduce_f32(tera_comm *c, float *buf, int64_t n) {
     TERA_ASSERTF(n <= MAX_PIECE, "non-blocking all-reduce of %ld floats: buckets must be smaller", (long)n);
-    g_traffic.allreduce += 2.0 * ring_share(c) * 4.0 * (double)n;
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, c->mpi, req_of(req)));
-    req->active = OP_WAIT_ALLREDUCE;
+    mpi_op *o = pool_take(OP_WAIT_ALLREDUCE);
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
+    return o;
 }
 
-void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, int *scratch, tera_comm_req *req) {
-    req->active = 0;
-    if (c->size == 1) return;
-    int *cnt = scratch, *disp = scratch + c->size;
-    int_counts(c, counts, cnt, disp);
-    g_traffic.allgather += ring_share(c) * 4.0 * (double)(disp[c->size - 1] + cnt[c->size - 1]);
-    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, c->mpi, req_of(req)));
-    req->active = OP_WAIT_ALLGATHER;
+static void *mpi_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *o = pool_take(OP_WAIT_ALLGATHER);
+    int_counts(c, counts, o->cnt, o->disp); /* kept with the request until it completes */
+    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, o->cnt, o->disp, MPI_FLOAT, comm_of(c), &o->r));
+    return o;
 }
 
-/* req->active holds the kind of the operation in flight (OP_WAIT_*, OP_SEND, OP_RECV), 0 when none */
-void tera_comm_wait(tera_comm_req *req) {
-    if (!req->active) return;
-    wait_req(req_of(req), req->active);
-    req->active = 0;
+static void *mpi_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag) {
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    mpi_op *o = pool_take(OP_SEND);
+    MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, comm_of(c), &o->r));
+    return o;
 }
 
-void tera_comm_poll(tera_comm_req *reqs, int n) {
-    for (int i = 0; i < n; i++) {
-        if (!reqs[i].active) continue;
-        int done = 0;
-        MPI_CHECK(MPI_Test(req_of(&reqs[i]), &done, MPI_STATUS_IGNORE));
-        if (done) reqs[i].active = 0;
-    }
+static void *mpi_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag) {
+    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
+    mpi_op *o = pool_take(OP_RECV);
+    MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, comm_of(c), &o->r));
+    return o;
 }
 
-tera_comm *tera_comm_split(tera_comm *c, int color, int key) {
-    tera_comm *g = tera_calloc(1, sizeof *g);
-    if (c->size == 1) {
-        *g = (tera_comm){.mpi = MPI_COMM_NULL, .rank = 0, .size = 1};
-        return g;
-    }
+static void mpi_wait(void *op) {
+    mpi_op *o = op;
+    wait_req(&o->r, o->kind);
+    pool_put(o);
+}
+
+static int mpi_test(void *op) {
+    mpi_op *o = op;
+    int done = 0;
+    MPI_CHECK(MPI_Test(&o->r, &done, MPI_STATUS_IGNORE));
+    if (done) pool_put(o);
+    return done;
+}
+
+/* ---- groups */
+static void mpi_split(tera_comm *c, int color, int key, tera_comm *g) {
+    MPI_Comm *m = tera_calloc(1, sizeof *m);
     /* blocking (there is no non-blocking split): the backup thread times it out */
     g_op = OP_SPLIT;
     g_op_blocking = 1;
     g_op_start = mono();
-    MPI_CHECK(MPI_Comm_split(c->mpi, color, key, &g->mpi));
+    MPI_CHECK(MPI_Comm_split(comm_of(c), color, key, m));
     g_op_start = 0.0;
     g_op_blocking = 0;
     g_op = OP_NONE;
-    MPI_Comm_set_errhandler(g->mpi, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(g->mpi, &g->rank);
-    MPI_Comm_size(g->mpi, &g->size);
-    return g;
+    MPI_Comm_set_errhandler(*m, MPI_ERRORS_RETURN);
+    *g = (tera_comm){.be = &tera__comm_mpi, .ctx = m};
+    MPI_Comm_rank(*m, &g->rank);
+    MPI_Comm_size(*m, &g->size);
 }
 
-void tera_comm_free(tera_comm *c) {
-    if (!c || c == &g_world) return;
-    if (c->mpi != MPI_COMM_NULL && g_mpi) MPI_Comm_free(&c->mpi);
-    free(c);
+static void mpi_free(tera_comm *g) {
+    MPI_Comm *m = g->ctx;
+    if (!m || m == &g_world_comm) return;
+    if (*m != MPI_COMM_NULL && g_mpi) MPI_Comm_free(m);
+    free(m);
 }
 
-void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {
-    if (c->size == 1) {
-        memcpy(recv, send, sizeof(int32_t) * (size_t)n);
-        return;
-    }
-    g_traffic.alltoall += (double)(c->size - 1) * 4.0 * n;
-    MPI_Request r;
-    MPI_CHECK(MPI_Ialltoall(send, n, MPI_INT32_T, recv, n, MPI_INT32_T, c->mpi, &r));
-    wait_req(&r, OP_ALLTOALL);
-}
-
-/* A non-blocking send (send = 1, counted as traffic) or receive of n floats with `peer`. */
-static void p2p(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req, int send) {
-    req->active = 0;
-    if (n == 0) return;
-    TERA_ASSERTF(c->size > 1 && peer != c->rank, "point-to-point %s rank %d of a group of %d",
-                 send ? "send to" : "receive from", peer, c->size);
-    TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
-    if (send) {
-        g_traffic.p2p += 4.0 * (double)n;
-        MPI_CHECK(MPI_Isend(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
-    } else {
-        MPI_CHECK(MPI_Irecv(buf, (int)n, MPI_FLOAT, peer, tag, c->mpi, req_of(req)));
-    }
-    req->active = send ? OP_SEND : OP_RECV;
-}
-
-void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
-    p2p(c, (float *)buf, n, peer, tag, req, 1); /* MPI_Isend reads it only */
-}
-
-void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
-    p2p(c, buf, n, peer, tag, req, 0);
-}
-
-void tera_comm_barrier(tera_comm *c) {
-    if (c->size == 1) return;
-    MPI_Request r;
-    MPI_CHECK(MPI_Ibarrier(c->mpi, &r));
-    wait_req(&r, OP_BARRIER);
-}
+const struct tera_comm_backend tera__comm_mpi = {
+    .name = "mpi",
+    .launched = mpi_launched,
+    .init = mpi_init,
+    .finalize = mpi_finalize,
+    .allreduce = mpi_allreduce,
+    .reduce_scatter_f32 = mpi_reduce_scatter_f32,
+    .allgather_f32 = mpi_allgather_f32,
+    .alltoall_i32 = mpi_alltoall_i32,
+    .barrier = mpi_barrier,
+    .iallreduce_f32 = mpi_iallreduce_f32,
+    .iallgather_f32 = mpi_iallgather_f32,
+    .isend_f32 = mpi_isend_f32,
+    .irecv_f32 = mpi_irecv_f32,
+    .wait = mpi_wait,
+    .test = mpi_test,
+    .split = mpi_split,
+    .free = mpi_free,
+    .print_error = mpi_print_error,
+};

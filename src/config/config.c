@@ -304,16 +304,19 @@ static const config__key config__keys[] = {
     K_BOOL(checkpoint, sharded, "false",
            "with several ranks, every rank writes its own blocks of the parameters and Adam moments "
            "(rank-NNNNN.safetensors; the manifest lists the slice each file holds) instead of world rank 0 "
-           "writing the whole model; loads under any layout; differential like the others (streamed, synchronous)"),
+           "writing the whole model; loads under any layout; asynchronous and differential like the others (streamed)"),
     K_INT(checkpoint, writer_buffer_mb, "16", 1, 65536,
           "several ranks: a save streams the model through windows of this many MiB (every rank's one transfer "
-          "buffer; no rank holds the whole model); such saves are synchronous"),
+          "buffer; no rank holds the whole model); the windows are the step loop's pause"),
 
     /* [logging] -------------------------------------------------------------------------------- */
     K_STRING(logging, run_dir, "runs/default", "the run's own directory (config, metrics.jsonl, checkpoints); \"\" = write nothing"),
     K_INT(logging, log_every, "10", 1, INT_MAX, "progress line every N steps"),
     K_BOOL(logging, progress, "true", "print the progress line on stderr"),
     K_BOOL(logging, profile, "false", "print a per-operation time profile at the end"),
+    K_INT(logging, metrics_port, "0", 0, 65535,
+          "serve Prometheus metrics at http://HOST:PORT/metrics, one endpoint per rank on port metrics_port + world "
+          "rank (a port in use is an error at start; docs/MONITORING.md); 0 = off"),
 };
 #define CONFIG__N_KEYS (sizeof config__keys / sizeof config__keys[0])
 

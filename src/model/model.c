@@ -1,12 +1,17 @@
 /* The transformer: allocation from size tables, forward and backward over one micro-batch.
  *
  * Memory: parameters, gradients, activations and scratch are each one allocation, carved by
- * offsets computed from the configuration; nothing is allocated in forward or backward. */
-#include <math.h>
-#include <omp.h>
+ * offsets computed from the configuration; nothing is allocated in forward or backward.
+ * The layers are composed here from the operations of include/tera/kernels.h and two modules:
+ * the tensor-parallel layers (tp_layers.h: every sum across tensor-parallel ranks, the vocabulary-
+ * parallel embedding and cross-entropy) and the MoE token dispatcher (dispatch.h: local or
+ * all-to-all, permute -> experts -> combine); the router is moe.h's. No OpenMP here, and
+ * no sum or exchange between ranks. */
 #include <string.h>
 
+#include "dispatch.h"
 #include "moe.h"
+#include "tp_layers.h"
 #include "tera/kernels.h"
 #include "tera/model.h"
 #include "tera/profile.h"
@@ -30,20 +35,7 @@ typedef struct {
     float *rlse;     /* [N] router logsumexp (z-loss) */
     int32_t *topi;   /* [N, k] */
     float *topw;     /* [N, k] combine weights */
-    int32_t *slot_row; /* [N*k] grouped row of each assignment, -1 if dropped */
-    int32_t *row_tok;  /* [N*k] token of each grouped row */
-    int32_t *exp_off;  /* [E+1] */
-    int32_t *sel_count;/* [B, E] selected assignments per sequence and expert */
-    float *xg;       /* [N*k, D] gathered expert inputs (ep > 1: the rows sent to the experts' ranks) */
-    float *a1, *a3;  /* [R, F] R = N*k, or (ep > 1) Rmax rows received */
-    float *gact;     /* [R, F] silu(a1)*a3 */
-    float *ye;       /* [N*k, D] expert outputs (unweighted; ep > 1: as returned by the experts' ranks) */
-    /* expert parallelism (ep > 1): rows received from source rank s for local expert e are
-     * rcnt[s*El + e]; they sit in xr from row roff[s] on, grouped by expert */
-    int32_t *rcnt;   /* [ep, El] */
-    int32_t *roff;   /* [ep + 1] */
-    float *xr;       /* [Rmax, D] rows received for this rank's experts */
-    float *yr;       /* [Rmax, D] their expert outputs, sent back */
+    tera_dispatch_acts moe; /* the routed tokens: plan, grouped rows, expert activations (dispatch.h) */
     /* dense layer or shared experts */
     float *fa1, *fa3, *fg; /* [N, Fd or Fs] */
 } layer_acts;
@@ -69,10 +61,7 @@ struct tera_acts {
     float *dq;           /* [N, H*hd] */
     float *dk, *dv;      /* [N, Hkv*hd] */
     float *datt;         /* [N, H*hd] */
-    float *dxg;          /* [N*k, D] */
-    float *dye;          /* [N*k, D] */
-    float *da1, *da3, *dgact; /* [N*k, F] (also used for dense/shared widths) */
-    float *dyr, *dxr;    /* [Rmax, D] expert parallelism: received output gradients, input gradients sent back */
+    float *da1, *da3, *dgact; /* [R, F] routed experts (R = tera_dispatch_rows), or [N, Fd or Fs] */
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
@@ -81,16 +70,13 @@ struct tera_acts {
     void *route_scratch; /* group-limited routing: tera_moe_route's per-thread scratch, else NULL */
     float *logits;       /* [N, Vl] (in the scratch block, or per slot with pipeline parallelism) */
     float *attn_scratch; /* attention kernel scratch */
-    float *ce_buf;       /* [3, N] tensor parallelism: row max, sum of exponentials, target logit */
-    void *plan_scratch;  /* dispatch plan scratch */
-    int *expert_order;   /* [E] local experts by descending load */
-    int32_t *expert_cnt; /* [E] rows bound for each expert (expert-parallel counts exchange) */
     int64_t *expert_load_save; /* [E] a layer's expert loads, kept across its full recomputation */
-    int64_t *expert_block_off; /* [E+1] expert parallelism: rows of each local expert in one source's block */
     void *act_block, *scratch_block;
     int threads;         /* thread count the attention scratch was sized for */
-    int64_t Rmax;        /* rows a rank's experts can receive in one layer (ep > 1) */
-    tera_comm_req *req;  /* [4 * ep] in-flight exchanges: sends, receives, returns sent, returns received */
+    /* the modules every slot shares (slot 0 owns them): the token dispatcher of the MoE layers
+     * (local or all-to-all) and the tensor-parallel layers */
+    tera_dispatcher *dispatch;
+    tera_tp *tp;
 };
 
 /* A size table: pass 1 counts bytes, pass 2 assigns pointers into one block. */
@@ -135,7 +121,7 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
     const int B = m->B, T = m->T, ep = m->par.ep;
     const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
     const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
-    const int64_t R = ep > 1 ? a->Rmax : N * K;
+    const int64_t R = tera_dispatch_rows(a->dispatch);
     const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
     const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
     if (xin) la->x_in = CARVE_F(c, N * D);
@@ -162,24 +148,24 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
             la->rlse = CARVE_F(c, N);
             la->topi = CARVE_I(c, N * K);
             la->topw = CARVE_F(c, N * K);
-            la->slot_row = CARVE_I(c, N * K);
-            la->row_tok = CARVE_I(c, N * K);
-            la->exp_off = CARVE_I(c, E + 1);
-            la->sel_count = CARVE_I(c, (int64_t)B * E);
-            la->xg = CARVE_F(c, N * K * D);
+            la->moe.slot_row = CARVE_I(c, N * K);
+            la->moe.row_tok = CARVE_I(c, N * K);
+            la->moe.exp_off = CARVE_I(c, E + 1);
+            la->moe.sel_count = CARVE_I(c, (int64_t)B * E);
+            la->moe.xg = CARVE_F(c, N * K * D);
             if (ep > 1) {
-                la->rcnt = CARVE_I(c, E);
-                la->roff = CARVE_I(c, ep + 1);
-                la->xr = CARVE_F(c, R * D);
-                la->yr = CARVE_F(c, R * D);
+                la->moe.rcnt = CARVE_I(c, E);
+                la->moe.roff = CARVE_I(c, ep + 1);
+                la->moe.xr = CARVE_F(c, R * D);
+                la->moe.yr = CARVE_F(c, R * D);
             }
         }
         if (hid) {
-            la->a1 = CARVE_F(c, R * F);
-            la->a3 = CARVE_F(c, R * F);
-            la->gact = CARVE_F(c, R * F);
+            la->moe.a1 = CARVE_F(c, R * F);
+            la->moe.a3 = CARVE_F(c, R * F);
+            la->moe.gact = CARVE_F(c, R * F);
         }
-        if (rest) la->ye = CARVE_F(c, N * K * D);
+        if (rest) la->moe.ye = CARVE_F(c, N * K * D);
     }
     if (Fx > 0 && hid) {
         la->fa1 = CARVE_F(c, N * Fx);
@@ -233,12 +219,12 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         SHARE(PART_REST, 1, ln2); SHARE(PART_REST, 1, rstd2);
         SHARE(PART_CORE, 1, att); SHARE(PART_CORE, 1, att_lse);
         SHARE(PART_REST, moe, rlogits); SHARE(PART_REST, moe, probs); SHARE(PART_REST, moe, rlse);
-        SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, slot_row);
-        SHARE(PART_REST, moe, row_tok); SHARE(PART_REST, moe, exp_off); SHARE(PART_REST, moe, sel_count);
-        SHARE(PART_REST, moe, xg); SHARE(PART_REST, moe, ye);
-        SHARE(PART_REST, moe && ep, rcnt); SHARE(PART_REST, moe && ep, roff);
-        SHARE(PART_REST, moe && ep, xr); SHARE(PART_REST, moe && ep, yr);
-        SHARE(PART_HIDDEN, moe, a1); SHARE(PART_HIDDEN, moe, a3); SHARE(PART_HIDDEN, moe, gact);
+        SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, moe.slot_row);
+        SHARE(PART_REST, moe, moe.row_tok); SHARE(PART_REST, moe, moe.exp_off); SHARE(PART_REST, moe, moe.sel_count);
+        SHARE(PART_REST, moe, moe.xg); SHARE(PART_REST, moe, moe.ye);
+        SHARE(PART_REST, moe && ep, moe.rcnt); SHARE(PART_REST, moe && ep, moe.roff);
+        SHARE(PART_REST, moe && ep, moe.xr); SHARE(PART_REST, moe && ep, moe.yr);
+        SHARE(PART_HIDDEN, moe, moe.a1); SHARE(PART_HIDDEN, moe, moe.a3); SHARE(PART_HIDDEN, moe, moe.gact);
         SHARE(PART_HIDDEN, ffn, fa1); SHARE(PART_HIDDEN, ffn, fa3); SHARE(PART_HIDDEN, ffn, fg);
 #undef SHARE
     }
@@ -252,30 +238,24 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
     if (m->n_slots > 1) a->logits = CARVE_F(c, N * m->Vl);
 }
 
+/* The scratch block (shared by the slots); the dispatcher and the tensor-parallel layers own theirs. */
 static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     const tera_model_config *cfg = &m->cfg;
-    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int B = m->B, T = m->T;
     const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
     const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
     const int64_t Fs = m->Fsl, Fd = m->Fdl;
-    const int64_t R = ep > 1 ? a->Rmax : N * K;
+    const int64_t R = tera_dispatch_rows(a->dispatch);
     int64_t Fw = R * F; /* widest hidden buffer */
     if (N * Fs > Fw) Fw = N * Fs;
     if (N * Fd > Fw) Fw = N * Fd;
     if (m->n_slots == 1) a->logits = CARVE_F(c, N * m->Vl);
-    if (m->par.tp > 1) a->ce_buf = CARVE_F(c, 3 * N);
     a->dres = CARVE_F(c, N * D);
     a->dln = CARVE_F(c, N * D);
     a->dq = CARVE_F(c, N * H * hd);
     a->dk = CARVE_F(c, N * Hkv * hd);
     a->dv = CARVE_F(c, N * Hkv * hd);
     a->datt = CARVE_F(c, N * H * hd);
-    a->dxg = CARVE_F(c, N * K * D);
-    a->dye = CARVE_F(c, N * K * D);
-    if (ep > 1) {
-        a->dyr = CARVE_F(c, R * D);
-        a->dxr = CARVE_F(c, R * D);
-    }
     a->da1 = CARVE_F(c, Fw);
     a->da3 = CARVE_F(c, Fw);
     a->dgact = CARVE_F(c, Fw);
@@ -285,13 +265,9 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->route_p = (double *)carve(c, sizeof(double) * (size_t)E);
     if (cfg->router_score == TERA_ROUTER_SIGMOID) a->rsum = CARVE_F(c, N);
     const tera_moe_routing route = tera_moe_routing_of(cfg);
-    if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, omp_get_max_threads()));
+    if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, tera_max_threads()));
     a->attn_scratch = CARVE_F(c, tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
-    a->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(N * K, B, (int)E));
-    a->expert_order = (int *)carve(c, sizeof(int) * 2 * (size_t)E);
-    a->expert_cnt = CARVE_I(c, E);
     a->expert_load_save = (int64_t *)carve(c, sizeof(int64_t) * (size_t)E);
-    a->expert_block_off = (int64_t *)carve(c, sizeof(int64_t) * (size_t)(E + 1));
 }
 
 /* Points the view's entry for parameter p at ptr (NULL base: NULL). */
@@ -370,19 +346,6 @@ void tera_model_bind_all(tera_model *m, float *w, float *g) {
 
 tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B, int T) {
     return tera_model_create_par(m, cfg, B, T, NULL);
-}
-
-/* Rows the experts of one rank can receive in one layer: from each of the ep sources, at most
- * min(k, El) assignments per token (a token's k experts are distinct), and with a capacity at
- * most capacity per sequence for each of the El experts. */
-static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
-    const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
-    int64_t per_src = N * (c->top_k < El ? c->top_k : El);
-    if (c->capacity_factor > 0.0f) {
-        const int64_t cap = (int64_t)ceil((double)c->capacity_factor * T * c->top_k / c->n_experts);
-        if (El * B * cap < per_src) per_src = El * B * cap;
-    }
-    return (int64_t)ep * per_src;
 }
 
 tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
@@ -464,12 +427,17 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     m->slots = tera_calloc((size_t)ns, sizeof(tera_acts));
     carver c = {0};
     tera_acts *a0 = &m->slots[0];
+    /* the modules the slots share: token dispatcher (local or all-to-all), tensor-parallel layers */
+    tera_dispatcher *dispatch = tera_dispatch_create(cfg, B, T, m->Fl, &m->par, m->ep_rank);
+    tera_tp *tpl = tera_calloc(1, sizeof(tera_tp));
+    tera_tp_init(tpl, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T);
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
         a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
         a->policy = m->recompute;
         a->work_owner = -1;
-        if (ep > 1) a->Rmax = ep_rows_max(cfg, B, T, ep);
+        a->dispatch = dispatch;
+        a->tp = tpl;
         c = (carver){0};
         carve_acts(a, &c, m);
         a->act_block = tera_malloc(c.off);
@@ -478,22 +446,20 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         c = (carver){.base = a->act_block};
         carve_acts(a, &c, m);
     }
-    if (ep > 1) a0->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
     c = (carver){0};
     carve_scratch(a0, &c, m);
     a0->scratch_block = tera_malloc(c.off);
     memset(a0->scratch_block, 0, c.off);
-    m->bytes_scratch = (int64_t)c.off;
+    m->bytes_scratch = (int64_t)c.off + tera_dispatch_bytes(dispatch) + tpl->bytes;
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
         c = (carver){.base = a0->scratch_block};
         carve_scratch(a, &c, m);
-        a->req = a0->req;
-        a->threads = omp_get_max_threads();
+        a->threads = tera_max_threads();
         tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
     /* exchange buffers: xr, yr of each MoE layer that keeps them, per slot, and once in the shared
-     * work set when a MoE layer recomputes fully (activations); dyr, dxr (scratch) */
+     * work set when a MoE layer recomputes fully (activations); the dispatcher's dyr, dxr (scratch) */
     int kept_moe = 0, full_moe = 0;
     for (int l = 0; l < cfg->n_layers; l++) {
         if (!m->held[l] || !is_moe(cfg, l)) continue;
@@ -501,8 +467,9 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         else kept_moe++;
     }
     if (ep > 1) {
-        m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
-        m->bytes_comm = m->bytes_comm_acts + 2 * a0->Rmax * cfg->dim * (int64_t)sizeof(float);
+        const int64_t R = tera_dispatch_rows(dispatch);
+        m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * R * cfg->dim * (int64_t)sizeof(float);
+        m->bytes_comm = m->bytes_comm_acts + tera_dispatch_comm_bytes(dispatch);
     }
     tera_model_use_slot(m, 0);
     return TERA_OK;
@@ -530,7 +497,9 @@ void tera_model_destroy(tera_model *m) {
             free(m->slots[i].layer);
         }
         free(m->slots[0].scratch_block);
-        free(m->slots[0].req);
+        tera_dispatch_destroy(m->slots[0].dispatch);
+        if (m->slots[0].tp) tera_tp_free(m->slots[0].tp);
+        free(m->slots[0].tp);
         free(m->slots);
     }
     free(m->held);
@@ -553,16 +522,8 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
             for (int64_t j = 0; j < p->numel; j++) w[j] = 1.0f;
             continue;
         }
-        const uint64_t stream = name_key(p->name);
-        const float std = p->init_std;
         /* element (i0, i1, i2) of this rank's block is element (lo + i) of the whole tensor */
-        const int64_t L1 = p->len[1], L2 = p->len[2], S1 = p->shape[1], S2 = p->shape[2];
-#pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < p->numel; j++) {
-            const int64_t i0 = j / (L1 * L2), i1 = j / L2 % L1, i2 = j % L2;
-            const uint64_t g = (uint64_t)(((p->lo[0] + i0) * S1 + p->lo[1] + i1) * S2 + p->lo[2] + i2);
-            w[j] = std * tera_rng_normal(seed, stream, g);
-        }
+        tera_fill_normal_block(w, p->numel, p->shape, p->lo, p->len, p->init_std, seed, name_key(p->name));
     }
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
@@ -594,240 +555,34 @@ static void ffn_forward(float *y, float *a1, float *a3, float *g, const float *x
     tera_linear_forward(y, g, w2, N, F, D, 1.0f);
 }
 
-/* Experts run either one after another, each product using every thread, or side by side (when
- * there are at least two experts per thread), each with single-threaded products: an expert's
- * matrices are too small to split well across threads. Both give the same maths; each expert's
- * outputs and weight gradients are written by exactly one thread. */
-static int experts_in_parallel(int E) {
-    const int t = omp_get_max_threads();
-    return t > 1 && E >= 2 * t;
-}
-
-/* Expert indices by descending row count (largest first balances the dynamic schedule); ties keep
- * index order. A merge sort through the upper half of order[2E]: O(E log E), no allocation. */
-static void experts_by_load(int *order, const int32_t *exp_off, int E) {
-    int *src = order, *dst = order + E;
-    for (int e = 0; e < E; e++) src[e] = e;
-#define LOAD(x) (exp_off[(x) + 1] - exp_off[(x)])
-    for (int w = 1; w < E; w *= 2) {
-        for (int lo = 0; lo < E; lo += 2 * w) {
-            const int mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E;
-            int i = lo, j = mid, o = lo;
-            while (i < mid && j < hi) dst[o++] = LOAD(src[j]) > LOAD(src[i]) ? src[j++] : src[i++];
-            while (i < mid) dst[o++] = src[i++];
-            while (j < hi) dst[o++] = src[j++];
-        }
-        int *t = src;
-        src = dst, dst = t;
-    }
-#undef LOAD
-    if (src != order) memcpy(order, src, sizeof(int) * (size_t)E);
-}
-
-/* One expert over n rows: y[n,D] = w2(silu(x w1^T) * (x w3^T)); a1, a3, g: [n, F] kept for backward. */
-static void expert_rows_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
-                                const float *w3, const float *w2, int64_t n, int64_t D, int64_t F) {
-    if (n == 0) return;
-    ffn_hidden(a1, a3, g, x, w1, w3, n, D, F);
-    tera_linear_forward(y, g, w2, n, F, D, 0.0f);
-}
-
-/* Its backward: dx[n,D] = (input gradient), weight gradients +=; da1, da3, dg: [n, F] scratch. */
-static void expert_rows_backward(float *dx, float *gw1, float *gw3, float *gw2, float *da1, float *da3, float *dg,
-                                 const float *dy, const float *x, const float *a1, const float *a3, const float *g,
-                                 const float *w1, const float *w3, const float *w2, int64_t n, int64_t D, int64_t F) {
-    if (n == 0) return;
-    tera_linear_backward(dg, gw2, dy, g, w2, n, F, D, 0.0f);
-    tera_swiglu_backward(da1, da3, dg, a1, a3, n * F);
-    tera_linear_backward(dx, gw1, da1, x, w1, n, D, F, 0.0f);
-    tera_linear_backward(dx, gw3, da3, x, w3, n, D, F, 1.0f);
-}
-
-/* What a rank's experts do with their rows: the forward, the backward, or (selective
- * recomputation) the hidden activations again. */
-enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
-
-/* Local expert e over its grouped rows [exp_off[e], exp_off[e+1]) (no expert parallelism). */
-static void local_expert(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G, int e,
-                         int64_t D, int64_t F, int op) {
-    const int64_t r0 = la->exp_off[e], n = la->exp_off[e + 1] - r0;
-    const float *w1 = W->w1 + e * F * D, *w3 = W->w3 + e * F * D, *w2 = W->w2 + e * D * F;
-    switch (op) {
-    case EXPERTS_FWD:
-        expert_rows_forward(la->ye + r0 * D, la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, w1,
-                            w3, w2, n, D, F);
-        break;
-    case EXPERTS_BWD:
-        expert_rows_backward(a->dxg + r0 * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F,
-                             a->da1 + r0 * F, a->da3 + r0 * F, a->dgact + r0 * F, a->dye + r0 * D, la->xg + r0 * D,
-                             la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, w1, w3, w2, n, D, F);
-        break;
-    default:
-        if (n > 0) ffn_hidden(la->a1 + r0 * F, la->a3 + r0 * F, la->gact + r0 * F, la->xg + r0 * D, w1, w3, n, D, F);
-    }
-}
-
-/* All local experts, side by side by descending load (experts_in_parallel) or one after another;
- * the same thread layout for the forward, its recomputation and the backward. */
-static void local_experts(tera_acts *a, layer_acts *la, const tera_layer_view *W, const tera_layer_view *G, int E,
-                          int64_t D, int64_t F, int op) {
-    if (experts_in_parallel(E)) {
-        int *order = a->expert_order;
-        experts_by_load(order, la->exp_off, E);
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int i = 0; i < E; i++) local_expert(a, la, W, G, order[i], D, F, op);
-    } else {
-        for (int e = 0; e < E; e++) local_expert(a, la, W, G, e, D, F, op);
-    }
-}
-
-/* ------------------------------------------------------------ expert parallelism
- * Rank r of the ep group owns experts [r El, (r+1) El). After routing, this rank's assignments are
- * grouped by expert (exp_off), so the rows bound for rank s are one contiguous block. Each rank
- * sends each peer its block, receives the peers' rows for its own experts (xr, one block per
- * source, grouped by expert), runs its experts over each source's block, and sends the outputs
- * back into ye, where the combine step finds them exactly as with local experts. Backward does the
- * same with the output gradients (dye -> dyr) and the input gradients (dxr -> dxg).
- * Blocks are computed in a fixed order (own block first, then the next ranks in ring order), so
- * results do not depend on arrival times; with overlap on, a block is computed as soon as it has
- * arrived while later blocks are still in flight, and each result block is sent back at once. */
-enum { EP_TAG_X, EP_TAG_Y, EP_TAG_DY, EP_TAG_DX };
-static int ep_tag(int l, int what) { return 4 * l + what; }
-
-/* Row offsets inside source s's block of each local expert: off[e] .. off[e+1]. */
-static void ep_block_offsets(const layer_acts *la, int s, int El, int64_t *off) {
-    off[0] = la->roff[s];
-    for (int e = 0; e < El; e++) off[e + 1] = off[e] + la->rcnt[s * El + e];
-}
-
-/* Local expert e over its rows [off[e], off[e+1]) of the received buffers. */
-static void ep_expert(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
-                      const tera_layer_view *G, const int64_t *off, int e, int op) {
-    const int64_t D = m->cfg.dim, F = m->Fl, r = off[e], n = off[e + 1] - r;
-    const float *w1 = W->w1 + e * F * D, *w3 = W->w3 + e * F * D, *w2 = W->w2 + e * D * F;
-    switch (op) {
-    case EXPERTS_FWD:
-        expert_rows_forward(la->yr + r * D, la->a1 + r * F, la->a3 + r * F, la->gact + r * F, la->xr + r * D, w1, w3,
-                            w2, n, D, F);
-        break;
-    case EXPERTS_BWD:
-        expert_rows_backward(a->dxr + r * D, G->w1 + e * F * D, G->w3 + e * F * D, G->w2 + e * D * F, a->da1 + r * F,
-                             a->da3 + r * F, a->dgact + r * F, a->dyr + r * D, la->xr + r * D, la->a1 + r * F,
-                             la->a3 + r * F, la->gact + r * F, w1, w3, w2, n, D, F);
-        break;
-    default:
-        if (n > 0) ffn_hidden(la->a1 + r * F, la->a3 + r * F, la->gact + r * F, la->xr + r * D, w1, w3, n, D, F);
-    }
-}
-
-/* This rank's experts over source s's block, side by side when there are enough of them
- * (experts_in_parallel), the same thread layout for the forward and its recomputation. */
-static void ep_block(const tera_model *m, tera_acts *a, layer_acts *la, const tera_layer_view *W,
-                     const tera_layer_view *G, int s, int op) {
-    const int El = m->cfg.n_experts / m->par.ep;
-    int64_t *off = a->expert_block_off;
-    ep_block_offsets(la, s, El, off);
-    if (experts_in_parallel(El)) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int e = 0; e < El; e++) ep_expert(m, a, la, W, G, off, e, op);
-    } else {
-        for (int e = 0; e < El; e++) ep_expert(m, a, la, W, G, off, e, op);
-    }
-}
-
-/* The exchange of one layer, forward (fwd = 1: xg -> xr, experts, yr -> ye) or backward
- * (fwd = 0: dye -> dyr, expert backward, dxr -> dxg). */
-static void ep_exchange(tera_model *m, int l, int fwd) {
-    tera_acts *a = m->acts;
-    layer_acts *la = &a->layer[l];
-    tera_comm *g = m->par.group;
-    const int ep = m->par.ep, me = m->ep_rank, E = m->cfg.n_experts, El = E / ep;
-    const int64_t D = m->cfg.dim;
-    tera_comm_req *snd = a->req, *rcv = a->req + ep, *rsnd = a->req + 2 * ep, *rrcv = a->req + 3 * ep;
-    float *out_local = fwd ? la->xg : a->dye;  /* [N*k, D] this rank's rows, grouped by expert */
-    float *in_local = fwd ? la->ye : a->dxg;   /* [N*k, D] where their results come back */
-    float *recv = fwd ? la->xr : a->dyr;       /* [Rmax, D] rows for this rank's experts */
-    float *res = fwd ? la->yr : a->dxr;        /* [Rmax, D] their results */
-    const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
-    if (fwd) { /* counts first: how many rows each source sends for each of this rank's experts */
-        int32_t *cnt = a->expert_cnt;
-        for (int e = 0; e < E; e++) cnt[e] = la->exp_off[e + 1] - la->exp_off[e];
-        tera_comm_alltoall_i32(g, cnt, la->rcnt, El);
-        la->roff[0] = 0;
-        for (int s = 0; s < ep; s++) {
-            int64_t t = 0;
-            for (int e = 0; e < El; e++) t += la->rcnt[s * El + e];
-            la->roff[s + 1] = la->roff[s] + (int32_t)t;
-        }
-        TERA_ASSERTF(la->roff[ep] <= a->Rmax, "layer %d: %d rows received for %d experts, buffers hold %ld", l,
-                     la->roff[ep], El, (long)a->Rmax);
-    }
-    for (int s = 0; s < ep; s++) {
-        if (s == me) continue;
-        const int64_t o0 = la->exp_off[s * El], o1 = la->exp_off[(s + 1) * El];
-        tera_comm_irecv_f32(g, recv + (int64_t)la->roff[s] * D, (int64_t)(la->roff[s + 1] - la->roff[s]) * D, s,
-                            tag_out, &rcv[s]);
-        tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
-        tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
-    }
-    const int64_t m0 = la->exp_off[me * El], m1 = la->exp_off[(me + 1) * El];
-    memcpy(recv + (int64_t)la->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
-    if (!m->par.overlap)
-        for (int s = 0; s < ep; s++) tera_comm_wait(&rcv[s]);
-    for (int i = 0; i < ep; i++) {
-        const int s = (me + i) % ep;
-        tera_comm_wait(&rcv[s]);
-        ep_block(m, a, la, &m->W.layers[l], &m->G.layers[l], s, fwd ? EXPERTS_FWD : EXPERTS_BWD);
-        const int64_t r0 = la->roff[s], n = la->roff[s + 1] - r0;
-        if (s == me)
-            memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
-        else
-            tera_comm_isend_f32(g, res + r0 * D, n * D, s, tag_back, &rsnd[s]);
-        if (m->par.overlap) tera_comm_poll(a->req, 4 * ep); /* progress the other transfers */
-    }
-    for (int s = 0; s < ep; s++) {
-        tera_comm_wait(&snd[s]);
-        tera_comm_wait(&rrcv[s]);
-        tera_comm_wait(&rsnd[s]);
-    }
-}
-
+/* The MoE block: the router (moe.c), then the token dispatcher (dispatch.c: local or all-to-all)
+ * permutes the routed rows, runs the experts and combines their outputs into out; the shared
+ * experts add theirs. */
 static void moe_forward(tera_model *m, int l, float *out) {
     const tera_model_config *c = &m->cfg;
-    layer_acts *la = &m->acts->layer[l];
+    tera_acts *a = m->acts;
+    layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl; /* F: this rank's share of each expert */
+    const int64_t N = (int64_t)B * T, D = c->dim;
 
     TERA_PROF(ROUTER_FWD, {
         tera_linear_forward_fp32(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
         tera_moe_score_forward(la->probs, la->rlse, la->rlogits, N, E, c->router_score);
         const tera_moe_routing route = tera_moe_routing_of(c);
         tera_moe_route(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
-                       K, &route, m->acts->route_scratch);
+                       K, &route, a->route_scratch);
     });
-    int capacity = 0;
-    if (c->capacity_factor > 0.0f) capacity = (int)ceil((double)c->capacity_factor * T * K / E);
-    int64_t dropped;
-    {
-        TERA_PROF_BEGIN(DISPATCH);
-        dropped = tera_moe_plan(la->slot_row, la->row_tok, la->exp_off, la->sel_count,
-                                m->acts->plan_scratch, la->topi, la->probs, B, T, E, K, capacity,
-                                c->drop_policy);
-        const int64_t R = la->exp_off[E];
-#pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < R; r++)
-            memcpy(la->xg + r * D, la->ln2 + (int64_t)la->row_tok[r] * D, sizeof(float) * (size_t)D);
-        TERA_PROF_END(DISPATCH);
-    }
+    const int64_t dropped = tera_dispatch_permute(a->dispatch, &la->moe, la->ln2, la->topi, la->probs, l);
     m->stats.n_assign += N * K;
     m->stats.n_dropped += dropped;
 
     /* load statistics: aux loss per sequence, z-loss, expert load, router entropy */
     {
         TERA_PROF_BEGIN(ROUTER_FWD);
-        const tera_moe_stats st = tera_moe_route_stats(m->expert_load + (int64_t)l * E, m->acts->rsum, m->acts->route_p,
-                                                       la->probs, la->rlse, la->sel_count, B, T, E, K, c->router_score);
+        const tera_moe_stats st = tera_moe_route_stats(m->expert_load + (int64_t)l * E, a->rsum, a->route_p,
+                                                       la->probs, la->rlse, la->moe.sel_count, B, T, E, K,
+                                                       c->router_score);
         TERA_PROF_END(ROUTER_FWD);
         m->router_entropy[l] += st.entropy;
         if (l == c->first_k_dense) m->routed_tokens += N;
@@ -835,29 +590,8 @@ static void moe_forward(tera_model *m, int l, float *out) {
         m->stats.z_sum += st.z;
     }
 
-    {
-        TERA_PROF_BEGIN(EXPERT_FWD);
-        if (m->par.ep > 1)
-            ep_exchange(m, l, 1);
-        else
-            local_experts(m->acts, la, W, NULL, E, D, F, EXPERTS_FWD);
-        TERA_PROF_END(EXPERT_FWD);
-    }
-    {
-        TERA_PROF_BEGIN(COMBINE_FWD);
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N; t++) {
-            float *o = out + t * D;
-            for (int j = 0; j < K; j++) {
-                const int32_t r = la->slot_row[t * K + j];
-                if (r < 0) continue;
-                const float wgt = la->topw[t * K + j];
-                const float *y = la->ye + (int64_t)r * D;
-                for (int64_t d = 0; d < D; d++) o[d] += wgt * y[d];
-            }
-        }
-        TERA_PROF_END(COMBINE_FWD);
-    }
+    tera_dispatch_experts_forward(a->dispatch, &la->moe, W, l);
+    tera_dispatch_combine_forward(a->dispatch, out, &la->moe, la->topw);
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
                                          D, m->Fsl));
@@ -878,23 +612,15 @@ static void claim_work(tera_model *m, int l) {
     m->acts->work_owner = l;
 }
 
-/* Tensor parallelism: sums the ranks' partial results (no-op without it). */
-static void tp_sum(tera_model *m, float *buf, int64_t n) {
-    if (m->par.tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_f32(m->par.tp_group, buf, n));
-}
-
-static void add_inplace(float *y, const float *x, int64_t n) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] += x[i];
-}
-
+/* One layer: attention (column-parallel q/k/v, row-parallel o_proj with the residual), then the FFN
+ * block (MoE or dense; a row-parallel block that adds into out after the residual). */
 static void layer_forward(tera_model *m, int l, float *out) {
     const tera_model_config *c = &m->cfg;
     layer_acts *la = &m->acts->layer[l];
+    const tera_tp *tp = m->acts->tp;
     const tera_layer_view *W = &m->W.layers[l];
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
-    const int tp = m->par.tp > 1;
 
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
     TERA_PROF(QKV_FWD, {
@@ -908,49 +634,15 @@ static void layer_forward(tera_model *m, int l, float *out) {
     });
     TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
-    if (tp) { /* row-parallel o_proj: the heads' partial outputs are summed, then the residual */
-        TERA_PROF(OPROJ_FWD, tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 0.0f));
-        tp_sum(m, la->h, N * D);
-        add_inplace(la->h, la->x_in, N * D);
-    } else {
-        TERA_PROF(OPROJ_FWD, {
-            memcpy(la->h, la->x_in, sizeof(float) * (size_t)(N * D));
-            tera_linear_forward(la->h, la->att, W->wo, N, H * hd, D, 1.0f);
-        });
-    }
+    tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
-    /* the FFN block adds into out: the residual first, or (tp) the partial sums, then the residual */
-    if (tp)
-        memset(out, 0, sizeof(float) * (size_t)(N * D));
-    else
-        memcpy(out, la->h, sizeof(float) * (size_t)(N * D));
+    tera_tp_row_block_begin(tp, out, la->h, N * D);
     if (is_moe(c, l))
         moe_forward(m, l, out);
     else
         TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
                                          m->Fdl));
-    if (tp) {
-        tp_sum(m, out, N * D);
-        add_inplace(out, la->h, N * D);
-    }
-}
-
-/* Cross-entropy over this rank's vocabulary slice of the logits, combined over the tensor-parallel
- * ranks with three sums of N floats (never the logits themselves). */
-static double ce_forward_parallel(tera_model *m, const int32_t *targets) {
-    tera_acts *a = m->acts;
-    const int64_t N = (int64_t)m->B * m->T;
-    float *mx = a->ce_buf, *se = a->ce_buf + N, *tl = a->ce_buf + 2 * N;
-    TERA_PROF(LOSS_FWD, tera_ce_slice_max(mx, m->logits, N, m->Vl));
-    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(m->par.tp_group, mx, N));
-    TERA_PROF(LOSS_FWD, tera_ce_slice_sums(se, tl, m->logits, mx, targets, N, m->Vl, m->v0));
-    tp_sum(m, se, 2 * N); /* se and tl are adjacent */
-    double sum = 0.0; /* fixed order */
-    for (int64_t n = 0; n < N; n++) {
-        a->loss_lse[n] = mx[n] + logf(se[n]);
-        sum += (double)a->loss_lse[n] - (double)tl[n];
-    }
-    return sum;
+    tera_tp_row_block_end(tp, out, la->h, N * D);
 }
 
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets) {
@@ -963,9 +655,9 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     tera_acts *a = m->acts;
     const int L = c->n_layers;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
-    TERA_ASSERTF(omp_get_max_threads() <= a->threads,
+    TERA_ASSERTF(tera_max_threads() <= a->threads,
                  "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
-                 omp_get_max_threads(), a->threads);
+                 tera_max_threads(), a->threads);
     TERA_ASSERTF(0 <= l0 && l0 < l1 && l1 <= L, "layer range [%d, %d) of %d", l0, l1, L);
     for (int l = l0; l < l1; l++) TERA_ASSERTF(m->held[l], "layer %d is not on this pipeline stage", l);
     memset(&m->stats, 0, sizeof m->stats);
@@ -975,12 +667,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(N * D));
     } else {
         need_params(m, TERA_GROUP_EMBED);
-        if (m->par.tp > 1) { /* vocabulary-parallel lookup: each rank its rows, summed */
-            TERA_PROF(EMBED_FWD, tera_embedding_forward_range(a->layer[0].x_in, m->W.embed, tokens, N, D, m->v0, m->Vl));
-            tp_sum(m, a->layer[0].x_in, N * D);
-        } else {
-            TERA_PROF(EMBED_FWD, tera_embedding_forward(a->layer[0].x_in, m->W.embed, tokens, N, D));
-        }
+        tera_tp_embedding_forward(a->tp, a->layer[0].x_in, m->W.embed, tokens, N, D);
     }
     a->work_owner = -1;
     for (int l = l0; l < l1; l++) {
@@ -994,10 +681,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
     TERA_PROF(HEAD_FWD, tera_linear_forward(m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-    if (m->par.tp > 1)
-        m->stats.ce_sum = ce_forward_parallel(m, targets);
-    else
-        TERA_PROF(LOSS_FWD, m->stats.ce_sum = tera_ce_forward(a->loss_lse, m->logits, targets, N, V));
+    m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
     m->stats.n_positions = N;
 }
 
@@ -1019,7 +703,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
-    const int64_t N = (int64_t)B * T, D = c->dim, F = m->Fl;
+    const int64_t N = (int64_t)B * T, D = c->dim;
     const float *dy = a->dres; /* gradient of the layer output */
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
@@ -1027,61 +711,20 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
                                           W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl));
-    {
-        TERA_PROF_BEGIN(COMBINE_BWD);
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N; t++) {
-            const float *g = dy + t * D;
-            for (int j = 0; j < K; j++) {
-                const int32_t r = la->slot_row[t * K + j];
-                float dw = 0.0f;
-                if (r >= 0) {
-                    const float wgt = la->topw[t * K + j];
-                    const float *y = la->ye + (int64_t)r * D;
-                    float *dyr = a->dye + (int64_t)r * D;
-                    for (int64_t d = 0; d < D; d++) {
-                        dyr[d] = wgt * g[d];
-                        dw += g[d] * y[d];
-                    }
-                }
-                a->dtopw[t * K + j] = dw;
-            }
-        }
-        TERA_PROF_END(COMBINE_BWD);
-    }
+    tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
      * are the combine-weight gradients: sum them before the router sees them */
-    tp_sum(m, a->dtopw, N * K);
-    {
-        TERA_PROF_BEGIN(EXPERT_BWD);
-        if (m->par.ep > 1)
-            ep_exchange(m, l, 0);
-        else
-            local_experts(a, la, W, G, E, D, F, EXPERTS_BWD);
-        TERA_PROF_END(EXPERT_BWD);
-    }
-    {
-        TERA_PROF_BEGIN(COMBINE_BWD);
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N; t++) {
-            float *o = a->dln + t * D;
-            for (int j = 0; j < K; j++) {
-                const int32_t r = la->slot_row[t * K + j];
-                if (r < 0) continue;
-                const float *src = a->dxg + (int64_t)r * D;
-                for (int64_t d = 0; d < D; d++) o[d] += src[d];
-            }
-        }
-        TERA_PROF_END(COMBINE_BWD);
-    }
+    tera_tp_copy_backward(a->tp, a->dtopw, N * K);
+    tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact);
+    tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
     /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
      * contribution, added below, is whole on every rank) */
-    tp_sum(m, a->dln, N * D);
+    tera_tp_copy_backward(a->tp, a->dln, N * D);
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
         tera_moe_router_backward(a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw, a->dtopw,
-                                 la->sel_count, B, T, E, K, &route, s->aux, s->z);
+                                 la->moe.sel_count, B, T, E, K, &route, s->aux, s->z);
         tera_linear_backward_fp32(a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }
@@ -1102,7 +745,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                           W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl));
-        tp_sum(m, a->dln, N * D);
+        tera_tp_copy_backward(a->tp, a->dln, N * D);
     }
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
     /* attention */
@@ -1118,7 +761,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_linear_backward(a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
         tera_linear_backward(a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
     });
-    tp_sum(m, a->dln, N * D); /* the heads' partial input gradients */
+    tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
     TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
@@ -1137,7 +780,7 @@ static void layer_recompute(tera_model *m, int l) {
     layer_acts *la = &a->layer[l];
     const tera_layer_view *W = &m->W.layers[l];
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl, E = c->n_experts;
-    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads, F = m->Fl;
+    const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
     a->work_owner = -1;
     if (policy == TERA_RECOMPUTE_FULL) {
         /* the layer's output is not needed: a->dln is free until layer_backward clears it */
@@ -1155,14 +798,7 @@ static void layer_recompute(tera_model *m, int l) {
         TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                    (int)hd, a->attn_scratch));
         if (is_moe(c, l)) {
-            TERA_PROF_BEGIN(EXPERT_FWD);
-            if (m->par.ep > 1) { /* the received rows are kept (xr): no exchange needed */
-                for (int i = 0; i < m->par.ep; i++)
-                    ep_block(m, a, la, W, &m->G.layers[l], (m->ep_rank + i) % m->par.ep, EXPERTS_HIDDEN);
-            } else {
-                local_experts(a, la, W, NULL, E, D, F, EXPERTS_HIDDEN);
-            }
-            TERA_PROF_END(EXPERT_FWD);
+            tera_dispatch_experts_recompute(a->dispatch, &la->moe, W); /* from the kept xg (or xr) */
             if (c->n_shared_experts > 0)
                 TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, N, D, m->Fsl));
         } else {
@@ -1203,12 +839,9 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
             need_grads(m, TERA_GROUP_EMBED);
         }
         /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
-        if (m->par.tp > 1)
-            TERA_PROF(LOSS_BWD, tera_ce_backward_range(m->logits, m->logits, a->loss_lse, a->targets, N, V, m->v0, s->ce));
-        else
-            TERA_PROF(LOSS_BWD, tera_ce_backward(m->logits, m->logits, a->loss_lse, a->targets, N, V, s->ce));
+        tera_tp_ce_backward(a->tp, m->logits, m->logits, a->loss_lse, a->targets, N, s->ce);
         TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-        tp_sum(m, a->dln, N * D); /* the vocabulary slices' partial input gradients */
+        tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
         memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                                   a->rstdf, N, D));
@@ -1226,10 +859,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         return;
     }
     need_grads(m, TERA_GROUP_EMBED);
-    if (m->par.tp > 1)
-        TERA_PROF(EMBED_BWD, tera_embedding_backward_range(m->G.embed, a->dres, a->tokens, N, D, m->v0, m->Vl));
-    else
-        TERA_PROF(EMBED_BWD, tera_embedding_backward(m->G.embed, a->dres, a->tokens, N, D));
+    tera_tp_embedding_backward(a->tp, m->G.embed, a->dres, a->tokens, N, D);
     notify_grads(m, TERA_GROUP_EMBED);
     if (c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD);
 }

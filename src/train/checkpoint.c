@@ -76,6 +76,7 @@ struct tera_ckpt_ctx {
     int64_t n_chunks[TERA_CKPT_N_REGIONS];
     char *config_json;               /* the model's config.json text (from the last full save) */
     float *win;                      /* streamed saves (several ranks): the one transfer window */
+    void *fin;                       /* a streamed save's background part (sfin) */
     int64_t win_n;
 };
 
@@ -1136,6 +1137,81 @@ static tera_ckpt_ctx *ctx_create_streamed(const tera_trainer *tr) {
 }
 
 /* The whole checkpoint of a run on several ranks (collective; world rank 0 writes). */
+/* The background part of a streamed whole save (world rank 0): finish the data files, then the
+ * checkpoint (finish_checkpoint). */
+typedef struct {
+    tera_ckpt_ctx *c;
+    wsave ws;
+    dsink main_sink, tail_sink;
+    tera_status st;             /* of the windows' part */
+    uint64_t rhash[TERA_CKPT_N_REGIONS];
+    int64_t changed, total;
+    double t0;
+    char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96];
+} sfin;
+
+static tera_status streamed_finish(sfin *f) {
+    tera_ckpt_ctx *c = f->c;
+    const tera_model *g = &c->shadow;
+    wsave ws = f->ws;
+    const char *tmp = f->tmp;
+    char path[TERA_PATH_MAX + 256];
+    tera_status s = f->st;
+    cJSON *man = cJSON_CreateObject();
+    cJSON_AddStringToObject(man, "format", "tera-checkpoint");
+    cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
+    cJSON_AddNumberToObject(man, "step", (double)c->step);
+    cJSON_AddStringToObject(man, "kind", c->full ? "full" : "diff");
+    if (c->full) {
+        if (s == TERA_OK) s = tera_st_stream_finish(ws.sm);
+        ws.sm = NULL;
+        if (s == TERA_OK) s = tera_st_stream_finish(ws.so);
+        ws.so = NULL;
+        snprintf(path, sizeof path, "%s/config.json", tmp);
+        if (s == TERA_OK) s = tera_hf_write_config(&g->cfg, path);
+        if (s == TERA_OK) {
+            free(c->config_json);
+            c->config_json = NULL;
+            s = tera_read_text_file(path, &c->config_json);
+        }
+        cJSON *tensors = cJSON_AddArrayToObject(man, "tensors");
+        if (s == TERA_OK) s = manifest_tensors(c, tmp, tensors);
+        if (s == TERA_OK) c->has_base = 1, c->since_full = 0, c->base_step = c->step;
+    } else {
+        if (f->tail_sink.fd >= 0) close(f->tail_sink.fd);
+        snprintf(path, sizeof path, "%s/diff.bin.part", tmp);
+        unlink(path);
+        if (f->main_sink.fd >= 0) {
+            const tera_status s2 = dsink_close(&f->main_sink);
+            if (s == TERA_OK) s = s2;
+        }
+        cJSON_AddNumberToObject(man, "base_step", (double)c->base_step);
+        char bn[64];
+        snprintf(bn, sizeof bn, "step_%08" PRId64, c->base_step);
+        cJSON_AddStringToObject(man, "base", bn);
+        cJSON *ch = cJSON_AddObjectToObject(man, "chunks");
+        cJSON_AddNumberToObject(ch, "chunk_bytes", TERA_CKPT_CHUNK_BYTES);
+        cJSON_AddNumberToObject(ch, "total", (double)f->total);
+        cJSON_AddNumberToObject(ch, "changed", (double)f->changed);
+        cJSON_AddStringToObject(ch, "compression", "zstd-1");
+        c->since_full++;
+    }
+    wsave_free(&ws);
+    if (s == TERA_OK) return finish_checkpoint(c, man, tmp, f->dir, f->root, f->rhash, f->changed, f->total, f->t0);
+    cJSON_Delete(man);
+    return s;
+}
+
+static void *streamed_finish_main(void *arg) {
+    tera_ckpt_ctx *c = arg;
+    sfin *f = c->fin;
+    c->st = streamed_finish(f);
+    if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
+    free(f);
+    c->fin = NULL;
+    return NULL;
+}
+
 tera_status tera_trainer_save_streamed(tera_trainer *tr) {
     const int final = tr->step >= tr->cfg.training.steps;
     if (!tr->ckpt) tr->ckpt = ctx_create_streamed(tr);
@@ -1145,17 +1221,24 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
     snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
     snprintf(dir, sizeof dir, "%s/step_%08" PRId64, root, tr->step);
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
-    /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
-    int64_t have = tr->root && tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK;
-    tera_comm_allreduce_i64(tera_comm_world(), &have, 1);
-    tera_status s = TERA_OK;
+    /* the previous save's background part must be complete (world rank 0); a committed checkpoint
+     * of this step that verifies is kept (a resumed, finished run) */
+    tera_status s = ctx_wait(c);
+    int64_t flags[2] = {tr->root && s == TERA_OK && tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK,
+                        s != TERA_OK};
+    tera_comm_allreduce_i64(tera_comm_world(), flags, 2);
+    const int64_t have = flags[0];
+    if (flags[1]) {
+        if (s == TERA_OK) s = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
+        if (final) tera_trainer_ckpt_close(tr);
+        return s;
+    }
     if (!have) {
         const tera_model *g = &c->shadow;
         wsave ws = {0};
         chunker ck = {0};
         dsink main_sink = {.fd = -1}, tail_sink = {.fd = -1};
         uint64_t rhash[TERA_CKPT_N_REGIONS] = {0};
-        cJSON *man = NULL;
         int64_t changed = 0, total = 0;
         if (tr->root) {
             c->full = save_is_full(final, c->has_base, c->opt.full_every, c->since_full);
@@ -1241,46 +1324,24 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
             XXH3_freeState(ws.rh);
             ZSTD_freeCCtx(ck.z);
             free(ck.ztmp);
-            man = cJSON_CreateObject();
-            cJSON_AddStringToObject(man, "format", "tera-checkpoint");
-            cJSON_AddNumberToObject(man, "format_version", TERA_CKPT_FORMAT_VERSION);
-            cJSON_AddNumberToObject(man, "step", (double)c->step);
-            cJSON_AddStringToObject(man, "kind", c->full ? "full" : "diff");
-            if (c->full) {
-                if (s == TERA_OK) s = tera_st_stream_finish(ws.sm);
-                ws.sm = NULL;
-                if (s == TERA_OK) s = tera_st_stream_finish(ws.so);
-                ws.so = NULL;
-                snprintf(path, sizeof path, "%s/config.json", tmp);
-                if (s == TERA_OK) s = tera_hf_write_config(&g->cfg, path);
-                if (s == TERA_OK) {
-                    free(c->config_json);
-                    c->config_json = NULL;
-                    s = tera_read_text_file(path, &c->config_json);
-                }
-                cJSON *tensors = cJSON_AddArrayToObject(man, "tensors");
-                if (s == TERA_OK) s = manifest_tensors(c, tmp, tensors);
-                if (s == TERA_OK) c->has_base = 1, c->since_full = 0, c->base_step = c->step;
+            /* the rest (fsync, rename, config.json, manifest, COMMIT, retention) needs no other
+             * rank: in the background (checkpoint.async) unless final; the next save waits for it */
+            sfin *f = tera_calloc(1, sizeof *f);
+            f->c = c, f->ws = ws, f->main_sink = main_sink, f->tail_sink = tail_sink, f->st = s;
+            memcpy(f->rhash, rhash, sizeof rhash);
+            f->changed = changed, f->total = total, f->t0 = t0;
+            snprintf(f->root, sizeof f->root, "%s", root);
+            snprintf(f->dir, sizeof f->dir, "%s", dir);
+            snprintf(f->tmp, sizeof f->tmp, "%s", tmp);
+            c->fin = f;
+            if (s == TERA_OK && c->opt.async && !final && pthread_create(&c->th, NULL, streamed_finish_main, c) == 0) {
+                c->running = 1;
             } else {
-                close(tail_sink.fd);
-                snprintf(path, sizeof path, "%s/diff.bin.part", tmp);
-                unlink(path);
-                tera_status s2 = dsink_close(&main_sink);
-                if (s == TERA_OK) s = s2;
-                cJSON_AddNumberToObject(man, "base_step", (double)c->base_step);
-                char bn[64];
-                snprintf(bn, sizeof bn, "step_%08" PRId64, c->base_step);
-                cJSON_AddStringToObject(man, "base", bn);
-                cJSON *ch = cJSON_AddObjectToObject(man, "chunks");
-                cJSON_AddNumberToObject(ch, "chunk_bytes", TERA_CKPT_CHUNK_BYTES);
-                cJSON_AddNumberToObject(ch, "total", (double)total);
-                cJSON_AddNumberToObject(ch, "changed", (double)changed);
-                cJSON_AddStringToObject(ch, "compression", "zstd-1");
-                c->since_full++;
+                streamed_finish_main(c);
+                s = c->st;
+                c->st = TERA_OK;
+                if (s != TERA_OK) s = tera_fail(s, "%s", c->err);
             }
-            wsave_free(&ws);
-            if (s == TERA_OK) s = finish_checkpoint(c, man, tmp, dir, root, rhash, changed, total, t0);
-            else cJSON_Delete(man);
         }
         free(cbuf);
     }
@@ -1535,6 +1596,12 @@ struct tera_shard_ckpt {
     uint64_t *base_hash;
     int64_t n_chunks;
     int64_t changed, total;     /* chunks of the last differential save */
+    /* this rank's file between its windows and its finish */
+    tera_st_writer fw;
+    tera_st_stream *ss;
+    dsink ds;
+    int any;
+    char path[TERA_PATH_MAX + 200];
 };
 
 static void shard_free(tera_trainer *tr) {
@@ -1616,18 +1683,34 @@ static tera_status shard_stream(tera_trainer *tr, tera_shard_ckpt *c) {
     c->changed = ck.changed, c->total = ck.total;
     ZSTD_freeCCtx(ck.z);
     free(ck.ztmp);
-    if (ss) {
-        if (st == TERA_OK) st = tera_st_stream_finish(ss);
-        else tera_st_stream_abort(ss);
-        if (st == TERA_OK) st = tera_ckpt_fsync_path(path);
-    } else if (any) {
-        const tera_status s2 = dsink_close(&ds);
+    /* finished (fsync, rename, hash) by shard_finish_main, in the background when async */
+    c->fw = w;
+    c->ss = ss;
+    c->ds = ds;
+    c->any = any;
+    snprintf(c->path, sizeof c->path, "%s", path);
+    return st;
+}
+
+/* The rest of this rank's file: fsync, rename, size and XXH3 (no other rank needed). */
+static void *shard_finish_main(void *arg) {
+    tera_shard_ckpt *c = arg;
+    tera_status st = c->st;
+    if (c->ss) {
+        if (st == TERA_OK) st = tera_st_stream_finish(c->ss);
+        else tera_st_stream_abort(c->ss);
+        if (st == TERA_OK) st = tera_ckpt_fsync_path(c->path);
+    } else if (c->any) {
+        const tera_status s2 = dsink_close(&c->ds);
         if (st == TERA_OK) st = s2;
     }
-    tera_st_writer_free(&w);
-    if (any && st == TERA_OK) st = tera_ckpt_hash_file(path, &c->hash, &c->size);
-    c->wrote = any && st == TERA_OK;
-    return st;
+    c->ss = NULL;
+    tera_st_writer_free(&c->fw);
+    if (c->any && st == TERA_OK) st = tera_ckpt_hash_file(c->path, &c->hash, &c->size);
+    c->wrote = c->any && st == TERA_OK;
+    c->st = st;
+    if (st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
+    return NULL;
 }
 
 /* Waits for this rank's write of the pending checkpoint, then commits it: the ranks agree, world
@@ -1762,8 +1845,12 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     c->running = 0;
     c->st = shard_stream(tr, c); /* collective: windows gathered over the ranks sharing ZeRO shards */
     if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
-    st = shard_commit(tr);
+    /* the file's finish in the background (checkpoint.async), committed at the next save or at close */
+    c->running = c->st == TERA_OK && opt.async && !final && pthread_create(&c->th, NULL, shard_finish_main, c) == 0;
     record_pause(tera_now() - t0, c->full);
+    if (c->running) return TERA_OK;
+    shard_finish_main(c);
+    st = shard_commit(tr);
     if (final) {
         if (tr->root && tr->cfg.logging.progress)
             fprintf(stderr, "tera: checkpoints: %d sharded saves (%d full), step-loop pause mean %.2f ms, max %.2f ms; "

@@ -81,8 +81,7 @@ typedef struct {
     int group;              /* group gathered or in flight, or INT32_MIN */
     int64_t version;        /* parameter version it was started at */
     float *w[2];            /* [non-expert, expert], the size of the layer slot's */
-    tera_comm_req req[2];
-    int *ints[2];           /* the backend's counts while in flight (2 max(dp, edp) ints each) */
+    tera_comm_req req[2];   /* the gathers in flight (the backend keeps their counts) */
 } zprefetch;
 
 struct tera_zero_ctx {
@@ -94,7 +93,6 @@ struct tera_zero_ctx {
     zprefetch pf;
     int dir;                /* +1 forward, -1 backward: the order layers are used in */
     int last_layer;         /* the layer group used last, or INT32_MIN */
-    int *ints;              /* storage of pf.ints */
     int plan;               /* pipeline: the executor names the order of use (tera_layout_zero3_plan) */
     int plan_last, plan_next; /* the current operation's last layer in its order of use, the next's first (-1: none) */
     int64_t n_gathered, n_prefetched, n_unused; /* layer gathers: all, of them prefetched, prefetches never used */
@@ -155,11 +153,7 @@ static void zero23_init(tera_trainer *tr) {
     z->pf.group = z->last_layer = INT32_MIN;
     z->dir = 1;
     if (z->prefetch) {
-        z->ints = tera_calloc((size_t)(4 * ranks), sizeof(int));
-        for (int x = 0; x < 2; x++) {
-            z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
-            z->pf.ints[x] = z->ints + 2 * x * ranks;
-        }
+        for (int x = 0; x < 2; x++) z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
     }
     z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
@@ -179,7 +173,6 @@ static void zero23_free(tera_trainer *tr) {
     if (!z) return;
     tera_comm_wait(&z->pf.req[0]); /* a prefetch still in flight (inactive requests return at once) */
     tera_comm_wait(&z->pf.req[1]);
-    free(z->ints);
     free(z->block);
     free(z->cnt);
     free(z);
@@ -220,7 +213,7 @@ static void gather_group(tera_trainer *tr, int group, float *const w[2], zprefet
         const zpiece p = pieces(tr, x, lo, hi);
         if (z->cnt[p.me] > 0) memcpy(w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
         if (pf)
-            tera_comm_iallgather_f32(p.c, w[x], z->cnt, pf->ints[x], &pf->req[x]);
+            tera_comm_iallgather_f32(p.c, w[x], z->cnt, &pf->req[x]);
         else
             tera_comm_allgather_f32(p.c, w[x], z->cnt);
     }

@@ -14,6 +14,7 @@
 #include "tera/hf.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
+#include "tera/metrics_http.h"
 #include "tera/profile.h"
 #include "tera/safetensors.h"
 #include "tera/train.h"
@@ -190,6 +191,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
 
+    /* logging.metrics_port: before the run directory is touched, so a port in use leaves nothing behind */
+    if ((st = tera_metrics_http_start(&tr->http, tr)) != TERA_OK) goto fail_all;
     tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
     tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
     if (tr->run_dir[0] && tr->root) {
@@ -239,6 +242,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     return TERA_OK;
 
 fail_all:
+    tera_metrics_http_stop(tr->http);
     free(tr->spike_hist);
     free(tr->buckets);
     free(tr->grad_sq);
@@ -288,6 +292,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
 
 void tera_trainer_free(tera_trainer *tr) {
     tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
+    tera_metrics_http_stop(tr->http);
     if (tr->metrics) fclose(tr->metrics);
     tera_prefetch_stop(tr->prefetch);
     free(tr->spike_hist);
@@ -646,6 +651,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
     if (tr->metrics) write_metrics(tr, r);
+    tera_metrics_http_publish(tr->http, tr, r); /* every rank: its /metrics endpoint (no-op when off) */
     tera_trainer_batch_observe(tr, r);
     if (r->spike) return handle_spike(tr, r, step_sample, seqs);
     return TERA_OK;
@@ -774,6 +780,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             double vl;
             TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
             if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
+            tera_metrics_http_publish_eval(tr->http, tr->step - 1, vl);
             if (tr->metrics) {
                 char line[128], num[64];
                 const int n = snprintf(line, sizeof line, "{\"step\": %ld, \"val_loss\": %s}\n", (long)tr->step - 1,

@@ -1,0 +1,364 @@
+/* The MoE token dispatcher: see dispatch.h. */
+#include "dispatch.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "moe.h"
+#include "tera/kernels.h"
+#include "tera/profile.h"
+
+/* What the experts do with their rows: the forward, the backward, or (selective recomputation)
+ * the hidden activations again. */
+enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
+
+/* An implementation: the steps that differ between local and all-to-all. */
+typedef struct {
+    const char *name;
+    /* after the plan (permute): exchange what the peers need to know (all-to-all: the counts) */
+    void (*exchange_counts)(tera_dispatcher *d, tera_dispatch_acts *t, int l);
+    /* this rank's experts over the layer's rows (op: EXPERTS_*), moving them as needed */
+    void (*experts)(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, const tera_layer_view *G,
+                    int l, int op);
+} dispatch_impl;
+
+struct tera_dispatcher {
+    const dispatch_impl *impl;
+    int B, T, E, K;          /* micro-batch shape, experts, experts per token */
+    int64_t N, D, F;         /* tokens, width, this rank's expert hidden width */
+    int capacity;            /* per sequence and expert; 0 = dropless */
+    tera_drop_policy drop;   /* which assignments a full expert drops */
+    int ep, me, El;          /* expert-parallel ranks, this rank, experts per rank (local: 1, 0, E) */
+    tera_comm *group;        /* the expert-parallel group (NULL when local) */
+    int overlap;             /* all-to-all: compute a block while later ones are in flight */
+    int64_t R;               /* rows this rank's experts process per layer (tera_dispatch_rows) */
+    /* scratch: one allocation, sized at creation */
+    void *block;
+    int64_t bytes;
+    void *plan_scratch;      /* tera_moe_plan's */
+    float *dxg, *dye;        /* [N*k, D] input and output gradients of the routed rows */
+    float *dyr, *dxr;        /* [R, D] all-to-all: received output gradients, input gradients sent back */
+    int *order;              /* [2E] experts by descending load (the upper half: the sort's) */
+    int32_t *cnt;            /* [E] rows bound for each expert (the counts exchange) */
+    int64_t *off;            /* [E+1] rows of each expert in the buffers the experts run over */
+    float *da1, *da3, *dg;   /* [R, F] the backward's scratch of the call in progress (the caller's) */
+    tera_comm_req *req;      /* [4 ep] in flight: sends, receives, returns sent, returns received */
+};
+
+/* ------------------------------------------------------------------------------ experts */
+
+/* One call's experts: El experts over rows [off[e], off[e+1]) of these buffers. */
+typedef struct {
+    const tera_dispatcher *d;
+    const float *x;          /* [R, D] input rows */
+    float *y;                /* [R, D] outputs */
+    float *a1, *a3, *g;      /* [R, F] hidden activations */
+    const float *dy;         /* [R, D] output gradients (backward) */
+    float *dx;               /* [R, D] input gradients (backward) */
+    const int64_t *off;      /* [El+1] */
+    const tera_layer_view *W, *G;
+    const int *order;        /* side by side: the experts in the order they are handed out */
+    int op;
+} expert_rows;
+
+/* SwiGLU hidden activations of x[n,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([n,F]). */
+static void expert_hidden(float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3, int64_t n,
+                          int64_t D, int64_t F) {
+    tera_linear_forward(a1, x, w1, n, D, F, 0.0f);
+    tera_linear_forward(a3, x, w3, n, D, F, 0.0f);
+    tera_swiglu_forward(g, a1, a3, n * F);
+}
+
+/* Expert e over its rows: y = w2(silu(x w1^T) * (x w3^T)) (forward), its backward (dx written,
+ * weight gradients +=), or the hidden activations again. */
+static void expert_run(const expert_rows *b, int e) {
+    const tera_dispatcher *d = b->d;
+    const int64_t D = d->D, F = d->F, r = b->off[e], n = b->off[e + 1] - r;
+    if (n == 0) return;
+    const float *w1 = b->W->w1 + e * F * D, *w3 = b->W->w3 + e * F * D, *w2 = b->W->w2 + e * D * F;
+    float *a1 = b->a1 + r * F, *a3 = b->a3 + r * F, *g = b->g + r * F;
+    const float *x = b->x + r * D;
+    switch (b->op) {
+    case EXPERTS_FWD:
+        expert_hidden(a1, a3, g, x, w1, w3, n, D, F);
+        tera_linear_forward(b->y + r * D, g, w2, n, F, D, 0.0f);
+        break;
+    case EXPERTS_BWD: {
+        float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F, *dx = b->dx + r * D;
+        tera_linear_backward(dg, b->G->w2 + e * D * F, b->dy + r * D, g, w2, n, F, D, 0.0f);
+        tera_swiglu_backward(da1, da3, dg, a1, a3, n * F);
+        tera_linear_backward(dx, b->G->w1 + e * F * D, da1, x, w1, n, D, F, 0.0f);
+        tera_linear_backward(dx, b->G->w3 + e * F * D, da3, x, w3, n, D, F, 1.0f);
+        break;
+    }
+    default:
+        expert_hidden(a1, a3, g, x, w1, w3, n, D, F);
+    }
+}
+
+static void expert_item(void *ctx, int i) {
+    const expert_rows *b = ctx;
+    expert_run(b, b->order[i]);
+}
+
+/* Expert indices by descending row count (largest first balances the dynamic schedule); ties keep
+ * index order. A merge sort through the upper half of order[2E]: O(E log E), no allocation. */
+static void experts_by_load(int *order, const int64_t *off, int E) {
+    int *src = order, *dst = order + E;
+    for (int e = 0; e < E; e++) src[e] = e;
+#define LOAD(x) (off[(x) + 1] - off[(x)])
+    for (int w = 1; w < E; w *= 2) {
+        for (int lo = 0; lo < E; lo += 2 * w) {
+            const int mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E;
+            int i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) dst[o++] = LOAD(src[j]) > LOAD(src[i]) ? src[j++] : src[i++];
+            while (i < mid) dst[o++] = src[i++];
+            while (j < hi) dst[o++] = src[j++];
+        }
+        int *t = src;
+        src = dst, dst = t;
+    }
+#undef LOAD
+    if (src != order) memcpy(order, src, sizeof(int) * (size_t)E);
+}
+
+/* All El experts of one call: side by side by descending load, or one after another. The thread
+ * layout is a scheduling decision of the CPU backend (tera_items_side_by_side); each expert's
+ * outputs and weight gradients are written by one thread either way, so the numbers are the same. */
+static void experts_run(tera_dispatcher *d, expert_rows *b) {
+    if (tera_items_side_by_side(d->El)) {
+        experts_by_load(d->order, b->off, d->El);
+        b->order = d->order;
+        tera_for_each_item(d->El, expert_item, b);
+    } else {
+        for (int e = 0; e < d->El; e++) expert_run(b, e);
+    }
+}
+
+/* ------------------------------------------------------------------------------ local */
+
+static void local_counts(tera_dispatcher *d, tera_dispatch_acts *t, int l) {}
+
+static void local_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                          const tera_layer_view *G, int l, int op) {
+    for (int e = 0; e <= d->E; e++) d->off[e] = t->exp_off[e];
+    expert_rows b = {.d = d, .x = t->xg, .y = t->ye, .a1 = t->a1, .a3 = t->a3, .g = t->gact, .dy = d->dye,
+                     .dx = d->dxg, .off = d->off, .W = W, .G = G, .op = op};
+    experts_run(d, &b);
+}
+
+static const dispatch_impl local_impl = {"local", local_counts, local_experts};
+
+/* ------------------------------------------------------------------------------ all-to-all
+ * After routing, this rank's assignments are grouped by expert (exp_off), so the rows bound for
+ * rank s are one contiguous block. Each rank sends each peer its block, receives the peers' rows for
+ * its own experts (xr, one block per source, grouped by expert), runs its experts over each
+ * source's block, and sends the outputs back into ye, where the combine finds them exactly as with
+ * local experts. Backward does the same with the output gradients (dye -> dyr) and the input
+ * gradients (dxr -> dxg). Blocks are computed in a fixed order (own block first, then the next
+ * ranks in ring order), so results do not depend on arrival times; with overlap on, a block is
+ * computed as soon as it has arrived while later blocks are still in flight, and each result block
+ * is sent back at once. */
+enum { EP_TAG_X, EP_TAG_Y, EP_TAG_DY, EP_TAG_DX };
+static int ep_tag(int l, int what) { return 4 * l + what; }
+
+/* Counts first: how many rows each source sends for each of this rank's experts (rcnt, roff). */
+static void a2a_counts(tera_dispatcher *d, tera_dispatch_acts *t, int l) {
+    const int ep = d->ep, El = d->El;
+    int32_t *cnt = d->cnt;
+    for (int e = 0; e < d->E; e++) cnt[e] = t->exp_off[e + 1] - t->exp_off[e];
+    tera_comm_alltoall_i32(d->group, cnt, t->rcnt, El);
+    t->roff[0] = 0;
+    for (int s = 0; s < ep; s++) {
+        int64_t n = 0;
+        for (int e = 0; e < El; e++) n += t->rcnt[s * El + e];
+        t->roff[s + 1] = t->roff[s] + (int32_t)n;
+    }
+    TERA_ASSERTF(t->roff[ep] <= d->R, "layer %d: %d rows received for %d experts, buffers hold %ld", l, t->roff[ep],
+                 El, (long)d->R);
+}
+
+/* This rank's experts over source s's block of the received buffers. */
+static void a2a_block(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, const tera_layer_view *G,
+                      int s, int op) {
+    const int El = d->El;
+    int64_t *off = d->off;
+    off[0] = t->roff[s];
+    for (int e = 0; e < El; e++) off[e + 1] = off[e] + t->rcnt[s * El + e];
+    expert_rows b = {.d = d, .x = t->xr, .y = t->yr, .a1 = t->a1, .a3 = t->a3, .g = t->gact,
+                     .dy = d->dyr, .dx = d->dxr, .off = off, .W = W, .G = G, .op = op};
+    experts_run(d, &b);
+}
+
+/* The exchange of one layer, forward (xg -> xr, experts, yr -> ye), backward (dye -> dyr, expert
+ * backward, dxr -> dxg), or the hidden activations again from the kept xr (no exchange). */
+static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                        const tera_layer_view *G, int l, int op) {
+    const int ep = d->ep, me = d->me, El = d->El;
+    if (op == EXPERTS_HIDDEN) {
+        for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
+        return;
+    }
+    tera_comm *g = d->group;
+    const int fwd = op == EXPERTS_FWD;
+    const int64_t D = d->D;
+    tera_comm_req *snd = d->req, *rcv = d->req + ep, *rsnd = d->req + 2 * ep, *rrcv = d->req + 3 * ep;
+    float *out_local = fwd ? t->xg : d->dye; /* [N*k, D] this rank's rows, grouped by expert */
+    float *in_local = fwd ? t->ye : d->dxg;  /* [N*k, D] where their results come back */
+    float *recv = fwd ? t->xr : d->dyr;      /* [R, D] rows for this rank's experts */
+    float *res = fwd ? t->yr : d->dxr;       /* [R, D] their results */
+    const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
+    for (int s = 0; s < ep; s++) {
+        if (s == me) continue;
+        const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
+        tera_comm_irecv_f32(g, recv + (int64_t)t->roff[s] * D, (int64_t)(t->roff[s + 1] - t->roff[s]) * D, s,
+                            tag_out, &rcv[s]);
+        tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
+        tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
+    }
+    const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
+    memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
+    if (!d->overlap)
+        for (int s = 0; s < ep; s++) tera_comm_wait(&rcv[s]);
+    for (int i = 0; i < ep; i++) {
+        const int s = (me + i) % ep;
+        tera_comm_wait(&rcv[s]);
+        a2a_block(d, t, W, G, s, op);
+        const int64_t r0 = t->roff[s], n = t->roff[s + 1] - r0;
+        if (s == me)
+            memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
+        else
+            tera_comm_isend_f32(g, res + r0 * D, n * D, s, tag_back, &rsnd[s]);
+        if (d->overlap) tera_comm_poll(d->req, 4 * ep); /* progress the other transfers */
+    }
+    for (int s = 0; s < ep; s++) {
+        tera_comm_wait(&snd[s]);
+        tera_comm_wait(&rrcv[s]);
+        tera_comm_wait(&rsnd[s]);
+    }
+}
+
+static const dispatch_impl a2a_impl = {"all-to-all", a2a_counts, a2a_experts};
+
+/* ------------------------------------------------------------------------------ interface */
+
+/* Rows the experts of one rank can receive in one layer: from each of the ep sources, at most
+ * min(k, El) assignments per token (a token's k experts are distinct), and with a capacity at
+ * most capacity per sequence for each of the El experts. */
+static int64_t a2a_rows_max(const tera_model_config *c, int B, int T, int ep) {
+    const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
+    int64_t per_src = N * (c->top_k < El ? c->top_k : El);
+    if (c->capacity_factor > 0.0f) {
+        const int64_t cap = (int64_t)ceil((double)c->capacity_factor * T * c->top_k / c->n_experts);
+        if (El * B * cap < per_src) per_src = El * B * cap;
+    }
+    return (int64_t)ep * per_src;
+}
+
+/* Pass 1 (base NULL) counts bytes, pass 2 assigns pointers into one block; 64-byte granules. */
+static void *take(char *base, int64_t *off, size_t bytes) {
+    void *p = base ? base + *off : NULL;
+    *off += (int64_t)((bytes + 63) & ~(size_t)63);
+    return p;
+}
+
+static void carve_scratch(tera_dispatcher *d, char *base) {
+    const int64_t NK = d->N * d->K, E = d->E;
+    int64_t off = 0;
+    d->plan_scratch = take(base, &off, tera_moe_plan_scratch_bytes(NK, d->B, d->E));
+    d->dxg = take(base, &off, sizeof(float) * (size_t)(NK * d->D));
+    d->dye = take(base, &off, sizeof(float) * (size_t)(NK * d->D));
+    if (d->ep > 1) {
+        d->dyr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
+        d->dxr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
+    }
+    d->order = take(base, &off, sizeof(int) * 2 * (size_t)E);
+    d->cnt = take(base, &off, sizeof(int32_t) * (size_t)E);
+    d->off = take(base, &off, sizeof(int64_t) * (size_t)(E + 1));
+    d->bytes = off;
+}
+
+tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
+                                      int ep_rank) {
+    tera_dispatcher *d = tera_calloc(1, sizeof *d);
+    const int ep = par && par->ep > 1 ? par->ep : 1;
+    d->B = B, d->T = T, d->E = c->n_experts, d->K = c->top_k;
+    d->N = (int64_t)B * T, d->D = c->dim, d->F = F;
+    d->capacity = c->capacity_factor > 0.0f ? (int)ceil((double)c->capacity_factor * T * d->K / d->E) : 0;
+    d->drop = c->drop_policy;
+    d->ep = ep, d->me = ep > 1 ? ep_rank : 0, d->El = d->E / ep;
+    if (ep > 1) {
+        d->impl = &a2a_impl;
+        d->group = par->group;
+        d->overlap = par->overlap;
+        d->R = a2a_rows_max(c, B, T, ep);
+        d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
+    } else {
+        d->impl = &local_impl;
+        d->R = d->N * d->K;
+    }
+    carve_scratch(d, NULL);
+    d->block = tera_malloc((size_t)d->bytes);
+    memset(d->block, 0, (size_t)d->bytes);
+    carve_scratch(d, d->block);
+    return d;
+}
+
+void tera_dispatch_destroy(tera_dispatcher *d) {
+    if (!d) return;
+    free(d->block);
+    free(d->req);
+    free(d);
+}
+
+const char *tera_dispatch_name(const tera_dispatcher *d) { return d->impl->name; }
+int64_t tera_dispatch_rows(const tera_dispatcher *d) { return d->R; }
+int64_t tera_dispatch_bytes(const tera_dispatcher *d) { return d->bytes; }
+int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d) {
+    return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) : 0;
+}
+
+int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const float *x, const int32_t *topi,
+                              const float *probs, int l) {
+    TERA_PROF_BEGIN(DISPATCH);
+    const int64_t dropped = tera_moe_plan(t->slot_row, t->row_tok, t->exp_off, t->sel_count, d->plan_scratch, topi,
+                                          probs, d->B, d->T, d->E, d->K, d->capacity, d->drop);
+    tera_moe_gather_forward(t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
+    d->impl->exchange_counts(d, t, l);
+    TERA_PROF_END(DISPATCH);
+    return dropped;
+}
+
+void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, int l) {
+    TERA_PROF_BEGIN(EXPERT_FWD);
+    d->impl->experts(d, t, W, NULL, l, EXPERTS_FWD);
+    TERA_PROF_END(EXPERT_FWD);
+}
+
+void tera_dispatch_combine_forward(tera_dispatcher *d, float *out, const tera_dispatch_acts *t, const float *topw) {
+    TERA_PROF(COMBINE_FWD, tera_moe_combine_forward(out, t->ye, topw, t->slot_row, d->N, d->K, d->D));
+}
+
+void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W) {
+    TERA_PROF_BEGIN(EXPERT_FWD);
+    d->impl->experts(d, t, W, NULL, -1, EXPERTS_HIDDEN);
+    TERA_PROF_END(EXPERT_FWD);
+}
+
+void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const float *dy, const tera_dispatch_acts *t,
+                                    const float *topw) {
+    TERA_PROF(COMBINE_BWD, tera_moe_combine_backward(d->dye, dtopw, dy, t->ye, topw, t->slot_row, d->N, d->K, d->D));
+}
+
+void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg) {
+    TERA_PROF_BEGIN(EXPERT_BWD);
+    d->da1 = da1, d->da3 = da3, d->dg = dg;
+    d->impl->experts(d, t, W, G, l, EXPERTS_BWD);
+    d->da1 = d->da3 = d->dg = NULL;
+    TERA_PROF_END(EXPERT_BWD);
+}
+
+void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t) {
+    TERA_PROF(COMBINE_BWD, tera_moe_gather_backward(dx, d->dxg, t->slot_row, d->N, d->K, d->D));
+}

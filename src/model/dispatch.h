@@ -1,0 +1,91 @@
+/* The MoE token dispatcher (private to src/model), after Megatron-Core's token dispatchers: it moves
+ * a MoE layer's routed tokens to their experts, runs the experts, and brings the results back, so
+ * the layer (model.c) routes, then calls permute -> experts -> combine (and their backwards) without
+ * knowing where the experts are. One interface, two implementations chosen at creation:
+ *
+ *   local       (parallel.ep = 1) every expert is on this rank: permute groups the routed rows by
+ *               expert (xg), the experts run over their rows, combine sums the weighted outputs;
+ *   all-to-all  (parallel.ep > 1) rank r of the ep group owns experts [r El, (r+1) El), El = E / ep:
+ *               permute also exchanges the row counts (all-to-all of E ints), the experts step sends
+ *               each peer the block of rows bound for its experts, runs this rank's experts over
+ *               each source's block as it arrives (a fixed ring order: own block first; with
+ *               parallel.ep_overlap the exchange of later blocks overlaps the compute of earlier
+ *               ones) and returns each result block at once; combine is the local one. The
+ *               backward mirrors it with the output gradients and the input gradients.
+ *
+ * Experts: one routine (SwiGLU, y = w2(silu(x w1^T) * (x w3^T))) over (rows, offsets, weights,
+ * buffers), the same for both implementations and for the forward, the backward and the
+ * recomputation of the hidden activations. The experts of one call run either one after another
+ * (each product using every thread) or side by side by descending load (tera_items_side_by_side,
+ * tera_for_each_item: each expert's outputs and weight gradients written by exactly one thread with
+ * single-threaded products); the same layout in the forward, its recomputation and the backward,
+ * so results are bit-identical whatever the thread count chose.
+ *
+ * State: the dispatcher owns its scratch (the plan's, the backward's row buffers, the exchange's
+ * buffers and requests), allocated once at creation. The per-layer buffers below belong to the
+ * layer's activations (carved by the model, so the recomputation policy decides which are kept). */
+#ifndef TERA_MODEL_DISPATCH_H
+#define TERA_MODEL_DISPATCH_H
+
+#include <stdint.h>
+
+#include "tera/model.h"
+
+/* One MoE layer's routed-token buffers. N = B*T tokens, k experts per token, R = the rows this
+ * rank's experts process (tera_dispatch_rows). */
+typedef struct {
+    int32_t *slot_row;   /* [N*k] grouped row of assignment t*k + j, -1 if dropped */
+    int32_t *row_tok;    /* [N*k] token of each grouped row */
+    int32_t *exp_off;    /* [E+1] rows of expert e are [exp_off[e], exp_off[e+1]) */
+    int32_t *sel_count;  /* [B, E] assignments of each sequence selected for each expert, before drops */
+    float *xg;           /* [N*k, D] routed rows grouped by expert (all-to-all: the rows sent) */
+    float *ye;           /* [N*k, D] their expert outputs, unweighted (all-to-all: as returned) */
+    float *a1, *a3;      /* [R, F] the experts' hidden activations x w1^T, x w3^T */
+    float *gact;         /* [R, F] silu(a1) * a3 */
+    /* all-to-all only: rows received from source rank s for local expert e are rcnt[s*El + e];
+     * they sit in xr from row roff[s] on, grouped by expert */
+    int32_t *rcnt;       /* [ep, El] */
+    int32_t *roff;       /* [ep + 1] */
+    float *xr;           /* [R, D] rows received for this rank's experts */
+    float *yr;           /* [R, D] their outputs, sent back */
+} tera_dispatch_acts;
+
+typedef struct tera_dispatcher tera_dispatcher;
+
+/* A dispatcher for micro-batches of B x T tokens of model c with this rank's expert hidden width F
+ * (tensor parallelism: ffn_dim / tp); par->ep > 1 (with par->group, this rank ep_rank of it):
+ * all-to-all, else local. */
+tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
+                                      int ep_rank);
+void tera_dispatch_destroy(tera_dispatcher *d);
+const char *tera_dispatch_name(const tera_dispatcher *d); /* "local" or "all-to-all" */
+/* R: rows this rank's experts can process in one layer: N*k (local), or the most it can receive
+ * from the ep sources (all-to-all: from each, at most min(k, El) per token, and with a capacity at
+ * most capacity per sequence for each of the El experts). */
+int64_t tera_dispatch_rows(const tera_dispatcher *d);
+int64_t tera_dispatch_bytes(const tera_dispatcher *d);      /* its scratch */
+int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d); /* the exchange's part of it */
+
+/* Forward of layer l. permute: the plan (capacity and drops: tera_moe_plan over topi [N, k] and
+ * probs [N, E]), the routed rows of x [N, D] gathered into t->xg, and (all-to-all) the counts
+ * exchanged; returns the dropped assignments. experts: t->ye from t->xg (all-to-all: through the
+ * exchange). combine: out [N, D] += sum_j topw[t, j] ye[row of (t, j)] (topw: [N, k]). */
+int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const float *x, const int32_t *topi,
+                              const float *probs, int l);
+void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, int l);
+void tera_dispatch_combine_forward(tera_dispatcher *d, float *out, const tera_dispatch_acts *t, const float *topw);
+/* Selective recomputation: the experts' hidden activations (t->a1, a3, gact) again from the kept
+ * rows (t->xg, or the received t->xr: no exchange). */
+void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W);
+
+/* Backward of layer l, in this order. combine: from dy [N, D], the experts' output gradients (the
+ * dispatcher's) and dtopw [N, k] (written). experts: their input gradients (through the exchange),
+ * weight gradients += into G; da1, da3, dg: [R, F] scratch. permute: dx [N, D] += the input
+ * gradients of token t's kept rows. */
+void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const float *dy, const tera_dispatch_acts *t,
+                                    const float *topw);
+void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg);
+void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t);
+
+#endif

@@ -1,0 +1,71 @@
+/* Tensor-parallel layers (Megatron-Core's tensor_parallel package; private to src/model).
+ *
+ * The tp ranks of a group see the same tokens and split attention by heads, every FFN (dense,
+ * shared and routed experts) by its hidden width, and the embedding and LM head by vocabulary.
+ * Partial results meet in all-reduces over the group, named by the role they play:
+ *   - a row-parallel layer's output (o_proj, an FFN's down projection, the vocabulary-parallel
+ *     lookup) is a partial sum: tera_tp_reduce_forward sums it (backward: the identity);
+ *   - a replicated input read by column-parallel layers (q/k/v from ln1, the FFN from ln2, the
+ *     head from lnf, the combine weights of the experts' partial outputs) gets partial gradients
+ *     from each rank: tera_tp_copy_backward sums them (forward: the identity).
+ * The cross-entropy is computed from the vocabulary slices with three sums of N floats, never
+ * gathering the logits. The model composes these and never sums across ranks itself. With tp = 1
+ * every function is the plain one-rank operation (the same code and bits as a model without
+ * tensor parallelism). */
+#ifndef TERA_MODEL_TP_LAYERS_H
+#define TERA_MODEL_TP_LAYERS_H
+
+#include <stdint.h>
+
+#include "tera/comm.h"
+
+typedef struct {
+    int tp;           /* ranks in the group; 1: no tensor parallelism */
+    tera_comm *group; /* the tensor-parallel group; NULL when tp = 1 */
+    int64_t v0, Vl;   /* this rank's vocabulary rows: [v0, v0 + Vl) */
+    int64_t N;        /* rows (tokens) of a micro-batch */
+    float *ce_buf;    /* [3, N] tp > 1: per-row max, sum of exponentials, target logit */
+    int64_t bytes;    /* bytes this module allocated (scratch) */
+} tera_tp;
+
+/* Sets up rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
+ * micro-batch (allocates the cross-entropy's scratch once); tera_tp_free releases it. */
+void tera_tp_init(tera_tp *tp, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N);
+void tera_tp_free(tera_tp *tp);
+
+/* Sum of the ranks' partial outputs of a row-parallel layer, in place: buf [n]. */
+void tera_tp_reduce_forward(const tera_tp *tp, float *buf, int64_t n);
+/* Sum of the ranks' partial gradients of a replicated input of column-parallel layers, in place:
+ * dx [n]. */
+void tera_tp_copy_backward(const tera_tp *tp, float *dx, int64_t n);
+
+/* Vocabulary-parallel embedding: x[N,D] = table[tokens[n]] (table: this rank's [Vl, D] rows; each
+ * rank looks up the tokens in its slice, the partial rows are summed). Backward: dtable[Vl, D] +=
+ * the rows of dx[N,D] whose token is in the slice. tokens: [N] */
+void tera_tp_embedding_forward(const tera_tp *tp, float *x, const float *table, const int32_t *tokens, int64_t N,
+                               int64_t D);
+void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *dx, const int32_t *tokens, int64_t N,
+                                int64_t D);
+
+/* Row-parallel linear with the residual: y[N,out] = res[N,out] + sum over ranks of x[N,in] w[out,in]^T
+ * (x, w: this rank's input slice). Backward: tera_linear_backward on the slice (dy passes through
+ * the sum unchanged), and dy to the residual. */
+void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
+                                         const float *res, int64_t N, int64_t in, int64_t out);
+
+/* A row-parallel block whose layers accumulate into out[n] (the FFN block: routed experts, shared
+ * experts or the dense FFN): begin starts out at the residual res[n] (tp = 1) or at 0 (the ranks'
+ * partial sums are added to the residual once, by end); end sums the partial outputs and adds the
+ * residual (tp > 1; nothing to do with tp = 1). */
+void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, int64_t n);
+void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n);
+
+/* Vocabulary-parallel cross-entropy of logits[N, Vl] (this rank's slice of the vocabulary) against
+ * targets[N]: writes lse[N] (of the whole vocabulary) and returns the sum of the N losses, the same
+ * on every rank. Backward: dlogits[N, Vl] = scale * (softmax - onehot) on the slice (may alias
+ * logits). */
+double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N);
+void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const float *lse,
+                         const int32_t *targets, int64_t N, float scale);
+
+#endif

@@ -1,0 +1,605 @@
+/* tera plan: the memory of one rank of a parallel layout, without allocating the model.
+ *
+ * Sources of every figure (the planner must not be a second guess):
+ * - parameters: tera_param_table_spec with the rank's shard spec (the table tera_model_create_par
+ *   builds), so n_floats and n_dense are the allocator's own;
+ * - activations and scratch: count_acts / count_scratch below are the counting pass of
+ *   carve_acts / carve_scratch (src/model/model.c): the same buffers in the same order, each rounded
+ *   up to 64 bytes, with the shared helpers the model calls (tera_attention_scratch_floats,
+ *   tera_moe_plan_scratch_bytes, tera_moe_route_scratch_bytes). model.c keeps its carvers static,
+ *   so the carving is restated here; tests/cli_plan.sh checks it against the model to the byte on a
+ *   table of layouts (a public counting entry point in model.c would remove the copy);
+ * - expert-exchange buffers: the model's bytes_comm formula (ep_rows_max restated);
+ * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c);
+ * - activation slots of a pipeline stage: the schedule's simulated peak (tera_pipeline_slots);
+ * - pipeline buffers, checkpoint buffers, router state: src/train/pipeline.c, trainer.c, checkpoint.c. */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "model/moe.h"
+#include "tera/ckpt.h"
+#include "tera/kernels.h"
+#include "tera/model.h"
+#include "tera/plan.h"
+#include "plan_internal.h"
+#include "tera/schedule.h"
+#include "tera/topology.h"
+#include "tera/train.h"
+
+const char *const tera_pm_name[TERA_PM_N] = {"params", "grads", "optimizer", "activations", "scratch",
+                                             "comm", "pipeline", "checkpoint", "other"};
+
+/* ------------------------------------------------------------------ the model's carving, counted */
+enum { PART_XIN = 1, PART_CORE = 2, PART_HIDDEN = 4, PART_REST = 8, PART_ALL = 15 };
+
+static unsigned kept_parts(int policy) {
+    switch (policy) {
+    case TERA_RECOMPUTE_FULL: return PART_XIN;
+    case TERA_RECOMPUTE_SELECTIVE: return PART_ALL & ~(unsigned)(PART_CORE | PART_HIDDEN);
+    default: return PART_ALL;
+    }
+}
+
+static int64_t al(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
+#define CF(n) al((int64_t)sizeof(float) * (int64_t)(n))
+#define CI(n) al((int64_t)sizeof(int32_t) * (int64_t)(n))
+
+typedef struct {
+    const tera_model_config *cfg;
+    int B, T, ep, tp, n_slots;
+    int64_t Hl, Hkvl, Fl, Fsl, Fdl, Vl, Rmax;
+    const unsigned char *held;
+    const uint8_t *policy;
+} vmodel;
+
+static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
+static int64_t ffn_width(const vmodel *m, int l) { return is_moe(m->cfg, l) ? m->Fsl : m->Fdl; }
+
+/* carve_layer's counting pass */
+static int64_t count_layer(const vmodel *m, int moe, int64_t Fx, unsigned parts) {
+    const tera_model_config *cfg = m->cfg;
+    const int64_t N = (int64_t)m->B * m->T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
+    const int64_t R = m->ep > 1 ? m->Rmax : N * K;
+    const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
+    const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
+    int64_t b = 0;
+    if (xin) b += CF(N * D);
+    if (rest) b += CF(N * D) + CF(N) + CF(N * H * hd) + 2 * CF(N * Hkv * hd);
+    if (core) b += CF(N * H * hd) + CF((int64_t)m->B * H * m->T);
+    if (rest) b += 2 * CF(N * D) + CF(N);
+    if (moe) {
+        if (rest) {
+            b += 2 * CF(N * E) + CF(N) + CI(N * K) + CF(N * K) + 2 * CI(N * K) + CI(E + 1) + CI((int64_t)m->B * E) +
+                 CF(N * K * D);
+            if (m->ep > 1) b += CI(E) + CI(m->ep + 1) + 2 * CF(R * D);
+        }
+        if (hid) b += 3 * CF(R * F);
+        if (rest) b += CF(N * K * D);
+    }
+    if (Fx > 0 && hid) b += 3 * CF(N * Fx);
+    return b;
+}
+
+/* carve_acts's counting pass for slot `slot` */
+static int64_t count_acts(const vmodel *m, int slot) {
+    const tera_model_config *cfg = m->cfg;
+    const int64_t N = (int64_t)m->B * m->T, D = cfg->dim, hd = D / cfg->n_heads;
+    unsigned work_parts = 0;
+    int work_moe = 0;
+    int64_t work_Fx = 0, b = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        if (!m->held[l]) continue;
+        const unsigned kept = kept_parts(m->policy[l]);
+        b += count_layer(m, is_moe(cfg, l), ffn_width(m, l), kept);
+        if (kept != PART_ALL) {
+            work_parts |= PART_ALL & ~kept;
+            work_moe |= is_moe(cfg, l);
+            if (ffn_width(m, l) > work_Fx) work_Fx = ffn_width(m, l);
+        }
+    }
+    if (slot == 0 && work_parts) b += count_layer(m, work_moe, work_Fx, work_parts);
+    b += 2 * CF(N * D) + 2 * CF(N) + 2 * CF((int64_t)m->T * hd / 2);
+    if (m->n_slots > 1) b += CF(N * m->Vl);
+    return b;
+}
+
+/* carve_scratch's counting pass; threads: the OpenMP thread count it is sized for */
+static int64_t count_scratch(const vmodel *m, int threads) {
+    const tera_model_config *cfg = m->cfg;
+    const int B = m->B, T = m->T, ep = m->ep;
+    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
+    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
+    const int64_t Fs = m->Fsl, Fd = m->Fdl;
+    const int64_t R = ep > 1 ? m->Rmax : N * K;
+    int64_t Fw = R * F, b = 0;
+    if (N * Fs > Fw) Fw = N * Fs;
+    if (N * Fd > Fw) Fw = N * Fd;
+    if (m->n_slots == 1) b += CF(N * m->Vl);
+    if (m->tp > 1) b += CF(3 * N);
+    b += 2 * CF(N * D) + CF(N * H * hd) + 2 * CF(N * Hkv * hd) + CF(N * H * hd) + 2 * CF(N * K * D);
+    if (ep > 1) b += 2 * CF(R * D);
+    b += 3 * CF(Fw) + 2 * CF(N * E) + CF(N * K) + al((int64_t)sizeof(double) * E);
+    if (cfg->router_score == TERA_ROUTER_SIGMOID) b += CF(N);
+    const tera_moe_routing route = tera_moe_routing_of(cfg);
+    if (route.n_groups > 1) b += al((int64_t)tera_moe_route_scratch_bytes(&route, threads));
+    /* the attention kernel sizes its per-thread blocks for omp_get_max_threads() */
+    const int old = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    b += CF(tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
+    omp_set_num_threads(old);
+    b += al((int64_t)tera_moe_plan_scratch_bytes(N * K, B, (int)E));
+    b += al((int64_t)sizeof(int) * 2 * E) + CI(E) + al((int64_t)sizeof(int64_t) * E) +
+         al((int64_t)sizeof(int64_t) * (E + 1));
+    return b;
+}
+
+/* the model's ep_rows_max */
+static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
+    const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
+    int64_t per_src = N * (c->top_k < El ? c->top_k : El);
+    if (c->capacity_factor > 0.0f) {
+        const int64_t cap = (int64_t)ceil((double)c->capacity_factor * T * c->top_k / c->n_experts);
+        if (El * B * cap < per_src) per_src = El * B * cap;
+    }
+    return (int64_t)ep * per_src;
+}
+
+/* ------------------------------------------------------------------ layout pieces */
+/* The layer split over pp x v virtual stages: parallel.pp_layers, or tera_pp_split (as the trainer). */
+static void layer_split(const tera_config *cfg, int *first) {
+    const int S = cfg->parallel.pp * cfg->parallel.pp_chunks;
+    first[0] = 0;
+    if (cfg->parallel.pp_layers[0]) {
+        const char *q = cfg->parallel.pp_layers;
+        for (int i = 0; i < S; i++) {
+            char *end;
+            first[i + 1] = first[i] + (int)strtol(q, &end, 10); /* validated by tera_config_finalize */
+            q = *end ? end + 1 : end;
+        }
+    } else {
+        tera_pp_split(&cfg->model, S, cfg->training.seq_len, first);
+    }
+}
+
+/* src/train/layout.c's shard(): this rank's count of n floats cut into w 16-float aligned shards */
+static int64_t shard_count(int64_t n, int w, int r) {
+    const int64_t S = ((n + w - 1) / w + 15) & ~(int64_t)15;
+    const int64_t lo = (int64_t)r * S < n ? (int64_t)r * S : n, hi = lo + S < n ? lo + S : n;
+    return hi - lo;
+}
+
+/* What the parameter table of one (pp_rank, tp_rank, ep_rank) gives: sizes, the ZeRO staging slot
+ * sizes of zero23_init, and each group's range sizes (tera_model_group_range, for ZeRO-3 gathers). */
+static void table_of(const tera_config *cfg, const tera_shard_spec *spec, tera_plan_table *ts) {
+    tera_model shell;
+    memset(&shell, 0, sizeof shell);
+    shell.cfg = cfg->model;
+    shell.params = tera_param_table_spec(&cfg->model, spec, &shell.n_params, &shell.n_floats, &shell.n_dense_floats);
+    ts->n_floats = shell.n_floats;
+    ts->n_dense = shell.n_dense_floats;
+    ts->n_params = shell.n_params;
+    memset(ts->stage, 0, sizeof ts->stage);
+    const int L = cfg->model.n_layers;
+    ts->group = tera_calloc((size_t)(2 * (L + 2)), sizeof(int64_t));
+    /* tera_model_group_range of every group and both regions, in one pass over the table (the search
+     * builds thousands of tables): the span [min offset, max end) of the group's stored tensors */
+    int64_t *lo = tera_calloc((size_t)(2 * (L + 2)), sizeof(int64_t));
+    for (int i = 0; i < 2 * (L + 2); i++) lo[i] = INT64_MAX;
+    for (int i = 0; i < shell.n_params; i++) {
+        const tera_param *q = &shell.params[i];
+        if (q->numel == 0) continue;
+        const int g = q->layer >= 0 ? q->layer : q->kind == TERA_P_EMBED ? TERA_GROUP_EMBED
+                      : (q->kind == TERA_P_FINAL_NORM || q->kind == TERA_P_LM_HEAD) ? TERA_GROUP_HEAD : INT32_MIN;
+        if (g == INT32_MIN) continue;
+        const int k = 2 * (g + 2) + (q->expert_stacked != 0);
+        if (q->offset < lo[k]) lo[k] = q->offset;
+        if (q->offset + q->numel > ts->group[k]) ts->group[k] = q->offset + q->numel; /* hi for now */
+    }
+    for (int g = TERA_GROUP_HEAD; g < L; g++)
+        for (int x = 0; x < 2; x++) {
+            const int k = 2 * (g + 2) + x;
+            ts->group[k] = ts->group[k] > 0 ? ts->group[k] - lo[k] : 0;
+            const int slot = g == TERA_GROUP_EMBED ? 0 : g == TERA_GROUP_HEAD ? 1 : 2;
+            if (ts->group[k] > ts->stage[slot][x]) ts->stage[slot][x] = ts->group[k];
+        }
+    free(lo);
+    free(shell.params);
+}
+
+/* ------------------------------------------------------------------ table cache (the search) */
+typedef struct {
+    int tp, ep, pp, v, pp_rank;
+    char pp_layers[256];
+    tera_plan_table tab;
+} cache_entry;
+
+/* a simulated schedule (slots per stage, bubble, makespan) and a layer split, by their inputs */
+typedef struct {
+    char kind[16];
+    int pp, m, v;
+    int *slots;
+    double bubble, makespan;
+} sched_entry;
+typedef struct {
+    int S, T;
+    char pp_layers[256];
+    int *first;
+} split_entry;
+
+#define CACHE_BUCKETS 4096
+struct tera_plan_cache {
+    sched_entry *sched;
+    int n_sched, cap_sched;
+    split_entry *split;
+    int n_split, cap_split;
+    cache_entry *e;
+    int *next;               /* [cap] chain in a bucket */
+    int head[CACHE_BUCKETS]; /* first entry + 1 of each bucket (0: empty) */
+    int n, cap;
+};
+
+tera_plan_cache *tera_plan_cache_new(void) { return tera_calloc(1, sizeof(tera_plan_cache)); }
+
+void tera_plan_cache_free(tera_plan_cache *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n; i++) free(c->e[i].tab.group);
+    for (int i = 0; i < c->n_sched; i++) free(c->sched[i].slots);
+    for (int i = 0; i < c->n_split; i++) free(c->split[i].first);
+    free(c->sched);
+    free(c->split);
+    free(c->e);
+    free(c->next);
+    free(c);
+}
+
+static unsigned cache_hash(int tp, int ep, int pp, int v, int pp_rank, const char *layers) {
+    unsigned h = 2166136261u;
+    const int k[5] = {tp, ep, pp, v, pp_rank};
+    for (int i = 0; i < 5; i++) h = (h ^ (unsigned)k[i]) * 16777619u;
+    for (const char *q = layers; *q; q++) h = (h ^ (unsigned char)*q) * 16777619u;
+    return h % CACHE_BUCKETS;
+}
+
+static int resolve_threads(const tera_config *cfg, int threads) {
+    if (threads > 0) return threads;
+    return cfg->training.threads > 0 ? cfg->training.threads : omp_get_num_procs();
+}
+
+/* One rank, with its stage's table stats and slot count given. */
+static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *first, int slots,
+                     const tera_plan_table *ts, const uint8_t *policy, int threads, tera_plan_mem *out) {
+    const tera_model_config *mc = &cfg->model;
+    const tera_train_config *tc = &cfg->training;
+    const int L = mc->n_layers, pp = t->pp, v = pp > 1 ? cfg->parallel.pp_chunks : 1;
+    memset(out, 0, sizeof *out);
+    out->pp_rank = t->pp_rank, out->dp_rank = t->dp_rank, out->tp_rank = t->tp_rank;
+    out->n_ranks = 1;
+    out->slots = slots;
+    out->layer_lo = first[t->pp_rank], out->layer_hi = first[t->pp_rank + 1];
+    out->n_floats = ts->n_floats, out->n_dense = ts->n_dense;
+    unsigned char held[4096];
+    unsigned char *hb = L <= 4096 ? held : tera_calloc((size_t)L, 1);
+    memset(hb, 0, (size_t)L);
+    for (int st = t->pp_rank; st < pp * v; st += pp)
+        for (int l = first[st]; l < first[st + 1]; l++) hb[l] = 1;
+    vmodel m = {.cfg = mc, .B = tc->micro_batch, .T = tc->seq_len, .ep = t->ep, .tp = t->tp, .n_slots = slots,
+                .Hl = mc->n_heads / t->tp, .Hkvl = mc->n_kv_heads / t->tp, .Fl = mc->ffn_dim / t->tp,
+                .Fsl = (int64_t)mc->n_shared_experts * mc->ffn_dim / t->tp, .Fdl = mc->dense_ffn_dim / t->tp,
+                .Vl = mc->vocab_size / t->tp, .held = hb, .policy = policy};
+    if (t->ep > 1) m.Rmax = ep_rows_max(mc, m.B, m.T, t->ep);
+    int64_t acts = 0;
+    acts = count_acts(&m, 0); /* slot 0 carves the work set; every other slot the same as slot 1 */
+    if (slots > 1) acts += (int64_t)(slots - 1) * count_acts(&m, 1);
+    const int64_t scratch = count_scratch(&m, threads);
+    int kept_moe = 0, full_moe = 0;
+    for (int l = 0; l < L; l++) {
+        if (!hb[l] || !is_moe(mc, l)) continue;
+        if (policy[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
+        else kept_moe++;
+    }
+    int64_t comm = 0, comm_acts = 0;
+    if (t->ep > 1) {
+        comm_acts = (int64_t)(2 * kept_moe * slots + 2 * full_moe) * m.Rmax * mc->dim * (int64_t)sizeof(float);
+        comm = comm_acts + 2 * m.Rmax * mc->dim * (int64_t)sizeof(float);
+    }
+    /* optimizer and ZeRO (tera_layout_groups / tera_layout_init / zero23_init) */
+    const int zero = t->dp > 1 ? cfg->parallel.zero : 0;
+    const int64_t n = ts->n_floats, nd = ts->n_dense;
+    int64_t on = n, oxn = 0, staging = 0;
+    if (zero) {
+        on = shard_count(nd, t->dp, t->dp_rank);
+        oxn = shard_count(n - nd, t->edp, t->edp_rank);
+    }
+    int64_t bp = 4 * n, bg = 4 * n;
+    if (zero >= 2) {
+        int64_t total = 0;
+        const int nb = zero >= 3 ? 2 : 1;
+        for (int k = 0; k < 3; k++)
+            for (int x = 0; x < 2; x++) total += nb * ((ts->stage[k][x] + 15) & ~(int64_t)15);
+        if (zero >= 3 && cfg->parallel.zero_prefetch)
+            for (int x = 0; x < 2; x++) total += (ts->stage[2][x] + 15) & ~(int64_t)15;
+        staging = 4 * total;
+        bg = 4 * (on + oxn);
+        if (zero >= 3) bp = 4 * (on + oxn);
+    }
+    out->bytes[TERA_PM_PARAMS] = bp;
+    out->bytes[TERA_PM_GRADS] = bg;
+    out->bytes[TERA_PM_OPTIMIZER] = 8 * (on + oxn);
+    out->bytes[TERA_PM_ACTS] = acts - comm_acts;
+    out->bytes[TERA_PM_SCRATCH] = scratch - (comm - comm_acts);
+    out->bytes[TERA_PM_COMM] = comm + staging;
+    const int64_t N = (int64_t)m.B * m.T;
+    if (pp > 1) /* tera_pipeline_init: send/receive buffers per slot and chunk, tokens and targets */
+        out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
+    const int world = t->pp * t->dp * t->tp;
+    out->bytes[TERA_PM_CKPT] = world == 1 ? 4 * (3 * n + (int64_t)L * mc->n_experts)
+                                          : tera_ckpt_writer_buffer_bytes(cfg) + TERA_CKPT_CHUNK_BYTES;
+    /* router bias, expert load, router entropy; per-tensor squared norms (grad_sq); tokens and targets */
+    out->bytes[TERA_PM_OTHER] = (int64_t)L * mc->n_experts * (4 + 8) + 8 * (int64_t)L + 8 * 4 * (int64_t)ts->n_params +
+                                2 * 4 * N;
+    for (int k = 0; k < TERA_PM_N; k++) {
+        out->total += out->bytes[k];
+        if (k <= TERA_PM_COMM) out->printed_total += out->bytes[k];
+    }
+    if (hb != held) free(hb);
+}
+
+/* ------------------------------------------------------------------ public */
+typedef struct {
+    int L;
+    uint8_t *policy;
+    int *first, *slots;
+    tera_topology topo;
+    double bubble, makespan; /* the schedule's simulation (tf = 1/v, tb = 2/v per virtual stage) */
+} layout_ctx;
+
+/* Activation slots of every pipeline stage: the schedule's simulated peak (tera_pipeline_slots
+ * simulates with tf = 1, tb = 2, which gives the same order of operations and peaks); and the
+ * bubble and makespan of the stage's whole work (a chunk holds 1/v of it, tera schedule's scaling). */
+static tera_status stage_slots(const tera_config *cfg, layout_ctx *c) {
+    const int pp = cfg->parallel.pp;
+    c->bubble = 0.0;
+    c->makespan = 3.0 * cfg->training.grad_accum;
+    if (pp <= 1) {
+        c->slots[0] = 1;
+        return TERA_OK;
+    }
+    tera_sched_kind kind;
+    tera_schedule s;
+    tera_sched_stats ss;
+    TERA_TRY(tera_sched_kind_parse(cfg->parallel.pp_schedule, &kind));
+    TERA_TRY(tera_schedule_build(&s, kind, pp, cfg->training.grad_accum, cfg->parallel.pp_chunks));
+    tera_status st = tera_schedule_simulate(&s, 1.0, 2.0, &ss);
+    for (int r = 0; r < pp && st == TERA_OK; r++) {
+        const int n = r < 64 ? ss.peak_in_flight_rank[r] : ss.peak_in_flight;
+        c->slots[r] = n > 0 ? n : 1;
+    }
+    if (st == TERA_OK) {
+        const double k = s.v > 1 ? 1.0 / s.v : 1.0;
+        st = tera_schedule_simulate(&s, k, 2.0 * k, &ss);
+        c->bubble = ss.bubble;
+        c->makespan = ss.makespan;
+    }
+    tera_schedule_free(&s);
+    return st;
+}
+
+static void *grow(void *a, int n, int *cap, size_t size) {
+    if (n < *cap) return a;
+    *cap = *cap ? 2 * *cap : 32;
+    void *b = tera_calloc((size_t)*cap, size);
+    if (n) memcpy(b, a, size * (size_t)n);
+    free(a);
+    return b;
+}
+
+static tera_status ctx_init_cached(layout_ctx *c, const tera_config *cfg, tera_plan_cache *cache);
+static tera_status ctx_init(layout_ctx *c, const tera_config *cfg) { return ctx_init_cached(c, cfg, NULL); }
+
+static tera_status ctx_init_cached(layout_ctx *c, const tera_config *cfg, tera_plan_cache *cache) {
+    memset(c, 0, sizeof *c);
+    const tera_parallel_config *p = &cfg->parallel;
+    const int world = p->pp * p->dp * p->tp;
+    TERA_TRY(tera_topology_init(&c->topo, world, 0, p->pp, p->dp, p->tp, p->ep));
+    c->L = cfg->model.n_layers;
+    c->policy = tera_calloc((size_t)c->L, 1);
+    tera_status st = tera_recompute_parse(cfg->training.recompute, c->L, c->policy);
+    const int v = p->pp > 1 ? p->pp_chunks : 1;
+    c->first = tera_calloc((size_t)(p->pp * v + 1), sizeof(int));
+    c->slots = tera_calloc((size_t)p->pp, sizeof(int));
+    const int S = p->pp * v;
+    if (st == TERA_OK && p->pp > 1 && cache) { /* the split: computed once per (stages, T, pp_layers) */
+        int hit = -1;
+        for (int i = 0; i < cache->n_split && hit < 0; i++)
+            if (cache->split[i].S == S && cache->split[i].T == cfg->training.seq_len &&
+                !strcmp(cache->split[i].pp_layers, p->pp_layers))
+                hit = i;
+        if (hit < 0) {
+            cache->split = grow(cache->split, cache->n_split, &cache->cap_split, sizeof *cache->split);
+            split_entry *e = &cache->split[hit = cache->n_split++];
+            e->S = S, e->T = cfg->training.seq_len;
+            snprintf(e->pp_layers, sizeof e->pp_layers, "%s", p->pp_layers);
+            e->first = tera_calloc((size_t)S + 1, sizeof(int));
+            layer_split(cfg, e->first);
+        }
+        memcpy(c->first, cache->split[hit].first, sizeof(int) * (size_t)(S + 1));
+    } else if (st == TERA_OK) {
+        if (p->pp > 1) layer_split(cfg, c->first);
+        else c->first[1] = c->L;
+    }
+    if (st == TERA_OK && p->pp > 1 && cache) { /* the schedule: simulated once per (kind, pp, m, v) */
+        int hit = -1;
+        for (int i = 0; i < cache->n_sched && hit < 0; i++) {
+            const sched_entry *e = &cache->sched[i];
+            if (e->pp == p->pp && e->m == cfg->training.grad_accum && e->v == p->pp_chunks && !strcmp(e->kind, p->pp_schedule))
+                hit = i;
+        }
+        if (hit < 0) {
+            st = stage_slots(cfg, c);
+            if (st == TERA_OK) {
+                cache->sched = grow(cache->sched, cache->n_sched, &cache->cap_sched, sizeof *cache->sched);
+                sched_entry *e = &cache->sched[cache->n_sched++];
+                snprintf(e->kind, sizeof e->kind, "%s", p->pp_schedule);
+                e->pp = p->pp, e->m = cfg->training.grad_accum, e->v = p->pp_chunks;
+                e->slots = tera_calloc((size_t)p->pp, sizeof(int));
+                memcpy(e->slots, c->slots, sizeof(int) * (size_t)p->pp);
+                e->bubble = c->bubble, e->makespan = c->makespan;
+            }
+        } else {
+            const sched_entry *e = &cache->sched[hit];
+            memcpy(c->slots, e->slots, sizeof(int) * (size_t)p->pp);
+            c->bubble = e->bubble, c->makespan = e->makespan;
+        }
+    } else if (st == TERA_OK) {
+        st = stage_slots(cfg, c);
+    }
+    if (st != TERA_OK) {
+        free(c->policy), free(c->first), free(c->slots);
+        memset(c, 0, sizeof *c);
+    }
+    return st;
+}
+
+static void ctx_free(layout_ctx *c) {
+    free(c->policy);
+    free(c->first);
+    free(c->slots);
+}
+
+/* The table of rank t's part (ep_rank and tp_rank slices have equal sizes: tp divides every split
+ * width, ep the experts; only pp_rank changes it). From the cache when given (owned by it), else
+ * computed into *own (the caller frees own->group). */
+static const tera_plan_table *table_at(const tera_config *cfg, const layout_ctx *c, const tera_topology *t,
+                                       tera_plan_cache *cache, tera_plan_table *own) {
+    const int v = t->pp > 1 ? cfg->parallel.pp_chunks : 1;
+    const unsigned b = cache ? cache_hash(t->tp, t->ep, t->pp, v, t->pp_rank, cfg->parallel.pp_layers) : 0;
+    if (cache)
+        for (int i = cache->head[b] - 1; i >= 0; i = cache->next[i] - 1) {
+            const cache_entry *e = &cache->e[i];
+            if (e->tp == t->tp && e->ep == t->ep && e->pp == t->pp && e->v == v && e->pp_rank == t->pp_rank &&
+                !strcmp(e->pp_layers, cfg->parallel.pp_layers))
+                return &e->tab;
+        }
+    const tera_shard_spec spec = {.ep = t->ep, .ep_rank = 0, .tp = t->tp, .tp_rank = 0, .pp = t->pp,
+                                  .pp_rank = t->pp_rank, .v = v, .layer_first = c->first};
+    if (!cache) {
+        table_of(cfg, &spec, own);
+        return own;
+    }
+    if (cache->n == cache->cap) {
+        cache->cap = cache->cap ? 2 * cache->cap : 64;
+        cache_entry *ne = tera_calloc((size_t)cache->cap, sizeof *ne);
+        int *nn = tera_calloc((size_t)cache->cap, sizeof *nn);
+        if (cache->n) memcpy(ne, cache->e, sizeof *ne * (size_t)cache->n), memcpy(nn, cache->next, sizeof *nn * (size_t)cache->n);
+        free(cache->e);
+        free(cache->next);
+        cache->e = ne;
+        cache->next = nn;
+    }
+    cache->next[cache->n] = cache->head[b];
+    cache->head[b] = cache->n + 1;
+    cache_entry *e = &cache->e[cache->n++];
+    *e = (cache_entry){.tp = t->tp, .ep = t->ep, .pp = t->pp, .v = v, .pp_rank = t->pp_rank};
+    snprintf(e->pp_layers, sizeof e->pp_layers, "%s", cfg->parallel.pp_layers);
+    table_of(cfg, &spec, &e->tab);
+    return &e->tab;
+}
+
+tera_status tera_plan_rank_memory(const tera_config *cfg, int wrank, int threads, tera_plan_mem *out) {
+    layout_ctx c;
+    TERA_TRY(ctx_init(&c, cfg));
+    if (wrank < 0 || wrank >= c.topo.world) {
+        ctx_free(&c);
+        return tera_fail(TERA_ERR_ARG, "rank %d is not in the layout's %d ranks", wrank, c.topo.world);
+    }
+    const tera_topology t = tera_topology_at(&c.topo, wrank);
+    tera_plan_table own;
+    const tera_plan_table *ts = table_at(cfg, &c, &t, NULL, &own);
+    rank_mem(cfg, &t, c.first, c.slots[t.pp_rank], ts, c.policy, resolve_threads(cfg, threads), out);
+    free(own.group);
+    ctx_free(&c);
+    return TERA_OK;
+}
+
+static int same_figures(const tera_plan_mem *a, const tera_plan_mem *b) {
+    return a->pp_rank == b->pp_rank && a->n_floats == b->n_floats && a->n_dense == b->n_dense &&
+           !memcmp(a->bytes, b->bytes, sizeof a->bytes);
+}
+
+tera_status tera_plan_roles(const tera_config *cfg, int threads, tera_plan_mem **out, int *n) {
+    layout_ctx c;
+    TERA_TRY(ctx_init(&c, cfg));
+    const int th = resolve_threads(cfg, threads);
+    /* one table per stage gives every rank's sizes there; ZeRO shards then differ by dp rank only
+     * through the 16-float rounding of the last shards */
+    int cap = 16, cnt = 0;
+    tera_plan_mem *roles = tera_calloc((size_t)cap, sizeof *roles);
+    for (int s = 0; s < c.topo.pp; s++) {
+        tera_topology t = tera_topology_at(&c.topo, tera_topology_rank_of(&c.topo, s, 0, 0));
+        tera_plan_table own;
+        const tera_plan_table *ts = table_at(cfg, &c, &t, NULL, &own);
+        const int first_role = cnt;
+        for (int d = 0; d < c.topo.dp; d++) {
+            t = tera_topology_at(&c.topo, tera_topology_rank_of(&c.topo, s, d, 0));
+            tera_plan_mem m;
+            rank_mem(cfg, &t, c.first, c.slots[s], ts, c.policy, th, &m);
+            m.n_ranks = c.topo.tp;
+            int found = 0;
+            for (int r = first_role; r < cnt && !found; r++)
+                if (same_figures(&roles[r], &m)) roles[r].n_ranks += m.n_ranks, found = 1;
+            if (found) continue;
+            if (cnt == cap) {
+                cap *= 2;
+                tera_plan_mem *nr = tera_calloc((size_t)cap, sizeof *nr);
+                memcpy(nr, roles, sizeof *roles * (size_t)cnt);
+                free(roles);
+                roles = nr;
+            }
+            roles[cnt++] = m;
+        }
+        free(own.group);
+    }
+    ctx_free(&c);
+    *out = roles;
+    *n = cnt;
+    return TERA_OK;
+}
+
+/* Per stage (dp rank 0, which holds the largest ZeRO shards: shards are cut in rank order and only
+ * the last ones are short): memory, table, layers; and the schedule's bubble and makespan. */
+tera_status tera_plan_stages(const tera_config *cfg, tera_plan_cache *cache, int threads, tera_plan_stage *st,
+                             double *bubble, double *makespan) {
+    layout_ctx c;
+    TERA_TRY(ctx_init_cached(&c, cfg, cache));
+    const int th = resolve_threads(cfg, threads);
+    const int v = c.topo.pp > 1 ? cfg->parallel.pp_chunks : 1;
+    for (int s = 0; s < c.topo.pp; s++) {
+        const tera_topology t = tera_topology_at(&c.topo, tera_topology_rank_of(&c.topo, s, 0, 0));
+        tera_plan_table own;
+        const tera_plan_table *ts = table_at(cfg, &c, &t, cache, &own);
+        tera_plan_stage *o = &st[s];
+        rank_mem(cfg, &t, c.first, c.slots[s], ts, c.policy, th, &o->mem);
+        o->layers = o->moe_layers = o->full = o->selective = 0;
+        for (int vs = s; vs < c.topo.pp * v; vs += c.topo.pp)
+            for (int l = c.first[vs]; l < c.first[vs + 1]; l++) {
+                o->layers++;
+                o->moe_layers += l >= cfg->model.first_k_dense;
+                o->full += c.policy[l] == TERA_RECOMPUTE_FULL;
+                o->selective += c.policy[l] == TERA_RECOMPUTE_SELECTIVE;
+            }
+        o->group = cache ? ts->group : NULL;
+        if (!cache) free(own.group);
+        o->n_floats = ts->n_floats, o->n_dense = ts->n_dense, o->n_params = ts->n_params;
+        o->sends = 0;
+        for (int ch = 0; ch < v; ch++) {
+            const int vs = ch * c.topo.pp + s;
+            o->sends += (vs < c.topo.pp * v - 1) + (vs > 0);
+        }
+    }
+    *bubble = c.bubble;
+    *makespan = c.makespan;
+    ctx_free(&c);
+    return TERA_OK;
+}

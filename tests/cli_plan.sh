@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# tera plan (issue 18, docs/PLAN.md).
+# 1. The memory model against tera's own allocator: for a table of layouts of the tiny MoE of
+#    tests/mpilib.sh on 1-8 MPI ranks (and bench-s / bench-m on one rank), `tera train` prints world
+#    rank 0's "memory bytes per rank" by category; `tera plan --dry-run --json` (nothing allocated)
+#    must give the same six figures to the byte (roles[0] is world rank 0), and the same element
+#    counts (non-expert / expert floats). `tera train --dry-run` is the same command.
+# 2. The search: on a hardware file, the best layout is written with --write-config and `tera config`
+#    resolves it; a DeepSeek-V3-like model (approximate widths, docs/PLAN.md) on 2048 H800 with
+#    PP16 x EP64 x ZeRO-1 fits; a 1T-parameter MoE on 1024 x 64 GiB devices gets a fitting plan.
+# 3. Errors name the file, key or option.
+# Usage: cli_plan.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+. "$(dirname "$0")/mpilib.sh"
+TINY=()
+for a in "${MODEL[@]}"; do [ "$a" = --training.warmup_steps=2 ] || TINY+=("$a"); done
+TINY+=(--training.steps=1 --training.warmup_steps=0 --logging.run_dir=)
+field() { grep "memory bytes per rank" "$1" | grep -o "$2 [0-9]*" | head -1 | cut -d' ' -f2; }
+# floats LOG non-expert|expert: the element counts of that line ("(non-expert N floats + expert M floats)")
+floats() { grep "memory bytes per rank" "$1" | grep -o "[(+] \?$2 [0-9]* floats" | head -1 | grep -o "[0-9][0-9]*"; }
+# check TAG LOG JSON: the six printed figures and the two element counts of world rank 0
+check() {
+    local tag=$1 log=$2 js=$3 bad="" k p m
+    for k in params grads optimizer activations scratch comm; do
+        p=$(field "$log" "$k")
+        m=$(jq -r ".roles[0].$k" "$js")
+        [ -n "$p" ] && [ "$p" = "$m" ] || bad="$bad $k: measured ${p:-?} predicted $m;"
+    done
+    p=$(floats "$log" non-expert); m=$(jq -r '.roles[0].non_expert_floats' "$js")
+    [ "$p" = "$m" ] || bad="$bad non-expert floats $p vs $m;"
+    p=$(floats "$log" expert); m=$(jq -r '.roles[0].expert_floats' "$js")
+    [ "$p" = "$m" ] || bad="$bad expert floats $p vs $m;"
+    [ -z "$bad" ] && pass "$tag: memory of world rank 0 predicted to the byte ($(field "$log" params) params, $(field "$log" activations) activations, $(field "$log" scratch) scratch, $(field "$log" comm) comm bytes)" \
+        || fail "$tag:$bad"
+}
+
+# name : dp : tp : ep : zero : pp : schedule : chunks : micro : accum : recompute
+LAYOUTS="one:1:1:1:0:1:1f1b:1:4:1:none dp2z3:2:1:1:3:1:1f1b:1:2:1:none tp2:1:2:1:0:1:1f1b:1:4:1:selective
+         ep4z2:4:1:4:2:1:1f1b:1:1:2:full pp2-1f1b:1:1:1:0:2:1f1b:1:1:4:none
+         pp2xdp2xep2z1:4:1:2:1:2:1f1b:1:1:2:selective dp2xtp2xep2z3:4:2:2:3:1:1f1b:1:1:1:none
+         pp2-interleaved:1:1:1:0:2:interleaved:2:1:4:full:0-1 pp2xdp2z3-gpipe:2:1:1:3:2:gpipe:1:1:2:none"
+for l in $LAYOUTS; do
+    IFS=: read -r name dp tp ep zero pp sched chunks micro accum rec <<< "$l"
+    [ "$name" = pp2-interleaved ] && rec="full:0-1"
+    np=$((pp * dp * tp))
+    ARGS=("${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.zero="$zero"
+          --parallel.pp="$pp" --parallel.pp_schedule="$sched" --parallel.pp_chunks="$chunks"
+          --training.micro_batch="$micro" --training.grad_accum="$accum" --training.recompute="$rec")
+    if [ "$np" = 1 ]; then "$TERA" train "${ARGS[@]}" > "$W/$name.log" 2>&1
+    else $MPIRUN -np "$np" "$TERA" train "${ARGS[@]}" > "$W/$name.log" 2>&1; fi \
+        || { fail "$name: tera train failed: $(grep error "$W/$name.log" | head -2)"; continue; }
+    "$TERA" plan --dry-run "${ARGS[@]}" --json > "$W/$name.json" 2> "$W/$name.err" \
+        || { fail "$name: tera plan --dry-run failed: $(cat "$W/$name.err")"; continue; }
+    check "$name ($np ranks, recompute $rec)" "$W/$name.log" "$W/$name.json"
+done
+# the benchmark models on one rank (their own micro-batch and sequence; threads fixed: the attention
+# scratch is sized per thread)
+for b in bench-s bench-m; do
+    ARGS=(-c "$SRC/configs/$b.ini" --training.steps=1 --training.threads=1 --training.precision=fp32)
+    # the line is printed before the first step: the run is stopped once it is there (a bench-m step
+    # takes half a minute on two shared cores)
+    "$TERA" train "${ARGS[@]}" > "$W/$b.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1200); do grep -q "memory bytes per rank" "$W/$b.log" && break; kill -0 "$pid" 2> /dev/null || break; sleep 0.1; done
+    kill "$pid" 2> /dev/null; wait "$pid" 2> /dev/null
+    grep -q "memory bytes per rank" "$W/$b.log" || { fail "$b: tera train printed no memory line: $(tail -2 "$W/$b.log")"; continue; }
+    "$TERA" train --dry-run "${ARGS[@]}" --json > "$W/$b.json" 2> "$W/$b.err" \
+        || { fail "$b: tera train --dry-run failed: $(cat "$W/$b.err")"; continue; }
+    check "$b (1 rank, tera train --dry-run)" "$W/$b.log" "$W/$b.json"
+done
+
+# every rank role of a pipeline: the roles cover every rank once
+"$TERA" plan --dry-run "${TINY[@]}" --parallel.pp=2 --parallel.dp=4 --parallel.ep=2 --parallel.zero=1 \
+    --training.micro_batch=1 --training.grad_accum=4 --json > "$W/roles.json" 2>&1 \
+    && [ "$(jq '[.roles[].ranks] | add' "$W/roles.json")" = 8 ] && [ "$(jq '[.roles[].pp_rank] | max' "$W/roles.json")" = 1 ] \
+    && pass "pp2 x dp4 x ep2: $(jq '.roles | length' "$W/roles.json") rank roles covering 8 ranks" \
+    || fail "rank roles: $(head -c 300 "$W/roles.json")"
+
+# the search writes a configuration tera accepts
+H=$SRC/hardware
+"$TERA" plan "${MODEL[@]}" --hardware "$H/h100.ini" --devices 8 --global-batch 16 --training.precision=bf16 \
+    --write-config "$W/best.ini" --json > "$W/search.json" 2> "$W/search.err" \
+    && [ "$(jq '.best | length' "$W/search.json")" -ge 1 ] \
+    && [ "$(jq '.best[0].pp * .best[0].dp * .best[0].tp' "$W/search.json")" = 8 ] \
+    && "$TERA" config -c "$W/best.ini" > "$W/best.resolved" 2> "$W/best.err" \
+    && grep -q "^dp = $(jq '.best[0].dp' "$W/search.json")" "$W/best.resolved" \
+    && pass "search on 8 x H100: $(jq '.valid_layouts' "$W/search.json") valid layouts, best pp $(jq '.best[0].pp' "$W/search.json") x dp $(jq '.best[0].dp' "$W/search.json") x tp $(jq '.best[0].tp' "$W/search.json"), written and resolved by tera config" \
+    || fail "search / --write-config: $(cat "$W/search.err" "$W/best.err" 2> /dev/null | head -3)"
+
+# DeepSeek-V3-like (docs/PLAN.md): PP16 x EP64 x ZeRO-1 on 2048 H800 fits
+DSV3=(-c "$SRC/configs/plan-dsv3.ini")
+"$TERA" plan --dry-run "${DSV3[@]}" --hardware "$H/h800.ini" --json > "$W/dsv3.json" 2> "$W/dsv3.err" \
+    && [ "$(jq '.layout.ranks' "$W/dsv3.json")" = 2048 ] && [ "$(jq '.fits' "$W/dsv3.json")" = true ] \
+    && pass "DeepSeek-V3-like, $(jq '.total_params / 1e9 | floor' "$W/dsv3.json")B params ($(jq '.active_params / 1e9 | floor' "$W/dsv3.json")B active), PP16 x EP64 x ZeRO-1 on 2048 H800: largest rank $(jq '.worst_total / 1073741824 * 10 | floor / 10' "$W/dsv3.json") GiB, fits" \
+    || fail "DeepSeek-V3-like on H800: $(cat "$W/dsv3.err"; jq -c '{fits, worst_total}' "$W/dsv3.json" 2> /dev/null)"
+# a 1T-parameter MoE on 1024 x 64 GiB devices gets a fitting plan
+"$TERA" plan -c "$SRC/configs/plan-1t.ini" --hardware "$H/ascend910b.ini" --devices 1024 --global-batch 4096 \
+    --top 1 --json > "$W/1t.json" 2> "$W/1t.err" \
+    && [ "$(jq '.best | length' "$W/1t.json")" = 1 ] && [ "$(jq '.total_params >= 1e12' "$W/1t.json")" = true ] \
+    && [ "$(jq '.best[0].memory_worst_rank.total <= .device_bytes * (1 - .reserve)' "$W/1t.json")" = true ] \
+    && pass "1T MoE on 1024 x 64 GiB: $(jq -r '.best[0] | "pp \(.pp) x dp \(.dp) x tp \(.tp), ep \(.ep), ZeRO \(.zero), \(.pp_schedule), micro \(.micro_batch) x \(.grad_accum), recompute \(.recompute): step \(.time.step_s * 100 | floor / 100) s"' "$W/1t.json")" \
+    || fail "1T plan: $(cat "$W/1t.err"; head -c 300 "$W/1t.json")"
+
+# errors name what is wrong
+printf '[device]\nname = x\nmemory_gib = lots\n' > "$W/bad.ini"
+"$TERA" plan "${MODEL[@]}" --hardware "$W/bad.ini" --devices 8 --global-batch 8 > /dev/null 2> "$W/e1" ; rc=$?
+[ "$rc" != 0 ] && grep -q "bad.ini:3: \[device\] memory_gib = 'lots'" "$W/e1" && pass "a bad hardware value is named: $(cat "$W/e1")" \
+    || fail "bad hardware file: rc $rc, $(cat "$W/e1")"
+"$TERA" plan "${MODEL[@]}" --hardware "$H/h100.ini" --devices 8 > /dev/null 2> "$W/e2"; rc=$?
+[ "$rc" != 0 ] && grep -q "global-batch" "$W/e2" && pass "a missing option is named" || fail "missing option: $(cat "$W/e2")"
+"$TERA" plan --dry-run "${MODEL[@]}" --parallel.dp=2 --parallel.ep=4 > /dev/null 2> "$W/e3"; rc=$?
+[ "$rc" != 0 ] && grep -q "parallel.ep" "$W/e3" && pass "an invalid layout is refused: $(cat "$W/e3")" || fail "invalid layout: $(cat "$W/e3")"
+"$TERA" plan --help | grep -q -- "--global-batch" && pass "tera plan --help" || fail "tera plan --help"
+finish cli_plan
