@@ -70,12 +70,14 @@ stall dp2 2 1 0 4 --parallel.dp=2 --training.micro_batch=2
 # world 0 and 2 in collectives; only world 1 is named
 stall pp2xdp2 4 1 3 4 --parallel.pp=2 --parallel.dp=2 --training.micro_batch=1 --training.grad_accum=2
 
-# the pipeline report: busy + waiting (receives and sends) = the step time, for every schedule
+# the pipeline report: busy + waiting (receives and sends) = the step time, for every schedule (within
+# [0.9, 1.05]: the parts are timed by separate clock reads and printed rounded; before send waits were
+# counted, the last stage showed 0.64-0.87)
 for s in gpipe 1f1b "interleaved --parallel.pp_chunks=2"; do
     $MPIRUN -np 2 "$TERA" train "${MODEL[@]}" --training.steps=12 --parallel.pp=2 --training.micro_batch=2 \
         --training.grad_accum=4 --parallel.pp_schedule=$s --logging.run_dir= > "$W/pipe.log" 2>&1 || { fail "pipeline $s"; tail -3 "$W/pipe.log"; continue; }
     grep "pipeline stage [0-9]: step" "$W/pipe.log" | sed 's/.*stage \([0-9]\): step \([0-9.]*\) ms, busy \([0-9.]*\) ms, waiting \([0-9.]*\) ms.*/\1 \2 \3 \4/' \
-        | awk -v s="${s%% *}" '{ n++; r = ($3 + $4) / $2; printf "%s stage %d: (busy + waiting) / step = %.3f\n", s, $1, r; if (r < 0.9 || r > 1.01) bad = 1 }
+        | awk -v s="${s%% *}" '{ n++; r = ($3 + $4) / $2; printf "%s stage %d: (busy + waiting) / step = %.3f\n", s, $1, r; if (r < 0.9 || r > 1.05) bad = 1 }
                               END { exit bad || n != 2 }' > "$W/pipe.txt" \
         && pass "$(paste -sd';' "$W/pipe.txt")" || fail "pipeline report parts: $(cat "$W/pipe.txt")"
 done
