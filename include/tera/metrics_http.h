@@ -27,7 +27,7 @@ void tera_metrics_http_publish_eval(tera_metrics_http *h, int64_t step, double v
 /* Stops the serving thread (open connections are closed) and frees everything. NULL: no-op. */
 void tera_metrics_http_stop(tera_metrics_http *h);
 /* The exposition text the endpoint would serve now, into buf (size n); returns its length, or the
- * length it needs when that is >= n (tests). */
+ * length it needs when that is >= n (0 for a NULL h). */
 size_t tera_metrics_http_render(tera_metrics_http *h, char *buf, size_t n);
 
 #endif

@@ -314,6 +314,10 @@ void tera_dispatch_destroy(tera_dispatcher *d) {
 const char *tera_dispatch_name(const tera_dispatcher *d) { return d->impl->name; }
 int64_t tera_dispatch_rows(const tera_dispatcher *d) { return d->R; }
 int64_t tera_dispatch_bytes(const tera_dispatcher *d) { return d->bytes; }
+void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes *s) {
+    const int a2a = d->ep > 1;
+    *s = (tera_dispatch_sizes){.counts = a2a ? d->E : 0, .offsets = a2a ? d->ep + 1 : 0, .rows = a2a ? d->R : 0};
+}
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d) {
     return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) : 0;
 }

@@ -63,6 +63,12 @@ const char *tera_dispatch_name(const tera_dispatcher *d); /* "local" or "all-to-
  * from the ep sources (all-to-all: from each, at most min(k, El) per token, and with a capacity at
  * most capacity per sequence for each of the El experts). */
 int64_t tera_dispatch_rows(const tera_dispatcher *d);
+/* Elements of the exchange's per-layer buffers of tera_dispatch_acts (all 0 for the local one, whose
+ * rcnt, roff, xr, yr stay NULL): rcnt [counts], roff [offsets], xr and yr [rows, D]. */
+typedef struct {
+    int64_t counts, offsets, rows;
+} tera_dispatch_sizes;
+void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes *s);
 int64_t tera_dispatch_bytes(const tera_dispatcher *d);      /* its scratch */
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d); /* the exchange's part of it */
 

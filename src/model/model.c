@@ -118,10 +118,12 @@ static unsigned kept_parts(int policy) {
 static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const tera_acts *a, int moe, int64_t Fx,
                         unsigned parts) {
     const tera_model_config *cfg = &m->cfg;
-    const int B = m->B, T = m->T, ep = m->par.ep;
+    const int B = m->B, T = m->T;
     const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
     const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
     const int64_t R = tera_dispatch_rows(a->dispatch);
+    tera_dispatch_sizes ex; /* the dispatcher's exchange buffers (none for the local one) */
+    tera_dispatch_exchange_sizes(a->dispatch, &ex);
     const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
     const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
     if (xin) la->x_in = CARVE_F(c, N * D);
@@ -153,11 +155,11 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
             la->moe.exp_off = CARVE_I(c, E + 1);
             la->moe.sel_count = CARVE_I(c, (int64_t)B * E);
             la->moe.xg = CARVE_F(c, N * K * D);
-            if (ep > 1) {
-                la->moe.rcnt = CARVE_I(c, E);
-                la->moe.roff = CARVE_I(c, ep + 1);
-                la->moe.xr = CARVE_F(c, R * D);
-                la->moe.yr = CARVE_F(c, R * D);
+            if (ex.rows > 0) {
+                la->moe.rcnt = CARVE_I(c, ex.counts);
+                la->moe.roff = CARVE_I(c, ex.offsets);
+                la->moe.xr = CARVE_F(c, ex.rows * D);
+                la->moe.yr = CARVE_F(c, ex.rows * D);
             }
         }
         if (hid) {
@@ -211,7 +213,9 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         if (!m->held[l]) continue;
         layer_acts *la = &a->layer[l];
         const unsigned kept = kept_parts(a->policy[l]);
-        const int moe = is_moe(cfg, l), ffn = layer_ffn_width(m, l) > 0, ep = m->par.ep > 1;
+        tera_dispatch_sizes ex;
+        tera_dispatch_exchange_sizes(a->dispatch, &ex);
+        const int moe = is_moe(cfg, l), ffn = layer_ffn_width(m, l) > 0, exch = ex.rows > 0;
 #define SHARE(part, cond, f)                                                                       \
     if (!(kept & (part)) && (cond)) la->f = a->work.f
         SHARE(PART_REST, 1, ln1); SHARE(PART_REST, 1, rstd1); SHARE(PART_REST, 1, q);
@@ -222,8 +226,8 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, moe.slot_row);
         SHARE(PART_REST, moe, moe.row_tok); SHARE(PART_REST, moe, moe.exp_off); SHARE(PART_REST, moe, moe.sel_count);
         SHARE(PART_REST, moe, moe.xg); SHARE(PART_REST, moe, moe.ye);
-        SHARE(PART_REST, moe && ep, moe.rcnt); SHARE(PART_REST, moe && ep, moe.roff);
-        SHARE(PART_REST, moe && ep, moe.xr); SHARE(PART_REST, moe && ep, moe.yr);
+        SHARE(PART_REST, moe && exch, moe.rcnt); SHARE(PART_REST, moe && exch, moe.roff);
+        SHARE(PART_REST, moe && exch, moe.xr); SHARE(PART_REST, moe && exch, moe.yr);
         SHARE(PART_HIDDEN, moe, moe.a1); SHARE(PART_HIDDEN, moe, moe.a3); SHARE(PART_HIDDEN, moe, moe.gact);
         SHARE(PART_HIDDEN, ffn, fa1); SHARE(PART_HIDDEN, ffn, fa3); SHARE(PART_HIDDEN, ffn, fg);
 #undef SHARE
@@ -466,11 +470,10 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         if (m->recompute[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
         else kept_moe++;
     }
-    if (ep > 1) {
-        const int64_t R = tera_dispatch_rows(dispatch);
-        m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * R * cfg->dim * (int64_t)sizeof(float);
-        m->bytes_comm = m->bytes_comm_acts + tera_dispatch_comm_bytes(dispatch);
-    }
+    tera_dispatch_sizes ex; /* 0 rows: local experts, nothing exchanged */
+    tera_dispatch_exchange_sizes(dispatch, &ex);
+    m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * ex.rows * cfg->dim * (int64_t)sizeof(float);
+    m->bytes_comm = m->bytes_comm_acts + tera_dispatch_comm_bytes(dispatch);
     tera_model_use_slot(m, 0);
     return TERA_OK;
 }

@@ -383,6 +383,7 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
 }
 
 size_t tera_metrics_http_render(tera_metrics_http *h, char *buf, size_t n) {
+    if (!h) return 0;
     pthread_mutex_lock(&h->render_lock);
     const size_t len = render_view(h, buf, n);
     pthread_mutex_unlock(&h->render_lock);

@@ -4,7 +4,7 @@
 
 #include "tera/plan.h"
 
-/* What one rank's parameter table gives (tera_param_table_spec + tera_model_group_range). */
+/* What one rank's parameter table gives (tera_param_table_spec; group spans as tera_model_group_range). */
 typedef struct {
     int64_t n_floats, n_dense;
     int n_params;
@@ -20,7 +20,8 @@ void tera_plan_cache_free(tera_plan_cache *c);
 /* One pipeline stage of a layout (its dp rank 0, tp rank 0). */
 typedef struct {
     tera_plan_mem mem;
-    int layers, moe_layers, full, selective; /* layers held, of them MoE, recomputed fully / selectively */
+    int layers, moe_layers;                  /* layers held, of them MoE */
+    int full[2], selective[2];               /* of them recomputed fully / selectively: [dense, MoE] */
     int64_t n_floats, n_dense;
     int n_params;
     const int64_t *group; /* the cached table's group sizes (NULL without a cache) */

@@ -6,11 +6,16 @@
  * - activations and scratch: count_acts / count_scratch below are the counting pass of
  *   carve_acts / carve_scratch (src/model/model.c): the same buffers in the same order, each rounded
  *   up to 64 bytes, with the shared helpers the model calls (tera_attention_scratch_floats,
- *   tera_moe_plan_scratch_bytes, tera_moe_route_scratch_bytes). model.c keeps its carvers static,
+ *   tera_moe_plan_scratch_bytes, tera_moe_route_scratch_bytes); the token dispatcher's and the
+ *   tensor-parallel layers' own scratch blocks (src/model/dispatch.c, tp_layers.c), which model.c
+ *   adds to bytes_scratch, are the same buffers in 64-byte granules, so one sum gives the total.
+ *   model.c keeps its carvers static,
  *   so the carving is restated here; tests/cli_plan.sh checks it against the model to the byte on a
  *   table of layouts (a public counting entry point in model.c would remove the copy);
  * - expert-exchange buffers: the model's bytes_comm formula (ep_rows_max restated);
- * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c);
+ * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c),
+ *   the slots sized by each group's span as tera_model_group_range gives it (restated as one pass
+ *   over the table: the search builds thousands of tables);
  * - activation slots of a pipeline stage: the schedule's simulated peak (tera_pipeline_slots);
  * - pipeline buffers, checkpoint buffers, router state: src/train/pipeline.c, trainer.c, checkpoint.c. */
 #include <math.h>
@@ -147,20 +152,13 @@ static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
 }
 
 /* ------------------------------------------------------------------ layout pieces */
-/* The layer split over pp x v virtual stages: parallel.pp_layers, or tera_pp_split (as the trainer). */
-static void layer_split(const tera_config *cfg, int *first) {
+/* The layer split over pp x v virtual stages: parallel.pp_layers (tera_config_pp_layers, the one
+ * parser), or tera_pp_split's balanced split, as the trainer takes it. */
+static tera_status layer_split(const tera_config *cfg, int *first) {
     const int S = cfg->parallel.pp * cfg->parallel.pp_chunks;
-    first[0] = 0;
-    if (cfg->parallel.pp_layers[0]) {
-        const char *q = cfg->parallel.pp_layers;
-        for (int i = 0; i < S; i++) {
-            char *end;
-            first[i + 1] = first[i] + (int)strtol(q, &end, 10); /* validated by tera_config_finalize */
-            q = *end ? end + 1 : end;
-        }
-    } else {
-        tera_pp_split(&cfg->model, S, cfg->training.seq_len, first);
-    }
+    if (cfg->parallel.pp_layers[0]) return tera_config_pp_layers(&cfg->parallel, cfg->model.n_layers, first);
+    tera_pp_split(&cfg->model, S, cfg->training.seq_len, first);
+    return TERA_OK;
 }
 
 /* src/train/layout.c's shard(): this rank's count of n floats cut into w 16-float aligned shards */
@@ -171,7 +169,8 @@ static int64_t shard_count(int64_t n, int w, int r) {
 }
 
 /* What the parameter table of one (pp_rank, tp_rank, ep_rank) gives: sizes, the ZeRO staging slot
- * sizes of zero23_init, and each group's range sizes (tera_model_group_range, for ZeRO-3 gathers). */
+ * sizes of zero23_init, and each group's range sizes (what tera_model_group_range returns; for the
+ * ZeRO-3 gathers of the time model). */
 static void table_of(const tera_config *cfg, const tera_shard_spec *spec, tera_plan_table *ts) {
     tera_model shell;
     memset(&shell, 0, sizeof shell);
@@ -422,11 +421,12 @@ static tera_status ctx_init_cached(layout_ctx *c, const tera_config *cfg, tera_p
             e->S = S, e->T = cfg->training.seq_len;
             snprintf(e->pp_layers, sizeof e->pp_layers, "%s", p->pp_layers);
             e->first = tera_calloc((size_t)S + 1, sizeof(int));
-            layer_split(cfg, e->first);
+            st = layer_split(cfg, e->first);
+            if (st != TERA_OK) free(e->first), cache->n_split--; /* not kept */
         }
-        memcpy(c->first, cache->split[hit].first, sizeof(int) * (size_t)(S + 1));
+        if (st == TERA_OK) memcpy(c->first, cache->split[hit].first, sizeof(int) * (size_t)(S + 1));
     } else if (st == TERA_OK) {
-        if (p->pp > 1) layer_split(cfg, c->first);
+        if (p->pp > 1) st = layer_split(cfg, c->first);
         else c->first[1] = c->L;
     }
     if (st == TERA_OK && p->pp > 1 && cache) { /* the schedule: simulated once per (kind, pp, m, v) */
@@ -581,13 +581,16 @@ tera_status tera_plan_stages(const tera_config *cfg, tera_plan_cache *cache, int
         const tera_plan_table *ts = table_at(cfg, &c, &t, cache, &own);
         tera_plan_stage *o = &st[s];
         rank_mem(cfg, &t, c.first, c.slots[s], ts, c.policy, th, &o->mem);
-        o->layers = o->moe_layers = o->full = o->selective = 0;
+        o->layers = o->moe_layers = 0;
+        memset(o->full, 0, sizeof o->full);
+        memset(o->selective, 0, sizeof o->selective);
         for (int vs = s; vs < c.topo.pp * v; vs += c.topo.pp)
             for (int l = c.first[vs]; l < c.first[vs + 1]; l++) {
+                const int moe = l >= cfg->model.first_k_dense;
                 o->layers++;
-                o->moe_layers += l >= cfg->model.first_k_dense;
-                o->full += c.policy[l] == TERA_RECOMPUTE_FULL;
-                o->selective += c.policy[l] == TERA_RECOMPUTE_SELECTIVE;
+                o->moe_layers += moe;
+                o->full[moe] += c.policy[l] == TERA_RECOMPUTE_FULL;
+                o->selective[moe] += c.policy[l] == TERA_RECOMPUTE_SELECTIVE;
             }
         o->group = cache ? ts->group : NULL;
         if (!cache) free(own.group);

@@ -30,7 +30,7 @@
 typedef struct {
     tera_hw *hw;
     const char *path;
-    char err[256];
+    char err[1024];
     unsigned seen;
 } hw_ctx;
 
@@ -64,14 +64,14 @@ static int hw_handler(void *user, const char *section, const char *name, const c
         {"inter_node", "latency_us", &h->inter_lat, 1e-6, HW_XLAT},
     };
     if (!strcmp(section, "device") && !strcmp(name, "name")) {
-        snprintf(h->name, sizeof h->name, "%s", value);
+        snprintf(h->name, sizeof h->name, "%.127s", value);
         c->seen |= HW_NAME;
         return 1;
     }
     if (!strcmp(section, "node") && !strcmp(name, "devices")) {
         const long n = strtol(value, &end, 10);
         if (*end || n < 1 || n > 1024) {
-            snprintf(c->err, sizeof c->err, "[node] devices = '%s' is not an integer in 1..1024", value);
+            snprintf(c->err, sizeof c->err, "[node] devices = '%.200s' is not an integer in 1..1024", value);
             return 0;
         }
         h->devices_per_node = (int)n;
@@ -81,14 +81,15 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!strcmp(section, keys[i].sec) && !strcmp(name, keys[i].key)) {
             if (!numeric) {
-                snprintf(c->err, sizeof c->err, "[%s] %s = '%s' is not a non-negative number", section, name, value);
+                snprintf(c->err, sizeof c->err, "[%.64s] %.64s = '%.200s' is not a non-negative number", section, name,
+                         value);
                 return 0;
             }
             *keys[i].dst = v * keys[i].scale;
             c->seen |= keys[i].bit;
             return 1;
         }
-    snprintf(c->err, sizeof c->err, "unknown key [%s] %s (keys: [device] name, memory_gib, peak_tflops_fp32, "
+    snprintf(c->err, sizeof c->err, "unknown key [%.64s] %.64s (keys: [device] name, memory_gib, peak_tflops_fp32, "
              "peak_tflops_bf16, peak_tflops_fp16, peak_tflops_fp8; [node] devices; [intra_node], [inter_node] "
              "bandwidth_gbytes_s, latency_us)", section, name);
     return 0;
@@ -176,10 +177,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         layer_flops(c, c->first_k_dense < L ? c->first_k_dense : 0, T, &fm, &rfm, &rsm);
         const int dense = layers - moe;
         fwd = dense * fd + moe * fm;
-        /* recomputation: split the stage's full/selective counts over its dense and MoE layers in
-         * proportion (policies are given per layer range; the common case is one policy) */
-        const double fr = layers ? (double)st[s].full / layers : 0.0, sr = layers ? (double)st[s].selective / layers : 0.0;
-        rec = fr * (dense * rfd + moe * rfm) + sr * (dense * rsd + moe * rsm);
+        /* recomputation: the extra forward of each recomputed layer, by its policy */
+        rec = st[s].full[0] * rfd + st[s].full[1] * rfm + st[s].selective[0] * rsd + st[s].selective[1] * rsm;
         const int has_head = s == pp - 1;
         if (has_head) fwd += 2.0 * (double)c->vocab_size * D;
         const double comp = (3.0 * fwd + rec) * N / tp / rate;
@@ -317,25 +316,30 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
             const int per_rank = G / dp;
             for (int ep = 1; ep <= dp; ep++) {
                 if (dp % ep || mc->n_experts % ep) continue;
-                for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
-                    for (size_t si = 0; si < (pp > 1 ? sizeof sched / sizeof sched[0] : 1); si++)
-                        for (int r = 0; r < 3; r++)
-                            for (int mb = 1; mb <= per_rank; mb++) {
-                                if (per_rank % mb) continue;
+                for (size_t si = 0; si < (pp > 1 ? sizeof sched / sizeof sched[0] : 1); si++)
+                    for (int mb = 1; mb <= per_rank; mb++) {
+                        if (per_rank % mb) continue;
+                        /* the configuration checks (tera_config_finalize), once per shape: their verdict
+                         * does not depend on the ZeRO stage (0-3) or on the three recompute policies */
+                        tera_config c0 = *base;
+                        c0.parallel.tp = tp, c0.parallel.pp = pp, c0.parallel.dp = dp, c0.parallel.ep = ep;
+                        c0.parallel.zero = 0;
+                        snprintf(c0.parallel.pp_schedule, sizeof c0.parallel.pp_schedule, "%s", sched[si].kind);
+                        c0.parallel.pp_chunks = sched[si].chunks;
+                        c0.parallel.pp_layers[0] = '\0';
+                        c0.training.micro_batch = mb;
+                        c0.training.grad_accum = per_rank / mb;
+                        c0.training.global_batch = G;
+                        snprintf(c0.training.recompute, sizeof c0.training.recompute, "none");
+                        if (tera_config_finalize(&c0) != TERA_OK) continue; /* the layouts tera accepts */
+                        for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
+                            for (int r = 0; r < 3; r++) {
                                 tera_plan_candidate cand;
                                 memset(&cand, 0, sizeof cand);
                                 tera_config *c = &cand.cfg;
-                                *c = *base;
-                                c->parallel.tp = tp, c->parallel.pp = pp, c->parallel.dp = dp, c->parallel.ep = ep;
+                                *c = c0;
                                 c->parallel.zero = zero;
-                                snprintf(c->parallel.pp_schedule, sizeof c->parallel.pp_schedule, "%s", sched[si].kind);
-                                c->parallel.pp_chunks = sched[si].chunks;
-                                c->parallel.pp_layers[0] = '\0';
-                                c->training.micro_batch = mb;
-                                c->training.grad_accum = per_rank / mb;
-                                c->training.global_batch = G;
                                 snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r]);
-                                if (tera_config_finalize(c) != TERA_OK) continue; /* the layouts tera accepts */
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
                                 (*n_valid)++;
@@ -356,6 +360,7 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                     at--;
                                 }
                             }
+                    }
             }
         }
     }

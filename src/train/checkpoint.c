@@ -1473,6 +1473,9 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
 
 tera_status tera_trainer_resume(tera_trainer *tr) {
     char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 64];
+    /* every rank looks for the newest checkpoint only once world rank 0's background part of the
+     * last save is done (its caller waited for it: tera_trainer_ckpt_close), so all find the same */
+    if (tr->wsize > 1) tera_comm_barrier(tera_comm_world());
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
     TERA_TRY(tera_trainer_resume_dir(tr, dir));
     /* every check passed: only now is the run directory written (a refused --resume leaves it as
