@@ -22,8 +22,12 @@ rows() {
         | awk '{r[$1]=$0} END {for (s in r) print r[s]}' | sort -n
 }
 
-# 1. the precision in effect is printed at start
-"$TERA" train "${TINY[@]}" --training.steps=2 --training.warmup_steps=1 --logging.run_dir="$W/auto" > "$W/auto.log" 2>&1 || { fail "auto run"; cat "$W/auto.log"; }
+# 1. the precision in effect is printed at start: the default is fp32 on every CPU (naming oneDNN's
+# ISA); `auto` is opt-in
+"$TERA" train "${TINY[@]}" --training.steps=2 --training.warmup_steps=1 --logging.run_dir="$W/def" > "$W/def.log" 2>&1 || { fail "default run"; cat "$W/def.log"; }
+grep -q "^tera: precision fp32 (set; oneDNN ISA " "$W/def.log" && pass "default: $(grep '^tera: precision' "$W/def.log")" \
+    || { fail "default precision line"; cat "$W/def.log"; }
+"$TERA" train "${TINY[@]}" --training.steps=2 --training.warmup_steps=1 --training.precision=auto --logging.run_dir="$W/auto" > "$W/auto.log" 2>&1 || { fail "auto run"; cat "$W/auto.log"; }
 grep -q "^tera: precision \(fp32\|bf16\) (auto: oneDNN ISA " "$W/auto.log" && pass "$(grep '^tera: precision' "$W/auto.log")" \
     || { fail "no precision line"; cat "$W/auto.log"; }
 if grep -q "ISA avx512_core_amx" "$W/auto.log"; then grep -q "precision bf16 (auto" "$W/auto.log"; else grep -q "precision fp32 (auto" "$W/auto.log"; fi \

@@ -231,6 +231,7 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
             cap *= 2;
         }
     }
+    in[n] = '\0'; /* n < cap (the buffer grows when full): strtol below stops at the end of the input */
     if (ferror(stdin)) {
         tera_fail(TERA_ERR_IO, "cannot read stdin: %s", strerror(errno));
         free(in);
