@@ -238,8 +238,9 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
     a->loss_lse = CARVE_F(c, N);
     a->rope_cos = CARVE_F(c, (int64_t)T * hd / 2);
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
-    /* pipeline: a micro-batch's logits live until its backward, after other micro-batches ran */
-    if (m->n_slots > 1) a->logits = CARVE_F(c, N * m->Vl);
+    /* pipeline: a micro-batch's logits live until its backward, after other micro-batches ran; only
+     * the stage that holds the head (the last virtual stage, on pp_rank pp - 1) has any */
+    if (m->n_slots > 1 && m->par.pp_rank == m->par.pp - 1) a->logits = CARVE_F(c, N * m->Vl);
 }
 
 /* The scratch block (shared by the slots); the dispatcher and the tensor-parallel layers own theirs. */

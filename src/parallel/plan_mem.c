@@ -56,6 +56,7 @@ typedef struct {
     int64_t Hl, Hkvl, Fl, Fsl, Fdl, Vl, Rmax;
     const unsigned char *held;
     const uint8_t *policy;
+    int head; /* this rank holds the LM head (the last pipeline stage) */
 } vmodel;
 
 static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
@@ -106,7 +107,7 @@ static int64_t count_acts(const vmodel *m, int slot) {
     }
     if (slot == 0 && work_parts) b += count_layer(m, work_moe, work_Fx, work_parts);
     b += 2 * CF(N * D) + 2 * CF(N) + 2 * CF((int64_t)m->T * hd / 2);
-    if (m->n_slots > 1) b += CF(N * m->Vl);
+    if (m->n_slots > 1 && m->head) b += CF(N * m->Vl); /* only the stage holding the head */
     return b;
 }
 
@@ -286,7 +287,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     vmodel m = {.cfg = mc, .B = tc->micro_batch, .T = tc->seq_len, .ep = t->ep, .tp = t->tp, .n_slots = slots,
                 .Hl = mc->n_heads / t->tp, .Hkvl = mc->n_kv_heads / t->tp, .Fl = mc->ffn_dim / t->tp,
                 .Fsl = (int64_t)mc->n_shared_experts * mc->ffn_dim / t->tp, .Fdl = mc->dense_ffn_dim / t->tp,
-                .Vl = mc->vocab_size / t->tp, .held = hb, .policy = policy};
+                .Vl = mc->vocab_size / t->tp, .held = hb, .policy = policy, .head = t->pp_rank == pp - 1};
     if (t->ep > 1) m.Rmax = ep_rows_max(mc, m.B, m.T, t->ep);
     int64_t acts = 0;
     acts = count_acts(&m, 0); /* slot 0 carves the work set; every other slot the same as slot 1 */

@@ -599,11 +599,6 @@ void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
     shell->router_bias = tr->model.router_bias;
 }
 
-/* Copies one tensor's block between a rank's storage (contiguous [len0, len1, len2]) and the whole
- * tensor (global layout, shape of p). to_global: local -> g; else g -> local. */
-static void block_copy(const tera_param *lp, const tera_param *gp, float *local, float *g, int to_global) {
-    tera_block_copy(gp->shape, lp->lo, lp->len, g + gp->offset, local + lp->offset, to_global);
-}
 
 int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p) {
     if (p->numel == 0) return 0;
@@ -629,30 +624,32 @@ tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t
 }
 
 void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv) {
+    /* straight into this rank's storage (its blocks; under ZeRO its shards), no temporary */
     tera_model *m = &tr->model;
-    const int64_t n = m->n_floats;
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
-    float *lm = tera_calloc((size_t)(3 * n + 1), sizeof(float)), *lv = lm + n, *lw = lm + 2 * n;
-    float *dst[3] = {m->w ? m->w : lw, lm, lv};
     const float *src[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!src[k]) continue;
-        for (int i = 0; i < m->n_params; i++) block_copy(&m->params[i], &shell.params[i], dst[k], (float *)src[k], 0);
-    }
-    if (!m->w && gw) { /* ZeRO-3: this rank keeps its shards of the parameters */
-        memcpy(tr->opt.w, lw + tr->opt.lo, sizeof(float) * (size_t)tr->opt.n);
-        memcpy(tr->opt_x.w, lw + tr->opt_x.lo, sizeof(float) * (size_t)tr->opt_x.n);
-        if (tr->zctx) tr->zctx->version++;
-    }
-    if (gm && gv) {
-        tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
-        for (int k = 0; k < 2; k++) {
-            memcpy(o[k]->m, lm + o[k]->lo, sizeof(float) * (size_t)o[k]->n);
-            memcpy(o[k]->v, lv + o[k]->lo, sizeof(float) * (size_t)o[k]->n);
+        lseg sg[2];
+        int sharded;
+        const int ns = region_segs(tr, k, sg, &sharded);
+        for (int i = 0; i < m->n_params; i++) {
+            const tera_param *lp = &m->params[i], *gp = &shell.params[i];
+            const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t g, l, n;
+                tera_block_run(gp->shape, lp->lo, lp->len, r, &g, &l, &n);
+                l += lp->offset;
+                for (int x = 0; x < ns; x++) {
+                    const int64_t z0 = l > sg[x].lo ? l : sg[x].lo, z1 = l + n < sg[x].hi ? l + n : sg[x].hi;
+                    if (z1 > z0)
+                        memcpy(sg[x].p + (z0 - sg[x].lo), src[k] + gp->offset + g + (z0 - l), sizeof(float) * (size_t)(z1 - z0));
+                }
+            }
         }
     }
-    free(lm);
+    if (!m->w && gw && tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
     free(shell.params);
 }
 
