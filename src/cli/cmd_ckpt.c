@@ -268,6 +268,7 @@ static int cmd_convert(int argc, char **argv) {
      * trainer continues (writes nothing), --force's removal and config.ini come after */
     tera_trainer tr;
     long step = 0;
+    if (!tera_cli_given("logging.metrics_port")) cfg.logging.metrics_port = 0; /* a conversion serves no metrics */
     st = tera_trainer_init(&tr, &cfg, out, TERA_RUN_CONTINUE);
     if (st == TERA_OK) {
         st = agree(tera_trainer_resume_dir(&tr, dir));

@@ -195,6 +195,9 @@ int tera_cmd_eval(int argc, char **argv) {
     if (tera_config_from_hf(&cfg, from) != TERA_OK) return tera_cli_error();
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
     tera_trainer tr;
+    /* a run's config file may name a metrics port that its training still holds: evaluation serves
+     * /metrics only when its own command line asks */
+    if (!tera_cli_given("logging.metrics_port")) cfg.logging.metrics_port = 0;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
     if (tr.root)
         fprintf(stderr, "tera eval: precision %s\n",
