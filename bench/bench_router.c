@@ -84,6 +84,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     tera_set_threads(threads);
+    tera_backend *be = tera_backend_cpu_create(-1); /* the router's softmax runs on the CPU backend */
     const int64_t N = (int64_t)B * T;
     const variant vars[] = {
         {"softmax", TERA_ROUTER_SOFTMAX, 1, 1, 0},
@@ -129,7 +130,7 @@ int main(int argc, char **argv) {
             double t0 = tera_now(), ph[N_PH];
             tera_linear_forward_fp32(logits, x, gate, N, D, E, 0.0f);
             ph[PH_GATE_FWD] = tera_now() - t0, t0 = tera_now();
-            tera_moe_score_forward(scores, lse, logits, N, E, r[v].score);
+            tera_moe_score_forward(be, scores, lse, logits, N, E, r[v].score);
             ph[PH_SCORES] = tera_now() - t0, t0 = tera_now();
             tera_moe_route(topi, topw, scores, vars[v].bias ? bias : NULL, N, E, K, &r[v], scratch[v]);
             ph[PH_TOPK] = tera_now() - t0;
@@ -138,7 +139,7 @@ int main(int argc, char **argv) {
             t0 = tera_now();
             const tera_moe_stats st = tera_moe_route_stats(load, rsum, psum, scores, lse, sel, B, T, E, K, r[v].score);
             ph[PH_STATS] = tera_now() - t0, t0 = tera_now();
-            tera_moe_router_backward(dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel, B, T, E, K, &r[v],
+            tera_moe_router_backward(be, dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel, B, T, E, K, &r[v],
                                      1e-2f / (float)B, 1e-3f / (float)N);
             ph[PH_BWD] = tera_now() - t0, t0 = tera_now();
             tera_linear_backward_fp32(dx, dgate, dlogits, x, gate, N, D, E, 0.0f);
@@ -168,5 +169,6 @@ int main(int argc, char **argv) {
            4e-9 * (double)N * D * E / median(t[0][PH_GATE_BWD], reps));
     free(x), free(gate), free(dgate), free(dx), free(logits), free(scores), free(dlogits), free(dscores);
     free(lse), free(rsum), free(topw), free(dtopw), free(bias), free(topi), free(sel), free(load), free(psum);
+    tera_backend_destroy(be);
     return 0;
 }

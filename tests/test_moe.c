@@ -279,7 +279,9 @@ static void test_sigmoid_backward(void **state) {
     double xd[N * E];
     tu_fill(x, N * E, 5, 2.0f);
     tu_fill(dtw, N * K, 6, 1.0f);
-    tera_moe_score_forward(s, lse, x, N, E, TERA_ROUTER_SIGMOID);
+    tera_backend *be = tera_backend_cpu_create(-1);
+    tera_moe_score_forward(be, s, lse, x, N, E, TERA_ROUTER_SIGMOID);
+    tera_backend_destroy(be);
     for (int i = 0; i < N * E; i++) assert_true(fabsf(s[i] - 1.0f / (1.0f + expf(-x[i]))) < 1e-6f);
     const float scale = 2.5f, aux_s = 0.3f, z_s = 0.05f;
     tera_moe_routing r = {.score = TERA_ROUTER_SIGMOID, .n_groups = 1, .topk_groups = 1, .scale = scale};

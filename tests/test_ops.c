@@ -117,7 +117,7 @@ static void test_swiglu(void **state) {
 typedef struct { float *y, *x, *w, *R; int64_t N, in, out; } lin_ctx;
 static double lin_loss(void *p) {
     lin_ctx *c = p;
-    tera_linear_forward(c->y, c->x, c->w, c->N, c->in, c->out, 0.0f);
+    tera_linear_forward_fp32(c->y, c->x, c->w, c->N, c->in, c->out, 0.0f);
     return dot_d(c->y, c->R, c->N * c->out);
 }
 static void test_linear(void **state) {
@@ -135,7 +135,7 @@ static void test_linear(void **state) {
             for (int i = 0; i < IN; i++) s += (double)x[n * IN + i] * w[o * IN + i];
             assert_true(fabs(y[n * OUT + o] - s) < 1e-5);
         }
-    tera_linear_backward(dx, dw, R, x, w, N, IN, OUT, 0.0f);
+    tera_linear_backward_fp32(dx, dw, R, x, w, N, IN, OUT, 0.0f);
     fd_check("linear dx", x, N * IN, dx, lin_loss, &c);
     fd_check("linear dw", w, OUT * IN, dw, lin_loss, &c);
 }

@@ -7,6 +7,15 @@
 #include "tera/precision.h"
 #include "tera/train.h"
 
+/* The CPU backend the products run on (created in main; a test that releases its scratch makes a
+ * fresh one) */
+static tera_backend *be;
+
+static void be_fresh(void) {
+    tera_backend_destroy(be);
+    be = tera_backend_cpu_create(-1);
+}
+
 /* Reference y[N,out] = x w^T in double, with each operand first rounded as the mode rounds it. */
 static void ref_linear(double *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                        tera_precision p) {
@@ -45,14 +54,14 @@ static double check_forward(tera_precision p, int64_t N, int64_t in, int64_t out
     double *yr = malloc(sizeof(double) * (size_t)(N * out)), *y32 = malloc(sizeof(double) * (size_t)(N * out));
     tu_fill(x, N * in, 11 + (uint64_t)N, 1.0f);
     tu_fill(w, out * in, 12 + (uint64_t)out, 0.5f);
-    tera_matmul_set_precision(p);
+    tera_backend_set_precision(be, p, be->bf16_gemm);
     if (in_parallel) {
 #pragma omp parallel num_threads(2)
-        if (omp_get_thread_num() == 1) tera_linear_forward(y, x, w, N, in, out, 0.0f);
+        if (omp_get_thread_num() == 1) be->ops.linear_forward(be, y, x, w, N, in, out, 0.0f);
     } else {
-        tera_linear_forward(y, x, w, N, in, out, 0.0f);
+        be->ops.linear_forward(be, y, x, w, N, in, out, 0.0f);
     }
-    tera_matmul_set_precision(TERA_PREC_FP32);
+    tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
     ref_linear(yr, x, w, N, in, out, p);
     ref_linear(y32, x, w, N, in, out, TERA_PREC_FP32);
     const double u = p == TERA_PREC_BF16 ? 1.0 / 256 : 1.0 / 2048, acc = (double)in * ldexp(1.0, -23);
@@ -85,17 +94,17 @@ static void test_forward_bounds(void **state) {
     (void)state;
     for (int m = 0; m < N_MODES; m++) {
         const tera_precision p = MODES[m].p;
-        tera_matmul_set_bf16_gemm(MODES[m].g);
-        tera_matmul_reserve(1 << 20, 1 << 20);
+        tera_backend_set_precision(be, be->precision, MODES[m].g);
+        tera_backend_reserve(be, 1 << 20, 1 << 20);
         /* small (oneDNN gemm), large enough for the matmul primitive (TERA_GEMM_PRIMITIVE_MIN set in
          * main), and inside a parallel region (per-thread scratch) */
         const double a = check_forward(p, 7, 33, 5, 0), b = check_forward(p, 96, 80, 70, 0),
                      c = check_forward(p, 40, 24, 17, 1);
         const double lo = p == TERA_PREC_BF16 ? 1e-4 : 1e-5; /* rounding is visible: not an fp32 product */
         assert_true(a > lo && b > lo && c > lo);
-        tera_matmul_release();
+        be_fresh();
     }
-    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
+    tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
 }
 
 /* bf16 on the FMA units is exactly the fp32 product of the bf16-rounded operands (the same kernel on
@@ -122,20 +131,20 @@ static void test_bf16_fma_is_rounded_fp32(void **state) {
         changed += xr[i] != x[i];
     }
     assert_true(changed > N * IN / 2);
-    tera_matmul_set_precision(TERA_PREC_BF16);
-    tera_matmul_set_bf16_gemm(TERA_BF16_FMA);
-    tera_matmul_reserve(1 << 16, 1 << 16);
-    tera_linear_forward(y, x, w, N, IN, OUT, 0.0f);
-    tera_linear_backward(dx, dw, dy, x, w, N, IN, OUT, 0.0f);
-    tera_matmul_set_precision(TERA_PREC_FP32);
-    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
-    tera_linear_forward(y2, xr, wr, N, IN, OUT, 0.0f);
-    tera_linear_backward(dx2, dw2, dyr, xr, wr, N, IN, OUT, 0.0f);
+    tera_backend_set_precision(be, TERA_PREC_BF16, be->bf16_gemm);
+    tera_backend_set_precision(be, be->precision, TERA_BF16_FMA);
+    tera_backend_reserve(be, 1 << 16, 1 << 16);
+    be->ops.linear_forward(be, y, x, w, N, IN, OUT, 0.0f);
+    be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+    tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
+    tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
+    be->ops.linear_forward(be, y2, xr, wr, N, IN, OUT, 0.0f);
+    be->ops.linear_backward(be, dx2, dw2, dyr, xr, wr, N, IN, OUT, 0.0f);
     assert_memory_equal(y, y2, sizeof(float) * N * OUT);
     assert_memory_equal(dx, dx2, sizeof(float) * N * IN);
     assert_memory_equal(dw, dw2, sizeof(float) * OUT * IN);
-    assert_int_equal(tera_matmul_scratch_grows(), 0);
-    tera_matmul_release();
+    assert_int_equal(be->ctl.scratch_grows(be), 0);
+    be_fresh();
     free(x), free(w), free(dy), free(xr), free(wr), free(dyr), free(y), free(y2), free(dx), free(dx2), free(dw), free(dw2);
 }
 
@@ -150,12 +159,12 @@ static void test_backward_bounds(void **state) {
     tu_fill(dy, N * OUT, 3, 1.0f);
     for (int m = 0; m < N_MODES; m++) {
         const tera_precision p = MODES[m].p;
-        tera_matmul_set_bf16_gemm(MODES[m].g);
-        tera_matmul_reserve(1 << 16, 1 << 16);
+        tera_backend_set_precision(be, be->precision, MODES[m].g);
+        tera_backend_reserve(be, 1 << 16, 1 << 16);
         for (int i = 0; i < OUT * IN; i++) dw[i] = 1.0f;
-        tera_matmul_set_precision(p);
-        tera_linear_backward(dx, dw, dy, x, w, N, IN, OUT, 0.0f);
-        tera_matmul_set_precision(TERA_PREC_FP32);
+        tera_backend_set_precision(be, p, be->bf16_gemm);
+        be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+        tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
         /* dx[n,i] = sum_o dy[n,o] w[o,i]: as a forward of dy against w^T */
         float wt[IN * OUT], dyt[OUT * N], xt[IN * N];
         for (int o = 0; o < OUT; o++)
@@ -169,9 +178,9 @@ static void test_backward_bounds(void **state) {
         ref_linear(rdw, dyt, xt, OUT, N, IN, (tera_precision)p);
         for (int i = 0; i < N * IN; i++) assert_true(fabs(dx[i] - rdx[i]) <= OUT * ldexp(1.0, -23) * 20 + 1e-6);
         for (int i = 0; i < OUT * IN; i++) assert_true(fabs(dw[i] - (1.0 + rdw[i])) <= N * ldexp(1.0, -23) * 20 + 1e-6);
-        tera_matmul_release();
+        be_fresh();
     }
-    tera_matmul_set_bf16_gemm(TERA_BF16_NATIVE);
+    tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
 }
 
 /* The router's fp32 variant ignores the mode: bit-identical to the fp32 product. */
@@ -181,10 +190,10 @@ static void test_fp32_variant(void **state) {
     float x[N * IN], w[OUT * IN], a[N * OUT], b[N * OUT];
     tu_fill(x, N * IN, 4, 1.0f);
     tu_fill(w, OUT * IN, 5, 1.0f);
-    tera_linear_forward(a, x, w, N, IN, OUT, 0.0f);
-    tera_matmul_set_precision(TERA_PREC_BF16);
+    be->ops.linear_forward(be, a, x, w, N, IN, OUT, 0.0f);
+    tera_backend_set_precision(be, TERA_PREC_BF16, be->bf16_gemm);
     tera_linear_forward_fp32(b, x, w, N, IN, OUT, 0.0f);
-    tera_matmul_set_precision(TERA_PREC_FP32);
+    tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
     assert_memory_equal(a, b, sizeof a);
 }
 
@@ -251,19 +260,19 @@ static void test_roundings(void **state) {
 static void test_bf16_gemm_resolve(void **state) {
     (void)state;
     const char *note;
-    assert_int_equal(tera_bf16_gemm_resolve("native", &note), TERA_BF16_NATIVE);
-    assert_int_equal(tera_bf16_gemm_resolve("fma", &note), TERA_BF16_FMA);
-    const tera_bf16_gemm g = tera_bf16_gemm_resolve("auto", &note);
+    assert_int_equal(tera_bf16_gemm_resolve(be, "native", &note), TERA_BF16_NATIVE);
+    assert_int_equal(tera_bf16_gemm_resolve(be, "fma", &note), TERA_BF16_FMA);
+    const tera_bf16_gemm g = tera_bf16_gemm_resolve(be, "auto", &note);
     assert_true(strstr(note, "(auto: ") != NULL);
     double fma, dot;
-    if (tera_bf16_probe(&fma, &dot)) {
+    if (be->caps.bf16_probe(be, &fma, &dot)) {
         assert_true(fma > 1e8 && dot > 1e8);
-        if (!tera_bf16_fast(NULL))
+        if (!be->caps.bf16_fast(be, NULL))
             assert_true(strstr(note, "probe") != NULL);
         fprintf(stderr, "bf16 units: %s (this probe: FMA %.1f G, dot %.1f G multiply-adds/s)\n", note, fma * 1e-9, dot * 1e-9);
     } else {
         assert_true(fma == 0.0 && dot == 0.0);
-        assert_int_equal(g, tera_bf16_fast(NULL) ? TERA_BF16_NATIVE : TERA_BF16_FMA);
+        assert_int_equal(g, be->caps.bf16_fast(be, NULL) ? TERA_BF16_NATIVE : TERA_BF16_FMA);
     }
 }
 
@@ -315,7 +324,7 @@ static tera_config tiny_cfg(const char *precision) {
 }
 
 /* Training steps in bf16 and fp16 convert inside the scratch reserved at set-up (no growth in the
- * step loop); `auto` follows the AMX rule; the mode is back to fp32 after the trainer is freed. */
+ * step loop); `auto` follows the AMX rule; the backend holding the mode goes with the trainer. */
 static void test_trainer_modes(void **state) {
     (void)state;
     const char *names[] = {"bf16", "fp16", "auto", "bf16"};
@@ -325,19 +334,19 @@ static void test_trainer_modes(void **state) {
         tera_trainer tr;
         assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
         const tera_precision want = i == 0 || i == 3 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
-                                    : tera_bf16_fast(NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
+                                    : be->caps.bf16_fast(be, NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
         assert_int_equal(tr.precision, want);
-        if (want == TERA_PREC_BF16) assert_int_equal(tera_matmul_bf16_gemm(), i == 0 ? TERA_BF16_NATIVE : TERA_BF16_FMA);
-        assert_int_equal(tera_matmul_precision(), want);
+        if (want == TERA_PREC_BF16) assert_int_equal(tr.model.be->bf16_gemm, i == 0 ? TERA_BF16_NATIVE : TERA_BF16_FMA);
+        assert_int_equal(tr.model.be->precision, want);
         tera_step_result r;
         for (int s = 0; s < 3; s++) {
             assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
             assert_true(isfinite(r.loss) && !r.skipped);
             assert_true(r.loss_scale == (want == TERA_PREC_FP16 ? c.training.loss_scale : 1.0f));
         }
-        assert_int_equal(tera_matmul_scratch_grows(), 0);
+        assert_int_equal(tr.model.be->ctl.scratch_grows(tr.model.be), 0);
         tera_trainer_free(&tr);
-        assert_int_equal(tera_matmul_precision(), TERA_PREC_FP32);
+        assert_null(tr.model.be); /* the backend, its mode and scratch, went with the model */
     }
 }
 
@@ -373,6 +382,7 @@ static void test_fp16_overflow_skip(void **state) {
 int main(void) {
     setenv("TERA_GEMM_PRIMITIVE_MIN", "100000", 1); /* read at the first product: small products reach the primitive */
     tera_set_threads(2);
+    be = tera_backend_cpu_create(-1);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_bounds), cmocka_unit_test(test_backward_bounds),
         cmocka_unit_test(test_bf16_fma_is_rounded_fp32), cmocka_unit_test(test_bf16_gemm_resolve),
@@ -380,5 +390,7 @@ int main(void) {
         cmocka_unit_test(test_scaler),         cmocka_unit_test(test_trainer_modes),
         cmocka_unit_test(test_fp16_overflow_skip),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const int failed = cmocka_run_group_tests(tests, NULL, NULL);
+    tera_backend_destroy(be);
+    return failed;
 }

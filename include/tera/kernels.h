@@ -2,8 +2,9 @@
  * Conventions (as llm.c): activation gradients are written (=) unless the name or comment says
  * they accumulate; parameter gradients always accumulate (+=) so micro-batches add up.
  * Shapes use B batch, T sequence, D width, H/Hkv heads, hd head width, E experts, F hidden, V vocab,
- * N rows (= B*T tokens, or routed assignments). The CPU implementation lives in src/kernels/cpu/;
- * matrix products go through oneDNN. */
+ * N rows (= B*T tokens, or routed assignments). These are the CPU backend's implementation
+ * (src/kernels/cpu/; matrix products through oneDNN): model code calls them through a backend
+ * (include/tera/backend.h), which adds the context (precision, scratch) and the capability probes. */
 #ifndef TERA_KERNELS_H
 #define TERA_KERNELS_H
 
@@ -19,55 +20,16 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
                const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                int64_t ldc);
 
-/* Precision of the linear layers' products (tera_linear_forward / backward), process-wide, set by
- * the trainer. FP32: fp32 throughout. BF16: the operands are rounded to bf16 (round to nearest
- * even) on the fly and multiplied with fp32 accumulation into the fp32 output (on the units that
- * tera_matmul_set_bf16_gemm names). FP16: the operands are rounded to fp16 (values beyond +-65504 become inf) and
- * multiplied in fp32 (oneDNN has no f16 matmul on CPUs in this version: emulated; the products of
- * fp16 values are exact in fp32, so only the accumulation order differs from an fp16 unit).
- * tera_gemm itself (attention) and the *_fp32 variants (the router) always run in fp32. */
-typedef enum { TERA_PREC_FP32 = 0, TERA_PREC_BF16, TERA_PREC_FP16 } tera_precision;
-void tera_matmul_set_precision(tera_precision p);
-tera_precision tera_matmul_precision(void);
-const char *tera_precision_name(tera_precision p);
-/* Which units run the bf16 products (the numbers are the same up to the order of the fp32 sums: the
- * product of two bf16 values is exact in fp32). NATIVE: bf16 operand arrays through oneDNN's bf16
- * kernels (AMX tiles, or AVX512-BF16 dot products). FMA: the operands rounded to bf16 and kept as
- * fp32 values, multiplied by the fp32 FMA kernels; for CPUs whose bf16 dot product issues fewer
- * multiply-adds per cycle than their FMA units (tera_bf16_probe). Set before tera_matmul_reserve. */
-typedef enum { TERA_BF16_NATIVE = 0, TERA_BF16_FMA } tera_bf16_gemm;
-void tera_matmul_set_bf16_gemm(tera_bf16_gemm g);
-tera_bf16_gemm tera_matmul_bf16_gemm(void);
-/* 1 when oneDNN dispatches bf16 products to AVX512-BF16 (or AMX) instructions. */
-int tera_bf16_has_dot(void);
-/* Measures the multiply-adds per second one core issues with the vector FMA and with the AVX512-BF16
- * dot product (a few ms of tight loops, best of 3); returns 0 (both 0) where the CPU has no such
- * instruction. */
-int tera_bf16_probe(double *fma_macs, double *dot_macs);
-/* Conversion scratch, allocated here once (not per call): main_elems operand elements (both
- * operands of a product together) for products outside parallel regions, thread_elems for each
- * other thread (experts side by side). A product that needs more grows its buffer and counts in
- * tera_matmul_scratch_grows() (a test checks that it stays 0 over a run). */
-void tera_matmul_reserve(int64_t main_elems, int64_t thread_elems);
-void tera_matmul_release(void);
-int64_t tera_matmul_scratch_grows(void);
-/* 1 when oneDNN reports AMX (avx512_core_amx) on this CPU: where bf16 products are faster than fp32;
- * isa_name receives the ISA oneDNN dispatches to. */
-int tera_bf16_fast(const char **isa_name);
 /* Elementwise roundings used by the low-precision products (exposed for tests). */
 void tera_round_bf16(uint16_t *dst, const float *src, int64_t n);
 void tera_round_fp16(float *dst, const float *src, int64_t n);
 void tera_round_bf16f(float *dst, const float *src, int64_t n); /* bf16 rounding, kept as fp32 values */
 float tera_bf16_to_float(uint16_t h);
 
-/* y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y) */
-void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
-                         float beta);
-/* dx[N,in] = (or += when dx_beta = 1) dy[N,out] w[out,in];  dw[out,in] += dy^T x.
- * dx or dw may be NULL to skip that product. */
-void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                          int64_t N, int64_t in, int64_t out, float dx_beta);
-/* The same, always in fp32 whatever the precision mode (the router). */
+/* Linear layers: y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y).
+ * Backward: dx[N,in] = (or += when dx_beta = 1) dy[N,out] w[out,in];  dw[out,in] += dy^T x; dx or
+ * dw may be NULL to skip that product. These are fp32; the products in the precision of a backend's
+ * context are its ops.linear_forward / linear_backward (include/tera/backend.h). */
 void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                               float beta);
 void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const float *x, const float *w,

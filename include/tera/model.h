@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 
+#include "tera/backend.h"
 #include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/status.h"
@@ -108,6 +109,10 @@ typedef struct {
      * micro-batch in flight; tera_model_use_slot picks the one forward/backward use). */
     int pp, pp_rank, v, n_slots;
     const int *layer_first;
+    /* The compute backend the model runs its operations on (include/tera/backend.h): the model
+     * owns it from tera_model_create_par on (destroyed with the model, or when creation fails).
+     * NULL: the model creates a CPU backend in fp32 on the process's threads. */
+    tera_backend *be;
 } tera_model_par;
 
 /* Activation recomputation, chosen per layer (training.recompute; docs/ARCHITECTURE.md):
@@ -138,6 +143,7 @@ typedef struct {
     int64_t n_floats;     /* parameter floats stored on this rank */
     int64_t n_dense_floats; /* the non-expert tensors are [0, n_dense_floats); routed experts follow */
     tera_model_par par;
+    tera_backend *be; /* the compute backend (owned; par.be) */
     int ep_rank;          /* this rank in par.group */
     int tp_rank;          /* this rank in par.tp_group */
     int64_t Hl, Hkvl;     /* query and key/value heads on this rank (H / tp, Hkv / tp) */

@@ -1,27 +1,28 @@
 /* Mixed precision: the precision a run's linear layers use (training.precision), the conversion
- * scratch it needs, and fp16's dynamic loss scaler. The products themselves are in the kernel layer
- * (tera_matmul_set_precision, include/tera/kernels.h); model code holds no precision logic. */
+ * scratch it needs, and fp16's dynamic loss scaler. The precision is a property of the compute backend's
+ * context (tera_backend_set_precision, include/tera/backend.h); model code holds no precision logic. */
 #ifndef TERA_PRECISION_H
 #define TERA_PRECISION_H
 
 #include <stdint.h>
 
+#include "tera/backend.h"
 #include "tera/config.h"
-#include "tera/kernels.h"
 
-/* training.precision ("auto", "fp32", "bf16", "fp16") -> the precision in effect. auto = bf16 where
- * oneDNN reports AMX (tera_bf16_fast), else fp32: on AVX512-BF16 without AMX, oneDNN's bf16 products
- * were measured at ~0.6x its fp32 ones (docs/PERFORMANCE.md). *note receives one line saying why
- * (static storage). */
-tera_precision tera_precision_resolve(const char *name, const char **note);
+/* training.precision ("auto", "fp32", "bf16", "fp16") -> the precision in effect on backend be.
+ * auto = bf16 where be reports fast bf16 products (caps.bf16_fast: the CPU backend, oneDNN's AMX),
+ * else fp32: on AVX512-BF16 without AMX, oneDNN's bf16 products were measured at ~0.6x its fp32
+ * ones (docs/PERFORMANCE.md). *note receives one line saying why (static storage). */
+tera_precision tera_precision_resolve(const tera_backend *be, const char *name, const char **note);
 
-/* training.bf16_gemm ("auto", "native", "fma") -> the units bf16 products run on. auto = native where
- * oneDNN reports AMX; else the probe (tera_bf16_probe): native only when the bf16 dot product issues at
- * least TERA_BF16_DOT_MARGIN times the FMA's multiply-adds (a margin, so that a noisy probe does not
- * flip the choice between runs), fma otherwise and where there is no dot-product instruction. A
- * multi-rank run takes fma if any rank resolved fma (tera_trainer_init). *note: one line saying why. */
+/* training.bf16_gemm ("auto", "native", "fma") -> the units bf16 products run on. auto = native
+ * where be reports fast bf16 products (AMX); else the probe (caps.bf16_probe): native only when
+ * the bf16 dot product issues at least TERA_BF16_DOT_MARGIN times the FMA's multiply-adds (a
+ * margin, so that a noisy probe does not flip the choice between runs), fma otherwise and where
+ * there is no dot-product instruction. A multi-rank run takes fma if any rank resolved fma
+ * (tera_trainer_init). *note: one line saying why. */
 #define TERA_BF16_DOT_MARGIN 1.25
-tera_bf16_gemm tera_bf16_gemm_resolve(const char *name, const char **note);
+tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, const char **note);
 
 /* Operand elements (both operands of one product) the largest linear product of this model converts
  * at once: outside parallel regions (main) and on each thread running experts side by side (ep:

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "moe.h"
-#include "tera/kernels.h"
+#include "tera/backend.h"
 #include "tera/profile.h"
 
 /* What the experts do with their rows: the forward, the backward, or (selective recomputation)
@@ -24,6 +24,7 @@ typedef struct {
 
 struct tera_dispatcher {
     const dispatch_impl *impl;
+    tera_backend *be;        /* the model's compute backend (not owned) */
     int B, T, E, K;          /* micro-batch shape, experts, experts per token */
     int64_t N, D, F;         /* tokens, width, this rank's expert hidden width */
     int capacity;            /* per sequence and expert; 0 = dropless */
@@ -62,11 +63,11 @@ typedef struct {
 } expert_rows;
 
 /* SwiGLU hidden activations of x[n,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([n,F]). */
-static void expert_hidden(float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3, int64_t n,
+static void expert_hidden(tera_backend *be, float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3, int64_t n,
                           int64_t D, int64_t F) {
-    tera_linear_forward(a1, x, w1, n, D, F, 0.0f);
-    tera_linear_forward(a3, x, w3, n, D, F, 0.0f);
-    tera_swiglu_forward(g, a1, a3, n * F);
+    be->ops.linear_forward(be, a1, x, w1, n, D, F, 0.0f);
+    be->ops.linear_forward(be, a3, x, w3, n, D, F, 0.0f);
+    be->ops.swiglu_forward(be, g, a1, a3, n * F);
 }
 
 /* Expert e over its rows: y = w2(silu(x w1^T) * (x w3^T)) (forward), its backward (dx written,
@@ -80,19 +81,19 @@ static void expert_run(const expert_rows *b, int e) {
     const float *x = b->x + r * D;
     switch (b->op) {
     case EXPERTS_FWD:
-        expert_hidden(a1, a3, g, x, w1, w3, n, D, F);
-        tera_linear_forward(b->y + r * D, g, w2, n, F, D, 0.0f);
+        expert_hidden(d->be, a1, a3, g, x, w1, w3, n, D, F);
+        d->be->ops.linear_forward(d->be, b->y + r * D, g, w2, n, F, D, 0.0f);
         break;
     case EXPERTS_BWD: {
         float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F, *dx = b->dx + r * D;
-        tera_linear_backward(dg, b->G->w2 + e * D * F, b->dy + r * D, g, w2, n, F, D, 0.0f);
-        tera_swiglu_backward(da1, da3, dg, a1, a3, n * F);
-        tera_linear_backward(dx, b->G->w1 + e * F * D, da1, x, w1, n, D, F, 0.0f);
-        tera_linear_backward(dx, b->G->w3 + e * F * D, da3, x, w3, n, D, F, 1.0f);
+        d->be->ops.linear_backward(d->be, dg, b->G->w2 + e * D * F, b->dy + r * D, g, w2, n, F, D, 0.0f);
+        d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
+        d->be->ops.linear_backward(d->be, dx, b->G->w1 + e * F * D, da1, x, w1, n, D, F, 0.0f);
+        d->be->ops.linear_backward(d->be, dx, b->G->w3 + e * F * D, da3, x, w3, n, D, F, 1.0f);
         break;
     }
     default:
-        expert_hidden(a1, a3, g, x, w1, w3, n, D, F);
+        expert_hidden(d->be, a1, a3, g, x, w1, w3, n, D, F);
     }
 }
 
@@ -123,13 +124,13 @@ static void experts_by_load(int *order, const int64_t *off, int E) {
 }
 
 /* All El experts of one call: side by side by descending load, or one after another. The thread
- * layout is a scheduling decision of the CPU backend (tera_items_side_by_side); each expert's
+ * layout is a scheduling decision of the CPU backend (ops.items_side_by_side); each expert's
  * outputs and weight gradients are written by one thread either way, so the numbers are the same. */
 static void experts_run(tera_dispatcher *d, expert_rows *b) {
-    if (tera_items_side_by_side(d->El)) {
+    if (d->be->ops.items_side_by_side(d->be, d->El)) {
         experts_by_load(d->order, b->off, d->El);
         b->order = d->order;
-        tera_for_each_item(d->El, expert_item, b);
+        d->be->ops.for_each_item(d->be, d->El, expert_item, b);
     } else {
         for (int e = 0; e < d->El; e++) expert_run(b, e);
     }
@@ -281,6 +282,8 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
 tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
                                       int ep_rank) {
     tera_dispatcher *d = tera_calloc(1, sizeof *d);
+    TERA_ASSERTF(par && par->be, "the token dispatcher runs on the model's backend");
+    d->be = par->be;
     const int ep = par && par->ep > 1 ? par->ep : 1;
     d->B = B, d->T = T, d->E = c->n_experts, d->K = c->top_k;
     d->N = (int64_t)B * T, d->D = c->dim, d->F = F;
@@ -327,7 +330,7 @@ int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const f
     TERA_PROF_BEGIN(DISPATCH);
     const int64_t dropped = tera_moe_plan(t->slot_row, t->row_tok, t->exp_off, t->sel_count, d->plan_scratch, topi,
                                           probs, d->B, d->T, d->E, d->K, d->capacity, d->drop);
-    tera_moe_gather_forward(t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
+    d->be->ops.moe_gather_forward(d->be, t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
     d->impl->exchange_counts(d, t, l);
     TERA_PROF_END(DISPATCH);
     return dropped;
@@ -340,7 +343,7 @@ void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, co
 }
 
 void tera_dispatch_combine_forward(tera_dispatcher *d, float *out, const tera_dispatch_acts *t, const float *topw) {
-    TERA_PROF(COMBINE_FWD, tera_moe_combine_forward(out, t->ye, topw, t->slot_row, d->N, d->K, d->D));
+    TERA_PROF(COMBINE_FWD, d->be->ops.moe_combine_forward(d->be, out, t->ye, topw, t->slot_row, d->N, d->K, d->D));
 }
 
 void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W) {
@@ -351,7 +354,7 @@ void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, 
 
 void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const float *dy, const tera_dispatch_acts *t,
                                     const float *topw) {
-    TERA_PROF(COMBINE_BWD, tera_moe_combine_backward(d->dye, dtopw, dy, t->ye, topw, t->slot_row, d->N, d->K, d->D));
+    TERA_PROF(COMBINE_BWD, d->be->ops.moe_combine_backward(d->be, d->dye, dtopw, dy, t->ye, topw, t->slot_row, d->N, d->K, d->D));
 }
 
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
@@ -364,5 +367,5 @@ void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, c
 }
 
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t) {
-    TERA_PROF(COMBINE_BWD, tera_moe_gather_backward(dx, d->dxg, t->slot_row, d->N, d->K, d->D));
+    TERA_PROF(COMBINE_BWD, d->be->ops.moe_gather_backward(d->be, dx, d->dxg, t->slot_row, d->N, d->K, d->D));
 }

@@ -16,8 +16,8 @@
  * Experts: one routine (SwiGLU, y = w2(silu(x w1^T) * (x w3^T))) over (rows, offsets, weights,
  * buffers), the same for both implementations and for the forward, the backward and the
  * recomputation of the hidden activations. The experts of one call run either one after another
- * (each product using every thread) or side by side by descending load (tera_items_side_by_side,
- * tera_for_each_item: each expert's outputs and weight gradients written by exactly one thread with
+ * (each product using every thread) or side by side by descending load (the backend's
+ * items_side_by_side and for_each_item: each expert's outputs and weight gradients written by exactly one thread with
  * single-threaded products); the same layout in the forward, its recomputation and the backward,
  * so results are bit-identical whatever the thread count chose.
  *

@@ -2,7 +2,8 @@
  *
  * Memory: parameters, gradients, activations and scratch are each one allocation, carved by
  * offsets computed from the configuration; nothing is allocated in forward or backward.
- * The layers are composed here from the operations of include/tera/kernels.h and two modules:
+ * The layers are composed here from the operations of the model's compute backend (m->be,
+ * include/tera/backend.h) and two modules:
  * the tensor-parallel layers (tp_layers.h: every sum across tensor-parallel ranks, the vocabulary-
  * parallel embedding and cross-entropy) and the MoE token dispatcher (dispatch.h: local or
  * all-to-all, permute -> experts -> combine); the router is moe.h's. No OpenMP here, and
@@ -12,7 +13,7 @@
 #include "dispatch.h"
 #include "moe.h"
 #include "tp_layers.h"
-#include "tera/kernels.h"
+#include "tera/backend.h"
 #include "tera/model.h"
 #include "tera/profile.h"
 #include "tera/rng.h"
@@ -270,8 +271,8 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->route_p = (double *)carve(c, sizeof(double) * (size_t)E);
     if (cfg->router_score == TERA_ROUTER_SIGMOID) a->rsum = CARVE_F(c, N);
     const tera_moe_routing route = tera_moe_routing_of(cfg);
-    if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, tera_max_threads()));
-    a->attn_scratch = CARVE_F(c, tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
+    if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, m->be->ops.max_threads(m->be)));
+    a->attn_scratch = CARVE_F(c, m->be->ops.attention_scratch_floats(m->be, B, T, (int)H, (int)Hkv, (int)hd));
     a->expert_load_save = (int64_t *)carve(c, sizeof(int64_t) * (size_t)E);
 }
 
@@ -353,10 +354,12 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
     return tera_model_create_par(m, cfg, B, T, NULL);
 }
 
-tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
-                                  const tera_model_par *par) {
+static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                              tera_backend *be) {
     memset(m, 0, sizeof *m);
+    m->be = be;
     m->par = par ? *par : (tera_model_par){.ep = 1, .tp = 1};
+    m->par.be = be;
     if (m->par.ep < 1) m->par.ep = 1;
     if (m->par.tp < 1) m->par.tp = 1;
     const int ep = m->par.ep, tp = m->par.tp;
@@ -435,7 +438,7 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
     /* the modules the slots share: token dispatcher (local or all-to-all), tensor-parallel layers */
     tera_dispatcher *dispatch = tera_dispatch_create(cfg, B, T, m->Fl, &m->par, m->ep_rank);
     tera_tp *tpl = tera_calloc(1, sizeof(tera_tp));
-    tera_tp_init(tpl, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T);
+    tera_tp_init(tpl, m->be, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T);
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
         a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
@@ -460,8 +463,8 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
         tera_acts *a = &m->slots[i];
         c = (carver){.base = a0->scratch_block};
         carve_scratch(a, &c, m);
-        a->threads = tera_max_threads();
-        tera_rope_tables(a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
+        a->threads = m->be->ops.max_threads(m->be);
+        m->be->ops.rope_tables(m->be, a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
     /* exchange buffers: xr, yr of each MoE layer that keeps them, per slot, and once in the shared
      * work set when a MoE layer recomputes fully (activations); the dispatcher's dyr, dxr (scratch) */
@@ -485,8 +488,20 @@ void tera_model_use_slot(tera_model *m, int slot) {
     m->logits = m->acts->logits;
 }
 
+tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
+                                  const tera_model_par *par) {
+    tera_backend *be = par && par->be ? par->be : tera_backend_cpu_create(-1);
+    const tera_status st = create_par(m, cfg, B, T, par, be);
+    if (st != TERA_OK && m->be) { /* failed before the model held anything (else destroyed with it) */
+        tera_backend_destroy(m->be);
+        m->be = NULL;
+    }
+    return st;
+}
+
 void tera_model_destroy(tera_model *m) {
     if (!m->params) return;
+    tera_backend_destroy(m->be);
     free(m->params);
     free(m->w);
     free(m->g);
@@ -527,7 +542,7 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
             continue;
         }
         /* element (i0, i1, i2) of this rank's block is element (lo + i) of the whole tensor */
-        tera_fill_normal_block(w, p->numel, p->shape, p->lo, p->len, p->init_std, seed, name_key(p->name));
+        m->be->ops.fill_normal_block(m->be, w, p->numel, p->shape, p->lo, p->len, p->init_std, seed, name_key(p->name));
     }
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
@@ -545,18 +560,18 @@ void tera_model_reset_load(tera_model *m) {
 /* ------------------------------------------------------------------------------ forward */
 
 /* SwiGLU hidden activations of x[N,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([N,F]). */
-static void ffn_hidden(float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3,
+static void ffn_hidden(tera_backend *be, float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3,
                        int64_t N, int64_t D, int64_t F) {
-    tera_linear_forward(a1, x, w1, N, D, F, 0.0f);
-    tera_linear_forward(a3, x, w3, N, D, F, 0.0f);
-    tera_swiglu_forward(g, a1, a3, N * F);
+    be->ops.linear_forward(be, a1, x, w1, N, D, F, 0.0f);
+    be->ops.linear_forward(be, a3, x, w3, N, D, F, 0.0f);
+    be->ops.swiglu_forward(be, g, a1, a3, N * F);
 }
 
 /* SwiGLU FFN on all N rows: y[N,D] += w2(silu(x w1^T) * (x w3^T)). */
-static void ffn_forward(float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
+static void ffn_forward(tera_backend *be, float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
                         const float *w3, const float *w2, int64_t N, int64_t D, int64_t F) {
-    ffn_hidden(a1, a3, g, x, w1, w3, N, D, F);
-    tera_linear_forward(y, g, w2, N, F, D, 1.0f);
+    ffn_hidden(be, a1, a3, g, x, w1, w3, N, D, F);
+    be->ops.linear_forward(be, y, g, w2, N, F, D, 1.0f);
 }
 
 /* The MoE block: the router (moe.c), then the token dispatcher (dispatch.c: local or all-to-all)
@@ -571,8 +586,8 @@ static void moe_forward(tera_model *m, int l, float *out) {
     const int64_t N = (int64_t)B * T, D = c->dim;
 
     TERA_PROF(ROUTER_FWD, {
-        tera_linear_forward_fp32(la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
-        tera_moe_score_forward(la->probs, la->rlse, la->rlogits, N, E, c->router_score);
+        m->be->ops.linear_forward_fp32(m->be, la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
+        tera_moe_score_forward(m->be, la->probs, la->rlse, la->rlogits, N, E, c->router_score);
         const tera_moe_routing route = tera_moe_routing_of(c);
         tera_moe_route(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
                        K, &route, a->route_scratch);
@@ -597,7 +612,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
     tera_dispatch_experts_forward(a->dispatch, &la->moe, W, l);
     tera_dispatch_combine_forward(a->dispatch, out, &la->moe, la->topw);
     if (c->n_shared_experts > 0)
-        TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
+        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
                                          D, m->Fsl));
 }
 
@@ -626,25 +641,25 @@ static void layer_forward(tera_model *m, int l, float *out) {
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
-    TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
+    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
     TERA_PROF(QKV_FWD, {
-        tera_linear_forward(la->q, la->ln1, W->wq, N, D, H * hd, 0.0f);
-        tera_linear_forward(la->k, la->ln1, W->wk, N, D, Hkv * hd, 0.0f);
-        tera_linear_forward(la->v, la->ln1, W->wv, N, D, Hkv * hd, 0.0f);
+        m->be->ops.linear_forward(m->be, la->q, la->ln1, W->wq, N, D, H * hd, 0.0f);
+        m->be->ops.linear_forward(m->be, la->k, la->ln1, W->wk, N, D, Hkv * hd, 0.0f);
+        m->be->ops.linear_forward(m->be, la->v, la->ln1, W->wv, N, D, Hkv * hd, 0.0f);
     });
     TERA_PROF(ROPE_FWD, {
-        tera_rope_forward(la->q, m->acts->rope_cos, m->acts->rope_sin, B, T, H, (int)hd);
-        tera_rope_forward(la->k, m->acts->rope_cos, m->acts->rope_sin, B, T, Hkv, (int)hd);
+        m->be->ops.rope_forward(m->be, la->q, m->acts->rope_cos, m->acts->rope_sin, B, T, H, (int)hd);
+        m->be->ops.rope_forward(m->be, la->k, m->acts->rope_cos, m->acts->rope_sin, B, T, Hkv, (int)hd);
     });
-    TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
+    TERA_PROF(ATTN_FWD, m->be->ops.attention_forward(m->be, la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
     tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
-    TERA_PROF(NORM_FWD, tera_rmsnorm_forward(la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
+    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
     tera_tp_row_block_begin(tp, out, la->h, N * D);
     if (is_moe(c, l))
         moe_forward(m, l, out);
     else
-        TERA_PROF(DENSE_FWD, ffn_forward(out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
+        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
                                          m->Fdl));
     tera_tp_row_block_end(tp, out, la->h, N * D);
 }
@@ -659,9 +674,9 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     tera_acts *a = m->acts;
     const int L = c->n_layers;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
-    TERA_ASSERTF(tera_max_threads() <= a->threads,
+    TERA_ASSERTF(m->be->ops.max_threads(m->be) <= a->threads,
                  "%d threads, but the model's scratch was sized for %d: set threads before tera_model_create",
-                 tera_max_threads(), a->threads);
+                 m->be->ops.max_threads(m->be), a->threads);
     TERA_ASSERTF(0 <= l0 && l0 < l1 && l1 <= L, "layer range [%d, %d) of %d", l0, l1, L);
     for (int l = l0; l < l1; l++) TERA_ASSERTF(m->held[l], "layer %d is not on this pipeline stage", l);
     memset(&m->stats, 0, sizeof m->stats);
@@ -683,8 +698,8 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     if (l1 < L) return; /* the next stage goes on */
     need_params(m, TERA_GROUP_HEAD);
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
-    TERA_PROF(NORM_FWD, tera_rmsnorm_forward(a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
-    TERA_PROF(HEAD_FWD, tera_linear_forward(m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
+    TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
     m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
     m->stats.n_positions = N;
 }
@@ -692,13 +707,13 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
 /* ------------------------------------------------------------------------------ backward */
 
 /* Backward of y += w2(silu(x w1^T) * (x w3^T)): dx += ..., weight grads +=. */
-static void ffn_backward(tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
+static void ffn_backward(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
                          const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
                          float *gw1, float *gw3, float *gw2, int64_t N, int64_t D, int64_t F) {
-    tera_linear_backward(a->dgact, gw2, dy, g, w2, N, F, D, 0.0f);
-    tera_swiglu_backward(a->da1, a->da3, a->dgact, a1, a3, N * F);
-    tera_linear_backward(dx, gw1, a->da1, x, w1, N, D, F, 1.0f);
-    tera_linear_backward(dx, gw3, a->da3, x, w3, N, D, F, 1.0f);
+    be->ops.linear_backward(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f);
+    be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
+    be->ops.linear_backward(be, dx, gw1, a->da1, x, w1, N, D, F, 1.0f);
+    be->ops.linear_backward(be, dx, gw3, a->da3, x, w3, N, D, F, 1.0f);
 }
 
 static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
@@ -713,7 +728,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
     memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
     if (c->n_shared_experts > 0)
-        TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
+        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
                                           W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl));
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
@@ -727,9 +742,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
-        tera_moe_router_backward(a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw, a->dtopw,
+        tera_moe_router_backward(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw, a->dtopw,
                                  la->moe.sel_count, B, T, E, K, &route, s->aux, s->z);
-        tera_linear_backward_fp32(a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
+        m->be->ops.linear_backward_fp32(m->be, a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }
 }
@@ -747,26 +762,26 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         moe_backward(m, l, s); /* sums the tensor-parallel partial input gradients itself */
     } else {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
-        TERA_PROF(DENSE_BWD, ffn_backward(a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
+        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                           W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl));
         tera_tp_copy_backward(a->tp, a->dln, N * D);
     }
-    TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
+    TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
     /* attention */
-    TERA_PROF(OPROJ_BWD, tera_linear_backward(a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f));
-    TERA_PROF(ATTN_BWD, tera_attention_backward(a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
+    TERA_PROF(OPROJ_BWD, m->be->ops.linear_backward(m->be, a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f));
+    TERA_PROF(ATTN_BWD, m->be->ops.attention_backward(m->be, a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
                                                 la->att_lse, B, T, H, Hkv, (int)hd, a->attn_scratch));
     TERA_PROF(ROPE_BWD, {
-        tera_rope_backward(a->dq, a->rope_cos, a->rope_sin, B, T, H, (int)hd);
-        tera_rope_backward(a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
+        m->be->ops.rope_backward(m->be, a->dq, a->rope_cos, a->rope_sin, B, T, H, (int)hd);
+        m->be->ops.rope_backward(m->be, a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
     });
     TERA_PROF(QKV_BWD, {
-        tera_linear_backward(a->dln, G->wq, a->dq, la->ln1, W->wq, N, D, H * hd, 0.0f);
-        tera_linear_backward(a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
-        tera_linear_backward(a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
+        m->be->ops.linear_backward(m->be, a->dln, G->wq, a->dq, la->ln1, W->wq, N, D, H * hd, 0.0f);
+        m->be->ops.linear_backward(m->be, a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
+        m->be->ops.linear_backward(m->be, a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
     });
     tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
-    TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
+    TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
 /* Brings back what layer l did not keep (tera_recompute), into the work set, before its backward.
@@ -799,14 +814,14 @@ static void layer_recompute(tera_model *m, int l) {
         m->router_entropy[l] = entropy;
         m->routed_tokens = routed;
     } else { /* selective: attention core, then the FFN hidden activations */
-        TERA_PROF(ATTN_FWD, tera_attention_forward(la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
+        TERA_PROF(ATTN_FWD, m->be->ops.attention_forward(m->be, la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                    (int)hd, a->attn_scratch));
         if (is_moe(c, l)) {
             tera_dispatch_experts_recompute(a->dispatch, &la->moe, W); /* from the kept xg (or xr) */
             if (c->n_shared_experts > 0)
-                TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, N, D, m->Fsl));
+                TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, N, D, m->Fsl));
         } else {
-            TERA_PROF(DENSE_FWD, ffn_hidden(la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, N, D, m->Fdl));
+            TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, N, D, m->Fdl));
         }
     }
     claim_work(m, l);
@@ -844,10 +859,10 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         }
         /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
         tera_tp_ce_backward(a->tp, m->logits, m->logits, a->loss_lse, a->targets, N, s->ce);
-        TERA_PROF(HEAD_BWD, tera_linear_backward(a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
         tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
         memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
-        TERA_PROF(NORM_BWD, tera_rmsnorm_backward(a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
+        TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                                   a->rstdf, N, D));
         if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
     }

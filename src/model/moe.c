@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "kernels/cpu/vmath.h"
-#include "tera/kernels.h"
+#include "tera/backend.h"
 #include "tera/status.h"
 
 tera_moe_routing tera_moe_routing_of(const tera_model_config *c) {
@@ -29,10 +29,10 @@ static inline float lane_sum(const float *restrict x, int64_t n) {
     return s;
 }
 
-void tera_moe_score_forward(float *scores, float *lse, const float *logits, int64_t N, int E,
+void tera_moe_score_forward(tera_backend *be, float *scores, float *lse, const float *logits, int64_t N, int E,
                             tera_router_score score) {
     if (score == TERA_ROUTER_SOFTMAX) {
-        tera_softmax_forward(scores, lse, logits, N, E);
+        be->ops.softmax_forward(be, scores, lse, logits, N, E);
         return;
     }
 #pragma omp parallel for schedule(static)
@@ -217,7 +217,7 @@ tera_moe_stats tera_moe_route_stats(int64_t *load, float *rsum, double *psum, co
     return st;
 }
 
-void tera_moe_router_backward(float *dlogits, float *dscores, const float *logits, const float *scores,
+void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, const float *logits, const float *scores,
                               const float *lse, const int32_t *topi, const float *topw, const float *dtopw,
                               const int32_t *sel_count, int B, int T, int E, int k, const tera_moe_routing *r,
                               float aux_scale, float z_scale) {
@@ -243,7 +243,7 @@ void tera_moe_router_backward(float *dlogits, float *dscores, const float *logit
         }
         for (int j = 0; j < k; j++) dp[topi[t * k + j]] += (scale * dtopw[t * k + j] - dot) / S;
     }
-    tera_softmax_backward(dlogits, dscores, scores, N, E);
+    be->ops.softmax_backward(be, dlogits, dscores, scores, N, E);
     if (z_scale != 0.0f) {
         /* d(lse^2)/dlogits = 2 lse softmax */
 #pragma omp parallel for schedule(static)

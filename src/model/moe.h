@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tera/backend.h"
 #include "tera/config.h"
 
 /* Top-k per token by score = probs + bias (bias may be NULL); ties keep the lower expert index.
@@ -26,7 +27,7 @@ tera_moe_routing tera_moe_routing_of(const tera_model_config *c);
 /* Router scores from logits: softmax over the E experts, or sigmoid of each logit; lse[N] is the
  * log-sum-exp of the logits under both (the z-loss).
  * logits: [N, E]  scores: [N, E]  lse: [N] */
-void tera_moe_score_forward(float *scores, float *lse, const float *logits, int64_t N, int E,
+void tera_moe_score_forward(tera_backend *be, float *scores, float *lse, const float *logits, int64_t N, int E,
                             tera_router_score score);
 
 /* Top-k under the routing options. Selection score u = scores + bias (bias may be NULL).
@@ -75,7 +76,7 @@ tera_moe_stats tera_moe_route_stats(int64_t *load, float *rsum, double *psum, co
  * with the selection held fixed. Softmax: through dscores [B*T, E] (scratch) and the softmax
  * backward; sigmoid: tera_moe_sigmoid_backward.
  * dlogits, logits, scores: [B*T, E]  lse: [B*T]  topi, topw, dtopw: [B*T, k]  sel_count: [B, E] */
-void tera_moe_router_backward(float *dlogits, float *dscores, const float *logits, const float *scores,
+void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, const float *logits, const float *scores,
                               const float *lse, const int32_t *topi, const float *topw, const float *dtopw,
                               const int32_t *sel_count, int B, int T, int E, int k, const tera_moe_routing *r,
                               float aux_scale, float z_scale);

@@ -4,12 +4,13 @@
 #include <math.h>
 #include <string.h>
 
-#include "tera/kernels.h"
+#include "tera/backend.h"
 #include "tera/profile.h"
 #include "tera/status.h"
 
-void tera_tp_init(tera_tp *tp, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N) {
+void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N) {
     memset(tp, 0, sizeof *tp);
+    tp->be = be;
     tp->tp = n_ranks > 1 ? n_ranks : 1;
     tp->group = tp->tp > 1 ? group : NULL;
     tp->Vl = V / tp->tp;
@@ -39,31 +40,31 @@ void tera_tp_copy_backward(const tera_tp *tp, float *dx, int64_t n) { tp_sum(tp,
 void tera_tp_embedding_forward(const tera_tp *tp, float *x, const float *table, const int32_t *tokens, int64_t N,
                                int64_t D) {
     if (tp->tp > 1) { /* each rank its rows, summed */
-        TERA_PROF(EMBED_FWD, tera_embedding_forward_range(x, table, tokens, N, D, tp->v0, tp->Vl));
+        TERA_PROF(EMBED_FWD, tp->be->ops.embedding_forward_range(tp->be, x, table, tokens, N, D, tp->v0, tp->Vl));
         tp_sum(tp, x, N * D);
     } else {
-        TERA_PROF(EMBED_FWD, tera_embedding_forward(x, table, tokens, N, D));
+        TERA_PROF(EMBED_FWD, tp->be->ops.embedding_forward(tp->be, x, table, tokens, N, D));
     }
 }
 
 void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *dx, const int32_t *tokens, int64_t N,
                                 int64_t D) {
     if (tp->tp > 1)
-        TERA_PROF(EMBED_BWD, tera_embedding_backward_range(dtable, dx, tokens, N, D, tp->v0, tp->Vl));
+        TERA_PROF(EMBED_BWD, tp->be->ops.embedding_backward_range(tp->be, dtable, dx, tokens, N, D, tp->v0, tp->Vl));
     else
-        TERA_PROF(EMBED_BWD, tera_embedding_backward(dtable, dx, tokens, N, D));
+        TERA_PROF(EMBED_BWD, tp->be->ops.embedding_backward(tp->be, dtable, dx, tokens, N, D));
 }
 
 void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
                                          const float *res, int64_t N, int64_t in, int64_t out) {
     if (tp->tp > 1) { /* the partial outputs are summed, then the residual added once */
-        TERA_PROF(OPROJ_FWD, tera_linear_forward(y, x, w, N, in, out, 0.0f));
+        TERA_PROF(OPROJ_FWD, tp->be->ops.linear_forward(tp->be, y, x, w, N, in, out, 0.0f));
         tp_sum(tp, y, N * out);
-        tera_add_forward(y, res, N * out);
+        tp->be->ops.add_forward(tp->be, y, res, N * out);
     } else { /* the product accumulates onto the residual */
         TERA_PROF(OPROJ_FWD, {
             memcpy(y, res, sizeof(float) * (size_t)(N * out));
-            tera_linear_forward(y, x, w, N, in, out, 1.0f);
+            tp->be->ops.linear_forward(tp->be, y, x, w, N, in, out, 1.0f);
         });
     }
 }
@@ -78,21 +79,21 @@ void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, in
 void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n) {
     if (tp->tp == 1) return;
     tp_sum(tp, out, n);
-    tera_add_forward(out, res, n);
+    tp->be->ops.add_forward(tp->be, out, res, n);
 }
 
 double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N) {
     double sum = 0.0;
     if (tp->tp == 1) {
-        TERA_PROF(LOSS_FWD, sum = tera_ce_forward(lse, logits, targets, N, tp->Vl));
+        TERA_PROF(LOSS_FWD, sum = tp->be->ops.ce_forward(tp->be, lse, logits, targets, N, tp->Vl));
         return sum;
     }
     /* this rank's slice, combined over the ranks with three sums of N floats */
     TERA_ASSERTF(N <= tp->N, "cross-entropy over %ld rows, scratch for %ld", (long)N, (long)tp->N);
     float *mx = tp->ce_buf, *se = tp->ce_buf + N, *tl = tp->ce_buf + 2 * N;
-    TERA_PROF(LOSS_FWD, tera_ce_slice_max(mx, logits, N, tp->Vl));
+    TERA_PROF(LOSS_FWD, tp->be->ops.ce_slice_max(tp->be, mx, logits, N, tp->Vl));
     TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(tp->group, mx, N));
-    TERA_PROF(LOSS_FWD, tera_ce_slice_sums(se, tl, logits, mx, targets, N, tp->Vl, tp->v0));
+    TERA_PROF(LOSS_FWD, tp->be->ops.ce_slice_sums(tp->be, se, tl, logits, mx, targets, N, tp->Vl, tp->v0));
     tp_sum(tp, se, 2 * N); /* se and tl are adjacent */
     for (int64_t n = 0; n < N; n++) { /* fixed order */
         lse[n] = mx[n] + logf(se[n]);
@@ -104,7 +105,7 @@ double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, co
 void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const float *lse,
                          const int32_t *targets, int64_t N, float scale) {
     if (tp->tp > 1)
-        TERA_PROF(LOSS_BWD, tera_ce_backward_range(dlogits, logits, lse, targets, N, tp->Vl, tp->v0, scale));
+        TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward_range(tp->be, dlogits, logits, lse, targets, N, tp->Vl, tp->v0, scale));
     else
-        TERA_PROF(LOSS_BWD, tera_ce_backward(dlogits, logits, lse, targets, N, tp->Vl, scale));
+        TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward(tp->be, dlogits, logits, lse, targets, N, tp->Vl, scale));
 }

@@ -17,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "tera/backend.h"
 #include "tera/comm.h"
 
 typedef struct {
@@ -26,11 +27,12 @@ typedef struct {
     int64_t N;        /* rows (tokens) of a micro-batch */
     float *ce_buf;    /* [3, N] tp > 1: per-row max, sum of exponentials, target logit */
     int64_t bytes;    /* bytes this module allocated (scratch) */
+    tera_backend *be; /* the model's compute backend (not owned) */
 } tera_tp;
 
-/* Sets up rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
+/* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
  * micro-batch (allocates the cross-entropy's scratch once); tera_tp_free releases it. */
-void tera_tp_init(tera_tp *tp, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N);
+void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N);
 void tera_tp_free(tera_tp *tp);
 
 /* Sum of the ranks' partial outputs of a row-parallel layer, in place: buf [n]. */
@@ -48,7 +50,7 @@ void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *d
                                 int64_t D);
 
 /* Row-parallel linear with the residual: y[N,out] = res[N,out] + sum over ranks of x[N,in] w[out,in]^T
- * (x, w: this rank's input slice). Backward: tera_linear_backward on the slice (dy passes through
+ * (x, w: this rank's input slice). Backward: the backend's linear_backward on the slice (dy passes through
  * the sum unchanged), and dy to the residual. */
 void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
                                          const float *res, int64_t N, int64_t in, int64_t out);

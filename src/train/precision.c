@@ -4,10 +4,10 @@
 
 #include "tera/precision.h"
 
-tera_precision tera_precision_resolve(const char *name, const char **note) {
+tera_precision tera_precision_resolve(const tera_backend *be, const char *name, const char **note) {
     static char buf[256];
     const char *isa;
-    const int fast = tera_bf16_fast(&isa);
+    const int fast = be->caps.bf16_fast(be, &isa);
     tera_precision p;
     if (!strcmp(name, "bf16")) {
         p = TERA_PREC_BF16;
@@ -28,20 +28,20 @@ tera_precision tera_precision_resolve(const char *name, const char **note) {
     return p;
 }
 
-tera_bf16_gemm tera_bf16_gemm_resolve(const char *name, const char **note) {
+tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, const char **note) {
     static char buf[256];
     if (!strcmp(name, "native") || !strcmp(name, "fma")) {
         snprintf(buf, sizeof buf, "%s (set)", name);
         if (note) *note = buf;
         return !strcmp(name, "fma") ? TERA_BF16_FMA : TERA_BF16_NATIVE;
     }
-    if (tera_bf16_fast(NULL)) {
+    if (be->caps.bf16_fast(be, NULL)) {
         snprintf(buf, sizeof buf, "native (auto: AMX)");
         if (note) *note = buf;
         return TERA_BF16_NATIVE;
     }
     double fma, dot;
-    if (!tera_bf16_probe(&fma, &dot)) {
+    if (!be->caps.bf16_probe(be, &fma, &dot)) {
         snprintf(buf, sizeof buf, "fma (auto: no bf16 dot-product instruction)");
         if (note) *note = buf;
         return TERA_BF16_FMA;

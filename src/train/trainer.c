@@ -54,7 +54,7 @@ static void reserve_scratch(const tera_trainer *tr) {
     const tera_train_config *t = &tr->cfg.training;
     int64_t me, te;
     tera_precision_scratch_elems(&tr->cfg.model, t->micro_batch, t->seq_len, tr->ep, &me, &te);
-    tera_matmul_reserve(me, te);
+    tera_backend_reserve(tr->model.be, me, te);
 }
 
 static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
@@ -114,7 +114,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
                                     .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
-                                    .n_slots = slots};
+                                    .n_slots = slots, .be = tera_backend_cpu_create(t->threads)};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
         st = tera_model_create_par(&tr->model, &mc, t->micro_batch, t->seq_len, &par);
@@ -219,13 +219,14 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         /* continuing (--resume, ckpt convert): written once the checkpoint has been accepted */
         if (overwrite != TERA_RUN_CONTINUE && (st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
     }
-    /* mixed precision (src/train/precision.c): set the kernels' mode and size their scratch once */
-    tr->precision = tera_precision_resolve(t->precision, &tr->precision_note);
-    tera_matmul_set_precision(tr->precision);
+    /* mixed precision (src/train/precision.c): set the model's backend's precision and size its
+     * conversion scratch once */
+    tr->precision = tera_precision_resolve(tr->model.be, t->precision, &tr->precision_note);
     tr->bf16_gemm = TERA_BF16_NATIVE;
     tr->bf16_gemm_note = "";
-    if (tr->precision == TERA_PREC_BF16) tr->bf16_gemm = tera_bf16_gemm_resolve(t->bf16_gemm, &tr->bf16_gemm_note);
-    tera_matmul_set_bf16_gemm(tr->bf16_gemm);
+    if (tr->precision == TERA_PREC_BF16)
+        tr->bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->bf16_gemm_note);
+    tera_backend_set_precision(tr->model.be, tr->precision, tr->bf16_gemm);
     reserve_scratch(tr);
     tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
@@ -274,7 +275,7 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
             if (fma > 0 && tr->bf16_gemm != TERA_BF16_FMA) {
                 tr->bf16_gemm = TERA_BF16_FMA;
                 tr->bf16_gemm_note = "fma (auto: chosen by another rank's probe)";
-                tera_matmul_set_bf16_gemm(TERA_BF16_FMA);
+                tera_backend_set_precision(tr->model.be, tr->precision, TERA_BF16_FMA);
                 reserve_scratch(tr);
             }
         }
@@ -304,9 +305,7 @@ void tera_trainer_free(tera_trainer *tr) {
     tera_pipeline_free(tr);
     tera_layout_free(tr);
     tera_model_destroy(&tr->model);
-    tera_source_close(&tr->src);
-    tera_matmul_set_precision(TERA_PREC_FP32);
-    tera_matmul_release();
+    tera_source_close(&tr->src); /* the backend (precision, scratch) went with the model */
     memset(tr, 0, sizeof *tr);
 }
 

@@ -6,8 +6,8 @@
  * - dnnl_sgemm for small products and inside parallel regions (attention tiles, experts run side by
  *   side), where creating a primitive would cost more than the product.
  * Both are deterministic for a given shape and thread count.
- * The linear layers can run in bf16 or (emulated) fp16: see tera_matmul_set_precision in
- * include/tera/kernels.h and "Mixed precision" below. */
+ * The linear layers can run in bf16 or (emulated) fp16, the precision of the CPU backend's context
+ * (tera_cpu_matmul, cpu.h; include/tera/backend.h) passed to every call: "Mixed precision" below. */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "tera/kernels.h"
 #include "tera/status.h"
 
@@ -167,23 +168,17 @@ dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, dnnl
                                     float alpha, const uint16_t *A, dnnl_dim_t lda, const uint16_t *B,
                                     dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
 
-static tera_precision g_prec = TERA_PREC_FP32;
-static tera_bf16_gemm g_bf16_gemm = TERA_BF16_NATIVE;
-
-void tera_matmul_set_precision(tera_precision p) { g_prec = p; }
-tera_precision tera_matmul_precision(void) { return g_prec; }
-void tera_matmul_set_bf16_gemm(tera_bf16_gemm g) { g_bf16_gemm = g; }
-tera_bf16_gemm tera_matmul_bf16_gemm(void) { return g_bf16_gemm; }
-
 /* 1 when the low-precision operands are rounded into fp32 arrays and multiplied by the fp32 kernels
  * (fp16 always; bf16 with the fma engine), 0 when they are bf16 arrays for oneDNN's bf16 kernels. */
-static int lowp_in_fp32(void) { return g_prec == TERA_PREC_FP16 || (g_prec == TERA_PREC_BF16 && g_bf16_gemm == TERA_BF16_FMA); }
+static int lowp_in_fp32(const tera_cpu_matmul *mm) {
+    return mm->prec == TERA_PREC_FP16 || (mm->prec == TERA_PREC_BF16 && mm->bf16_gemm == TERA_BF16_FMA);
+}
 
 const char *tera_precision_name(tera_precision p) {
     return p == TERA_PREC_BF16 ? "bf16" : p == TERA_PREC_FP16 ? "fp16" : "fp32";
 }
 
-int tera_bf16_fast(const char **isa_name) {
+int tera_cpu_bf16_fast(const char **isa_name) {
     const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
     const char *name = "older than avx512_core";
     if ((isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx)
@@ -198,7 +193,7 @@ int tera_bf16_fast(const char **isa_name) {
     return (isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
 }
 
-int tera_bf16_has_dot(void) {
+int tera_cpu_bf16_has_dot(void) {
     const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
     return (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
 }
@@ -241,10 +236,10 @@ __attribute__((target("avx512f,avx512bf16"))) static double probe_dot(int64_t it
 }
 #endif
 
-int tera_bf16_probe(double *fma_macs, double *dot_macs) {
+int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs) {
     *fma_macs = *dot_macs = 0.0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (!tera_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return 0;
+    if (!tera_cpu_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return 0;
     /* best of 3 alternating pairs of ~2 ms loops: a busy neighbour slows a loop, never speeds it up */
     for (int r = 0; r < 3; r++) {
         const double f = probe_fma(400000), d = probe_dot(400000);
@@ -257,51 +252,44 @@ int tera_bf16_probe(double *fma_macs, double *dot_macs) {
 #endif
 }
 
-/* Per-thread conversion scratch: thread 0 (the only caller outside parallel regions) holds the
- * large one. Sized by tera_matmul_reserve at set-up; reallocated only if a product outgrows it. */
-#define SCRATCH_THREADS 256
-typedef struct {
-    void *p;
-    size_t bytes;
-} scratch_buf;
-static scratch_buf g_scratch[SCRATCH_THREADS];
-static int64_t g_grows = 0;
+/* Per-thread conversion scratch (the backend context's): thread 0 (the only caller outside parallel
+ * regions) holds the large one. Sized by tera_cpu_matmul_reserve at set-up; reallocated only if a
+ * product outgrows it. */
+#define SCRATCH_THREADS TERA_CPU_SCRATCH_THREADS
 
-static void scratch_resize(scratch_buf *b, size_t bytes) {
+static void scratch_resize(tera_cpu_scratch_buf *b, size_t bytes) {
     free(b->p);
     b->p = tera_malloc(bytes);
     b->bytes = bytes;
 }
 
-void tera_matmul_reserve(int64_t main_elems, int64_t thread_elems) {
-    const size_t es = lowp_in_fp32() ? sizeof(float) : sizeof(uint16_t); /* set the precision and engine first */
+void tera_cpu_matmul_reserve(tera_cpu_matmul *mm, int64_t main_elems, int64_t thread_elems) {
+    const size_t es = lowp_in_fp32(mm) ? sizeof(float) : sizeof(uint16_t); /* set the precision and engine first */
     const int nt = tera_get_threads() < SCRATCH_THREADS ? tera_get_threads() : SCRATCH_THREADS;
     for (int t = 0; t < nt; t++) {
         const size_t want = (size_t)(t == 0 ? main_elems : thread_elems) * es;
-        if (g_scratch[t].bytes < want) scratch_resize(&g_scratch[t], want);
+        if (mm->scratch[t].bytes < want) scratch_resize(&mm->scratch[t], want);
     }
-    g_grows = 0;
+    mm->grows = 0;
 }
 
-void tera_matmul_release(void) {
+void tera_cpu_matmul_release(tera_cpu_matmul *mm) {
     for (int t = 0; t < SCRATCH_THREADS; t++) {
-        free(g_scratch[t].p);
-        g_scratch[t] = (scratch_buf){0};
+        free(mm->scratch[t].p);
+        mm->scratch[t] = (tera_cpu_scratch_buf){0};
     }
-    g_grows = 0;
+    mm->grows = 0;
 }
 
-int64_t tera_matmul_scratch_grows(void) { return g_grows; }
-
-static void *scratch_get(size_t bytes) {
+static void *scratch_get(tera_cpu_matmul *mm, size_t bytes) {
     const int t = omp_in_parallel() ? omp_get_thread_num() : 0;
     TERA_ASSERTF(t < SCRATCH_THREADS, "thread %d: at most %d threads use low-precision products", t,
                  SCRATCH_THREADS);
-    scratch_buf *b = &g_scratch[t];
+    tera_cpu_scratch_buf *b = &mm->scratch[t];
     if (b->bytes < bytes) {
         /* only thread t touches its buffer; the counter is for tests */
 #pragma omp atomic
-        g_grows++;
+        mm->grows++;
         scratch_resize(b, bytes);
     }
     return b->p;
@@ -419,8 +407,8 @@ static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uin
 }
 
 /* An operand rounded to the current low precision, kept as fp32 (lowp_in_fp32 modes). */
-static void round_fp32_operand(float *dst, const float *src, int64_t n) {
-    if (g_prec == TERA_PREC_FP16)
+static void round_fp32_operand(const tera_cpu_matmul *mm, float *dst, const float *src, int64_t n) {
+    if (mm->prec == TERA_PREC_FP16)
         tera_round_fp16(dst, src, n);
     else
         tera_round_bf16f(dst, src, n);
@@ -428,22 +416,22 @@ static void round_fp32_operand(float *dst, const float *src, int64_t n) {
 
 /* C[M,N] = op(A) op(B) + beta C in the current low precision. A holds na elements, B nb (dense
  * operands: the linear layers' arrays). */
-static void gemm_lowp(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
+static void gemm_lowp(tera_cpu_matmul *mm, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
                       const float *B, int64_t ldb, int64_t nb, float beta, float *C, int64_t ldc) {
     if (M == 0 || N == 0) return;
     if (K == 0) {
         tera_gemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
         return;
     }
-    if (lowp_in_fp32()) { /* fp16, or bf16 on the fp32 FMA kernels: rounded operands, fp32 product */
-        float *s = scratch_get(sizeof(float) * (size_t)(na + nb));
-        round_fp32_operand(s, A, na);
-        round_fp32_operand(s + na, B, nb);
+    if (lowp_in_fp32(mm)) { /* fp16, or bf16 on the fp32 FMA kernels: rounded operands, fp32 product */
+        float *s = scratch_get(mm, sizeof(float) * (size_t)(na + nb));
+        round_fp32_operand(mm, s, A, na);
+        round_fp32_operand(mm, s + na, B, nb);
         tera_gemm(ta, tb, M, N, K, 1.0f, s, lda, s + na, ldb, beta, C, ldc);
         return;
     }
     /* bf16: the bf16 copy of B starts at an even element, so 4-byte aligned */
-    uint16_t *s = scratch_get(sizeof(uint16_t) * (size_t)(na + (na & 1) + nb));
+    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + nb));
     uint16_t *a16 = s, *b16 = s + na + (na & 1);
     tera_round_bf16(a16, A, na);
     tera_round_bf16(b16, B, nb);
@@ -464,37 +452,37 @@ void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const floa
     if (dw) tera_gemm(1, 0, out, in, N, 1.0f, dy, out, x, in, 1.0f, dw, in);
 }
 
-void tera_linear_forward(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
+void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                          float beta) {
-    if (g_prec == TERA_PREC_FP32) {
+    if (mm->prec == TERA_PREC_FP32) {
         tera_linear_forward_fp32(y, x, w, N, in, out, beta);
         return;
     }
-    gemm_lowp(0, 1, N, out, in, x, in, N * in, w, in, out * in, beta, y, out);
+    gemm_lowp(mm, 0, 1, N, out, in, x, in, N * in, w, in, out * in, beta, y, out);
 }
 
-void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x, const float *w,
                           int64_t N, int64_t in, int64_t out, float dx_beta) {
-    if (g_prec == TERA_PREC_FP32) {
+    if (mm->prec == TERA_PREC_FP32) {
         tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
         return;
     }
     /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays;
      * dy is rounded once for both products */
     if (dx && dw && N > 0 && in > 0 && out > 0) {
-        if (lowp_in_fp32()) {
-            float *dyr = scratch_get(sizeof(float) * (size_t)(N * out + out * in + N * in));
+        if (lowp_in_fp32(mm)) {
+            float *dyr = scratch_get(mm, sizeof(float) * (size_t)(N * out + out * in + N * in));
             float *wr = dyr + N * out, *xr = wr + out * in;
-            round_fp32_operand(dyr, dy, N * out);
-            round_fp32_operand(wr, w, out * in);
-            round_fp32_operand(xr, x, N * in);
+            round_fp32_operand(mm, dyr, dy, N * out);
+            round_fp32_operand(mm, wr, w, out * in);
+            round_fp32_operand(mm, xr, x, N * in);
             tera_gemm(0, 0, N, in, out, 1.0f, dyr, out, wr, in, dx_beta, dx, in);
             tera_gemm(1, 0, out, in, N, 1.0f, dyr, out, xr, in, 1.0f, dw, in);
             return;
         }
         /* bf16 arrays: each copy starts at an even element */
         const int64_t ny = N * out + ((N * out) & 1), nw = out * in + ((out * in) & 1);
-        uint16_t *dy16 = scratch_get(sizeof(uint16_t) * (size_t)(ny + nw + N * in));
+        uint16_t *dy16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(ny + nw + N * in));
         uint16_t *w16 = dy16 + ny, *x16 = w16 + nw;
         tera_round_bf16(dy16, dy, N * out);
         tera_round_bf16(w16, w, out * in);
@@ -503,6 +491,6 @@ void tera_linear_backward(float *dx, float *dw, const float *dy, const float *x,
         gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
         return;
     }
-    if (dx) gemm_lowp(0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
-    if (dw) gemm_lowp(1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
+    if (dx) gemm_lowp(mm, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
+    if (dw) gemm_lowp(mm, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
 }

@@ -1,0 +1,167 @@
+/* Compute backend: the object model code computes through. A backend is a table of operations (the
+ * forward and backward of every layer piece the model composes), an allocator for its buffers, and
+ * its context: the precision of the linear layers' products, the units bf16 products run on, the
+ * thread count and the conversion scratch. Precision is a property of the backend object, not of
+ * the process: two backends may run different precisions side by side.
+ *
+ * The CPU backend (tera_backend_cpu_create, src/kernels/cpu/backend_cpu.c) fills the table with the
+ * functions of include/tera/kernels.h (oneDNN products, OpenMP loops) and allocates aligned host
+ * memory. Another backend (CUDA, issue 21) fills the same table with its own kernels over device
+ * buffers from its allocator; model code does not change. The semantics of each operation (shapes,
+ * which outputs are written and which accumulate) are those of the CPU function of the same name in
+ * include/tera/kernels.h. */
+#ifndef TERA_BACKEND_H
+#define TERA_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Precision of the linear layers' products (ops.linear_forward / linear_backward). FP32: fp32
+ * throughout. BF16: the operands are rounded to bf16 (round to nearest even) and multiplied with
+ * fp32 accumulation into the fp32 output (on the units bf16_gemm names). FP16: the operands are
+ * rounded to fp16 (values beyond +-65504 become inf) and multiplied in fp32 (the CPU backend
+ * emulates: oneDNN has no f16 matmul on CPUs in this version; the products of fp16 values are exact
+ * in fp32, so only the accumulation order differs from an fp16 unit). ops.gemm (attention) and the
+ * *_fp32 variants (the router) always run in fp32. */
+typedef enum { TERA_PREC_FP32 = 0, TERA_PREC_BF16, TERA_PREC_FP16 } tera_precision;
+const char *tera_precision_name(tera_precision p);
+/* Which units run the bf16 products (the numbers are the same up to the order of the fp32 sums: the
+ * product of two bf16 values is exact in fp32). NATIVE: bf16 operand arrays through bf16 kernels
+ * (on CPUs oneDNN's: AMX tiles, or AVX512-BF16 dot products). FMA: the operands rounded to bf16 and
+ * kept as fp32 values, multiplied by the fp32 FMA kernels; for CPUs whose bf16 dot product issues
+ * fewer multiply-adds per cycle than their FMA units (caps.bf16_probe). */
+typedef enum { TERA_BF16_NATIVE = 0, TERA_BF16_FMA } tera_bf16_gemm;
+
+typedef struct tera_backend tera_backend;
+
+/* The operations. Every one takes the backend first; arrays are the backend's buffers. */
+typedef struct {
+    /* C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T; always fp32. */
+    void (*gemm)(tera_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+    /* linear layers in the backend's precision; the _fp32 ones always in fp32 (the router) */
+    void (*linear_forward)(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in,
+                           int64_t out, float beta);
+    void (*linear_backward)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
+                            int64_t N, int64_t in, int64_t out, float dx_beta);
+    void (*linear_forward_fp32)(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in,
+                                int64_t out, float beta);
+    void (*linear_backward_fp32)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x,
+                                 const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+    void (*rmsnorm_forward)(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N,
+                            int64_t D, float eps);
+    void (*rmsnorm_backward)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
+                             const float *rstd, int64_t N, int64_t D);
+    void (*rope_tables)(tera_backend *be, float *cos_t, float *sin_t, int T, int hd, float theta);
+    void (*rope_forward)(tera_backend *be, float *x, const float *cos_t, const float *sin_t, int B, int T, int nh,
+                         int hd);
+    void (*rope_backward)(tera_backend *be, float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh,
+                          int hd);
+    size_t (*attention_scratch_floats)(tera_backend *be, int B, int T, int H, int Hkv, int hd);
+    void (*attention_forward)(tera_backend *be, float *out, float *lse, const float *q, const float *k,
+                              const float *v, int B, int T, int H, int Hkv, int hd, float *scratch);
+    void (*attention_backward)(tera_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
+                               const float *k, const float *v, const float *out, const float *lse, int B, int T,
+                               int H, int Hkv, int hd, float *scratch);
+    void (*swiglu_forward)(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n);
+    void (*swiglu_backward)(tera_backend *be, float *da1, float *da3, const float *dg, const float *a1,
+                            const float *a3, int64_t n);
+    void (*embedding_forward)(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N,
+                              int64_t D);
+    void (*embedding_backward)(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens, int64_t N,
+                               int64_t D);
+    void (*embedding_forward_range)(tera_backend *be, float *x, const float *table, const int32_t *tokens,
+                                    int64_t N, int64_t D, int64_t v0, int64_t Vl);
+    void (*embedding_backward_range)(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens,
+                                     int64_t N, int64_t D, int64_t v0, int64_t Vl);
+    void (*ce_slice_max)(tera_backend *be, float *rowmax, const float *logits, int64_t N, int64_t Vl);
+    void (*ce_slice_sums)(tera_backend *be, float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+                          const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
+    void (*ce_backward_range)(tera_backend *be, float *dlogits, const float *logits, const float *lse,
+                              const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale);
+    double (*ce_forward)(tera_backend *be, float *lse, const float *logits, const int32_t *targets, int64_t N,
+                         int64_t V);
+    void (*ce_backward)(tera_backend *be, float *dlogits, const float *logits, const float *lse,
+                        const int32_t *targets, int64_t N, int64_t V, float scale);
+    void (*softmax_forward)(tera_backend *be, float *probs, float *lse, const float *logits, int64_t N, int64_t E);
+    void (*softmax_backward)(tera_backend *be, float *dlogits, const float *dprobs, const float *probs, int64_t N,
+                             int64_t E);
+    /* MoE token movement (src/kernels/cpu/tokens.c) */
+    void (*moe_gather_forward)(tera_backend *be, float *xg, const float *x, const int32_t *row_tok, int64_t R,
+                               int64_t D);
+    void (*moe_gather_backward)(tera_backend *be, float *dx, const float *dxg, const int32_t *slot_row, int64_t N,
+                                int k, int64_t D);
+    void (*moe_combine_forward)(tera_backend *be, float *out, const float *ye, const float *topw,
+                                const int32_t *slot_row, int64_t N, int k, int64_t D);
+    void (*moe_combine_backward)(tera_backend *be, float *dye, float *dtopw, const float *dy, const float *ye,
+                                 const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D);
+    void (*add_forward)(tera_backend *be, float *y, const float *x, int64_t n);
+    /* parameter initialisation (tera_fill_normal_block) */
+    void (*fill_normal_block)(tera_backend *be, float *w, int64_t numel, const int64_t *shape, const int64_t *lo,
+                              const int64_t *len, float std, uint64_t seed, uint64_t stream);
+    /* scheduling of independent work items (the experts of a MoE layer): tera_max_threads,
+     * tera_items_side_by_side, tera_for_each_item */
+    int (*max_threads)(tera_backend *be);
+    int (*items_side_by_side)(tera_backend *be, int n);
+    void (*for_each_item)(tera_backend *be, int n, void (*fn)(void *ctx, int i), void *ctx);
+} tera_backend_ops;
+
+/* The backend's buffers (on the CPU: 64-byte aligned host memory). */
+typedef struct {
+    void *(*alloc)(tera_backend *be, size_t bytes);
+    void (*free)(tera_backend *be, void *p);
+} tera_backend_allocator;
+
+/* Capabilities: what the hardware behind a backend offers (the CPU backend: oneDNN's ISA). */
+typedef struct {
+    /* 1 when bf16 products are faster than fp32 (CPU: oneDNN reports AMX); isa_name (may be NULL)
+     * receives the ISA the backend dispatches to. */
+    int (*bf16_fast)(const tera_backend *be, const char **isa_name);
+    /* 1 when bf16 products run on dot-product instructions (CPU: AVX512-BF16 or AMX). */
+    int (*bf16_has_dot)(const tera_backend *be);
+    /* Multiply-adds per second of one core's vector FMA and bf16 dot product (a few ms, best of 3);
+     * 0 (both 0) where there is no such instruction. */
+    int (*bf16_probe)(const tera_backend *be, double *fma_macs, double *dot_macs);
+} tera_backend_caps;
+
+/* Context control. */
+typedef struct {
+    /* Precision of the linear products and the bf16 units (before reserve). */
+    void (*set_precision)(tera_backend *be, tera_precision p, tera_bf16_gemm g);
+    /* Conversion scratch, allocated once (not per call): main_elems operand elements (both
+     * operands of a product together) for products outside parallel work items, thread_elems for
+     * each other thread. A product that needs more grows its buffer and counts in scratch_grows
+     * (a test checks that it stays 0 over a run). */
+    void (*reserve)(tera_backend *be, int64_t main_elems, int64_t thread_elems);
+    int64_t (*scratch_grows)(const tera_backend *be);
+    void (*destroy)(tera_backend *be); /* frees the scratch and the object */
+} tera_backend_ctl;
+
+struct tera_backend {
+    const char *name; /* "cpu" */
+    tera_backend_ops ops;
+    tera_backend_allocator mem;
+    tera_backend_caps caps;
+    tera_backend_ctl ctl;
+    /* context (read-only outside the backend: set through ctl) */
+    tera_precision precision;
+    tera_bf16_gemm bf16_gemm;
+    int threads;
+    void *impl; /* the implementation's state (CPU: conversion scratch) */
+};
+
+/* The CPU backend. threads: compute threads (OpenMP and oneDNN) it sets, 0 = all cores, -1 = the
+ * process's current setting kept. Precision fp32 until set. */
+tera_backend *tera_backend_cpu_create(int threads);
+
+static inline void tera_backend_destroy(tera_backend *be) {
+    if (be) be->ctl.destroy(be);
+}
+static inline void tera_backend_set_precision(tera_backend *be, tera_precision p, tera_bf16_gemm g) {
+    be->ctl.set_precision(be, p, g);
+}
+static inline void tera_backend_reserve(tera_backend *be, int64_t main_elems, int64_t thread_elems) {
+    be->ctl.reserve(be, main_elems, thread_elems);
+}
+
+#endif

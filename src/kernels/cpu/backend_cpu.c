@@ -1,0 +1,284 @@
+/* The CPU backend: the table of include/tera/backend.h filled with the functions of
+ * include/tera/kernels.h, host memory as its buffers, and its context (precision, bf16 units,
+ * threads, conversion scratch) in the object. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu.h"
+#include "tera/kernels.h"
+#include "tera/status.h"
+
+typedef struct {
+    tera_backend be; /* first: a tera_backend * is a cpu_backend * */
+    tera_cpu_matmul mm;
+} cpu_backend;
+
+static cpu_backend *cpu_of(tera_backend *be) { return (cpu_backend *)be; }
+
+static void cpu_gemm(tera_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    (void)be;
+    tera_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+static void cpu_linear_forward(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float beta) {
+    tera_cpu_linear_forward(&cpu_of(be)->mm, y, x, w, N, in, out, beta);
+}
+
+static void cpu_linear_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
+    tera_cpu_linear_backward(&cpu_of(be)->mm, dx, dw, dy, x, w, N, in, out, dx_beta);
+}
+
+static void cpu_linear_forward_fp32(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float beta) {
+    (void)be;
+    tera_linear_forward_fp32(y, x, w, N, in, out, beta);
+}
+
+static void cpu_linear_backward_fp32(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
+    (void)be;
+    tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
+}
+
+static void cpu_rmsnorm_forward(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps) {
+    (void)be;
+    tera_rmsnorm_forward(y, rstd, x, w, N, D, eps);
+}
+
+static void cpu_rmsnorm_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd, int64_t N, int64_t D) {
+    (void)be;
+    tera_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, D);
+}
+
+static void cpu_rope_tables(tera_backend *be, float *cos_t, float *sin_t, int T, int hd, float theta) {
+    (void)be;
+    tera_rope_tables(cos_t, sin_t, T, hd, theta);
+}
+
+static void cpu_rope_forward(tera_backend *be, float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
+    (void)be;
+    tera_rope_forward(x, cos_t, sin_t, B, T, nh, hd);
+}
+
+static void cpu_rope_backward(tera_backend *be, float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
+    (void)be;
+    tera_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
+}
+
+static size_t cpu_attention_scratch_floats(tera_backend *be, int B, int T, int H, int Hkv, int hd) {
+    (void)be;
+    return tera_attention_scratch_floats(B, T, H, Hkv, hd);
+}
+
+static void cpu_attention_forward(tera_backend *be, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T, int H, int Hkv, int hd, float *scratch) {
+    (void)be;
+    tera_attention_forward(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+}
+
+static void cpu_attention_backward(tera_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k, const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd, float *scratch) {
+    (void)be;
+    tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+}
+
+static void cpu_swiglu_forward(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n) {
+    (void)be;
+    tera_swiglu_forward(g, a1, a3, n);
+}
+
+static void cpu_swiglu_backward(tera_backend *be, float *da1, float *da3, const float *dg, const float *a1, const float *a3, int64_t n) {
+    (void)be;
+    tera_swiglu_backward(da1, da3, dg, a1, a3, n);
+}
+
+static void cpu_embedding_forward(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D) {
+    (void)be;
+    tera_embedding_forward(x, table, tokens, N, D);
+}
+
+static void cpu_embedding_backward(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D) {
+    (void)be;
+    tera_embedding_backward(dtable, dx, tokens, N, D);
+}
+
+static void cpu_embedding_forward_range(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D, int64_t v0, int64_t Vl) {
+    (void)be;
+    tera_embedding_forward_range(x, table, tokens, N, D, v0, Vl);
+}
+
+static void cpu_embedding_backward_range(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D, int64_t v0, int64_t Vl) {
+    (void)be;
+    tera_embedding_backward_range(dtable, dx, tokens, N, D, v0, Vl);
+}
+
+static void cpu_ce_slice_max(tera_backend *be, float *rowmax, const float *logits, int64_t N, int64_t Vl) {
+    (void)be;
+    tera_ce_slice_max(rowmax, logits, N, Vl);
+}
+
+static void cpu_ce_slice_sums(tera_backend *be, float *sumexp, float *tlogit, const float *logits, const float *rowmax, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
+    (void)be;
+    tera_ce_slice_sums(sumexp, tlogit, logits, rowmax, targets, N, Vl, v0);
+}
+
+static void cpu_ce_backward_range(tera_backend *be, float *dlogits, const float *logits, const float *lse, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
+    (void)be;
+    tera_ce_backward_range(dlogits, logits, lse, targets, N, Vl, v0, scale);
+}
+
+static double cpu_ce_forward(tera_backend *be, float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V) {
+    (void)be;
+    return tera_ce_forward(lse, logits, targets, N, V);
+}
+
+static void cpu_ce_backward(tera_backend *be, float *dlogits, const float *logits, const float *lse, const int32_t *targets, int64_t N, int64_t V, float scale) {
+    (void)be;
+    tera_ce_backward(dlogits, logits, lse, targets, N, V, scale);
+}
+
+static void cpu_softmax_forward(tera_backend *be, float *probs, float *lse, const float *logits, int64_t N, int64_t E) {
+    (void)be;
+    tera_softmax_forward(probs, lse, logits, N, E);
+}
+
+static void cpu_softmax_backward(tera_backend *be, float *dlogits, const float *dprobs, const float *probs, int64_t N, int64_t E) {
+    (void)be;
+    tera_softmax_backward(dlogits, dprobs, probs, N, E);
+}
+
+static void cpu_moe_gather_forward(tera_backend *be, float *xg, const float *x, const int32_t *row_tok, int64_t R, int64_t D) {
+    (void)be;
+    tera_moe_gather_forward(xg, x, row_tok, R, D);
+}
+
+static void cpu_moe_gather_backward(tera_backend *be, float *dx, const float *dxg, const int32_t *slot_row, int64_t N, int k, int64_t D) {
+    (void)be;
+    tera_moe_gather_backward(dx, dxg, slot_row, N, k, D);
+}
+
+static void cpu_moe_combine_forward(tera_backend *be, float *out, const float *ye, const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D) {
+    (void)be;
+    tera_moe_combine_forward(out, ye, topw, slot_row, N, k, D);
+}
+
+static void cpu_moe_combine_backward(tera_backend *be, float *dye, float *dtopw, const float *dy, const float *ye, const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D) {
+    (void)be;
+    tera_moe_combine_backward(dye, dtopw, dy, ye, topw, slot_row, N, k, D);
+}
+
+static void cpu_add_forward(tera_backend *be, float *y, const float *x, int64_t n) {
+    (void)be;
+    tera_add_forward(y, x, n);
+}
+
+static void cpu_fill_normal_block(tera_backend *be, float *w, int64_t numel, const int64_t *shape, const int64_t *lo, const int64_t *len, float std, uint64_t seed, uint64_t stream) {
+    (void)be;
+    tera_fill_normal_block(w, numel, shape, lo, len, std, seed, stream);
+}
+
+static int cpu_max_threads(tera_backend *be) {
+    (void)be;
+    return tera_max_threads();
+}
+
+static int cpu_items_side_by_side(tera_backend *be, int n) {
+    (void)be;
+    return tera_items_side_by_side(n);
+}
+
+static void cpu_for_each_item(tera_backend *be, int n, void (*fn)(void *ctx, int i), void *ctx) {
+    (void)be;
+    tera_for_each_item(n, fn, ctx);
+}
+
+static void *cpu_alloc(tera_backend *be, size_t bytes) {
+    (void)be;
+    return tera_malloc(bytes); /* 64-byte aligned */
+}
+
+static void cpu_free(tera_backend *be, void *p) {
+    (void)be;
+    free(p);
+}
+
+static int cpu_bf16_fast(const tera_backend *be, const char **isa_name) {
+    (void)be;
+    return tera_cpu_bf16_fast(isa_name);
+}
+
+static int cpu_bf16_has_dot(const tera_backend *be) {
+    (void)be;
+    return tera_cpu_bf16_has_dot();
+}
+
+static int cpu_bf16_probe(const tera_backend *be, double *fma_macs, double *dot_macs) {
+    (void)be;
+    return tera_cpu_bf16_probe(fma_macs, dot_macs);
+}
+
+static void cpu_set_precision(tera_backend *be, tera_precision p, tera_bf16_gemm g) {
+    cpu_backend *c = cpu_of(be);
+    be->precision = c->mm.prec = p;
+    be->bf16_gemm = c->mm.bf16_gemm = g;
+}
+
+static void cpu_reserve(tera_backend *be, int64_t main_elems, int64_t thread_elems) {
+    tera_cpu_matmul_reserve(&cpu_of(be)->mm, main_elems, thread_elems);
+}
+
+static int64_t cpu_scratch_grows(const tera_backend *be) { return ((const cpu_backend *)be)->mm.grows; }
+
+static void cpu_destroy(tera_backend *be) {
+    tera_cpu_matmul_release(&cpu_of(be)->mm);
+    free(be);
+}
+
+tera_backend *tera_backend_cpu_create(int threads) {
+    if (threads >= 0) tera_set_threads(threads);
+    cpu_backend *c = tera_calloc(1, sizeof *c);
+    tera_backend *be = &c->be;
+    be->name = "cpu";
+    be->ops = (tera_backend_ops){
+        .gemm = cpu_gemm,
+        .linear_forward = cpu_linear_forward,
+        .linear_backward = cpu_linear_backward,
+        .linear_forward_fp32 = cpu_linear_forward_fp32,
+        .linear_backward_fp32 = cpu_linear_backward_fp32,
+        .rmsnorm_forward = cpu_rmsnorm_forward,
+        .rmsnorm_backward = cpu_rmsnorm_backward,
+        .rope_tables = cpu_rope_tables,
+        .rope_forward = cpu_rope_forward,
+        .rope_backward = cpu_rope_backward,
+        .attention_scratch_floats = cpu_attention_scratch_floats,
+        .attention_forward = cpu_attention_forward,
+        .attention_backward = cpu_attention_backward,
+        .swiglu_forward = cpu_swiglu_forward,
+        .swiglu_backward = cpu_swiglu_backward,
+        .embedding_forward = cpu_embedding_forward,
+        .embedding_backward = cpu_embedding_backward,
+        .embedding_forward_range = cpu_embedding_forward_range,
+        .embedding_backward_range = cpu_embedding_backward_range,
+        .ce_slice_max = cpu_ce_slice_max,
+        .ce_slice_sums = cpu_ce_slice_sums,
+        .ce_backward_range = cpu_ce_backward_range,
+        .ce_forward = cpu_ce_forward,
+        .ce_backward = cpu_ce_backward,
+        .softmax_forward = cpu_softmax_forward,
+        .softmax_backward = cpu_softmax_backward,
+        .moe_gather_forward = cpu_moe_gather_forward,
+        .moe_gather_backward = cpu_moe_gather_backward,
+        .moe_combine_forward = cpu_moe_combine_forward,
+        .moe_combine_backward = cpu_moe_combine_backward,
+        .add_forward = cpu_add_forward,
+        .fill_normal_block = cpu_fill_normal_block,
+        .max_threads = cpu_max_threads,
+        .items_side_by_side = cpu_items_side_by_side,
+        .for_each_item = cpu_for_each_item,
+    };
+    be->mem = (tera_backend_allocator){.alloc = cpu_alloc, .free = cpu_free};
+    be->caps = (tera_backend_caps){.bf16_fast = cpu_bf16_fast, .bf16_has_dot = cpu_bf16_has_dot,
+                                   .bf16_probe = cpu_bf16_probe};
+    be->ctl = (tera_backend_ctl){.set_precision = cpu_set_precision, .reserve = cpu_reserve,
+                                 .scratch_grows = cpu_scratch_grows, .destroy = cpu_destroy};
+    be->threads = tera_get_threads();
+    be->impl = &c->mm;
+    cpu_set_precision(be, TERA_PREC_FP32, TERA_BF16_NATIVE);
+    return be;
+}

@@ -1,0 +1,39 @@
+/* The CPU backend's internals (src/kernels/cpu only): the context of its matrix products (precision,
+ * bf16 units, per-thread conversion scratch) and the functions that take it. Everything else the
+ * CPU backend runs is declared in include/tera/kernels.h. */
+#ifndef TERA_KERNELS_CPU_H
+#define TERA_KERNELS_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tera/backend.h"
+
+#define TERA_CPU_SCRATCH_THREADS 256
+typedef struct {
+    void *p;
+    size_t bytes;
+} tera_cpu_scratch_buf;
+
+typedef struct {
+    tera_precision prec;
+    tera_bf16_gemm bf16_gemm;
+    tera_cpu_scratch_buf scratch[TERA_CPU_SCRATCH_THREADS]; /* thread 0: outside parallel regions */
+    int64_t grows;                                          /* products that outgrew their scratch */
+} tera_cpu_matmul;
+
+/* tera_linear_forward / backward of include/tera/kernels.h in the precision of mm. */
+void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in,
+                             int64_t out, float beta);
+void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x,
+                              const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+/* Set the precision and units first. */
+void tera_cpu_matmul_reserve(tera_cpu_matmul *mm, int64_t main_elems, int64_t thread_elems);
+void tera_cpu_matmul_release(tera_cpu_matmul *mm);
+
+/* Capability probes (behind tera_backend caps). */
+int tera_cpu_bf16_fast(const char **isa_name);
+int tera_cpu_bf16_has_dot(void);
+int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
+
+#endif
