@@ -21,7 +21,7 @@ same() { # same final weights and moments
     cmp -s "$1/model.safetensors" "$2/model.safetensors" && cmp -s "$1/optimizer.safetensors" "$2/optimizer.safetensors"
 }
 losses() { # the last logged loss of every step (a resumed run logs some steps twice)
-    grep '"loss"' "$1" | sed 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/' | awk '{l[$1]=$2} END {for (s in l) print s, l[s]}' | sort -n
+    last_fields "$1" step loss
 }
 
 # 1. layout, ls, verify

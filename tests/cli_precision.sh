@@ -18,8 +18,7 @@ TINY=(--model.dim=64 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --
 # step loss loss_scale skipped, one line per step (the last record of a step wins: resumed runs log
 # some steps twice)
 rows() {
-    grep '"loss": ' "$1" | grep -v '"event"' | sed 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*"skipped": \([01]\),.*"loss_scale": \([^,]*\),.*/\1 \2 \4 \3/' \
-        | awk '{r[$1]=$0} END {for (s in r) print r[s]}' | sort -n
+    last_fields "$1" step loss loss_scale skipped
 }
 
 # 1. the precision in effect is printed at start: the default is fp32 on every CPU (naming oneDNN's

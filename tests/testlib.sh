@@ -17,6 +17,18 @@ steps_of() {
                              sub(/^[^:]*: /, "", s); return s }
          /"loss": / && !/"event"/ { print f("step"), f("loss"), f("grad_norm"), f("skipped") }' "$1"
 }
+# fields FILE NAME...: the named fields of every step record, space-separated, one record a line;
+# last_fields FILE NAME...: the same, keeping only the last record of each step (a resumed run or a
+# rollback logs some steps twice), sorted by step (the first name must be step)
+fields() {
+    local f=$1
+    shift
+    awk -v names="$*" 'BEGIN { n = split(names, k, " ") }
+         function f(key,  s) { if (!match($0, "\"" key "\": [^,}]*")) return "-"; s = substr($0, RSTART, RLENGTH)
+                               sub(/^[^:]*: /, "", s); return s }
+         /"loss": / && !/"event"/ { line = f(k[1]); for (i = 2; i <= n; i++) line = line " " f(k[i]); print line }' "$f"
+}
+last_fields() { fields "$@" | awk '{ r[$1] = $0 } END { for (s in r) print r[s] }' | sort -n; }
 # compare_steps A B TOL [N]: the step records of two metrics files have the same steps and skips, and
 # loss and grad_norm agree to relative TOL (0: identical as printed); with N, the last N records of A
 # against all of B. Prints "K steps, worst relative difference X" (and the steps at fault); fails on
