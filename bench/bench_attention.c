@@ -16,20 +16,13 @@
 #include <stdlib.h>
 
 #include "tera/kernels.h"
+#include "bench_median.h"
 
 typedef struct {
     const char *name;
     int B, T, H, Hkv, hd;
 } bench_shape;
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *x, int n) {
-    qsort(x, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 static float *alloc_rand(size_t n, uint64_t *rng) {
     float *p = malloc(n * sizeof(float));
     if (!p) {

@@ -25,19 +25,10 @@
 #include "model/moe.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
+#include "bench_median.h"
 
 enum { PH_GATE_FWD, PH_SCORES, PH_TOPK, PH_STATS, PH_BWD, PH_GATE_BWD, N_PH };
 static const char *const ph_name[N_PH] = {"gate fwd", "scores", "top-k", "stats", "bwd", "gate bwd"};
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *x, int n) {
-    qsort(x, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 
 static void *xmalloc(size_t n) {
     void *p = aligned_alloc(64, (n + 63) / 64 * 64);

@@ -17,16 +17,7 @@
 
 #include "tera/io.h"
 #include "tera/tokenizer.h"
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *x, int n) {
-    qsort(x, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
+#include "bench_median.h"
 
 static void check(tera_status s, const char *what) {
     if (s == TERA_OK) return;

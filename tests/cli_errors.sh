@@ -210,16 +210,14 @@ expect_error "data prepare: --input followed by an option" "needs a file before 
 
 # ---- configuration, command line, Hugging Face interchange (issue 12) ----
 # (scratch files c12_*: a tiny model with one dense layer, trained 2 steps on the embedded corpus)
-c12_ok() { echo "ok: $1"; }
-c12_fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
 # every subcommand answers --help with its usage on stdout and exit 0
 for c in train eval export-hf config bench "data prepare" "tokenizer train" "tokenizer encode" "tokenizer decode" \
          "ckpt ls" "ckpt verify" "ckpt export-hf" "ckpt convert" schedule data tokenizer ckpt; do
     # shellcheck disable=SC2086
-    if "$TERA" $c --help > "$W/c12_help" 2>&1 && grep -q "tera $c" "$W/c12_help"; then c12_ok "tera $c --help"
-    else c12_fail "tera $c --help: $(head -2 "$W/c12_help")"; fi
+    if "$TERA" $c --help > "$W/c12_help" 2>&1 && grep -q "tera $c" "$W/c12_help"; then pass "tera $c --help"
+    else fail "tera $c --help: $(head -2 "$W/c12_help")"; fi
 done
-"$TERA" train -h > "$W/c12_help" 2>&1 && grep -q "tera train" "$W/c12_help" && c12_ok "tera train -h" || c12_fail "tera train -h"
+"$TERA" train -h > "$W/c12_help" 2>&1 && grep -q "tera train" "$W/c12_help" && pass "tera train -h" || fail "tera train -h"
 # contradictions and repeats on the command line
 expect_error "--resume with --force" "contradict" -- "$TERA" train --resume --force --logging.run_dir="$W/c12_rf"
 # a key set twice on the command line: the last value applies (wrapper scripts append "$@" to their
@@ -227,47 +225,47 @@ expect_error "--resume with --force" "contradict" -- "$TERA" train --resume --fo
 "$TERA" config --model.dim=64 "--model .dim=32" > "$W/c12_twice" 2> "$W/c12_twice.err" \
     && grep -q '^dim = 32' "$W/c12_twice" \
     && grep -q "note: the command line sets model.dim twice ('--model.dim=64', then '--model .dim=32'): the last one applies" "$W/c12_twice.err" \
-    && c12_ok "a key twice on the command line: the last applies, with a note" || c12_fail "a key twice: $(cat "$W/c12_twice.err")"
+    && pass "a key twice on the command line: the last applies, with a note" || fail "a key twice: $(cat "$W/c12_twice.err")"
 "$TERA" config --model.dim=64 --model.dim=64 > /dev/null 2> "$W/c12_twice.err" && [ ! -s "$W/c12_twice.err" ] \
-    && c12_ok "the same value twice: no note" || c12_fail "same value twice: $(cat "$W/c12_twice.err")"
+    && pass "the same value twice: no note" || fail "same value twice: $(cat "$W/c12_twice.err")"
 expect_error "an option twice" "--from is given twice ('.*/a' and '.*/b')" -- "$TERA" eval --from "$W/a" --from "$W/b"
-[ -e "$W/c12_rf" ] && c12_fail "a refused command line created its run directory" \
-    || c12_ok "refused command lines created nothing"
+[ -e "$W/c12_rf" ] && fail "a refused command line created its run directory" \
+    || pass "refused command lines created nothing"
 # a model that no transformers class computes (dense first layer): export-hf refuses it unless --tera-moe
 C12=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.first_k_dense=1
      --training.seq_len=32 --training.micro_batch=2 --training.warmup_steps=0 --logging.progress=false --training.threads=1)
 "$TERA" train "${C12[@]}" --training.steps=2 --logging.run_dir="$W/c12_run" > "$W/c12_run.log" 2>&1 \
-    || { c12_fail "c12 set-up run"; cat "$W/c12_run.log"; }
+    || { fail "c12 set-up run"; cat "$W/c12_run.log"; }
 C12CK="$W/c12_run/checkpoints/step_00000002"
 expect_error "export-hf of a model transformers cannot compute" "dense first layers" -- \
     "$TERA" export-hf --from "$C12CK" --out "$W/c12_hf_refused"
-grep -q -- "--tera-moe" "$W/err" && c12_ok "the refusal names --tera-moe" || c12_fail "the refusal does not name --tera-moe"
+grep -q -- "--tera-moe" "$W/err" && pass "the refusal names --tera-moe" || fail "the refusal does not name --tera-moe"
 expect_error "ckpt export-hf of a model transformers cannot compute" "dense first layers" -- \
     "$TERA" ckpt export-hf "$C12CK" --out "$W/c12_hf_refused"
-[ -e "$W/c12_hf_refused" ] && c12_fail "a refused export wrote $W/c12_hf_refused" || c12_ok "a refused export wrote nothing"
-grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$C12CK/config.json" && c12_ok "the checkpoint's config.json says tera_moe" \
-    || c12_fail "checkpoint config.json: $(grep model_type "$C12CK/config.json")"
+[ -e "$W/c12_hf_refused" ] && fail "a refused export wrote $W/c12_hf_refused" || pass "a refused export wrote nothing"
+grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$C12CK/config.json" && pass "the checkpoint's config.json says tera_moe" \
+    || fail "checkpoint config.json: $(grep model_type "$C12CK/config.json")"
 "$TERA" export-hf --from "$C12CK" --out "$W/c12_hf" --tera-moe > "$W/c12_exp.log" 2>&1 \
     && grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$W/c12_hf/config.json" \
-    && c12_ok "export-hf --tera-moe writes model_type tera_moe" || { c12_fail "export-hf --tera-moe"; cat "$W/c12_exp.log"; }
+    && pass "export-hf --tera-moe writes model_type tera_moe" || { fail "export-hf --tera-moe"; cat "$W/c12_exp.log"; }
 # derived defaults follow config.json: without dense_intermediate_size the dense width is top_k x 32 = 64
 grep -v '"dense_intermediate_size"' "$W/c12_hf/config.json" > "$W/c12_cfg" && cp "$W/c12_cfg" "$W/c12_hf/config.json"
 C12E=(--training.seq_len=32 --training.micro_batch=2 --training.eval_batches=1 --training.threads=1)
 "$TERA" eval --from "$W/c12_hf" "${C12E[@]}" > "$W/c12_eval.json" 2> "$W/c12_eval.log" \
-    && c12_ok "eval of an HF model without dense_intermediate_size" || { c12_fail "eval without dense_intermediate_size"; cat "$W/c12_eval.log"; }
+    && pass "eval of an HF model without dense_intermediate_size" || { fail "eval without dense_intermediate_size"; cat "$W/c12_eval.log"; }
 "$TERA" export-hf --from "$W/c12_hf" --out "$W/c12_hf2" --tera-moe > /dev/null 2>&1 \
     && grep -Eq '"dense_intermediate_size":[[:space:]]*64,' "$W/c12_hf2/config.json" \
-    && c12_ok "dense width = top_k x intermediate_size (64)" \
-    || c12_fail "dense width: $(grep dense_intermediate_size "$W/c12_hf2/config.json" 2>&1)"
+    && pass "dense width = top_k x intermediate_size (64)" \
+    || fail "dense width: $(grep dense_intermediate_size "$W/c12_hf2/config.json" 2>&1)"
 # tera eval runs fp32 unless its own command line says otherwise, and says so
-grep -q "^tera eval: precision fp32" "$W/c12_eval.log" && c12_ok "eval says precision fp32" || c12_fail "eval precision line: $(cat "$W/c12_eval.log")"
+grep -q "^tera eval: precision fp32" "$W/c12_eval.log" && pass "eval says precision fp32" || fail "eval precision line: $(cat "$W/c12_eval.log")"
 printf '[training]\nprecision = bf16\n' > "$W/c12_bf16.ini"
 "$TERA" eval --from "$W/c12_hf" -c "$W/c12_bf16.ini" "${C12E[@]}" > /dev/null 2> "$W/c12_eval2.log"
-grep -q "^tera eval: precision fp32" "$W/c12_eval2.log" && c12_ok "eval ignores a config file's precision" \
-    || c12_fail "eval with a bf16 config file: $(grep precision "$W/c12_eval2.log")"
+grep -q "^tera eval: precision fp32" "$W/c12_eval2.log" && pass "eval ignores a config file's precision" \
+    || fail "eval with a bf16 config file: $(grep precision "$W/c12_eval2.log")"
 "$TERA" eval --from "$W/c12_hf" --training.precision=bf16 "${C12E[@]}" > /dev/null 2> "$W/c12_eval3.log"
-grep -q "^tera eval: precision bf16" "$W/c12_eval3.log" && c12_ok "eval --training.precision=bf16 runs bf16" \
-    || c12_fail "eval --training.precision=bf16: $(grep precision "$W/c12_eval3.log")"
+grep -q "^tera eval: precision bf16" "$W/c12_eval3.log" && pass "eval --training.precision=bf16 runs bf16" \
+    || fail "eval --training.precision=bf16: $(grep precision "$W/c12_eval3.log")"
 # under init_from / --from the model comes from config.json: a contradicting value is refused, naming both
 expect_error "--model.dim against config.json" "model.dim = 64 .*hidden_size = 32" -- \
     "$TERA" eval --from "$W/c12_hf" --model.dim=64 "${C12E[@]}"
@@ -277,14 +275,14 @@ expect_error "--model.aux_coef against config.json under init_from" "model.aux_c
 printf '[model]\nn_layers = 3\n' > "$W/c12_model.ini"
 expect_error "a config file's model.n_layers against config.json" "model.n_layers = 3 .*num_hidden_layers = 2" -- \
     "$TERA" eval --from "$W/c12_hf" -c "$W/c12_model.ini" "${C12E[@]}"
-"$TERA" eval --from "$W/c12_hf" --model.dim=32 "${C12E[@]}" > /dev/null 2>&1 && c12_ok "an agreeing --model.dim passes" \
-    || c12_fail "an agreeing --model.dim was refused"
+"$TERA" eval --from "$W/c12_hf" --model.dim=32 "${C12E[@]}" > /dev/null 2>&1 && pass "an agreeing --model.dim passes" \
+    || fail "an agreeing --model.dim was refused"
 # an HF attention window shorter than the sequences is refused (tera has no sliding-window attention)
 mkdir -p "$W/c12_sw" && cp "$W/c12_hf/model.safetensors" "$W/c12_sw/"
 sed 's/"sliding_window":[[:space:]]*null/"sliding_window": 16/' "$W/c12_hf/config.json" > "$W/c12_sw/config.json"
 expect_error "sliding_window below seq_len" "sliding_window = 16" -- "$TERA" eval --from "$W/c12_sw" "${C12E[@]}"
 "$TERA" eval --from "$W/c12_sw" --training.seq_len=16 --training.micro_batch=2 --training.eval_batches=1 > /dev/null 2>&1 \
-    && c12_ok "sliding_window >= seq_len is accepted" || c12_fail "sliding_window = seq_len refused"
+    && pass "sliding_window >= seq_len is accepted" || fail "sliding_window = seq_len refused"
 # a NaN weight is refused at load (naming file and tensor) instead of skipping every step; the
 # writer stores tensors sorted by name, so the file's last 4 bytes are model.norm.weight's last element
 mkdir -p "$W/c12_nan" && cp "$W/c12_hf/config.json" "$W/c12_hf/model.safetensors" "$W/c12_nan/"
@@ -294,7 +292,7 @@ expect_error "init_from with a NaN weight" "model.safetensors: tensor 'model.nor
     "$TERA" train --training.init_from="$W/c12_nan" --training.steps=2 --training.warmup_steps=0 \
     --logging.run_dir="$W/c12_r2" "${C12E[@]}"
 expect_error "eval --from with a NaN weight" "model.norm.weight" -- "$TERA" eval --from "$W/c12_nan" "${C12E[@]}"
-for d in c12_r1 c12_r2; do [ -e "$W/$d" ] && c12_fail "a refused init_from created $d"; done
+for d in c12_r1 c12_r2; do [ -e "$W/$d" ] && fail "a refused init_from created $d"; done
 
 # ---- multi-rank start-up and hangs (issue 12) ----
 # an error every rank finds before the run starts is printed once (by rank 0), not once per rank; a

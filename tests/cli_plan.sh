@@ -108,6 +108,9 @@ printf '[device]\nname = x\nmemory_gib = lots\n' > "$W/bad.ini"
 "$TERA" plan "${MODEL[@]}" --hardware "$W/bad.ini" --devices 8 --global-batch 8 > /dev/null 2> "$W/e1" ; rc=$?
 [ "$rc" != 0 ] && grep -q "bad.ini:3: \[device\] memory_gib = 'lots'" "$W/e1" && pass "a bad hardware value is named: $(cat "$W/e1")" \
     || fail "bad hardware file: rc $rc, $(cat "$W/e1")"
+"$TERA" plan "${MODEL[@]}" --hardware "$W/nope.ini" --devices 8 --global-batch 8 > /dev/null 2> "$W/e4"; rc=$?
+[ "$rc" != 0 ] && grep -q "nope.ini': No such file or directory" "$W/e4" && pass "a missing hardware file is named with the reason" \
+    || fail "missing hardware file: rc $rc, $(cat "$W/e4")"
 "$TERA" plan "${MODEL[@]}" --hardware "$H/h100.ini" --devices 8 > /dev/null 2> "$W/e2"; rc=$?
 [ "$rc" != 0 ] && grep -q "global-batch" "$W/e2" && pass "a missing option is named" || fail "missing option: $(cat "$W/e2")"
 "$TERA" plan --dry-run "${MODEL[@]}" --parallel.dp=2 --parallel.ep=4 > /dev/null 2> "$W/e3"; rc=$?

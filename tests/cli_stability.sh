@@ -28,7 +28,7 @@ echo "$ev" | grep -q '"step": 25,' && echo "$ev" | grep -q '"rolled_back_to": 20
 grep -q "loss spike at step 25" "$W/fault.log" && pass "spike reported on stderr" || fail "no stderr report"
 # the LR cut (spike_lr_steps = 6): the replayed steps 20-24, then 6 steps from the spike's step on (25-30, step 25
 # now on the batch after the skipped one) run at spike_lr_factor x the clean run's LR; step 31 at the full LR
-lr_at() { grep "^{\"step\": $2, \"loss\"" "$1" | tail -1 | grep -o '"lr": [^,]*' | cut -d' ' -f2; }
+lr_at() { last_fields "$1" step lr | awk -v s="$2" '$1 == s { print $2 }'; } # the last record of step $2
 cut_ok=1
 for k in 20 24 25 30 31; do
     f=0.5; [ $k = 31 ] && f=1

@@ -28,16 +28,6 @@ static tera_backend *BE;
 
 static float *fnew(int64_t n) { return malloc(sizeof(float) * (size_t)(n > 0 ? n : 1)); }
 static float *fzero(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(float)); }
-static void assert_same(const char *what, const float *a, const float *b, int64_t n) {
-    if (n > 0 && memcmp(a, b, sizeof(float) * (size_t)n) != 0) {
-        for (int64_t i = 0; i < n; i++)
-            if (memcmp(a + i, b + i, sizeof(float)) != 0) {
-                fprintf(stderr, "%s: differs at %ld: %.9g vs %.9g\n", what, (long)i, (double)a[i], (double)b[i]);
-                break;
-            }
-        fail_msg("%s: not bit-identical", what);
-    }
-}
 static void assert_close_d(const char *what, const float *a, const double *b, int64_t n, double rtol, double atol) {
     for (int64_t i = 0; i < n; i++)
         if (!(fabs((double)a[i] - b[i]) <= atol + rtol * fabs(b[i])))

@@ -35,16 +35,6 @@ static double dot(const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) s += (double)a[i] * (double)b[i];
     return s;
 }
-static void assert_same(const char *what, const float *a, const float *b, int64_t n) {
-    if (n > 0 && memcmp(a, b, sizeof(float) * (size_t)n) != 0) {
-        for (int64_t i = 0; i < n; i++)
-            if (memcmp(a + i, b + i, sizeof(float)) != 0) {
-                fprintf(stderr, "%s: differs at %ld: %.9g vs %.9g\n", what, (long)i, (double)a[i], (double)b[i]);
-                break;
-            }
-        fail_msg("%s: not bit-identical", what);
-    }
-}
 static void assert_adjoint(const char *what, double lhs, double rhs, double scale) {
     if (!(fabs(lhs - rhs) <= 1e-5 * scale + 1e-9)) fail_msg("%s: <Jv,w> = %.12g, <v,J^T w> = %.12g", what, lhs, rhs);
 }

@@ -39,4 +39,16 @@ static inline double tu_close(const char *what, const float *a, const float *b, 
     return worst;
 }
 
+/* Fails the test unless a[0, n) and b[0, n) are bit-identical, naming the first element that differs. */
+static inline void assert_same(const char *what, const float *a, const float *b, int64_t n) {
+    if (n > 0 && memcmp(a, b, sizeof(float) * (size_t)n) != 0) {
+        for (int64_t i = 0; i < n; i++)
+            if (memcmp(a + i, b + i, sizeof(float)) != 0) {
+                fprintf(stderr, "%s: differs at %ld: %.9g vs %.9g\n", what, (long)i, (double)a[i], (double)b[i]);
+                break;
+            }
+        fail_msg("%s: not bit-identical", what);
+    }
+}
+
 #endif

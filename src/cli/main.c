@@ -70,8 +70,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: tera <command> [options]   (tera <command> --help: that command only)\n\ncommands:\n");
     for (size_t i = 0; i < N_USAGE; i++) print_row(f, &g_usage[i]);
     fprintf(f, "  tera help\n      this text\n\n"
-               "Every config key can be overridden on the command line as --section.key=value, once each\n"
-               "(see docs/CONFIG.md or `tera config --doc`).\n");
+               "Every config key can be overridden on the command line as --section.key=value (a key given\n"
+               "twice: the last applies, with a note; see docs/CONFIG.md or `tera config --doc`).\n");
 }
 
 /* `tera CMD [SUB] ... --help|-h`: prints the usage of CMD (SUB) on stdout and returns 1; else 0. */

@@ -283,7 +283,8 @@ static int mpi_launched(void) {
 /* ---- the request pool: objects never move (MPI reads an all-gather's counts until it completes) */
 typedef struct mpi_op {
     MPI_Request r;          /* the MPI request, MPI_REQUEST_NULL while free */
-    int kind;               /* OP_WAIT_ALLREDUCE, OP_WAIT_ALLGATHER, OP_SEND or OP_RECV */
+    int kind;               /* OP_WAIT_ALLREDUCE, OP_WAIT_ALLGATHER, OP_SEND, OP_RECV; blocking:
+                             * OP_REDUCE_SCATTER, OP_ALLGATHER (their counts only) */
     int *cnt, *disp;        /* the all-gather's counts and displacements ([world size] each) */
     struct mpi_op *next;    /* the free list */
 } mpi_op;
@@ -483,24 +484,26 @@ static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int 
     }
 }
 
+/* The blocking reduce-scatter and all-gather take their counts from a pool object too ([world size]
+ * each: groups of any size, no allocation after the first step; MPI_THREAD_FUNNELED: one thread). */
 static void mpi_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    int cnt[1024], disp[1024];
-    TERA_ASSERT(c->size <= 1024);
-    int_counts(c, counts, cnt, disp);
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *o = pool_take(OP_REDUCE_SCATTER);
+    int_counts(c, counts, o->cnt, o->disp);
     /* MPI_IN_PLACE: input from buf, this rank's result at the START of buf: move it into place */
-    MPI_Request r;
-    MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &r));
-    wait_req(&r, OP_REDUCE_SCATTER);
-    if (disp[c->rank] > 0) memmove(buf + disp[c->rank], buf, sizeof(float) * (size_t)cnt[c->rank]);
+    MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, o->cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
+    wait_req(&o->r, OP_REDUCE_SCATTER);
+    if (o->disp[c->rank] > 0) memmove(buf + o->disp[c->rank], buf, sizeof(float) * (size_t)o->cnt[c->rank]);
+    pool_put(o);
 }
 
 static void mpi_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    int cnt[1024], disp[1024];
-    TERA_ASSERT(c->size <= 1024);
-    int_counts(c, counts, cnt, disp);
-    MPI_Request r;
-    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, cnt, disp, MPI_FLOAT, comm_of(c), &r));
-    wait_req(&r, OP_ALLGATHER);
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *o = pool_take(OP_ALLGATHER);
+    int_counts(c, counts, o->cnt, o->disp);
+    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, o->cnt, o->disp, MPI_FLOAT, comm_of(c), &o->r));
+    wait_req(&o->r, OP_ALLGATHER);
+    pool_put(o);
 }
 
 static void mpi_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {

@@ -580,9 +580,18 @@ tera_status tera_idx_writer_commit(tera_idx_writer *w) {
     FILE *f = ok ? fopen(sum_tmp, "w") : NULL;
     const char *base = strrchr(w->prefix, '/');
     base = base ? base + 1 : w->prefix;
-    if (!f || fprintf(f, "%016llx  %s.idx\n%016llx  %s.bin\n", (unsigned long long)hidx, base,
-                      (unsigned long long)hbin, base) < 0 || !tera_file_finish(f)) {
-        st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", sum_tmp, strerror(errno));
+    int wrote = 0;
+    if (f) { /* closed in every case (a failed fprintf included) */
+        wrote = fprintf(f, "%016llx  %s.idx\n%016llx  %s.bin\n", (unsigned long long)hidx, base,
+                        (unsigned long long)hbin, base) >= 0;
+        e = errno;
+        if (!wrote) fclose(f);
+        else if (!tera_file_finish(f)) wrote = 0, e = errno;
+    } else {
+        e = errno;
+    }
+    if (!wrote) {
+        st = tera_fail(TERA_ERR_IO, "cannot write '%s': %s", sum_tmp, strerror(e));
         remove(idx_tmp);
         remove(sum_tmp);
         tera_idx_writer_abort(w);

@@ -245,8 +245,8 @@ static const dispatch_impl a2a_impl = {"all-to-all", a2a_counts, a2a_experts};
 
 /* Rows the experts of one rank can receive in one layer: from each of the ep sources, at most
  * min(k, El) assignments per token (a token's k experts are distinct), and with a capacity at
- * most capacity per sequence for each of the El experts. */
-static int64_t a2a_rows_max(const tera_model_config *c, int B, int T, int ep) {
+ * most capacity per sequence for each of the El experts. (Also the planner's, src/parallel/plan_mem.c.) */
+int64_t tera_dispatch_rows_max(const tera_model_config *c, int B, int T, int ep) {
     const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
     int64_t per_src = N * (c->top_k < El ? c->top_k : El);
     if (c->capacity_factor > 0.0f) {
@@ -294,7 +294,7 @@ tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, 
         d->impl = &a2a_impl;
         d->group = par->group;
         d->overlap = par->overlap;
-        d->R = a2a_rows_max(c, B, T, ep);
+        d->R = tera_dispatch_rows_max(c, B, T, ep);
         d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
     } else {
         d->impl = &local_impl;

@@ -63,6 +63,9 @@ const char *tera_dispatch_name(const tera_dispatcher *d); /* "local" or "all-to-
  * from the ep sources (all-to-all: from each, at most min(k, El) per token, and with a capacity at
  * most capacity per sequence for each of the El experts). */
 int64_t tera_dispatch_rows(const tera_dispatcher *d);
+/* The all-to-all R (ep > 1) for micro-batches of B x T tokens of model c, without a dispatcher
+ * (the planner's memory model uses it too). */
+int64_t tera_dispatch_rows_max(const tera_model_config *c, int B, int T, int ep);
 /* Elements of the exchange's per-layer buffers of tera_dispatch_acts (all 0 for the local one, whose
  * rcnt, roff, xr, yr stay NULL): rcnt [counts], roff [offsets], xr and yr [rows, D]. */
 typedef struct {

@@ -12,7 +12,7 @@
  *   model.c keeps its carvers static,
  *   so the carving is restated here; tests/cli_plan.sh checks it against the model to the byte on a
  *   table of layouts (a public counting entry point in model.c would remove the copy);
- * - expert-exchange buffers: the model's bytes_comm formula (ep_rows_max restated);
+ * - expert-exchange buffers: the model's bytes_comm formula (tera_dispatch_rows_max, the dispatcher's own);
  * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c),
  *   the slots sized by each group's span as tera_model_group_range gives it (restated as one pass
  *   over the table: the search builds thousands of tables);
@@ -22,6 +22,7 @@
 #include <omp.h>
 #include <string.h>
 
+#include "model/dispatch.h"
 #include "model/moe.h"
 #include "tera/ckpt.h"
 #include "tera/kernels.h"
@@ -139,17 +140,6 @@ static int64_t count_scratch(const vmodel *m, int threads) {
     b += al((int64_t)sizeof(int) * 2 * E) + CI(E) + al((int64_t)sizeof(int64_t) * E) +
          al((int64_t)sizeof(int64_t) * (E + 1));
     return b;
-}
-
-/* the model's ep_rows_max */
-static int64_t ep_rows_max(const tera_model_config *c, int B, int T, int ep) {
-    const int64_t N = (int64_t)B * T, El = c->n_experts / ep;
-    int64_t per_src = N * (c->top_k < El ? c->top_k : El);
-    if (c->capacity_factor > 0.0f) {
-        const int64_t cap = (int64_t)ceil((double)c->capacity_factor * T * c->top_k / c->n_experts);
-        if (El * B * cap < per_src) per_src = El * B * cap;
-    }
-    return (int64_t)ep * per_src;
 }
 
 /* ------------------------------------------------------------------ layout pieces */
@@ -288,7 +278,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
                 .Hl = mc->n_heads / t->tp, .Hkvl = mc->n_kv_heads / t->tp, .Fl = mc->ffn_dim / t->tp,
                 .Fsl = (int64_t)mc->n_shared_experts * mc->ffn_dim / t->tp, .Fdl = mc->dense_ffn_dim / t->tp,
                 .Vl = mc->vocab_size / t->tp, .held = hb, .policy = policy, .head = t->pp_rank == pp - 1};
-    if (t->ep > 1) m.Rmax = ep_rows_max(mc, m.B, m.T, t->ep);
+    if (t->ep > 1) m.Rmax = tera_dispatch_rows_max(mc, m.B, m.T, t->ep);
     int64_t acts = 0;
     acts = count_acts(&m, 0); /* slot 0 carves the work set; every other slot the same as slot 1 */
     if (slots > 1) acts += (int64_t)(slots - 1) * count_acts(&m, 1);

@@ -18,6 +18,7 @@
  *   are exposed;
  * - pipeline: the schedule's simulated makespan (tera_schedule_simulate, backward = 2 x forward)
  *   times the busiest stage's time per micro-batch. */
+#include <errno.h>
 #include <ini.h>
 #include <math.h>
 #include <string.h>
@@ -99,7 +100,7 @@ tera_status tera_hw_load(tera_hw *hw, const char *path) {
     memset(hw, 0, sizeof *hw);
     hw_ctx c = {.hw = hw, .path = path};
     FILE *f = fopen(path, "r");
-    if (!f) return tera_fail(TERA_ERR_IO, "cannot open hardware description '%s'", path);
+    if (!f) return tera_fail(TERA_ERR_IO, "cannot open hardware description '%s': %s", path, strerror(errno));
     const int rc = ini_parse_file(f, hw_handler, &c);
     fclose(f);
     if (rc > 0)

@@ -22,7 +22,8 @@ typedef struct {
     int64_t grows;                                          /* products that outgrew their scratch */
 } tera_cpu_matmul;
 
-/* tera_linear_forward / backward of include/tera/kernels.h in the precision of mm. */
+/* The CPU backend's ops.linear_forward / linear_backward (include/tera/backend.h): the products of
+ * tera_linear_forward_fp32 / backward_fp32 (include/tera/kernels.h) in the precision of mm. */
 void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in,
                              int64_t out, float beta);
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x,
