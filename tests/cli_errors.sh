@@ -208,6 +208,8 @@ expect_error "data prepare: --input without a file" "needs a value" -- "$TERA" d
 expect_error "data prepare: --input followed by an option" "needs a file before '--output'" -- \
     "$TERA" data prepare --input --output "$W/d12_ds0"
 
+expect_error "decode --allow-special" "applies to encode" -- "$TERA" tokenizer decode --tokenizer "$W/nope" --allow-special
+
 # ---- configuration, command line, Hugging Face interchange (issue 12) ----
 # (scratch files c12_*: a tiny model with one dense layer, trained 2 steps on the embedded corpus)
 # every subcommand answers --help with its usage on stdout and exit 0

@@ -89,6 +89,19 @@ H=$SRC/hardware
     && pass "search on 8 x H100: $(jq '.valid_layouts' "$W/search.json") valid layouts, best pp $(jq '.best[0].pp' "$W/search.json") x dp $(jq '.best[0].dp' "$W/search.json") x tp $(jq '.best[0].tp' "$W/search.json"), written and resolved by tera config" \
     || fail "search / --write-config: $(cat "$W/search.err" "$W/best.err" 2> /dev/null | head -3)"
 
+# --write-config onto an existing file that cannot be written whole (a file-size limit, SIGXFSZ
+# ignored: the write fails with EFBIG) fails and leaves the old file as it was (written under a
+# temporary name and renamed), and leaves no temporary file behind
+printf '# precious\n' > "$W/keep.ini"
+if (trap '' XFSZ; ulimit -f 4; exec "$TERA" plan "${MODEL[@]}" --hardware "$H/h100.ini" --devices 8 --global-batch 16 \
+        --training.precision=bf16 --write-config "$W/keep.ini") > /dev/null 2> "$W/keep.err"; then
+    fail "--write-config under a 4 KiB file-size limit succeeded"
+elif [ "$(cat "$W/keep.ini")" = "# precious" ] && [ -z "$(ls "$W" | grep 'keep.ini.tmp')" ] && grep -q "keep.ini" "$W/keep.err"; then
+    pass "a failed --write-config keeps the existing file: $(grep -o 'cannot write.*' "$W/keep.err" | head -1)"
+else
+    fail "failed --write-config: file now '$(head -c 80 "$W/keep.ini")', $(ls "$W" | grep -c keep.ini.tmp) temporary files, $(cat "$W/keep.err")"
+fi
+
 # DeepSeek-V3-like (docs/PLAN.md): PP16 x EP64 x ZeRO-1 on 2048 H800 fits
 DSV3=(-c "$SRC/configs/plan-dsv3.ini")
 "$TERA" plan --dry-run "${DSV3[@]}" --hardware "$H/h800.ini" --json > "$W/dsv3.json" 2> "$W/dsv3.err" \

@@ -216,6 +216,10 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
         tera_fail(TERA_ERR_ARG, "--tokenizer DIR is required");
         return tera_cli_error();
     }
+    if (!encode && a.allow_special) { /* decode prints every id as its text: there is nothing to allow */
+        tera_fail(TERA_ERR_ARG, "--allow-special applies to encode (and data prepare), not to decode");
+        return tera_cli_error();
+    }
     tera_tokenizer *t;
     if (tera_tokenizer_load(&t, a.tokenizer) != TERA_OK) return tera_cli_error();
     size_t cap = 1 << 16, n = 0;

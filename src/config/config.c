@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Value types. One X-macro list gives the enum and the name shown in docs. */
@@ -1058,8 +1060,15 @@ tera_status tera_config_write(const tera_config *c, const char *path) {
             return tera_fail(TERA_ERR_CONFIG, "config: %s.%s %s", k->section, k->key, problem);
     }
 
-    FILE *f = fopen(path, "w");
-    if (!f) return tera_fail(TERA_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    /* a regular file (or a new one) is written under a temporary name and renamed into place, so a
+     * failed write never destroys the file it replaces; a device or pipe (/dev/stdout) directly */
+    struct stat sb; /* lstat: a symbolic link (/dev/stdout) is written through, never replaced */
+    const int direct = lstat(path, &sb) == 0 && !S_ISREG(sb.st_mode);
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    const char *out = direct ? path : tmp;
+    FILE *f = fopen(out, "w");
+    if (!f) return tera_fail(TERA_ERR_IO, "cannot create %s: %s", out, strerror(errno));
     fprintf(f, "# tera configuration: every key with its resolved value.\n"
                "# Load it as a config file; any key can be overridden with --section.key=value.\n"
                "# Keys, types and ranges: docs/CONFIG.md.\n");
@@ -1074,11 +1083,18 @@ tera_status tera_config_write(const tera_config *c, const char *path) {
             fprintf(f, "# %s\n%s = %s\n", k->doc, k->key, text);
         }
     }
-    bool write_error = ferror(f) != 0;
+    bool write_error = fflush(f) != 0 || ferror(f) != 0;
     int saved_errno = errno;
-    if (fclose(f) != 0 || write_error)
-        return tera_fail(TERA_ERR_IO, "cannot write %s: %s", path,
-                         strerror(write_error ? saved_errno : errno));
+    if (fclose(f) != 0 || write_error) {
+        const int e = write_error ? saved_errno : errno;
+        if (!direct) unlink(tmp);
+        return tera_fail(TERA_ERR_IO, "cannot write %s: %s", path, strerror(e));
+    }
+    if (!direct && rename(tmp, path) != 0) {
+        const int e = errno;
+        unlink(tmp);
+        return tera_fail(TERA_ERR_IO, "cannot write %s: rename: %s", path, strerror(e));
+    }
     return TERA_OK;
 }
 
