@@ -29,7 +29,7 @@ test: build test-asan
 test-asan: deps
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTERA_SANITIZE=ON >/dev/null
 	@cmake --build $(ASAN_BUILD) -j $(JOBS) -- --no-print-directory
-	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 -LE slow
+	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 -LE "slow|rss"
 
 # The whole table of parallel layouts against one rank (CI runs a subset inside `make test`), on this
 # CPU's own oneDNN kernels and again capped at AVX2, so that a dependence on the CPU shows here.
