@@ -103,6 +103,11 @@ tera_status tera_ckpt_reader_bias(tera_ckpt_reader *r, float *bias);
 /* Compares a region's XXH3 with the manifest's (*checked = 0: the manifest has none, sharded). */
 tera_status tera_ckpt_region_check(const char *dir, int region, uint64_t hash, int *checked);
 
+/* The checkpoint's weights (and router bias) as a Hugging Face directory (tera_hf_export_checked's
+ * files), streamed tensor piece by tensor piece; mc: the checkpoint's model configuration. */
+tera_status tera_ckpt_export_hf(const char *dir, const tera_model_config *mc, const char *out, int64_t max_shard_bytes,
+                                int overwrite, int allow_tera_moe);
+
 /* A block [lo, lo + len) of a tensor of shape[3] as runs contiguous in both the whole tensor and
  * the block (dims merged where the block spans them): their number, and run r's global offset g
  * (inside the tensor), offset l inside the block and length n, in increasing g. */

@@ -20,6 +20,12 @@ tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_sha
  * transformers class computes is refused (TERA_ERR_CONFIG naming them) unless allow_tera_moe. */
 tera_status tera_hf_export_checked(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
                                    int allow_tera_moe);
+/* tera_hf_export_checked without the weights in memory: m has the one-process table, the config
+ * and the router bias (m->w unused); src fills elements [lo, lo + n) of parameter i (flat, global)
+ * into dst, called in table order in pieces of at most 1 Mi floats. The same files, byte for byte. */
+typedef tera_status (*tera_hf_source)(void *ctx, int i, int64_t lo, int64_t n, float *dst);
+tera_status tera_hf_export_source(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
+                                  int allow_tera_moe, tera_hf_source src, void *ctx);
 /* The features of cfg that make it differ from transformers' MixtralForCausalLM at inference
  * (dense first layers, shared experts, the aux-free router bias, a capacity factor that can drop
  * tokens): their number, and a "; "-separated list in buf (cap may be 0). 0 = exactly Mixtral. */

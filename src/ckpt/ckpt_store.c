@@ -804,8 +804,14 @@ static tera_status check_shape(const tera_st_file *f, const char *name, int ndim
     if (!t) return tera_fail(TERA_ERR_FORMAT, "%s: no tensor '%s'", f->path, name);
     int same = t->ndim == ndim;
     for (int d = 0; same && d < ndim; d++) same = t->shape[d] == shape[d];
-    if (!same) return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' does not have the shape the checkpoint describes", f->path, name);
-    return TERA_OK;
+    if (same) return TERA_OK;
+    char a[256], b[256]; /* as tera_st_read_f32 words it */
+    size_t ka = (size_t)snprintf(a, sizeof a, "["), kb = (size_t)snprintf(b, sizeof b, "[");
+    for (int d = 0; d < t->ndim && ka < sizeof a; d++) ka += (size_t)snprintf(a + ka, sizeof a - ka, "%s%" PRId64, d ? "," : "", t->shape[d]);
+    for (int d = 0; d < ndim && kb < sizeof b; d++) kb += (size_t)snprintf(b + kb, sizeof b - kb, "%s%" PRId64, d ? "," : "", shape[d]);
+    if (ka < sizeof a) snprintf(a + ka, sizeof a - ka, "]");
+    if (kb < sizeof b) snprintf(b + kb, sizeof b - kb, "]");
+    return tera_fail(TERA_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s", f->path, name, a, b);
 }
 
 /* Every tensor a full (whole) checkpoint must hold, with its shape. */
@@ -1100,4 +1106,53 @@ tera_status tera_ckpt_region_check(const char *dir, int region, uint64_t hash, i
     }
     cJSON_Delete(man);
     return s;
+}
+
+/* export-hf's source: the weights from the checkpoint, hashed in table order as they pass, the
+ * hash compared with the manifest's when the last piece has been read (the restored weights must
+ * be the saved ones, as tera_ckpt_load checks). */
+typedef struct {
+    const char *dir;
+    const tera_model *g;
+    tera_ckpt_reader *rd;
+    XXH3_state_t *h;
+    int64_t done, total;
+} export_src;
+
+static tera_status export_read(void *ctx, int i, int64_t lo, int64_t n, float *dst) {
+    export_src *e = ctx;
+    TERA_TRY(tera_ckpt_reader_read(e->rd, 0, i, lo, n, dst));
+    XXH3_64bits_update(e->h, dst, sizeof(float) * (size_t)n);
+    e->done += n;
+    if (e->done < e->total) return TERA_OK;
+    int checked;
+    return tera_ckpt_region_check(e->dir, 0, XXH3_64bits_digest(e->h), &checked);
+}
+
+tera_status tera_ckpt_export_hf(const char *dir, const tera_model_config *mc, const char *out, int64_t max_shard_bytes,
+                                int overwrite, int allow_tera_moe) {
+    /* each tensor read from the checkpoint piece by piece (a differential one through its base, a
+     * sharded one from its ranks' files) and written at once: never the whole model in memory */
+    tera_model g;
+    memset(&g, 0, sizeof g);
+    g.cfg = *mc;
+    g.params = tera_param_table_ep(&g.cfg, 1, 0, &g.n_params, &g.n_floats, &g.n_dense_floats);
+    g.par.ep = 1;
+    g.router_bias = tera_calloc((size_t)mc->n_layers * (size_t)mc->n_experts + 1, sizeof(float));
+    export_src es = {.dir = dir, .g = &g};
+    for (int i = 0; i < g.n_params; i++) es.total += g.params[i].numel;
+    tera_status st = tera_ckpt_reader_open(&es.rd, dir, &g);
+    if (st == TERA_OK) st = tera_ckpt_reader_bias(es.rd, g.router_bias);
+    if (st == TERA_OK) { /* the restored bias must be the saved one */
+        int checked;
+        st = tera_ckpt_region_check(dir, 3, tera_ckpt_region_hash(&g, 3, g.router_bias), &checked);
+    }
+    es.h = XXH3_createState();
+    XXH3_64bits_reset(es.h);
+    if (st == TERA_OK) st = tera_hf_export_source(&g, out, max_shard_bytes, overwrite, allow_tera_moe, export_read, &es);
+    XXH3_freeState(es.h);
+    tera_ckpt_reader_close(es.rd);
+    free(g.router_bias);
+    free(g.params);
+    return st;
 }

@@ -405,6 +405,87 @@ tera_status tera_hf_export_checked(const tera_model *m, const char *dir, int64_t
     return tera_hf_export(m, dir, max_shard_bytes, overwrite);
 }
 
+/* ------------------------------------------------------------------------------ streamed export -- */
+
+/* tera_hf_export's file, its tensors' data read piecewise from src (never the whole model in memory). */
+static tera_status export_streamed(const tera_model *m, const char *dir, int64_t max_shard_bytes,
+                                   tera_hf_source src, void *ctx) {
+    static const char dummy = 0; /* the stream never reads entry data */
+    tera_st_writer w;
+    tera_st_writer_init(&w);
+    tera_st_writer_meta(&w, "format", "pt");
+    char name[160];
+    int *first = tera_calloc((size_t)m->n_params + 1, sizeof(int));
+    for (int i = 0; i < m->n_params; i++) { /* the names and order of add_weights */
+        const tera_param *p = &m->params[i];
+        first[i] = w.n;
+        if (!p->expert_stacked) {
+            tera_st_writer_add(&w, p->name, TERA_DT_F32, p->ndim, p->shape, &dummy);
+            continue;
+        }
+        for (int e = 0; e < (int)p->shape[0]; e++) {
+            expert_name(name, sizeof name, p->name, e);
+            tera_st_writer_add(&w, name, TERA_DT_F32, 2, &p->shape[1], &dummy);
+        }
+    }
+    const int bias0 = w.n;
+    const int64_t E = m->cfg.n_experts;
+    const int bias = m->cfg.aux_free && m->router_bias;
+    for (int l = 0; bias && l < m->cfg.n_layers; l++) {
+        if (!is_moe_layer(&m->cfg, l)) continue;
+        snprintf(name, sizeof name, HF_BIAS_FMT, l);
+        tera_st_writer_add(&w, name, TERA_DT_F32, 1, &E, &dummy);
+    }
+    tera_st_stream *s = NULL;
+    tera_status st = tera_st_stream_open(&s, &w, dir, 1, max_shard_bytes);
+    enum { CH = 1 << 18 }; /* 1 MiB of floats at a time */
+    float *buf = st == TERA_OK ? tera_malloc(sizeof(float) * CH) : NULL;
+    for (int i = 0; i < m->n_params && st == TERA_OK; i++) {
+        const tera_param *p = &m->params[i];
+        const int64_t per = p->expert_stacked ? p->shape[1] * p->shape[2] : p->numel;
+        for (int64_t a = 0; a < p->numel && st == TERA_OK; a += CH) {
+            const int64_t b = a + CH < p->numel ? a + CH : p->numel;
+            st = src(ctx, i, a, b - a, buf);
+            for (int64_t x = a; x < b && st == TERA_OK;) { /* an expert's slice is its own tensor */
+                const int64_t e = x / per, y = (e + 1) * per < b ? (e + 1) * per : b;
+                st = tera_st_stream_write(s, first[i] + (int)e, sizeof(float) * (uint64_t)(x - e * per), buf + (x - a),
+                                          sizeof(float) * (uint64_t)(y - x));
+                x = y;
+            }
+        }
+    }
+    for (int l = 0, e = bias0; bias && l < m->cfg.n_layers && st == TERA_OK; l++) {
+        if (!is_moe_layer(&m->cfg, l)) continue;
+        st = tera_st_stream_write(s, e++, 0, m->router_bias + (int64_t)l * E, sizeof(float) * (size_t)E);
+    }
+    if (s && st == TERA_OK) st = tera_st_stream_finish(s);
+    else tera_st_stream_abort(s);
+    free(buf);
+    free(first);
+    tera_st_writer_free(&w);
+    return st;
+}
+
+tera_status tera_hf_export_source(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
+                                  int allow_tera_moe, tera_hf_source src, void *ctx) {
+    char gaps[512];
+    if (!allow_tera_moe && tera_hf_transformers_gaps(&m->cfg, gaps, sizeof gaps) > 0)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "%s: not exported: the model has %s, which transformers' MixtralForCausalLM does not "
+                         "compute (and no transformers class does); a config.json saying \"mixtral\" would load "
+                         "as another model. Pass --tera-moe to write it as model_type \"tera_moe\" (read by tera "
+                         "only), or use the checkpoint directory itself with tera",
+                         dir, gaps);
+    char *cfg_text = NULL, path[TERA_PATH_MAX + 16];
+    TERA_TRY(join(path, sizeof path, dir, "config.json"));
+    TERA_TRY(config_json(&m->cfg, &cfg_text));
+    tera_status s = prepare_dir(dir, overwrite);
+    if (s == TERA_OK) s = export_streamed(m, dir, max_shard_bytes, src, ctx);
+    if (s == TERA_OK) s = write_text_atomic(path, cfg_text);
+    cJSON_free(cfg_text);
+    return s;
+}
+
 /* ------------------------------------------------------------------------------ import -- */
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }

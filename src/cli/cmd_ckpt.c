@@ -94,6 +94,7 @@ static int cmd_verify(const char *arg) {
     return bad ? 1 : 0;
 }
 
+
 static int cmd_export(int argc, char **argv) {
     tera_config cfg;
     static const char *const flags[] = {"force", "tera-moe", NULL};
@@ -120,12 +121,8 @@ static int cmd_export(int argc, char **argv) {
     cfg.training.seq_len = 1;
     cfg.training.micro_batch = 1;
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
-    tera_model m;
-    if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
-    tera_status st = tera_ckpt_load(dir, &m, NULL, NULL);
-    if (st == TERA_OK) st = tera_hf_export_checked(&m, val[0], shard, set[0], set[1]);
-    tera_model_destroy(&m);
-    if (st != TERA_OK) return tera_cli_error();
+    /* streamed: each tensor read from the checkpoint piece by piece, never the whole model */
+    if (tera_ckpt_export_hf(dir, &cfg.model, val[0], shard, set[0], set[1]) != TERA_OK) return tera_cli_error();
     fprintf(stderr, "tera: exported %s -> %s\n", dir, val[0]);
     return 0;
 }

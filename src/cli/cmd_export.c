@@ -31,14 +31,20 @@ int tera_cmd_export_hf(int argc, char **argv) {
     cfg.training.seq_len = 1;
     cfg.training.micro_batch = 1;
     if (tera_config_finalize(&cfg) != TERA_OK) return tera_cli_error();
-    tera_model m;
-    if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
-    /* a tera checkpoint (whole, differential or sharded: its manifest says) or a Hugging Face directory */
+    /* a tera checkpoint (whole, differential or sharded: its manifest says), streamed tensor by
+     * tensor, or a Hugging Face directory (imported whole) */
     char man[TERA_PATH_MAX + 32];
     snprintf(man, sizeof man, "%s/manifest.json", val[0]);
-    tera_status st = access(man, F_OK) == 0 ? tera_ckpt_load(val[0], &m, NULL, NULL) : tera_hf_import(&m, val[0]);
-    if (st == TERA_OK) st = tera_hf_export_checked(&m, val[1], shard, set[0], set[1]);
-    tera_model_destroy(&m);
+    tera_status st;
+    if (access(man, F_OK) == 0) {
+        st = tera_ckpt_export_hf(val[0], &cfg.model, val[1], shard, set[0], set[1]);
+    } else {
+        tera_model m;
+        if (tera_model_create(&m, &cfg.model, 1, 1) != TERA_OK) return tera_cli_error();
+        st = tera_hf_import(&m, val[0]);
+        if (st == TERA_OK) st = tera_hf_export_checked(&m, val[1], shard, set[0], set[1]);
+        tera_model_destroy(&m);
+    }
     if (st != TERA_OK) return tera_cli_error();
     fprintf(stderr, "tera: exported %s -> %s (model_type %s)\n", val[0], val[1],
             tera_hf_transformers_gaps(&cfg.model, NULL, 0) ? "tera_moe" : "mixtral");
