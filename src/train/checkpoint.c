@@ -652,6 +652,9 @@ static tera_status commit_dir_known(cJSON *man, const char *tmp, const char *dir
     return TERA_OK;
 }
 
+static tera_status finish_checkpoint(tera_ckpt_ctx *c, cJSON *man, const char *tmp, const char *dir, const char *root,
+                                     const uint64_t *rhash, int64_t changed, int64_t total, double t0);
+
 static tera_status write_checkpoint(tera_ckpt_ctx *c) {
     char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
     snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
@@ -721,46 +724,13 @@ static tera_status write_checkpoint(tera_ckpt_ctx *c) {
         cJSON_AddStringToObject(ch, "compression", "zstd-1");
         c->since_full++;
     }
-    if (s == TERA_OK) {
-        snprintf(path, sizeof path, "%s/state.json", tmp);
-        s = tera_ckpt_write_file(path, c->state_json, strlen(c->state_json));
-    }
-    if (s == TERA_OK) {
-        snprintf(path, sizeof path, "%s/config.ini", tmp);
-        tera_ckpt_io_point("write", path);
-        s = tera_config_write(&c->cfg, path);
-        if (s == TERA_OK) s = tera_ckpt_fsync_path(path);
-    }
     if (s != TERA_OK) {
         cJSON_Delete(man);
         return s;
     }
-    cJSON *mc = c->config_json ? cJSON_Parse(c->config_json) : NULL;
-    cJSON_AddItemToObject(man, "model_config", mc ? mc : cJSON_CreateNull());
-    cJSON_AddStringToObject(man, "run_config", "config.ini");
-    cJSON *lay = cJSON_AddObjectToObject(man, "layout");
-    cJSON_AddNumberToObject(lay, "world_size", 1);
-    cJSON_AddNumberToObject(lay, "dp", c->cfg.parallel.dp);
-    cJSON_AddNumberToObject(lay, "tp", c->cfg.parallel.tp);
-    cJSON_AddNumberToObject(lay, "pp", c->cfg.parallel.pp);
-    cJSON_AddNumberToObject(lay, "ep", c->cfg.parallel.ep);
-    cJSON_AddNumberToObject(lay, "zero", c->cfg.parallel.zero);
-    cJSON *regs = cJSON_AddObjectToObject(man, "regions");
-    char hx[20];
-    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
-        cJSON *o = cJSON_AddObjectToObject(regs, tera_ckpt_region_names[r]);
-        cJSON_AddNumberToObject(o, "floats", (double)c->reg_n[r]);
-        hex64(hx, tera_ckpt_region_hash(&c->shadow, r, c->reg[r]));
-        cJSON_AddStringToObject(o, "xxh3", hx);
-    }
-    int64_t bytes = 0;
-    TERA_TRY(commit_dir(man, tmp, dir, root, c->step, &bytes));
-    g_stats.last_write_s = tera_now() - t0;
-    g_stats.last_bytes = bytes;
-    g_stats.last_full = c->full;
-    g_stats.last_chunks_changed = changed;
-    g_stats.last_chunks_total = total;
-    return prune(c);
+    uint64_t rhash[TERA_CKPT_N_REGIONS];
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) rhash[r] = tera_ckpt_region_hash(&c->shadow, r, c->reg[r]);
+    return finish_checkpoint(c, man, tmp, dir, root, rhash, changed, total, t0);
 }
 
 static void *writer_main(void *arg) {
