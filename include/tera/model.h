@@ -185,6 +185,11 @@ typedef struct {
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */
 tera_param *tera_param_table(const tera_model_config *cfg, int *n, int64_t *n_floats);
+/* The groups of the per-group gradient norms (metrics.jsonl grad_norm_by_group, the Prometheus
+ * series): the group of a tensor kind, and the groups' names. */
+#define TERA_PARAM_GROUPS 7
+extern const char *const tera_param_group_names[TERA_PARAM_GROUPS];
+int tera_param_group(tera_param_kind k);
 /* The same for rank ep_rank of ep expert-parallel ranks (its slice of each expert tensor) and
  * tp_rank of tp tensor-parallel ranks; *n_dense (may be NULL) receives the size of the non-expert
  * region. tera_param_table_ep: tp = 1. */

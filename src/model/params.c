@@ -290,3 +290,19 @@ int64_t tera_model_active_params(const tera_model_config *c) {
 double tera_model_flops_per_token(const tera_model_config *c, int T) {
     return 6.0 * (double)tera_model_active_params(c) + 12.0 * c->n_layers * (double)c->dim * T;
 }
+
+const char *const tera_param_group_names[TERA_PARAM_GROUPS] = {"embed", "attn", "router", "experts",
+                                                               "dense_shared_ffn", "norms", "lm_head"};
+
+int tera_param_group(tera_param_kind k) {
+    switch (k) {
+    case TERA_P_EMBED: return 0;
+    case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV: case TERA_P_WO: return 1;
+    case TERA_P_ROUTER: return 2;
+    case TERA_P_EXP_W1: case TERA_P_EXP_W2: case TERA_P_EXP_W3: return 3;
+    case TERA_P_SHARED_W1: case TERA_P_SHARED_W2: case TERA_P_SHARED_W3:
+    case TERA_P_DENSE_W1: case TERA_P_DENSE_W2: case TERA_P_DENSE_W3: return 4;
+    case TERA_P_ATTN_NORM: case TERA_P_FFN_NORM: case TERA_P_FINAL_NORM: return 5;
+    default: return 6; /* lm_head */
+    }
+}

@@ -24,11 +24,10 @@
 
 #include "tera/profile.h"
 
-#define N_GROUPS 7
+#define N_GROUPS TERA_PARAM_GROUPS
 #define N_KINDS 5
 #define N_BUCKETS 15
-static const char *const group_names[N_GROUPS] = {"embed", "attn", "router", "experts", "dense_shared_ffn", "norms",
-                                                  "lm_head"};
+static const char *const *const group_names = tera_param_group_names;
 static const char *const kind_names[N_KINDS] = {"allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"};
 /* upper bounds of the step-time histogram (seconds): from small test models to large steps */
 static const double bucket_le[N_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
@@ -92,19 +91,6 @@ static double unix_now(void) {
 
 /* ------------------------------------------------------------------ the step thread */
 
-/* The parameter groups of metrics.jsonl's grad_norm_by_group (the same mapping as src/train/trainer.c). */
-static int param_group(tera_param_kind k) {
-    switch (k) {
-    case TERA_P_EMBED: return 0;
-    case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV: case TERA_P_WO: return 1;
-    case TERA_P_ROUTER: return 2;
-    case TERA_P_EXP_W1: case TERA_P_EXP_W2: case TERA_P_EXP_W3: return 3;
-    case TERA_P_SHARED_W1: case TERA_P_SHARED_W2: case TERA_P_SHARED_W3:
-    case TERA_P_DENSE_W1: case TERA_P_DENSE_W2: case TERA_P_DENSE_W3: return 4;
-    case TERA_P_ATTN_NORM: case TERA_P_FFN_NORM: case TERA_P_FINAL_NORM: return 5;
-    default: return 6;
-    }
-}
 
 static void publish_copy(tera_metrics_http *h) {
     pthread_mutex_lock(&h->lock);
@@ -128,7 +114,7 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     double gsq[N_GROUPS] = {0};
     int present[N_GROUPS] = {0};
     for (int i = 0; i < m->n_params; i++) {
-        const int g = param_group(m->params[i].kind);
+        const int g = tera_param_group(m->params[i].kind);
         gsq[g] += tr->grad_sq[i];
         present[g] = 1;
     }

@@ -318,19 +318,6 @@ tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
     return TERA_OK;
 }
 
-/* Parameter groups for the per-group gradient norms of metrics.jsonl. */
-static int param_group(tera_param_kind k) {
-    switch (k) {
-    case TERA_P_EMBED: return 0;
-    case TERA_P_WQ: case TERA_P_WK: case TERA_P_WV: case TERA_P_WO: return 1;
-    case TERA_P_ROUTER: return 2;
-    case TERA_P_EXP_W1: case TERA_P_EXP_W2: case TERA_P_EXP_W3: return 3;
-    case TERA_P_SHARED_W1: case TERA_P_SHARED_W2: case TERA_P_SHARED_W3:
-    case TERA_P_DENSE_W1: case TERA_P_DENSE_W2: case TERA_P_DENSE_W3: return 4;
-    case TERA_P_ATTN_NORM: case TERA_P_FFN_NORM: case TERA_P_FINAL_NORM: return 5;
-    default: return 6; /* lm_head */
-    }
-}
 
 /* Appends one complete line to metrics.jsonl, checked: a failed write (a full disk, a file size
  * limit) is reported once, naming the file and the error; the partial line is cut off again, no
@@ -363,7 +350,7 @@ static void put_num(FILE *f, const char *fmt, double v) {
  * norms, update/parameter ratio, router entropy and expert load per MoE layer). The line is
  * built in memory and appended whole. */
 static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
-    static const char *const groups[7] = {"embed", "attn", "router", "experts", "dense_shared_ffn", "norms", "lm_head"};
+    const char *const *groups = tera_param_group_names;
     const tera_model *m = &tr->model;
     char *line = NULL;
     size_t len = 0;
@@ -392,7 +379,7 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     double gsq[7] = {0};
     int present[7] = {0};
     for (int i = 0; i < m->n_params; i++) {
-        int g = param_group(m->params[i].kind);
+        int g = tera_param_group(m->params[i].kind);
         gsq[g] += tr->grad_sq[i];
         present[g] = 1;
     }
