@@ -425,6 +425,17 @@ static tera_status read_router_bias(const char *dir, tera_model *m) {
     return s;
 }
 
+/* Entry i of a sharded manifest's "tensors" names tensor p with p's global shape. */
+static tera_status check_manifest_tensor(const cJSON *t, const tera_param *p, int i, const char *dir) {
+    const cJSON *nm = cJSON_GetObjectItemCaseSensitive(t, "name");
+    int64_t gs[3];
+    if (!cJSON_IsString(nm) || strcmp(nm->valuestring, p->name) != 0 ||
+        !json_dims(cJSON_GetObjectItemCaseSensitive(t, "global_shape"), p->ndim, gs, 1) || gs[0] != p->shape[0] ||
+        gs[1] != p->shape[1] || gs[2] != p->shape[2])
+        return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: tensor %d is not '%s' of this model's shape", dir, i, p->name);
+    return TERA_OK;
+}
+
 static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m, float *ea, float *eas) {
     const cJSON *tens = cJSON_GetObjectItemCaseSensitive(man, "tensors");
     if (!cJSON_IsArray(tens) || cJSON_GetArraySize(tens) != m->n_params)
@@ -437,14 +448,8 @@ static tera_status load_sharded(const char *dir, const cJSON *man, tera_model *m
     tera_status s = TERA_OK;
     for (int i = 0; i < m->n_params && s == TERA_OK; i++) {
         const tera_param *p = &m->params[i];
-        const cJSON *t = cJSON_GetArrayItem(tens, i), *nm = cJSON_GetObjectItemCaseSensitive(t, "name");
-        int64_t gs[3];
-        if (!cJSON_IsString(nm) || strcmp(nm->valuestring, p->name) != 0 ||
-            !json_dims(cJSON_GetObjectItemCaseSensitive(t, "global_shape"), p->ndim, gs, 1) || gs[0] != p->shape[0] ||
-            gs[1] != p->shape[1] || gs[2] != p->shape[2]) {
-            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: tensor %d is not '%s' of this model's shape", dir, i, p->name);
-            break;
-        }
+        const cJSON *t = cJSON_GetArrayItem(tens, i);
+        if ((s = check_manifest_tensor(t, p, i, dir)) != TERA_OK) break;
         int64_t covered = 0;
         const cJSON *pc;
         cJSON_ArrayForEach(pc, cJSON_GetObjectItemCaseSensitive(t, "pieces")) {
@@ -853,14 +858,8 @@ static tera_status reader_pieces(tera_ckpt_reader *r, const cJSON *man, const ch
     tera_status s = TERA_OK;
     for (int i = 0; i < m->n_params && s == TERA_OK; i++) {
         const tera_param *p = &m->params[i];
-        const cJSON *t = cJSON_GetArrayItem(tens, i), *nm = cJSON_GetObjectItemCaseSensitive(t, "name");
-        int64_t gs[3];
-        if (!cJSON_IsString(nm) || strcmp(nm->valuestring, p->name) != 0 ||
-            !json_dims(cJSON_GetObjectItemCaseSensitive(t, "global_shape"), p->ndim, gs, 1) || gs[0] != p->shape[0] ||
-            gs[1] != p->shape[1] || gs[2] != p->shape[2]) {
-            s = tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: tensor %d is not '%s' of this model's shape", dir, i, p->name);
-            break;
-        }
+        const cJSON *t = cJSON_GetArrayItem(tens, i);
+        if ((s = check_manifest_tensor(t, p, i, dir)) != TERA_OK) break;
         const cJSON *pcs = cJSON_GetObjectItemCaseSensitive(t, "pieces"), *pc;
         r->pieces[i] = tera_calloc((size_t)cJSON_GetArraySize(pcs) + 1, sizeof(piece));
         int64_t covered = 0;

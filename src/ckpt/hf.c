@@ -392,16 +392,23 @@ tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_sha
     return s;
 }
 
-tera_status tera_hf_export_checked(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
-                                   int allow_tera_moe) {
+/* An export labelled for transformers only when a transformers class computes the model (or
+ * --tera-moe asks for model_type "tera_moe"). */
+static tera_status export_allowed(const tera_model_config *c, const char *dir, int allow_tera_moe) {
     char gaps[512];
-    if (!allow_tera_moe && tera_hf_transformers_gaps(&m->cfg, gaps, sizeof gaps) > 0)
+    if (!allow_tera_moe && tera_hf_transformers_gaps(c, gaps, sizeof gaps) > 0)
         return tera_fail(TERA_ERR_CONFIG,
                          "%s: not exported: the model has %s, which transformers' MixtralForCausalLM does not "
                          "compute (and no transformers class does); a config.json saying \"mixtral\" would load "
                          "as another model. Pass --tera-moe to write it as model_type \"tera_moe\" (read by tera "
                          "only), or use the checkpoint directory itself with tera",
                          dir, gaps);
+    return TERA_OK;
+}
+
+tera_status tera_hf_export_checked(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
+                                   int allow_tera_moe) {
+    TERA_TRY(export_allowed(&m->cfg, dir, allow_tera_moe));
     return tera_hf_export(m, dir, max_shard_bytes, overwrite);
 }
 
@@ -468,14 +475,7 @@ static tera_status export_streamed(const tera_model *m, const char *dir, int64_t
 
 tera_status tera_hf_export_source(const tera_model *m, const char *dir, int64_t max_shard_bytes, int overwrite,
                                   int allow_tera_moe, tera_hf_source src, void *ctx) {
-    char gaps[512];
-    if (!allow_tera_moe && tera_hf_transformers_gaps(&m->cfg, gaps, sizeof gaps) > 0)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "%s: not exported: the model has %s, which transformers' MixtralForCausalLM does not "
-                         "compute (and no transformers class does); a config.json saying \"mixtral\" would load "
-                         "as another model. Pass --tera-moe to write it as model_type \"tera_moe\" (read by tera "
-                         "only), or use the checkpoint directory itself with tera",
-                         dir, gaps);
+    TERA_TRY(export_allowed(&m->cfg, dir, allow_tera_moe));
     char *cfg_text = NULL, path[TERA_PATH_MAX + 16];
     TERA_TRY(join(path, sizeof path, dir, "config.json"));
     TERA_TRY(config_json(&m->cfg, &cfg_text));
