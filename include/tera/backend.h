@@ -117,6 +117,8 @@ typedef struct {
     /* 1 when bf16 products are faster than fp32 (CPU: oneDNN reports AMX); isa_name (may be NULL)
      * receives the ISA the backend dispatches to. */
     int (*bf16_fast)(const tera_backend *be, const char **isa_name);
+    /* 1 when the backend has native bf16 products at all (CPU: oneDNN's bf16 GEMM needs AVX-512). */
+    int (*bf16_native)(const tera_backend *be);
     /* 1 when bf16 products run on dot-product instructions (CPU: AVX512-BF16 or AMX). */
     int (*bf16_has_dot)(const tera_backend *be);
     /* Multiply-adds per second of one core's vector FMA and bf16 dot product (a few ms, best of 3);

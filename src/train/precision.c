@@ -30,6 +30,11 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
 
 tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, const char **note) {
     static char buf[256];
+    if (!strcmp(name, "native") && !be->caps.bf16_native(be)) { /* oneDNN would fail the first product */
+        snprintf(buf, sizeof buf, "fma (native was set, but this CPU has no bf16 GEMM kernels: below AVX-512)");
+        if (note) *note = buf;
+        return TERA_BF16_FMA;
+    }
     if (!strcmp(name, "native") || !strcmp(name, "fma")) {
         snprintf(buf, sizeof buf, "%s (set)", name);
         if (note) *note = buf;

@@ -203,6 +203,11 @@ static int cpu_bf16_fast(const tera_backend *be, const char **isa_name) {
     return tera_cpu_bf16_fast(isa_name);
 }
 
+static int cpu_bf16_native(const tera_backend *be) {
+    (void)be;
+    return tera_cpu_bf16_native();
+}
+
 static int cpu_bf16_has_dot(const tera_backend *be) {
     (void)be;
     return tera_cpu_bf16_has_dot();
@@ -274,6 +279,7 @@ tera_backend *tera_backend_cpu_create(int threads) {
     };
     be->mem = (tera_backend_allocator){.alloc = cpu_alloc, .free = cpu_free};
     be->caps = (tera_backend_caps){.bf16_fast = cpu_bf16_fast, .bf16_has_dot = cpu_bf16_has_dot,
+                                   .bf16_native = cpu_bf16_native,
                                    .bf16_probe = cpu_bf16_probe};
     be->ctl = (tera_backend_ctl){.set_precision = cpu_set_precision, .reserve = cpu_reserve,
                                  .scratch_grows = cpu_scratch_grows, .destroy = cpu_destroy};

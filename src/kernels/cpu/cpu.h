@@ -35,6 +35,7 @@ void tera_cpu_matmul_release(tera_cpu_matmul *mm);
 /* Capability probes (behind tera_backend caps). */
 int tera_cpu_bf16_fast(const char **isa_name);
 int tera_cpu_bf16_has_dot(void);
+int tera_cpu_bf16_native(void); /* oneDNN has bf16 GEMM kernels for this CPU (AVX-512 and up) */
 int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
 
 #endif
