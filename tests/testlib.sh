@@ -47,3 +47,8 @@ compare_steps() {
 untimed() { sed 's/"tokens_per_s[^,]*,//; s/"elapsed_s[^,]*,//; s/"step_s[^,]*,//; s/"data_wait_s[^,]*,//' "$1"; }
 # within A B TOL: |A - B| <= TOL * |A| (and A > 0)
 within() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= t * a) }'; }
+
+# peer_python: the python of the peers' virtual environment (transformers, tokenizers, TensorBoard,
+# MLflow, Optuna; scripts/install-peers.sh builds it once). Prints nothing and fails when it cannot be
+# built; callers then skip with a message: PY=$(peer_python) || { echo "skip: ..."; exit 0; }
+peer_python() { "$(dirname "${BASH_SOURCE[0]}")/../scripts/install-peers.sh" 2>/dev/null; }
