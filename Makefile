@@ -47,6 +47,7 @@ bench: build
 fixtures:
 	@scripts/install-deps.sh --with-torch
 	/usr/bin/python3 tests/ref/make_fixtures.py
+	/usr/bin/python3 tests/ref/make_balance_fixtures.py
 
 # Regenerate docs/CONFIG.md from the config key table.
 docs: build

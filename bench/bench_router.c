@@ -123,12 +123,12 @@ int main(int argc, char **argv) {
             ph[PH_GATE_FWD] = tera_now() - t0, t0 = tera_now();
             tera_moe_score_forward(be, scores, lse, logits, N, E, r[v].score);
             ph[PH_SCORES] = tera_now() - t0, t0 = tera_now();
-            tera_moe_route(topi, topw, scores, vars[v].bias ? bias : NULL, N, E, K, &r[v], scratch[v]);
+            tera_moe_route(be, topi, topw, scores, vars[v].bias ? bias : NULL, N, E, K, &r[v], scratch[v]);
             ph[PH_TOPK] = tera_now() - t0;
             memset(sel, 0, sizeof(int32_t) * (size_t)B * E); /* the dispatch plan's count (not timed) */
             for (int64_t a = 0; a < N * K; a++) sel[(a / ((int64_t)T * K)) * E + topi[a]]++;
             t0 = tera_now();
-            const tera_moe_stats st = tera_moe_route_stats(load, rsum, psum, scores, lse, sel, B, T, E, K, r[v].score);
+            const tera_moe_stats st = tera_moe_route_stats(be, load, rsum, psum, scores, lse, sel, B, T, E, K, r[v].score);
             ph[PH_STATS] = tera_now() - t0, t0 = tera_now();
             tera_moe_router_backward(be, dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel, B, T, E, K, &r[v],
                                      1e-2f / (float)B, 1e-3f / (float)N);

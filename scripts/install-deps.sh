@@ -10,13 +10,18 @@ pkgs=(
   libcjson-dev         # JSON: config resolve, safetensors headers, metrics, manifests
   libpcre2-dev         # tokenizer pre-tokenizer regular expression
   libzstd-dev          # checkpoint compression
+  zlib1g-dev           # gzip shards of online tokenization (data.tokenizer, src/data/online.c)
   libxxhash-dev        # checksums and chunk hashes
   libcmocka-dev        # C unit-test framework (under ctest)
   libopenmpi-dev openmpi-bin  # multi-process communication
   strace               # tests: tests/cli_ckpt.sh kills the trainer at each unlink of checkpoint retention
   jq                   # tests: tests/cli_errors.sh checks that metrics.jsonl and state.json are JSON
   libmicrohttpd-dev    # the Prometheus /metrics endpoint (logging.metrics_port, src/obs/metrics_http.c)
+  libsqlite3-dev       # the run registry (logging.registry, src/obs/registry.c; tera runs, tera tune studies)
+  libcurl4-openssl-dev # MLflow REST client (logging.mlflow_uri, src/obs/mlflow.c)
+  sqlite3              # tests: tests/cli_tune.sh reads the study and trial tables of the registry
   prometheus curl      # tests: tests/cli_prometheus.sh scrapes tera with a real Prometheus; promtool checks deploy/prometheus rules
+  chromium             # tests: tests/cli_report.sh renders `tera report`'s HTML headless (DOM dump and a screenshot)
 )
 if [ "${1:-}" = "--with-torch" ]; then
   # OpenBLAS becomes the system libblas.so.3 (alternatives), which Debian's PyTorch uses for fp32

@@ -28,8 +28,8 @@ printf 'To be, or not to be' | "$TERA" tokenizer encode --tokenizer "$W/tok" > "
     --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32 --training.micro_batch=4 --training.steps=30 \
     --training.warmup_steps=2 --logging.run_dir="$W/run" > "$W/train.log" 2>&1 && pass "train on the prepared dataset" \
     || { fail "train on dataset"; cat "$W/train.log"; }
-first=$(head -1 "$W/run/metrics.jsonl" | sed 's/.*"loss": \([0-9.e+-]*\),.*/\1/')
-last=$(tail -1 "$W/run/metrics.jsonl" | sed 's/.*"loss": \([0-9.e+-]*\),.*/\1/')
+first=$(steps_of "$W/run/metrics.jsonl" | head -1 | cut -d" " -f2)
+last=$(steps_of "$W/run/metrics.jsonl" | tail -1 | cut -d" " -f2)
 awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls on BPE tokens ($first -> $last)" || fail "loss $first -> $last"
 
 # 2. JSON lines with GPT-2's tokenizer: document boundaries get <|endoftext|> (50256)

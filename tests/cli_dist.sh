@@ -47,6 +47,12 @@ for layout in "2 0" "4 0" "2 1" "4 1"; do
     awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= 2e-6 * a) }' \
         && pass "dp$dp: final weights give the same validation loss ($a vs $b)" || fail "dp$dp final weights: $a vs $b"
     [ "$(ls "$W/dp$dp/checkpoints")" = "step_00000008" ] && pass "dp$dp: one checkpoint, written by rank 0" || fail "dp$dp checkpoints"
+    # replicas without ZeRO: rank 0's own storage is the whole model, so it snapshots it like one process
+    # (no window-by-window gather over the ranks); with ZeRO the save is streamed to rank 0
+    want="[0-9]* streamed saves"
+    [ $zero = 0 ] && want="[0-9]* saves ("
+    grep -q "tera: checkpoints: $want" "$W/dp$dp.log" && pass "dp$dp zero$zero: save path '$want'" \
+        || fail "dp$dp zero$zero save path: $(grep "tera: checkpoints" "$W/dp$dp.log")"
     rm -rf "$W/dp$dp"
 done
 

@@ -15,13 +15,15 @@ TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --
 "$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/run" \
     --checkpoint.every=10 > "$W/train.log" 2>&1 && pass "train exits 0" || { fail "train"; cat "$W/train.log"; }
 grep -q "step     20/20 | loss" "$W/train.log" && pass "progress line" || fail "progress line"
-n=$(wc -l < "$W/run/metrics.jsonl")
-[ "$n" = 20 ] && pass "metrics.jsonl has 20 lines" || fail "metrics.jsonl has $n lines"
+n=$(steps_of "$W/run/metrics.jsonl" | wc -l)
+[ "$n" = 20 ] && pass "metrics.jsonl has 20 step records" || fail "metrics.jsonl has $n step records"
+[ "$(jq -r 'select(.event == "memory") | .peak_rss_mib > 0' "$W/run/metrics.jsonl")" = true ] \
+    && pass "metrics.jsonl ends with the peak-RSS event" || fail "no memory event in metrics.jsonl"
 for k in step loss aux_loss lr grad_norm tokens_per_s elapsed_s; do
     grep -q "\"$k\": " "$W/run/metrics.jsonl" || fail "metrics key $k"
 done
-first=$(head -1 "$W/run/metrics.jsonl" | sed 's/.*"loss": \([0-9.e+-]*\),.*/\1/')
-last=$(tail -1 "$W/run/metrics.jsonl" | sed 's/.*"loss": \([0-9.e+-]*\),.*/\1/')
+first=$(steps_of "$W/run/metrics.jsonl" | head -1 | cut -d" " -f2)
+last=$(steps_of "$W/run/metrics.jsonl" | tail -1 | cut -d" " -f2)
 awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls ($first -> $last)" || fail "loss did not fall ($first -> $last)"
 [ -f "$W/run/config.ini" ] && pass "resolved config written" || fail "config.ini missing"
 [ -f "$W/run/checkpoints/step_00000010/model.safetensors" ] && [ -f "$W/run/checkpoints/step_00000020/config.json" ] \
@@ -32,7 +34,7 @@ awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 0.5)}' && pass "loss falls 
 cp -r "$W/run" "$W/forced"
 "$TERA" train "${TINY[@]}" --training.steps=5 --data.path="$W/corpus.txt" --logging.run_dir="$W/forced" --force \
     > /dev/null 2>&1 || fail "train --force"
-[ "$(wc -l < "$W/forced/metrics.jsonl")" = 5 ] && [ "$(ls "$W/forced/checkpoints" | tr '\n' ' ')" = "step_00000005 " ] \
+[ "$(steps_of "$W/forced/metrics.jsonl" | wc -l)" = 5 ] && [ "$(ls "$W/forced/checkpoints" | tr '\n' ' ')" = "step_00000005 " ] \
     && pass "--force replaces the old run's metrics and checkpoints" \
     || fail "--force left old files: $(wc -l < "$W/forced/metrics.jsonl") metrics lines, $(ls "$W/forced/checkpoints" | tr '\n' ' ')"
 

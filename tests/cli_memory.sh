@@ -7,6 +7,7 @@
 #   - the same run saving a whole checkpoint (streamed to world rank 0), and a sharded one;
 #   - --resume from that checkpoint (one more step, then its final save);
 #   - tera ckpt convert of that checkpoint to another layout (ZeRO-1, expert parallel where dp > 1)
+#   - a run starting from a Hugging Face directory (training.init_from, exported from dp1's checkpoint)
 # stays within P + MARGIN, with MARGIN (16 MiB) far below one copy of the weights (27.6 MiB; the
 # code this replaced held 3 whole copies on every rank while saving: +170 MiB at dp4). One rank
 # (dp = 1) snapshots its own storage for the background writer (3 x its floats, the rank's double
@@ -42,7 +43,8 @@ run() {
 }
 le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a > 0 && a <= b) }'; }
 
-table="dp | step loop (no save) | whole save | sharded save | resume | convert | bound"
+table="dp | step loop (no save) | whole save | sharded save | resume | convert | init from HF | bound"
+HF="$W/hf"
 for dp in 1 2 4 8; do
     Z=(--parallel.dp=$dp --parallel.zero=3)
     [ "$dp" = 1 ] && Z=()
@@ -57,20 +59,24 @@ for dp in 1 2 4 8; do
     C=(--parallel.dp=$dp --parallel.ep=2 --parallel.zero=1)
     [ "$dp" = 1 ] && C=()
     c=$(run convert$dp $dp ckpt convert --from "$R/checkpoints/step_00000002" --out "$W/conv$dp" "${C[@]}")
+    # a Hugging Face directory as training.init_from: each rank reads its own ranges (no whole-model import)
+    [ -d "$HF" ] || "$TERA" export-hf --from "$W/run1/checkpoints/step_00000002" --out "$HF" --tera-moe > "$W/hf.log" 2>&1 \
+        || fail "export-hf: $(tail -2 "$W/hf.log")"
+    h=$(run hfinit$dp $dp train "${BIG[@]}" "${Z[@]}" --training.steps=2 --logging.run_dir= --training.init_from="$HF")
     bound=$(awk -v p="$p" -v m="$MARGIN_MIB" 'BEGIN { printf "%.1f", p + m }')
     if [ "$dp" = 1 ]; then # the single rank's snapshot: weights, moments, router bias of its own storage
         snap=$(grep -o "checkpoint memory per rank: snapshot [0-9]*" "$W/save1.log" | grep -o "[0-9]*$")
         bound=$(awk -v p="$p" -v m="$MARGIN_MIB" -v s="${snap:-0}" 'BEGIN { printf "%.1f", p + s / 1048576 + m }')
     fi
     ok=1
-    for x in "whole save:$w" "sharded save:$s" "resume:$r" "convert:$c"; do
+    for x in "whole save:$w" "sharded save:$s" "resume:$r" "convert:$c" "init from HF:$h"; do
         v=${x##*:}
         [ "$v" = - ] && continue
         le "$v" "$bound" || { ok=0; fail "dp$dp ZeRO-3 ${x%%:*}: peak RSS $v MiB above the bound $bound MiB (step loop $p MiB)"; }
     done
-    [ $ok = 1 ] && pass "dp$dp: peak RSS (MiB, largest rank) step loop $p, whole save $w, sharded save $s, resume $r, convert $c: all <= $bound"
+    [ $ok = 1 ] && pass "dp$dp: peak RSS (MiB, largest rank) step loop $p, whole save $w, sharded save $s, resume $r, convert $c, init from HF $h: all <= $bound"
     table="$table
-$dp | $p | $w | $s | $r | $c | $bound"
+$dp | $p | $w | $s | $r | $c | $h | $bound"
 done
 
 # the end-of-run line: the largest rank's peak, which rank, every rank's (dp4's whole-save run)

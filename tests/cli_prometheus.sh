@@ -177,7 +177,7 @@ EOF
     [ "$(pq 'up{job="tera"}' | awk '{ print $2 }')" = 1 ] && pass "up{job=\"tera\"} = 1" || fail "up: $(pq 'up')"
     n_rules=$(prom rules | jq '[.data.groups[].rules[]] | length')
     n_bad=$(prom rules | jq '[.data.groups[].rules[] | select(.health == "err")] | length')
-    [ "$n_rules" = 8 ] && [ "$n_bad" = 0 ] && pass "the 8 alert rules load and evaluate in Prometheus" \
+    [ "$n_rules" = 9 ] && [ "$n_bad" = 0 ] && pass "the 9 alert rules load and evaluate in Prometheus" \
         || fail "rules: $n_rules loaded, $n_bad in error"
 
     # every series with its labels (names with their distinguishing label)
@@ -199,7 +199,8 @@ EOF
         "tera_memory_bytes activations 0" "tera_memory_bytes scratch 0" "tera_process_resident_memory_bytes - 0" \
         "tera_process_cpu_seconds_total - 0" "tera_comm_sent_bytes_total allreduce 0" "tera_comm_sent_bytes_total p2p 0" \
         "tera_checkpoint_saves_total - 0" "tera_checkpoint_last_pause_seconds - 0" "tera_checkpoint_last_write_seconds - 0" \
-        "tera_checkpoint_last_step - 0" "tera_checkpoint_every_steps - 0" "tera_info - 0"; do
+        "tera_checkpoint_last_step - 0" "tera_checkpoint_every_steps - 0" "tera_info - 0" \
+        "tera_cpu_utilization_ratio - 0" "tera_cpu_cores_used - 0"; do
         grep -qxF "$want" "$W/series.txt" || missing="$missing [$want]"
     done
     [ -z "$missing" ] && pass "$(wc -l < "$W/series.txt") series with their labels in Prometheus" || fail "missing series:$missing"
@@ -238,6 +239,44 @@ EOF
     sv=$(pq 'tera_checkpoint_saves_total{job="tera"}' | awk '{ print $2 }')
     [ "${sv:-0}" -ge 1 ] 2> /dev/null && pass "checkpoint saves counted ($sv; last at step $(pq 'tera_checkpoint_last_step{job="tera"}' | awk '{ print $2 }'))" \
         || echo "note: no checkpoint saved yet (saves $sv)"
+    # hardware readings (src/obs/hw.c): CPU figures from this process, the rest where /sys and /proc expose them
+    scrape $P > "$W/expo2.txt"
+    awk '$1 ~ /^tera_cpu_utilization_ratio\{/ { u = $2 } $1 ~ /^tera_cpu_cores_used\{/ { c = $2 }
+         END { exit !(u > 0 && u <= 1.5 && c > 0) }' "$W/expo2.txt" \
+        && pass "CPU utilisation served: $(grep -m1 '^tera_cpu_utilization_ratio' "$W/expo2.txt")" || fail "CPU utilisation"
+    if ls /sys/class/hwmon/hwmon*/temp*_input > /dev/null 2>&1; then
+        grep -q '^tera_hw_temperature_celsius{rank="0",sensor="' "$W/expo2.txt" && pass "hwmon temperatures served" || fail "hwmon temperatures missing"
+    else
+        grep -q '^tera_hw_temperature_celsius' "$W/expo2.txt" && fail "temperature served without hwmon" \
+            || pass "no hwmon temperature on this machine: the family is absent (not zero)"
+    fi
+    if ! ls /sys/class/powercap/intel-rapl:*/energy_uj > /dev/null 2>&1; then
+        grep -q '^tera_hw_power_watts' "$W/expo2.txt" && fail "power served without RAPL" \
+            || pass "no RAPL on this machine: tera_hw_power_watts is absent (not zero)"
+    fi
+
+    # the Grafana dashboard: every panel's PromQL, with the dashboard's variables filled in, returns data
+    DASH="$SRC/deploy/grafana/tera.json"
+    if jq -e '.panels | length > 0' "$DASH" > /dev/null; then
+        sleep 5 # rates need two samples in the window
+        jq -r '.panels[] | select(.type != "row") | . as $p | .targets[] | [($p.tera_optional // false | tostring), $p.title, .expr] | @tsv' \
+            "$DASH" > "$W/dash.tsv"
+        nq=0; nbad=0; nopt=0
+        while IFS=$'\t' read -r optional title expr; do
+            q=${expr//\$__rate_interval/15s}; q=${q//\$job/tera}; q=${q//\$rank/.+}
+            n=$(prom query --data-urlencode "query=$q" | jq '.data.result | length')
+            nq=$((nq + 1))
+            if [ "${n:-0}" -gt 0 ] 2> /dev/null; then continue; fi
+            if [ "$optional" = true ]; then nopt=$((nopt + 1)); echo "note: optional panel \"$title\": no data here ($q)"; continue; fi
+            nbad=$((nbad + 1)); echo "no data: [$title] $q"
+        done < "$W/dash.tsv"
+        [ $nbad = 0 ] && [ $nq -ge 20 ] && pass "Grafana dashboard: $((nq - nopt)) of the $nq queries of $(jq '[.panels[] | select(.type != "row")] | length' "$DASH") panels return data; the $nopt without are optional hardware figures this machine does not expose" \
+            || fail "Grafana dashboard: $nbad of $nq queries return nothing"
+        jq -e '[.panels[] | select(.type == "heatmap") | .targets[].expr | test("tera_expert_load_max_over_mean")] | any' "$DASH" > /dev/null \
+            && pass "the expert load heatmap panel is there" || fail "no expert load heatmap panel"
+    else
+        fail "deploy/grafana/tera.json has no panels"
+    fi
     kill $TPID 2> /dev/null; wait $TPID 2> /dev/null
 
     # ---------------------------------------------------------------- two ranks under mpirun: base + world rank

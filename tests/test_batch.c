@@ -184,11 +184,11 @@ static void test_skip_unaligned(void **state) {
     tera_step_result r;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
     const int64_t c0 = tr.samples_consumed;
-    tr.skip_lo[0] = c0 + 3, tr.skip_hi[0] = c0 + 5, tr.n_skips = 1;
+    tr.spike.skip_lo[0] = c0 + 3, tr.spike.skip_hi[0] = c0 + 5, tr.spike.n_skips = 1;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
     assert_int_equal(tr.samples_consumed, c0 + 5 + 8);
     const int64_t c1 = tr.samples_consumed;
-    tr.skip_lo[1] = c1 + 8, tr.skip_hi[1] = c1 + 12, tr.skip_lo[2] = c1 + 2, tr.skip_hi[2] = c1 + 8, tr.n_skips = 3;
+    tr.spike.skip_lo[1] = c1 + 8, tr.spike.skip_hi[1] = c1 + 12, tr.spike.skip_lo[2] = c1 + 2, tr.spike.skip_hi[2] = c1 + 8, tr.spike.n_skips = 3;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
     assert_int_equal(tr.samples_consumed, c1 + 12 + 8);
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK); /* clear of every window: no jump */
@@ -208,11 +208,11 @@ static void test_resume_state(void **state) {
     assert_int_equal(tera_trainer_init(&a, &c, run, 1), TERA_OK);
     tera_step_result r;
     for (int s = 0; s < 6; s++) assert_int_equal(tera_trainer_step(&a, &r), TERA_OK);
-    assert_int_equal(a.spike_n, 3);
+    assert_int_equal(a.spike.n, 3);
     assert_true(a.batch.window_n == 1); /* mid-window: steps 5 observed, window of 2 */
     const int64_t at = a.samples_consumed, ahead = at + 8 + 16; /* where step 8 starts (step 6: 4 x 2, 7: 8 x 2) */
-    a.skip_lo[0] = ahead, a.skip_hi[0] = ahead + 5, a.n_skips = 1;
-    a.lr_cut_until = 8, a.spike_events = 1, a.last_spike_step = 4, a.spike_repeats = 1;
+    a.spike.skip_lo[0] = ahead, a.spike.skip_hi[0] = ahead + 5, a.spike.n_skips = 1;
+    a.spike.lr_cut_until = 8, a.spike.events = 1, a.spike.last_spike_step = 4, a.spike.repeats = 1;
     assert_int_equal(tera_trainer_save(&a), TERA_OK);
     assert_int_equal(tera_trainer_ckpt_close(&a), TERA_OK);
 
@@ -224,12 +224,12 @@ static void test_resume_state(void **state) {
     assert_int_equal(b.batch.grow, a.batch.grow);
     assert_int_equal(b.batch.window_n, a.batch.window_n);
     assert_true(b.batch.window_sum == a.batch.window_sum); /* bit for bit */
-    assert_int_equal(b.spike_n, a.spike_n);
-    assert_int_equal(b.spike_pos, a.spike_pos);
-    assert_memory_equal(b.spike_hist, a.spike_hist, sizeof(double) * 2 * 3);
-    assert_int_equal(b.n_skips, 1);
-    assert_true(b.skip_lo[0] == ahead && b.skip_hi[0] == ahead + 5);
-    assert_true(b.lr_cut_until == 8 && b.spike_events == 1 && b.last_spike_step == 4 && b.spike_repeats == 1);
+    assert_int_equal(b.spike.n, a.spike.n);
+    assert_int_equal(b.spike.pos, a.spike.pos);
+    assert_memory_equal(b.spike.hist, a.spike.hist, sizeof(double) * 2 * 3);
+    assert_int_equal(b.spike.n_skips, 1);
+    assert_true(b.spike.skip_lo[0] == ahead && b.spike.skip_hi[0] == ahead + 5);
+    assert_true(b.spike.lr_cut_until == 8 && b.spike.events == 1 && b.spike.last_spike_step == 4 && b.spike.repeats == 1);
     /* both continue alike: the LR cut applies to steps 6 and 7, the window is jumped over */
     int jumped = 0;
     for (int s = 6; s < 10; s++) {
@@ -246,17 +246,17 @@ static void test_resume_state(void **state) {
     assert_true(jumped);
     /* rollback: b knows a newer window (below the other) and a later LR cut; resuming the older
      * checkpoint keeps them and merges the windows in increasing order */
-    b.skip_lo[1] = at + 1, b.skip_hi[1] = at + 2, b.n_skips = 2, b.lr_cut_until = 50;
+    b.spike.skip_lo[1] = at + 1, b.spike.skip_hi[1] = at + 2, b.spike.n_skips = 2, b.spike.lr_cut_until = 50;
     assert_int_equal(tera_trainer_resume(&b), TERA_OK);
     assert_int_equal(b.step, 6);
-    assert_int_equal(b.n_skips, 2);
-    assert_true(b.skip_lo[0] == ahead && b.skip_lo[1] == at + 1); /* in memory: as they were */
+    assert_int_equal(b.spike.n_skips, 2);
+    assert_true(b.spike.skip_lo[0] == ahead && b.spike.skip_lo[1] == at + 1); /* in memory: as they were */
     tera_trainer d;
     assert_int_equal(tera_trainer_init(&d, &c, run, 1), TERA_OK);
-    d.skip_lo[0] = at + 1, d.skip_hi[0] = at + 2, d.n_skips = 1, d.lr_cut_until = 50;
+    d.spike.skip_lo[0] = at + 1, d.spike.skip_hi[0] = at + 2, d.spike.n_skips = 1, d.spike.lr_cut_until = 50;
     assert_int_equal(tera_trainer_resume(&d), TERA_OK);
-    assert_int_equal(d.n_skips, 2);
-    assert_true(d.skip_lo[0] == at + 1 && d.skip_lo[1] == ahead && d.lr_cut_until == 50);
+    assert_int_equal(d.spike.n_skips, 2);
+    assert_true(d.spike.skip_lo[0] == at + 1 && d.spike.skip_lo[1] == ahead && d.spike.lr_cut_until == 50);
     tera_trainer_free(&a);
     tera_trainer_free(&b);
     tera_trainer_free(&d);

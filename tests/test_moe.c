@@ -5,6 +5,13 @@
 
 #include "model/moe.h"
 
+/* One CPU backend for the router functions of the tests (kept for the process). */
+static tera_backend *cpu(void) {
+    static tera_backend *b;
+    if (!b) b = tera_backend_cpu_create(-1);
+    return b;
+}
+
 static void test_topk(void **state) {
     (void)state;
     /* 3 tokens, 4 experts */
@@ -13,7 +20,7 @@ static void test_topk(void **state) {
                        0.25f, 0.25f, 0.25f, 0.25f};
     int32_t ti[6];
     float tw[6];
-    tera_moe_topk(ti, tw, probs, NULL, 3, 4, 2);
+    tera_moe_topk(cpu(), ti, tw, probs, NULL, 3, 4, 2);
     assert_int_equal(ti[0], 1);
     assert_int_equal(ti[1], 2);
     assert_true(fabsf(tw[0] - 0.5f) < 1e-7f && fabsf(tw[1] - 0.5f) < 1e-7f);
@@ -24,7 +31,7 @@ static void test_topk(void **state) {
     assert_int_equal(ti[5], 1);
     /* a bias changes the selection but not the weights: weights are renormalised probs */
     float bias[4] = {0.0f, 0.0f, 0.0f, 1.0f};
-    tera_moe_topk(ti, tw, probs, bias, 3, 4, 2);
+    tera_moe_topk(cpu(), ti, tw, probs, bias, 3, 4, 2);
     assert_int_equal(ti[0], 3);
     assert_int_equal(ti[1], 1);
     assert_true(fabsf(tw[0] - 0.2f) < 1e-6f && fabsf(tw[1] - 0.8f) < 1e-6f);
@@ -38,7 +45,7 @@ static void test_plan_dropless(void **state) {
     int32_t slot[A], rtok[A], off[E + 1], sel[B * E];
     _Alignas(16) char scratch[1024];
     assert_true(tera_moe_plan_scratch_bytes(A, B, E) <= sizeof scratch);
-    int64_t dropped = tera_moe_plan(slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 0, TERA_DROP_POSITION);
+    int64_t dropped = tera_moe_plan(cpu(), slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 0, TERA_DROP_POSITION);
     assert_int_equal(dropped, 0);
     /* expert counts 4, 4, 4; rows grouped by expert in assignment order */
     assert_int_equal(off[0], 0);
@@ -63,12 +70,12 @@ static void test_plan_capacity(void **state) {
     float probs[T * E] = {0.6f, 0.4f, 0.9f, 0.1f, 0.7f, 0.3f, 0.2f, 0.8f};
     int32_t slot[A], rtok[A], off[E + 1], sel[B * E];
     _Alignas(16) char scratch[256];
-    int64_t d = tera_moe_plan(slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 2, TERA_DROP_POSITION);
+    int64_t d = tera_moe_plan(cpu(), slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 2, TERA_DROP_POSITION);
     assert_int_equal(d, 1);
     assert_int_equal(slot[2], -1); /* position: the latest token is dropped */
     assert_int_equal(sel[0], 3);   /* selection counts are before drops (aux loss) */
     assert_int_equal(off[E], 3);
-    d = tera_moe_plan(slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 2, TERA_DROP_PROBABILITY);
+    d = tera_moe_plan(cpu(), slot, rtok, off, sel, scratch, topi, probs, B, T, E, K, 2, TERA_DROP_PROBABILITY);
     assert_int_equal(d, 1);
     assert_int_equal(slot[0], -1); /* probability: the lowest prob (0.6) is dropped */
     assert_true(slot[1] >= 0 && slot[2] >= 0 && slot[3] >= 0);
@@ -77,7 +84,7 @@ static void test_plan_capacity(void **state) {
     float probs2[16] = {0};
     int32_t slot2[8], rtok2[8], sel2[4];
     _Alignas(16) char scratch2[512];
-    d = tera_moe_plan(slot2, rtok2, off, sel2, scratch2, topi2, probs2, 2, 4, 2, 1, 2, TERA_DROP_POSITION);
+    d = tera_moe_plan(cpu(), slot2, rtok2, off, sel2, scratch2, topi2, probs2, 2, 4, 2, 1, 2, TERA_DROP_POSITION);
     assert_int_equal(d, 0);
 }
 
@@ -99,7 +106,7 @@ static void test_many_experts(void **state) {
     for (int e = 0; e < E; e++) bias[e] = (e % 7 == 0) ? 0.25f : 0.0f;
     for (int b = 0; b < 2; b++) {
         const float *bs = b ? bias : NULL;
-        tera_moe_topk(ti, tw, probs, bs, N, E, K);
+        tera_moe_topk(cpu(), ti, tw, probs, bs, N, E, K);
         for (int n = 0; n < N; n++) {
             memset(taken, 0, E);
             float sum = 0.0f;
@@ -126,7 +133,7 @@ static void test_many_experts(void **state) {
     int64_t repeats = 0;
     memset(taken, 0, E);
     for (int a = 0; a < N * K; a++) repeats += taken[ti[a]]++ > 0;
-    const int64_t d = tera_moe_plan(slot, rtok, off, sel, scratch, ti, probs, 1, N, E, K, 1, TERA_DROP_POSITION);
+    const int64_t d = tera_moe_plan(cpu(), slot, rtok, off, sel, scratch, ti, probs, 1, N, E, K, 1, TERA_DROP_POSITION);
     assert_int_equal(d, repeats);
     assert_int_equal(off[E], N * K - repeats);
     for (int a = 0; a < N * K; a++)
@@ -181,20 +188,20 @@ static void test_group_limited(void **state) {
     _Alignas(64) char scratch[4096];
     tera_moe_routing r = {.score = TERA_ROUTER_SIGMOID, .n_groups = 4, .topk_groups = 2, .scale = 1.0f};
     assert_true(tera_moe_route_scratch_bytes(&r, 1) <= sizeof scratch);
-    tera_moe_route(ti, tw, p, NULL, 1, 8, 2, &r, scratch);
+    tera_moe_route(cpu(), ti, tw, p, NULL, 1, 8, 2, &r, scratch);
     /* sigmoid: groups 2 (1) and 1 (0.875, tied with g3: lower index); experts 2 (0.875), 4 (0.5) */
     assert_int_equal(ti[0], 2);
     assert_int_equal(ti[1], 4);
     assert_true(fabsf(tw[0] - 0.875f / 1.375f) < 1e-6f && fabsf(tw[1] - 0.5f / 1.375f) < 1e-6f);
     r.score = TERA_ROUTER_SOFTMAX; /* max: groups 1 (0.875) and 3 (0.625): experts 2, 6 */
     r.scale = 2.5f;
-    tera_moe_route(ti, tw, p, NULL, 1, 8, 2, &r, scratch);
+    tera_moe_route(cpu(), ti, tw, p, NULL, 1, 8, 2, &r, scratch);
     assert_int_equal(ti[0], 2);
     assert_int_equal(ti[1], 6);
     assert_true(fabsf(tw[0] - 2.5f * 0.875f / 1.5f) < 1e-6f && fabsf(tw[1] - 2.5f * 0.625f / 1.5f) < 1e-6f);
     /* a bias moves the group choice too (DeepSeek-V3: groups are scored on the biased scores) */
     const float bias[8] = {1.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    tera_moe_route(ti, tw, p, bias, 1, 8, 2, &r, scratch); /* max: g0 1.125, g1 0.875 -> experts 0, 2 */
+    tera_moe_route(cpu(), ti, tw, p, bias, 1, 8, 2, &r, scratch); /* max: g0 1.125, g1 0.875 -> experts 0, 2 */
     assert_int_equal(ti[0], 0);
     assert_int_equal(ti[1], 2);
     assert_true(fabsf(tw[0] - 2.5f * 0.125f / 1.0f) < 1e-6f); /* weights from the unbiased scores */
@@ -202,8 +209,8 @@ static void test_group_limited(void **state) {
     tera_moe_routing plain = {.score = TERA_ROUTER_SOFTMAX, .n_groups = 1, .topk_groups = 1, .scale = 1.0f};
     int32_t ti2[2];
     float tw2[2];
-    tera_moe_route(ti, tw, p, bias, 1, 8, 2, &plain, NULL);
-    tera_moe_topk(ti2, tw2, p, bias, 1, 8, 2);
+    tera_moe_route(cpu(), ti, tw, p, bias, 1, 8, 2, &plain, NULL);
+    tera_moe_topk(cpu(), ti2, tw2, p, bias, 1, 8, 2);
     assert_memory_equal(ti, ti2, sizeof ti);
     assert_memory_equal(tw, tw2, sizeof tw);
 
@@ -224,7 +231,7 @@ static void test_group_limited(void **state) {
                 tera_moe_routing rr = {.score = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX,
                                        .n_groups = groups[gi][0], .topk_groups = groups[gi][1], .scale = 1.0f};
                 void *scr = malloc(tera_moe_route_scratch_bytes(&rr, omp_get_max_threads()));
-                tera_moe_route(got, w, probs, b ? bs : NULL, N, E, K, &rr, scr);
+                tera_moe_route(cpu(), got, w, probs, b ? bs : NULL, N, E, K, &rr, scr);
                 for (int n = 0; n < N; n++) {
                     route_brute(want, probs + (int64_t)n * E, b ? bs : NULL, E, K, rr.n_groups, rr.topk_groups, sig);
                     float sum = 0.0f;
@@ -285,9 +292,9 @@ static void test_sigmoid_backward(void **state) {
     for (int i = 0; i < N * E; i++) assert_true(fabsf(s[i] - 1.0f / (1.0f + expf(-x[i]))) < 1e-6f);
     const float scale = 2.5f, aux_s = 0.3f, z_s = 0.05f;
     tera_moe_routing r = {.score = TERA_ROUTER_SIGMOID, .n_groups = 1, .topk_groups = 1, .scale = scale};
-    tera_moe_route(ti, tw, s, NULL, N, E, K, &r, NULL);
+    tera_moe_route(cpu(), ti, tw, s, NULL, N, E, K, &r, NULL);
     for (int a = 0; a < N * K; a++) cnt[(a / (T * K)) * E + ti[a]]++;
-    tera_moe_sigmoid_backward(dl, x, s, lse, ti, tw, dtw, cnt, B, T, E, K, scale, aux_s, z_s);
+    tera_moe_sigmoid_backward(cpu(), dl, x, s, lse, ti, tw, dtw, cnt, B, T, E, K, scale, aux_s, z_s);
     for (int i = 0; i < N * E; i++) xd[i] = x[i];
     const double h = 1e-5;
     for (int i = 0; i < N * E; i++) {

@@ -2,10 +2,14 @@
  * process: for a table of one-rank model variants (dense first layers, shared experts, dropless and
  * capacity routing, DeepSeek-V3 group routing with sigmoid scores, tied embeddings, every recompute
  * policy, several micro-batch shapes) tera_plan_rank_memory must give tera_model_create's bytes of
- * parameters, activations and scratch to the byte; and the shipped hardware files load, a bad one
- * is refused naming the file, line and key. The multi-rank layouts are checked through the command
+ * parameters, activations and scratch to the byte, and tera_model_count (which the planner uses) every
+ * category tera_model_create_par allocates, also for pipeline stages and sharded buffers; the shipped
+ * hardware files load, a bad one is refused naming the file, line and key; a calibrated description
+ * reads back as written and its measured rates are what the time model looks up. The multi-rank layouts are checked through the command
  * line against `tera train` (tests/cli_plan.sh). */
+#include <math.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include "testutil.h"
 #include "tera/config.h"
@@ -58,6 +62,95 @@ static void test_one_rank_exact(void **state) {
     }
 }
 
+/* tera_model_count (the model's counting entry point, which tera plan uses) against what
+ * tera_model_create_par allocates, every category, for every variant on one rank and as a pipeline
+ * stage (2 stages, 3 activation slots, either stage) with ZeRO-3 / ZeRO-2 sharded buffers. */
+static void test_count_is_the_allocator(void **state) {
+    (void)state;
+    tera_set_threads(2);
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++)
+        for (int shape = 0; shape < 4; shape++) {
+            tera_config c;
+            tera_config_defaults(&c);
+            c.training.seq_len = 32;
+            c.training.micro_batch = 2;
+            for (int k = 0; variants[i].sets[k]; k++) assert_int_equal(tera_config_set(&c, variants[i].sets[k]), TERA_OK);
+            assert_int_equal(tera_config_finalize(&c), TERA_OK);
+            tera_model_config mc = c.model;
+            mc.recompute = c.training.recompute;
+            const int L = mc.n_layers, first[3] = {0, L / 2, L};
+            tera_model_par par = {.ep = 1, .tp = 1};
+            if (shape >= 1) par.pp = 2, par.pp_rank = shape - 1 < 1 ? 0 : 1, par.v = 1, par.n_slots = 3, par.layer_first = first;
+            if (shape == 3) par.shard_params = 1, par.shard_grads = 1;
+            tera_model_bytes cnt;
+            assert_int_equal(tera_model_count(&mc, c.training.micro_batch, c.training.seq_len, &par, &cnt), TERA_OK);
+            tera_model m;
+            assert_int_equal(tera_model_create_par(&m, &mc, c.training.micro_batch, c.training.seq_len, &par), TERA_OK);
+            if (cnt.params != m.bytes_params || cnt.grads != m.bytes_grads || cnt.acts != m.bytes_acts ||
+                cnt.scratch != m.bytes_scratch || cnt.comm != m.bytes_comm || cnt.comm_acts != m.bytes_comm_acts ||
+                cnt.n_floats != m.n_floats || cnt.n_dense != m.n_dense_floats)
+                fail_msg("%s, shape %d: counted params %lld grads %lld acts %lld scratch %lld floats %lld; allocated "
+                         "%lld %lld %lld %lld %lld", variants[i].name, shape, (long long)cnt.params, (long long)cnt.grads,
+                         (long long)cnt.acts, (long long)cnt.scratch, (long long)cnt.n_floats, (long long)m.bytes_params,
+                         (long long)m.bytes_grads, (long long)m.bytes_acts, (long long)m.bytes_scratch,
+                         (long long)m.n_floats);
+            tera_model_destroy(&m);
+        }
+    /* a layout the model refuses is refused by the count with the same message */
+    tera_config c;
+    tera_config_defaults(&c);
+    tera_model_par par = {.ep = 3, .tp = 1};
+    tera_model_bytes cnt;
+    assert_int_equal(tera_model_count(&c.model, 1, 16, &par, &cnt), TERA_ERR_CONFIG);
+    assert_non_null(strstr(tera_last_error(), "parallel.ep = 3"));
+}
+
+/* A calibrated description (as tera plan --calibrate writes it) reads back the same; the rate
+ * lookups take a measured shape exactly, interpolate between sizes, and fall back to the peak. */
+static void test_calibrated_file(void **state) {
+    (void)state;
+    tera_hw hw;
+    memset(&hw, 0, sizeof hw);
+    snprintf(hw.name, sizeof hw.name, "test machine");
+    hw.memory_bytes = 8.0 * 1024 * 1024 * 1024, hw.devices_per_node = 4096, hw.cores = 2;
+    hw.peak_flops[TERA_HW_FP32] = hw.peak_flops[TERA_HW_BF16] = 100e9;
+    hw.intra_bw = hw.inter_bw = 2e9, hw.intra_lat = hw.inter_lat = 5e-6;
+    hw.mem_bw_threads[1] = 10e9, hw.mem_bw_threads[2] = 15e9, hw.mem_bw = 15e9;
+    hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 1, .prec = TERA_HW_FP32, .m = 256, .k = 64, .n = 128, .flops_s = 20e9};
+    hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 1, .prec = TERA_HW_FP32, .m = 1024, .k = 64, .n = 128, .flops_s = 40e9};
+    hw.attn[hw.n_attn++] = (tera_hw_attn){.threads = 1, .B = 2, .T = 32, .H = 4, .Hkv = 4, .hd = 16, .flops_s = 5e9};
+    hw.coll[hw.n_coll++] = (tera_hw_coll){.kind = TERA_HW_ALLREDUCE, .ranks = 4, .alpha_s = 30e-6, .beta_bytes_s = 1.5e9};
+    char path[] = "/tmp/tera_test_plan_cal_XXXXXX";
+    const int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(tera_hw_write(&hw, path, "# test\n"), TERA_OK);
+    tera_hw r;
+    if (tera_hw_load(&r, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    assert_int_equal(r.n_gemm, 2);
+    assert_int_equal(r.n_attn, 1);
+    assert_int_equal(r.n_coll, 1);
+    assert_int_equal(r.cores, 2);
+    assert_true(fabs(r.mem_bw_threads[2] - 15e9) < 1e6 && fabs(r.coll[0].alpha_s - 30e-6) < 1e-9);
+    assert_true(fabs(tera_hw_gemm_rate(&r, 1, TERA_HW_FP32, 256, 64, 128, 0.5) - 20e9) < 1e6);
+    const double mid = tera_hw_gemm_rate(&r, 1, TERA_HW_FP32, 512, 64, 128, 0.5);
+    assert_true(mid > 20e9 && mid < 40e9);
+    assert_true(fabs(tera_hw_gemm_rate(&r, 1, TERA_HW_FP32, 8192, 64, 128, 0.5) - 40e9) < 1e6); /* clamped */
+    assert_true(fabs(tera_hw_attn_rate(&r, 1, TERA_HW_FP32, 2, 32, 4, 4, 16, 0.5) - 5e9) < 1e6);
+    tera_hw bare = r;
+    bare.n_gemm = bare.n_attn = 0;
+    assert_true(fabs(tera_hw_gemm_rate(&bare, 1, TERA_HW_BF16, 256, 64, 128, 0.5) - 50e9) < 1e6); /* 0.5 x peak */
+    remove(path);
+    /* a malformed measured point is refused naming the line */
+    FILE *f = fopen(path, "w");
+    fprintf(f, "[device]\nname = x\n[gemm]\npoint = 1 fp33 256 64 128 20\n");
+    fclose(f);
+    assert_int_equal(tera_hw_load(&r, path), TERA_ERR_CONFIG);
+    assert_non_null(strstr(tera_last_error(), ":4:"));
+    assert_non_null(strstr(tera_last_error(), "THREADS PREC M K N"));
+    remove(path);
+}
+
 static void test_roles_cover_the_world(void **state) {
     (void)state;
     tera_config c;
@@ -105,7 +198,8 @@ static void test_hardware_files(void **state) {
 }
 
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_rank_exact), cmocka_unit_test(test_roles_cover_the_world),
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_rank_exact), cmocka_unit_test(test_count_is_the_allocator),
+                                       cmocka_unit_test(test_calibrated_file), cmocka_unit_test(test_roles_cover_the_world),
                                        cmocka_unit_test(test_hardware_files)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tera/status.h"
+
 /* Precision of the linear layers' products (ops.linear_forward / linear_backward). FP32: fp32
  * throughout. BF16: the operands are rounded to bf16 (round to nearest even) and multiplied with
  * fp32 accumulation into the fp32 output (on the units bf16_gemm names). FP16: the operands are
@@ -104,6 +106,10 @@ typedef struct {
     int (*max_threads)(tera_backend *be);
     int (*items_side_by_side)(tera_backend *be, int n);
     void (*for_each_item)(tera_backend *be, int n, void (*fn)(void *ctx, int i), void *ctx);
+    /* independent rows of host-side loops (the router's scores, top-k, plan and backward):
+     * tera_for_ranges (contiguous ranges, worker < max_threads for per-thread scratch) */
+    void (*for_ranges)(tera_backend *be, int64_t n, void (*fn)(void *ctx, int64_t lo, int64_t hi, int worker),
+                       void *ctx);
 } tera_backend_ops;
 
 /* The backend's buffers (on the CPU: 64-byte aligned host memory). */
@@ -155,6 +161,10 @@ struct tera_backend {
 /* The CPU backend. threads: compute threads (OpenMP and oneDNN) it sets, 0 = all cores, -1 = the
  * process's current setting kept. Precision fp32 until set. */
 tera_backend *tera_backend_cpu_create(int threads);
+/* The backend training.device names: "cpu" (tera_backend_cpu_create) or "cuda" (src/kernels/cuda/,
+ * where the build has it). An unknown name, or cuda in a build without CUDA or on a machine without
+ * a device, is a config error naming the key (src/kernels/device.c). */
+tera_status tera_backend_for_device(const char *device, int threads, tera_backend **out);
 
 static inline void tera_backend_destroy(tera_backend *be) {
     if (be) be->ctl.destroy(be);

@@ -89,12 +89,15 @@ tera_status tera_ckpt_load(const char *dir, tera_model *m, float *exp_avg, float
 
 /* ---------------------------------------------------------------- piecewise reading
  * A rank reads only the pieces it holds, straight from the files (pread; no whole-model buffer):
- * full, differential (base + changed chunks) and sharded checkpoints alike. `global` is the
+ * full, differential (base + changed chunks) and sharded checkpoints alike, and Hugging Face
+ * directories (config.json + safetensors, no manifest.json) as whole weights. `global` is the
  * one-process parameter table (tera_layout_global_shell) and must outlive the reader. */
 typedef struct tera_ckpt_reader tera_ckpt_reader;
 tera_status tera_ckpt_reader_open(tera_ckpt_reader **r, const char *dir, const tera_model *global);
 void tera_ckpt_reader_close(tera_ckpt_reader *r);
 int tera_ckpt_reader_sharded(const tera_ckpt_reader *r);
+/* 1: dir is a Hugging Face directory (no manifest.json), read like a whole checkpoint without moments. */
+int tera_ckpt_reader_is_hf(const tera_ckpt_reader *r);
 /* Elements [g0, g0 + n) (flat, row-major over the global shape) of parameter i of region k (0
  * weights, 1 exp_avg, 2 exp_avg_sq). */
 tera_status tera_ckpt_reader_read(tera_ckpt_reader *r, int k, int i, int64_t g0, int64_t n, float *dst);

@@ -138,8 +138,38 @@ void tera_comm_print_error(const char *msg);
  * the volume the layout needs, whatever algorithm the backend's library picks. */
 typedef struct {
     double allreduce, reduce_scatter, allgather, alltoall, p2p;
+    /* of those bytes, the ones sent to a rank on another node (tera_comm_set_nodes): a ring
+     * collective's bytes cross when the rank's successor in the group's ring is on another node, an
+     * all-to-all's and a point-to-point's per destination */
+    double inter_allreduce, inter_reduce_scatter, inter_allgather, inter_alltoall, inter_p2p;
 } tera_comm_traffic;
 tera_comm_traffic tera_comm_traffic_get(void);
 void tera_comm_traffic_reset(void);
+
+/* ---- nodes (hosts). Collective over the world: groups ranks by node, ranks_per_node > 0: world
+ * ranks [k r, (k+1) r) form node k (emulated nodes on one machine; must divide the world size;
+ * r >= the world size: one node),
+ * 0: the ranks sharing a host (MPI_Comm_split_type shared), numbered by their lowest world rank.
+ * Before the call (and on one rank) every rank is on node 0. Groups made before or after know it. */
+tera_status tera_comm_set_nodes(int ranks_per_node);
+int tera_comm_nodes(void);                 /* nodes of the world */
+int tera_comm_node_of(int world_rank);     /* the node of a world rank */
+int tera_comm_world_rank_of(const tera_comm *c, int r); /* member r of c's world rank */
+int tera_comm_member_node(const tera_comm *c, int r);   /* member r of c's node */
+
+/* ---- byte collectives for compressed data (src/comm/compress.c). Counted under `kind` (its
+ * tera_comm_traffic field). All-to-all: scounts[r] bytes from send (consecutive, in rank order) to
+ * rank r, rcounts[r] bytes from rank r into recv (consecutive); exact bytes counted. All-gather in
+ * place of consecutive ranges of counts[r] bytes (counted as a ring, (p-1)/p of the total). */
+typedef enum {
+    TERA_TRAFFIC_ALLREDUCE,
+    TERA_TRAFFIC_REDUCE_SCATTER,
+    TERA_TRAFFIC_ALLGATHER,
+    TERA_TRAFFIC_ALLTOALL,
+    TERA_TRAFFIC_P2P
+} tera_traffic_kind;
+void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scounts, void *recv,
+                            const int64_t *rcounts, tera_traffic_kind kind);
+void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, tera_traffic_kind kind);
 
 #endif

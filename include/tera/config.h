@@ -30,6 +30,24 @@ typedef enum {
     TERA_BATCH_LR_NONE,     /* LR unchanged */
 } tera_batch_lr_rule;
 
+typedef enum {
+    TERA_LR_COSINE = 0, /* warmup, then cosine from lr to min_lr over the remaining steps */
+    TERA_LR_LINEAR,     /* warmup, then linear from lr to min_lr */
+    TERA_LR_WSD,        /* warmup-stable-decay: lr until the last decay_fraction of the steps, then to min_lr */
+} tera_lr_schedule;
+
+typedef enum {
+    TERA_DECAY_LINEAR = 0, /* WSD decay factor 1 - p */
+    TERA_DECAY_COSINE,     /* (1 + cos(pi p)) / 2 */
+    TERA_DECAY_SQRT,       /* 1 - sqrt(p) (Hagele et al. 2024) */
+} tera_decay_shape;
+
+typedef enum {
+    TERA_BALANCE_SWITCH = 0,        /* per-sequence Switch loss E sum_e f_e P_e (MODEL.md) */
+    TERA_BALANCE_SWITCH_GLOBAL,     /* the Switch loss over all tokens of the micro-batch */
+    TERA_BALANCE_IMPORTANCE_LOAD,   /* Shazeer et al.'s CV^2 of importance + CV^2 of load, per micro-batch */
+} tera_balance_loss;
+
 typedef struct {
     int vocab_size;        /* V */
     int dim;               /* D, model width */
@@ -60,6 +78,7 @@ typedef struct {
     int n_groups;          /* group-limited routing: E experts in n_groups equal groups (1 = off) */
     int topk_groups;       /* a token picks its top-k experts inside its topk_groups best groups */
     float routed_scale;    /* routed scaling factor: combine weights = renormalised scores x this */
+    tera_balance_loss balance_loss; /* which load-balancing loss aux_coef weighs (docs/ARCHITECTURE.md) */
     /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
      * training.recompute); NULL or "" = none. */
     const char *recompute;
@@ -76,6 +95,9 @@ typedef struct {
     int warmup_steps;      /* W */
     float lr;              /* max_lr */
     float min_lr;          /* cosine floor */
+    tera_lr_schedule lr_schedule; /* cosine | linear | wsd (tera_lr_at) */
+    float decay_fraction;  /* wsd: fraction of the steps in the final decay */
+    tera_decay_shape decay_shape; /* wsd: shape of the decay */
     float grad_clip;       /* global-norm clip threshold c (0 = off) */
     int eval_every;        /* validation every N steps (0 = off) */
     int eval_batches;      /* micro-batches per validation */
@@ -84,6 +106,7 @@ typedef struct {
     float spike_grad_zscore; /* and of the grad norm */
     float spike_lr_factor; /* LR multiplier after a spike */
     int spike_lr_steps;    /* for this many steps */
+    int nan_rollback_after; /* roll back after this many consecutive non-finite steps (0 = only skip) */
     int batch_rampup_start; /* batch ramp-up: accumulation count at step 0 (0 = no ramp-up) */
     int batch_rampup_steps; /* steps over which it rises linearly to grad_accum */
     float batch_grow_gnorm; /* grow the batch x2 when the windowed mean grad norm exceeds this (0 = off) */
@@ -92,9 +115,11 @@ typedef struct {
     tera_batch_lr_rule batch_lr_scaling; /* LR rule for a batch other than the full one */
     char init_from[TERA_PATH_MAX]; /* a Hugging Face Mixtral directory to start from ("" = random) */
     char precision[8];     /* auto | fp32 | bf16 | fp16: the linear layers' products (tera_precision_resolve) */
+    char device[8];        /* cpu | cuda: the compute backend (tera_backend_for_device) */
     char bf16_gemm[8];     /* auto | native | fma: the units bf16 products run on (tera_bf16_gemm_resolve) */
     float loss_scale;      /* fp16: initial dynamic loss scale */
     int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
+    int loss_scaling;      /* fp16: 0 = dynamic, 1 = fixed (loss_scale stays constant) */
     char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */
 } tera_train_config;
 
@@ -104,7 +129,10 @@ typedef struct {
 
 typedef struct {
     char path[TERA_PATH_MAX];   /* "" = the embedded default corpus */
+    char paths[4096];           /* a blend "W1 PREFIX1, W2 PREFIX2, ..." ("" = data.path alone; src/data/blend.c) */
     char format[16];            /* auto | text | bin (Megatron .bin/.idx prefix) | u16 */
+    char tokenizer[TERA_PATH_MAX]; /* online tokenization: a tokenizer directory ("" = off; src/data/online.c) */
+    int tokenize_workers;       /* online tokenization: encoding threads */
     int shuffle;                /* 0: sample i = tokens[i*T, i*T+T+1) in order */
     float val_fraction;         /* fraction of samples held out for validation */
     int prefetch;               /* micro-batches prepared ahead by a background thread (0 = off) */
@@ -119,6 +147,10 @@ typedef struct {
     char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */
     int zero;                   /* ZeRO stage 0-3 */
     float timeout_s;            /* collective watchdog: seconds, 0 = off, -1 = automatic from the step times */
+    int ranks_per_node;         /* ranks per node (emulated nodes), 0 = the hosts (docs/COMMUNICATION.md) */
+    int hierarchical;           /* data-parallel sums inside the node first, then across */
+    char grad_compression[8];   /* none | bf16 | fp16 | int8: data-parallel gradient sums in low precision */
+    char a2a_compression[8];    /* none | bf16 | fp8: the expert exchange's rows in low precision */
 } tera_parallel_config;
 
 typedef struct {
@@ -127,6 +159,8 @@ typedef struct {
     int keep_every;             /* also keep checkpoints at multiples of this step (0 = none) */
     int async;                  /* write checkpoints in a background thread */
     int full_every;             /* every N-th save full, the others differential (0 = always full) */
+    float every_s;              /* also save when this many seconds passed since the last save (0 = off) */
+    float full_every_s;         /* a full save when this many seconds passed since the last full one (0 = off) */
     int64_t max_shard_bytes;    /* safetensors shard size limit for export (0 = one file) */
     int sharded;                /* several ranks: each writes its own blocks (per-rank files) */
     int writer_buffer_mb;       /* several ranks: the bounded window a save streams through (MiB) */
@@ -138,6 +172,16 @@ typedef struct {
     int progress;               /* 1: progress line on stderr */
     int profile;                /* 1: per-operation time profile at the end */
     int metrics_port;           /* Prometheus /metrics on this port + world rank (0 = off; docs/MONITORING.md) */
+    char trace[TERA_PATH_MAX];  /* Chrome trace-event JSON of a window of steps ("" = off; src/obs/trace.c) */
+    char trace_steps[32];       /* that window: "FIRST:COUNT" */
+    char tensorboard[TERA_PATH_MAX]; /* TensorBoard event files in this directory ("" = off; src/obs/tensorboard.c) */
+    int hardware;               /* 1: hardware readings (src/obs/hw.c) in metrics.jsonl's "hw" object */
+    char registry[TERA_PATH_MAX]; /* the SQLite run registry ("" = off; src/obs/registry.c, docs/TRACKING.md) */
+    char mlflow_uri[TERA_PATH_MAX]; /* an MLflow tracking server's http(s) URI ("" = off; src/obs/mlflow.c) */
+    char mlflow_experiment[256]; /* the MLflow experiment runs are logged under */
+    int sample_every;           /* a greedy continuation of sample_prompt every N steps (0 = off; src/train/sample.c) */
+    char sample_prompt[256];    /* its prompt ("" = a new document) */
+    int sample_tokens;          /* its new tokens */
 } tera_logging_config;
 
 typedef struct {

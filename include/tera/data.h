@@ -8,11 +8,14 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "tera/config.h"
 #include "tera/status.h"
 
-typedef enum { TERA_SRC_EMBEDDED, TERA_SRC_TEXT, TERA_SRC_BIN, TERA_SRC_U16 } tera_source_kind;
+typedef enum { TERA_SRC_EMBEDDED, TERA_SRC_TEXT, TERA_SRC_BIN, TERA_SRC_U16, TERA_SRC_ONLINE } tera_source_kind;
+
+struct tera_blend; /* a weighted blend of sources (data.paths, src/data/blend.c) */
 
 typedef struct {
     tera_source_kind kind;
@@ -22,6 +25,13 @@ typedef struct {
     const void *tokens;         /* mapped or embedded token array */
     void *map; size_t map_len;  /* the .bin / file mapping, if any */
     int64_t n_docs;             /* documents (bin: from the index; else 1) */
+    struct tera_blend *blend;   /* data.paths: the blend (this source's own fields are its first dataset's) */
+    void *owned;                /* a token array the source allocated (online tokenization), freed at close */
+    struct {                    /* online tokenization (data.tokenizer): what the start-up pass did */
+        int shards, workers, ranks; /* ranks: the processes that shared the encoding (the world) */
+        int64_t bytes;          /* raw text bytes (decompressed) */
+        double tokenize_seconds, seconds; /* encoding only; the whole pass (reading, splitting, packing) */
+    } online;
 } tera_token_source;
 
 /* Opens dc->path according to dc->format (auto: PREFIX.idx exists -> bin, *.u16 -> u16, else
@@ -30,6 +40,13 @@ typedef struct {
  * file and token offset. Empty or too-short sources (fewer than T+1 tokens... checked by the
  * loader) and malformed .idx files are TERA_ERR_FORMAT naming the file and offset. */
 tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size);
+/* With data.tokenizer set (online tokenization, src/data/online.c) tera_source_open is collective over
+ * the world: every rank calls it, in the same order (the ranks share the encoding). */
+/* data.paths = "W1 PREFIX1, W2 PREFIX2, ...": every dataset opened as tera_source_open would open
+ * data.path (data.format applies to each), weights > 0 normalised to sum 1 (tera_source_open calls
+ * it when data.paths is set; data.path must then be empty). */
+tera_status tera_blend_open(struct tera_blend **b, const tera_data_config *dc, int vocab_size);
+void tera_blend_close(struct tera_blend *b);
 void tera_source_close(tera_token_source *s);
 int64_t tera_source_token(const tera_token_source *s, int64_t i);
 
@@ -77,6 +94,28 @@ int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int 
 
 /* The v-th validation sample (v mod n_val). */
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);
+
+/* Blends (data.paths): global sample g (training or validation alike) belongs to dataset
+ * which[g mod P] of a fixed period of P = TERA_BLEND_PERIOD positions filled greedily (position p
+ * goes to the dataset d maximising w_d (p + 1) - (positions of d so far), ties to the lower d,
+ * Megatron's blending rule), and is that dataset's sample (g / P) n_d + (its rank among d's
+ * positions of the period), n_d = d's positions per period: a function of g alone, so any layout
+ * and any resume read the same samples; any prefix of a period holds w_d x its length samples of
+ * dataset d, within one sample. The datasets' loaders live in the blended source, so a blended
+ * source serves one loader configuration (its latest tera_loader_init). Each dataset has its own train/validation
+ * split (the last data.val_fraction of its samples), epochs and shuffle (keyed by seed + d). */
+#define TERA_BLEND_PERIOD 10000
+int tera_loader_n_datasets(const tera_loader *l);          /* 1 without a blend */
+const char *tera_loader_dataset_name(const tera_loader *l, int d); /* the prefix's base name, JSON-safe */
+double tera_loader_dataset_weight(const tera_loader *l, int d);
+/* Which dataset global training sample g comes from (0 without a blend). */
+int tera_loader_dataset_of(const tera_loader *l, int64_t g);
+/* The v-th validation sample of dataset d alone (v mod its validation samples). */
+void tera_loader_val_sample_of(const tera_loader *l, int d, int64_t v, int32_t *inputs, int32_t *targets);
+int64_t tera_loader_n_val_of(const tera_loader *l, int d);
+/* One line per blended dataset (name, weight, samples) and, for online tokenization, the start-up
+ * pass: documents, tokens, shards, workers and tokens/s of the encoding (nothing for other sources). */
+void tera_data_report(const tera_loader *l, FILE *f);
 
 /* A background thread that reads training micro-batches ahead of the step loop: it prepares the
  * micro-batches of global samples [g, g+B), [g+B, g+2B), ... into `depth` slots. */

@@ -11,6 +11,7 @@
 #define TERA_HF_H
 
 #include "tera/model.h"
+#include "tera/safetensors.h"
 
 /* Writes config.json and the weights (sharded when max_shard_bytes > 0 and exceeded). The
  * directory is created if missing; an existing non-empty directory is refused unless overwrite.
@@ -39,5 +40,10 @@ tera_status tera_hf_write_config(const tera_model_config *cfg, const char *path)
 /* Loads every parameter of m (and the router bias when present) from dir. Missing tensors, extra
  * model tensors, or shape mismatches: TERA_ERR_FORMAT naming the tensor. */
 tera_status tera_hf_import(tera_model *m, const char *dir);
+/* tera_hf_import's checks on an open directory without reading the weights into memory (no tensor
+ * the model lacks; a tied lm_head.weight equal to the embedding, compared in bounded windows): the
+ * checkpoint reader runs them when it reads a Hugging Face directory range by range. */
+tera_status tera_hf_check_set(const tera_model *m, const tera_st_set *set, const char *dir);
+
 
 #endif

@@ -128,6 +128,11 @@ int tera_items_side_by_side(int n);
  * index order (so list the largest first), each call runs on exactly one thread, and the kernels it
  * calls run single-threaded inside it. */
 void tera_for_each_item(int n, void (*fn)(void *ctx, int i), void *ctx);
+/* Calls fn(ctx, lo, hi, worker) for contiguous ranges [lo, hi) that partition [0, n), side by side,
+ * worker in [0, tera_max_threads()) naming the thread (for per-thread scratch); the ranges are
+ * OpenMP's static schedule. For loops whose iterations are independent (router rows): the numbers
+ * do not depend on the partition. */
+void tera_for_ranges(int64_t n, void (*fn)(void *ctx, int64_t lo, int64_t hi, int worker), void *ctx);
 
 /* ---- Initialisation: the block [lo, lo + len) (numel = len[0] len[1] len[2] elements, row major)
  * of a tensor of shape[3], element g of the whole tensor = std * tera_rng_normal(seed, stream, g). */

@@ -93,6 +93,7 @@ typedef struct {
     int ep;               /* 1: every expert is local (no exchange) */
     tera_comm *group;     /* the expert-parallel group (its size is ep); NULL when ep = 1 */
     int overlap;          /* 1: exchange one source's tokens while computing another's */
+    int a2a_compression;  /* rows exchanged as 0 fp32, 1 bf16, 4 fp8 e4m3 with a scale per row (tera_compress_kind) */
     /* Tensor parallelism (Megatron): the tp ranks of tp_group see the same tokens and split
      * attention by heads, every FFN (dense, shared and routed experts) by its hidden width, and
      * the embedding and LM head by vocabulary; partial sums meet in all-reduces over tp_group
@@ -234,6 +235,24 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
 tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, int B, int T,
                                   const tera_model_par *par);
 void tera_model_destroy(tera_model *m);
+/* The bytes tera_model_create_par would take for (cfg, B, T, par), by category, without allocating
+ * the model: the same shape, parameter table and activation / scratch carving the allocator runs
+ * (its counting pass), for rank 0 of each group (par's groups are not used: the tp and ep slices of
+ * the other ranks have the same sizes). par->be NULL: a CPU backend on the process's threads sizes
+ * the per-thread scratch. Errors: as tera_model_create_par's configuration checks. The planner's
+ * memory model (tera plan) is built on it. */
+typedef struct {
+    int64_t n_floats, n_dense;   /* parameter floats on the rank, of them non-expert */
+    int64_t params, grads;       /* bytes_params, bytes_grads (0 under par's shard_params / shard_grads) */
+    int64_t acts, scratch;       /* bytes_acts, bytes_scratch */
+    int64_t comm, comm_acts;     /* bytes_comm, bytes_comm_acts */
+} tera_model_bytes;
+tera_status tera_model_count(const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                             tera_model_bytes *out);
+/* The same without the parameter table (n_floats, n_dense, params, grads left 0): for callers that
+ * hold the table already (the planner's search). */
+tera_status tera_model_count_acts(const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                                  tera_model_bytes *out);
 /* Counter-based init: element i of parameter p draws from Philox(seed, p's kind/layer, i), so the
  * values do not depend on how parameters are laid out or sharded. */
 void tera_model_init_weights(tera_model *m, uint64_t seed);

@@ -1,13 +1,15 @@
 /* tera plan: the memory of every rank of a parallel layout, computed without allocating anything,
- * a first time model of a training step, and a search over layouts for a device count (issue 18;
+ * a time model of a training step, and a search over layouts for a device count (issue 18;
  * docs/PLAN.md).
  *
  * Memory: the figures are those tera's allocator would take on each rank (parameter table with the
  * rank's shard spec, the model's activation and scratch carving, the ZeRO shards and staging slots
  * of src/train/layout.c, the pipeline's activation slots from the simulated schedule), to the byte:
- * tests/cli_plan.sh compares them with the "memory bytes per rank" line of `tera train`. Time: FLOPs
- * at a stated fraction of the device's peak, communication by an alpha-beta model over the link each
- * group crosses, and the simulated pipeline bubble; not yet calibrated against measured steps. */
+ * tests/cli_plan.sh compares them with the "memory bytes per rank" line of `tera train`. Time: each
+ * product at its measured (tera plan --calibrate) or stated rate, the element-wise passes and the
+ * optimizer at the memory bandwidth, communication by measured or alpha-beta fits over the link each
+ * group crosses, and the simulated pipeline bubble (bench/plan_validate.sh compares it with measured
+ * steps). */
 #ifndef TERA_PLAN_H
 #define TERA_PLAN_H
 
@@ -20,6 +22,32 @@
 /* ------------------------------------------------------------------ hardware descriptions */
 typedef enum { TERA_HW_FP32, TERA_HW_BF16, TERA_HW_FP16, TERA_HW_FP8, TERA_HW_NPREC } tera_hw_prec;
 
+/* A measured rate of the linear layer's products (tera plan --calibrate): forward and backward of
+ * y[m, n] = x[m, k] w[n, k]^T (the three products: 6 m k n FLOPs) at `threads` threads. */
+typedef struct {
+    int threads;
+    tera_hw_prec prec;
+    int64_t m, k, n;
+    double flops_s;
+} tera_hw_gemm;
+/* A measured rate of the attention kernel (forward + backward) at a shape; FLOPs counted as the
+ * model counts them (12 T H hd per token: 4 forward, 8 backward). */
+typedef struct {
+    int threads, B, T, H, Hkv, hd;
+    double flops_s;
+} tera_hw_attn;
+/* A collective measured through tera's comm layer on `ranks` ranks of this machine, fitted as
+ * alpha + bytes / beta (bytes: what one rank sends, as src/comm/comm.c counts it). */
+typedef enum { TERA_HW_ALLREDUCE, TERA_HW_ALLGATHER, TERA_HW_ALLTOALL, TERA_HW_P2P, TERA_HW_NCOLL } tera_hw_coll_kind;
+typedef struct {
+    tera_hw_coll_kind kind;
+    int ranks;
+    double alpha_s, beta_bytes_s;
+} tera_hw_coll;
+#define TERA_HW_MAX_GEMM 512
+#define TERA_HW_MAX_ATTN 64
+#define TERA_HW_MAX_COLL 64
+
 typedef struct {
     char name[128];
     double peak_flops[TERA_HW_NPREC]; /* dense FLOP/s per device (0: not supported) */
@@ -27,12 +55,43 @@ typedef struct {
     int devices_per_node;
     double intra_bw, intra_lat;       /* inside a node: bytes/s per device per direction, seconds per message */
     double inter_bw, inter_lat;       /* between nodes: the same */
+    /* optional */
+    double mem_bw;                    /* [device] memory_bandwidth_gbytes_s: the element-wise passes and the optimizer */
+    double gemm_efficiency;           /* [device] gemm_efficiency: fraction of the peak the products reach
+                                         where no measured rate applies (0: tera_plan_opts.efficiency) */
+    int cores;                        /* [node] cores: ranks x threads beyond it share the cores (a CPU machine) */
+    double mem_bw_threads[65];        /* [memory] point = THREADS GBYTES/S: measured streaming bandwidth (0: none) */
+    int n_gemm, n_attn, n_coll;       /* measured rates ([gemm], [attention], [collective]: tera plan --calibrate) */
+    tera_hw_gemm gemm[TERA_HW_MAX_GEMM];
+    tera_hw_attn attn[TERA_HW_MAX_ATTN];
+    tera_hw_coll coll[TERA_HW_MAX_COLL];
 } tera_hw;
 
 /* Reads a hardware INI file (hardware/NAME.ini): [device] name, memory_gib, peak_tflops_fp32/_bf16/
- * _fp16/_fp8; [node] devices; [intra_node] and [inter_node] bandwidth_gbytes_s, latency_us.
- * Errors name the file, the line and the key. */
+ * _fp16/_fp8, and optionally memory_bandwidth_gbytes_s, gemm_efficiency; [node] devices (and
+ * optionally cores); [intra_node] and [inter_node] bandwidth_gbytes_s, latency_us; and what tera
+ * plan --calibrate measured: [gemm] point = THREADS PREC M K N GFLOP/S, [attention] point = THREADS
+ * B T H HKV HD GFLOP/S, [collective] KIND = RANKS LATENCY_US GBYTES/S (KIND: allreduce, allgather,
+ * alltoall, p2p). Errors name the file, the line and the key. */
 tera_status tera_hw_load(tera_hw *hw, const char *path);
+/* Writes hw as such a file (to a temporary name, then renamed); `comment` lines go first. */
+tera_status tera_hw_write(const tera_hw *hw, const char *path, const char *comment);
+extern const char *const tera_hw_prec_name[TERA_HW_NPREC];       /* "fp32", "bf16", "fp16", "fp8" */
+extern const char *const tera_hw_coll_name[TERA_HW_NCOLL];       /* "allreduce", ... */
+/* The rate the time model uses for a linear layer's products of that shape (forward + backward):
+ * a measured point of the same (threads, precision, k, n), interpolated in m (log-log), else the
+ * points of that thread count and precision interpolated by FLOPs per call, else efficiency x peak. */
+double tera_hw_gemm_rate(const tera_hw *hw, int threads, tera_hw_prec prec, int64_t m, int64_t k, int64_t n,
+                         double efficiency);
+/* The same for the attention kernel (B, T, H, Hkv, hd); without measured points: the products' rate
+ * of the shape [B T, hd] x [hd, T] at precision prec. */
+double tera_hw_attn_rate(const tera_hw *hw, int threads, tera_hw_prec prec, int B, int T, int H, int Hkv, int hd,
+                         double efficiency);
+
+/* tera plan --calibrate: measures this machine for cfg's shapes (see docs/PLAN.md) on the comm
+ * world's ranks (collectives when there are several) and merges the result into the file `out`
+ * (created when absent). Only world rank 0 writes. */
+tera_status tera_plan_calibrate(const tera_config *cfg, const char *out, FILE *log);
 tera_hw_prec tera_hw_prec_of(const char *training_precision); /* fp32 | bf16 | fp16 | auto (= fp32) */
 
 /* ------------------------------------------------------------------ memory per rank */
@@ -75,13 +134,23 @@ tera_status tera_plan_roles(const tera_config *cfg, int threads, tera_plan_mem *
 
 /* ------------------------------------------------------------------ time model */
 typedef struct {
-    double efficiency;   /* fraction of the peak the matrix products reach (stated, not calibrated) */
+    double efficiency;   /* fraction of the peak the matrix products reach where the hardware file has
+                            no measured rate and no gemm_efficiency */
     double reserve;      /* fraction of device memory kept free (allocator, CUDA context, fragmentation) */
     int threads;         /* scratch sizing (see tera_plan_rank_memory) */
+    /* how the run being planned moves experts' rows (defaults: tera's own, 4 and 0): bytes per
+     * exchanged element, and the fraction of the exchange hidden behind compute */
+    double exchange_bytes, exchange_overlap;
+    double comm_overlap; /* fraction of the tensor-parallel sums and of the exposed data-parallel traffic
+                            the planned run hides behind compute (tera's own: 0) */
+    int products_prec;   /* the precision whose peak the products run at: a tera_hw_prec, or -1
+                            (default) for training.precision (e.g. FP8 products, which tera has not) */
 } tera_plan_opts;
 
 typedef struct {
     double flops_per_step;     /* model FLOPs of one step (6 x active params x tokens + attention) */
+    double matmul_s, memory_s; /* of compute_s: products and attention at their rates; element-wise passes
+                                  and the optimizer at the memory bandwidth */
     double recompute_flops;    /* extra forward FLOPs of recomputation, per step, whole job */
     double compute_s;          /* busiest stage's compute per step, bubble excluded */
     double bubble_frac;        /* simulated idle fraction of the schedule (0 without a pipeline) */

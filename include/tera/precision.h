@@ -40,11 +40,20 @@ typedef struct {
     int64_t good_steps; /* consecutive finite steps since the scale last changed */
     int64_t overflows;  /* steps skipped for a non-finite gradient */
     int window;
+    int fixed;          /* 1: the scale never changes (training.loss_scaling = fixed) */
 } tera_loss_scaler;
 
+/* window <= 0: a fixed loss scale (TensorFlow's FixedLossScaleManager): init_scale throughout. */
 void tera_scaler_init(tera_loss_scaler *s, float init_scale, int window);
 /* After a step: finite = its gradient was finite. Returns -1 (halved, update to be skipped),
- * +1 (doubled) or 0. The scale stays within [TERA_LOSS_SCALE_MIN, TERA_LOSS_SCALE_MAX]. */
+ * +1 (doubled) or 0. The scale stays within [TERA_LOSS_SCALE_MIN, TERA_LOSS_SCALE_MAX]. A fixed
+ * scale only counts the overflow (-1: the update is still skipped) and never changes. */
 int tera_scaler_update(tera_loss_scaler *s, int finite);
+struct cJSON;
+/* state.json: adds "loss_scaler" (scale, good_steps, overflows) to root. */
+void tera_scaler_save(const tera_loss_scaler *s, struct cJSON *root);
+/* Restores "loss_scaler" of root into *s when present (absent: *s unchanged); a scale outside
+ * [TERA_LOSS_SCALE_MIN, TERA_LOSS_SCALE_MAX] is refused, naming path. */
+tera_status tera_scaler_load(tera_loss_scaler *s, const struct cJSON *root, const char *path);
 
 #endif

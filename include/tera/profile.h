@@ -36,16 +36,25 @@ void tera_prof_reset(void);
 /* Table of ops sorted by time with share of the total and GFLOP-free ms per step. */
 void tera_prof_print(FILE *f, int steps);
 
+const char *tera_prof_name(int op);
+/* The timeline (include/tera/trace.h): while a traced step runs, every timed op is also an event. */
+extern volatile int tera_trace_active;
+void tera_trace_prof(int op, double t0, double t1);
+static inline void tera_prof_add(int op, double t0) {
+    const double t1 = tera_now();
+    tera_prof_seconds[op] += t1 - t0;
+    tera_prof_calls[op]++;
+    if (tera_trace_active) tera_trace_prof(op, t0, t1);
+}
+
 /* TERA_PROF(OP, statements...) times the statements (no #pragma inside: use BEGIN/END). */
 #define TERA_PROF(op, ...)                                                                         \
     do {                                                                                           \
         double _t0 = tera_now();                                                                   \
         __VA_ARGS__;                                                                               \
-        tera_prof_seconds[TERA_PROF_##op] += tera_now() - _t0;                                     \
-        tera_prof_calls[TERA_PROF_##op]++;                                                         \
+        tera_prof_add(TERA_PROF_##op, _t0);                                                        \
     } while (0)
 #define TERA_PROF_BEGIN(op) const double _tp_##op = tera_now()
-#define TERA_PROF_END(op)                                                                          \
-    (tera_prof_seconds[TERA_PROF_##op] += tera_now() - _tp_##op, tera_prof_calls[TERA_PROF_##op]++)
+#define TERA_PROF_END(op) tera_prof_add(TERA_PROF_##op, _tp_##op)
 
 #endif

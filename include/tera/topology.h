@@ -37,6 +37,10 @@ typedef struct {
     int world, rank;                                  /* world size, this process's world rank */
     int pp, dp, tp, ep, edp;                          /* degrees: world = pp dp tp, dp = edp ep */
     int pp_rank, dp_rank, tp_rank, ep_rank, edp_rank; /* this rank's coordinates */
+    /* nodes (tera_topology_set_nodes; 1 node until then): how many, this rank's, and whether every
+     * tensor-parallel (expert-parallel) group sits inside one node, as the rank order intends (tp
+     * varies fastest, then ep: a node of a multiple of tp (tp x ep) ranks holds whole groups) */
+    int nodes, node, tp_in_node, ep_in_node;
 } tera_topology;
 
 /* Checks the degrees against the world size (each >= 1, pp dp tp = world, ep divides dp) and sets
@@ -51,6 +55,8 @@ int tera_topology_rank_of(const tera_topology *t, int pp_rank, int dp_rank, int 
 int tera_topology_size(const tera_topology *t, tera_axis axis);
 int tera_topology_index(const tera_topology *t, tera_axis axis);
 void tera_topology_split_keys(const tera_topology *t, tera_axis axis, int *color, int *key);
+/* Places the world's ranks on nodes: node_of[w] (0 .. nodes-1) for every world rank w. */
+void tera_topology_set_nodes(tera_topology *t, const int *node_of);
 /* One line describing the layout (printed at start by multi-rank runs). */
 const char *tera_topology_describe(const tera_topology *t, char *buf, int size);
 

@@ -9,9 +9,12 @@
 #include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/data.h"
+#include "tera/guard.h"
 #include "tera/model.h"
 #include "tera/precision.h"
 #include "tera/topology.h"
+
+struct cJSON;
 
 typedef struct {
     float *m, *v;   /* first and second moments of the flat range [lo, hi), one allocation */
@@ -92,6 +95,12 @@ float tera_batch_lr_factor(const tera_train_config *t, int accum);
  * (from step + 1 on) and then stores the window's mean grad norm in *mean (may be NULL). */
 int tera_batch_observe(const tera_train_config *t, tera_batch_state *b, int64_t step, double grad_norm,
                        double *mean);
+/* state.json: adds "batch" to root (the accumulation count of step `step` on `world` data-parallel
+ * ranks is informative: it follows from the rest). */
+void tera_batch_save(const tera_train_config *t, const tera_batch_state *b, int64_t step, int world,
+                     struct cJSON *root);
+/* Restores "batch" of root (absent: growth off); path names the file in errors. */
+tera_status tera_batch_load(tera_batch_state *b, const struct cJSON *root, const char *path);
 
 typedef struct {
     tera_config cfg;
@@ -105,6 +114,10 @@ typedef struct {
     int64_t samples_consumed;   /* training samples read so far: the data position (the next step
                                    reads global samples samples_consumed, +1, ...) */
     FILE *metrics;              /* run_dir/metrics.jsonl (NULL: no run directory) */
+    FILE *mline;                /* the step line's builder: one memory stream kept for the run (rewound each
+                                   step; its buffer mline_buf grows only when a line is longer than any before) */
+    char *mline_buf;
+    size_t mline_len;
     int metrics_errno;          /* a metrics.jsonl write failed (errno): reported, no more lines written */
     char run_dir[TERA_PATH_MAX];
     double t_start;
@@ -113,6 +126,14 @@ typedef struct {
     double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
     int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
+    int64_t fault_nan_n, fault_nan_done; /* "S:N": N steps from S, each once (tera_elastic_fault_nan) */
+    /* elastic hooks (src/elastic/rank.c): the wall-clock checkpoint cadence and the rollback after
+     * training.nan_rollback_after consecutive non-finite steps */
+    double ckpt_wall_last, ckpt_wall_full; /* when the last save and the last full save ended (tera_now; 0: not yet) */
+    int ckpt_force_full, ckpt_full_seen; /* the next save is full; full saves counted so far */
+    int64_t nonfinite_run, nonfinite_lo; /* consecutive non-finite steps, the first one's first sample */
+    int64_t nan_rollbacks, nan_last_step; /* rollbacks so far, the first failed step of the last one */
+    int nan_repeats;            /* rollbacks in a row for the same steps */
     tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c) */
     struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank) */
     int rank, world;            /* this rank in it, and its size (= parallel.dp) */
@@ -140,14 +161,9 @@ typedef struct {
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
     int n_buckets;
     int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
-    double *spike_hist;         /* [2 * spike_window]: recent losses, then grad norms (ring) */
-    int spike_n, spike_pos;     /* entries in the ring, next slot */
-    int64_t lr_cut_until;       /* steps before this run at spike_lr_factor x LR */
-    int64_t skip_lo[64], skip_hi[64]; /* data windows that caused spikes: samples_consumed jumps over them */
-    int n_skips;
-    int64_t last_spike_step;    /* to stop rolling back when the same step keeps spiking */
-    int spike_repeats;
-    int64_t spike_events;       /* spikes handled so far */
+    struct tera_greducer *gred[2]; /* [non-expert over dp, experts over edp] hierarchical / compressed gradient
+                                      sums (include/tera/comm_hier.h); NULL: the plain collectives */
+    tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [world] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
@@ -159,7 +175,26 @@ typedef struct {
     const char *bf16_gemm_note; /* bf16: one line, the units and why ("" otherwise; static storage) */
     tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
     struct tera_metrics_http *http; /* logging.metrics_port's endpoint (src/obs/metrics_http.c; NULL: off) */
+    struct tera_tensorboard *tb;    /* logging.tensorboard's event file (src/obs/tensorboard.c; world rank 0; NULL: off) */
 } tera_trainer;
+
+/* The bytes one rank sends in one training step of `accum` micro-batches under the trainer's layout,
+ * by kind of transfer (as src/comm/comm.c counts them: collectives at ring-algorithm volume, an
+ * all-reduce of n bytes over p ranks sends 2(p-1)/p n, a reduce-scatter or all-gather (p-1)/p n,
+ * point-to-point exactly), derived from the layout alone (src/train/comm_volume.c). min: what the
+ * layout must move; overhead: the step's statistics and the expert exchange's row counts. */
+typedef enum {
+    TERA_XFER_ALLREDUCE, TERA_XFER_REDUCE_SCATTER, TERA_XFER_ALLGATHER, TERA_XFER_ALLTOALL, TERA_XFER_P2P,
+    TERA_XFER_KINDS
+} tera_xfer_kind;
+extern const char *const tera_xfer_names[TERA_XFER_KINDS]; /* "allreduce", "reduce_scatter", ... */
+typedef struct {
+    double min[TERA_XFER_KINDS], overhead[TERA_XFER_KINDS];
+    double grad, tp, zero3_gather, ep, pp, stats, counts; /* the same bytes by purpose */
+} tera_comm_volume;
+tera_comm_volume tera_trainer_comm_volume(const tera_trainer *tr, int accum);
+/* Bytes of this rank's optimizer state (the Adam moments it holds). */
+int64_t tera_trainer_optimizer_bytes(const tera_trainer *tr);
 
 /* overwrite: 0 = refuse a non-empty run directory, TERA_RUN_CONTINUE = use it as it is (resume),
  * TERA_RUN_FRESH = start over in it (--force: its metrics and checkpoints are removed). */
@@ -174,12 +209,28 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r);
 /* Mean cross-entropy over `batches` micro-batches of the validation split (of the whole dataset
  * in order when data.val_fraction = 0). */
 tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss);
+/* tera_trainer_eval that also gives the next-token accuracy (acc: the fraction of positions whose
+ * largest logit is the target; may be NULL). */
+tera_status tera_trainer_eval_acc(tera_trainer *tr, int batches, double *loss, double *acc);
+/* The same over the validation split of dataset `dataset` of a blend (data.paths; -1: the blend's
+ * validation samples, as tera_trainer_eval_acc). */
+tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches, double *loss, double *acc);
+/* The evaluation line of metrics.jsonl for validation loss vl and accuracy va at step `step`: val_loss,
+ * val_ppl, val_acc and, with a blend, val_loss_NAME and val_acc_NAME of every dataset (evaluated here:
+ * collective, every rank calls it). Writes line[n] (JSON + newline) and its length. */
+tera_status tera_trainer_eval_line(tera_trainer *tr, int64_t step, double vl, double va, char *line, size_t n,
+                                   size_t *len);
+/* Positions of logits [N, Vl] (this rank's vocabulary rows [v0, v0 + Vl)) whose first largest logit
+ * over the whole vocabulary is the target; tp_group: the ranks holding the other rows (NULL or one
+ * rank: Vl is the whole vocabulary); scratch: 2 N floats (used when the group has several ranks). */
+int64_t tera_count_correct(const float *logits, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0,
+                           struct tera_comm *tp_group, float *scratch);
 /* Writes run_dir/checkpoints/step_NNNNNNNN/: HF weights + config.json (with the router bias),
  * optimizer.safetensors (moments), state.json (step, data position, seed, batch-growth, loss-scale
  * and spike-guard state), config.ini, manifest.json and COMMIT (docs/CHECKPOINTS.md). */
 tera_status tera_trainer_save(tera_trainer *tr);
-/* The writer behind it (src/train/checkpoint.c): tr must hold the whole model in the one-process
- * layout (tera_trainer_save builds that view from every rank's blocks and shards); rank 0 only. */
+/* One process: snapshot of its storage (the whole model and its moments) and the (background)
+ * write (src/train/checkpoint.c). */
 tera_status tera_trainer_save_whole(tera_trainer *tr);
 /* Several ranks, whole checkpoint: streamed window by window to world rank 0, which writes the
  * files as tera_trainer_save_whole would (collective, synchronous; no rank holds the whole model). */
@@ -221,8 +272,11 @@ void tera_layout_free(tera_trainer *tr);
 /* Streaming without whole-model buffers (src/train/layout.c). Window [a, b) of region k (0
  * weights, 1 exp_avg, 2 exp_avg_sq) of the one-process flat buffer (shell: tera_layout_global_shell)
  * into win (room for b - a floats rounded up to even), assembled bit-exactly from every rank's
- * blocks and ZeRO shards; collective over the world. */
-void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win);
+ * blocks and ZeRO shards; collective over the world. root_only: only world rank 0 needs the window
+ * (the others' win is then undefined), and when rank 0 holds all of it already (data-parallel
+ * replicas without ZeRO) nothing but a one-number agreement crosses the ranks. */
+void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win,
+                               int root_only);
 /* Window [a, b) of region k of this rank's own flat buffer, inside its non-expert (x = 0) or expert
  * (x = 1) range; collective over the ranks sharing the range's ZeRO shards (dp or edp) when sharded. */
 void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t b, float *dst);

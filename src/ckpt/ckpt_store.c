@@ -687,6 +687,7 @@ struct tera_ckpt_reader {
     int *set_fd;
     tera_st_file opt;
     int opt_fd, has_opt;
+    int hf;                /* a Hugging Face directory (no manifest: no moments, no region checksums) */
     /* sharded */
     int n_files;
     char (*fname)[64];
@@ -921,7 +922,33 @@ static tera_status reader_pieces(tera_ckpt_reader *r, const cJSON *man, const ch
     return s;
 }
 
+/* A Hugging Face directory (config.json and safetensors weights, no manifest.json): read range by
+ * range like a whole checkpoint without moments; tera_hf_import's checks run on the open files. */
+static tera_status reader_open_hf(tera_ckpt_reader **out, const char *dir, const tera_model *g) {
+    tera_ckpt_reader *r = tera_calloc(1, sizeof *r);
+    r->g = g;
+    r->opt_fd = -1;
+    r->hf = 1;
+    snprintf(r->dir, sizeof r->dir, "%s", dir);
+    tera_status s = tera_st_set_open(&r->set, dir);
+    if (s == TERA_OK) {
+        r->set_fd = tera_malloc(sizeof(int) * ((size_t)r->set.n_files + 1));
+        for (int f = 0; f < r->set.n_files; f++) r->set_fd[f] = open_ro(r->set.files[f].path);
+        s = check_whole(r);
+        if (s == TERA_OK) s = tera_hf_check_set(g, &r->set, dir);
+    }
+    if (s != TERA_OK) {
+        tera_ckpt_reader_close(r);
+        return s;
+    }
+    *out = r;
+    return TERA_OK;
+}
+
 static tera_status reader_open_one(tera_ckpt_reader **out, const char *dir, const tera_model *g, int depth) {
+    char path[4400];
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    if (depth == 0 && access(path, F_OK) != 0) return reader_open_hf(out, dir, g);
     cJSON *man = read_manifest(dir);
     if (!man) return tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: missing or malformed", dir);
     tera_ckpt_reader *r = tera_calloc(1, sizeof *r);
@@ -931,7 +958,6 @@ static tera_status reader_open_one(tera_ckpt_reader **out, const char *dir, cons
     r->sharded = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(man, "sharded"));
     const cJSON *kind = cJSON_GetObjectItemCaseSensitive(man, "kind");
     const int diff = cJSON_IsString(kind) && !strcmp(kind->valuestring, "diff");
-    char path[4400];
     tera_status s = TERA_OK;
     if (diff) {
         snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, manifest_int(man, "base_step", -1));
@@ -985,6 +1011,7 @@ tera_status tera_ckpt_reader_open(tera_ckpt_reader **r, const char *dir, const t
 }
 
 int tera_ckpt_reader_sharded(const tera_ckpt_reader *r) { return r->sharded; }
+int tera_ckpt_reader_is_hf(const tera_ckpt_reader *r) { return r->hf; }
 
 /* Elements [g0, g0 + n) of tensor i (global, flat) of region k from a full checkpoint's files. */
 static tera_status read_full(tera_ckpt_reader *r, int k, int i, int64_t g0, int64_t n, float *dst) {

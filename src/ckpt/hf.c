@@ -590,6 +590,38 @@ static tera_status load_tied(const tera_model *m, const tera_st_set *set, const 
     return s;
 }
 
+/* The checks of tera_hf_import that need no whole-model buffer: no tensor the model lacks, and a
+ * tied lm_head.weight equal to embed_tokens, compared in windows read from the files (pread). */
+tera_status tera_hf_check_set(const tera_model *m, const tera_st_set *set, const char *dir) {
+    TERA_TRY(check_no_extra(m, set, dir));
+    if (!m->cfg.tie_embeddings || !tera_st_set_find(set, "lm_head.weight")) return TERA_OK;
+    const tera_param *emb = tera_model_param(m, "model.embed_tokens.weight");
+    TERA_ASSERT(emb != NULL);
+    const tera_st_file *fh = tera_st_set_find(set, "lm_head.weight"), *fe = tera_st_set_find(set, emb->name);
+    if (!fe) return tera_fail(TERA_ERR_FORMAT, "%s: missing tensor '%s'", dir, emb->name);
+    const tera_st_tensor *th = tera_st_find(fh, "lm_head.weight");
+    if (th->ndim != 2 || th->shape[0] != emb->shape[0] || th->shape[1] != emb->shape[1])
+        return tera_fail(TERA_ERR_FORMAT, "%s: tensor 'lm_head.weight' has another shape than '%s'", dir, emb->name);
+    const int fdh = open(fh->path, O_RDONLY | O_CLOEXEC), fde = open(fe->path, O_RDONLY | O_CLOEXEC);
+    enum { WIN = 1 << 16 };
+    float *a = tera_malloc(sizeof(float) * 2 * WIN), *b = a + WIN;
+    tera_status s = fdh < 0 || fde < 0 ? tera_fail(TERA_ERR_IO, "%s: cannot open its safetensors files: %s", dir,
+                                                   strerror(errno))
+                                       : TERA_OK;
+    for (int64_t at = 0; at < emb->numel && s == TERA_OK; at += WIN) {
+        const int64_t n = emb->numel - at < WIN ? emb->numel - at : WIN;
+        s = tera_st_read_range_f32(fh, fdh, "lm_head.weight", at, n, a);
+        if (s == TERA_OK) s = tera_st_read_range_f32(fe, fde, emb->name, at, n, b);
+        if (s == TERA_OK && memcmp(a, b, sizeof(float) * (size_t)n) != 0)
+            s = tera_fail(TERA_ERR_FORMAT, "%s: tie_word_embeddings is set but tensor 'lm_head.weight' differs from "
+                          "'model.embed_tokens.weight'", dir);
+    }
+    free(a);
+    if (fdh >= 0) close(fdh);
+    if (fde >= 0) close(fde);
+    return s;
+}
+
 tera_status tera_hf_import(tera_model *m, const char *dir) {
     tera_st_set set;
     TERA_TRY(tera_st_set_open(&set, dir));

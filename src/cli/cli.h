@@ -14,6 +14,13 @@ int tera_cmd_tokenizer(int argc, char **argv);
 int tera_cmd_ckpt(int argc, char **argv);
 int tera_cmd_schedule(int argc, char **argv);
 int tera_cmd_plan(int argc, char **argv);
+int tera_cmd_launch(int argc, char **argv);     /* the elastic supervisor (never joins MPI) */
+int tera_cmd_simfail(int argc, char **argv);    /* tera sim-failures (no MPI) */
+int tera_cmd_generate(int argc, char **argv);
+int tera_cmd_eval_task(int argc, char **argv); /* tera eval --task (cmd_evaltask.c) */
+int tera_cmd_report(int argc, char **argv);   /* tera report RUN_DIR: an HTML page (src/cli/cmd_report.c) */
+int tera_cmd_runs(int argc, char **argv);     /* tera runs ls|show|compare|rm: the run registry (src/cli/cmd_runs.c) */
+int tera_cmd_tune(int argc, char **argv);     /* tera tune -c search.ini: hyperparameter search (src/cli/cmd_tune.c) */
 
 /* Shared argument handling: -c FILE, --section.key=value overrides, and the flags named in
  * `flags` (e.g. "force", "resume"), whose presence is reported through flag_set[i]. Prints one

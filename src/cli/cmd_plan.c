@@ -39,6 +39,8 @@ static void mem_text(FILE *f, const tera_plan_mem *m, const char *indent) {
 static void time_json(cJSON *o, const tera_plan_time *t) {
     cJSON_AddNumberToObject(o, "step_s", t->step_s);
     cJSON_AddNumberToObject(o, "compute_s", t->compute_s);
+    cJSON_AddNumberToObject(o, "matmul_s", t->matmul_s);
+    cJSON_AddNumberToObject(o, "memory_s", t->memory_s);
     cJSON_AddNumberToObject(o, "bubble_s", t->bubble_s);
     cJSON_AddNumberToObject(o, "bubble_frac", t->bubble_frac);
     cJSON_AddNumberToObject(o, "tp_s", t->tp_s);
@@ -58,8 +60,8 @@ static void time_json(cJSON *o, const tera_plan_time *t) {
 }
 
 static void time_text(FILE *f, const tera_plan_time *t, int64_t devices, const char *indent) {
-    fprintf(f, "%sstep %.4g s = compute %.4g + bubble %.4g (%.1f%%) + tp %.4g + ep %.4g + pp %.4g + dp exposed %.4g "
-            "(of %.4g)\n", indent, t->step_s, t->compute_s, t->bubble_s, 100.0 * t->bubble_frac, t->tp_s, t->ep_s,
+    fprintf(f, "%sstep %.4g s = compute %.4g (products %.4g, memory passes %.4g) + bubble %.4g (%.1f%%) + tp %.4g + ep %.4g + pp %.4g + dp exposed %.4g "
+            "(of %.4g)\n", indent, t->step_s, t->compute_s, t->matmul_s, t->memory_s, t->bubble_s, 100.0 * t->bubble_frac, t->tp_s, t->ep_s,
             t->pp_s, t->dp_s, t->dp_total_s);
     fprintf(f, "%s%.4g tokens/s, %.4g tokens/day, MFU %.1f%%, %.4g device-hours per 1e12 tokens\n", indent,
             t->tokens_per_s, t->tokens_per_s * 86400.0, 100.0 * t->mfu, (double)devices * 1e12 / t->tokens_per_s / 3600.0);
@@ -85,11 +87,12 @@ static void print_json(cJSON *root) {
 
 int tera_cmd_plan(int argc, char **argv) {
     tera_config cfg;
-    static const char *const flags[] = {"dry-run", "json", NULL};
-    int set[2] = {0, 0};
-    enum { O_HW, O_DEV, O_GB, O_T, O_TOP, O_WRITE, O_EFF, O_RES, O_MAXTP, O_THREADS, O_N };
+    static const char *const flags[] = {"dry-run", "json", "calibrate", NULL};
+    int set[3] = {0, 0, 0};
+    enum { O_HW, O_DEV, O_GB, O_T, O_TOP, O_WRITE, O_EFF, O_RES, O_MAXTP, O_THREADS, O_OUT, O_XB, O_XO, O_PROD, O_CO, O_N };
     static const char *const opts[] = {"hardware", "devices", "global-batch", "seq-len", "top", "write-config",
-                                       "efficiency", "reserve", "max-tp", "threads", NULL};
+                                       "efficiency", "reserve", "max-tp", "threads", "out", "exchange-bytes",
+                                       "exchange-overlap", "products", "comm-overlap", NULL};
     const char *val[O_N] = {NULL};
     /* --seq-len is a shorthand for --training.seq_len: applied before the configuration is finalized */
     char seq_arg[64] = "";
@@ -107,10 +110,17 @@ int tera_cmd_plan(int argc, char **argv) {
     const int bad = tera_cli_parse(n, args, &cfg, flags, set, opts, val);
     free(args);
     if (bad) return 1;
+    if (set[2]) { /* tera plan --calibrate [--out FILE]: every rank takes part (the collectives) */
+        const char *out = val[O_OUT] ? val[O_OUT] : "hardware/this-machine.ini";
+        const int root = tera_comm_rank(tera_comm_world()) == 0;
+        if (tera_plan_calibrate(&cfg, out, root ? stdout : NULL) != TERA_OK) return tera_cli_error();
+        if (root) printf("wrote %s\n", out);
+        return 0;
+    }
     /* under mpirun (tera train --dry-run in a launch script): one rank answers, nothing is allocated */
     if (tera_comm_rank(tera_comm_world()) != 0) return 0;
     const int dry = set[0], json = set[1];
-    tera_plan_opts po = {.efficiency = 0.40, .reserve = 0.10, .threads = 0};
+    tera_plan_opts po = {.efficiency = 0.40, .reserve = 0.10, .threads = 0, .products_prec = -1};
     double x;
     if (val[O_EFF]) {
         if (parse_num("efficiency", val[O_EFF], 0.01, 1.0, &x)) return tera_cli_error();
@@ -123,6 +133,26 @@ int tera_cmd_plan(int argc, char **argv) {
     if (val[O_THREADS]) {
         if (parse_num("threads", val[O_THREADS], 1, 4096, &x)) return tera_cli_error();
         po.threads = (int)x;
+    }
+    if (val[O_XB]) {
+        if (parse_num("exchange-bytes", val[O_XB], 0.25, 8, &x)) return tera_cli_error();
+        po.exchange_bytes = x;
+    }
+    if (val[O_PROD]) {
+        for (int p = 0; p < TERA_HW_NPREC; p++)
+            if (!strcmp(val[O_PROD], tera_hw_prec_name[p])) po.products_prec = p;
+        if (po.products_prec < 0) {
+            tera_fail(TERA_ERR_ARG, "--products '%s' is not fp32, bf16, fp16 or fp8", val[O_PROD]);
+            return tera_cli_error();
+        }
+    }
+    if (val[O_CO]) {
+        if (parse_num("comm-overlap", val[O_CO], 0, 1, &x)) return tera_cli_error();
+        po.comm_overlap = x;
+    }
+    if (val[O_XO]) {
+        if (parse_num("exchange-overlap", val[O_XO], 0, 1, &x)) return tera_cli_error();
+        po.exchange_overlap = x;
     }
     tera_hw hw;
     const int have_hw = val[O_HW] != NULL;
@@ -199,8 +229,12 @@ int tera_cmd_plan(int argc, char **argv) {
                 printf("on %s (%.1f GiB, reserve %.0f%%): the largest rank needs %.2f GiB: %s\n", hw.name,
                        gib((int64_t)hw.memory_bytes), 100.0 * po.reserve, gib(worst),
                        (double)worst <= hw.memory_bytes * (1.0 - po.reserve) ? "fits" : "does NOT fit");
-                printf("time model (efficiency %.0f%% of the %s peak; not calibrated):\n", 100.0 * po.efficiency,
-                       cfg.training.precision);
+                if (hw.n_gemm)
+                    printf("time model (%d measured product rates, %d attention, %d collective fits from %s):\n",
+                           hw.n_gemm, hw.n_attn, hw.n_coll, val[O_HW]);
+                else
+                    printf("time model (products at %.0f%% of the %s peak: an assumption, no measured rates):\n",
+                           100.0 * (hw.gemm_efficiency > 0 ? hw.gemm_efficiency : po.efficiency), cfg.training.precision);
                 time_text(stdout, &tm, world, "  ");
             }
         }
@@ -274,10 +308,10 @@ int tera_cmd_plan(int argc, char **argv) {
         print_json(root);
     } else {
         printf("tera plan: %.4g parameters (%.4g active per token) on %d x %s (%.1f GiB, reserve %.0f%%), global batch "
-               "%d x %d = %.4g tokens per step, precision %s at %.0f%% of peak (not calibrated)\n",
+               "%d x %d = %.4g tokens per step, precision %s, products at %.0f%% of peak where not measured\n",
                (double)tera_model_total_params(&cfg.model), (double)tera_model_active_params(&cfg.model), so.devices,
                hw.name, gib((int64_t)hw.memory_bytes), 100.0 * po.reserve, so.global_batch, cfg.training.seq_len,
-               tokens, cfg.training.precision, 100.0 * po.efficiency);
+               tokens, cfg.training.precision, 100.0 * (hw.gemm_efficiency > 0 ? hw.gemm_efficiency : po.efficiency));
         printf("%lld layouts valid (accepted by the configuration checks), %lld fit; the best %d:\n",
                (long long)n_valid, (long long)n_fit, nb);
         for (int i = 0; i < nb; i++) {

@@ -11,6 +11,7 @@
 #include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
+#include "tera/registry.h"
 #include "tera/train.h"
 
 static void print_summary(const tera_trainer *tr) {
@@ -32,6 +33,7 @@ static void print_summary(const tera_trainer *tr) {
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             c->training.recompute, m->bytes_scratch / MiB, tr->precision_note,
             tr->bf16_gemm_note[0] ? " | bf16 products: " : "", tr->bf16_gemm_note);
+    tera_data_report(&tr->loader, stderr); /* a blend's datasets, online tokenization's throughput */
     const tera_train_config *t = &c->training;
     static const char *const rules[] = {"sqrt", "linear", "none"};
     if (t->batch_rampup_start > 0 && t->batch_rampup_steps > 0 && t->batch_rampup_start < t->grad_accum)
@@ -147,9 +149,12 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
         tera_trainer_free(&tr);
         return st == TERA_OK ? 0 : tera_cli_error();
     }
+    /* the run registry and MLflow (logging.registry, logging.mlflow_uri; world rank 0; never stops training) */
+    tera_track *track = tr.root ? tera_track_start(&cfg, argc, argv, step0, tr.wsize) : NULL;
     tera_step_result last;
     tera_status st = tera_trainer_run(&tr, &last);
     if (st != TERA_OK) {
+        tera_track_end(track, "failed", tera_last_error());
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
@@ -175,11 +180,14 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
     else if (tr.root) /* logging.run_dir = "": nothing was written */
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f (logging.run_dir is empty: nothing was saved)\n",
                 (long)tr.step, last.loss);
+    tera_track_end(track, "finished", NULL);
     tera_trainer_free(&tr);
     return 0;
 }
 
 int tera_cmd_eval(int argc, char **argv) {
+    for (int i = 0; i < argc; i++) /* multiple-choice / cloze tasks: src/cli/cmd_evaltask.c */
+        if (!strncmp(argv[i], "--task", 6) && (argv[i][6] == 0 || argv[i][6] == '=')) return tera_cmd_eval_task(argc, argv);
     tera_config cfg;
     static const char *const opts[] = {"from", NULL};
     const char *from = NULL;
@@ -203,18 +211,18 @@ int tera_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "tera eval: precision %s\n",
                 precision_given ? tr.precision_note : "fp32 (the eval default; --training.precision=... changes it)");
     int batches = cfg.training.eval_batches;
-    double loss;
-    if (tera_trainer_eval(&tr, batches, &loss) != TERA_OK) {
+    double loss, acc;
+    if (tera_trainer_eval_acc(&tr, batches, &loss, &acc) != TERA_OK) {
         tera_trainer_free(&tr);
         return tera_cli_error();
     }
     if (tr.root) { /* every rank has the loss; one prints it (null when not finite: JSON has no NaN) */
-        char vl[64], vp[64];
+        char vl[64], vp[64], va[64];
         cJSON *src = cJSON_CreateString(from); /* the path as a JSON string, escaped */
         char *from_json = src ? cJSON_PrintUnformatted(src) : NULL;
-        printf("{\"from\": %s, \"val_loss\": %s, \"val_ppl\": %s, \"batches\": %d, \"tokens\": %ld}\n",
+        printf("{\"from\": %s, \"val_loss\": %s, \"val_ppl\": %s, \"val_acc\": %s, \"batches\": %d, \"tokens\": %ld}\n",
                from_json ? from_json : "null", tera_json_num(vl, sizeof vl, "%.6f", loss),
-               tera_json_num(vp, sizeof vp, "%.4f", exp(loss)), batches,
+               tera_json_num(vp, sizeof vp, "%.4f", exp(loss)), tera_json_num(va, sizeof va, "%.6f", acc), batches,
                (long)batches * cfg.training.micro_batch * cfg.training.seq_len);
         free(from_json);
         cJSON_Delete(src);

@@ -11,6 +11,8 @@
 #include <time.h>
 
 #include "comm_impl.h"
+#include "tera/profile.h"
+#include "tera/trace.h"
 
 /* The backends that can serve a multi-rank world, tried in order; none launched: the one-rank world. */
 static const struct tera_comm_backend *const g_backends[] = {&tera__comm_mpi};
@@ -109,6 +111,72 @@ tera_comm_traffic tera_comm_traffic_get(void) { return g_traffic; }
 void tera_comm_traffic_reset(void) { memset(&g_traffic, 0, sizeof g_traffic); }
 static double ring_share(const tera_comm *c) { return (double)(c->size - 1) / (double)c->size; }
 
+/* ---- nodes: g_node[w] is world rank w's node (NULL: every rank on node 0) */
+static int *g_node = NULL;
+static int g_n_nodes = 1;
+
+int tera_comm_nodes(void) { return g_n_nodes; }
+int tera_comm_node_of(int world_rank) {
+    TERA_ASSERTF(world_rank >= 0 && world_rank < g_world.size, "world rank %d of %d", world_rank, g_world.size);
+    return g_node ? g_node[world_rank] : 0;
+}
+int tera_comm_world_rank_of(const tera_comm *c, int r) {
+    TERA_ASSERTF(r >= 0 && r < c->size, "member %d of a group of %d", r, c->size);
+    return c->wrank ? c->wrank[r] : c == &g_world ? r : g_world.rank;
+}
+int tera_comm_member_node(const tera_comm *c, int r) { return tera_comm_node_of(tera_comm_world_rank_of(c, r)); }
+
+tera_status tera_comm_set_nodes(int ranks_per_node) {
+    const int W = g_world.size;
+    if (ranks_per_node >= W) ranks_per_node = W; /* one node (a one-rank run of a cluster's config too) */
+    if (ranks_per_node < 0 || (ranks_per_node > 0 && W % ranks_per_node != 0))
+        return tera_fail(TERA_ERR_CONFIG, "parallel.ranks_per_node = %d must divide the %d ranks running (0 = the hosts)",
+                         ranks_per_node, W);
+    int *node = tera_calloc((size_t)W, sizeof(int));
+    int n = 1;
+    if (ranks_per_node > 0) {
+        for (int w = 0; w < W; w++) node[w] = w / ranks_per_node;
+        n = W / ranks_per_node;
+    } else if (W > 1) {
+        TERA_ASSERTF(g_world.be->host_leader, "backend %s cannot tell hosts apart", g_world.be->name);
+        int64_t *lead = tera_calloc((size_t)W, sizeof(int64_t));
+        lead[g_world.rank] = g_world.be->host_leader();
+        g_world.be->allreduce(&g_world, lead, W, TERA_COMM_I64, TERA_COMM_SUM); /* set-up: not counted */
+        n = 0;
+        for (int w = 0; w < W; w++) { /* each host's leader is its lowest rank: hosts numbered in rank order */
+            if (lead[w] == w) n++;
+            int k = 0;
+            for (int v = 0; v < lead[w]; v++) k += lead[v] == v;
+            node[w] = k;
+        }
+        free(lead);
+    }
+    free(g_node);
+    g_node = node;
+    g_n_nodes = n;
+    return TERA_OK;
+}
+
+static double *kind_total(tera_traffic_kind k) {
+    double *t[] = {&g_traffic.allreduce, &g_traffic.reduce_scatter, &g_traffic.allgather, &g_traffic.alltoall,
+                   &g_traffic.p2p};
+    return t[k];
+}
+static double *kind_inter(tera_traffic_kind k) {
+    double *t[] = {&g_traffic.inter_allreduce, &g_traffic.inter_reduce_scatter, &g_traffic.inter_allgather,
+                   &g_traffic.inter_alltoall, &g_traffic.inter_p2p};
+    return t[k];
+}
+/* bytes this rank sends to member `to` of c: inter-node when `to` is on another node */
+static void count_to(const tera_comm *c, int to, double bytes, tera_traffic_kind k) {
+    *kind_total(k) += bytes;
+    if (g_node && tera_comm_member_node(c, to) != tera_comm_member_node(c, c->rank)) *kind_inter(k) += bytes;
+}
+/* a ring collective: this rank sends its bytes to its successor in the group */
+static void count_ring(const tera_comm *c, double bytes, tera_traffic_kind k) {
+    count_to(c, (c->rank + 1) % c->size, bytes, k);
+}
+
 static int64_t total_count(const tera_comm *c, const int64_t *counts) {
     int64_t t = 0;
     for (int r = 0; r < c->size; r++) {
@@ -121,8 +189,10 @@ static int64_t total_count(const tera_comm *c, const int64_t *counts) {
 /* ---- collectives */
 static void allreduce(tera_comm *c, void *buf, int64_t n, tera_comm_dtype dt, size_t es, tera_comm_redop op) {
     if (c->size == 1 || n == 0) return; /* the one-rank answer: buf as it is */
-    g_traffic.allreduce += 2.0 * ring_share(c) * (double)n * (double)es;
+    count_ring(c, 2.0 * ring_share(c) * (double)n * (double)es, TERA_TRAFFIC_ALLREDUCE);
+    const double t0 = tera_trace_active ? tera_now() : 0.0; /* the timeline (include/tera/trace.h) */
     c->be->allreduce(c, buf, n, dt, op);
+    if (tera_trace_active) tera_trace_comm("allreduce", t0, tera_now(), (int64_t)n * (int64_t)es);
 }
 
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) {
@@ -139,22 +209,53 @@ void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n) {
 }
 
 void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    if (c->size > 1) g_traffic.reduce_scatter += ring_share(c) * 4.0 * (double)total_count(c, counts);
+    if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
+    const double t0 = tera_trace_active ? tera_now() : 0.0;
     be_of(c)->reduce_scatter_f32(c, buf, counts);
+    if (tera_trace_active && c->size > 1) tera_trace_comm("reduce_scatter", t0, tera_now(), 4 * total_count(c, counts));
 }
 
 void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
-    if (c->size > 1) g_traffic.allgather += ring_share(c) * 4.0 * (double)total_count(c, counts);
+    if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
+    const double t0 = tera_trace_active ? tera_now() : 0.0;
     be_of(c)->allgather_f32(c, buf, counts);
+    if (tera_trace_active && c->size > 1) tera_trace_comm("allgather", t0, tera_now(), 4 * total_count(c, counts));
 }
 
 void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, int n) {
     TERA_ASSERTF(n >= 0, "all-to-all of %d values per rank", n);
-    if (c->size > 1) g_traffic.alltoall += (double)(c->size - 1) * 4.0 * n;
+    for (int r = 0; r < c->size && c->size > 1; r++)
+        if (r != c->rank) count_to(c, r, 4.0 * n, TERA_TRAFFIC_ALLTOALL);
+    const double t0 = tera_trace_active ? tera_now() : 0.0;
     be_of(c)->alltoall_i32(c, send, recv, n);
+    if (tera_trace_active && c->size > 1) tera_trace_comm("alltoall", t0, tera_now(), 4 * (int64_t)n * c->size);
 }
 
 void tera_comm_barrier(tera_comm *c) { be_of(c)->barrier(c); }
+
+void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scounts, void *recv,
+                            const int64_t *rcounts, tera_traffic_kind kind) {
+    total_count(c, scounts);
+    total_count(c, rcounts);
+    if (c->size == 1) { /* the one-rank answer: a copy */
+        TERA_ASSERTF(scounts[0] == rcounts[0], "all-to-all sends %ld bytes to itself, expects %ld", (long)scounts[0],
+                     (long)rcounts[0]);
+        if (scounts[0] > 0) memmove(recv, send, (size_t)scounts[0]);
+        return;
+    }
+    TERA_ASSERTF(c->be->alltoallv_u8, "backend %s has no byte all-to-all", c->be->name);
+    for (int r = 0; r < c->size; r++)
+        if (r != c->rank) count_to(c, r, (double)scounts[r], kind);
+    c->be->alltoallv_u8(c, send, scounts, recv, rcounts);
+}
+
+void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, tera_traffic_kind kind) {
+    const int64_t t = total_count(c, counts);
+    if (c->size == 1) return;
+    TERA_ASSERTF(c->be->allgatherv_u8, "backend %s has no byte all-gather", c->be->name);
+    count_ring(c, ring_share(c) * (double)t, kind);
+    c->be->allgatherv_u8(c, buf, counts);
+}
 
 /* ---- non-blocking operations: the request's public fields are kept here */
 static void req_set(tera_comm_req *req, const struct tera_comm_backend *be, void *op) {
@@ -166,14 +267,14 @@ static void req_set(tera_comm_req *req, const struct tera_comm_backend *be, void
 void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req) {
     req_set(req, NULL, NULL);
     if (c->size == 1 || n == 0) return;
-    g_traffic.allreduce += 2.0 * ring_share(c) * 4.0 * (double)n;
+    count_ring(c, 2.0 * ring_share(c) * 4.0 * (double)n, TERA_TRAFFIC_ALLREDUCE);
     req_set(req, c->be, c->be->iallreduce_f32(c, buf, n));
 }
 
 void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req) {
     req_set(req, NULL, NULL);
     if (c->size == 1) return;
-    g_traffic.allgather += ring_share(c) * 4.0 * (double)total_count(c, counts);
+    count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
     req_set(req, c->be, c->be->iallgather_f32(c, buf, counts));
 }
 
@@ -187,7 +288,7 @@ void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, in
     req_set(req, NULL, NULL);
     if (n == 0) return;
     p2p_check(c, n, peer, 1);
-    g_traffic.p2p += 4.0 * (double)n;
+    count_to(c, peer, 4.0 * (double)n, TERA_TRAFFIC_P2P);
     req_set(req, c->be, c->be->isend_f32(c, buf, n, peer, tag));
 }
 
@@ -200,7 +301,9 @@ void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag,
 
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
+    const double t0 = tera_trace_active ? tera_now() : 0.0;
     req->be->wait(req->op);
+    if (tera_trace_active) tera_trace_comm("wait (non-blocking op)", t0, tera_now(), -1);
     req_set(req, NULL, NULL);
 }
 
@@ -213,11 +316,23 @@ void tera_comm_poll(tera_comm_req *reqs, int n) {
 tera_comm *tera_comm_split(tera_comm *c, int color, int key) {
     tera_comm *g = tera_calloc(1, sizeof *g);
     be_of(c)->split(c, color, key, g);
+    /* the members' world ranks (for their nodes): one sum over the new group, not counted */
+    g->wrank = tera_calloc((size_t)g->size, sizeof(int));
+    if (g->size == 1) {
+        g->wrank[0] = g_world.rank;
+    } else {
+        int64_t *w = tera_calloc((size_t)g->size, sizeof(int64_t));
+        w[g->rank] = g_world.rank;
+        g->be->allreduce(g, w, g->size, TERA_COMM_I64, TERA_COMM_SUM);
+        for (int r = 0; r < g->size; r++) g->wrank[r] = (int)w[r];
+        free(w);
+    }
     return g;
 }
 
 void tera_comm_free(tera_comm *c) {
     if (!c || c == &g_world) return;
     c->be->free(c);
+    free(c->wrank);
     free(c);
 }

@@ -19,6 +19,7 @@ struct tera_comm {
     const struct tera_comm_backend *be; /* the backend serving the group (the one-rank one for ranks = 1) */
     void *ctx;                          /* the backend's group object (MPI: an MPI_Comm), NULL when none */
     int rank, size;                     /* this rank in the group, the group's size */
+    int *wrank;                         /* [size] the members' world ranks (NULL: the world itself) */
 };
 
 typedef enum { TERA_COMM_F32, TERA_COMM_F64, TERA_COMM_I64 } tera_comm_dtype;
@@ -59,6 +60,14 @@ struct tera_comm_backend {
 
     /* tera_comm_print_error for a world of two ranks or more */
     void (*print_error)(const char *msg);
+
+    /* Optional (NULL in a backend that only serves one-rank groups; comm.c serves those itself):
+     * byte collectives for compressed data, consecutive ranges in rank order (all-to-all: scount[r]
+     * bytes of send to rank r, rcount[r] bytes of recv from rank r; all-gather in place), and the
+     * lowest world rank sharing this rank's host (collective over the world). */
+    void (*alltoallv_u8)(tera_comm *c, const void *send, const int64_t *scount, void *recv, const int64_t *rcount);
+    void (*allgatherv_u8)(tera_comm *c, void *buf, const int64_t *counts);
+    int (*host_leader)(void);
 };
 
 extern const struct tera_comm_backend tera__comm_single; /* comm_single.c: the one-rank world */

@@ -562,6 +562,43 @@ static int mpi_test(void *op) {
     return done;
 }
 
+/* ---- byte collectives (compressed data: src/comm/compress.c) */
+static void mpi_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scount, void *recv, const int64_t *rcount) {
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *a = pool_take(OP_ALLTOALL), *b = pool_take(OP_ALLTOALL); /* their count arrays */
+    int_counts(c, scount, a->cnt, a->disp);
+    int_counts(c, rcount, b->cnt, b->disp);
+    MPI_CHECK(MPI_Ialltoallv(send, a->cnt, a->disp, MPI_BYTE, recv, b->cnt, b->disp, MPI_BYTE, comm_of(c), &a->r));
+    wait_req(&a->r, OP_ALLTOALL);
+    pool_put(b);
+    pool_put(a);
+}
+
+static void mpi_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts) {
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *o = pool_take(OP_ALLGATHER);
+    int_counts(c, counts, o->cnt, o->disp);
+    MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, o->cnt, o->disp, MPI_BYTE, comm_of(c), &o->r));
+    wait_req(&o->r, OP_ALLGATHER);
+    pool_put(o);
+}
+
+/* the lowest world rank on this rank's host (set-up; blocking, timed out by the backup thread) */
+static int mpi_host_leader(void) {
+    MPI_Comm node;
+    g_op = OP_SPLIT;
+    g_op_blocking = 1;
+    g_op_start = mono();
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &node));
+    int lead = g_rank;
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &lead, 1, MPI_INT, MPI_MIN, node));
+    g_op_start = 0.0;
+    g_op_blocking = 0;
+    g_op = OP_NONE;
+    MPI_Comm_free(&node);
+    return lead;
+}
+
 /* ---- groups */
 static void mpi_split(tera_comm *c, int color, int key, tera_comm *g) {
     MPI_Comm *m = tera_calloc(1, sizeof *m);
@@ -605,4 +642,7 @@ const struct tera_comm_backend tera__comm_mpi = {
     .split = mpi_split,
     .free = mpi_free,
     .print_error = mpi_print_error,
+    .alltoallv_u8 = mpi_alltoallv_u8,
+    .allgatherv_u8 = mpi_allgatherv_u8,
+    .host_leader = mpi_host_leader,
 };

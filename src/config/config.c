@@ -172,6 +172,10 @@ static const config__key config__keys[] = {
           "its best expert score (softmax) or the sum of its best two (sigmoid)"),
     K_FLOAT(model, routed_scale, "1", R_GT0,
             "routed scaling factor: the combine weights are multiplied by it (DeepSeek's routed_scaling_factor)"),
+    K_ENUM(model, balance_loss, tera_balance_loss, "switch", "switch|switch_global|importance_load",
+           "load-balancing loss weighted by aux_coef: switch = per sequence (MODEL.md), switch_global = the "
+           "Switch loss over all tokens of the micro-batch, importance_load = CV^2 of importance + CV^2 of load "
+           "(Shazeer et al. 2017) per micro-batch (docs/ARCHITECTURE.md)"),
 
     /* [training] ------------------------------------------------------------------------------- */
     K_INT(training, steps, "300", 1, INT_MAX, "optimizer steps S"),
@@ -189,6 +193,14 @@ static const config__key config__keys[] = {
     K_INT(training, warmup_steps, "30", 0, INT_MAX, "linear warmup steps W (at most steps)"),
     K_FLOAT(training, lr, "3e-3", R_GT0, "peak learning rate max_lr"),
     K_FLOAT(training, min_lr, "3e-4", R_GE0, "cosine floor (at most lr)"),
+    K_ENUM(training, lr_schedule, tera_lr_schedule, "cosine", "cosine|linear|wsd",
+           "LR after the warmup: cosine or linear from lr to min_lr over the remaining steps, or wsd "
+           "(warmup-stable-decay: lr until the last decay_fraction of the steps, then decay_shape to min_lr); "
+           "formulas in docs/SCHEDULES.md"),
+    K_FLOAT(training, decay_fraction, "0.2", R_CLOSED(0.0, 1.0),
+            "wsd: fraction of training.steps in the final decay (it starts no earlier than the warmup's end)"),
+    K_ENUM(training, decay_shape, tera_decay_shape, "linear", "linear|cosine|sqrt",
+           "wsd: decay factor 1 - p, (1 + cos(pi p)) / 2, or 1 - sqrt(p) over the decay's progress p"),
     K_FLOAT(training, grad_clip, "1.0", R_GE0, "global L2-norm clip threshold; 0 = off"),
     K_INT(training, eval_every, "0", 0, INT_MAX, "validation every N steps; 0 = off"),
     K_INT(training, eval_batches, "4", 1, INT_MAX, "micro-batches per validation"),
@@ -206,6 +218,10 @@ static const config__key config__keys[] = {
           "after a spike the LR stays lowered until this many steps past it: with a rollback the replayed "
           "steps, then this many from the spike's step on (run again on the batch after the skipped one); "
           "without one, the next this many steps"),
+    K_INT(training, nan_rollback_after, "0", 0, INT_MAX,
+          "after this many consecutive non-finite steps, roll back to the newest checkpoint, skip their data and "
+          "lower the LR as after a spike (spike_lr_factor, spike_lr_steps); a single non-finite step is only "
+          "skipped; 0 = never roll back (docs/ELASTIC.md)"),
     K_INT(training, batch_rampup_start, "0", 0, INT_MAX,
           "batch-size ramp-up: micro-batches per step at step 0 (at most grad_accum), rising linearly in "
           "whole micro-batches to grad_accum over batch_rampup_steps; 0 = no ramp-up"),
@@ -222,6 +238,9 @@ static const config__key config__keys[] = {
              "Hugging Face directory (model_type mixtral or tera_moe) or tera checkpoint to start from: the model "
              "comes from its config.json, and a [model] value given here that contradicts it is an error; empty = "
              "random init"),
+    K_CHOICE(training, device, "cpu", "cpu|cuda",
+             "compute backend: cpu, or cuda (the CUDA backend, docs/GPU.md; an error at start in a build "
+             "without CUDA or on a machine without a device)"),
     K_CHOICE(training, precision, "fp32", "auto|fp32|bf16|fp16",
              "matrix products of the linear layers: bf16 = bf16 operands, fp32 accumulation; fp16 = "
              "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
@@ -237,6 +256,9 @@ static const config__key config__keys[] = {
             "fp16: initial loss scale, at most 2^40 (halved, and the update skipped, on a non-finite gradient)"),
     K_INT(training, loss_scale_window, "1000", 1, INT_MAX,
           "fp16: the loss scale doubles after this many consecutive steps without overflow"),
+    K_ENUM(training, loss_scaling, int, "dynamic", "dynamic|fixed",
+           "fp16: dynamic = loss_scale is the initial scale, halved on overflow and doubled after "
+           "loss_scale_window clean steps; fixed = loss_scale throughout (a non-finite step is still skipped)"),
     K_STRING(training, recompute, "none",
              "activation recomputation per layer: none, selective (attention core and FFN hidden "
              "activations recomputed in backward), full (only each layer's input kept), or per layer range "
@@ -251,9 +273,20 @@ static const config__key config__keys[] = {
     /* [data] ----------------------------------------------------------------------------------- */
     K_STRING(data, path, "",
              "corpus file or Megatron .bin/.idx prefix; empty = the embedded corpus"),
-    K_CHOICE(data, format, "auto", "auto|text|bin|u16",
+    K_STRING(data, paths, "",
+             "a weighted blend of datasets instead of data.path: \"0.7 web, 0.2 code, 0.1 books\" (weight, then a "
+             "path or .bin/.idx prefix read as data.path would be; weights normalised); sample g comes from a fixed "
+             "interleaving of the global sample index (docs/DATA.md), each dataset has its own validation split"),
+    K_CHOICE(data, format, "auto", "auto|text|bin|u16|jsonl",
              "text: byte-level; bin: Megatron .bin/.idx prefix; u16: raw uint16 ids; "
-             "auto: bin if PATH.idx exists, u16 if PATH ends in .u16, else text"),
+             "auto: bin if PATH.idx exists, u16 if PATH ends in .u16, else text; with data.tokenizer: text = one "
+             "document per file, jsonl = one per line (field \"text\"), auto = jsonl for *.jsonl, *.json (.zst, .gz)"),
+    K_STRING(data, tokenizer, "",
+             "online tokenization: a tokenizer directory (encoder.json + vocab.bpe); data.path (unless a prepared "
+             "prefix) is then raw text: a "
+             "file, a directory or a glob of shards (*.zst, *.gz decompressed), encoded at start-up by "
+             "data.tokenize_workers threads into the stream `tera data prepare` would write (docs/DATA.md)"),
+    K_INT(data, tokenize_workers, "2", 1, 256, "online tokenization: encoding threads"),
     K_BOOL(data, shuffle, "false",
            "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
     K_FLOAT(data, val_fraction, "0", R_CLOSED(0.0, 0.5),
@@ -291,6 +324,18 @@ static const config__key config__keys[] = {
             "a wait for other ranks that makes no progress this long aborts every rank, naming the ranks that "
             "stopped answering; -1 = automatic (inside a step, after 3 steps: max(60, 20 x the slowest step); "
             "before that and outside steps: max(600, 20 x the slowest step)); 0 = off"),
+    K_INT(parallel, ranks_per_node, "0", 0, INT_MAX,
+          "ranks per node: world ranks [k r, (k+1) r) form node k (emulates several nodes on one machine; must divide "
+          "the ranks running, or be at least their number: one node); 0 = the ranks sharing a host; bytes across nodes are counted apart (docs/COMMUNICATION.md)"),
+    K_BOOL(parallel, hierarchical, "false",
+           "data-parallel gradient sums (and ZeRO's reduce-scatter and all-gather) inside the node first, across "
+           "the nodes on 1/k of the data, then inside again; equal to the flat sums up to fp32 ordering"),
+    K_CHOICE(parallel, grad_compression, "none", "none|bf16|fp16|int8",
+             "data-parallel gradient sums sent in low precision with error feedback (int8: a scale per 256 values); "
+             "with parallel.hierarchical only the cross-node stage; docs/COMMUNICATION.md"),
+    K_CHOICE(parallel, a2a_compression, "none", "none|bf16|fp8",
+             "expert parallelism: the rows exchanged with the experts' ranks (tokens out and results back, forward "
+             "and backward) sent in bf16 or fp8 e4m3 with one fp32 scale per row; docs/COMMUNICATION.md"),
 
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
@@ -301,6 +346,12 @@ static const config__key config__keys[] = {
            "snapshot state into host buffers and write in a background thread (the final save is synchronous)"),
     K_INT(checkpoint, full_every, "0", 0, INT_MAX,
           "every N-th save is full and the others differential (changed chunks, zstd); 0 = always full"),
+    K_FLOAT(checkpoint, every_s, "0", R_GE0,
+            "also save when this many seconds (wall clock, rank 0's) passed since the last save, differential when "
+            "full_every allows; bounds the work a failure loses in time; 0 = off (docs/ELASTIC.md)"),
+    K_FLOAT(checkpoint, full_every_s, "0", R_GE0,
+            "a full save when this many seconds passed since the last full one (the others stay differential); "
+            "0 = off"),
     K_INT64(checkpoint, max_shard_bytes, "0", 0, INT64_MAX,
             "safetensors shard size limit for export in bytes; 0 = one file"),
     K_BOOL(checkpoint, sharded, "false",
@@ -319,6 +370,32 @@ static const config__key config__keys[] = {
     K_INT(logging, metrics_port, "0", 0, 65535,
           "serve Prometheus metrics at http://HOST:PORT/metrics, one endpoint per rank on port metrics_port + world "
           "rank (a port in use is an error at start; docs/MONITORING.md); 0 = off"),
+    K_STRING(logging, registry, "runs/registry.db",
+             "the SQLite run registry every run records itself in (status, heartbeats, command line, config, layout, "
+             "git commit, dataset fingerprint, final metrics, checkpoints; `tera runs`, docs/TRACKING.md); world rank 0 "
+             "writes; \"\" = off"),
+    K_STRING(logging, mlflow_uri, "",
+             "log params, metrics, tags and config.ini to this MLflow tracking server (http://HOST:PORT, REST API); a "
+             "failure warns once and never stops training; \"\" = off"),
+    K_STRING(logging, mlflow_experiment, "tera", "the MLflow experiment the runs are logged under"),
+    K_STRING(logging, trace, "",
+             "write a Chrome trace-event JSON timeline of the steps logging.trace_steps to this file (every rank's "
+             "part merged by rank 0; open it in Perfetto or chrome://tracing); \"\" = off"),
+    K_STRING(logging, trace_steps, "1:3", "the traced steps: \"FIRST:COUNT\" (0-based first step, step count)"),
+    K_STRING(logging, tensorboard, "",
+             "write TensorBoard event files (step scalars, expert-load histograms) into this directory (world rank 0); "
+             "\"\" = off"),
+    K_BOOL(logging, hardware, "false",
+           "add the hardware readings (CPU utilisation, RSS, available memory, network bytes, hwmon temperatures, "
+           "RAPL power: those the machine exposes) to each metrics.jsonl line as \"hw\" (the endpoint and "
+           "TensorBoard always carry them)"),
+    K_INT(logging, sample_every, "0", 0, INT_MAX,
+          "every N steps print a greedy continuation of logging.sample_prompt and log it in metrics.jsonl as "
+          "{\"step\", \"sample\"} (the run's tokenizer: RUN/tokenizer or the tokenizer/ directory next to data.path, "
+          "else bytes for text data; one process only; docs/GENERATE.md); 0 = off"),
+    K_STRING(logging, sample_prompt, "", "the prompt of the training samples (\"\" = a new document: the end-of-document "
+             "token, or a newline with bytes)"),
+    K_INT(logging, sample_tokens, "32", 1, 4096, "new tokens of each training sample"),
 };
 #define CONFIG__N_KEYS (sizeof config__keys / sizeof config__keys[0])
 

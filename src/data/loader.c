@@ -14,6 +14,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "data/blend.h"
 #include "tera/rng.h"
 
 /* Philox counter tag of the shuffle's round keys ("SHUF"), distinct from other users of the seed. */
@@ -43,6 +44,7 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
     l->n_train = n_samples - n_val;
     l->shuffle = shuffle != 0;
     l->seed = seed;
+    if (src->blend) return tera_blend_loader_init(l, src->blend, T, val_fraction, shuffle, seed); /* data.paths */
     return TERA_OK;
 }
 
@@ -97,9 +99,13 @@ static void fill_sample(const tera_loader *l, int64_t i, int32_t *inputs, int32_
 
 void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, int32_t *targets) {
     TERA_ASSERTF(g >= 0 && l->n_train >= 1, "train sample %lld of %lld", (long long)g, (long long)l->n_train);
-    int64_t epoch = g / l->n_train, j = g % l->n_train;
-    int64_t i = l->shuffle ? shuffle_index(l->seed, (uint64_t)epoch, l->n_train, j) : j;
-    fill_sample(l, i, inputs, targets);
+    if (l->src->blend) {
+        tera_blend_train_sample(l->src->blend, g, inputs, targets);
+    } else {
+        int64_t epoch = g / l->n_train, j = g % l->n_train;
+        int64_t i = l->shuffle ? shuffle_index(l->seed, (uint64_t)epoch, l->n_train, j) : j;
+        fill_sample(l, i, inputs, targets);
+    }
     if (l->poison_vocab > 0 && g >= l->poison_lo && g < l->poison_hi) { /* test hook: a poisoned sample */
         for (int t = 0; t <= l->T; t++) {
             const int32_t id = (int32_t)(tera_rng_uniform(l->seed ^ 0x706f69736f6eULL, (uint64_t)g, (uint64_t)t) *
@@ -113,7 +119,8 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets) {
     TERA_ASSERTF(v >= 0 && l->n_val >= 1, "validation sample %lld of %lld (data.val_fraction too small?)",
                  (long long)v, (long long)l->n_val);
-    fill_sample(l, l->n_train + v % l->n_val, inputs, targets);
+    if (l->src->blend) tera_blend_val_sample(l->src->blend, v, inputs, targets);
+    else fill_sample(l, l->n_train + v % l->n_val, inputs, targets);
 }
 
 int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int dp_rank, int dp_size, int b) {

@@ -8,6 +8,7 @@
 
 #include "tera/data.h"
 #include "tera/profile.h"
+#include "tera/trace.h"
 
 struct tera_prefetcher {
     const tera_loader *loader;
@@ -46,7 +47,9 @@ static void *worker(void *arg) {
         const uint64_t gen = p->generation;
         int32_t *dst = slot_inputs(p, k);
         pthread_mutex_unlock(&p->mu);
+        const double t0 = tera_now();
         fill(p, dst, g0); /* outside the lock: the consumer never touches this slot meanwhile */
+        tera_trace_event(TERA_TRACE_DATA, "load micro-batch", "data", t0, tera_now(), -1); /* the timeline */
         pthread_mutex_lock(&p->mu);
         if (gen == p->generation) p->produced = k + 1;
         pthread_cond_broadcast(&p->cv);

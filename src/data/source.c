@@ -7,12 +7,15 @@
 #include "tera/data.h"
 
 #include "data/atomic_file.h"
+#include "data/blend.h"
+#include "data/online.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -356,6 +359,23 @@ static tera_status open_flat(tera_token_source *s, const char *path, int u16, in
 tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
     memset(s, 0, sizeof *s);
     if (vocab_size < 1) return tera_fail(TERA_ERR_CONFIG, "model.vocab_size = %d: must be >= 1", vocab_size);
+    if (dc->tokenizer[0] && !dc->paths[0]) { /* online tokenization, unless PATH is a prepared prefix */
+        char idx[TERA_PATH_MAX + 8];
+        snprintf(idx, sizeof idx, "%s.idx", dc->path);
+        if (!file_exists(idx) && !ends_with(dc->path, ".idx") && !ends_with(dc->path, ".bin"))
+            return tera_online_open(s, dc, vocab_size);
+    }
+    if (dc->paths[0]) { /* a blend: this source shows its first dataset; the loader reads them all */
+        if (dc->path[0])
+            return tera_fail(TERA_ERR_CONFIG, "data.path = '%s' and data.paths are both set: give one of them",
+                             dc->path);
+        struct tera_blend *b;
+        TERA_TRY(tera_blend_open(&b, dc, vocab_size));
+        *s = *tera_blend_first_source(b);
+        s->map = NULL, s->map_len = 0, s->owned = NULL; /* the blend owns them */
+        s->blend = b;
+        return TERA_OK;
+    }
     size_t plen = strnlen(dc->path, TERA_PATH_MAX);
     if (plen >= TERA_PATH_MAX - 4) /* room for the .idx / .bin suffix swap */
         return tera_fail(TERA_ERR_CONFIG, "data.path is longer than %d characters", TERA_PATH_MAX - 5);
@@ -411,6 +431,8 @@ tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, i
 }
 
 void tera_source_close(tera_token_source *s) {
+    if (s->blend) tera_blend_close(s->blend);
+    free(s->owned);
     if (s->map) munmap(s->map, s->map_len);
     memset(s, 0, sizeof *s);
 }

@@ -6,6 +6,7 @@
 
 #include "moe.h"
 #include "tera/backend.h"
+#include "tera/compress.h"
 #include "tera/profile.h"
 
 /* What the experts do with their rows: the forward, the backward, or (selective recomputation)
@@ -44,7 +45,22 @@ struct tera_dispatcher {
     int64_t *off;            /* [E+1] rows of each expert in the buffers the experts run over */
     float *da1, *da3, *dg;   /* [R, F] the backward's scratch of the call in progress (the caller's) */
     tera_comm_req *req;      /* [4 ep] in flight: sends, receives, returns sent, returns received */
+    /* parallel.a2a_compression: rows travel encoded (tera_compress_kind; 0: fp32, as they are) */
+    int cq;                  /* the kind */
+    int64_t rowb;            /* bytes of one encoded row, a multiple of 4 (sent as floats) */
+    uint8_t *c_out, *c_in;   /* [N*k rows] this rank's rows sent / their results received back */
+    uint8_t *c_recv, *c_res; /* [R rows] rows received for this rank's experts / their results sent */
 };
+
+/* the encoded rows [r0, r0 + n) of x [rows, D] into buf's rows r0.. (one scale per row for fp8) */
+static void rows_encode(const tera_dispatcher *d, const float *x, int64_t r0, int64_t n, uint8_t *buf) {
+    for (int64_t r = r0; r < r0 + n; r++)
+        tera_compress_encode((tera_compress_kind)d->cq, x + r * d->D, d->D, buf + r * d->rowb, NULL);
+}
+static void rows_decode(const tera_dispatcher *d, const uint8_t *buf, int64_t r0, int64_t n, float *x) {
+    for (int64_t r = r0; r < r0 + n; r++)
+        tera_compress_decode((tera_compress_kind)d->cq, buf + r * d->rowb, d->D, x + r * d->D);
+}
 
 /* ------------------------------------------------------------------------------ experts */
 
@@ -209,9 +225,19 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     float *recv = fwd ? t->xr : d->dyr;      /* [R, D] rows for this rank's experts */
     float *res = fwd ? t->yr : d->dxr;       /* [R, D] their results */
     const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
+    const int64_t fr = d->rowb / 4; /* compressed: floats per encoded row */
     for (int s = 0; s < ep; s++) {
         if (s == me) continue;
         const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
+        if (d->cq) { /* encoded rows: decoded as they arrive */
+            tera_comm_irecv_f32(g, (float *)(void *)(d->c_recv + (int64_t)t->roff[s] * d->rowb),
+                                (int64_t)(t->roff[s + 1] - t->roff[s]) * fr, s, tag_out, &rcv[s]);
+            tera_comm_irecv_f32(g, (float *)(void *)(d->c_in + o0 * d->rowb), (o1 - o0) * fr, s, tag_back, &rrcv[s]);
+            rows_encode(d, out_local, o0, o1 - o0, d->c_out);
+            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_out + o0 * d->rowb), (o1 - o0) * fr, s, tag_out,
+                                &snd[s]);
+            continue;
+        }
         tera_comm_irecv_f32(g, recv + (int64_t)t->roff[s] * D, (int64_t)(t->roff[s + 1] - t->roff[s]) * D, s,
                             tag_out, &rcv[s]);
         tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
@@ -224,18 +250,27 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     for (int i = 0; i < ep; i++) {
         const int s = (me + i) % ep;
         tera_comm_wait(&rcv[s]);
-        a2a_block(d, t, W, G, s, op);
         const int64_t r0 = t->roff[s], n = t->roff[s + 1] - r0;
-        if (s == me)
+        if (d->cq && s != me) rows_decode(d, d->c_recv, r0, n, recv);
+        a2a_block(d, t, W, G, s, op);
+        if (s == me) {
             memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
-        else
+        } else if (d->cq) {
+            rows_encode(d, res, r0, n, d->c_res);
+            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_res + r0 * d->rowb), n * fr, s, tag_back, &rsnd[s]);
+        } else {
             tera_comm_isend_f32(g, res + r0 * D, n * D, s, tag_back, &rsnd[s]);
+        }
         if (d->overlap) tera_comm_poll(d->req, 4 * ep); /* progress the other transfers */
     }
     for (int s = 0; s < ep; s++) {
         tera_comm_wait(&snd[s]);
         tera_comm_wait(&rrcv[s]);
         tera_comm_wait(&rsnd[s]);
+        if (d->cq && s != me) {
+            const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
+            rows_decode(d, d->c_in, o0, o1 - o0, in_local);
+        }
     }
 }
 
@@ -273,17 +308,24 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
         d->dyr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
         d->dxr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
     }
+    if (d->cq) {
+        d->c_out = take(base, &off, (size_t)(NK * d->rowb));
+        d->c_in = take(base, &off, (size_t)(NK * d->rowb));
+        d->c_recv = take(base, &off, (size_t)(d->R * d->rowb));
+        d->c_res = take(base, &off, (size_t)(d->R * d->rowb));
+    }
     d->order = take(base, &off, sizeof(int) * 2 * (size_t)E);
     d->cnt = take(base, &off, sizeof(int32_t) * (size_t)E);
     d->off = take(base, &off, sizeof(int64_t) * (size_t)(E + 1));
     d->bytes = off;
 }
 
-tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
-                                      int ep_rank) {
+/* the sizes of a dispatcher (sizing: no scratch block, no requests, no group) */
+static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
+                                     int ep_rank, int sizing) {
     tera_dispatcher *d = tera_calloc(1, sizeof *d);
-    TERA_ASSERTF(par && par->be, "the token dispatcher runs on the model's backend");
-    d->be = par->be;
+    TERA_ASSERTF(sizing || (par && par->be), "the token dispatcher runs on the model's backend");
+    d->be = par ? par->be : NULL;
     const int ep = par && par->ep > 1 ? par->ep : 1;
     d->B = B, d->T = T, d->E = c->n_experts, d->K = c->top_k;
     d->N = (int64_t)B * T, d->D = c->dim, d->F = F;
@@ -294,17 +336,29 @@ tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, 
         d->impl = &a2a_impl;
         d->group = par->group;
         d->overlap = par->overlap;
+        d->cq = par->a2a_compression > 0 ? par->a2a_compression : 0;
+        d->rowb = (tera_compress_bytes((tera_compress_kind)d->cq, d->D) + 3) & ~(int64_t)3;
         d->R = tera_dispatch_rows_max(c, B, T, ep);
-        d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
+        if (!sizing) d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
     } else {
         d->impl = &local_impl;
         d->R = d->N * d->K;
     }
     carve_scratch(d, NULL);
+    if (sizing) return d;
     d->block = tera_malloc((size_t)d->bytes);
     memset(d->block, 0, (size_t)d->bytes);
     carve_scratch(d, d->block);
     return d;
+}
+
+tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
+                                      int ep_rank) {
+    return dispatch_new(c, B, T, F, par, ep_rank, 0);
+}
+
+tera_dispatcher *tera_dispatch_create_sizes(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par) {
+    return dispatch_new(c, B, T, F, par, 0, 1);
 }
 
 void tera_dispatch_destroy(tera_dispatcher *d) {
@@ -322,13 +376,13 @@ void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes 
     *s = (tera_dispatch_sizes){.counts = a2a ? d->E : 0, .offsets = a2a ? d->ep + 1 : 0, .rows = a2a ? d->R : 0};
 }
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d) {
-    return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) : 0;
+    return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) + 2 * (d->N * d->K + d->R) * (d->cq ? d->rowb : 0) : 0;
 }
 
 int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const float *x, const int32_t *topi,
                               const float *probs, int l) {
     TERA_PROF_BEGIN(DISPATCH);
-    const int64_t dropped = tera_moe_plan(t->slot_row, t->row_tok, t->exp_off, t->sel_count, d->plan_scratch, topi,
+    const int64_t dropped = tera_moe_plan(d->be, t->slot_row, t->row_tok, t->exp_off, t->sel_count, d->plan_scratch, topi,
                                           probs, d->B, d->T, d->E, d->K, d->capacity, d->drop);
     d->be->ops.moe_gather_forward(d->be, t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
     d->impl->exchange_counts(d, t, l);

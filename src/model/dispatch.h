@@ -58,6 +58,10 @@ typedef struct tera_dispatcher tera_dispatcher;
 tera_dispatcher *tera_dispatch_create(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par,
                                       int ep_rank);
 void tera_dispatch_destroy(tera_dispatcher *d);
+/* A dispatcher that only answers the size queries below (rows, exchange sizes, bytes) for par's
+ * ep and exchange settings: no scratch, no requests; par's group and backend are not used
+ * (tera_model_count). */
+tera_dispatcher *tera_dispatch_create_sizes(const tera_model_config *c, int B, int T, int64_t F, const tera_model_par *par);
 const char *tera_dispatch_name(const tera_dispatcher *d); /* "local" or "all-to-all" */
 /* R: rows this rank's experts can process in one layer: N*k (local), or the most it can receive
  * from the ep sources (all-to-all: from each, at most min(k, El) per token, and with a capacity at

@@ -354,8 +354,11 @@ tera_status tera_model_create(tera_model *m, const tera_model_config *cfg, int B
     return tera_model_create_par(m, cfg, B, T, NULL);
 }
 
-static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B, int T, const tera_model_par *par,
-                              tera_backend *be) {
+/* The shape of one rank's model, shared by tera_model_create_par and tera_model_count: the layout's
+ * checks, the rank's widths (tp slices), its layers (pipeline stages) and slots. counting: no groups
+ * (every rank's sizes are rank 0's: tp and ep slices are equal). */
+static tera_status set_shape(tera_model *m, const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                             tera_backend *be, int counting) {
     memset(m, 0, sizeof *m);
     m->be = be;
     m->par = par ? *par : (tera_model_par){.ep = 1, .tp = 1};
@@ -364,25 +367,26 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     if (m->par.tp < 1) m->par.tp = 1;
     const int ep = m->par.ep, tp = m->par.tp;
     if (tp > 1) {
-        TERA_ASSERTF(m->par.tp_group && tera_comm_size(m->par.tp_group) == tp, "tensor-parallel group for tp = %d", tp);
+        TERA_ASSERTF(counting || (m->par.tp_group && tera_comm_size(m->par.tp_group) == tp),
+                     "tensor-parallel group for tp = %d", tp);
         static const char *const what[] = {"model.vocab_size", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
                                            "model.dense_ffn_dim"};
         const int v[] = {cfg->vocab_size, cfg->n_heads, cfg->n_kv_heads, cfg->ffn_dim, cfg->dense_ffn_dim};
         for (int i = 0; i < 5; i++)
             if (v[i] % tp != 0)
                 return tera_fail(TERA_ERR_CONFIG, "parallel.tp = %d must divide %s = %d", tp, what[i], v[i]);
-        m->tp_rank = tera_comm_rank(m->par.tp_group);
+        if (!counting) m->tp_rank = tera_comm_rank(m->par.tp_group);
     }
     m->Hl = cfg->n_heads / tp, m->Hkvl = cfg->n_kv_heads / tp;
     m->Fl = cfg->ffn_dim / tp, m->Fsl = (int64_t)cfg->n_shared_experts * cfg->ffn_dim / tp;
     m->Fdl = cfg->dense_ffn_dim / tp;
     m->Vl = cfg->vocab_size / tp, m->v0 = (int64_t)m->tp_rank * m->Vl;
     if (ep > 1) {
-        TERA_ASSERTF(m->par.group && tera_comm_size(m->par.group) == ep,
+        TERA_ASSERTF(counting || (m->par.group && tera_comm_size(m->par.group) == ep),
                      "expert-parallel group of %d ranks for ep = %d", m->par.group ? tera_comm_size(m->par.group) : 0, ep);
         if (cfg->n_experts % ep != 0)
             return tera_fail(TERA_ERR_CONFIG, "parallel.ep = %d must divide model.n_experts = %d", ep, cfg->n_experts);
-        m->ep_rank = tera_comm_rank(m->par.group);
+        if (!counting) m->ep_rank = tera_comm_rank(m->par.group);
     }
     if (T > cfg->max_seq_len)
         return tera_fail(TERA_ERR_CONFIG, "training.seq_len = %d exceeds model.max_seq_len = %d", T,
@@ -406,6 +410,85 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
         memset(m->held, 1, (size_t)cfg->n_layers);
     }
     m->par.layer_first = m->layer_first;
+    return TERA_OK;
+}
+
+/* The expert-exchange buffers (bytes_comm, and its part inside the activations): xr, yr of each
+ * MoE layer that keeps them, per slot, and once in the shared work set when a MoE layer recomputes
+ * fully (activations); the dispatcher's dyr, dxr (scratch). */
+static void comm_bytes(const tera_model *m, const tera_dispatcher *dispatch, int64_t *comm, int64_t *comm_acts) {
+    int kept_moe = 0, full_moe = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        if (!m->held[l] || !is_moe(&m->cfg, l)) continue;
+        if (m->recompute[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
+        else kept_moe++;
+    }
+    tera_dispatch_sizes ex; /* 0 rows: local experts, nothing exchanged */
+    tera_dispatch_exchange_sizes(dispatch, &ex);
+    *comm_acts = (int64_t)(2 * kept_moe * m->n_slots + 2 * full_moe) * ex.rows * m->cfg.dim * (int64_t)sizeof(float);
+    *comm = *comm_acts + tera_dispatch_comm_bytes(dispatch);
+}
+
+static tera_status count(const tera_model_config *cfg, int B, int T, const tera_model_par *par, int table,
+                         tera_model_bytes *out) {
+    memset(out, 0, sizeof *out);
+    tera_backend *be = par && par->be ? par->be : tera_backend_cpu_create(-1);
+    tera_model m;
+    tera_status st = set_shape(&m, cfg, B, T, par, be, 1);
+    const int L = cfg->n_layers;
+    if (st == TERA_OK) {
+        const tera_shard_spec spec = {.ep = m.par.ep, .tp = m.par.tp, .pp = m.par.pp, .pp_rank = m.par.pp_rank,
+                                      .v = m.par.v, .layer_first = m.layer_first};
+        if (table) free(tera_param_table_spec(cfg, &spec, &m.n_params, &m.n_floats, &m.n_dense_floats));
+        m.recompute = tera_calloc((size_t)L, 1);
+        st = tera_recompute_parse(cfg->recompute, L, m.recompute);
+    }
+    if (st == TERA_OK) {
+        out->n_floats = m.n_floats, out->n_dense = m.n_dense_floats;
+        out->params = m.par.shard_params ? 0 : m.n_floats * (int64_t)sizeof(float);
+        out->grads = m.par.shard_grads ? 0 : m.n_floats * (int64_t)sizeof(float);
+        /* slot 0 carves the work set, every other slot the same as slot 1: two slots counted */
+        const int ns = m.n_slots, nc = ns > 1 ? 2 : 1;
+        m.slots = tera_calloc((size_t)nc, sizeof(tera_acts));
+        tera_dispatcher *dispatch = tera_dispatch_create_sizes(cfg, B, T, m.Fl, &m.par);
+        for (int i = 0; i < nc; i++) {
+            tera_acts *a = &m.slots[i];
+            a->layer = tera_calloc((size_t)L, sizeof(layer_acts));
+            a->policy = m.recompute;
+            a->dispatch = dispatch;
+            carver c = {0};
+            carve_acts(a, &c, &m);
+            out->acts += (int64_t)c.off * (i == 0 ? 1 : ns - 1);
+        }
+        carver c = {0};
+        carve_scratch(&m.slots[0], &c, &m);
+        out->scratch = (int64_t)c.off + tera_dispatch_bytes(dispatch) + tera_tp_scratch_bytes(m.par.tp, (int64_t)B * T);
+        comm_bytes(&m, dispatch, &out->comm, &out->comm_acts);
+        for (int i = 0; i < nc; i++) free(m.slots[i].layer);
+        free(m.slots);
+        tera_dispatch_destroy(dispatch);
+    }
+    free(m.recompute);
+    free(m.held);
+    free(m.layer_first);
+    if (!(par && par->be)) tera_backend_destroy(be);
+    return st;
+}
+
+tera_status tera_model_count(const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                             tera_model_bytes *out) {
+    return count(cfg, B, T, par, 1, out);
+}
+
+tera_status tera_model_count_acts(const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                                  tera_model_bytes *out) {
+    return count(cfg, B, T, par, 0, out);
+}
+
+static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B, int T, const tera_model_par *par,
+                              tera_backend *be) {
+    TERA_TRY(set_shape(m, cfg, B, T, par, be, 0));
+    const int ep = m->par.ep, tp = m->par.tp, pp = m->par.pp, vch = m->par.v;
     const tera_shard_spec spec = {.ep = ep, .ep_rank = m->ep_rank, .tp = tp, .tp_rank = m->tp_rank, .pp = pp,
                                   .pp_rank = m->par.pp_rank, .v = vch, .layer_first = m->layer_first};
     m->params = tera_param_table_spec(cfg, &spec, &m->n_params, &m->n_floats, &m->n_dense_floats);
@@ -466,18 +549,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
         a->threads = m->be->ops.max_threads(m->be);
         m->be->ops.rope_tables(m->be, a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
-    /* exchange buffers: xr, yr of each MoE layer that keeps them, per slot, and once in the shared
-     * work set when a MoE layer recomputes fully (activations); the dispatcher's dyr, dxr (scratch) */
-    int kept_moe = 0, full_moe = 0;
-    for (int l = 0; l < cfg->n_layers; l++) {
-        if (!m->held[l] || !is_moe(cfg, l)) continue;
-        if (m->recompute[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
-        else kept_moe++;
-    }
-    tera_dispatch_sizes ex; /* 0 rows: local experts, nothing exchanged */
-    tera_dispatch_exchange_sizes(dispatch, &ex);
-    m->bytes_comm_acts = (int64_t)(2 * kept_moe * ns + 2 * full_moe) * ex.rows * cfg->dim * (int64_t)sizeof(float);
-    m->bytes_comm = m->bytes_comm_acts + tera_dispatch_comm_bytes(dispatch);
+    comm_bytes(m, dispatch, &m->bytes_comm, &m->bytes_comm_acts); /* the expert-exchange buffers */
     tera_model_use_slot(m, 0);
     return TERA_OK;
 }
@@ -589,7 +661,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
         m->be->ops.linear_forward_fp32(m->be, la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
         tera_moe_score_forward(m->be, la->probs, la->rlse, la->rlogits, N, E, c->router_score);
         const tera_moe_routing route = tera_moe_routing_of(c);
-        tera_moe_route(la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
+        tera_moe_route(m->be, la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
                        K, &route, a->route_scratch);
     });
     const int64_t dropped = tera_dispatch_permute(a->dispatch, &la->moe, la->ln2, la->topi, la->probs, l);
@@ -599,13 +671,14 @@ static void moe_forward(tera_model *m, int l, float *out) {
     /* load statistics: aux loss per sequence, z-loss, expert load, router entropy */
     {
         TERA_PROF_BEGIN(ROUTER_FWD);
-        const tera_moe_stats st = tera_moe_route_stats(m->expert_load + (int64_t)l * E, a->rsum, a->route_p,
+        const tera_moe_stats st = tera_moe_route_stats(m->be, m->expert_load + (int64_t)l * E, a->rsum, a->route_p,
                                                        la->probs, la->rlse, la->moe.sel_count, B, T, E, K,
                                                        c->router_score);
         TERA_PROF_END(ROUTER_FWD);
         m->router_entropy[l] += st.entropy;
         if (l == c->first_k_dense) m->routed_tokens += N;
-        m->stats.aux_sum += st.aux;
+        m->stats.aux_sum += tera_moe_balance_value(c->balance_loss, st.aux, a->route_p, la->probs, a->rsum, la->topi,
+                                                   la->topw, la->moe.sel_count, B, T, E, K); /* model.balance_loss */
         m->stats.z_sum += st.z;
     }
 
@@ -742,8 +815,11 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
-        tera_moe_router_backward(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw, a->dtopw,
-                                 la->moe.sel_count, B, T, E, K, &route, s->aux, s->z);
+        float aux_s = s->aux; /* model.balance_loss: switch leaves it and returns NULL */
+        const float *gcount = tera_moe_balance_backward_prep(m->be, c->balance_loss, a->route_p, a->dtopw, la->topi, la->topw,
+                                                             la->moe.sel_count, B, T, E, K, &aux_s);
+        tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
+                                   a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
         m->be->ops.linear_backward_fp32(m->be, a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }

@@ -2,13 +2,16 @@
  * router's backward, and the dispatch plan (grouping assignments by expert). */
 #include "moe.h"
 
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/vmath.h"
 #include "tera/backend.h"
 #include "tera/status.h"
+
+/* Every loop over tokens here has independent rows: the backend runs them as it likes
+ * (ops.for_ranges; the CPU: static OpenMP ranges), and the numbers do not depend on how. */
 
 tera_moe_routing tera_moe_routing_of(const tera_model_config *c) {
     return (tera_moe_routing){.score = c->router_score,
@@ -29,25 +32,44 @@ static inline float lane_sum(const float *restrict x, int64_t n) {
     return s;
 }
 
+typedef struct {
+    float *scores, *lse, *rsum;
+    const float *logits;
+    int E;
+} score_ctx;
+
+static void sigmoid_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const score_ctx *c = ctx;
+    (void)worker;
+    const int E = c->E;
+    for (int64_t n = lo; n < hi; n++) {
+        const float *r = c->logits + n * E;
+        const float mx = tera_max(r, E);
+        c->lse[n] = mx + logf(tera_sum_exp(r, E, mx));
+        float *s = c->scores + n * E;
+        for (int e = 0; e < E; e++) s[e] = tera_sigmoid(r[e]);
+    }
+}
+
+static void sum_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const score_ctx *c = ctx;
+    (void)worker;
+    for (int64_t n = lo; n < hi; n++) c->rsum[n] = lane_sum(c->scores + n * c->E, c->E);
+}
+
 void tera_moe_score_forward(tera_backend *be, float *scores, float *lse, const float *logits, int64_t N, int E,
                             tera_router_score score) {
     if (score == TERA_ROUTER_SOFTMAX) {
         be->ops.softmax_forward(be, scores, lse, logits, N, E);
         return;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *r = logits + n * E;
-        const float mx = tera_max(r, E);
-        lse[n] = mx + logf(tera_sum_exp(r, E, mx));
-        float *s = scores + n * E;
-        for (int e = 0; e < E; e++) s[e] = tera_sigmoid(r[e]);
-    }
+    score_ctx c = {.scores = scores, .lse = lse, .logits = logits, .E = E};
+    be->ops.for_ranges(be, N, sigmoid_rows, &c);
 }
 
-void tera_moe_score_sums(float *rsum, const float *scores, int64_t N, int E) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) rsum[n] = lane_sum(scores + n * E, E);
+void tera_moe_score_sums(tera_backend *be, float *rsum, const float *scores, int64_t N, int E) {
+    score_ctx c = {.scores = (float *)scores, .rsum = rsum, .E = E};
+    be->ops.for_ranges(be, N, sum_rows, &c);
 }
 
 /* Offers expert e with selection score u to the best-k list ti/tw of cnt entries (descending u; an
@@ -60,10 +82,24 @@ static inline void topk_offer(int32_t *ti, float *tw, int *cnt, int k, int e, fl
     ti[pos] = e, tw[pos] = u;
 }
 
-void tera_moe_topk(int32_t *topi, float *topw, const float *probs, const float *bias, int64_t N, int E,
-                   int k) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+typedef struct {
+    int32_t *topi;
+    float *topw;
+    const float *probs, *bias;
+    int E, k;
+    const tera_moe_routing *r;
+    char *scratch;
+    size_t stride;
+} route_ctx;
+
+static void topk_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const route_ctx *c = ctx;
+    (void)worker;
+    const int E = c->E, k = c->k;
+    const float *probs = c->probs, *bias = c->bias;
+    int32_t *topi = c->topi;
+    float *topw = c->topw;
+    for (int64_t n = lo; n < hi; n++) {
         const float *p = probs + n * E;
         int32_t *ti = topi + n * k;
         float *tw = topw + n * k;
@@ -77,6 +113,12 @@ void tera_moe_topk(int32_t *topi, float *topw, const float *probs, const float *
     }
 }
 
+void tera_moe_topk(tera_backend *be, int32_t *topi, float *topw, const float *probs, const float *bias, int64_t N,
+                   int E, int k) {
+    route_ctx c = {.topi = topi, .topw = topw, .probs = probs, .bias = bias, .E = E, .k = k};
+    be->ops.for_ranges(be, N, topk_rows, &c);
+}
+
 /* Per-thread scratch of the group-limited top-k: group scores [G], then the best groups' scores
  * [topk_groups] and indices [topk_groups]. */
 static size_t route_thread_bytes(const tera_moe_routing *r) {
@@ -88,73 +130,101 @@ size_t tera_moe_route_scratch_bytes(const tera_moe_routing *r, int threads) {
     return r->n_groups > 1 ? route_thread_bytes(r) * (size_t)(threads > 0 ? threads : 1) : 0;
 }
 
-void tera_moe_route(int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N, int E, int k,
-                    const tera_moe_routing *r, void *scratch) {
-    if (r->n_groups <= 1) {
-        tera_moe_topk(topi, topw, scores, bias, N, E, k);
-    } else {
-        const int G = r->n_groups, Gk = r->topk_groups, gsz = E / G, sig = r->score == TERA_ROUTER_SIGMOID;
-        const size_t stride = route_thread_bytes(r);
-        TERA_ASSERTF(E % G == 0 && 1 <= Gk && Gk <= G && k <= Gk * gsz && scratch,
-                     "group-limited routing: E %d, %d groups, %d per token, top-%d", E, G, Gk, k);
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            float *gs = (float *)((char *)scratch + stride * (size_t)omp_get_thread_num()); /* [G] */
-            float *gw = gs + G;                                                              /* [Gk] */
-            int32_t *gi = (int32_t *)(gw + Gk);                                              /* [Gk] */
-            const float *p = scores + n * E;
-            int32_t *ti = topi + n * k;
-            float *tw = topw + n * k;
-            /* group scores: max u (softmax, DeepSeek-V2) or the sum of the two largest u (sigmoid,
-             * DeepSeek-V3) */
-            for (int g = 0; g < G; g++) {
-                float m1 = -INFINITY, m2 = -INFINITY;
-                for (int e = g * gsz; e < (g + 1) * gsz; e++) {
-                    const float u = bias ? p[e] + bias[e] : p[e];
-                    if (u > m1) m2 = m1, m1 = u;
-                    else if (u > m2) m2 = u;
-                }
-                gs[g] = sig && gsz > 1 ? m1 + m2 : m1;
+/* Group-limited top-k of rows [lo, hi); worker picks the thread's scratch. */
+static void group_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const route_ctx *c = ctx;
+    const tera_moe_routing *r = c->r;
+    const int E = c->E, k = c->k, G = r->n_groups, Gk = r->topk_groups, gsz = E / G;
+    const int sig = r->score == TERA_ROUTER_SIGMOID;
+    const float *bias = c->bias;
+    float *gs = (float *)(c->scratch + c->stride * (size_t)worker); /* [G] */
+    float *gw = gs + G;                                            /* [Gk] */
+    int32_t *gi = (int32_t *)(gw + Gk);                            /* [Gk] */
+    for (int64_t n = lo; n < hi; n++) {
+        const float *p = c->probs + n * E;
+        int32_t *ti = c->topi + n * k;
+        float *tw = c->topw + n * k;
+        /* group scores: max u (softmax, DeepSeek-V2) or the sum of the two largest u (sigmoid,
+         * DeepSeek-V3) */
+        for (int g = 0; g < G; g++) {
+            float m1 = -INFINITY, m2 = -INFINITY;
+            for (int e = g * gsz; e < (g + 1) * gsz; e++) {
+                const float u = bias ? p[e] + bias[e] : p[e];
+                if (u > m1) m2 = m1, m1 = u;
+                else if (u > m2) m2 = u;
             }
-            /* the topk_groups best groups (ties: lower index), then in ascending group order */
-            int cnt = 0;
-            for (int g = 0; g < G; g++) topk_offer(gi, gw, &cnt, Gk, g, gs[g]);
-            for (int i = 1; i < Gk; i++)
-                for (int j = i; j > 0 && gi[j] < gi[j - 1]; j--) {
-                    const int32_t t = gi[j];
-                    gi[j] = gi[j - 1], gi[j - 1] = t;
-                }
-            /* top-k of the experts of those groups, offered in ascending expert order */
-            cnt = 0;
-            for (int i = 0; i < Gk; i++)
-                for (int e = gi[i] * gsz; e < (gi[i] + 1) * gsz; e++)
-                    topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
-            float sum = 0.0f;
-            for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
-            for (int j = 0; j < k; j++) tw[j] /= sum;
+            gs[g] = sig && gsz > 1 ? m1 + m2 : m1;
         }
-    }
-    if (r->scale != 1.0f) {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < N * k; i++) topw[i] *= r->scale;
+        /* the topk_groups best groups (ties: lower index), then in ascending group order */
+        int cnt = 0;
+        for (int g = 0; g < G; g++) topk_offer(gi, gw, &cnt, Gk, g, gs[g]);
+        for (int i = 1; i < Gk; i++)
+            for (int j = i; j > 0 && gi[j] < gi[j - 1]; j--) {
+                const int32_t t = gi[j];
+                gi[j] = gi[j - 1], gi[j - 1] = t;
+            }
+        /* top-k of the experts of those groups, offered in ascending expert order */
+        cnt = 0;
+        for (int i = 0; i < Gk; i++)
+            for (int e = gi[i] * gsz; e < (gi[i] + 1) * gsz; e++)
+                topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
+        for (int j = 0; j < k; j++) tw[j] /= sum;
     }
 }
 
-void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float *s, const float *lse,
-                               const int32_t *topi, const float *topw, const float *dtopw,
-                               const int32_t *sel_count, int B, int T, int E, int k, float scale,
-                               float aux_scale, float z_scale) {
-    const int64_t N = (int64_t)B * T;
-    const float gunit = aux_scale * (float)E / ((float)T * (float)k * (float)T); /* d aux_b / d q_e per selection */
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < N; t++) {
-        const float *restrict st = s + t * E, *restrict xt = logits + t * E;
-        const int32_t *restrict cnt = sel_count + (t / T) * E;
-        float *restrict dl = dlogits + t * E; /* holds d/ds first, then d/dlogits */
+static void scale_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const route_ctx *c = ctx;
+    (void)worker;
+    const float sc = c->r->scale;
+    for (int64_t i = lo * c->k; i < hi * c->k; i++) c->topw[i] *= sc;
+}
+
+void tera_moe_route(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N,
+                    int E, int k, const tera_moe_routing *r, void *scratch) {
+    route_ctx c = {.topi = topi, .topw = topw, .probs = scores, .bias = bias, .E = E, .k = k, .r = r,
+                   .scratch = scratch, .stride = route_thread_bytes(r)};
+    if (r->n_groups <= 1) {
+        be->ops.for_ranges(be, N, topk_rows, &c);
+    } else {
+        const int G = r->n_groups, Gk = r->topk_groups, gsz = E / G;
+        TERA_ASSERTF(E % G == 0 && 1 <= Gk && Gk <= G && k <= Gk * gsz && scratch,
+                     "group-limited routing: E %d, %d groups, %d per token, top-%d", E, G, Gk, k);
+        be->ops.for_ranges(be, N, group_rows, &c);
+    }
+    if (r->scale != 1.0f) be->ops.for_ranges(be, N, scale_rows, &c);
+}
+
+/* gcount [E] (NULL: per sequence): the count every sequence's balancing gradient uses instead of its
+ * own sel_count row (switch_global: the micro-batch's mean count per sequence) */
+/* The router backward's rows: everything its loops need. */
+typedef struct {
+    float *dlogits, *dscores;
+    const float *logits, *s, *lse, *topw, *dtopw, *gcount;
+    const int32_t *topi, *sel_count;
+    int T, E, k;
+    float scale, aux_scale, z_scale, gunit;
+} rback_ctx;
+
+static void sigmoid_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const rback_ctx *c = ctx;
+    (void)worker;
+    const int T = c->T, E = c->E, k = c->k;
+    const float gunit = c->gunit, scale = c->scale, z_scale = c->z_scale;
+    const int32_t *topi = c->topi;
+    const float *topw = c->topw, *dtopw = c->dtopw, *gcount = c->gcount;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *restrict st = c->s + t * E, *restrict xt = c->logits + t * E;
+        const int32_t *restrict cnt = c->sel_count + (t / T) * E;
+        float *restrict dl = c->dlogits + t * E; /* holds d/ds first, then d/dlogits */
         /* balancing loss: q = s / sum(s), dq_e = aux_scale E f_e / T; through the normalisation
          * ds_e = (dq_e - sum_e' dq_e' q_e') / sum(s) */
         const float Sa = lane_sum(st, E), inv = 1.0f / Sa;
-        for (int e = 0; e < E; e++) dl[e] = gunit * (float)cnt[e];
+        if (gcount)
+            for (int e = 0; e < E; e++) dl[e] = gunit * gcount[e];
+        else
+            for (int e = 0; e < E; e++) dl[e] = gunit * (float)cnt[e];
         const float dq = tera_dot(dl, st, E) * inv;
         for (int e = 0; e < E; e++) dl[e] = (dl[e] - dq) * inv;
         /* combine weights w_j = scale s_{e_j} / S: ds_{e_i} += (scale dw_i - sum_j dw_j w_j) / S */
@@ -166,7 +236,7 @@ void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float 
         for (int j = 0; j < k; j++) dl[topi[t * k + j]] += (scale * dtopw[t * k + j] - dw) / S;
         /* sigmoid: ds/dx = s (1 - s); z-loss: d(lse^2)/dx = 2 lse softmax(x) */
         if (z_scale != 0.0f) {
-            const float l = lse[t], zc = z_scale * 2.0f * l;
+            const float l = c->lse[t], zc = z_scale * 2.0f * l;
             for (int e = 0; e < E; e++) dl[e] = dl[e] * (st[e] * (1.0f - st[e])) + zc * tera_vexpf(xt[e] - l);
         } else {
             for (int e = 0; e < E; e++) dl[e] *= st[e] * (1.0f - st[e]);
@@ -174,11 +244,34 @@ void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float 
     }
 }
 
-tera_moe_stats tera_moe_route_stats(int64_t *load, float *rsum, double *psum, const float *scores, const float *lse,
-                                    const int32_t *sel_count, int B, int T, int E, int k, tera_router_score score) {
+/* gcount [E] (NULL: per sequence): the count every sequence's balancing gradient uses instead of its
+ * own sel_count row (switch_global: the micro-batch's mean count per sequence) */
+static void sigmoid_backward(tera_backend *be, float *dlogits, const float *logits, const float *s, const float *lse,
+                             const int32_t *topi, const float *topw, const float *dtopw, const int32_t *sel_count,
+                             const float *gcount, int B, int T, int E, int k, float scale, float aux_scale,
+                             float z_scale) {
+    const int64_t N = (int64_t)B * T;
+    rback_ctx c = {.dlogits = dlogits, .logits = logits, .s = s, .lse = lse, .topw = topw, .dtopw = dtopw,
+                   .gcount = gcount, .topi = topi, .sel_count = sel_count, .T = T, .E = E, .k = k, .scale = scale,
+                   .aux_scale = aux_scale, .z_scale = z_scale,
+                   .gunit = aux_scale * (float)E / ((float)T * (float)k * (float)T)}; /* d aux_b / d q_e per selection */
+    be->ops.for_ranges(be, N, sigmoid_back_rows, &c);
+}
+
+void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *logits, const float *s, const float *lse,
+                               const int32_t *topi, const float *topw, const float *dtopw,
+                               const int32_t *sel_count, int B, int T, int E, int k, float scale,
+                               float aux_scale, float z_scale) {
+    sigmoid_backward(be, dlogits, logits, s, lse, topi, topw, dtopw, sel_count, NULL, B, T, E, k, scale, aux_scale,
+                     z_scale);
+}
+
+tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores,
+                                    const float *lse, const int32_t *sel_count, int B, int T, int E, int k,
+                                    tera_router_score score) {
     const int64_t N = (int64_t)B * T;
     const int sig = score == TERA_ROUTER_SIGMOID;
-    if (sig) tera_moe_score_sums(rsum, scores, N, E);
+    if (sig) tera_moe_score_sums(be, rsum, scores, N, E);
     tera_moe_stats st = {0.0, 0.0, 0.0};
     for (int b = 0; b < B; b++) {
         /* P_e summed over the sequence's tokens in token order, row by row */
@@ -221,21 +314,26 @@ void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, 
                               const float *lse, const int32_t *topi, const float *topw, const float *dtopw,
                               const int32_t *sel_count, int B, int T, int E, int k, const tera_moe_routing *r,
                               float aux_scale, float z_scale) {
-    if (r->score == TERA_ROUTER_SIGMOID) {
-        tera_moe_sigmoid_backward(dlogits, logits, scores, lse, topi, topw, dtopw, sel_count, B, T, E, k, r->scale,
-                                  aux_scale, z_scale);
-        return;
-    }
-    const int64_t N = (int64_t)B * T;
-    const float scale = r->scale;
-    /* combine weights w_j = scale p_{e_j} / S  ->  dp_{e_i} = (scale dw_i - sum_j dw_j w_j) / S;
-     * balancing loss: dp_e = aux_scale E f_e / T */
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < N; t++) {
-        float *dp = dscores + t * E;
-        const float *p = scores + t * E;
+    tera_moe_router_backward_g(be, dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel_count, NULL, B, T, E,
+                               k, r, aux_scale, z_scale);
+}
+
+static void softmax_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const rback_ctx *c = ctx;
+    (void)worker;
+    const int T = c->T, E = c->E, k = c->k;
+    const float aux_scale = c->aux_scale, scale = c->scale;
+    const int32_t *topi = c->topi, *sel_count = c->sel_count;
+    const float *topw = c->topw, *dtopw = c->dtopw, *gcount = c->gcount;
+    for (int64_t t = lo; t < hi; t++) {
+        float *dp = c->dscores + t * E;
+        const float *p = c->s + t * E;
         const int b = (int)(t / T);
-        for (int e = 0; e < E; e++) dp[e] = aux_scale * (float)E * ((float)sel_count[b * E + e] / ((float)T * k)) / (float)T;
+        if (gcount)
+            for (int e = 0; e < E; e++) dp[e] = aux_scale * (float)E * (gcount[e] / ((float)T * k)) / (float)T;
+        else
+            for (int e = 0; e < E; e++)
+                dp[e] = aux_scale * (float)E * ((float)sel_count[b * E + e] / ((float)T * k)) / (float)T;
         float S = 0.0f, dot = 0.0f;
         for (int j = 0; j < k; j++) {
             S += p[topi[t * k + j]];
@@ -243,13 +341,140 @@ void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, 
         }
         for (int j = 0; j < k; j++) dp[topi[t * k + j]] += (scale * dtopw[t * k + j] - dot) / S;
     }
-    be->ops.softmax_backward(be, dlogits, dscores, scores, N, E);
-    if (z_scale != 0.0f) {
-        /* d(lse^2)/dlogits = 2 lse softmax */
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N; t++)
-            for (int e = 0; e < E; e++) dlogits[t * E + e] += z_scale * 2.0f * lse[t] * scores[t * E + e];
+}
+
+/* d(lse^2)/dlogits = 2 lse softmax */
+static void zloss_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const rback_ctx *c = ctx;
+    (void)worker;
+    const int E = c->E;
+    const float z_scale = c->z_scale;
+    for (int64_t t = lo; t < hi; t++)
+        for (int e = 0; e < E; e++) c->dlogits[t * E + e] += z_scale * 2.0f * c->lse[t] * c->s[t * E + e];
+}
+
+void tera_moe_router_backward_g(tera_backend *be, float *dlogits, float *dscores, const float *logits,
+                                const float *scores, const float *lse, const int32_t *topi, const float *topw,
+                                const float *dtopw, const int32_t *sel_count, const float *gcount, int B, int T,
+                                int E, int k, const tera_moe_routing *r, float aux_scale, float z_scale) {
+    if (r->score == TERA_ROUTER_SIGMOID) {
+        sigmoid_backward(be, dlogits, logits, scores, lse, topi, topw, dtopw, sel_count, gcount, B, T, E, k, r->scale,
+                         aux_scale, z_scale);
+        return;
     }
+    const int64_t N = (int64_t)B * T;
+    /* combine weights w_j = scale p_{e_j} / S  ->  dp_{e_i} = (scale dw_i - sum_j dw_j w_j) / S;
+     * balancing loss: dp_e = aux_scale E f_e / T */
+    rback_ctx c = {.dlogits = dlogits, .dscores = dscores, .logits = logits, .s = scores, .lse = lse, .topw = topw,
+                   .dtopw = dtopw, .gcount = gcount, .topi = topi, .sel_count = sel_count, .T = T, .E = E, .k = k,
+                   .scale = r->scale, .aux_scale = aux_scale, .z_scale = z_scale};
+    be->ops.for_ranges(be, N, softmax_back_rows, &c);
+    be->ops.softmax_backward(be, dlogits, dscores, scores, N, E);
+    if (z_scale != 0.0f) be->ops.for_ranges(be, N, zloss_back_rows, &c);
+}
+
+/* ------------------------------------------------------------ balancing losses (model.balance_loss) */
+
+/* CV^2(x) = var(x) / (mean(x)^2 + eps) with the unbiased variance (Shazeer et al.'s cv_squared);
+ * 0 for fewer than 2 experts */
+#define BALANCE_CV_EPS 1e-10
+
+static double cv_squared(const double *x, int E) {
+    if (E < 2) return 0.0;
+    double mu = 0.0, v = 0.0;
+    for (int e = 0; e < E; e++) mu += x[e];
+    mu /= E;
+    for (int e = 0; e < E; e++) v += (x[e] - mu) * (x[e] - mu);
+    return v / (E - 1) / (mu * mu + BALANCE_CV_EPS);
+}
+
+double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
+                              const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
+                              int B, int T, int E, int k) {
+    const int64_t N = (int64_t)B * T;
+    if (kind == TERA_BALANCE_SWITCH) return aux_switch;
+    if (kind == TERA_BALANCE_SWITCH_GLOBAL) {
+        /* B E sum_e f_e P_e, f_e = C_e / (B T k), P_e = mean over the B T tokens of p */
+        double *P = scratch; /* [E] */
+        for (int e = 0; e < E; e++) P[e] = 0.0;
+        for (int64_t n = 0; n < N; n++) {
+            const float *p = scores + n * E;
+            if (rsum) {
+                const float inv = 1.0f / rsum[n];
+                for (int e = 0; e < E; e++) P[e] += p[e] * inv;
+            } else
+                for (int e = 0; e < E; e++) P[e] += p[e];
+        }
+        double s = 0.0;
+        for (int e = 0; e < E; e++) {
+            int64_t C = 0;
+            for (int b = 0; b < B; b++) C += sel_count[b * E + e];
+            s += (double)C / ((double)N * k) * (P[e] / (double)N);
+        }
+        return (double)B * E * s;
+    }
+    /* importance_load: B (CV^2(I) + CV^2(L)), I_e = sum of the combine weights given to e, L_e = the
+     * assignments to e */
+    double *I = scratch; /* [E], then the loads */
+    for (int e = 0; e < E; e++) I[e] = 0.0;
+    for (int64_t a = 0; a < N * k; a++) I[topi[a]] += topw[a];
+    const double ci = cv_squared(I, E);
+    for (int e = 0; e < E; e++) {
+        int64_t C = 0;
+        for (int b = 0; b < B; b++) C += sel_count[b * E + e];
+        I[e] = (double)C;
+    }
+    return (double)B * (ci + cv_squared(I, E));
+}
+
+typedef struct {
+    float *dtopw;
+    const int32_t *topi;
+    const double *I;
+} imp_ctx;
+
+static void importance_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const imp_ctx *c = ctx;
+    (void)worker;
+    for (int64_t a = lo; a < hi; a++) c->dtopw[a] += (float)c->I[c->topi[a]];
+}
+
+const float *tera_moe_balance_backward_prep(tera_backend *be, tera_balance_loss kind, double *scratch, float *dtopw,
+                                            const int32_t *topi, const float *topw, const int32_t *sel_count, int B,
+                                            int T, int E, int k, float *aux_scale) {
+    (void)T;
+    const int64_t N = (int64_t)B * T;
+    if (kind == TERA_BALANCE_SWITCH) return NULL;
+    if (kind == TERA_BALANCE_SWITCH_GLOBAL) {
+        /* d/dp_t,e of B E sum_e f_e P_e = E f_e / T with f_e = C_e / (B T k): the per-sequence formula
+         * with the count C_e / B (written over the scratch as floats) */
+        float *g = (float *)scratch;
+        for (int e = 0; e < E; e++) {
+            int64_t C = 0;
+            for (int b = 0; b < B; b++) C += sel_count[b * E + e];
+            g[e] = (float)((double)C / B);
+        }
+        return g;
+    }
+    /* importance_load: the load term has no gradient; the importance term's flows through the
+     * combine weights: dtopw[t,j] += aux_scale B dCV^2/dI_e (e = topi[t,j]),
+     * dCV^2/dI_e = 2 (I_e - mu) / ((E - 1) D) - var 2 mu / (E D^2), D = mu^2 + eps */
+    const float as = *aux_scale;
+    *aux_scale = 0.0f; /* no per-token probability term */
+    if (E < 2 || as == 0.0f) return NULL;
+    double *I = scratch;
+    for (int e = 0; e < E; e++) I[e] = 0.0;
+    for (int64_t a = 0; a < N * k; a++) I[topi[a]] += topw[a];
+    double mu = 0.0, v = 0.0;
+    for (int e = 0; e < E; e++) mu += I[e];
+    mu /= E;
+    for (int e = 0; e < E; e++) v += (I[e] - mu) * (I[e] - mu);
+    v /= E - 1;
+    const double D = mu * mu + BALANCE_CV_EPS;
+    for (int e = 0; e < E; e++) I[e] = (double)as * B * (2.0 * (I[e] - mu) / ((E - 1) * D) - v * 2.0 * mu / (E * D * D));
+    imp_ctx ic = {.dtopw = dtopw, .topi = topi, .I = I};
+    be->ops.for_ranges(be, N * k, importance_back_rows, &ic);
+    return NULL;
 }
 
 /* Sort context for the probability policy: higher prob first, then lower assignment index. */
@@ -269,7 +494,47 @@ size_t tera_moe_plan_scratch_bytes(int64_t n_assign, int B, int E) {
            sizeof(int32_t) * ((size_t)B * (size_t)E + (size_t)E);
 }
 
-int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int32_t *sel_count,
+/* Capacity per sequence: the assignments of sequences [lo, hi) beyond it are dropped. */
+typedef struct {
+    int32_t *keep, *used_all;
+    prob_assign *sortbuf;
+    const int32_t *sel_count, *topi;
+    const float *probs;
+    int T, E, k, capacity;
+    tera_drop_policy policy;
+    _Atomic int64_t dropped;
+} drop_ctx;
+
+static void drop_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    drop_ctx *c = ctx;
+    (void)worker;
+    const int T = c->T, E = c->E, k = c->k, capacity = c->capacity;
+    const int32_t *topi = c->topi;
+    int32_t *keep = c->keep;
+    int64_t dropped = 0;
+    for (int64_t b = lo; b < hi; b++) {
+        const int64_t a0 = b * T * k, a1 = a0 + (int64_t)T * k;
+        if (c->policy == TERA_DROP_POSITION) {
+            int32_t *used = c->used_all + (size_t)b * E;
+            memset(used, 0, sizeof(int32_t) * (size_t)E);
+            for (int64_t a = a0; a < a1; a++)
+                if (used[topi[a]]++ >= capacity) keep[a] = 0, dropped++;
+        } else {
+            prob_assign *lst = c->sortbuf + a0;
+            for (int e = 0; e < E; e++) {
+                if (c->sel_count[b * E + e] <= capacity) continue;
+                int n = 0;
+                for (int64_t a = a0; a < a1; a++)
+                    if (topi[a] == e) lst[n++] = (prob_assign){c->probs[(a / k) * E + e], (int32_t)a};
+                qsort(lst, (size_t)n, sizeof *lst, prob_assign_cmp);
+                for (int i = capacity; i < n; i++) keep[lst[i].a] = 0, dropped++;
+            }
+        }
+    }
+    atomic_fetch_add(&c->dropped, dropped); /* an integer count: the same whatever the order */
+}
+
+int64_t tera_moe_plan(tera_backend *be, int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int32_t *sel_count,
                       void *scratch, const int32_t *topi, const float *probs, int B, int T, int E, int k,
                       int capacity, tera_drop_policy policy) {
     const int64_t A = (int64_t)B * T * k;
@@ -284,26 +549,10 @@ int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int
     }
     int64_t dropped = 0;
     if (capacity > 0) {
-#pragma omp parallel for schedule(static) reduction(+ : dropped)
-        for (int b = 0; b < B; b++) {
-            const int64_t a0 = (int64_t)b * T * k, a1 = a0 + (int64_t)T * k;
-            if (policy == TERA_DROP_POSITION) {
-                int32_t *used = used_all + (size_t)b * E;
-                memset(used, 0, sizeof(int32_t) * (size_t)E);
-                for (int64_t a = a0; a < a1; a++)
-                    if (used[topi[a]]++ >= capacity) keep[a] = 0, dropped++;
-            } else {
-                prob_assign *lst = sortbuf + a0;
-                for (int e = 0; e < E; e++) {
-                    if (sel_count[b * E + e] <= capacity) continue;
-                    int n = 0;
-                    for (int64_t a = a0; a < a1; a++)
-                        if (topi[a] == e) lst[n++] = (prob_assign){probs[(a / k) * E + e], (int32_t)a};
-                    qsort(lst, (size_t)n, sizeof *lst, prob_assign_cmp);
-                    for (int i = capacity; i < n; i++) keep[lst[i].a] = 0, dropped++;
-                }
-            }
-        }
+        drop_ctx dc = {.keep = keep, .sortbuf = sortbuf, .used_all = used_all, .sel_count = sel_count, .topi = topi,
+                       .probs = probs, .T = T, .E = E, .k = k, .capacity = capacity, .policy = policy};
+        be->ops.for_ranges(be, B, drop_rows, &dc);
+        dropped = atomic_load(&dc.dropped);
     }
     /* counting sort of kept assignments by expert, stable in assignment order */
     memset(exp_off, 0, sizeof(int32_t) * (size_t)(E + 1));

@@ -11,7 +11,7 @@
 /* Top-k per token by score = probs + bias (bias may be NULL); ties keep the lower expert index.
  * Any E and k <= E; O(N E k) at worst, no memory beyond the outputs.
  * probs: [N, E]  topi: [N, k]  topw: [N, k] (chosen probs renormalised to sum 1). */
-void tera_moe_topk(int32_t *topi, float *topw, const float *probs, const float *bias, int64_t N, int E,
+void tera_moe_topk(tera_backend *be, int32_t *topi, float *topw, const float *probs, const float *bias, int64_t N, int E,
                    int k);
 
 /* The router's options (tera_model_config: router_score, n_groups, topk_groups, routed_scale). */
@@ -37,14 +37,15 @@ void tera_moe_score_forward(tera_backend *be, float *scores, float *lse, const f
  * index); experts of other groups are never chosen. Combine weights: the chosen scores (not u)
  * renormalised to sum 1, times r->scale. n_groups = 1 and scale = 1: exactly tera_moe_topk.
  * scores: [N, E]  topi: [N, k]  topw: [N, k]
- * scratch: tera_moe_route_scratch_bytes(r, threads) bytes for up to `threads` OpenMP threads. */
+ * scratch: tera_moe_route_scratch_bytes(r, threads) bytes for up to `threads` workers (the backend's
+ * max_threads: ops.for_ranges hands each worker its index). */
 size_t tera_moe_route_scratch_bytes(const tera_moe_routing *r, int threads);
-void tera_moe_route(int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N, int E, int k,
+void tera_moe_route(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N, int E, int k,
                     const tera_moe_routing *r, void *scratch);
 
 /* Per-token sums of the scores (the normaliser of the sigmoid balancing loss), in a fixed order.
  * scores: [N, E]  rsum: [N] */
-void tera_moe_score_sums(float *rsum, const float *scores, int64_t N, int E);
+void tera_moe_score_sums(tera_backend *be, float *rsum, const float *scores, int64_t N, int E);
 
 /* Backward of the sigmoid router (scores s = sigmoid(logits)): writes dlogits of
  *     sum_{t,j} dtopw[t,j] * w[t,j]                       w = scale * s_chosen / sum(s_chosen)
@@ -53,7 +54,7 @@ void tera_moe_score_sums(float *rsum, const float *scores, int64_t N, int E);
  *   + z_scale * sum_t lse[t]^2                            lse = logsumexp(logits[t])
  * where f_{b,e} = sel_count[b,e] / (T k) carries no gradient; the selection is not differentiated.
  * dlogits, logits, s: [B*T, E]  lse: [B*T]  topi, topw, dtopw: [B*T, k]  sel_count: [B, E] */
-void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float *s, const float *lse,
+void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *logits, const float *s, const float *lse,
                                const int32_t *topi, const float *topw, const float *dtopw,
                                const int32_t *sel_count, int B, int T, int E, int k, float scale,
                                float aux_scale, float z_scale);
@@ -68,7 +69,7 @@ void tera_moe_sigmoid_backward(float *dlogits, const float *logits, const float 
 typedef struct {
     double aux, z, entropy;
 } tera_moe_stats;
-tera_moe_stats tera_moe_route_stats(int64_t *load, float *rsum, double *psum, const float *scores, const float *lse,
+tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores, const float *lse,
                                     const int32_t *sel_count, int B, int T, int E, int k, tera_router_score score);
 
 /* Router backward under either scoring: dlogits = d/dlogits of
@@ -81,6 +82,38 @@ void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, 
                               const int32_t *sel_count, int B, int T, int E, int k, const tera_moe_routing *r,
                               float aux_scale, float z_scale);
 
+/* tera_moe_router_backward with gcount [E] (NULL: as tera_moe_router_backward): the balancing
+ * gradient of every sequence uses gcount[e] in place of its sel_count[b, e] (switch_global). */
+void tera_moe_router_backward_g(tera_backend *be, float *dlogits, float *dscores, const float *logits,
+                                const float *scores, const float *lse, const int32_t *topi, const float *topw,
+                                const float *dtopw, const int32_t *sel_count, const float *gcount, int B, int T,
+                                int E, int k, const tera_moe_routing *r, float aux_scale, float z_scale);
+
+/* The balancing loss of one micro-batch of B sequences of T tokens under model.balance_loss, in the
+ * units of tera_fwd_stats.aux_sum (the trainer divides by MoE layers x sequences of the global batch,
+ * so a per-micro-batch loss counts B times):
+ *   switch          aux_switch (tera_moe_route_stats' aux: sum_b E sum_e f_{b,e} P_{b,e})
+ *   switch_global   B E sum_e f_e P_e,  f_e = C_e / (B T k),  P_e = mean over the B T tokens of p[t,e]
+ *   importance_load B (CV^2(I) + CV^2(L)),  I_e = sum of topw[t,j] over assignments to e,  L_e = C_e
+ * with C_e = sum_b sel_count[b,e], p as tera_moe_route_stats (rsum: the sigmoid normalisers it
+ * computed, NULL under softmax), CV^2(x) = var(x) / (mean(x)^2 + 1e-10), var with E - 1 in the
+ * denominator (0 when E = 1). Sums in a fixed order (no threads).
+ * scores: [B*T, E]  rsum: [B*T] or NULL  topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E] */
+double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
+                              const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
+                              int B, int T, int E, int k);
+
+/* Prepares the router backward for model.balance_loss (call it after the combine weights' gradient
+ * dtopw is complete, then tera_moe_router_backward_g with the returned gcount and *aux_scale):
+ *   switch          returns NULL (the per-sequence gradient)
+ *   switch_global   returns gcount [E] = C_e / B (floats written over scratch)
+ *   importance_load adds aux_scale B dCV^2(I)/dI_e to dtopw[t,j] for e = topi[t,j] (the load term has
+ *                   no gradient), sets *aux_scale = 0 and returns NULL
+ * dtopw, topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E] doubles */
+const float *tera_moe_balance_backward_prep(tera_backend *be, tera_balance_loss kind, double *scratch, float *dtopw,
+                                            const int32_t *topi, const float *topw, const int32_t *sel_count, int B,
+                                            int T, int E, int k, float *aux_scale);
+
 /* Builds the grouped layout of one micro-batch of B sequences of T tokens.
  * topi: [N, k]; probs: [N, E] (for the probability drop policy); capacity: per sequence and
  * expert (<= 0: dropless). Outputs:
@@ -90,7 +123,7 @@ void tera_moe_router_backward(tera_backend *be, float *dlogits, float *dscores, 
  *   sel_count [B, E]: assignments of each sequence selected for each expert, before drops
  *   scratch: tera_moe_plan_scratch_bytes(N*k, B, E) bytes. Returns the number of dropped assignments. */
 size_t tera_moe_plan_scratch_bytes(int64_t n_assign, int B, int E);
-int64_t tera_moe_plan(int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int32_t *sel_count,
+int64_t tera_moe_plan(tera_backend *be, int32_t *slot_row, int32_t *row_tok, int32_t *exp_off, int32_t *sel_count,
                       void *scratch, const int32_t *topi, const float *probs, int B, int T, int E,
                       int k, int capacity, tera_drop_policy policy);
 

@@ -8,6 +8,10 @@
 #include "tera/profile.h"
 #include "tera/status.h"
 
+int64_t tera_tp_scratch_bytes(int tp, int64_t N) {
+    return tp > 1 ? (int64_t)((sizeof(float) * (size_t)(3 * N) + 63) & ~(size_t)63) : 0; /* 64-byte granules */
+}
+
 void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N) {
     memset(tp, 0, sizeof *tp);
     tp->be = be;
@@ -17,7 +21,7 @@ void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, 
     tp->v0 = (int64_t)rank * tp->Vl;
     tp->N = N;
     if (tp->tp > 1) {
-        const size_t bytes = (sizeof(float) * (size_t)(3 * N) + 63) & ~(size_t)63; /* 64-byte granules */
+        const size_t bytes = (size_t)tera_tp_scratch_bytes(tp->tp, N);
         tp->ce_buf = tera_malloc(bytes);
         memset(tp->ce_buf, 0, bytes);
         tp->bytes = (int64_t)bytes;

@@ -33,6 +33,8 @@ typedef struct {
 /* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
  * micro-batch (allocates the cross-entropy's scratch once); tera_tp_free releases it. */
 void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N);
+/* The bytes tera_tp_init allocates for tp ranks and N tokens (the cross-entropy buffer; 0 for one rank). */
+int64_t tera_tp_scratch_bytes(int tp, int64_t N);
 void tera_tp_free(tera_tp *tp);
 
 /* Sum of the ranks' partial outputs of a row-parallel layer, in place: buf [n]. */

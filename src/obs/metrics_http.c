@@ -22,6 +22,7 @@
 
 #include <microhttpd.h>
 
+#include "tera/hw.h"
 #include "tera/profile.h"
 
 #define N_GROUPS TERA_PARAM_GROUPS
@@ -56,6 +57,7 @@ typedef struct {
     double ckpt_pause, ckpt_write; /* the last save's step-loop pause and write time */
     int64_t ckpt_step;             /* step of the newest checkpoint (the starting step before any save) */
     double ckpt_unix;              /* when it was saved (noticed at the next step; start time before any) */
+    tera_hw_reading hw;            /* the step's hardware readings (src/obs/hw.c; absent ones not listed) */
 } snap;
 
 struct tera_metrics_http {
@@ -154,6 +156,7 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     p->ckpt_saves = cs.saves;
     p->ckpt_pause = cs.last_pause_s;
     p->ckpt_write = cs.last_write_s;
+    p->hw = *tera_hw_latest(); /* sampled by the step at most once a second */
     publish_copy(h);
 }
 
@@ -246,6 +249,36 @@ static double rss_bytes(void) {
     const int n = fscanf(f, "%ld %ld", &size, &res);
     fclose(f);
     return n == 2 ? (double)res * (double)sysconf(_SC_PAGESIZE) : -1;
+}
+
+/* The hardware readings: a family only when the machine exposes at least one of its readings. */
+static void hw_families(out *o, const tera_metrics_http *h, const tera_hw_reading *hw) {
+    static const struct {
+        tera_hw_kind kind;
+        const char *name, *type, *label, *help;
+    } fam[] = {
+        {TERA_HW_CPU_UTIL, "tera_cpu_utilization_ratio", "gauge", NULL,
+         "CPU time of this process over wall time and the CPUs it may use, since the previous sample (about 1 s)"},
+        {TERA_HW_CPU_CORES, "tera_cpu_cores_used", "gauge", NULL, "CPU cores this process kept busy since the previous sample"},
+        {TERA_HW_NET_RX, "tera_host_network_receive_bytes_total", "counter", NULL,
+         "bytes the machine received on every interface but loopback (/proc/net/dev)"},
+        {TERA_HW_NET_TX, "tera_host_network_transmit_bytes_total", "counter", NULL,
+         "bytes the machine sent on every interface but loopback (/proc/net/dev)"},
+        {TERA_HW_TEMP, "tera_hw_temperature_celsius", "gauge", "sensor", "hwmon temperatures (absent where /sys has none)"},
+        {TERA_HW_POWER, "tera_hw_power_watts", "gauge", "domain",
+         "RAPL power per domain since the previous sample (absent where /sys has none or it is not readable)"},
+    };
+    char lab[96];
+    for (size_t f = 0; f < sizeof fam / sizeof fam[0]; f++) {
+        int any = 0;
+        for (int i = 0; i < hw->n; i++) {
+            if (hw->kind[i] != fam[f].kind) continue;
+            if (!any) family(o, fam[f].name, fam[f].type, fam[f].help);
+            any = 1;
+            if (fam[f].label) snprintf(lab, sizeof lab, "%s=\"%s\"", fam[f].label, hw->label[i]);
+            sample(o, h, fam[f].name, fam[f].label ? lab : NULL, hw->value[i]);
+        }
+    }
 }
 
 static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
@@ -365,6 +398,7 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
            "Unix time of the newest checkpoint this process saved (its start before the first)", s->ckpt_unix);
     metric(&o, h, "tera_checkpoint_every_steps", "gauge", "checkpoint.every (0: only at the end)",
            (double)h->ckpt_every);
+    hw_families(&o, h, &s->hw);
     return o.len;
 }
 
@@ -481,7 +515,7 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
     h->saves_prev = tera_ckpt_last_stats().saves;
     h->shared = h->pub;
     /* the text: fixed families plus two lines per MoE layer, with room to spare */
-    h->text_cap = 16384 + 256 * nl;
+    h->text_cap = 16384 + 256 * nl + 256 * TERA_HW_MAX;
     h->text = tera_malloc(h->text_cap);
     /* one internal thread answers every request (poll/epoll); a client that stalls is dropped after
      * 10 s; at most 64 connections; 32 KiB per connection for the request */

@@ -4,6 +4,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "tera/trace.h"
+
 double tera_prof_seconds[TERA_PROF_COUNT];
 int64_t tera_prof_calls[TERA_PROF_COUNT];
 
@@ -47,4 +49,10 @@ void tera_prof_print(FILE *f, int steps) {
         fprintf(f, "  %-24s %10.2f %6.1f%%\n", g_names[op], 1e3 * tera_prof_seconds[op] / steps,
                 total > 0 ? 100.0 * tera_prof_seconds[op] / total : 0.0);
     }
+}
+
+const char *tera_prof_name(int op) { return op >= 0 && op < TERA_PROF_COUNT ? g_names[op] : "?"; }
+
+void tera_trace_prof(int op, double t0, double t1) {
+    tera_trace_event(TERA_TRACE_COMPUTE, g_names[op], op == TERA_PROF_TP_COMM ? "tp" : "op", t0, t1, -1);
 }

@@ -3,16 +3,10 @@
  * Sources of every figure (the planner must not be a second guess):
  * - parameters: tera_param_table_spec with the rank's shard spec (the table tera_model_create_par
  *   builds), so n_floats and n_dense are the allocator's own;
- * - activations and scratch: count_acts / count_scratch below are the counting pass of
- *   carve_acts / carve_scratch (src/model/model.c): the same buffers in the same order, each rounded
- *   up to 64 bytes, with the shared helpers the model calls (tera_attention_scratch_floats,
- *   tera_moe_plan_scratch_bytes, tera_moe_route_scratch_bytes); the token dispatcher's and the
- *   tensor-parallel layers' own scratch blocks (src/model/dispatch.c, tp_layers.c), which model.c
- *   adds to bytes_scratch, are the same buffers in 64-byte granules, so one sum gives the total.
- *   model.c keeps its carvers static,
- *   so the carving is restated here; tests/cli_plan.sh checks it against the model to the byte on a
- *   table of layouts (a public counting entry point in model.c would remove the copy);
- * - expert-exchange buffers: the model's bytes_comm formula (tera_dispatch_rows_max, the dispatcher's own);
+ * - activations, scratch and the expert-exchange buffers: tera_model_count (src/model/model.c), the
+ *   allocator's own counting pass (the shape, the parameter table and the carving that
+ *   tera_model_create_par runs, with nothing allocated); tests/test_plan.c and tests/cli_plan.sh
+ *   check the result against the allocator;
  * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c),
  *   the slots sized by each group's span as tera_model_group_range gives it (restated as one pass
  *   over the table: the search builds thousands of tables);
@@ -22,10 +16,9 @@
 #include <omp.h>
 #include <string.h>
 
-#include "model/dispatch.h"
-#include "model/moe.h"
+#include "tera/backend.h"
 #include "tera/ckpt.h"
-#include "tera/kernels.h"
+#include "tera/compress.h"
 #include "tera/model.h"
 #include "tera/plan.h"
 #include "plan_internal.h"
@@ -36,110 +29,12 @@
 const char *const tera_pm_name[TERA_PM_N] = {"params", "grads", "optimizer", "activations", "scratch",
                                              "comm", "pipeline", "checkpoint", "other"};
 
-/* ------------------------------------------------------------------ the model's carving, counted */
-enum { PART_XIN = 1, PART_CORE = 2, PART_HIDDEN = 4, PART_REST = 8, PART_ALL = 15 };
-
-static unsigned kept_parts(int policy) {
-    switch (policy) {
-    case TERA_RECOMPUTE_FULL: return PART_XIN;
-    case TERA_RECOMPUTE_SELECTIVE: return PART_ALL & ~(unsigned)(PART_CORE | PART_HIDDEN);
-    default: return PART_ALL;
-    }
-}
-
-static int64_t al(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
-#define CF(n) al((int64_t)sizeof(float) * (int64_t)(n))
-#define CI(n) al((int64_t)sizeof(int32_t) * (int64_t)(n))
-
-typedef struct {
-    const tera_model_config *cfg;
-    int B, T, ep, tp, n_slots;
-    int64_t Hl, Hkvl, Fl, Fsl, Fdl, Vl, Rmax;
-    const unsigned char *held;
-    const uint8_t *policy;
-    int head; /* this rank holds the LM head (the last pipeline stage) */
-} vmodel;
-
-static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
-static int64_t ffn_width(const vmodel *m, int l) { return is_moe(m->cfg, l) ? m->Fsl : m->Fdl; }
-
-/* carve_layer's counting pass */
-static int64_t count_layer(const vmodel *m, int moe, int64_t Fx, unsigned parts) {
-    const tera_model_config *cfg = m->cfg;
-    const int64_t N = (int64_t)m->B * m->T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
-    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
-    const int64_t R = m->ep > 1 ? m->Rmax : N * K;
-    const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
-    const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
-    int64_t b = 0;
-    if (xin) b += CF(N * D);
-    if (rest) b += CF(N * D) + CF(N) + CF(N * H * hd) + 2 * CF(N * Hkv * hd);
-    if (core) b += CF(N * H * hd) + CF((int64_t)m->B * H * m->T);
-    if (rest) b += 2 * CF(N * D) + CF(N);
-    if (moe) {
-        if (rest) {
-            b += 2 * CF(N * E) + CF(N) + CI(N * K) + CF(N * K) + 2 * CI(N * K) + CI(E + 1) + CI((int64_t)m->B * E) +
-                 CF(N * K * D);
-            if (m->ep > 1) b += CI(E) + CI(m->ep + 1) + 2 * CF(R * D);
-        }
-        if (hid) b += 3 * CF(R * F);
-        if (rest) b += CF(N * K * D);
-    }
-    if (Fx > 0 && hid) b += 3 * CF(N * Fx);
-    return b;
-}
-
-/* carve_acts's counting pass for slot `slot` */
-static int64_t count_acts(const vmodel *m, int slot) {
-    const tera_model_config *cfg = m->cfg;
-    const int64_t N = (int64_t)m->B * m->T, D = cfg->dim, hd = D / cfg->n_heads;
-    unsigned work_parts = 0;
-    int work_moe = 0;
-    int64_t work_Fx = 0, b = 0;
-    for (int l = 0; l < cfg->n_layers; l++) {
-        if (!m->held[l]) continue;
-        const unsigned kept = kept_parts(m->policy[l]);
-        b += count_layer(m, is_moe(cfg, l), ffn_width(m, l), kept);
-        if (kept != PART_ALL) {
-            work_parts |= PART_ALL & ~kept;
-            work_moe |= is_moe(cfg, l);
-            if (ffn_width(m, l) > work_Fx) work_Fx = ffn_width(m, l);
-        }
-    }
-    if (slot == 0 && work_parts) b += count_layer(m, work_moe, work_Fx, work_parts);
-    b += 2 * CF(N * D) + 2 * CF(N) + 2 * CF((int64_t)m->T * hd / 2);
-    if (m->n_slots > 1 && m->head) b += CF(N * m->Vl); /* only the stage holding the head */
-    return b;
-}
-
-/* carve_scratch's counting pass; threads: the OpenMP thread count it is sized for */
-static int64_t count_scratch(const vmodel *m, int threads) {
-    const tera_model_config *cfg = m->cfg;
-    const int B = m->B, T = m->T, ep = m->ep;
-    const int64_t N = (int64_t)B * T, D = cfg->dim, H = m->Hl, Hkv = m->Hkvl;
-    const int64_t hd = D / cfg->n_heads, E = cfg->n_experts, K = cfg->top_k, F = m->Fl;
-    const int64_t Fs = m->Fsl, Fd = m->Fdl;
-    const int64_t R = ep > 1 ? m->Rmax : N * K;
-    int64_t Fw = R * F, b = 0;
-    if (N * Fs > Fw) Fw = N * Fs;
-    if (N * Fd > Fw) Fw = N * Fd;
-    if (m->n_slots == 1) b += CF(N * m->Vl);
-    if (m->tp > 1) b += CF(3 * N);
-    b += 2 * CF(N * D) + CF(N * H * hd) + 2 * CF(N * Hkv * hd) + CF(N * H * hd) + 2 * CF(N * K * D);
-    if (ep > 1) b += 2 * CF(R * D);
-    b += 3 * CF(Fw) + 2 * CF(N * E) + CF(N * K) + al((int64_t)sizeof(double) * E);
-    if (cfg->router_score == TERA_ROUTER_SIGMOID) b += CF(N);
-    const tera_moe_routing route = tera_moe_routing_of(cfg);
-    if (route.n_groups > 1) b += al((int64_t)tera_moe_route_scratch_bytes(&route, threads));
-    /* the attention kernel sizes its per-thread blocks for omp_get_max_threads() */
-    const int old = omp_get_max_threads();
-    omp_set_num_threads(threads);
-    b += CF(tera_attention_scratch_floats(B, T, (int)H, (int)Hkv, (int)hd));
-    omp_set_num_threads(old);
-    b += al((int64_t)tera_moe_plan_scratch_bytes(N * K, B, (int)E));
-    b += al((int64_t)sizeof(int) * 2 * E) + CI(E) + al((int64_t)sizeof(int64_t) * E) +
-         al((int64_t)sizeof(int64_t) * (E + 1));
-    return b;
+/* The CPU backend that sizes the per-thread scratch (tera_model_count asks it for the attention
+ * and routing scratch of omp_get_max_threads() threads): one for the process. */
+static tera_backend *sizing_backend(void) {
+    static tera_backend *be;
+    if (!be) be = tera_backend_cpu_create(-1);
+    return be;
 }
 
 /* ------------------------------------------------------------------ layout pieces */
@@ -269,31 +164,24 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     out->slots = slots;
     out->layer_lo = first[t->pp_rank], out->layer_hi = first[t->pp_rank + 1];
     out->n_floats = ts->n_floats, out->n_dense = ts->n_dense;
-    unsigned char held[4096];
-    unsigned char *hb = L <= 4096 ? held : tera_calloc((size_t)L, 1);
-    memset(hb, 0, (size_t)L);
-    for (int st = t->pp_rank; st < pp * v; st += pp)
-        for (int l = first[st]; l < first[st + 1]; l++) hb[l] = 1;
-    vmodel m = {.cfg = mc, .B = tc->micro_batch, .T = tc->seq_len, .ep = t->ep, .tp = t->tp, .n_slots = slots,
-                .Hl = mc->n_heads / t->tp, .Hkvl = mc->n_kv_heads / t->tp, .Fl = mc->ffn_dim / t->tp,
-                .Fsl = (int64_t)mc->n_shared_experts * mc->ffn_dim / t->tp, .Fdl = mc->dense_ffn_dim / t->tp,
-                .Vl = mc->vocab_size / t->tp, .held = hb, .policy = policy, .head = t->pp_rank == pp - 1};
-    if (t->ep > 1) m.Rmax = tera_dispatch_rows_max(mc, m.B, m.T, t->ep);
-    int64_t acts = 0;
-    acts = count_acts(&m, 0); /* slot 0 carves the work set; every other slot the same as slot 1 */
-    if (slots > 1) acts += (int64_t)(slots - 1) * count_acts(&m, 1);
-    const int64_t scratch = count_scratch(&m, threads);
-    int kept_moe = 0, full_moe = 0;
-    for (int l = 0; l < L; l++) {
-        if (!hb[l] || !is_moe(mc, l)) continue;
-        if (policy[l] == TERA_RECOMPUTE_FULL) full_moe = 1;
-        else kept_moe++;
-    }
-    int64_t comm = 0, comm_acts = 0;
-    if (t->ep > 1) {
-        comm_acts = (int64_t)(2 * kept_moe * slots + 2 * full_moe) * m.Rmax * mc->dim * (int64_t)sizeof(float);
-        comm = comm_acts + 2 * m.Rmax * mc->dim * (int64_t)sizeof(float);
-    }
+    /* the model's own count (tera_model_count): activations, scratch, exchange buffers; the attention
+     * and routing scratch sized for `threads` OpenMP threads */
+    tera_model_config mcfg = *mc;
+    mcfg.recompute = tc->recompute;
+    const int zero_ = t->dp > 1 ? cfg->parallel.zero : 0;
+    const tera_model_par par = {.ep = t->ep, .tp = t->tp, .pp = pp, .pp_rank = t->pp_rank, .v = v, .n_slots = slots,
+                                .layer_first = first, .shard_params = zero_ >= 3, .shard_grads = zero_ >= 2,
+                                .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
+                                .be = sizing_backend()};
+    tera_model_bytes mb;
+    const int old = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    const tera_status cst = tera_model_count_acts(&mcfg, tc->micro_batch, tc->seq_len, &par, &mb);
+    omp_set_num_threads(old);
+    TERA_ASSERTF(cst == TERA_OK, "tera_model_count of a layout the configuration checks accepted");
+    (void)policy;
+    const int64_t acts = mb.acts, scratch = mb.scratch, comm = mb.comm, comm_acts = mb.comm_acts;
+    const int64_t N = (int64_t)tc->micro_batch * tc->seq_len;
     /* optimizer and ZeRO (tera_layout_groups / tera_layout_init / zero23_init) */
     const int zero = t->dp > 1 ? cfg->parallel.zero : 0;
     const int64_t n = ts->n_floats, nd = ts->n_dense;
@@ -320,7 +208,6 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     out->bytes[TERA_PM_ACTS] = acts - comm_acts;
     out->bytes[TERA_PM_SCRATCH] = scratch - (comm - comm_acts);
     out->bytes[TERA_PM_COMM] = comm + staging;
-    const int64_t N = (int64_t)m.B * m.T;
     if (pp > 1) /* tera_pipeline_init: send/receive buffers per slot and chunk, tokens and targets */
         out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
     const int world = t->pp * t->dp * t->tp;
@@ -333,7 +220,6 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
         out->total += out->bytes[k];
         if (k <= TERA_PM_COMM) out->printed_total += out->bytes[k];
     }
-    if (hb != held) free(hb);
 }
 
 /* ------------------------------------------------------------------ public */

@@ -1,5 +1,6 @@
 /* The parallel topology: ranks <-> coordinates <-> groups (include/tera/topology.h). */
 #include <stdio.h>
+#include <string.h>
 
 #include "tera/topology.h"
 
@@ -27,6 +28,7 @@ tera_status tera_topology_init(tera_topology *t, int world, int rank, int pp, in
                          "data-parallel ranks that split the experts among themselves", ep, dp);
     if (rank < 0 || rank >= world) return tera_fail(TERA_ERR_CONFIG, "rank %d outside a world of %d", rank, world);
     t->edp = dp / ep;
+    t->nodes = 1, t->tp_in_node = t->ep_in_node = 1;
     *t = tera_topology_at(t, rank);
     return TERA_OK;
 }
@@ -84,10 +86,27 @@ int tera_topology_index(const tera_topology *t, tera_axis axis) {
     return k;
 }
 
+void tera_topology_set_nodes(tera_topology *t, const int *node_of) {
+    int n = 0;
+    t->tp_in_node = t->ep_in_node = 1;
+    for (int w = 0; w < t->world; w++) {
+        const tera_topology o = tera_topology_at(t, w);
+        if (node_of[w] + 1 > n) n = node_of[w] + 1;
+        if (node_of[w] != node_of[tera_topology_rank_of(t, o.pp_rank, o.dp_rank, 0)]) t->tp_in_node = 0;
+        if (node_of[w] != node_of[tera_topology_rank_of(t, o.pp_rank, o.edp_rank * t->ep, o.tp_rank)]) t->ep_in_node = 0;
+    }
+    t->nodes = n;
+    t->node = node_of[t->rank];
+}
+
 const char *tera_topology_describe(const tera_topology *t, char *buf, int size) {
     snprintf(buf, (size_t)size,
              "%d ranks = pp %d x dp %d x tp %d, dp %d = edp %d x ep %d; world rank = (pp_rank * dp + dp_rank) * tp + "
              "tp_rank, dp_rank = edp_rank * ep + ep_rank (tp varies fastest, pp slowest)",
              t->world, t->pp, t->dp, t->tp, t->dp, t->edp, t->ep);
+    const size_t len = strlen(buf);
+    if (t->nodes > 1 && (int)len < size)
+        snprintf(buf + len, (size_t)size - len, "; %d nodes (tp groups %s nodes, ep groups %s)", t->nodes,
+                 t->tp_in_node ? "inside" : "ACROSS", t->ep_in_node ? "inside nodes" : "across nodes");
     return buf;
 }

@@ -2,7 +2,11 @@
  * (the rules are stated in include/tera/train.h). Pure functions of the config, the step and a small
  * state that checkpoints carry, so a resumed run takes the same batch sizes as an uninterrupted one. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+
+#include <cjson/cJSON.h>
 
 #include "tera/train.h"
 
@@ -82,4 +86,33 @@ void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r) {
                 (long)r->step, mean, a, (long)seqs, (double)f);
         fflush(tr->metrics);
     }
+}
+
+/* grow_window_sum as a string: doubles must round-trip exactly (cJSON prints 15 digits). */
+void tera_batch_save(const tera_train_config *t, const tera_batch_state *b, int64_t step, int world, cJSON *root) {
+    cJSON *o = cJSON_AddObjectToObject(root, "batch");
+    const int a = tera_batch_accum(t, b, step);
+    cJSON_AddNumberToObject(o, "accum", a); /* of the next step (informative: it follows from the rest) */
+    cJSON_AddNumberToObject(o, "sequences", (double)a * t->micro_batch * world);
+    cJSON_AddNumberToObject(o, "grow", b->grow);
+    cJSON_AddNumberToObject(o, "grow_window_n", b->window_n);
+    char buf[40];
+    snprintf(buf, sizeof buf, "%.17g", b->window_sum);
+    cJSON_AddStringToObject(o, "grow_window_sum", buf);
+}
+
+tera_status tera_batch_load(tera_batch_state *b, const cJSON *root, const char *path) {
+    const cJSON *o = cJSON_GetObjectItemCaseSensitive(root, "batch");
+    tera_batch_init(b);
+    if (!cJSON_IsObject(o)) return TERA_OK;
+    const cJSON *grow = cJSON_GetObjectItemCaseSensitive(o, "grow"), *n = cJSON_GetObjectItemCaseSensitive(o, "grow_window_n");
+    const cJSON *sum = cJSON_GetObjectItemCaseSensitive(o, "grow_window_sum");
+    char *end = NULL;
+    const double sv = cJSON_IsString(sum) ? strtod(sum->valuestring, &end) : 0.0;
+    const int64_t gv = cJSON_IsNumber(grow) ? (int64_t)grow->valuedouble : 0, nv = cJSON_IsNumber(n) ? (int64_t)n->valuedouble : -1;
+    if (gv < 1 || gv > (1 << 30) || (gv & (gv - 1)) || nv < 0 || nv > INT32_MAX || !end || end == sum->valuestring || *end)
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"batch\" needs grow (a power of 2), grow_window_n >= 0 and "
+                                          "grow_window_sum (a number as a string)", path);
+    b->grow = (int)gv, b->window_n = (int)nv, b->window_sum = sv;
+    return TERA_OK;
 }

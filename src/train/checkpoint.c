@@ -31,6 +31,7 @@
 #include "tera/io.h"
 #include "tera/profile.h"
 #include "tera/safetensors.h"
+#include "tera/trace.h"
 #include "tera/train.h"
 
 /* ------------------------------------------------------------------ options */
@@ -163,114 +164,6 @@ tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
 
 /* ------------------------------------------------------------------ state.json */
 
-static cJSON *int_array(int n, const int64_t *v);
-
-/* Doubles that must round-trip exactly (cJSON prints 15 digits when they are merely close). */
-static cJSON *exact_number(double v) {
-    char buf[40];
-    snprintf(buf, sizeof buf, "%.17g", v);
-    return cJSON_CreateString(buf);
-}
-
-static int read_exact(const cJSON *it, double *v) {
-    if (!cJSON_IsString(it)) return 0;
-    char *end;
-    *v = strtod(it->valuestring, &end);
-    return end != it->valuestring && *end == 0;
-}
-
-/* The dynamic batch size and the loss-spike guard: what a resumed run needs to take the same
- * batch sizes, skip the same data windows, keep the LR cut and judge spikes against the same window. */
-static void state_dynamic(cJSON *root, const tera_trainer *tr) {
-    const tera_train_config *t = &tr->cfg.training;
-    cJSON *b = cJSON_AddObjectToObject(root, "batch");
-    const int a = tera_batch_accum(t, &tr->batch, tr->step);
-    cJSON_AddNumberToObject(b, "accum", a); /* of the next step (informative: it follows from the rest) */
-    cJSON_AddNumberToObject(b, "sequences", (double)a * t->micro_batch * tr->world);
-    cJSON_AddNumberToObject(b, "grow", tr->batch.grow);
-    cJSON_AddNumberToObject(b, "grow_window_n", tr->batch.window_n);
-    cJSON_AddItemToObject(b, "grow_window_sum", exact_number(tr->batch.window_sum));
-    cJSON *g = cJSON_AddObjectToObject(root, "spike_guard");
-    cJSON_AddNumberToObject(g, "lr_cut_until", (double)tr->lr_cut_until);
-    cJSON *sk = cJSON_AddArrayToObject(g, "skip_windows");
-    for (int i = 0; i < tr->n_skips; i++) {
-        int64_t w[2] = {tr->skip_lo[i], tr->skip_hi[i]};
-        cJSON_AddItemToArray(sk, int_array(2, w));
-    }
-    cJSON_AddNumberToObject(g, "events", (double)tr->spike_events);
-    cJSON_AddNumberToObject(g, "last_spike_step", (double)tr->last_spike_step);
-    cJSON_AddNumberToObject(g, "repeats", tr->spike_repeats);
-    const int W = t->spike_window;
-    cJSON_AddNumberToObject(g, "window", W);
-    cJSON_AddNumberToObject(g, "n", tr->spike_n);
-    cJSON_AddNumberToObject(g, "pos", tr->spike_pos);
-    cJSON *l = cJSON_AddArrayToObject(g, "loss"), *gn = cJSON_AddArrayToObject(g, "grad_norm");
-    for (int i = 0; i < tr->spike_n && i < W; i++) {
-        cJSON_AddItemToArray(l, exact_number(tr->spike_hist[i]));
-        cJSON_AddItemToArray(gn, exact_number(tr->spike_hist[W + i]));
-    }
-}
-
-static int json_i64(const cJSON *o, const char *name, int64_t *v) {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, name);
-    if (!cJSON_IsNumber(it)) return 0;
-    *v = (int64_t)it->valuedouble;
-    return 1;
-}
-
-/* Restores state_dynamic's fields (absent in older checkpoints: growth off, guard unchanged).
- * Guard knowledge newer than the checkpoint (a rollback in this process) is kept: the skip windows
- * are merged, the LR cut and the event count take the later value. */
-static tera_status read_dynamic(tera_trainer *tr, const cJSON *root, const char *path) {
-    const cJSON *b = cJSON_GetObjectItemCaseSensitive(root, "batch");
-    tera_batch_init(&tr->batch);
-    if (cJSON_IsObject(b)) {
-        int64_t grow, n;
-        double sum;
-        if (!json_i64(b, "grow", &grow) || grow < 1 || grow > (1 << 30) || (grow & (grow - 1)) ||
-            !json_i64(b, "grow_window_n", &n) || n < 0 || n > INT32_MAX ||
-            !read_exact(cJSON_GetObjectItemCaseSensitive(b, "grow_window_sum"), &sum))
-            return tera_fail(TERA_ERR_FORMAT, "%s: \"batch\" needs grow (a power of 2), grow_window_n >= 0 and "
-                                              "grow_window_sum (a number as a string)", path);
-        tr->batch.grow = (int)grow, tr->batch.window_n = (int)n, tr->batch.window_sum = sum;
-    }
-    const cJSON *g = cJSON_GetObjectItemCaseSensitive(root, "spike_guard");
-    if (!cJSON_IsObject(g)) return TERA_OK;
-    int64_t cut, events, last, rep, W, n, pos;
-    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(g, "skip_windows");
-    const cJSON *l = cJSON_GetObjectItemCaseSensitive(g, "loss"), *gn = cJSON_GetObjectItemCaseSensitive(g, "grad_norm");
-    if (!json_i64(g, "lr_cut_until", &cut) || !json_i64(g, "events", &events) || !json_i64(g, "last_spike_step", &last) ||
-        !json_i64(g, "repeats", &rep) || !json_i64(g, "window", &W) || !json_i64(g, "n", &n) || !json_i64(g, "pos", &pos) ||
-        !cJSON_IsArray(sk) || !cJSON_IsArray(l) || !cJSON_IsArray(gn) || n < 0 || n > W ||
-        (W > 0 && (pos < 0 || pos >= W)) || cJSON_GetArraySize(l) != n || cJSON_GetArraySize(gn) != n)
-        return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard\" is incomplete or inconsistent", path);
-    if (cut > tr->lr_cut_until) tr->lr_cut_until = cut;
-    if (events > tr->spike_events) tr->spike_events = events;
-    if (last > tr->last_spike_step) tr->last_spike_step = last, tr->spike_repeats = (int)rep;
-    const cJSON *w;
-    cJSON_ArrayForEach(w, sk) {
-        const cJSON *lo = cJSON_GetArrayItem(w, 0), *hi = cJSON_GetArrayItem(w, 1);
-        if (!cJSON_IsArray(w) || !cJSON_IsNumber(lo) || !cJSON_IsNumber(hi) || hi->valuedouble <= lo->valuedouble)
-            return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard.skip_windows\" holds a bad [lo, hi) pair", path);
-        const int64_t a = (int64_t)lo->valuedouble, e = (int64_t)hi->valuedouble;
-        int at = 0, dup = 0;
-        while (at < tr->n_skips && tr->skip_lo[at] <= a) dup |= tr->skip_lo[at] == a && tr->skip_hi[at] == e, at++;
-        if (dup || tr->n_skips >= 64) continue;
-        for (int i = tr->n_skips; i > at; i--) tr->skip_lo[i] = tr->skip_lo[i - 1], tr->skip_hi[i] = tr->skip_hi[i - 1];
-        tr->skip_lo[at] = a, tr->skip_hi[at] = e; /* kept in increasing order: the step jumps them in turn */
-        tr->n_skips++;
-    }
-    /* the window of recent healthy steps, when this run's window has the checkpoint's length */
-    tr->spike_n = tr->spike_pos = 0;
-    if (W != tr->cfg.training.spike_window) return TERA_OK;
-    for (int i = 0; i < n; i++)
-        if (!read_exact(cJSON_GetArrayItem(l, i), &tr->spike_hist[i]) ||
-            !read_exact(cJSON_GetArrayItem(gn, i), &tr->spike_hist[W + i]))
-            return tera_fail(TERA_ERR_FORMAT, "%s: \"spike_guard\" window entry %d is not a number string", path, i);
-    tr->spike_n = (int)n, tr->spike_pos = (int)pos;
-    return TERA_OK;
-}
-
 static char *state_text(const tera_trainer *tr) {
     const tera_loader *l = &tr->loader;
     cJSON *root = cJSON_CreateObject(), *data = cJSON_CreateObject();
@@ -279,12 +172,7 @@ static char *state_text(const tera_trainer *tr) {
     cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
     cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
     cJSON_AddNumberToObject(root, "skipped_steps", (double)tr->skipped_steps);
-    if (tr->precision == TERA_PREC_FP16) { /* the dynamic loss scaler, restored exactly on resume */
-        cJSON *sc = cJSON_AddObjectToObject(root, "loss_scaler");
-        cJSON_AddNumberToObject(sc, "scale", (double)tr->scaler.scale);
-        cJSON_AddNumberToObject(sc, "good_steps", (double)tr->scaler.good_steps);
-        cJSON_AddNumberToObject(sc, "overflows", (double)tr->scaler.overflows);
-    }
+    if (tr->precision == TERA_PREC_FP16) tera_scaler_save(&tr->scaler, root); /* restored exactly on resume */
     cJSON_AddItemToObject(root, "data", data);
     cJSON_AddStringToObject(data, "path", tr->cfg.data.path[0] ? tr->cfg.data.path : "(embedded corpus)");
     cJSON_AddNumberToObject(data, "n_tokens", (double)tr->src.n_tokens);
@@ -294,7 +182,11 @@ static char *state_text(const tera_trainer *tr) {
     cJSON_AddNumberToObject(data, "samples_consumed", (double)tr->samples_consumed);
     cJSON_AddNumberToObject(data, "epoch", (double)(tr->samples_consumed / l->n_train));
     cJSON_AddNumberToObject(data, "offset_in_epoch", (double)(tr->samples_consumed % l->n_train));
-    state_dynamic(root, tr);
+    /* the dynamic batch size and the loss-spike guard, each serialised by its owner: what a resumed
+     * run needs to take the same batch sizes, skip the same data windows, keep the LR cut and judge
+     * spikes against the same window */
+    tera_batch_save(&tr->cfg.training, &tr->batch, tr->step, tr->world, root);
+    tera_spike_save(&tr->spike, root);
     char *text = cJSON_Print(root);
     cJSON_Delete(root);
     return text;
@@ -333,19 +225,13 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
     const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
     /* fp16: the scaler's state when the checkpoint has one (else the configured initial scale) */
-    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(root, "loss_scaler");
-    const cJSON *sc_scale = cJSON_GetObjectItemCaseSensitive(sc, "scale");
-    const cJSON *sc_good = cJSON_GetObjectItemCaseSensitive(sc, "good_steps");
-    const cJSON *sc_over = cJSON_GetObjectItemCaseSensitive(sc, "overflows");
     tera_loss_scaler scaler = tr->scaler;
-    if (tr->precision == TERA_PREC_FP16 && cJSON_IsNumber(sc_scale)) {
-        if (!(sc_scale->valuedouble >= TERA_LOSS_SCALE_MIN && sc_scale->valuedouble <= TERA_LOSS_SCALE_MAX)) {
-                    return tera_fail(TERA_ERR_FORMAT, "%s: \"loss_scaler.scale\" = %g is outside [%g, %g]", path,
-                             sc_scale->valuedouble, (double)TERA_LOSS_SCALE_MIN, (double)TERA_LOSS_SCALE_MAX);
+    if (tr->precision == TERA_PREC_FP16) {
+        const tera_status sst = tera_scaler_load(&scaler, root, path);
+        if (sst != TERA_OK) {
+            cJSON_Delete(root);
+            return sst;
         }
-        scaler.scale = (float)sc_scale->valuedouble;
-        scaler.good_steps = cJSON_IsNumber(sc_good) ? (int64_t)sc_good->valuedouble : 0;
-        scaler.overflows = cJSON_IsNumber(sc_over) ? (int64_t)sc_over->valuedouble : 0;
     }
     const tera_loader *l = &tr->loader;
     if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
@@ -359,7 +245,8 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
                          (long)tr->src.n_tokens, l->T, (long)l->n_train, l->shuffle,
                          (unsigned long)tr->cfg.training.seed);
     }
-    const tera_status st = read_dynamic(tr, root, path);
+    tera_status st = tera_batch_load(&tr->batch, root, path);
+    if (st == TERA_OK) st = tera_spike_load(&tr->spike, root, path);
     cJSON_Delete(root);
     TERA_TRY(st);
     tr->step = (int64_t)v[0];
@@ -735,7 +622,9 @@ static tera_status write_checkpoint(tera_ckpt_ctx *c) {
 
 static void *writer_main(void *arg) {
     tera_ckpt_ctx *c = arg;
+    const double t0 = tera_now();
     c->st = write_checkpoint(c);
+    tera_trace_event(TERA_TRACE_CKPT, "checkpoint write", "checkpoint", t0, tera_now(), -1); /* the timeline */
     if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
     return NULL;
 }
@@ -776,8 +665,7 @@ static tera_status prune(tera_ckpt_ctx *c) {
 }
 
 /* Copies the training state into the snapshot buffers (the pause the step loop sees). */
-static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr) {
-    const float *src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->opt.m, tr->opt.v, tr->model.router_bias};
+static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *const src[TERA_CKPT_N_REGIONS]) {
     const int64_t BLK = 1 << 18; /* 1 MiB of floats per task */
     for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
         const int64_t n = c->reg_n[r];
@@ -1175,7 +1063,9 @@ static tera_status streamed_finish(sfin *f) {
 static void *streamed_finish_main(void *arg) {
     tera_ckpt_ctx *c = arg;
     sfin *f = c->fin;
+    const double t0 = tera_now();
     c->st = streamed_finish(f);
+    tera_trace_event(TERA_TRACE_CKPT, "checkpoint write", "checkpoint", t0, tera_now(), -1); /* the timeline */
     if (c->st != TERA_OK) snprintf(c->err, sizeof c->err, "checkpoint step %" PRId64 ": %s", c->step, tera_last_error());
     free(f);
     c->fin = NULL;
@@ -1211,7 +1101,7 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
         uint64_t rhash[TERA_CKPT_N_REGIONS] = {0};
         int64_t changed = 0, total = 0;
         if (tr->root) {
-            c->full = save_is_full(final, c->has_base, c->opt.full_every, c->since_full);
+            c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, c->opt.full_every, c->since_full);
             c->step = tr->step;
             free(c->state_json);
             c->state_json = state_text(tr);
@@ -1260,7 +1150,7 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
                 const tera_param *p = &g->params[i];
                 for (int64_t a = 0; a < p->numel; a += c->win_n) {
                     const int64_t b = a + c->win_n < p->numel ? a + c->win_n : p->numel;
-                    tera_layout_gather_window(tr, g, k, p->offset + a, p->offset + b, c->win);
+                    tera_layout_gather_window(tr, g, k, p->offset + a, p->offset + b, c->win, 1);
                     if (!tr->root) continue;
                     XXH3_64bits_update(ws.rh, c->win, sizeof(float) * (size_t)(b - a));
                     cstream_feed(&ck, &cs[p->offset >= nd], p->offset + a, c->win, b - a, n);
@@ -1333,6 +1223,12 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
 
 tera_status tera_trainer_save_whole(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK;
+    /* one process, or a data-parallel replica without ZeRO: its storage is the whole model, its
+     * moments one contiguous buffer (the expert region's optimizer is a view into the non-expert
+     * one's allocation) */
+    TERA_ASSERTF(tr->root && tr->tp == 1 && tr->pp == 1 && tr->ep == 1 && !tr->zero && tr->model.w &&
+                 (tr->opt_x.view || !tr->opt_x.n), "a whole save from memory needs the whole model in this rank's storage");
+    const float *const src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->opt.m, tr->opt.v, tr->model.router_bias};
     const int final = tr->step >= tr->cfg.training.steps;
     if (!tr->ckpt) tr->ckpt = ctx_create(tr);
     tera_ckpt_ctx *c = tr->ckpt;
@@ -1344,9 +1240,9 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
     if (s == TERA_OK && !(tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK)) {
         /* the final save is always full, so a finished run ends with a Hugging Face directory */
-        c->full = save_is_full(final, c->has_base, c->opt.full_every, c->since_full);
+        c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, c->opt.full_every, c->since_full);
         const double t1 = tera_now();
-        snapshot(c, tr);
+        snapshot(c, tr, src);
         record_pause(tera_now() - t1 + t_wait, c->full);
         if (c->opt.async && !final) {
             c->running = 1;
@@ -1401,7 +1297,7 @@ static tera_status check_regions(tera_trainer *tr, const char *dir, int moments)
                 const tera_param *p = &shell.params[i];
                 for (int64_t a = 0; a < p->numel; a += W) {
                     const int64_t b = a + W < p->numel ? a + W : p->numel;
-                    tera_layout_gather_window(tr, &shell, k, p->offset + a, p->offset + b, win);
+                    tera_layout_gather_window(tr, &shell, k, p->offset + a, p->offset + b, win, 0);
                     XXH3_64bits_update(h, win, sizeof(float) * (size_t)(b - a));
                 }
             }
@@ -1423,12 +1319,16 @@ tera_status tera_trainer_load_dir(tera_trainer *tr, const char *dir, int moments
     tera_layout_global_shell(tr, &shell);
     tera_ckpt_reader *rd = NULL;
     tera_status st = tera_ckpt_reader_open(&rd, dir, &shell);
+    if (st == TERA_OK && moments && tera_ckpt_reader_is_hf(rd))
+        st = tera_fail(TERA_ERR_FORMAT, "%s: a Hugging Face directory holds no optimizer state to resume from (use it "
+                       "as training.init_from)", dir);
     if (st == TERA_OK) st = tera_layout_load(tr, rd, moments);
-    const int sharded = rd && tera_ckpt_reader_sharded(rd);
+    /* sharded checkpoints and Hugging Face directories carry no region checksums */
+    const int checksums = rd && !tera_ckpt_reader_sharded(rd) && !tera_ckpt_reader_is_hf(rd);
     tera_ckpt_reader_close(rd);
     free(shell.params);
     st = agree_world(tr, st, "loading the checkpoint");
-    if (st == TERA_OK && !sharded) st = check_regions(tr, dir, moments);
+    if (st == TERA_OK && checksums) st = check_regions(tr, dir, moments);
     return st;
 }
 
@@ -1441,34 +1341,6 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
     return TERA_OK;
 }
 
-tera_status tera_trainer_resume(tera_trainer *tr) {
-    char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 64];
-    /* every rank looks for the newest checkpoint only once world rank 0's background part of the
-     * last save is done (its caller waited for it: tera_trainer_ckpt_close), so all find the same */
-    if (tr->wsize > 1) tera_comm_barrier(tera_comm_world());
-    TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
-    TERA_TRY(tera_trainer_resume_dir(tr, dir));
-    /* every check passed: only now is the run directory written (a refused --resume leaves it as
-     * it was): the configuration of the continued run, and metrics.jsonl cut back to its last
-     * complete line (a crash or a full disk can leave half a line) before appending */
-    tera_status st = TERA_OK;
-    if (tr->root) {
-        st = tera_ckpt_write_run_config(&tr->cfg, tr->run_dir);
-        long dropped = 0;
-        snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
-        if (st == TERA_OK) st = tera_jsonl_repair(path, &dropped);
-        if (st == TERA_OK && dropped > 0)
-            fprintf(stderr, "tera: warning: %s: removed an incomplete last line (%ld bytes) before appending\n", path,
-                    dropped);
-        if (st == TERA_OK) st = tera_trainer_open_metrics(tr, "a");
-    }
-    if (tr->wsize > 1) { /* every rank learns whether rank 0 could write */
-        int64_t failed = st != TERA_OK;
-        tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
-        if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--resume: writing the run directory failed on rank 0");
-    }
-    return st;
-}
 
 /* ------------------------------------------------------------------ sharded checkpoints
  * checkpoint.sharded with several ranks: no rank gathers the model. Every element of the model is
@@ -1809,7 +1681,7 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     c->pending = 1;
     const tera_ckpt_options opt = tera_ckpt_options_from_config(&tr->cfg);
     /* the final save is full, like the whole-model path's; the others by checkpoint.full_every */
-    c->full = save_is_full(final, c->has_base, opt.full_every, c->since_full);
+    c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, opt.full_every, c->since_full);
     if (c->full) {
         c->has_base = 1, c->since_full = 0, c->base_step = tr->step;
     } else {

@@ -75,12 +75,31 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
     if (param_sq) *param_sq = psum;
 }
 
+/* The LR schedules (docs/SCHEDULES.md has the formulas): a linear warmup over W steps, then
+ *   cosine: min + (max - min) (1 + cos(pi p)) / 2,  p = (s - W) / (S - W)   (MODEL.md, bit for bit)
+ *   linear: min + (max - min) (1 - p)
+ *   wsd:    max until D0 = max(W, S - round(decay_fraction S)), then min + (max - min) shape(q),
+ *           q = (s - D0) / (S - D0), shape(q) = 1 - q | (1 + cos(pi q)) / 2 | 1 - sqrt(q)
+ * with p and q clamped to [0, 1]; steps at or after S keep the last value. */
 float tera_lr_at(const tera_train_config *t, int64_t s) {
     const int64_t W = t->warmup_steps, S = t->steps;
     if (s < W) return t->lr * (float)(s + 1) / (float)W;
+    if (t->lr_schedule == TERA_LR_WSD) {
+        int64_t D0 = S - (int64_t)llround((double)t->decay_fraction * (double)S);
+        if (D0 < W) D0 = W;
+        if (s < D0) return t->lr;
+        if (S <= D0) return t->min_lr;
+        double q = (double)(s - D0) / (double)(S - D0);
+        if (q > 1.0) q = 1.0;
+        const double f = t->decay_shape == TERA_DECAY_COSINE ? 0.5 * (1.0 + cos(M_PI * q))
+                         : t->decay_shape == TERA_DECAY_SQRT ? 1.0 - sqrt(q)
+                                                             : 1.0 - q;
+        return (float)(t->min_lr + (t->lr - t->min_lr) * f);
+    }
     if (S <= W) return t->min_lr;
     double prog = (double)(s - W) / (double)(S - W);
     if (prog > 1.0) prog = 1.0;
+    if (t->lr_schedule == TERA_LR_LINEAR) return (float)(t->min_lr + (t->lr - t->min_lr) * (1.0 - prog));
     return (float)(t->min_lr + 0.5 * (t->lr - t->min_lr) * (1.0 + cos(M_PI * prog)));
 }
 

@@ -11,12 +11,18 @@
 #include <cjson/cJSON.h>
 
 #include "tera/ckpt.h"
+#include "tera/compress.h"
+#include "tera/elastic.h"
 #include "tera/hf.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/metrics_http.h"
+#include "tera/hw.h"
+#include "tera/tensorboard.h"
+#include "tera/trace.h"
 #include "tera/profile.h"
 #include "tera/safetensors.h"
+#include "tera/sample.h"
 #include "tera/train.h"
 
 static int dir_nonempty(const char *path) {
@@ -25,7 +31,9 @@ static int dir_nonempty(const char *path) {
     struct dirent *e;
     int n = 0;
     while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, TERA_RUN_LOCK_NAME)) n++;
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, TERA_RUN_LOCK_NAME) &&
+            strcmp(e->d_name, "elastic")) /* tera launch's own files (src/cli/cmd_launch.c) */
+            n++;
     closedir(d);
     return n > 0;
 }
@@ -110,11 +118,17 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             free(first);
             goto fail_src;
         }
+        tera_backend *be = NULL; /* training.device */
+        if ((st = tera_backend_for_device(t->device, t->threads, &be)) != TERA_OK) {
+            free(first);
+            goto fail_src;
+        }
         const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
+                                    .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
                                     .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
                                     .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
-                                    .n_slots = slots, .be = tera_backend_cpu_create(t->threads)};
+                                    .n_slots = slots, .be = be};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
         st = tera_model_create_par(&tr->model, &mc, t->micro_batch, t->seq_len, &par);
@@ -137,31 +151,14 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                            t->init_from, diff);
             goto fail_model;
         }
-        /* a tera checkpoint (manifest.json: whole, differential or sharded): each rank reads its
-         * own part; a Hugging Face directory: imported whole, then this rank keeps its part */
-        char man[TERA_PATH_MAX + 32];
-        snprintf(man, sizeof man, "%s/manifest.json", t->init_from);
-        if (access(man, F_OK) == 0) {
-            if ((st = tera_trainer_load_dir(tr, t->init_from, 0)) != TERA_OK) goto fail_model;
-        } else {
-            tera_model shell;
-            tera_layout_global_shell(tr, &shell);
-            shell.w = tera_calloc((size_t)shell.n_floats + 1, sizeof(float));
-            st = tera_hf_import(&shell, t->init_from);
-            free(shell.params);
-            if (st != TERA_OK) {
-                free(shell.w);
-                goto fail_model;
-            }
-            tera_layout_scatter(tr, shell.w, NULL, NULL);
-            free(shell.w);
-        }
+        /* a tera checkpoint (manifest.json: whole, differential or sharded) or a Hugging Face
+         * directory: each rank reads its own part range by range (no rank holds the whole model) */
+        if ((st = tera_trainer_load_dir(tr, t->init_from, 0)) != TERA_OK) goto fail_model;
     } else {
         tera_layout_init_weights(tr, t->seed);
     }
     tr->grad_sq = tera_calloc((size_t)(4 * tr->model.n_params), sizeof(double)); /* + scratch of src/train/layout.c */
-    tr->spike_hist = tera_calloc((size_t)(2 * t->spike_window + 1), sizeof(double));
-    tr->last_spike_step = -1;
+    tera_spike_init(&tr->spike, t);
     tera_batch_init(&tr->batch);
     {
         const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a batch whose loss and gradients blow up */
@@ -178,10 +175,12 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     tr->fault_nan_step = -1;
     {
-        /* test hook: a NaN in this rank's gradient at step S ("S", every rank, or "S@R", world rank R only) */
+        /* test hook: a NaN in this rank's gradient at step S ("S", every rank, or "S@R", world rank R only;
+         * "S:N": steps S .. S+N-1, once each: tera_elastic_fault_nan) */
         const char *f = getenv("TERA_FAULT_NAN_STEP");
-        const char *at = f ? strchr(f, '@') : NULL;
+        const char *at = f ? strchr(f, '@') : NULL, *colon = f ? strchr(f, ':') : NULL;
         if (f && (!at || atoi(at + 1) == tr->wrank)) tr->fault_nan_step = atoll(f);
+        if (colon && (!at || colon < at)) tr->fault_nan_n = atoll(colon + 1);
     }
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
@@ -193,6 +192,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
 
     /* logging.metrics_port: before the run directory is touched, so a port in use leaves nothing behind */
     if ((st = tera_metrics_http_start(&tr->http, tr)) != TERA_OK) goto fail_all;
+    if ((st = tera_trace_start(&cfg->logging, cfg->model.n_layers, tr->wrank, tr->wsize)) != TERA_OK) goto fail_all;
+    if (tr->wrank == 0 && (st = tera_tensorboard_open(&tr->tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
     tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
     tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
     if (tr->run_dir[0] && tr->root) {
@@ -228,7 +229,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         tr->bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->bf16_gemm_note);
     tera_backend_set_precision(tr->model.be, tr->precision, tr->bf16_gemm);
     reserve_scratch(tr);
-    tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f, t->loss_scale_window);
+    tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
+                     t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
         if (tr->wsize == 1)
             fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (the rank's weights, moments and "
@@ -244,10 +246,13 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
 
 fail_all:
     tera_metrics_http_stop(tr->http);
-    free(tr->spike_hist);
+    tera_tensorboard_close(tr->tb);
+    tr->tb = NULL;
+    tera_spike_free(&tr->spike);
     free(tr->buckets);
     free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
+    tera_trace_stop(); /* after the prefetcher */
     free(tr->tokens);
     free(tr->targets);
 fail_model:
@@ -294,9 +299,13 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
 void tera_trainer_free(tera_trainer *tr) {
     tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
     tera_metrics_http_stop(tr->http);
+    tera_tensorboard_close(tr->tb); /* an error was reported by tera_trainer_run */
     if (tr->metrics) fclose(tr->metrics);
+    if (tr->mline) fclose(tr->mline); /* the memory stream's buffer stays the caller's */
+    free(tr->mline_buf);
     tera_prefetch_stop(tr->prefetch);
-    free(tr->spike_hist);
+    tera_trace_stop(); /* after the threads that record into it */
+    tera_spike_free(&tr->spike);
     free(tr->buckets);
     free(tr->grad_sq);
     free(tr->tokens);
@@ -352,16 +361,20 @@ static void put_num(FILE *f, const char *fmt, double v) {
 static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     const char *const *groups = tera_param_group_names;
     const tera_model *m = &tr->model;
-    char *line = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&line, &len);
+    if (!tr->mline) tr->mline = open_memstream(&tr->mline_buf, &tr->mline_len); /* once: no allocation per step */
+    FILE *f = tr->mline;
     if (!f) return;
+    rewind(f);
     const struct {
         const char *key, *fmt;
         double v;
     } nums[] = {
         {"loss", "%.7g", r->loss}, {"ce_loss", "%.7g", r->ce_loss}, {"aux_loss", "%.7g", r->aux_loss},
-        {"z_loss", "%.7g", r->z_loss}, {"lr", "%.7g", r->lr}, {"grad_norm", "%.7g", r->grad_norm},
+        {"z_loss", "%.7g", r->z_loss},
+        /* what the two router losses added to the loss (coefficient x raw mean) */
+        {"aux_loss_weighted", "%.7g", tr->cfg.model.aux_coef * r->aux_loss},
+        {"z_loss_weighted", "%.7g", tr->cfg.model.z_coef * r->z_loss},
+        {"lr", "%.7g", r->lr}, {"grad_norm", "%.7g", r->grad_norm},
         {"tokens_per_s", "%.1f", (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds},
         {"elapsed_s", "%.3f", tera_now() - tr->t_start}, {"step_s", "%.4f", r->seconds},
         {"data_wait_s", "%.6f", r->data_seconds}, {"dropped_frac", "%.5f", r->dropped_frac},
@@ -390,6 +403,14 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         put_num(f, "%.5g", sqrt(gsq[g]));
         first = 0;
     }
+    if (tr->cfg.logging.hardware) { /* hardware readings (src/obs/hw.c): those the machine exposes */
+        fprintf(f, "}, \"hw\": {");
+        const tera_hw_reading *hw = tera_hw_latest();
+        for (int i = 0; i < hw->n; i++) {
+            fprintf(f, "%s\"%s\": ", i ? ", " : "", hw->name[i]);
+            put_num(f, "%.6g", hw->value[i]);
+        }
+    }
     fprintf(f, "}, \"router_entropy\": [");
     const int E = m->cfg.n_experts;
     first = 1;
@@ -411,14 +432,14 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         first = 0;
     }
     fprintf(f, "]}\n");
-    if (fclose(f) == 0) metrics_put(tr, line, len);
-    free(line);
+    if (fflush(f) == 0) metrics_put(tr, tr->mline_buf, (size_t)ftello(f)); /* the line just written */
 }
 
 /* Gradient bucket ready (last micro-batch of a step): start its data-parallel sum now, while
  * backward continues, and let earlier ones progress. Buckets are numbered in backward order. */
 static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
     tera_trainer *tr = ctx;
+    if (tr->gred[0] || tr->gred[1]) return; /* hierarchical / compressed: summed in tera_layout_reduce_grads */
     int i = 0;
     while (i < tr->n_buckets && tr->buckets[i].active) i++;
     TERA_ASSERTF(i < tr->n_buckets, "more gradient buckets than the %d expected", tr->n_buckets);
@@ -427,35 +448,6 @@ static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
     tera_comm *g = offset >= tr->model.n_dense_floats ? tr->edp : tr->dp;
     tera_comm_iallreduce_f32(g, tr->model.g + offset, count, &tr->buckets[i]);
     tera_comm_poll(tr->buckets, i);
-}
-
-/* Loss-spike guard: z-scores of this step's loss and grad norm against the last spike_window
- * healthy steps (all ranks see the same global values, so all decide alike). Healthy steps enter
- * the window. */
-static int spike_check(tera_trainer *tr, const tera_step_result *r) {
-    const int W = tr->cfg.training.spike_window;
-    if (W <= 0) return 0;
-    double *loss = tr->spike_hist, *gn = tr->spike_hist + W;
-    int spike = 0;
-    if (tr->spike_n == W) {
-        double ml = 0, mg = 0, vl = 0, vg = 0;
-        for (int i = 0; i < W; i++) ml += loss[i], mg += gn[i];
-        ml /= W, mg /= W;
-        for (int i = 0; i < W; i++) vl += (loss[i] - ml) * (loss[i] - ml), vg += (gn[i] - mg) * (gn[i] - mg);
-        /* floors on the spread (2% of the mean loss, 10% of the mean grad norm): a window of very
-         * steady steps must not turn an ordinary wobble into a huge z-score */
-        const double sl = fmax(sqrt(vl / W), 0.02 * fabs(ml)) + 1e-12, sg = fmax(sqrt(vg / W), 0.1 * fabs(mg)) + 1e-12;
-        const double zl = (r->loss - ml) / sl, zg = (r->grad_norm - mg) / sg;
-        spike = zl > tr->cfg.training.spike_zscore || zg > tr->cfg.training.spike_grad_zscore;
-        tr->spike_hist[2 * W] = zl > zg ? zl : zg; /* kept for the event record */
-    }
-    if (!spike) {
-        loss[tr->spike_pos] = r->loss;
-        gn[tr->spike_pos] = r->grad_norm;
-        tr->spike_pos = (tr->spike_pos + 1) % W;
-        if (tr->spike_n < W) tr->spike_n++;
-    }
-    return spike;
 }
 
 /* A spike's update was dropped. Roll back to the newest committed checkpoint when there is one
@@ -467,22 +459,17 @@ static int spike_check(tera_trainer *tr, const tera_step_result *r) {
 static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int64_t sample, int64_t seqs) {
     const tera_train_config *t = &tr->cfg.training;
     const int64_t spike_step = r->step;
-    tr->spike_events++;
-    tr->spike_repeats = spike_step == tr->last_spike_step ? tr->spike_repeats + 1 : 0;
-    tr->last_spike_step = spike_step;
+    tera_spike_guard *g = &tr->spike;
     int64_t back = -1;
     /* roll back, unless the same step keeps spiking on fresh data (then go on past it) or the
      * table of skipped windows is full */
-    if (tr->run_dir[0] && tr->spike_repeats < 3 && tr->n_skips < 64) {
+    if (tera_spike_event(g, spike_step) && tr->run_dir[0]) {
         tera_trainer_ckpt_close(tr); /* a checkpoint still being written is the one to roll back to */
         const int64_t consumed = tr->samples_consumed;
         if (tera_trainer_resume(tr) == TERA_OK) {
             back = tr->step;
-            if (tr->samples_consumed <= sample) { /* the replay would reach this batch again: skip it */
-                tr->skip_lo[tr->n_skips] = sample;
-                tr->skip_hi[tr->n_skips] = sample + seqs;
-                tr->n_skips++;
-            }
+            /* the replay would reach this batch again: skip it */
+            if (tr->samples_consumed <= sample) tera_spike_add_skip(g, sample, sample + seqs);
         } else {
             tr->samples_consumed = consumed;
         }
@@ -490,23 +477,22 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
     if (back < 0) tr->step = spike_step + 1; /* no rollback: this batch is already consumed */
     /* the first step on the data after the spike's batch, then spike_lr_steps steps in all from it */
     const int64_t cut = (back < 0 ? spike_step + 1 : spike_step) + t->spike_lr_steps;
-    if (cut > tr->lr_cut_until) tr->lr_cut_until = cut;
-    tr->spike_n = tr->spike_pos = 0; /* the window refills from healthy steps */
+    tera_spike_cut(g, cut); /* the window refills from healthy steps */
     if (tr->root) {
         fprintf(stderr,
                 "tera: loss spike at step %ld (loss %.4f, grad norm %.4g, z %.1f): update dropped, %s, "
                 "samples [%ld, %ld) skipped, LR x %.2g until step %ld\n",
-                (long)spike_step, r->loss, r->grad_norm, tr->spike_hist[2 * t->spike_window],
+                (long)spike_step, r->loss, r->grad_norm, tera_spike_last_z(g),
                 back >= 0 ? "rolled back to the newest checkpoint" : "no checkpoint to roll back to", (long)sample,
-                (long)(sample + seqs), t->spike_lr_factor, (long)tr->lr_cut_until);
+                (long)(sample + seqs), t->spike_lr_factor, (long)g->lr_cut_until);
         if (back >= 0) fprintf(stderr, "tera: resuming at step %ld\n", (long)back);
         if (tr->metrics) {
             fprintf(tr->metrics,
                     "{\"step\": %ld, \"event\": \"loss_spike\", \"loss\": %.7g, \"grad_norm\": %.7g, \"z\": %.4g, "
                     "\"rolled_back_to\": %ld, \"skipped_samples\": [%ld, %ld], \"lr_factor\": %.4g, "
                     "\"lr_cut_until\": %ld}\n",
-                    (long)spike_step, r->loss, r->grad_norm, tr->spike_hist[2 * t->spike_window], (long)back,
-                    (long)sample, (long)(sample + seqs), t->spike_lr_factor, (long)tr->lr_cut_until);
+                    (long)spike_step, r->loss, r->grad_norm, tera_spike_last_z(g), (long)back,
+                    (long)sample, (long)(sample + seqs), t->spike_lr_factor, (long)g->lr_cut_until);
             fflush(tr->metrics);
         }
     }
@@ -522,6 +508,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     memset(r, 0, sizeof *r);
     r->step = tr->step;
     tera_comm_step_begin(tr->step); /* the watchdog's automatic timeout is measured on steps */
+    tera_trace_step_begin(tr->step); /* logging.trace: on inside its window of steps */
 
     const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
     r->accum = A, r->batch_seqs = seqs;
@@ -535,13 +522,11 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     };
     /* data windows that caused spikes: a batch that would touch one starts after it instead (the
      * batch size of a replay may differ), checked again against every window */
-    for (int i = 0; i < tr->n_skips; i++)
-        if (tr->samples_consumed < tr->skip_hi[i] && tr->samples_consumed + seqs > tr->skip_lo[i])
-            tr->samples_consumed = tr->skip_hi[i], i = -1;
+    tr->samples_consumed = tera_spike_next_clean(&tr->spike, tr->samples_consumed, seqs);
     const int64_t step_sample = tr->samples_consumed;
     if (!tr->grads_zero) tera_layout_zero_grads(tr);
     tr->grads_zero = 0;
-    if (tr->step == tr->fault_nan_step) tera_layout_poison_grad(tr); /* test hook */
+    if (tera_elastic_fault_nan(tr)) tera_layout_poison_grad(tr); /* test hook */
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
@@ -568,12 +553,17 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         r->data_seconds += dw;
         tera_prof_seconds[TERA_PROF_DATA] += dw;
         tera_prof_calls[TERA_PROF_DATA]++;
+        const double tf = tera_now();
+        tera_trace_event(TERA_TRACE_COMPUTE, "data wait", "data", tf - dw, tf, -1);
         tera_model_forward(m, in, tg);
+        const double tb = tera_now();
+        tera_trace_event(TERA_TRACE_COMPUTE, "forward", "model", tf, tb, -1);
         const int last = a == A - 1 && tr->world > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
         m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
         if (tr->zero >= 2) m->grad_ready = tera_layout_grad_ready(tr); /* every micro-batch, group by group */
         m->grad_ready_ctx = tr;
         tera_model_backward(m, &s);
+        tera_trace_event(TERA_TRACE_COMPUTE, "backward", "model", tb, tera_now(), -1);
         m->grad_ready = NULL;
         ce += m->stats.ce_sum;
         aux += m->stats.aux_sum;
@@ -599,7 +589,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     r->loss = r->ce_loss + cfg->model.aux_coef * r->aux_loss + cfg->model.z_coef * r->z_loss;
     r->dropped_frac = assign ? (double)dropped / (double)assign : 0.0;
     r->lr = tera_lr_at(&cfg->training, tr->step) * tera_batch_lr_factor(&cfg->training, A);
-    if (tr->step < tr->lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
+    if (tr->step < tr->spike.lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
     r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
@@ -612,7 +602,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         r->grad_norm *= 100.0;
         r->loss *= 10.0;
     }
-    if (isfinite(r->loss) && isfinite(r->grad_norm)) r->spike = spike_check(tr, r);
+    if (isfinite(r->loss) && isfinite(r->grad_norm)) r->spike = tera_spike_check(&tr->spike, r->loss, r->grad_norm);
     if (tr->precision == TERA_PREC_FP16) tera_scaler_update(&tr->scaler, isfinite(r->grad_norm));
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
         r->skipped = 1; /* the data position still advances with the step counter (fp16: scale halved) */
@@ -630,24 +620,38 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
     tera_prof_calls[TERA_PROF_OPTIM]++;
+    tera_trace_event(TERA_TRACE_COMPUTE, "optimizer", "optimizer", t_opt, tera_now(), -1);
     tr->step++;
     tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
     tera_comm_step_end(r->seconds);
+    tera_trace_event(TERA_TRACE_COMPUTE, "step", "step", t0, t0 + r->seconds, -1);
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
+    if (tr->http || tr->tb || (tr->metrics && tr->cfg.logging.hardware))
+        tera_hw_sample(1.0); /* hardware readings (src/obs/hw.c), at most once a second */
     if (tr->metrics) write_metrics(tr, r);
     tera_metrics_http_publish(tr->http, tr, r); /* every rank: its /metrics endpoint (no-op when off) */
+    tera_tensorboard_step(tr->tb, tr, r);       /* logging.tensorboard (world rank 0; no-op when off) */
     tera_trainer_batch_observe(tr, r);
     if (r->spike) return handle_spike(tr, r, step_sample, seqs);
     return TERA_OK;
 }
 
 tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
+    return tera_trainer_eval_acc(tr, batches, loss, NULL);
+}
+
+tera_status tera_trainer_eval_acc(tera_trainer *tr, int batches, double *loss, double *acc) {
+    return tera_trainer_eval_dataset(tr, -1, batches, loss, acc);
+}
+
+tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches, double *loss, double *acc) {
     const tera_config *cfg = &tr->cfg;
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
     tera_model *m = &tr->model;
-    double sums[2] = {0.0, 0.0}; /* cross-entropy, positions */
+    double sums[3] = {0.0, 0.0, 0.0}; /* cross-entropy, positions, correct next-token predictions */
+    float *acc_scratch = acc ? tera_calloc((size_t)2 * B * T, sizeof(float)) : NULL; /* once per evaluation */
     /* the batches are shared out over the ranks; where a forward communicates over the
      * data-parallel ranks (the expert exchange, ZeRO-3's parameter gathers) every rank must run as
      * many forwards as the others (a rank past the end evaluates batch 0 again and does not count it) */
@@ -657,7 +661,9 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
         for (int b = 0; b < B; b++) {
             int64_t v = (int64_t)(counted ? i : 0) * B + b;
             int32_t *in = tr->tokens + (int64_t)b * T, *tg = tr->targets + (int64_t)b * T;
-            if (tr->loader.n_val > 0)
+            if (dataset >= 0) /* one dataset of a blend (data.paths) */
+                tera_loader_val_sample_of(&tr->loader, dataset, v, in, tg);
+            else if (tr->loader.n_val > 0)
                 tera_loader_val_sample(&tr->loader, v, in, tg);
             else /* no split (data.val_fraction = 0): the whole dataset is evaluation data */
                 tera_loader_train_sample(&tr->loader, v, in, tg);
@@ -672,9 +678,14 @@ tera_status tera_trainer_eval(tera_trainer *tr, int batches, double *loss) {
         if (!counted) continue;
         sums[0] += ce;
         sums[1] += pos;
+        if (acc && pos > 0) /* the ranks holding the LM head (tensor-parallel ranks together) */
+            sums[2] += (double)tera_count_correct(m->logits, tr->targets, (int64_t)B * T, m->Vl, m->v0, tr->tp_group,
+                                                  acc_scratch);
     }
-    tera_comm_allreduce_f64(tr->sg, sums, 2);
+    free(acc_scratch);
+    tera_comm_allreduce_f64(tr->sg, sums, 3);
     *loss = sums[1] > 0 ? sums[0] / sums[1] : NAN;
+    if (acc) *acc = sums[1] > 0 ? sums[2] / sums[1] : NAN;
     return TERA_OK;
 }
 
@@ -686,18 +697,51 @@ static void fmt_eta(char *buf, size_t n, double sec) {
     snprintf(buf, n, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
 }
 
+/* The run's newest committed checkpoint restored (tera_trainer_resume_dir, src/train/checkpoint.c),
+ * then the run directory prepared for appending. */
+tera_status tera_trainer_resume(tera_trainer *tr) {
+    char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 64];
+    /* every rank looks for the newest checkpoint only once world rank 0's background part of the
+     * last save is done (its caller waited for it: tera_trainer_ckpt_close), so all find the same */
+    if (tr->wsize > 1) tera_comm_barrier(tera_comm_world());
+    TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
+    TERA_TRY(tera_trainer_resume_dir(tr, dir));
+    /* every check passed: only now is the run directory written (a refused --resume leaves it as
+     * it was): the configuration of the continued run, and metrics.jsonl cut back to its last
+     * complete line (a crash or a full disk can leave half a line) before appending */
+    tera_status st = TERA_OK;
+    if (tr->root) {
+        st = tera_ckpt_write_run_config(&tr->cfg, tr->run_dir);
+        long dropped = 0;
+        snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+        if (st == TERA_OK) st = tera_jsonl_repair(path, &dropped);
+        if (st == TERA_OK && dropped > 0)
+            fprintf(stderr, "tera: warning: %s: removed an incomplete last line (%ld bytes) before appending\n", path,
+                    dropped);
+        if (st == TERA_OK) st = tera_trainer_open_metrics(tr, "a");
+    }
+    if (tr->wsize > 1) { /* every rank learns whether rank 0 could write */
+        int64_t failed = st != TERA_OK;
+        tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+        if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--resume: writing the run directory failed on rank 0");
+    }
+    return st;
+}
+
 /* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 tera_status tera_trainer_save(tera_trainer *tr) {
-    tera_status st = TERA_OK;
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
     if (tr->cfg.checkpoint.sharded && tr->wsize > 1) return tera_trainer_save_sharded(tr);
-    if (tr->wsize == 1 && !tr->zero && tr->model.w && tr->opt_x.view) {
-        /* one process: its storage is the whole model, its moments one contiguous buffer */
-        tera_trainer whole = *tr;
-        whole.opt.hi = whole.opt.n = tr->model.n_floats;
-        st = tera_trainer_save_whole(&whole);
-        tr->ckpt = whole.ckpt;
+    if (tr->wsize == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
+    if (tr->tp == 1 && tr->pp == 1 && tr->ep == 1 && !tr->zero) {
+        /* data-parallel replicas without ZeRO: world rank 0's own storage is the whole model, so it
+         * snapshots and writes as one process does (its double buffer, in the background); the
+         * others only learn whether it worked */
+        tera_status st = tr->root ? tera_trainer_save_whole(tr) : TERA_OK;
+        int64_t failed = st != TERA_OK;
+        tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
+        if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "checkpoint failed on rank 0 (see its message)");
         return st;
     }
     /* several ranks: the whole model is streamed window by window to world rank 0, which writes
@@ -707,23 +751,36 @@ tera_status tera_trainer_save(tera_trainer *tr) {
 
 /* Each rank's peak resident memory so far (getrusage), gathered to world rank 0, which prints the
  * maximum, the rank holding it and every rank's figure (field names: tests read them). */
-static void report_peak_rss(const tera_trainer *tr) {
+static void report_peak_rss(tera_trainer *tr) {
     struct rusage ru;
     memset(&ru, 0, sizeof ru);
     getrusage(RUSAGE_SELF, &ru);
     int64_t *kib = tera_calloc((size_t)tr->wsize, sizeof(int64_t));
     kib[tr->wrank] = (int64_t)ru.ru_maxrss; /* KiB on Linux */
     if (tr->wsize > 1) tera_comm_allreduce_i64(tera_comm_world(), kib, tr->wsize);
+    int at = 0;
+    for (int r = 1; r < tr->wsize; r++)
+        if (kib[r] > kib[at]) at = r;
     if (tr->root && tr->cfg.logging.progress) {
-        int at = 0;
-        for (int r = 1; r < tr->wsize; r++)
-            if (kib[r] > kib[at]) at = r;
         char line[8192];
         int n = snprintf(line, sizeof line, "tera: memory: peak_rss_mib %.1f peak_rss_rank %d ranks %d peak_rss_mib_by_rank",
                          (double)kib[at] / 1024.0, at, tr->wsize);
         for (int r = 0; r < tr->wsize && n < (int)sizeof line - 32; r++)
             n += snprintf(line + n, sizeof line - (size_t)n, "%s%.1f", r ? "," : " ", (double)kib[r] / 1024.0);
         fprintf(stderr, "%s\n", line);
+    }
+    if (tr->root && tr->metrics) { /* the same as a metrics.jsonl event */
+        char *line = NULL;
+        size_t len = 0;
+        FILE *f = open_memstream(&line, &len);
+        if (f) {
+            fprintf(f, "{\"step\": %ld, \"event\": \"memory\", \"peak_rss_mib\": %.1f, \"peak_rss_rank\": %d, "
+                    "\"peak_rss_mib_by_rank\": [", (long)tr->step - 1, (double)kib[at] / 1024.0, at);
+            for (int r = 0; r < tr->wsize; r++) fprintf(f, "%s%.1f", r ? ", " : "", (double)kib[r] / 1024.0);
+            fprintf(f, "]}\n");
+            if (fclose(f) == 0) metrics_put(tr, line, len);
+            free(line);
+        }
     }
     free(kib);
 }
@@ -735,6 +792,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
     double tok_s_ema = 0.0;
     tera_step_result r = {0};
     int64_t n_steps = 0, n_nonfinite = 0; /* steps run by this call, and those skipped as not finite */
+    tera_heartbeat_beat(tr->wrank, tr->step, "ready"); /* tera launch's supervisor (src/elastic/heartbeat.c) */
     while (tr->step < S) {
         TERA_TRY(tera_trainer_step(tr, &r));
         n_steps++;
@@ -763,19 +821,27 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                     r.loss, r.grad_norm, (long)tr->skipped_steps, ls);
         }
         if (cfg->training.eval_every > 0 && tr->step % cfg->training.eval_every == 0) {
-            double vl;
-            TERA_TRY(tera_trainer_eval(tr, cfg->training.eval_batches, &vl));
+            double vl, va;
+            TERA_TRY(tera_trainer_eval_acc(tr, cfg->training.eval_batches, &vl, &va));
             if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
             tera_metrics_http_publish_eval(tr->http, tr->step - 1, vl);
-            if (tr->metrics) {
-                char line[128], num[64];
-                const int n = snprintf(line, sizeof line, "{\"step\": %ld, \"val_loss\": %s}\n", (long)tr->step - 1,
-                                       tera_json_num(num, sizeof num, "%.7g", vl));
-                metrics_put(tr, line, (size_t)n);
-            }
+            tera_tensorboard_eval(tr->tb, tr->step - 1, vl);
+            char line[16384]; /* val_loss, val_ppl, val_acc (+ each blended dataset's: collective) */
+            size_t n;
+            TERA_TRY(tera_trainer_eval_line(tr, tr->step - 1, vl, va, line, sizeof line, &n));
+            if (tr->metrics) metrics_put(tr, line, n);
         }
-        if (cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0 && tr->step < S)
+        TERA_TRY(tera_sample_hook(tr)); /* logging.sample_every (src/train/sample.c) */
+        TERA_TRY(tera_elastic_after_step(tr, &r)); /* training.nan_rollback_after (src/elastic/rank.c) */
+        const int due_s = tera_elastic_ckpt_due(tr); /* checkpoint.every_s, full_every_s: 1 save, 2 full */
+        if (((cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0) || due_s) && tr->step < S) {
+            const double tc = tera_now();
+            tr->ckpt_force_full = due_s == 2;
             TERA_TRY(tera_trainer_save(tr));
+            tera_elastic_ckpt_saved(tr);
+            tera_trace_event(TERA_TRACE_COMPUTE, "checkpoint save (pause)", "checkpoint", tc, tera_now(), -1);
+        }
+        tera_heartbeat_beat(tr->wrank, tr->step, "step");
     }
     /* nothing trained is a failure, not a result (the same decision on every rank: the skips are global) */
     if (n_steps > 0 && n_nonfinite == n_steps)
@@ -783,7 +849,14 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                          "nothing was trained (check training.init_from's weights, training.lr and the data)",
                          (long)n_steps);
     if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
+    tera_heartbeat_beat(tr->wrank, tr->step, "done");
     report_peak_rss(tr);
+    TERA_TRY(tera_trace_finish(tera_comm_world())); /* logging.trace: every rank's part, merged by rank 0 */
+    if (tr->tb) {
+        tera_status tst = tera_tensorboard_close(tr->tb);
+        tr->tb = NULL;
+        TERA_TRY(tst);
+    }
     if (last) *last = r;
     if (tr->metrics && !tr->metrics_errno && fflush(tr->metrics) != 0) tr->metrics_errno = errno ? errno : EIO;
     if (tr->metrics_errno)

@@ -188,6 +188,12 @@ static void cpu_for_each_item(tera_backend *be, int n, void (*fn)(void *ctx, int
     tera_for_each_item(n, fn, ctx);
 }
 
+static void cpu_for_ranges(tera_backend *be, int64_t n, void (*fn)(void *ctx, int64_t lo, int64_t hi, int worker),
+                           void *ctx) {
+    (void)be;
+    tera_for_ranges(n, fn, ctx);
+}
+
 static void *cpu_alloc(tera_backend *be, size_t bytes) {
     (void)be;
     return tera_malloc(bytes); /* 64-byte aligned */
@@ -276,6 +282,7 @@ tera_backend *tera_backend_cpu_create(int threads) {
         .max_threads = cpu_max_threads,
         .items_side_by_side = cpu_items_side_by_side,
         .for_each_item = cpu_for_each_item,
+        .for_ranges = cpu_for_ranges,
     };
     be->mem = (tera_backend_allocator){.alloc = cpu_alloc, .free = cpu_free};
     be->caps = (tera_backend_caps){.bf16_fast = cpu_bf16_fast, .bf16_has_dot = cpu_bf16_has_dot,

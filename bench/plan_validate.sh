@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The time model of `tera plan` (docs/PLAN.md) against measured step times on this machine (issue 18).
+# Phases (PHASES, default "calibrate measure predict"):
+#   calibrate  `tera plan --calibrate` for the shapes of bench-s, bench-m and bench-dist (GEMM and
+#              attention rates by shape at the thread counts the benchmarks use, memory bandwidth, and
+#              under mpirun on 2, 4 and 8 ranks the collectives through tera's comm layer) into $HW
+#              (default hardware/this-machine.ini; each call adds its points to the file);
+#   measure    `tera bench` of bench-s, bench-m and bench-dist layouts on 1-8 ranks (as bench/dist.sh:
+#              one thread per rank, global batch 16 x 256 tokens), REPS rounds in alternating order
+#              (the machine is shared with other work: rounds and medians show the drift); one JSON
+#              line per run into $MEASURED (bench-m once per round only when BENCH_M_REPS allows);
+#   predict    `tera plan --dry-run --hardware $HW --json` for each case: predicted step time against
+#              the median measured one; prints the table and the median absolute error.
+# Usage: bench/plan_validate.sh [TERA]   (REPS=3 STEPS=3 WARMUP=1 BENCH_M_REPS=1 PHASES=...)
+set -eu
+TERA=${1:-build/tera}
+REPS=${REPS:-3}
+STEPS=${STEPS:-3}
+WARMUP=${WARMUP:-1}
+BENCH_M_REPS=${BENCH_M_REPS:-1}
+PHASES=${PHASES:-calibrate measure predict}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMP_WAIT_POLICY=PASSIVE
+cd "$(dirname "$0")/.."
+mkdir -p bench/results
+HW=${HW:-hardware/this-machine.ini}
+MEASURED=${MEASURED:-bench/results/plan-measured.jsonl}
+PREDICTED=${PREDICTED:-bench/results/plan-predicted.jsonl}
+# bench-dist layouts (bench/dist.sh's naming): name:parallel.dp:parallel.tp:parallel.ep:zero:pp
+LAYOUTS=${LAYOUTS-"one:1:1:1:0:1 dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1
+    dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 ep4:4:1:4:0:1 dp2xep2-zero1:4:1:2:1:1 dp8:8:1:1:0:1 ep8:8:1:8:0:1
+    pp2:1:1:1:0:2 pp4:1:1:1:0:4 pp2xdp2xep2-zero1:4:1:2:1:2"}
+# the arguments of one bench-dist layout (as bench/dist.sh)
+dist_args() { # dp tp ep zero pp
+    local dp=$1 tp=$2 ep=$3 zero=$4 pp=$5 accum=1
+    [ "$pp" -gt 1 ] && accum=4
+    echo "-c configs/bench-dist.ini --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum" \
+         "--parallel.dp=$dp --parallel.tp=$tp --parallel.ep=$ep --parallel.pp=$pp --parallel.zero=$zero" \
+         "--parallel.ep_overlap=1 --training.threads=1"
+}
+ranks_of() { echo $(($5 * $1 * $2)); } # dp tp ep zero pp -> pp dp tp
+launch() { # ranks args...
+    local n=$1; shift
+    if [ "$n" = 1 ]; then "$TERA" "$@"; else mpirun --oversubscribe -np "$n" "$TERA" "$@"; fi
+}
+
+if [[ " $PHASES " == *" calibrate "* ]]; then
+    rm -f "$HW"
+    # bench-dist's shapes on one thread (one process alone: the rates), then the collectives on 2, 4
+    # and 8 ranks (all at once, as the benchmarks run them)
+    launch 1 plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$HW" > /dev/null
+    for n in 2 4 8; do
+        launch "$n" plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$HW" > /dev/null
+    done
+    # bench-s and bench-m on the default thread count (all cores), fp32
+    for b in bench-s bench-m; do
+        launch 1 plan --calibrate -c "configs/$b.ini" --out "$HW" > /dev/null
+    done
+    echo "calibrated: $HW"
+fi
+
+if [[ " $PHASES " == *" measure "* ]]; then
+    : > "$MEASURED"
+    for rep in $(seq "$REPS"); do
+        cases="bench-s"
+        [ "$rep" -le "$BENCH_M_REPS" ] && cases="$cases bench-m"
+        for l in $LAYOUTS; do cases="$cases $l"; done
+        # alternate the order between rounds (load drift)
+        [ $((rep % 2)) = 0 ] && cases=$(echo $cases | tr ' ' '\n' | tac | tr '\n' ' ')
+        for c in $cases; do
+            case $c in
+            bench-s|bench-m)
+                launch 1 bench -c "configs/$c.ini" --name "$c" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
+            *)
+                IFS=: read -r name dp tp ep zero pp <<< "$c"
+                # shellcheck disable=SC2046
+                launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp") \
+                    --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
+            esac | sed "s/^{/{\"rep\": $rep, \"uptime_load\": $(cut -d' ' -f1 /proc/loadavg), /" | tee -a "$MEASURED"
+        done
+    done
+fi
+
+if [[ " $PHASES " == *" predict "* ]]; then
+    : > "$PREDICTED"
+    for c in bench-s bench-m $LAYOUTS; do
+        case $c in
+        bench-s|bench-m) name=$c; args="-c configs/$c.ini" ;;
+        *) IFS=: read -r n dp tp ep zero pp <<< "$c"; name=bench-dist/$n; args=$(dist_args "$dp" "$tp" "$ep" "$zero" "$pp") ;;
+        esac
+        # shellcheck disable=SC2086
+        "$TERA" plan --dry-run $args --hardware "$HW" --json |
+            jq -c --arg name "$name" '{name: $name, ranks: .layout.ranks, time: .time}' >> "$PREDICTED"
+    done
+    python3 - "$MEASURED" "$PREDICTED" <<'PY'
+import json, sys, statistics
+meas = {}
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if not line.startswith("{"): continue
+    r = json.loads(line)
+    meas.setdefault(r["config"], []).append(r["step_ms_median"])
+pred = [json.loads(l) for l in open(sys.argv[2])]
+print("| case | ranks | measured step ms (runs) | median | predicted ms | compute | elementwise + optimizer | comm | bubble | error |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+errs = []
+for p in pred:
+    runs = meas.get(p["name"])
+    if not runs: continue
+    m = statistics.median(runs)
+    t = p["time"]
+    ms = 1e3 * t["step_s"]
+    e = (ms - m) / m
+    errs.append(abs(e))
+    comm = 1e3 * (t["tp_s"] + t["ep_s"] + t["pp_s"] + t["dp_exposed_s"])
+    print(f"| {p['name']} | {p['ranks']} | {', '.join(f'{x:.0f}' for x in runs)} | {m:.0f} | {ms:.0f} | "
+          f"{1e3 * t['matmul_s']:.0f} | {1e3 * (t['memory_s']):.0f} | {comm:.0f} | {1e3 * t['bubble_s']:.0f} | {100 * e:+.1f}% |")
+if errs:
+    print(f"\nmedian absolute error {100 * statistics.median(errs):.1f}% over {len(errs)} cases "
+          f"(max {100 * max(errs):.1f}%)")
+PY
+fi

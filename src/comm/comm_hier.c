@@ -1,0 +1,199 @@
+/* Hierarchical collectives and the gradient reducer (include/tera/comm_hier.h). */
+#include "tera/comm_hier.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct tera_hier {
+    tera_comm *c, *local, *cross;
+    int N, k;          /* nodes, members per node */
+    int ni, li;        /* this rank's node index (in c's order of nodes) and local index */
+    int *at;           /* [N k] c-rank of (node i, local j) at at[i k + j] */
+    float *tmp;        /* [n] the permuted buffer */
+    int64_t n;
+    int64_t *cl, *cx, *ll, *lx; /* [k] local counts and offsets, [N] cross counts and offsets */
+};
+
+void tera_hier_shape(const tera_hier *h, int *nodes, int *per_node) {
+    *nodes = h ? h->N : 1;
+    *per_node = h ? h->k : 0;
+}
+
+tera_hier *tera_hier_create(tera_comm *c, int64_t n) {
+    const int p = tera_comm_size(c), me = tera_comm_rank(c);
+    if (p < 2) return NULL;
+    /* node index of every member: nodes numbered in order of first appearance */
+    int *node = tera_calloc((size_t)p, sizeof(int)), *idx = tera_calloc((size_t)p, sizeof(int)),
+        *cnt = tera_calloc((size_t)p, sizeof(int));
+    int N = 0;
+    for (int r = 0; r < p; r++) {
+        const int w = tera_comm_member_node(c, r);
+        int i = 0;
+        while (i < r && tera_comm_member_node(c, i) != w) i++;
+        node[r] = i < r ? node[i] : N++;
+        idx[r] = cnt[node[r]]++;
+    }
+    int even = 1;
+    for (int i = 0; i < N; i++) even &= cnt[i] == cnt[0];
+    const int k = cnt[0];
+    tera_hier *h = NULL;
+    if (N > 1 && k > 1 && even) { /* the same on every rank: every rank splits or none does */
+        h = tera_calloc(1, sizeof *h);
+        h->c = c, h->N = N, h->k = k, h->ni = node[me], h->li = idx[me], h->n = n;
+        h->at = tera_calloc((size_t)p, sizeof(int));
+        for (int r = 0; r < p; r++) h->at[node[r] * k + idx[r]] = r;
+        h->local = tera_comm_split(c, h->ni, me);
+        h->cross = tera_comm_split(c, h->li, h->ni);
+        h->tmp = tera_calloc((size_t)n + 16, sizeof(float));
+        h->cl = tera_calloc((size_t)(2 * k + 2 * N), sizeof(int64_t));
+        h->ll = h->cl + k, h->cx = h->ll + k, h->lx = h->cx + N;
+    }
+    free(node), free(idx), free(cnt);
+    return h;
+}
+
+void tera_hier_free(tera_hier *h) {
+    if (!h) return;
+    tera_comm_free(h->local);
+    tera_comm_free(h->cross);
+    free(h->at), free(h->tmp), free(h->cl);
+    free(h);
+}
+
+/* all-reduce with the cross-node stage given (z: compressed, at region offset off) */
+static void hier_allreduce(tera_hier *h, float *buf, int64_t n, tera_creducer *z, int64_t off) {
+    const int k = h->k;
+    const int64_t S = ((n + k - 1) / k + 15) & ~(int64_t)15;
+    for (int j = 0; j < k; j++) {
+        h->ll[j] = (int64_t)j * S < n ? (int64_t)j * S : n;
+        h->cl[j] = (h->ll[j] + S < n ? h->ll[j] + S : n) - h->ll[j];
+    }
+    tera_comm_reduce_scatter_f32(h->local, buf, h->cl);
+    float *piece = buf + h->ll[h->li];
+    if (z)
+        tera_creducer_allreduce(z, piece, off + h->ll[h->li], h->cl[h->li]);
+    else
+        tera_comm_allreduce_f32(h->cross, piece, h->cl[h->li]);
+    tera_comm_allgather_f32(h->local, buf, h->cl);
+}
+
+void tera_hier_allreduce_f32(tera_hier *h, float *buf, int64_t n) { hier_allreduce(h, buf, n, NULL, 0); }
+
+/* the permutation: local index j's piece = the ranges of (node 0, j), (node 1, j), ...; fills the
+ * local counts/offsets (cl, ll) and this local index's cross counts/offsets (cx, lx, relative to
+ * its piece); returns the total */
+static int64_t permute_plan(tera_hier *h, const int64_t *counts) {
+    int64_t at = 0;
+    for (int j = 0; j < h->k; j++) {
+        h->ll[j] = at;
+        h->cl[j] = 0;
+        for (int i = 0; i < h->N; i++) {
+            const int64_t c = counts[h->at[i * h->k + j]];
+            if (j == h->li) h->lx[i] = h->cl[j], h->cx[i] = c;
+            h->cl[j] += c;
+        }
+        at += h->cl[j];
+    }
+    TERA_ASSERTF(at <= h->n, "hierarchical collective of %ld floats, scratch for %ld", (long)at, (long)h->n);
+    return at;
+}
+
+/* c-rank r's range's start in buf */
+static int64_t range_lo(const tera_hier *h, const int64_t *counts, int r) {
+    (void)h;
+    int64_t lo = 0;
+    for (int q = 0; q < r; q++) lo += counts[q];
+    return lo;
+}
+
+/* moves every range between buf (c's rank order) and tmp (the permuted order): to_tmp 1 or 0 */
+static void permute(tera_hier *h, float *buf, const int64_t *counts, int to_tmp) {
+    for (int j = 0; j < h->k; j++) {
+        int64_t at = h->ll[j];
+        for (int i = 0; i < h->N; i++) {
+            const int r = h->at[i * h->k + j];
+            const int64_t lo = range_lo(h, counts, r), c = counts[r];
+            if (c > 0) {
+                if (to_tmp) memcpy(h->tmp + at, buf + lo, sizeof(float) * (size_t)c);
+                else memcpy(buf + lo, h->tmp + at, sizeof(float) * (size_t)c);
+            }
+            at += c;
+        }
+    }
+}
+
+static void hier_reduce_scatter(tera_hier *h, float *buf, const int64_t *counts, tera_creducer *z, int64_t off) {
+    permute_plan(h, counts);
+    permute(h, buf, counts, 1);
+    tera_comm_reduce_scatter_f32(h->local, h->tmp, h->cl);
+    float *piece = h->tmp + h->ll[h->li];
+    if (z)
+        tera_creducer_reduce_scatter(z, piece, off + h->ll[h->li], h->cx);
+    else
+        tera_comm_reduce_scatter_f32(h->cross, piece, h->cx);
+    const int me = tera_comm_rank(h->c);
+    if (counts[me] > 0)
+        memcpy(buf + range_lo(h, counts, me), piece + h->lx[h->ni], sizeof(float) * (size_t)counts[me]);
+}
+
+void tera_hier_reduce_scatter_f32(tera_hier *h, float *buf, const int64_t *counts) {
+    hier_reduce_scatter(h, buf, counts, NULL, 0);
+}
+
+void tera_hier_allgather_f32(tera_hier *h, float *buf, const int64_t *counts) {
+    permute_plan(h, counts);
+    const int me = tera_comm_rank(h->c);
+    float *piece = h->tmp + h->ll[h->li];
+    if (counts[me] > 0)
+        memcpy(piece + h->lx[h->ni], buf + range_lo(h, counts, me), sizeof(float) * (size_t)counts[me]);
+    tera_comm_allgather_f32(h->cross, piece, h->cx);
+    tera_comm_allgather_f32(h->local, h->tmp, h->cl);
+    permute(h, buf, counts, 0);
+}
+
+/* ---- the gradient reducer */
+struct tera_greducer {
+    tera_comm *c;
+    tera_hier *h;      /* NULL: flat */
+    tera_creducer *z;  /* NULL: fp32; over the cross group when hierarchical, else over c */
+};
+
+tera_greducer *tera_greducer_create(tera_comm *c, int64_t n, tera_compress_kind k, int hierarchical) {
+    if (tera_comm_size(c) < 2 || (k == TERA_COMPRESS_NONE && !hierarchical)) return NULL;
+    tera_hier *h = hierarchical ? tera_hier_create(c, n) : NULL;
+    if (!h && k == TERA_COMPRESS_NONE) return NULL; /* hierarchical on one node: flat as before */
+    tera_greducer *g = tera_calloc(1, sizeof *g);
+    g->c = c;
+    g->h = h;
+    if (k != TERA_COMPRESS_NONE) g->z = tera_creducer_create(h ? h->cross : c, k, n);
+    return g;
+}
+
+void tera_greducer_free(tera_greducer *g) {
+    if (!g) return;
+    tera_creducer_free(g->z);
+    tera_hier_free(g->h);
+    free(g);
+}
+
+void tera_greducer_allreduce(tera_greducer *g, float *buf, int64_t off, int64_t len) {
+    if (g->h) hier_allreduce(g->h, buf, len, g->z, off);
+    else if (g->z) tera_creducer_allreduce(g->z, buf, off, len);
+    else tera_comm_allreduce_f32(g->c, buf, len);
+}
+
+void tera_greducer_reduce_scatter(tera_greducer *g, float *buf, int64_t off, const int64_t *counts) {
+    if (g->h) hier_reduce_scatter(g->h, buf, counts, g->z, off);
+    else if (g->z) tera_creducer_reduce_scatter(g->z, buf, off, counts);
+    else tera_comm_reduce_scatter_f32(g->c, buf, counts);
+}
+
+void tera_greducer_allgather(tera_greducer *g, float *buf, const int64_t *counts) {
+    if (g->h) tera_hier_allgather_f32(g->h, buf, counts);
+    else tera_comm_allgather_f32(g->c, buf, counts);
+}
+
+float *tera_greducer_state(tera_greducer *g, int which, int64_t *n) {
+    *n = 0;
+    return g && g->z ? tera_creducer_state(g->z, which, n) : NULL;
+}

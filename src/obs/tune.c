@@ -1,0 +1,554 @@
+/* Search space, samplers (random, TPE) and ASHA / Hyperband rungs (include/tera/tune.h).
+ *
+ * TPE follows Bergstra, Bardenet, Bengio and Kegl, "Algorithms for Hyper-Parameter Optimization"
+ * (NeurIPS 2011): the observations are split at the gamma quantile of their objective into a good
+ * group and the rest; each group's density over a parameter is a Parzen estimator (a mixture of
+ * truncated Gaussians, one per observation plus one for the prior, each as wide as the larger gap to
+ * its neighbours); candidates drawn from the good density l(x) are ranked by l(x) / g(x), which is
+ * monotone in the expected improvement. Parameters are modelled independently (the tree of the
+ * paper has no conditional nodes here); log-uniform parameters are modelled in log space, integers
+ * on [lo - 0.5, hi + 0.5] and rounded; choices by smoothed counts. */
+#include "tera/tune.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+
+#include "tera/io.h"
+
+/* ---- parsing ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    tera_search *s;
+    const char *path;
+    tera_status st;
+} parse_ctx;
+
+static int parse_double(const char *t, double *v) {
+    char *end;
+    errno = 0;
+    *v = strtod(t, &end);
+    return end != t && *end == '\0' && errno == 0 && isfinite(*v);
+}
+
+static int parse_int(const char *t, long lo, long hi, int *v) {
+    char *end;
+    errno = 0;
+    const long x = strtol(t, &end, 10);
+    if (end == t || *end != '\0' || errno || x < lo || x > hi) return 0;
+    *v = (int)x;
+    return 1;
+}
+
+static tera_status study_key(parse_ctx *c, const char *name, const char *value) {
+    tera_search *s = c->s;
+    struct {
+        const char *key;
+        char *dst;
+        size_t cap;
+    } strs[] = {{"name", s->name, sizeof s->name},     {"base", s->base, sizeof s->base},
+                {"objective", s->objective, sizeof s->objective}, {"args", s->args, sizeof s->args},
+                {"dir", s->dir, sizeof s->dir},        {"registry", s->registry, sizeof s->registry},
+                {"metric", s->metric, sizeof s->metric}};
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
+        if (!strcmp(name, strs[i].key)) {
+            if (strlen(value) >= strs[i].cap)
+                return tera_fail(TERA_ERR_CONFIG, "%s: [study] %s: the value is too long (at most %zu characters)",
+                                 c->path, name, strs[i].cap - 1);
+            snprintf(strs[i].dst, strs[i].cap, "%s", value);
+            if (!strcmp(name, "metric") && strcmp(value, "loss") != 0 && strcmp(value, "val_loss") != 0)
+                return tera_fail(TERA_ERR_CONFIG, "%s: [study] metric = '%s': expected loss or val_loss", c->path, value);
+            return TERA_OK;
+        }
+    struct {
+        const char *key;
+        int *dst;
+        long lo, hi;
+    } ints[] = {{"trials", &s->trials, 1, 100000}, {"parallel", &s->parallel, 1, 256},
+                {"min_steps", &s->min_steps, 1, 1L << 30}, {"max_steps", &s->max_steps, 1, 1L << 30},
+                {"eta", &s->eta, 2, 100}, {"window", &s->window, 1, 1L << 20},
+                {"startup", &s->startup, 0, 100000}, {"candidates", &s->candidates, 1, 10000}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (!strcmp(name, ints[i].key)) {
+            if (!parse_int(value, ints[i].lo, ints[i].hi, ints[i].dst))
+                return tera_fail(TERA_ERR_CONFIG, "%s: [study] %s = '%s': expected an integer in [%ld, %ld]", c->path,
+                                 name, value, ints[i].lo, ints[i].hi);
+            return TERA_OK;
+        }
+    if (!strcmp(name, "budget")) {
+        int b;
+        if (!parse_int(value, 0, 1L << 30, &b))
+            return tera_fail(TERA_ERR_CONFIG, "%s: [study] budget = '%s': expected trial-steps, an integer >= 0", c->path,
+                             value);
+        s->budget = b;
+        return TERA_OK;
+    }
+    if (!strcmp(name, "seed")) {
+        char *end;
+        errno = 0;
+        s->seed = strtoull(value, &end, 10);
+        if (end == value || *end || errno)
+            return tera_fail(TERA_ERR_CONFIG, "%s: [study] seed = '%s': expected a non-negative integer", c->path, value);
+        return TERA_OK;
+    }
+    if (!strcmp(name, "gamma")) {
+        if (!parse_double(value, &s->gamma) || s->gamma <= 0 || s->gamma >= 1)
+            return tera_fail(TERA_ERR_CONFIG, "%s: [study] gamma = '%s': expected a number in (0, 1)", c->path, value);
+        return TERA_OK;
+    }
+    if (!strcmp(name, "sampler")) {
+        if (!strcmp(value, "random")) s->sampler = TERA_SAMPLER_RANDOM;
+        else if (!strcmp(value, "tpe")) s->sampler = TERA_SAMPLER_TPE;
+        else return tera_fail(TERA_ERR_CONFIG, "%s: [study] sampler = '%s': expected random or tpe", c->path, value);
+        return TERA_OK;
+    }
+    if (!strcmp(name, "scheduler")) {
+        if (!strcmp(value, "none")) s->scheduler = TERA_SCHED_NONE;
+        else if (!strcmp(value, "asha")) s->scheduler = TERA_SCHED_ASHA;
+        else if (!strcmp(value, "hyperband")) s->scheduler = TERA_SCHED_HYPERBAND;
+        else return tera_fail(TERA_ERR_CONFIG, "%s: [study] scheduler = '%s': expected none, asha or hyperband", c->path,
+                              value);
+        return TERA_OK;
+    }
+    return tera_fail(TERA_ERR_CONFIG, "%s: [study] unknown key '%s' (name, base, objective, args, dir, registry, "
+                     "metric, sampler, scheduler, trials, budget, parallel, seed, min_steps, max_steps, eta, window, startup, "
+                     "gamma, candidates)", c->path, name);
+}
+
+static tera_status space_key(parse_ctx *c, const char *name, const char *value) {
+    tera_search *s = c->s;
+    if (s->n_params == TERA_TUNE_MAX_PARAMS)
+        return tera_fail(TERA_ERR_CONFIG, "%s: [space] at most %d parameters", c->path, TERA_TUNE_MAX_PARAMS);
+    for (int i = 0; i < s->n_params; i++)
+        if (!strcmp(s->params[i].key, name))
+            return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s is given twice", c->path, name);
+    if (strlen(name) >= sizeof s->params[0].key)
+        return tera_fail(TERA_ERR_CONFIG, "%s: [space] key '%s' is too long", c->path, name);
+    tera_param_spec *p = &s->params[s->n_params];
+    memset(p, 0, sizeof *p);
+    snprintf(p->key, sizeof p->key, "%s", name);
+    char words[TERA_TUNE_MAX_CHOICES + 2][64];
+    int n = 0;
+    const char *q = value;
+    while (*q) {
+        while (*q && isspace((unsigned char)*q)) q++;
+        if (!*q) break;
+        const char *e = q;
+        while (*e && !isspace((unsigned char)*e)) e++;
+        if (n == TERA_TUNE_MAX_CHOICES + 2 || e - q >= 64)
+            return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': too many or too long words (at most %d choices "
+                             "of 63 characters)", c->path, name, value, TERA_TUNE_MAX_CHOICES);
+        snprintf(words[n++], 64, "%.*s", (int)(e - q), q);
+        q = e;
+    }
+    if (n == 0)
+        return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s is empty: expected uniform LO HI, loguniform LO HI, int LO HI "
+                         "or choice A B ...", c->path, name);
+    const char *d = words[0];
+    if (!strcmp(d, "choice")) {
+        p->dist = TERA_DIST_CHOICE;
+        if (n < 2) return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': a choice needs at least one value (empty "
+                                    "range)", c->path, name, value);
+        p->n_choices = n - 1;
+        for (int i = 1; i < n; i++) snprintf(p->choices[i - 1], 64, "%s", words[i]);
+    } else {
+        if (!strcmp(d, "uniform")) p->dist = TERA_DIST_UNIFORM;
+        else if (!strcmp(d, "loguniform") || !strcmp(d, "log")) p->dist = TERA_DIST_LOGUNIFORM;
+        else if (!strcmp(d, "int")) p->dist = TERA_DIST_INT;
+        else return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': unknown distribution '%s' (uniform, loguniform, "
+                              "int, choice)", c->path, name, value, d);
+        if (n != 3) return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': expected %s LO HI", c->path, name, value, d);
+        for (int i = 1; i < 3; i++) {
+            double v;
+            if (!parse_double(words[i], &v))
+                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' is not a number", c->path, name, words[i]);
+            if (p->dist == TERA_DIST_INT && v != floor(v))
+                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' of an int range is not an integer", c->path,
+                                 name, words[i]);
+            *(i == 1 ? &p->lo : &p->hi) = v;
+        }
+        if (!(p->lo < p->hi))
+            return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': empty range (LO must be below HI)", c->path, name,
+                             value);
+        if (p->dist == TERA_DIST_LOGUNIFORM && p->lo <= 0)
+            return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': loguniform needs 0 < LO", c->path, name, value);
+    }
+    s->n_params++;
+    return TERA_OK;
+}
+
+static int ini_cb(void *user, const char *section, const char *name, const char *value) {
+    parse_ctx *c = user;
+    if (c->st != TERA_OK) return 1;
+    if (!strcmp(section, "study")) c->st = study_key(c, name, value);
+    else if (!strcmp(section, "space")) c->st = space_key(c, name, value);
+    else c->st = tera_fail(TERA_ERR_CONFIG, "%s: unknown section [%s] (expected [study] and [space])", c->path, section);
+    return 1;
+}
+
+/* INI text without a line-length limit: [section], key = value (blanks and a pair of double quotes
+ * around the value removed), comment lines starting with # or ;. */
+static tera_status parse_ini(const char *text, const char *path, parse_ctx *c) {
+    char section[128] = "";
+    int lineno = 0;
+    for (const char *p = text; *p && c->st == TERA_OK;) {
+        const char *e = strchr(p, '\n');
+        const size_t n = e ? (size_t)(e - p) : strlen(p);
+        lineno++;
+        char *line = tera_malloc(n + 1);
+        memcpy(line, p, n);
+        line[n] = '\0';
+        p += n + (e ? 1 : 0);
+        char *s = line;
+        while (isspace((unsigned char)*s)) s++;
+        size_t len = strlen(s);
+        while (len > 0 && isspace((unsigned char)s[len - 1])) s[--len] = '\0';
+        if (!*s || *s == '#' || *s == ';') {
+            free(line);
+            continue;
+        }
+        if (*s == '[') {
+            if (s[len - 1] != ']' || len - 2 >= sizeof section) {
+                free(line);
+                return tera_fail(TERA_ERR_CONFIG, "%s: line %d: expected [section]", path, lineno);
+            }
+            snprintf(section, sizeof section, "%.*s", (int)(len - 2), s + 1);
+            free(line);
+            continue;
+        }
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            free(line);
+            return tera_fail(TERA_ERR_CONFIG, "%s: line %d: expected key = value", path, lineno);
+        }
+        char *ke = eq;
+        while (ke > s && isspace((unsigned char)ke[-1])) ke--;
+        *ke = '\0';
+        char *v = eq + 1;
+        while (isspace((unsigned char)*v)) v++;
+        size_t vl = strlen(v);
+        if (vl >= 2 && v[0] == '"' && v[vl - 1] == '"') v[vl - 1] = '\0', v++;
+        ini_cb(c, section, s, v);
+        free(line);
+    }
+    return c->st;
+}
+
+/* A config key and value the trials will set, on top of the base config and [study] args: a refused
+ * value (also by a cross-key check such as min_lr <= lr) names the key. */
+static tera_status check_config_key(const char *path, const tera_config *base, const tera_param_spec *p,
+                                    const char *text) {
+    tera_config cfg = *base;
+    char a[256];
+    snprintf(a, sizeof a, "%s=%s", p->key, text);
+    if (tera_config_set(&cfg, a) != TERA_OK || tera_config_finalize(&cfg) != TERA_OK) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tera_last_error());
+        return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: %s", path, p->key, why);
+    }
+    return TERA_OK;
+}
+
+tera_status tera_search_parse(tera_search *s, const char *text, const char *path) {
+    memset(s, 0, sizeof *s);
+    snprintf(s->name, sizeof s->name, "study");
+    snprintf(s->metric, sizeof s->metric, "loss");
+    s->sampler = TERA_SAMPLER_TPE;
+    s->scheduler = TERA_SCHED_ASHA;
+    s->trials = 20;
+    s->parallel = 1;
+    s->seed = 1;
+    s->min_steps = 10;
+    s->max_steps = 90;
+    s->eta = 3;
+    s->window = 5;
+    s->startup = 5;
+    s->gamma = 0.15;
+    s->candidates = 24;
+    if (strlen(text) >= sizeof s->text)
+        return tera_fail(TERA_ERR_CONFIG, "%s: the search file is longer than %zu bytes", path, sizeof s->text - 1);
+    snprintf(s->text, sizeof s->text, "%s", text);
+    parse_ctx c = {s, path, TERA_OK};
+    TERA_TRY(parse_ini(text, path, &c));
+    if (s->n_params == 0) return tera_fail(TERA_ERR_CONFIG, "%s: [space] names no parameter", path);
+    if (s->min_steps > s->max_steps)
+        return tera_fail(TERA_ERR_CONFIG, "%s: [study] min_steps = %d is above max_steps = %d (empty range)", path,
+                         s->min_steps, s->max_steps);
+    if (!s->dir[0]) snprintf(s->dir, sizeof s->dir, "runs/tune-%.100s", s->name);
+    if (!s->registry[0]) snprintf(s->registry, sizeof s->registry, "runs/registry.db");
+    if (!s->objective[0]) { /* tera train trials: every key is a config key the trainer accepts */
+        tera_config *base = tera_calloc(1, sizeof *base);
+        tera_config_defaults(base);
+        tera_status st = s->base[0] ? tera_config_load(base, s->base) : TERA_OK;
+        char store[sizeof s->args];
+        snprintf(store, sizeof store, "%s", s->args);
+        for (char *save = NULL, *w = strtok_r(store, " \t", &save); w && st == TERA_OK; w = strtok_r(NULL, " \t", &save)) {
+            if (strncmp(w, "--", 2) != 0 || !strchr(w, '='))
+                st = tera_fail(TERA_ERR_CONFIG, "%s: [study] args: '%s' is not a --section.key=value override", path, w);
+            else if (tera_config_set(base, w + 2) != TERA_OK)
+                st = tera_fail(TERA_ERR_CONFIG, "%s: [study] args: %s", path, tera_last_error());
+        }
+        for (int i = 0; i < s->n_params && st == TERA_OK; i++) {
+            const tera_param_spec *p = &s->params[i];
+            if (!strchr(p->key, '.')) {
+                free(base);
+                return tera_fail(TERA_ERR_CONFIG, "%s: [space] unknown key '%s': trials are tera train runs, so every "
+                                 "key is a config key section.key (or set [study] objective to a command)", path,
+                                 p->key);
+            }
+            char t[64];
+            if (p->dist == TERA_DIST_CHOICE) {
+                for (int k = 0; k < p->n_choices && st == TERA_OK; k++) st = check_config_key(path, base, p, p->choices[k]);
+            } else {
+                tera_param_text(p, p->lo, t, sizeof t);
+                st = check_config_key(path, base, p, t);
+                tera_param_text(p, p->hi, t, sizeof t);
+                if (st == TERA_OK) st = check_config_key(path, base, p, t);
+            }
+        }
+        free(base);
+        return st;
+    }
+    return TERA_OK;
+}
+
+tera_status tera_search_load(tera_search *s, const char *path) {
+    char *text = NULL;
+    TERA_TRY(tera_read_text_file(path, &text));
+    tera_status st = tera_search_parse(s, text, path);
+    free(text);
+    return st;
+}
+
+void tera_param_text(const tera_param_spec *p, double v, char *buf, size_t n) {
+    if (p->dist == TERA_DIST_CHOICE) {
+        int i = (int)v;
+        if (i < 0) i = 0;
+        if (i >= p->n_choices) i = p->n_choices - 1;
+        snprintf(buf, n, "%s", p->choices[i]);
+    } else if (p->dist == TERA_DIST_INT) {
+        snprintf(buf, n, "%ld", (long)llround(v));
+    } else {
+        snprintf(buf, n, "%.6g", v);
+    }
+}
+
+/* ---- random numbers: a counter-based stream (splitmix64 of seed, trial, parameter, draw) --------- */
+
+static uint64_t mix64(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+typedef struct {
+    uint64_t key, ctr;
+} rng_t;
+
+static rng_t rng_for(uint64_t seed, int64_t number, int param) {
+    rng_t r = {mix64(mix64(seed) ^ mix64((uint64_t)number * 0x100000001b3ull + (uint64_t)param * 7919u + 1)), 0};
+    return r;
+}
+
+static double rng_u01(rng_t *r) { /* (0, 1) */
+    const uint64_t x = mix64(r->key + 0x632be59bd9b4e019ull * ++r->ctr);
+    return ((double)(x >> 11) + 0.5) / 9007199254740992.0;
+}
+
+static double rng_normal(rng_t *r) {
+    const double u = rng_u01(r), v = rng_u01(r);
+    return sqrt(-2.0 * log(u)) * cos(2.0 * M_PI * v);
+}
+
+/* A parameter's internal interval (log space for loguniform, widened by 0.5 for int). */
+static void internal_range(const tera_param_spec *p, double *lo, double *hi) {
+    if (p->dist == TERA_DIST_LOGUNIFORM) *lo = log(p->lo), *hi = log(p->hi);
+    else if (p->dist == TERA_DIST_INT) *lo = p->lo - 0.5, *hi = p->hi + 0.5;
+    else *lo = p->lo, *hi = p->hi;
+}
+static double to_internal(const tera_param_spec *p, double v) { return p->dist == TERA_DIST_LOGUNIFORM ? log(v) : v; }
+static double from_internal(const tera_param_spec *p, double u) {
+    if (p->dist == TERA_DIST_LOGUNIFORM) return fmin(fmax(exp(u), p->lo), p->hi);
+    if (p->dist == TERA_DIST_INT) return fmin(fmax(round(u), p->lo), p->hi);
+    return fmin(fmax(u, p->lo), p->hi);
+}
+
+static double sample_one_random(const tera_param_spec *p, rng_t *r) {
+    if (p->dist == TERA_DIST_CHOICE) {
+        int i = (int)(rng_u01(r) * p->n_choices);
+        return i >= p->n_choices ? p->n_choices - 1 : i;
+    }
+    double lo, hi;
+    internal_range(p, &lo, &hi);
+    return from_internal(p, lo + (hi - lo) * rng_u01(r));
+}
+
+void tera_sample_random(const tera_search *s, int64_t number, double *x) {
+    for (int i = 0; i < s->n_params; i++) {
+        rng_t r = rng_for(s->seed, number, i);
+        x[i] = sample_one_random(&s->params[i], &r);
+    }
+}
+
+/* ---- TPE ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int n;              /* components: observations + the prior */
+    double *mu, *sigma; /* [n] */
+    double *logz;       /* [n] log of each truncated component's mass in [lo, hi] */
+    double lo, hi;
+} parzen;
+
+static double norm_cdf(double z) { return 0.5 * erfc(-z / M_SQRT2); }
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The estimator over pts[m] (internal values) plus the prior N((lo+hi)/2, hi-lo). */
+static void parzen_build(parzen *pz, const double *pts, int m, double lo, double hi) {
+    pz->n = m + 1;
+    pz->lo = lo, pz->hi = hi;
+    pz->mu = tera_malloc((size_t)pz->n * sizeof(double));
+    pz->sigma = tera_malloc((size_t)pz->n * sizeof(double));
+    pz->logz = tera_malloc((size_t)pz->n * sizeof(double));
+    for (int i = 0; i < m; i++) pz->mu[i] = pts[i];
+    pz->mu[m] = 0.5 * (lo + hi);
+    qsort(pz->mu, (size_t)pz->n, sizeof(double), cmp_double);
+    const double range = hi - lo;
+    const double smin = range / fmin(100.0, 1.0 + pz->n), smax = range;
+    for (int i = 0; i < pz->n; i++) { /* the larger gap to a neighbour (the interval's ends at the edges) */
+        const double left = pz->mu[i] - (i > 0 ? pz->mu[i - 1] : lo);
+        const double right = (i + 1 < pz->n ? pz->mu[i + 1] : hi) - pz->mu[i];
+        pz->sigma[i] = fmin(fmax(fmax(left, right), smin), smax);
+    }
+    /* the prior component is as wide as the range */
+    for (int i = 0; i < pz->n; i++)
+        if (pz->mu[i] == 0.5 * (lo + hi)) {
+            pz->sigma[i] = range;
+            break;
+        }
+    for (int i = 0; i < pz->n; i++) {
+        const double z = norm_cdf((hi - pz->mu[i]) / pz->sigma[i]) - norm_cdf((lo - pz->mu[i]) / pz->sigma[i]);
+        pz->logz[i] = log(fmax(z, 1e-300));
+    }
+}
+
+static void parzen_free(parzen *pz) {
+    free(pz->mu);
+    free(pz->sigma);
+    free(pz->logz);
+}
+
+static double parzen_logpdf(const parzen *pz, double x) {
+    double mx = -INFINITY;
+    double *t = tera_malloc((size_t)pz->n * sizeof(double));
+    for (int i = 0; i < pz->n; i++) {
+        const double z = (x - pz->mu[i]) / pz->sigma[i];
+        t[i] = -0.5 * z * z - log(pz->sigma[i]) - 0.5 * log(2 * M_PI) - pz->logz[i];
+        if (t[i] > mx) mx = t[i];
+    }
+    double sum = 0;
+    for (int i = 0; i < pz->n; i++) sum += exp(t[i] - mx);
+    free(t);
+    return mx + log(sum / pz->n);
+}
+
+static double parzen_sample(const parzen *pz, rng_t *r) {
+    int i = (int)(rng_u01(r) * pz->n);
+    if (i >= pz->n) i = pz->n - 1;
+    for (int tries = 0; tries < 100; tries++) {
+        const double x = pz->mu[i] + pz->sigma[i] * rng_normal(r);
+        if (x >= pz->lo && x <= pz->hi) return x;
+    }
+    return fmin(fmax(pz->mu[i], pz->lo), pz->hi);
+}
+
+void tera_sample_tpe(const tera_search *s, const double *xs, const int *order, int n, int64_t number, double *x) {
+    if (n < 2) {
+        tera_sample_random(s, number, x);
+        return;
+    }
+    int n_good = (int)ceil(s->gamma * n);
+    if (n_good < 1) n_good = 1;
+    if (n_good > n - 1) n_good = n - 1;
+    const int n_bad = n - n_good;
+    double *good = tera_malloc((size_t)n * sizeof(double)), *bad = tera_malloc((size_t)n * sizeof(double));
+    for (int pi = 0; pi < s->n_params; pi++) {
+        const tera_param_spec *p = &s->params[pi];
+        rng_t r = rng_for(s->seed, number, pi);
+        if (p->dist == TERA_DIST_CHOICE) { /* smoothed counts: one pseudo-observation per choice */
+            double wl[TERA_TUNE_MAX_CHOICES], wg[TERA_TUNE_MAX_CHOICES], sl = 0, sg = 0;
+            for (int k = 0; k < p->n_choices; k++) wl[k] = wg[k] = 1.0;
+            for (int j = 0; j < n; j++) {
+                const int k = (int)xs[(size_t)order[j] * s->n_params + pi];
+                if (k >= 0 && k < p->n_choices) (j < n_good ? wl : wg)[k] += 1.0;
+            }
+            for (int k = 0; k < p->n_choices; k++) sl += wl[k], sg += wg[k];
+            double best = -INFINITY;
+            int best_k = 0;
+            for (int c = 0; c < s->candidates; c++) {
+                double u = rng_u01(&r) * sl;
+                int k = 0;
+                while (k + 1 < p->n_choices && u > wl[k]) u -= wl[k++];
+                const double score = log(wl[k] / sl) - log(wg[k] / sg);
+                if (score > best) best = score, best_k = k;
+            }
+            x[pi] = best_k;
+            continue;
+        }
+        double lo, hi;
+        internal_range(p, &lo, &hi);
+        for (int j = 0; j < n; j++) {
+            const double v = to_internal(p, xs[(size_t)order[j] * s->n_params + pi]);
+            if (j < n_good) good[j] = v;
+            else bad[j - n_good] = v;
+        }
+        parzen l, g;
+        parzen_build(&l, good, n_good, lo, hi);
+        parzen_build(&g, bad, n_bad, lo, hi);
+        double best = -INFINITY, best_x = 0.5 * (lo + hi);
+        for (int c = 0; c < s->candidates; c++) {
+            const double cand = parzen_sample(&l, &r);
+            const double score = parzen_logpdf(&l, cand) - parzen_logpdf(&g, cand);
+            if (score > best) best = score, best_x = cand;
+        }
+        parzen_free(&l);
+        parzen_free(&g);
+        x[pi] = from_internal(p, best_x);
+    }
+    free(good);
+    free(bad);
+}
+
+/* ---- ASHA / Hyperband ------------------------------------------------------------------------------ */
+
+int tera_brackets(const tera_search *s) {
+    if (s->scheduler != TERA_SCHED_HYPERBAND) return 1;
+    int b = 1;
+    for (double r = s->min_steps; r < s->max_steps && b < TERA_TUNE_MAX_RUNGS; r *= s->eta) b++;
+    return b;
+}
+
+int tera_rungs(const tera_search *s, int bracket, int *steps) {
+    int n = 0;
+    if (s->scheduler != TERA_SCHED_NONE) {
+        double r = s->min_steps;
+        for (int b = 0; b < bracket; b++) r *= s->eta;
+        for (; r < s->max_steps && n < TERA_TUNE_MAX_RUNGS - 1; r *= s->eta) steps[n++] = (int)r;
+    }
+    steps[n++] = s->max_steps;
+    return n;
+}
+
+int tera_asha_promotable(double v, const double *values, int n, int eta) {
+    const int top = n / eta > 1 ? n / eta : 1; /* the best of a rung always goes on (as Optuna's ASHA) */
+    int better = 0;
+    for (int i = 0; i < n; i++) better += values[i] < v;
+    return better < top;
+}

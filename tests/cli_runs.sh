@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The run registry end to end (logging.registry, tera runs; docs/TRACKING.md): runs register
+# themselves (also several at once), ls filters, show, compare with a plot, rm, statuses failed /
+# killed (SIGTERM, and SIGKILL found by its stopped heartbeat), --resume continues the run's row,
+# dataset fingerprints, the git commit, and logging.registry = "" writes nothing.
+# Usage: cli_runs.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+. "$(dirname "$0")/testlib.sh"
+
+TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32
+      --training.seq_len=32 --training.micro_batch=4 --training.warmup_steps=2 --training.threads=1
+      --logging.progress=false)
+REG="$W/reg/registry.db"
+cd "$W" || exit 1
+head -c 40000 "$SRC/data/default_corpus.txt" > corpus.txt
+head -c 30000 "$SRC/data/default_corpus.txt" > corpus2.txt
+runs() { "$TERA" runs "$@" --registry "$REG"; }
+id_of() { runs ls --json --where "run_dir=$W/$1" | jq -r .id; }
+# jq -e that fails on empty input too
+jqe() { local in; in=$(cat); [ -n "$in" ] && jq -e "$@" <<< "$in"; }
+
+# 1. two runs one after the other, three at once
+"$TERA" train "${TINY[@]}" --training.steps=12 --data.path=corpus.txt --logging.run_dir="$W/a" \
+    --logging.registry="$REG" --checkpoint.every=6 2> a.log || fail "train a: $(tail -3 a.log)"
+"$TERA" train "${TINY[@]}" --training.steps=12 --data.path=corpus.txt --training.lr=2e-3 --logging.run_dir="$W/b" \
+    --logging.registry="$REG" 2> b.log || fail "train b: $(tail -3 b.log)"
+for i in 1 2 3; do
+    "$TERA" train "${TINY[@]}" --training.steps=8 --data.path=corpus2.txt --training.seed=$i \
+        --logging.run_dir="$W/c$i" --logging.registry="$REG" 2> c$i.log &
+done
+wait
+n=$(runs ls --json | wc -l)
+fin=$(runs ls --json --status finished | wc -l)
+[ "$n" = 5 ] && [ "$fin" = 5 ] && pass "5 runs registered, 3 of them written at once, all finished" \
+    || { fail "registered $n runs, $fin finished"; runs ls; }
+grep -q "tera: registry $REG: run " a.log && pass "the run prints its registry id" || fail "no registry line in a.log"
+
+# 2. filters
+[ "$(runs ls --json --where training.lr=0.002 | jq -r .run_dir)" = "$W/b" ] \
+    && pass "--where training.lr=0.002 finds run b" || fail "--where training.lr=0.002"
+[ "$(runs ls --json --where training.lr=2e-3 | wc -l)" = 1 ] && pass "--where compares numbers as numbers (2e-3)" \
+    || fail "--where training.lr=2e-3"
+[ "$(runs ls --json --where 'last_step<10' | wc -l)" = 3 ] && pass "--where on a summary field (last_step<10)" \
+    || fail "--where last_step<10: $(runs ls --json --where 'last_step<10' | wc -l)"
+[ "$(runs ls --json --where data.path=corpus2.txt --where training.seed=2 | jq -r .run_dir)" = "$W/c2" ] \
+    && pass "two --where filters" || fail "two --where filters"
+out=$(runs ls --where training.bogus=1 2>&1) && fail "unknown filter key accepted" \
+    || { echo "$out" | grep -q "training.bogus" && pass "a --where on an unknown config key: error names it" || fail "$out"; }
+out=$(runs ls --where nonsense 2>&1) && fail "--where without = accepted" \
+    || { echo "$out" | grep -q "nonsense" && pass "--where without an operator: error names it" || fail "$out"; }
+
+# 3. show: everything recorded
+A=$(id_of a)
+runs show "$A" --json > a.json
+jqe '.status == "finished" and .summary.last_step == 12 and (.checkpoints | length) == 2 and
+       (.checkpoints[1] | endswith("step_00000012")) and .config["training.steps"] == "12" and
+       (.command | contains("--logging.run_dir=")) and .tokenizer_fp == "bytes" and .version != null and
+       (.layout | contains("pp 1 x dp 1 x tp 1")) and .metrics_path == "'"$W/a/metrics.jsonl"'" and
+       .dataset_bytes == 40000 and (.dataset_fp | length) == 16' < a.json > /dev/null \
+    && pass "show: status, summary, checkpoints, config, command, layout, dataset and tokenizer fingerprints" \
+    || { fail "show a"; cat a.json; }
+want_loss=$(last_fields "$W/a/metrics.jsonl" step loss | tail -1 | cut -d' ' -f2)
+within "$want_loss" "$(jq .summary.final_loss a.json)" 1e-5 && pass "final_loss = the last step's loss of metrics.jsonl" \
+    || fail "final_loss $(jq .summary.final_loss a.json) vs $want_loss"
+[ "$(jq -r .dataset_fp a.json)" = "$(runs show "$(id_of b)" --json | jq -r .dataset_fp)" ] \
+    && [ "$(jq -r .dataset_fp a.json)" != "$(runs show "$(id_of c1)" --json | jq -r .dataset_fp)" ] \
+    && pass "same data, same fingerprint; other data, another" || fail "dataset fingerprints"
+runs show "${A:0:17}" | grep -q "^status *finished" && pass "show by an id prefix" || fail "show by prefix"
+out=$(runs show nosuchrun 2>&1) && fail "show of a missing run" \
+    || { echo "$out" | grep -q "no run 'nosuchrun'" && pass "show of a missing run names it" || fail "$out"; }
+
+# 4. compare: the differing keys, the final metrics, a plot
+runs compare "$A" "$(id_of b)" --plot loss,lr --out cmp.html > cmp.txt 2> cmp.err || fail "compare: $(cat cmp.err)"
+grep -q "^training.lr *| 0.003 *| 0.002" cmp.txt && pass "compare shows training.lr side by side" || { fail "compare"; cat cmp.txt; }
+grep -q "^training.steps" cmp.txt && fail "compare shows an equal key" || pass "compare hides equal keys"
+grep -q "^final_loss" cmp.txt && pass "compare shows final metrics" || fail "no final metrics"
+[ "$(grep -c '<polyline class="run"' cmp.html)" = 4 ] && grep -q "data-run=\"$A\"" cmp.html && grep -q 'data-metric="lr"' cmp.html \
+    && pass "plot: one line per run and metric" || fail "plot: $(grep -c polyline cmp.html) lines"
+runs compare "$A" "$(id_of b)" --all | grep -q "^training.steps" && pass "compare --all shows every key" || fail "--all"
+
+# 5. a failed run (every step skipped as not finite)
+TERA_FAULT_NAN_STEP=0 "$TERA" train "${TINY[@]}" --training.steps=1 --training.warmup_steps=0 --logging.run_dir="$W/f" --logging.registry="$REG" \
+    2> f.log && fail "a run with only non-finite steps exited 0"
+runs show "$(id_of f)" --json | jqe '.status == "failed" and (.error | contains("not finite"))' > /dev/null \
+    && pass "a failing run is recorded as failed with its error" || fail "failed run: $(runs show "$(id_of f)" --json)"
+
+# 6. killed: SIGTERM is recorded at once; SIGKILL by the stopped heartbeat
+"$TERA" train "${TINY[@]}" --training.steps=100000 --checkpoint.every=5 --logging.run_dir="$W/k" \
+    --logging.registry="$REG" 2> k.log &
+pid=$!
+for _ in $(seq 1 1200); do [ -d "$W/k/checkpoints/step_00000010" ] && break; sleep 0.1; done
+kill -TERM $pid
+wait $pid
+K=$(id_of k)
+runs show "$K" --json | jqe '.status == "killed" and (.error | contains("signal 15"))' > /dev/null \
+    && pass "SIGTERM: status killed, naming the signal" || fail "SIGTERM: $(runs show "$K" --json | jq -c '{status, error}')"
+TERA_REGISTRY_HEARTBEAT_S=0.2 "$TERA" train "${TINY[@]}" --training.steps=100000 --logging.run_dir="$W/k9" \
+    --logging.registry="$REG" 2> k9.log &
+pid=$!
+for _ in $(seq 1 1200); do [ -s "$W/k9/metrics.jsonl" ] && break; sleep 0.1; done
+sleep 0.5
+kill -KILL $pid
+wait $pid 2> /dev/null
+[ "$(runs ls --json --where "run_dir=$W/k9" | jq -r .status)" = running ] && pass "SIGKILL: still running within the stale limit" \
+    || fail "SIGKILL: $(runs ls --json --where "run_dir=$W/k9" | jq -r .status) before the limit"
+sleep 1.2
+[ "$(TERA_REGISTRY_STALE_S=1 "$TERA" runs ls --registry "$REG" --json --where "run_dir=$W/k9" | jq -r .status)" = killed ] \
+    && pass "SIGKILL: marked killed once its heartbeat is older than the limit" || fail "SIGKILL not reaped"
+
+# 7. --resume continues the run's row
+last=$(ls "$W/k/checkpoints" | grep -v tmp | tail -1)
+step=$((10#${last#step_}))
+"$TERA" train -c "$W/k/config.ini" --resume --training.steps=$((step + 3)) 2> kr.log || fail "resume: $(tail -3 kr.log)"
+runs show "$K" --json | jqe ".status == \"finished\" and .segments == 2 and .summary.last_step == $((step + 3))" > /dev/null \
+    && pass "--resume continues the same registry row (segments 2, finished at step $((step + 3)))" \
+    || fail "resume row: $(runs show "$K" --json | jq -c '{status, segments, summary}')"
+[ "$(runs ls --json --where "run_dir=$W/k" | wc -l)" = 1 ] && pass "no second row for the resumed run" || fail "second row"
+
+# 8. rm
+runs rm "$(id_of c3)" > rm.txt && [ "$(runs ls --json | grep -c "\"$W/c3\"")" = 0 ] && [ -d "$W/c3/checkpoints" ] \
+    && pass "rm removes the record and keeps the run directory" || fail "rm"
+
+# 9. the git commit of the working tree the run starts in; logging.registry = "" writes nothing
+if git -C "$SRC" rev-parse HEAD > /dev/null 2>&1; then
+    (cd "$SRC" && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/g" --logging.registry="$REG" 2> "$W/g.log")
+    head=$(git -C "$SRC" rev-parse HEAD)
+    runs show "$(id_of g)" --json | jqe ".git_commit == \"$head\" and (.git_dirty == 0 or .git_dirty == 1)" > /dev/null \
+        && pass "git commit and dirty flag of the source tree" || fail "git: $(runs show "$(id_of g)" --json | jq -c '{git_commit, git_dirty}')"
+fi
+[ "$(runs show "$A" --json | jq -r .git_commit)" = null ] && pass "no git commit outside a work tree" || fail "git outside a tree"
+mkdir off && (cd off && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/off/r" --logging.registry= \
+    2> ../off.log) && [ ! -e off/runs ] && ! grep -q "registry" off.log && pass "logging.registry = \"\" writes nothing" \
+    || fail "registry off"
+out=$("$TERA" runs ls --registry "$W/none/reg.db" 2>&1) && fail "ls of a missing registry" \
+    || { echo "$out" | grep -q "no run registry at $W/none/reg.db" && [ ! -e "$W/none" ] \
+         && pass "ls of a missing registry: error, nothing created" || fail "$out"; }
+# the default registry is runs/registry.db under the working directory
+mkdir def && (cd def && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/def/r" 2> ../def.log) \
+    && [ "$("$TERA" runs ls --registry def/runs/registry.db --json | wc -l)" = 1 ] && pass "default registry runs/registry.db" \
+    || fail "default registry"
+finish cli_runs

@@ -1,0 +1,158 @@
+/* The load-balancing losses (model.balance_loss: switch, switch_global, importance_load) at the
+ * router against the PyTorch reference (tests/ref/make_balance_fixtures.py, fixtures in
+ * tests/fixtures/balance/): the selection, the loss value and its gradient with respect to the router
+ * logits, under softmax and sigmoid scores. Also: the default (switch) path gives the gradient of the
+ * plain tera_moe_router_backward bit for bit, and an extra combine-weight gradient adds linearly. */
+#include "testutil.h"
+
+#include "model/moe.h"
+
+#ifndef TERA_SOURCE_DIR
+#define TERA_SOURCE_DIR "."
+#endif
+
+enum { MAXN = 256, MAXE = 64, MAXK = 8 };
+
+typedef struct {
+    char kind[32], score[16];
+    int B, T, E, k;
+    float scale;
+    float logits[MAXN * MAXE];
+    int32_t topi[MAXN * MAXK];
+    double loss;
+    float dlogits[MAXN * MAXE];
+} fixture;
+
+/* One CPU backend for the router functions of the tests (kept for the process). */
+static tera_backend *cpu(void) {
+    static tera_backend *b;
+    if (!b) b = tera_backend_cpu_create(-1);
+    return b;
+}
+
+static void load_fixture(fixture *f, const char *name) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/fixtures/balance/%s.txt", TERA_SOURCE_DIR, name);
+    FILE *fp = fopen(path, "r");
+    if (!fp) fail_msg("cannot open %s (regenerate: /usr/bin/python3 tests/ref/make_balance_fixtures.py)", path);
+    assert_int_equal(fscanf(fp, "%31s %15s %d %d %d %d %f", f->kind, f->score, &f->B, &f->T, &f->E, &f->k, &f->scale),
+                     7);
+    const int N = f->B * f->T;
+    assert_true(N <= MAXN && f->E <= MAXE && f->k <= MAXK);
+    for (int i = 0; i < N * f->E; i++) assert_int_equal(fscanf(fp, "%f", &f->logits[i]), 1);
+    for (int i = 0; i < N * f->k; i++) assert_int_equal(fscanf(fp, "%d", &f->topi[i]), 1);
+    assert_int_equal(fscanf(fp, "%lf", &f->loss), 1);
+    for (int i = 0; i < N * f->E; i++) {
+        double d;
+        assert_int_equal(fscanf(fp, "%lf", &d), 1);
+        f->dlogits[i] = (float)d;
+    }
+    fclose(fp);
+}
+
+static tera_balance_loss kind_of(const char *s) {
+    if (!strcmp(s, "switch")) return TERA_BALANCE_SWITCH;
+    if (!strcmp(s, "switch_global")) return TERA_BALANCE_SWITCH_GLOBAL;
+    assert_string_equal(s, "importance_load");
+    return TERA_BALANCE_IMPORTANCE_LOAD;
+}
+
+/* Routes the fixture's logits as the model does, then computes the loss value and d loss / d logits
+ * (aux_scale 1, no combine-weight gradient unless dtopw0 is given, no z-loss). */
+static double run_case(const fixture *f, tera_balance_loss kind, const float *dtopw0, float *dl, int32_t *topi) {
+    const int B = f->B, T = f->T, E = f->E, k = f->k, N = B * T;
+    const tera_router_score sc = strcmp(f->score, "sigmoid") ? TERA_ROUTER_SOFTMAX : TERA_ROUTER_SIGMOID;
+    static float s[MAXN * MAXE], lse[MAXN], topw[MAXN * MAXK], dtopw[MAXN * MAXK], rsum[MAXN], dsc[MAXN * MAXE];
+    int32_t cnt[MAXN * MAXE];
+    int64_t load[MAXE] = {0};
+    double psum[MAXE];
+    tera_backend *be = tera_backend_cpu_create(-1);
+    tera_moe_score_forward(be, s, lse, f->logits, N, E, sc);
+    const tera_moe_routing r = {.score = sc, .n_groups = 1, .topk_groups = 1, .scale = f->scale};
+    tera_moe_route(cpu(), topi, topw, s, NULL, N, E, k, &r, NULL);
+    memset(cnt, 0, sizeof cnt);
+    for (int a = 0; a < N * k; a++) cnt[(a / (T * k)) * E + topi[a]]++;
+    const tera_moe_stats st = tera_moe_route_stats(cpu(), load, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, psum, s, lse, cnt, B,
+                                                   T, E, k, sc);
+    const double v = tera_moe_balance_value(kind, st.aux, psum, s, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, topi,
+                                            topw, cnt, B, T, E, k);
+    for (int i = 0; i < N * k; i++) dtopw[i] = dtopw0 ? dtopw0[i] : 0.0f;
+    float aux_scale = 1.0f;
+    const float *g = tera_moe_balance_backward_prep(cpu(), kind, psum, dtopw, topi, topw, cnt, B, T, E, k, &aux_scale);
+    tera_moe_router_backward_g(be, dl, dsc, f->logits, s, lse, topi, topw, dtopw, cnt, g, B, T, E, k, &r, aux_scale,
+                               0.0f);
+    tera_backend_destroy(be);
+    return v;
+}
+
+static void check_fixture(const char *name) {
+    static fixture f;
+    load_fixture(&f, name);
+    const int N = f.B * f.T;
+    static float dl[MAXN * MAXE];
+    int32_t topi[MAXN * MAXK];
+    const double v = run_case(&f, kind_of(f.kind), NULL, dl, topi);
+    for (int i = 0; i < N * f.k; i++)
+        if (topi[i] != f.topi[i]) fail_msg("%s: assignment %d chose expert %d, the reference %d", name, i, topi[i], f.topi[i]);
+    if (!(fabs(v - f.loss) <= 1e-5 * fabs(f.loss) + 1e-7))
+        fail_msg("%s: loss %.9g, the reference %.9g", name, v, f.loss);
+    assert_true(tu_close(name, dl, f.dlogits, (int64_t)N * f.E, 1e-4, 1e-6) <= 1.0);
+    /* the gradient is not trivially zero */
+    double gmax = 0.0;
+    for (int i = 0; i < N * f.E; i++) gmax = fmax(gmax, fabs((double)f.dlogits[i]));
+    assert_true(gmax > 1e-3);
+}
+
+static void test_switch_softmax(void **state) { (void)state, check_fixture("switch_softmax"); }
+static void test_switch_sigmoid(void **state) { (void)state, check_fixture("switch_sigmoid"); }
+static void test_global_softmax(void **state) { (void)state, check_fixture("switch_global_softmax"); }
+static void test_global_sigmoid(void **state) { (void)state, check_fixture("switch_global_sigmoid"); }
+static void test_importance_softmax(void **state) { (void)state, check_fixture("importance_load_softmax"); }
+static void test_importance_sigmoid(void **state) { (void)state, check_fixture("importance_load_sigmoid"); }
+
+/* The switch kind through the new entry points is the old router backward bit for bit; the other
+ * kinds differ from it; with a combine-weight gradient the balancing gradient adds to it. */
+static void test_default_unchanged(void **state) {
+    (void)state;
+    static fixture f;
+    static float a[MAXN * MAXE], b[MAXN * MAXE], c[MAXN * MAXE], d[MAXN * MAXE], e[MAXN * MAXE], dsc[MAXN * MAXE];
+    static float s[MAXN * MAXE], lse[MAXN], topw[MAXN * MAXK], dtopw[MAXN * MAXK];
+    int32_t topi[MAXN * MAXK], cnt[MAXN * MAXE];
+    for (int sig = 0; sig < 2; sig++) {
+        load_fixture(&f, sig ? "switch_sigmoid" : "switch_softmax");
+        const int B = f.B, T = f.T, E = f.E, k = f.k, N = B * T;
+        tu_fill(dtopw, N * k, 7 + sig, 0.5f);
+        run_case(&f, TERA_BALANCE_SWITCH, dtopw, a, topi);
+        /* the unchanged entry point */
+        const tera_router_score sc = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
+        tera_backend *be = tera_backend_cpu_create(-1);
+        tera_moe_score_forward(be, s, lse, f.logits, N, E, sc);
+        const tera_moe_routing r = {.score = sc, .n_groups = 1, .topk_groups = 1, .scale = f.scale};
+        tera_moe_route(cpu(), topi, topw, s, NULL, N, E, k, &r, NULL);
+        memset(cnt, 0, sizeof cnt);
+        for (int i = 0; i < N * k; i++) cnt[(i / (T * k)) * E + topi[i]]++;
+        tera_moe_router_backward(be, b, dsc, f.logits, s, lse, topi, topw, dtopw, cnt, B, T, E, k, &r, 1.0f, 0.0f);
+        assert_same("switch via balance entry points", a, b, (int64_t)N * E);
+        /* importance_load with a combine-weight gradient = its own gradient + the combine part alone
+         * (the backward is linear in dtopw) */
+        tera_moe_router_backward(be, e, dsc, f.logits, s, lse, topi, topw, dtopw, cnt, B, T, E, k, &r, 0.0f, 0.0f);
+        tera_backend_destroy(be);
+        run_case(&f, TERA_BALANCE_IMPORTANCE_LOAD, dtopw, c, topi);
+        run_case(&f, TERA_BALANCE_IMPORTANCE_LOAD, NULL, d, topi);
+        for (int i = 0; i < N * E; i++) d[i] += e[i];
+        assert_true(tu_close("importance_load + combine gradient", c, d, (int64_t)N * E, 1e-5, 1e-7) <= 1.0);
+        int differs = 0;
+        for (int i = 0; i < N * E; i++) differs |= c[i] != a[i];
+        assert_true(differs);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_switch_softmax),     cmocka_unit_test(test_switch_sigmoid),
+        cmocka_unit_test(test_global_softmax),     cmocka_unit_test(test_global_sigmoid),
+        cmocka_unit_test(test_importance_softmax), cmocka_unit_test(test_importance_sigmoid),
+        cmocka_unit_test(test_default_unchanged),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
