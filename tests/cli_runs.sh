@@ -90,7 +90,12 @@ runs show "$(id_of f)" --json | jqe '.status == "failed" and (.error | contains(
 "$TERA" train "${TINY[@]}" --training.steps=100000 --checkpoint.every=5 --logging.run_dir="$W/k" \
     --logging.registry="$REG" 2> k.log &
 pid=$!
-for _ in $(seq 1 1200); do [ -d "$W/k/checkpoints/step_00000010" ] && break; sleep 0.1; done
+# wait for a committed checkpoint at step 10 or later (retention may already have removed step 10's)
+for _ in $(seq 1 1200); do
+    c=$(ls "$W/k/checkpoints" 2> /dev/null | grep -v tmp | tail -1)
+    [ -n "$c" ] && [ "$((10#${c#step_}))" -ge 10 ] && break
+    sleep 0.1
+done
 kill -TERM $pid
 wait $pid
 K=$(id_of k)
