@@ -134,28 +134,27 @@ typedef struct {
     int64_t nonfinite_run, nonfinite_lo; /* consecutive non-finite steps, the first one's first sample */
     int64_t nan_rollbacks, nan_last_step; /* rollbacks so far, the first failed step of the last one */
     int nan_repeats;            /* rollbacks in a row for the same steps */
-    tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c) */
-    struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank) */
-    int rank, world;            /* this rank in it, and its size (= parallel.dp) */
-    /* expert parallelism (src/train/layout.c): rank = edp_index * ep + ep_rank; the ep ranks
-     * of one group split the experts, the edp = dp / ep ranks holding the same experts average
-     * their gradients. edp is the dp group itself when ep = 1. */
+    tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c): the world size
+                                   and rank, dp/tp/pp/ep/edp and this rank's index on each (the trainer keeps no
+                                   copies) */
+    struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank;
+                                   its size is parallel.dp, this rank's index topo.dp_rank) */
+    /* expert parallelism (src/train/layout.c): dp_rank = edp_rank * ep + ep_rank; the ep ranks of
+     * one group split the experts, the edp = dp / ep ranks holding the same experts average their
+     * gradients. edp is the dp group itself when ep = 1. */
     struct tera_comm *ep_group, *edp;
-    int ep, ep_rank, edp_size, edp_rank;
     /* tensor parallelism: inside a pipeline stage, rank = dp_rank * tp + tp_rank (tp varies
      * fastest); the tp ranks of a group read the same samples. mp: the ep x tp x pp ranks with the
      * same edp_rank, which together hold one whole copy of the model. */
     struct tera_comm *tp_group, *mp;
-    int tp, tp_rank;
     /* pipeline parallelism: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank; pp_group: the
      * stages of one pipeline; sg: the ranks whose statistics add up (data-parallel x stages) */
     struct tera_comm *pp_group, *sg;
-    int pp, pp_rank;
     struct tera_pipe *pipe;     /* the executor's state (src/train/pipeline.c) */
-    int wrank, wsize, root;     /* world rank and size; root: world rank 0 (writes outputs) */
+    int root;                   /* world rank 0 (writes outputs) */
     tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
                                    ZeRO-1 shard of it); opt holds the non-expert region's */
-    int64_t *shard_counts_x;    /* [edp_size] ZeRO-1 shards of the expert region */
+    int64_t *shard_counts_x;    /* [topo.edp] ZeRO-1 shards of the expert region */
     struct tera_zero_ctx *zctx; /* ZeRO-2/3 staging (src/train/layout.c) */
     int64_t bytes_zero_staging; /* its slots: one group's gradients (and parameters) at a time */
     tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
@@ -165,7 +164,7 @@ typedef struct {
                                       sums (include/tera/comm_hier.h); NULL: the plain collectives */
     tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */
     int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
-    int64_t *shard_counts;      /* [world] ZeRO-1 shards of the non-expert region [0, n_dense) */
+    int64_t *shard_counts;      /* [topo.dp] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
     struct tera_shard_ckpt *shard_ckpt; /* the same for sharded checkpoints */
     tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */

@@ -111,16 +111,16 @@ int tera_cmd_bench(int argc, char **argv) {
          * the mean over the ranks, and the most any rank sends across (a ring's boundary ranks) */
         const double inter = (tx.inter_allreduce + tx.inter_reduce_scatter + tx.inter_allgather + tx.inter_alltoall +
                               tx.inter_p2p) / steps;
-        double *node_bytes = tera_calloc((size_t)(2 + tr.wsize), sizeof(double));
-        node_bytes[0] = tot, node_bytes[1] = inter, node_bytes[2 + tr.wrank] = inter;
-        tera_comm_allreduce_f64(tera_comm_world(), node_bytes, 2 + tr.wsize);
+        double *node_bytes = tera_calloc((size_t)(2 + tr.topo.world), sizeof(double));
+        node_bytes[0] = tot, node_bytes[1] = inter, node_bytes[2 + tr.topo.rank] = inter;
+        tera_comm_allreduce_f64(tera_comm_world(), node_bytes, 2 + tr.topo.world);
         double inter_max = 0.0;
-        for (int q = 0; q < tr.wsize; q++) inter_max = node_bytes[2 + q] > inter_max ? node_bytes[2 + q] : inter_max;
+        for (int q = 0; q < tr.topo.world; q++) inter_max = node_bytes[2 + q] > inter_max ? node_bytes[2 + q] : inter_max;
         if (tr.root)
             fprintf(stderr, "tera bench: comm {\"comm_nodes\": %d, \"intra_bytes_per_rank_step\": %.0f, \"inter_bytes_per_rank_step\": %.0f, "
                    "\"inter_bytes_max_rank_step\": %.0f, \"grad_compression\": \"%s\", \"hierarchical\": %d, "
                    "\"a2a_compression\": \"%s\"}\n",
-                   tera_comm_nodes(), (node_bytes[0] - node_bytes[1]) / tr.wsize, node_bytes[1] / tr.wsize, inter_max,
+                   tera_comm_nodes(), (node_bytes[0] - node_bytes[1]) / tr.topo.world, node_bytes[1] / tr.topo.world, inter_max,
                    cfg.parallel.grad_compression, cfg.parallel.hierarchical, cfg.parallel.a2a_compression);
         free(node_bytes);
         if (tr.root) {

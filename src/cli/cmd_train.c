@@ -29,7 +29,7 @@ static void print_summary(const tera_trainer *tr) {
             c->model.capacity_factor > 0 ? "capacity" : "dropless",
             c->data.path[0] ? c->data.path : "embedded default corpus", (long)tr->src.n_tokens,
             (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len, c->training.micro_batch,
-            c->training.seq_len, c->training.grad_accum, tr->world, (long)tr->tokens_per_step, tera_get_threads(),
+            c->training.seq_len, c->training.grad_accum, tr->topo.dp, (long)tr->tokens_per_step, tera_get_threads(),
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             c->training.recompute, m->bytes_scratch / MiB, tr->precision_note,
             tr->bf16_gemm_note[0] ? " | bf16 products: " : "", tr->bf16_gemm_note);
@@ -116,26 +116,26 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
     }
     if (tr.root) {
         print_summary(&tr);
-        fprintf(stderr, "tera: run directory %s | %d data-parallel rank%s (%s)\n", cfg.logging.run_dir, tr.world,
-                tr.world == 1 ? "" : "s", tera_comm_backend());
-        if (tr.wsize > 1)
+        fprintf(stderr, "tera: run directory %s | %d data-parallel rank%s (%s)\n", cfg.logging.run_dir, tr.topo.dp,
+                tr.topo.dp == 1 ? "" : "s", tera_comm_backend());
+        if (tr.topo.world > 1)
             fprintf(stderr,
                     "tera: layout %d ranks = pp %d x dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
                     "(pp_rank * dp + dp_rank) * tp + tp_rank, dp_rank = edp_rank * ep + ep_rank (tp varies fastest, "
                     "pp slowest); ep rank r holds experts [r*%d, (r+1)*%d) of each MoE layer\n",
-                    tr.wsize, tr.pp, tr.world, tr.tp, tr.world, tr.edp_size, tr.ep, tr.zero ? cfg.parallel.zero : 0,
-                    cfg.model.n_experts / tr.ep, cfg.model.n_experts / tr.ep);
+                    tr.topo.world, tr.topo.pp, tr.topo.dp, tr.topo.tp, tr.topo.dp, tr.topo.edp, tr.topo.ep, tr.zero ? cfg.parallel.zero : 0,
+                    cfg.model.n_experts / tr.topo.ep, cfg.model.n_experts / tr.topo.ep);
     }
-    if (tr.pp > 1 && tr.rank == 0 && tr.tp_rank == 0) { /* one line per pipeline stage */
+    if (tr.topo.pp > 1 && tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) { /* one line per pipeline stage */
         const tera_model *m = &tr.model;
         char layers[256] = "";
-        for (int vs = tr.pp_rank; vs < tr.pp * m->par.v; vs += tr.pp) {
+        for (int vs = tr.topo.pp_rank; vs < tr.topo.pp * m->par.v; vs += tr.topo.pp) {
             const size_t k = strlen(layers);
             snprintf(layers + k, sizeof layers - k, "%s[%d, %d)", k ? " " : "", m->layer_first[vs], m->layer_first[vs + 1]);
         }
         fprintf(stderr, "tera: pipeline stage %d of %d (%s): layers %s%s%s, %d activation slot%s, activations %.1f MiB\n",
-                tr.pp_rank, tr.pp, cfg.parallel.pp_schedule, layers, tr.pp_rank == 0 ? " + embedding" : "",
-                tr.pp_rank == tr.pp - 1 ? " + head" : "", m->n_slots, m->n_slots == 1 ? "" : "s",
+                tr.topo.pp_rank, tr.topo.pp, cfg.parallel.pp_schedule, layers, tr.topo.pp_rank == 0 ? " + embedding" : "",
+                tr.topo.pp_rank == tr.topo.pp - 1 ? " + head" : "", m->n_slots, m->n_slots == 1 ? "" : "s",
                 (double)m->bytes_acts / (1024.0 * 1024.0));
     }
     tera_prof_reset();
@@ -150,7 +150,7 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
         return st == TERA_OK ? 0 : tera_cli_error();
     }
     /* the run registry and MLflow (logging.registry, logging.mlflow_uri; world rank 0; never stops training) */
-    tera_track *track = tr.root ? tera_track_start(&cfg, argc, argv, step0, tr.wsize) : NULL;
+    tera_track *track = tr.root ? tera_track_start(&cfg, argc, argv, step0, tr.topo.world) : NULL;
     tera_step_result last;
     tera_status st = tera_trainer_run(&tr, &last);
     if (st != TERA_OK) {
@@ -159,12 +159,12 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
         return tera_cli_error();
     }
     if (cfg.logging.profile && tr.root) tera_prof_print(stderr, (int)(tr.step - step0));
-    if (tr.pp > 1 && tr.rank == 0 && tr.tp_rank == 0) { /* the measured bubble of each stage */
+    if (tr.topo.pp > 1 && tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) { /* the measured bubble of each stage */
         double busy, wait, step;
         tera_pipeline_times(&tr, &busy, &wait, &step);
-        const int m = cfg.training.grad_accum, p = tr.pp, v = cfg.parallel.pp_chunks;
+        const int m = cfg.training.grad_accum, p = tr.topo.pp, v = cfg.parallel.pp_chunks;
         fprintf(stderr, "tera: pipeline stage %d: step %.1f ms, busy %.1f ms, waiting %.1f ms: idle fraction %.3f "
-                "(bubble formula %.3f)\n", tr.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
+                "(bubble formula %.3f)\n", tr.topo.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
                 step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
     }
     if (tr.zero >= 3 && tr.root) {

@@ -444,12 +444,15 @@ static void on_exit_trial(study *st, trial *t, int status) {
         curve c;
         read_curve(t->dir, st->s.max_steps, &c);
         const int64_t used = c.n > t->seg_start ? c.n - t->seg_start : 0;
+        const int all_steps = c.n >= st->s.max_steps; /* every step is in metrics.jsonl */
         t->steps_used += used;
         st->steps_used += used;
         free(c.loss);
         free(c.val);
         poll_train(st, t); /* rungs reached in the last lines */
-        if (ok && t->pause_at >= 0) { /* it finished before the stop reached it: the run is complete */
+        /* it finished before the stop reached it (or the stop arrived during its final save, after
+         * its last step): the run is complete */
+        if ((ok || all_steps) && t->pause_at >= 0) {
             read_curve(t->dir, st->s.max_steps, &c);
             for (int k = t->rung_done; k < t->n_rungs; k++) {
                 const double v = curve_value(st, &c, t->rungs[k]);

@@ -23,7 +23,7 @@ int tera_elastic_ckpt_due(tera_trainer *tr) {
         else if (c->every_s > 0 && now - tr->ckpt_wall_last >= c->every_s) due = 1;
     }
     /* rank 0's decision for every rank (the others add 0): their clocks may disagree by a step */
-    if (tr->wsize > 1) tera_comm_allreduce_i64(tera_comm_world(), &due, 1);
+    if (tr->topo.world > 1) tera_comm_allreduce_i64(tera_comm_world(), &due, 1);
     return (int)due;
 }
 

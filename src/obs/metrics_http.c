@@ -465,11 +465,11 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
     const tera_config *cfg = &tr->cfg;
     const int base = cfg->logging.metrics_port;
     if (base <= 0) return TERA_OK;
-    const long port = (long)base + tr->wrank;
+    const long port = (long)base + tr->topo.rank;
     if (port > 65535)
         return tera_fail(TERA_ERR_CONFIG, "logging.metrics_port = %d: world rank %d would serve on port %ld, above "
                          "65535 (each rank serves on metrics_port + its world rank); choose a lower base port",
-                         base, tr->wrank, port);
+                         base, tr->topo.rank, port);
     /* the listening socket is bound here, so that a port in use is named with its reason */
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return tera_fail(TERA_ERR_IO, "logging.metrics_port: cannot create a socket: %s", strerror(errno));
@@ -485,19 +485,19 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
         close(fd);
         return tera_fail(TERA_ERR_IO, "logging.metrics_port = %d: cannot serve metrics on port %ld (metrics_port + "
                          "world rank %d): %s; choose another logging.metrics_port, or 0 for no endpoint",
-                         base, port, tr->wrank, err == EADDRINUSE ? "the port is in use" : strerror(err));
+                         base, port, tr->topo.rank, err == EADDRINUSE ? "the port is in use" : strerror(err));
     }
     tera_metrics_http *h = tera_calloc(1, sizeof *h);
     pthread_mutex_init(&h->lock, NULL);
     pthread_mutex_init(&h->render_lock, NULL);
-    h->port = (int)port, h->rank = tr->wrank, h->world = tr->wsize;
+    h->port = (int)port, h->rank = tr->topo.rank, h->world = tr->topo.world;
     const tera_model *m = &tr->model;
     h->first_moe = m->cfg.first_k_dense < m->cfg.n_layers ? m->cfg.first_k_dense : m->cfg.n_layers;
     h->n_moe = m->cfg.n_experts > 0 ? m->cfg.n_layers - h->first_moe : 0;
     snprintf(h->info_labels, sizeof h->info_labels,
              "world_size=\"%d\",pp=\"%d\",dp=\"%d\",tp=\"%d\",ep=\"%d\",zero=\"%d\",pp_rank=\"%d\",dp_rank=\"%d\","
-             "tp_rank=\"%d\"", tr->wsize, tr->pp, tr->world, tr->tp, tr->ep, tr->zero, tr->pp_rank, tr->rank,
-             tr->tp_rank);
+             "tp_rank=\"%d\"", tr->topo.world, tr->topo.pp, tr->topo.dp, tr->topo.tp, tr->topo.ep, tr->zero, tr->topo.pp_rank, tr->topo.dp_rank,
+             tr->topo.tp_rank);
     h->mem[0] = (double)m->bytes_params;
     h->mem[1] = (double)m->bytes_grads;
     h->mem[2] = 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float);

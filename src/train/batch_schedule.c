@@ -72,7 +72,7 @@ void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r) {
     double mean = 0.0;
     if (r->skipped || !tera_batch_observe(t, &tr->batch, r->step, r->grad_norm, &mean)) return;
     const int a = tera_batch_accum(t, &tr->batch, r->step + 1);
-    const int64_t seqs = (int64_t)a * t->micro_batch * tr->world;
+    const int64_t seqs = (int64_t)a * t->micro_batch * tr->topo.dp;
     const float f = tera_batch_lr_factor(t, a);
     if (!tr->root) return;
     fprintf(stderr,

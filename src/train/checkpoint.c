@@ -185,7 +185,7 @@ static char *state_text(const tera_trainer *tr) {
     /* the dynamic batch size and the loss-spike guard, each serialised by its owner: what a resumed
      * run needs to take the same batch sizes, skip the same data windows, keep the LR cut and judge
      * spikes against the same window */
-    tera_batch_save(&tr->cfg.training, &tr->batch, tr->step, tr->world, root);
+    tera_batch_save(&tr->cfg.training, &tr->batch, tr->step, tr->topo.dp, root);
     tera_spike_save(&tr->spike, root);
     char *text = cJSON_Print(root);
     cJSON_Delete(root);
@@ -1226,7 +1226,7 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     /* one process, or a data-parallel replica without ZeRO: its storage is the whole model, its
      * moments one contiguous buffer (the expert region's optimizer is a view into the non-expert
      * one's allocation) */
-    TERA_ASSERTF(tr->root && tr->tp == 1 && tr->pp == 1 && tr->ep == 1 && !tr->zero && tr->model.w &&
+    TERA_ASSERTF(tr->root && tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->zero && tr->model.w &&
                  (tr->opt_x.view || !tr->opt_x.n), "a whole save from memory needs the whole model in this rank's storage");
     const float *const src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->opt.m, tr->opt.v, tr->model.router_bias};
     const int final = tr->step >= tr->cfg.training.steps;
@@ -1268,7 +1268,7 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
 
 /* Every rank of the world learns whether st failed anywhere. */
 static tera_status agree_world(const tera_trainer *tr, tera_status st, const char *what) {
-    if (tr->wsize == 1) return st;
+    if (tr->topo.world == 1) return st;
     int64_t failed = st != TERA_OK;
     tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
     if (failed && st == TERA_OK) return tera_fail(TERA_ERR_FORMAT, "%s failed on another rank (see its message)", what);
@@ -1364,15 +1364,15 @@ static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
     cJSON_AddBoolToObject(man, "sharded", 1);
     cJSON_AddStringToObject(man, "run_config", "config.ini");
     cJSON *lay = cJSON_AddObjectToObject(man, "layout");
-    cJSON_AddNumberToObject(lay, "world_size", tr->wsize);
+    cJSON_AddNumberToObject(lay, "world_size", tr->topo.world);
     cJSON_AddNumberToObject(lay, "dp", tr->cfg.parallel.dp);
-    cJSON_AddNumberToObject(lay, "tp", tr->tp);
-    cJSON_AddNumberToObject(lay, "pp", tr->pp);
-    cJSON_AddNumberToObject(lay, "ep", tr->ep);
+    cJSON_AddNumberToObject(lay, "tp", tr->topo.tp);
+    cJSON_AddNumberToObject(lay, "pp", tr->topo.pp);
+    cJSON_AddNumberToObject(lay, "ep", tr->topo.ep);
     cJSON_AddNumberToObject(lay, "zero", tr->cfg.parallel.zero);
     tera_model shell;
     tera_layout_global_shell(tr, &shell);
-    const int P = tr->ep * tr->tp * tr->pp;
+    const int P = tr->topo.ep * tr->topo.tp * tr->topo.pp;
     tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
     for (int r = 0; r < P; r++) tab[r] = tera_layout_member_table(tr, r, NULL);
     cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
@@ -1511,7 +1511,7 @@ static tera_status shard_stream(tera_trainer *tr, tera_shard_ckpt *c) {
     int e = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
-        if (p->numel == 0 || (p->tp_dim < 0 && tr->tp_rank != 0)) continue; /* the same on the ranks sharing it */
+        if (p->numel == 0 || (p->tp_dim < 0 && tr->topo.tp_rank != 0)) continue; /* the same on the ranks sharing it */
         const int writes = tera_layout_writes(tr, p), x = p->expert_stacked;
         for (int k = 0; k < 3; k++)
             for (int64_t a = 0; a < p->numel; a += c->win_n) {
@@ -1570,13 +1570,13 @@ static tera_status shard_commit(tera_trainer *tr) {
     tera_status st = c->st;
     if (st != TERA_OK) st = tera_fail(st, "%s", c->err);
     /* every rank's file: size and hash, to rank 0 (one slot per world rank) */
-    const int W = tr->wsize;
+    const int W = tr->topo.world;
     int64_t *info = tera_calloc((size_t)(3 * W), sizeof(int64_t));
     if (c->wrote) {
         const int me = tera_layout_member(tr);
-        info[3 * tr->wrank] = me + 1;
-        info[3 * tr->wrank + 1] = c->size;
-        memcpy(&info[3 * tr->wrank + 2], &c->hash, sizeof c->hash);
+        info[3 * tr->topo.rank] = me + 1;
+        info[3 * tr->topo.rank + 1] = c->size;
+        memcpy(&info[3 * tr->topo.rank + 2], &c->hash, sizeof c->hash);
     }
     tera_comm_allreduce_i64(tera_comm_world(), info, 3 * W);
     st = agree(st, "writing a rank's shard");

@@ -25,8 +25,8 @@ static double ring(int p) { return p > 1 ? (double)(p - 1) / (double)p : 0.0; }
  * over the ranks sharing it: non-expert tensors over dp, this rank's experts over edp. */
 static double sharded_pass(const tera_trainer *tr) {
     const tera_model *m = &tr->model;
-    return 4.0 * (ring(tr->world) * (double)m->n_dense_floats +
-                  ring(tr->edp_size) * (double)(m->n_floats - m->n_dense_floats));
+    return 4.0 * (ring(tr->topo.dp) * (double)m->n_dense_floats +
+                  ring(tr->topo.edp) * (double)(m->n_floats - m->n_dense_floats));
 }
 
 /* Data-parallel gradient sums. ZeRO 0: one all-reduce per step (buckets, last micro-batch);
@@ -53,14 +53,14 @@ static void grad_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
  * counts its own layers, the embedding on the first stage and the head on the last. */
 static void tp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
-    if (tr->tp < 2) return;
+    if (tr->topo.tp < 2) return;
     const double N = (double)m->B * m->T, D = m->cfg.dim;
     double L = 0.0, moe = 0.0;
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->held[l]) L += 1.0, moe += l >= m->cfg.first_k_dense;
-    const int first = tr->pp_rank == 0, last = tr->pp_rank == tr->pp - 1;
+    const int first = tr->topo.pp_rank == 0, last = tr->topo.pp_rank == tr->topo.pp - 1;
     const double floats = 4.0 * L * N * D + (first ? N * D : 0.0) + (last ? N * D + 3.0 * N : 0.0) + moe * N * m->cfg.top_k;
-    cm->tp = A * 2.0 * ring(tr->tp) * 4.0 * floats;
+    cm->tp = A * 2.0 * ring(tr->topo.tp) * 4.0 * floats;
     cm->min[TERA_XFER_ALLREDUCE] += cm->tp;
 }
 
@@ -70,7 +70,7 @@ static double group_gather(const tera_trainer *tr, int group) {
     for (int x = 0; x < 2; x++) {
         int64_t lo, hi;
         tera_model_group_range(&tr->model, group, x, &lo, &hi);
-        b += 4.0 * ring(x ? tr->edp_size : tr->world) * (double)(hi - lo);
+        b += 4.0 * ring(x ? tr->topo.edp : tr->topo.dp) * (double)(hi - lo);
     }
     return b;
 }
@@ -85,9 +85,9 @@ static void zero3_gather_bytes(const tera_trainer *tr, int A, tera_comm_volume *
     if (tr->zero < 3) return;
     const int L = tr->model.cfg.n_layers, tied = tr->model.cfg.tie_embeddings;
     int held[3] = {INT32_MIN, INT32_MIN, INT32_MIN}; /* embedding, head, layer slots */
-    int n = tr->pp > 1 ? tera_pipeline_param_uses(tr, NULL, 0) : A * (2 * L + 5);
+    int n = tr->topo.pp > 1 ? tera_pipeline_param_uses(tr, NULL, 0) : A * (2 * L + 5);
     int *uses = tera_malloc(sizeof(int) * (size_t)(n + 1));
-    if (tr->pp > 1) {
+    if (tr->topo.pp > 1) {
         tera_pipeline_param_uses(tr, uses, n);
     } else {
         for (int a = 0, j = 0; a < A; a++)
@@ -117,13 +117,13 @@ static void zero3_gather_bytes(const tera_trainer *tr, int A, tera_comm_volume *
  * each other rank) are exchanged (overhead). */
 static void ep_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
-    if (tr->ep < 2) return;
+    if (tr->topo.ep < 2) return;
     const double N = (double)m->B * m->T, rows = N * m->cfg.top_k;
     double moe = 0.0; /* this stage's MoE layers (all of them without a pipeline) */
     for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) moe += m->held[l];
-    cm->ep = A * moe * 4.0 * ring(tr->ep) * rows * m->cfg.dim * 4.0;
+    cm->ep = A * moe * 4.0 * ring(tr->topo.ep) * rows * m->cfg.dim * 4.0;
     cm->min[TERA_XFER_P2P] += cm->ep;
-    cm->counts = A * moe * (tr->ep - 1) * 4.0 * (m->cfg.n_experts / tr->ep);
+    cm->counts = A * moe * (tr->topo.ep - 1) * 4.0 * (m->cfg.n_experts / tr->topo.ep);
     cm->overhead[TERA_XFER_ALLTOALL] += cm->counts;
 }
 
@@ -131,11 +131,11 @@ static void ep_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
  * next virtual stage unless it is the last, and its input gradients back unless it is the first. */
 static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
-    if (tr->pp < 2) return;
-    const int v = m->par.v, S = tr->pp * v;
+    if (tr->topo.pp < 2) return;
+    const int v = m->par.v, S = tr->topo.pp * v;
     double sends = 0.0;
     for (int c = 0; c < v; c++) {
-        const int vs = c * tr->pp + tr->pp_rank;
+        const int vs = c * tr->topo.pp + tr->topo.pp_rank;
         sends += (vs < S - 1) + (vs > 0);
     }
     cm->pp = A * sends * (double)m->B * m->T * m->cfg.dim * 4.0;
@@ -149,8 +149,8 @@ static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
 static void stats_bytes(const tera_trainer *tr, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     const double L = m->cfg.n_layers, E = m->cfg.n_experts;
-    cm->stats = 2.0 * ring(tr->world * tr->pp) * 8.0 * (5.0 + L * E + L + 1.0) +
-                2.0 * ring(tr->wsize) * 8.0 * ((double)m->n_params + 2.0);
+    cm->stats = 2.0 * ring(tr->topo.dp * tr->topo.pp) * 8.0 * (5.0 + L * E + L + 1.0) +
+                2.0 * ring(tr->topo.world) * 8.0 * ((double)m->n_params + 2.0);
     cm->overhead[TERA_XFER_ALLREDUCE] += cm->stats;
 }
 

@@ -43,8 +43,6 @@ tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis) {
 
 tera_status tera_layout_groups(tera_trainer *tr) {
     const tera_topology *t = &tr->topo; /* validated by tera_topology_init (ep divides dp) */
-    tr->ep = t->ep, tr->ep_rank = t->ep_rank;
-    tr->edp_size = t->edp, tr->edp_rank = t->edp_rank;
     tr->edp = tr->dp;
     /* nodes (parallel.ranks_per_node; 0: the hosts): collective over the world, the same on every rank */
     tera_status nst = tera_comm_set_nodes(tr->cfg.parallel.ranks_per_node);
@@ -53,14 +51,14 @@ tera_status tera_layout_groups(tera_trainer *tr) {
     for (int w = 0; w < t->world; w++) node_of[w] = tera_comm_node_of(w);
     tera_topology_set_nodes(&tr->topo, node_of);
     free(node_of);
-    if (tr->ep > 1) {
+    if (tr->topo.ep > 1) {
         tr->ep_group = tera_layout_axis_group(t, TERA_AXIS_EP);
         tr->edp = tera_layout_axis_group(t, TERA_AXIS_EDP);
     }
-    if (tr->ep * tr->tp * tr->pp > 1) tr->mp = tera_layout_axis_group(t, TERA_AXIS_MP);
+    if (tr->topo.ep * tr->topo.tp * tr->topo.pp > 1) tr->mp = tera_layout_axis_group(t, TERA_AXIS_MP);
     TERA_ASSERT(!tr->mp || tera_comm_rank(tr->mp) == tera_layout_member(tr));
     /* ZeRO needs more than one data-parallel rank to shard over */
-    tr->zero = tr->world > 1 ? tr->cfg.parallel.zero : 0;
+    tr->zero = tr->topo.dp > 1 ? tr->cfg.parallel.zero : 0;
     return TERA_OK;
 }
 
@@ -142,7 +140,7 @@ static void zero23_init(tera_trainer *tr) {
     int64_t total = 0;
     const int nb = tr->zero >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
     z->prefetch = tr->zero >= 3 && tr->cfg.parallel.zero_prefetch;
-    z->plan = tr->pp > 1;
+    z->plan = tr->topo.pp > 1;
     z->plan_last = z->plan_next = -1;
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
@@ -157,7 +155,7 @@ static void zero23_init(tera_trainer *tr) {
             if (nb == 2) z->slot[k].w[x] = p, p += n;
         }
     }
-    const int ranks = tr->world > tr->edp_size ? tr->world : tr->edp_size;
+    const int ranks = tr->topo.dp > tr->topo.edp ? tr->topo.dp : tr->topo.edp;
     z->pf.group = z->last_layer = INT32_MIN;
     z->dir = 1;
     if (z->prefetch) {
@@ -203,9 +201,9 @@ typedef struct {
 } zpiece;
 
 static zpiece pieces(tera_trainer *tr, int x, int64_t lo, int64_t hi) {
-    zpiece p = {.c = x ? tr->edp : tr->dp, .o = x ? &tr->opt_x : &tr->opt, .me = x ? tr->edp_rank : tr->rank};
+    zpiece p = {.c = x ? tr->edp : tr->dp, .o = x ? &tr->opt_x : &tr->opt, .me = x ? tr->topo.edp_rank : tr->topo.dp_rank};
     const int64_t base = x ? tr->model.n_dense_floats : 0;
-    p.mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, x ? tr->edp_size : tr->world, p.me, lo - base,
+    p.mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, x ? tr->topo.edp : tr->topo.dp, p.me, lo - base,
                           hi - base, tr->zctx->cnt, &p.soff);
     return p;
 }
@@ -493,8 +491,8 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *lp = &m->params[i], *gp = &shell->params[i];
         if (lp->numel == 0 || gp->offset >= b || gp->offset + gp->numel <= a) continue;
-        if (lp->tp_dim < 0 && tr->tp_rank != 0) continue;                          /* tp rank 0's copy */
-        if (!sharded && (lp->expert_stacked ? tr->edp_rank : tr->rank) != 0) continue; /* the first replica's */
+        if (lp->tp_dim < 0 && tr->topo.tp_rank != 0) continue;                          /* tp rank 0's copy */
+        if (!sharded && (lp->expert_stacked ? tr->topo.edp_rank : tr->topo.dp_rank) != 0) continue; /* the first replica's */
         const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
         for (int64_t r = 0; r < nr; r++) {
             int64_t g, l, n;
@@ -512,7 +510,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
             }
         }
     }
-    if (tr->wsize == 1) return;
+    if (tr->topo.world == 1) return;
     if (root_only) { /* world rank 0 holds the whole window itself: nothing to move */
         int64_t missing = tr->root && wrote < nw;
         tera_comm_allreduce_i64(tera_comm_world(), &missing, 1);
@@ -532,7 +530,7 @@ void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t
         memcpy(dst, sg[0].p + (a - sg[0].lo), sizeof(float) * (size_t)(b - a));
         return;
     }
-    const int ranks = x ? tr->edp_size : tr->world, me = x ? tr->edp_rank : tr->rank;
+    const int ranks = x ? tr->topo.edp : tr->topo.dp, me = x ? tr->topo.edp_rank : tr->topo.dp_rank;
     const int64_t base = x ? tr->model.n_dense_floats : 0;
     int64_t *cnt = tera_calloc((size_t)ranks, sizeof(int64_t)), soff;
     const int64_t mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, ranks, me, a - base, b - base, cnt, &soff);
@@ -576,14 +574,14 @@ tera_status tera_layout_init(tera_trainer *tr) {
     /* the groups (tera_layout_groups) exist; here the optimizer's ranges */
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
     (void)p;
-    tr->shard_counts = tera_calloc((size_t)tr->world, sizeof(int64_t));
-    tr->shard_counts_x = tera_calloc((size_t)tr->edp_size, sizeof(int64_t));
+    tr->shard_counts = tera_calloc((size_t)tr->topo.dp, sizeof(int64_t));
+    tr->shard_counts_x = tera_calloc((size_t)tr->topo.edp, sizeof(int64_t));
     if (tr->zero) {
-        int64_t *lo = tera_calloc((size_t)(tr->world > tr->edp_size ? tr->world : tr->edp_size), sizeof(int64_t));
-        shard(nd, tr->world, tr->shard_counts, lo);
-        tera_adamw_init_range(&tr->opt, lo[tr->rank], lo[tr->rank] + tr->shard_counts[tr->rank]);
-        shard(n - nd, tr->edp_size, tr->shard_counts_x, lo);
-        tera_adamw_init_range(&tr->opt_x, nd + lo[tr->edp_rank], nd + lo[tr->edp_rank] + tr->shard_counts_x[tr->edp_rank]);
+        int64_t *lo = tera_calloc((size_t)(tr->topo.dp > tr->topo.edp ? tr->topo.dp : tr->topo.edp), sizeof(int64_t));
+        shard(nd, tr->topo.dp, tr->shard_counts, lo);
+        tera_adamw_init_range(&tr->opt, lo[tr->topo.dp_rank], lo[tr->topo.dp_rank] + tr->shard_counts[tr->topo.dp_rank]);
+        shard(n - nd, tr->topo.edp, tr->shard_counts_x, lo);
+        tera_adamw_init_range(&tr->opt_x, nd + lo[tr->topo.edp_rank], nd + lo[tr->topo.edp_rank] + tr->shard_counts_x[tr->topo.edp_rank]);
         free(lo);
     } else {
         /* one allocation for both regions, so the whole moments are contiguous (a one-rank
@@ -596,8 +594,8 @@ tera_status tera_layout_init(tera_trainer *tr) {
     /* hierarchical / compressed gradient sums (collective over each group; NULL when both are off) */
     const int ck = tera_compress_parse(p->grad_compression);
     TERA_ASSERTF(ck >= 0 && ck != TERA_COMPRESS_FP8, "parallel.grad_compression = %s", p->grad_compression);
-    if (tr->world > 1) tr->gred[0] = tera_greducer_create(tr->dp, nd, (tera_compress_kind)ck, p->hierarchical);
-    if (tr->edp_size > 1 && n > nd)
+    if (tr->topo.dp > 1) tr->gred[0] = tera_greducer_create(tr->dp, nd, (tera_compress_kind)ck, p->hierarchical);
+    if (tr->topo.edp > 1 && n > nd)
         tr->gred[1] = tera_greducer_create(tr->edp, n - nd, (tera_compress_kind)ck, p->hierarchical);
     return TERA_OK;
 }
@@ -636,21 +634,21 @@ void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
 
 int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p) {
     if (p->numel == 0) return 0;
-    if (!p->expert_stacked && member / tr->tp % tr->ep != 0) return 0; /* non-expert: the first of the ep group */
-    return p->tp_dim >= 0 || member % tr->tp == 0;                     /* replicated over tp: the first tp rank */
+    if (!p->expert_stacked && member / tr->topo.tp % tr->topo.ep != 0) return 0; /* non-expert: the first of the ep group */
+    return p->tp_dim >= 0 || member % tr->topo.tp == 0;                     /* replicated over tp: the first tp rank */
 }
 
 int tera_layout_writes(const tera_trainer *tr, const tera_param *p) {
     /* one copy: the first expert-data-parallel replica */
-    return tr->edp_rank == 0 && tera_layout_member_writes(tr, tera_layout_member(tr), p);
+    return tr->topo.edp_rank == 0 && tera_layout_member_writes(tr, tera_layout_member(tr), p);
 }
 
-int tera_layout_member(const tera_trainer *tr) { return (tr->pp_rank * tr->ep + tr->ep_rank) * tr->tp + tr->tp_rank; }
+int tera_layout_member(const tera_trainer *tr) { return (tr->topo.pp_rank * tr->topo.ep + tr->topo.ep_rank) * tr->topo.tp + tr->topo.tp_rank; }
 
 tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats) {
     const tera_model *m = &tr->model;
-    const tera_shard_spec sp = {.ep = tr->ep, .ep_rank = member / tr->tp % tr->ep, .tp = tr->tp,
-                                .tp_rank = member % tr->tp, .pp = tr->pp, .pp_rank = member / (tr->tp * tr->ep),
+    const tera_shard_spec sp = {.ep = tr->topo.ep, .ep_rank = member / tr->topo.tp % tr->topo.ep, .tp = tr->topo.tp,
+                                .tp_rank = member % tr->topo.tp, .pp = tr->topo.pp, .pp_rank = member / (tr->topo.tp * tr->topo.ep),
                                 .v = m->par.v, .layer_first = m->layer_first};
     int np;
     int64_t nf;
@@ -692,15 +690,15 @@ void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, con
  * (ZeRO-1 shards split them instead), copies on several tensor-parallel ranks (norms, router) on
  * tp rank 0. */
 static int counts_here(const tera_trainer *tr, const tera_param *p) {
-    if (p->tp_dim < 0 && tr->tp_rank != 0) return 0;
+    if (p->tp_dim < 0 && tr->topo.tp_rank != 0) return 0;
     if (tr->zero) return 1;
-    return p->expert_stacked ? tr->edp_rank == 0 : tr->rank == 0;
+    return p->expert_stacked ? tr->topo.edp_rank == 0 : tr->topo.dp_rank == 0;
 }
 
 void tera_layout_reduce_grads(tera_trainer *tr) {
     tera_model *m = &tr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    if (tr->world == 1 || tr->zero >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
+    if (tr->topo.dp == 1 || tr->zero >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
     if (tr->zero) { /* each rank sums only its own shard of each region */
         if (tr->gred[0]) tera_greducer_reduce_scatter(tr->gred[0], m->g, 0, tr->shard_counts);
         else tera_comm_reduce_scatter_f32(tr->dp, m->g, tr->shard_counts);
@@ -728,7 +726,7 @@ double tera_layout_grad_sq(tera_trainer *tr) {
         const double v = sq[i] + sq2[i];
         sq[i] = counts_here(tr, &m->params[i]) || !isfinite(v) ? v : 0.0;
     }
-    if (tr->wsize > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
+    if (tr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
     double tot = 0.0;
     for (int i = 0; i < m->n_params; i++) tot += sq[i];
     return tot;
@@ -752,7 +750,7 @@ void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double
     double s[2] = {0.0, 0.0}; /* update^2, param^2 over the whole model */
     for (int i = 0; i < m->n_params; i++)
         if (counts_here(tr, &m->params[i])) s[0] += usq[i], s[1] += psq[i];
-    if (tr->wsize > 1) tera_comm_allreduce_f64(tera_comm_world(), s, 2);
+    if (tr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), s, 2);
     sums[0] = s[0];
     sums[1] = s[1];
 }

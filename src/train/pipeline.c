@@ -51,10 +51,10 @@ tera_status tera_pipeline_init(tera_trainer *tr) {
     const tera_parallel_config *pc = &tr->cfg.parallel;
     const tera_train_config *t = &tr->cfg.training;
     tera_pipe *p = tera_calloc(1, sizeof *p);
-    p->pp = tr->pp;
+    p->pp = tr->topo.pp;
     p->v = tr->model.par.v;
     p->S = p->pp * p->v;
-    p->rank = tr->pp_rank;
+    p->rank = tr->topo.pp_rank;
     p->m = t->grad_accum;
     p->first = tr->model.layer_first;
     tera_sched_kind kind;
@@ -84,11 +84,11 @@ tera_status tera_pipeline_slots(const tera_trainer *tr, int *slots) {
     tera_schedule s;
     tera_sched_stats ss;
     TERA_TRY(tera_sched_kind_parse(pc->pp_schedule, &kind));
-    TERA_TRY(tera_schedule_build(&s, kind, tr->pp, tr->cfg.training.grad_accum, pc->pp_chunks));
+    TERA_TRY(tera_schedule_build(&s, kind, tr->topo.pp, tr->cfg.training.grad_accum, pc->pp_chunks));
     const tera_status st = tera_schedule_simulate(&s, 1.0, 2.0, &ss);
     tera_schedule_free(&s);
     TERA_TRY(st);
-    const int n = tr->pp_rank < 64 ? ss.peak_in_flight_rank[tr->pp_rank] : ss.peak_in_flight;
+    const int n = tr->topo.pp_rank < 64 ? ss.peak_in_flight_rank[tr->topo.pp_rank] : ss.peak_in_flight;
     *slots = n > 0 ? n : 1;
     return TERA_OK;
 }
@@ -127,7 +127,7 @@ static int take_slot(tera_pipe *p) {
  * embeds the tokens, the last stage needs the targets). */
 static double load_micro(tera_trainer *tr, tera_pipe *p, int a, int slot) {
     const int B = tr->cfg.training.micro_batch, T = tr->cfg.training.seq_len;
-    const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->rank, tr->world, 0);
+    const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->topo.dp_rank, tr->topo.dp, 0);
     const double t0 = tera_now();
     for (int b = 0; b < B; b++)
         tera_loader_train_sample(&tr->loader, g0 + b, p->tok + ((int64_t)slot * B + b) * T,

@@ -55,7 +55,7 @@ tera_status tera_sample_hook(tera_trainer *tr) {
     static int noted = 0;
     const tera_logging_config *lc = &tr->cfg.logging;
     if (lc->sample_every <= 0 || tr->step % lc->sample_every != 0) return TERA_OK;
-    if (tr->wsize > 1) {
+    if (tr->topo.world > 1) {
         if (tr->root) note_once(&noted, "training samples need the whole model in one process (this run has several "
                                         "ranks); `tera generate --from RUN_DIR` samples from its checkpoints");
         return TERA_OK;

@@ -61,7 +61,7 @@ static void reserve_scratch(const tera_trainer *tr) {
     if (tr->precision == TERA_PREC_FP32) return;
     const tera_train_config *t = &tr->cfg.training;
     int64_t me, te;
-    tera_precision_scratch_elems(&tr->cfg.model, t->micro_batch, t->seq_len, tr->ep, &me, &te);
+    tera_precision_scratch_elems(&tr->cfg.model, t->micro_batch, t->seq_len, tr->topo.ep, &me, &te);
     tera_backend_reserve(tr->model.be, me, te);
 }
 
@@ -72,23 +72,22 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_set_threads(t->threads);
     tera_comm *world = tera_comm_world();
     tera_comm_set_timeout(cfg->parallel.timeout_s);
-    tr->wrank = tera_comm_rank(world);
-    tr->wsize = tera_comm_size(world);
-    tr->root = tr->wrank == 0;
+    tr->root = tera_comm_rank(world) == 0;
     /* ranks -> coordinates -> groups (src/parallel/topology.c): validated once, each group a split
-     * of the world. Collectives: every rank makes the same calls. */
-    tera_status tst = tera_topology_init(&tr->topo, tr->wsize, tr->wrank, cfg->parallel.pp, cfg->parallel.dp,
-                                         cfg->parallel.tp, cfg->parallel.ep);
+     * of the world. Collectives: every rank makes the same calls. The trainer keeps no copies of
+     * the coordinates: tr->topo is the one place (world, rank, dp/tp/pp/ep/edp and their ranks). */
+    tera_status tst = tera_topology_init(&tr->topo, tera_comm_size(world), tera_comm_rank(world), cfg->parallel.pp,
+                                         cfg->parallel.dp, cfg->parallel.tp, cfg->parallel.ep);
     if (tst != TERA_OK) return tst;
-    tr->tp = tr->topo.tp, tr->tp_rank = tr->topo.tp_rank;
-    tr->pp = tr->topo.pp, tr->pp_rank = tr->topo.pp_rank;
     tr->dp = tera_layout_axis_group(&tr->topo, TERA_AXIS_DP);
-    if (tr->pp > 1) tr->pp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_PP);
-    if (tr->tp > 1) tr->tp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_TP);
-    tr->rank = tera_comm_rank(tr->dp);
-    tr->world = tera_comm_size(tr->dp);
+    if (tr->topo.pp > 1) tr->pp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_PP);
+    if (tr->topo.tp > 1) tr->tp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_TP);
+    /* the data-parallel group's order is the topology's (its split keys are the dp ranks) */
+    TERA_ASSERTF(tera_comm_rank(tr->dp) == tr->topo.dp_rank && tera_comm_size(tr->dp) == tr->topo.dp,
+                 "data-parallel group: rank %d of %d, topology dp_rank %d of %d", tera_comm_rank(tr->dp),
+                 tera_comm_size(tr->dp), tr->topo.dp_rank, tr->topo.dp);
     /* statistics (losses, expert loads) are summed over the data-parallel ranks of every stage */
-    tr->sg = tr->tp > 1 || tr->pp > 1 ? tera_layout_axis_group(&tr->topo, TERA_AXIS_STATS) : tr->dp;
+    tr->sg = tr->topo.tp > 1 || tr->topo.pp > 1 ? tera_layout_axis_group(&tr->topo, TERA_AXIS_STATS) : tr->dp;
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -105,7 +104,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
     {
         /* pipeline: the layers of each virtual stage (configured, or balanced by modelled compute) */
-        const int S = tr->pp * cfg->parallel.pp_chunks;
+        const int S = tr->topo.pp * cfg->parallel.pp_chunks;
         int *first = tera_calloc((size_t)S + 1, sizeof(int));
         if (cfg->parallel.pp_layers[0]) {
             st = tera_config_pp_layers(&cfg->parallel, cfg->model.n_layers, first); /* validated by the config */
@@ -114,7 +113,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             tera_pp_split(&cfg->model, S, t->seq_len, first);
         }
         int slots = 1;
-        if (tr->pp > 1 && (st = tera_pipeline_slots(tr, &slots)) != TERA_OK) {
+        if (tr->topo.pp > 1 && (st = tera_pipeline_slots(tr, &slots)) != TERA_OK) {
             free(first);
             goto fail_src;
         }
@@ -123,10 +122,10 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             free(first);
             goto fail_src;
         }
-        const tera_model_par par = {.ep = tr->ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
+        const tera_model_par par = {.ep = tr->topo.ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
-                                    .tp = tr->tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
-                                    .shard_params = tr->zero >= 3, .pp = tr->pp, .pp_rank = tr->pp_rank,
+                                    .tp = tr->topo.tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
+                                    .shard_params = tr->zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
                                     .n_slots = slots, .be = be};
         tera_model_config mc = cfg->model;
@@ -135,7 +134,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         free(first);
     }
     if (st != TERA_OK) goto fail_src;
-    if (tr->pp > 1 && (st = tera_pipeline_init(tr)) != TERA_OK) goto fail_model;
+    if (tr->topo.pp > 1 && (st = tera_pipeline_init(tr)) != TERA_OK) goto fail_model;
     /* optimizer ranges: the whole model, or ZeRO shards (src/train/layout.c) */
     if ((st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
     tera_layout_bind_hooks(tr);
@@ -169,7 +168,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             const char *colon = strchr(p, ':');
             tr->loader.poison_lo = atoll(p);
             tr->loader.poison_hi = tr->loader.poison_lo + (colon ? atoll(colon + 1)
-                                   : (int64_t)t->micro_batch * t->grad_accum * tr->world);
+                                   : (int64_t)t->micro_batch * t->grad_accum * tr->topo.dp);
             tr->loader.poison_vocab = cfg->model.vocab_size;
         }
     }
@@ -179,21 +178,21 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
          * "S:N": steps S .. S+N-1, once each: tera_elastic_fault_nan) */
         const char *f = getenv("TERA_FAULT_NAN_STEP");
         const char *at = f ? strchr(f, '@') : NULL, *colon = f ? strchr(f, ':') : NULL;
-        if (f && (!at || atoi(at + 1) == tr->wrank)) tr->fault_nan_step = atoll(f);
+        if (f && (!at || atoi(at + 1) == tr->topo.rank)) tr->fault_nan_step = atoll(f);
         if (colon && (!at || colon < at)) tr->fault_nan_n = atoll(colon + 1);
     }
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
-    tr->tokens_per_step = (int64_t)bt * t->grad_accum * tr->world; /* the global batch */
-    if (cfg->data.prefetch > 0 && tr->pp == 1 && /* the pipeline reads its micro-batches as it goes */
+    tr->tokens_per_step = (int64_t)bt * t->grad_accum * tr->topo.dp; /* the global batch */
+    if (cfg->data.prefetch > 0 && tr->topo.pp == 1 && /* the pipeline reads its micro-batches as it goes */
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
 
     /* logging.metrics_port: before the run directory is touched, so a port in use leaves nothing behind */
     if ((st = tera_metrics_http_start(&tr->http, tr)) != TERA_OK) goto fail_all;
-    if ((st = tera_trace_start(&cfg->logging, cfg->model.n_layers, tr->wrank, tr->wsize)) != TERA_OK) goto fail_all;
-    if (tr->wrank == 0 && (st = tera_tensorboard_open(&tr->tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
+    if ((st = tera_trace_start(&cfg->logging, cfg->model.n_layers, tr->topo.rank, tr->topo.world)) != TERA_OK) goto fail_all;
+    if (tr->topo.rank == 0 && (st = tera_tensorboard_open(&tr->tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
     tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
     tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
     if (tr->run_dir[0] && tr->root) {
@@ -232,7 +231,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
-        if (tr->wsize == 1)
+        if (tr->topo.world == 1)
             fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (the rank's weights, moments and "
                     "router bias, allocated at the first save; checkpoint.async)\n",
                     (long)(sizeof(float) * (size_t)(3 * tr->model.n_floats + (int64_t)cfg->model.n_layers * cfg->model.n_experts)));
@@ -510,7 +509,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_comm_step_begin(tr->step); /* the watchdog's automatic timeout is measured on steps */
     tera_trace_step_begin(tr->step); /* logging.trace: on inside its window of steps */
 
-    const int64_t seqs = (int64_t)A * B * tr->world; /* the global batch */
+    const int64_t seqs = (int64_t)A * B * tr->topo.dp; /* the global batch */
     r->accum = A, r->batch_seqs = seqs;
     const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
     const float ls = tr->scaler.scale; /* fp16's loss scale (1 otherwise) */
@@ -530,16 +529,16 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
-    if (tr->pp > 1) { /* the micro-batches flow through the pipeline's schedule */
+    if (tr->topo.pp > 1) { /* the micro-batches flow through the pipeline's schedule */
         double sm[3] = {0, 0, 0};
         int64_t cn[2] = {0, 0};
         void (*gr)(void *, int64_t, int64_t) = tr->zero >= 2 ? tera_layout_grad_ready(tr)
-                                               : (tr->world > 1 && !tr->zero ? on_grad_ready : NULL);
+                                               : (tr->topo.dp > 1 && !tr->zero ? on_grad_ready : NULL);
         tera_pipeline_step(tr, &s, A, sm, cn, &r->data_seconds, gr, tr->zero < 2);
         ce = sm[0], aux = sm[1], z = sm[2], assign = cn[0], dropped = cn[1];
     }
-    for (int a = 0; a < A && tr->pp == 1; a++) {
-        const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->rank, tr->world, 0);
+    for (int a = 0; a < A && tr->topo.pp == 1; a++) {
+        const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->topo.dp_rank, tr->topo.dp, 0);
         const int32_t *in = tr->tokens, *tg = tr->targets;
         double dw;
         if (tr->prefetch) {
@@ -558,7 +557,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         tera_model_forward(m, in, tg);
         const double tb = tera_now();
         tera_trace_event(TERA_TRACE_COMPUTE, "forward", "model", tf, tb, -1);
-        const int last = a == A - 1 && tr->world > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
+        const int last = a == A - 1 && tr->topo.dp > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
         m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
         if (tr->zero >= 2) m->grad_ready = tera_layout_grad_ready(tr); /* every micro-batch, group by group */
         m->grad_ready_ctx = tr;
@@ -572,7 +571,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         dropped += m->stats.n_dropped;
     }
     /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
-    if (tr->world > 1) tera_layout_reduce_grads(tr);
+    if (tr->topo.dp > 1) tera_layout_reduce_grads(tr);
     if (tera_comm_size(tr->sg) > 1) {
         /* statistics: one small sum over the data-parallel ranks of every pipeline stage */
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
@@ -655,8 +654,8 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
     /* the batches are shared out over the ranks; where a forward communicates over the
      * data-parallel ranks (the expert exchange, ZeRO-3's parameter gathers) every rank must run as
      * many forwards as the others (a rank past the end evaluates batch 0 again and does not count it) */
-    const int rounds = tr->ep > 1 || tr->zero >= 3 ? (batches + tr->world - 1) / tr->world : 0;
-    for (int j = 0, i = tr->rank; i < batches || j < rounds; j++, i += tr->world) {
+    const int rounds = tr->topo.ep > 1 || tr->zero >= 3 ? (batches + tr->topo.dp - 1) / tr->topo.dp : 0;
+    for (int j = 0, i = tr->topo.dp_rank; i < batches || j < rounds; j++, i += tr->topo.dp) {
         const int counted = i < batches;
         for (int b = 0; b < B; b++) {
             int64_t v = (int64_t)(counted ? i : 0) * B + b;
@@ -669,7 +668,7 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
                 tera_loader_train_sample(&tr->loader, v, in, tg);
         }
         double ce, pos;
-        if (tr->pp > 1) { /* through the pipeline's stages in turn; the last stage has the loss */
+        if (tr->topo.pp > 1) { /* through the pipeline's stages in turn; the last stage has the loss */
             ce = tera_pipeline_eval_batch(tr, tr->tokens, tr->targets, &pos);
         } else {
             tera_model_forward(m, tr->tokens, tr->targets);
@@ -703,7 +702,7 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     char dir[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 64];
     /* every rank looks for the newest checkpoint only once world rank 0's background part of the
      * last save is done (its caller waited for it: tera_trainer_ckpt_close), so all find the same */
-    if (tr->wsize > 1) tera_comm_barrier(tera_comm_world());
+    if (tr->topo.world > 1) tera_comm_barrier(tera_comm_world());
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
     TERA_TRY(tera_trainer_resume_dir(tr, dir));
     /* every check passed: only now is the run directory written (a refused --resume leaves it as
@@ -720,7 +719,7 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
                     dropped);
         if (st == TERA_OK) st = tera_trainer_open_metrics(tr, "a");
     }
-    if (tr->wsize > 1) { /* every rank learns whether rank 0 could write */
+    if (tr->topo.world > 1) { /* every rank learns whether rank 0 could write */
         int64_t failed = st != TERA_OK;
         tera_comm_allreduce_i64(tera_comm_world(), &failed, 1);
         if (failed && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--resume: writing the run directory failed on rank 0");
@@ -732,9 +731,9 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
-    if (tr->cfg.checkpoint.sharded && tr->wsize > 1) return tera_trainer_save_sharded(tr);
-    if (tr->wsize == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
-    if (tr->tp == 1 && tr->pp == 1 && tr->ep == 1 && !tr->zero) {
+    if (tr->cfg.checkpoint.sharded && tr->topo.world > 1) return tera_trainer_save_sharded(tr);
+    if (tr->topo.world == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
+    if (tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->zero) {
         /* data-parallel replicas without ZeRO: world rank 0's own storage is the whole model, so it
          * snapshots and writes as one process does (its double buffer, in the background); the
          * others only learn whether it worked */
@@ -755,17 +754,17 @@ static void report_peak_rss(tera_trainer *tr) {
     struct rusage ru;
     memset(&ru, 0, sizeof ru);
     getrusage(RUSAGE_SELF, &ru);
-    int64_t *kib = tera_calloc((size_t)tr->wsize, sizeof(int64_t));
-    kib[tr->wrank] = (int64_t)ru.ru_maxrss; /* KiB on Linux */
-    if (tr->wsize > 1) tera_comm_allreduce_i64(tera_comm_world(), kib, tr->wsize);
+    int64_t *kib = tera_calloc((size_t)tr->topo.world, sizeof(int64_t));
+    kib[tr->topo.rank] = (int64_t)ru.ru_maxrss; /* KiB on Linux */
+    if (tr->topo.world > 1) tera_comm_allreduce_i64(tera_comm_world(), kib, tr->topo.world);
     int at = 0;
-    for (int r = 1; r < tr->wsize; r++)
+    for (int r = 1; r < tr->topo.world; r++)
         if (kib[r] > kib[at]) at = r;
     if (tr->root && tr->cfg.logging.progress) {
         char line[8192];
         int n = snprintf(line, sizeof line, "tera: memory: peak_rss_mib %.1f peak_rss_rank %d ranks %d peak_rss_mib_by_rank",
-                         (double)kib[at] / 1024.0, at, tr->wsize);
-        for (int r = 0; r < tr->wsize && n < (int)sizeof line - 32; r++)
+                         (double)kib[at] / 1024.0, at, tr->topo.world);
+        for (int r = 0; r < tr->topo.world && n < (int)sizeof line - 32; r++)
             n += snprintf(line + n, sizeof line - (size_t)n, "%s%.1f", r ? "," : " ", (double)kib[r] / 1024.0);
         fprintf(stderr, "%s\n", line);
     }
@@ -776,7 +775,7 @@ static void report_peak_rss(tera_trainer *tr) {
         if (f) {
             fprintf(f, "{\"step\": %ld, \"event\": \"memory\", \"peak_rss_mib\": %.1f, \"peak_rss_rank\": %d, "
                     "\"peak_rss_mib_by_rank\": [", (long)tr->step - 1, (double)kib[at] / 1024.0, at);
-            for (int r = 0; r < tr->wsize; r++) fprintf(f, "%s%.1f", r ? ", " : "", (double)kib[r] / 1024.0);
+            for (int r = 0; r < tr->topo.world; r++) fprintf(f, "%s%.1f", r ? ", " : "", (double)kib[r] / 1024.0);
             fprintf(f, "]}\n");
             if (fclose(f) == 0) metrics_put(tr, line, len);
             free(line);
@@ -792,7 +791,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
     double tok_s_ema = 0.0;
     tera_step_result r = {0};
     int64_t n_steps = 0, n_nonfinite = 0; /* steps run by this call, and those skipped as not finite */
-    tera_heartbeat_beat(tr->wrank, tr->step, "ready"); /* tera launch's supervisor (src/elastic/heartbeat.c) */
+    tera_heartbeat_beat(tr->topo.rank, tr->step, "ready"); /* tera launch's supervisor (src/elastic/heartbeat.c) */
     while (tr->step < S) {
         TERA_TRY(tera_trainer_step(tr, &r));
         n_steps++;
@@ -841,7 +840,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             tera_elastic_ckpt_saved(tr);
             tera_trace_event(TERA_TRACE_COMPUTE, "checkpoint save (pause)", "checkpoint", tc, tera_now(), -1);
         }
-        tera_heartbeat_beat(tr->wrank, tr->step, "step");
+        tera_heartbeat_beat(tr->topo.rank, tr->step, "step");
     }
     /* nothing trained is a failure, not a result (the same decision on every rank: the skips are global) */
     if (n_steps > 0 && n_nonfinite == n_steps)
@@ -849,7 +848,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                          "nothing was trained (check training.init_from's weights, training.lr and the data)",
                          (long)n_steps);
     if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
-    tera_heartbeat_beat(tr->wrank, tr->step, "done");
+    tera_heartbeat_beat(tr->topo.rank, tr->step, "done");
     report_peak_rss(tr);
     TERA_TRY(tera_trace_finish(tera_comm_world())); /* logging.trace: every rank's part, merged by rank 0 */
     if (tr->tb) {
