@@ -67,7 +67,9 @@ within "$want_loss" "$(jq .summary.final_loss a.json)" 1e-5 && pass "final_loss 
 [ "$(jq -r .dataset_fp a.json)" = "$(runs show "$(id_of b)" --json | jq -r .dataset_fp)" ] \
     && [ "$(jq -r .dataset_fp a.json)" != "$(runs show "$(id_of c1)" --json | jq -r .dataset_fp)" ] \
     && pass "same data, same fingerprint; other data, another" || fail "dataset fingerprints"
-runs show "${A:0:17}" | grep -q "^status *finished" && pass "show by an id prefix" || fail "show by prefix"
+# ids are DATE-TIME-6hex and runs started in the same second share DATE-TIME: a 20-character prefix
+# (4 of the hex digits) is unique here, a 17-character one was not always
+runs show "${A:0:20}" | grep -q "^status *finished" && pass "show by an id prefix" || fail "show by prefix"
 out=$(runs show nosuchrun 2>&1) && fail "show of a missing run" \
     || { echo "$out" | grep -q "no run 'nosuchrun'" && pass "show of a missing run names it" || fail "$out"; }
 
