@@ -107,14 +107,7 @@ static void test_int8_and_feedback(void **state) {
 }
 
 /* ---- under mpirun */
-#define CHECK(cond)                                                                                    \
-    do {                                                                                               \
-        if (!(cond)) {                                                                                 \
-            fprintf(stderr, "rank %d: %s:%d: check failed: %s\n", me, __FILE__, __LINE__, #cond);      \
-            fflush(stderr);                                                                            \
-            abort();                                                                                   \
-        }                                                                                              \
-    } while (0)
+#define CHECK(cond) TU_RANK_CHECK(me, cond)
 
 static int me;
 enum { NV = 1000, STEPS = 20, PMAX = 8 };
@@ -263,34 +256,12 @@ static int mpi_reference(int argc, char **argv) {
     return 0;
 }
 
-static void run_np(int np) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    assert_true(n > 0);
-    self[n] = 0;
-    char cmd[4200];
-    snprintf(cmd, sizeof cmd, "timeout 300 mpirun --oversubscribe -np %d '%s'", np, self);
-    const int rc = system(cmd);
-    assert_true(WIFEXITED(rc));
-    assert_int_equal(WEXITSTATUS(rc), 0);
-}
-
 static void test_mpi_reference(void **state) {
     (void)state;
-    if (system("command -v mpirun > /dev/null 2>&1") != 0) {
-        fprintf(stderr, "skip: mpirun not installed\n");
-        return;
-    }
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-    const char *asan = getenv("ASAN_OPTIONS");
-    char opts[1024];
-    snprintf(opts, sizeof opts, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
-    setenv("ASAN_OPTIONS", opts, 1); /* Open MPI's own allocations (see tests/mpilib.sh) */
-    run_np(2);
-    run_np(4);
-    run_np(8);
+    if (!tu_mpirun_ready()) return;
+    tu_mpirun_self(2, "");
+    tu_mpirun_self(4, "");
+    tu_mpirun_self(8, "");
 }
 
 int main(int argc, char **argv) {

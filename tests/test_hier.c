@@ -23,14 +23,7 @@
 #include "tera/comm_hier.h"
 #include "tera/topology.h"
 
-#define CHECK(cond)                                                                                    \
-    do {                                                                                               \
-        if (!(cond)) {                                                                                 \
-            fprintf(stderr, "rank %d: %s:%d: check failed: %s\n", me, __FILE__, __LINE__, #cond);      \
-            fflush(stderr);                                                                            \
-            abort();                                                                                   \
-        }                                                                                              \
-    } while (0)
+#define CHECK(cond) TU_RANK_CHECK(me, cond)
 
 static int me;
 enum { NV = 3000 };
@@ -181,31 +174,16 @@ static int mpi_main(int argc, char **argv) {
     return 0;
 }
 
+/* np ranks as nodes of rpn */
 static void run(int np, int rpn) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    assert_true(n > 0);
-    self[n] = 0;
-    char cmd[4300];
-    snprintf(cmd, sizeof cmd, "TERA_TEST_RANKS_PER_NODE=%d timeout 300 mpirun --oversubscribe -np %d '%s'", rpn, np, self);
-    const int rc = system(cmd);
-    assert_true(WIFEXITED(rc));
-    assert_int_equal(WEXITSTATUS(rc), 0);
+    char env[64];
+    snprintf(env, sizeof env, "TERA_TEST_RANKS_PER_NODE=%d ", rpn);
+    tu_mpirun_self(np, env);
 }
 
 static void test_hier_mpi(void **state) {
     (void)state;
-    if (system("command -v mpirun > /dev/null 2>&1") != 0) {
-        fprintf(stderr, "skip: mpirun not installed\n");
-        return;
-    }
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-    const char *asan = getenv("ASAN_OPTIONS");
-    char opts[1024];
-    snprintf(opts, sizeof opts, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
-    setenv("ASAN_OPTIONS", opts, 1);
+    if (!tu_mpirun_ready()) return;
     run(4, 2);
     run(6, 2);
     run(8, 4);

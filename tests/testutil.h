@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 /* Deterministic test data: xorshift-based uniform in [-a, a]. */
@@ -49,6 +51,49 @@ static inline void assert_same(const char *what, const float *a, const float *b,
             }
         fail_msg("%s: not bit-identical", what);
     }
+}
+
+/* ---- C tests that run themselves under mpirun (test_comm, test_compress, test_hier) */
+
+/* On a rank: a failed check names the rank and the line, then aborts the job. */
+#define TU_RANK_CHECK(rank, cond)                                                                      \
+    do {                                                                                               \
+        if (!(cond)) {                                                                                 \
+            fprintf(stderr, "rank %d: %s:%d: check failed: %s\n", (rank), __FILE__, __LINE__, #cond);  \
+            fflush(stderr);                                                                            \
+            abort();                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+/* 1 when mpirun can be used (else a skip message is printed): sets the environment every launch
+ * needs (root allowed, oversubscription, no leak report for Open MPI's own allocations). */
+static inline int tu_mpirun_ready(void) {
+    if (system("command -v mpirun > /dev/null 2>&1") != 0) {
+        fprintf(stderr, "skip: mpirun not installed\n");
+        return 0;
+    }
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    const char *asan = getenv("ASAN_OPTIONS");
+    char opts[1024];
+    snprintf(opts, sizeof opts, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
+    setenv("ASAN_OPTIONS", opts, 1); /* Open MPI's own allocations (see tests/mpilib.sh) */
+    return 1;
+}
+
+/* Runs this test program under mpirun on np ranks (env: "" or "K=V " prefixes) and asserts that the
+ * job exits 0. */
+static inline void tu_mpirun_self(int np, const char *env) {
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    assert_true(n > 0);
+    self[n] = 0;
+    char cmd[4400];
+    snprintf(cmd, sizeof cmd, "%stimeout 300 mpirun --oversubscribe -np %d '%s'", env, np, self);
+    const int rc = system(cmd);
+    assert_true(WIFEXITED(rc));
+    assert_int_equal(WEXITSTATUS(rc), 0);
 }
 
 #endif

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "carve.h"
 #include "moe.h"
 #include "tera/backend.h"
 
@@ -37,18 +38,6 @@ struct tera_decoder {
     void *block;             /* every buffer above but len: one allocation of the backend */
 };
 
-typedef struct {
-    char *base;
-    size_t off;
-} carver;
-
-static void *carve(carver *c, size_t bytes) {
-    void *p = c->base ? c->base + c->off : NULL;
-    c->off += (bytes + 63) & ~(size_t)63;
-    return p;
-}
-#define CF(c, n) ((float *)carve((c), sizeof(float) * (size_t)(n)))
-#define CI(c, n) ((int32_t *)carve((c), sizeof(int32_t) * (size_t)(n)))
 
 static void carve_all(tera_decoder *d, carver *c) {
     const tera_model_config *cfg = &d->m->cfg;
@@ -57,42 +46,42 @@ static void carve_all(tera_decoder *d, carver *c) {
     if (R * d->Fs > Fw) Fw = R * d->Fs;
     if (R * d->Fd > Fw) Fw = R * d->Fd;
     const tera_moe_routing route = tera_moe_routing_of(cfg);
-    d->kc = CF(c, cache);
-    d->vc = CF(c, cache);
-    d->rope_cos = CF(c, (int64_t)d->T_max * d->hd / 2);
-    d->rope_sin = CF(c, (int64_t)d->T_max * d->hd / 2);
-    d->tok = CI(c, R);
-    d->seq = CI(c, R);
-    d->pos = CI(c, R);
-    d->x = CF(c, R * d->D);
-    d->ln = CF(c, R * d->D);
-    d->rstd = CF(c, R);
-    d->q = CF(c, R * d->H * d->hd);
-    d->k = CF(c, R * d->Hkv * d->hd);
-    d->v = CF(c, R * d->Hkv * d->hd);
-    d->att = CF(c, R * d->H * d->hd);
-    d->h = CF(c, R * d->D);
-    d->scores = CF(c, d->G * d->T_max);
-    d->probs = CF(c, d->G * d->T_max);
-    d->slse = CF(c, d->G);
-    d->rlogits = CF(c, R * d->E);
-    d->rprobs = CF(c, R * d->E);
-    d->rlse = CF(c, R);
-    d->topi = CI(c, R * d->K);
-    d->topw = CF(c, R * d->K);
-    d->slot_row = CI(c, R * d->K);
-    d->row_tok = CI(c, R * d->K);
-    d->exp_off = CI(c, d->E + 1);
-    d->sel_count = CI(c, d->E);
+    d->kc = CARVE_F(c, cache);
+    d->vc = CARVE_F(c, cache);
+    d->rope_cos = CARVE_F(c, (int64_t)d->T_max * d->hd / 2);
+    d->rope_sin = CARVE_F(c, (int64_t)d->T_max * d->hd / 2);
+    d->tok = CARVE_I(c, R);
+    d->seq = CARVE_I(c, R);
+    d->pos = CARVE_I(c, R);
+    d->x = CARVE_F(c, R * d->D);
+    d->ln = CARVE_F(c, R * d->D);
+    d->rstd = CARVE_F(c, R);
+    d->q = CARVE_F(c, R * d->H * d->hd);
+    d->k = CARVE_F(c, R * d->Hkv * d->hd);
+    d->v = CARVE_F(c, R * d->Hkv * d->hd);
+    d->att = CARVE_F(c, R * d->H * d->hd);
+    d->h = CARVE_F(c, R * d->D);
+    d->scores = CARVE_F(c, d->G * d->T_max);
+    d->probs = CARVE_F(c, d->G * d->T_max);
+    d->slse = CARVE_F(c, d->G);
+    d->rlogits = CARVE_F(c, R * d->E);
+    d->rprobs = CARVE_F(c, R * d->E);
+    d->rlse = CARVE_F(c, R);
+    d->topi = CARVE_I(c, R * d->K);
+    d->topw = CARVE_F(c, R * d->K);
+    d->slot_row = CARVE_I(c, R * d->K);
+    d->row_tok = CARVE_I(c, R * d->K);
+    d->exp_off = CARVE_I(c, d->E + 1);
+    d->sel_count = CARVE_I(c, d->E);
     d->plan_scratch = carve(c, tera_moe_plan_scratch_bytes(R * d->K, 1, (int)d->E));
     d->route_scratch = route.n_groups > 1 ? carve(c, tera_moe_route_scratch_bytes(&route, d->be->ops.max_threads(d->be)))
                                           : NULL;
-    d->xg = CF(c, R * d->K * d->D);
-    d->ye = CF(c, R * d->K * d->D);
-    d->a1 = CF(c, Fw);
-    d->a3 = CF(c, Fw);
-    d->g = CF(c, Fw);
-    d->logits = CF(c, R * d->V);
+    d->xg = CARVE_F(c, R * d->K * d->D);
+    d->ye = CARVE_F(c, R * d->K * d->D);
+    d->a1 = CARVE_F(c, Fw);
+    d->a3 = CARVE_F(c, Fw);
+    d->g = CARVE_F(c, Fw);
+    d->logits = CARVE_F(c, R * d->V);
 }
 
 tera_status tera_decoder_create(tera_decoder **out, tera_model *m, int B, int T_max, int chunk) {

@@ -10,6 +10,7 @@
  * no sum or exchange between ranks. */
 #include <string.h>
 
+#include "carve.h"
 #include "dispatch.h"
 #include "moe.h"
 #include "tp_layers.h"
@@ -80,19 +81,6 @@ struct tera_acts {
     tera_tp *tp;
 };
 
-/* A size table: pass 1 counts bytes, pass 2 assigns pointers into one block. */
-typedef struct {
-    char *base;
-    size_t off;
-} carver;
-
-static void *carve(carver *c, size_t bytes) {
-    void *p = c->base ? c->base + c->off : NULL;
-    c->off += (bytes + 63) & ~(size_t)63;
-    return p;
-}
-#define CARVE_F(c, n) ((float *)carve((c), sizeof(float) * (size_t)(n)))
-#define CARVE_I(c, n) ((int32_t *)carve((c), sizeof(int32_t) * (size_t)(n)))
 
 static int is_moe(const tera_model_config *c, int l) { return l >= c->first_k_dense; }
 
