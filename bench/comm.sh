@@ -29,13 +29,19 @@ OPTIONS=${OPTIONS:-"fp32-flat:1:0: hierarchical:1:0:--parallel.hierarchical=true
     int8:1:0:--parallel.grad_compression=int8
     hier+int8:1:0:--parallel.hierarchical=true,--parallel.grad_compression=int8
     zero1-flat:1:1: zero1-hier:1:1:--parallel.hierarchical=true zero1-bf16:1:1:--parallel.grad_compression=bf16
-    ep2-flat:2:0: ep2-a2a-bf16:2:0:--parallel.a2a_compression=bf16 ep2-a2a-fp8:2:0:--parallel.a2a_compression=fp8"}
+    ep2-flat:2:0: ep2-a2a-bf16:2:0:--parallel.a2a_compression=bf16 ep2-a2a-fp8:2:0:--parallel.a2a_compression=fp8
+    onebit:1:0:--optimizer.name=onebit_adam,--optimizer.onebit_warmup_steps=OBW
+    zero1-onebit:1:1:--optimizer.name=onebit_adam,--optimizer.onebit_warmup_steps=OBW
+    ep2-onebit:2:0:--optimizer.name=onebit_adam,--optimizer.onebit_warmup_steps=OBW"}
+# 1-bit Adam's warm-up (OBW above): one step for the bytes (the measured step is after it), a fifth of
+# the run for the convergence
 
 if [[ " $PARTS " == *" bytes "* ]]; then
     OUT=bench/results/comm.jsonl
     : > "$OUT"
     for o in $OPTIONS; do
         IFS=: read -r name ep zero extra <<< "$o"
+        extra=${extra//OBW/1}
         IFS=, read -r -a ex <<< "$extra"
         mpirun --oversubscribe -np 4 "$TERA" bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps 1 \
             --warmup 1 --training.micro_batch=4 --parallel.dp=4 --parallel.ep="$ep" --parallel.zero="$zero" \
@@ -64,6 +70,7 @@ if [[ " $PARTS " == *" converge "* ]]; then
            --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1 --training.precision=fp32)
     for o in $OPTIONS; do
         IFS=: read -r name ep zero extra <<< "$o"
+        extra=${extra//OBW/$((STEPS / 5))}
         IFS=, read -r -a ex <<< "$extra"
         mpirun --oversubscribe -np 4 "$TERA" train "${MODEL[@]}" --training.steps="$STEPS" --training.micro_batch=2 \
             --parallel.dp=4 --parallel.ep="$ep" --parallel.zero="$zero" --parallel.ranks_per_node=2 "${ex[@]}" \

@@ -57,13 +57,13 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 ab = [json.loads(l) for l in open(sys.argv[2])]
 MiB, KiB = 2**20, 2**10
 print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | step ms | sent MiB/rank/step | minimum MiB | sent/min "
-      "| overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank | exposed comm ms (mean / max rank) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     n = r.get("ranks", 1)
     name = r["config"].split("/")[-1]
     if n == 1:
-        print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - |")
+        print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 |")
         continue
     mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / MiB
     lay = f"{r['dp'] // r['ep']} x {r['tp']} x {r['ep']}" + (f" (pp {r['pp']})" if r.get("pp", 1) > 1 else "")
@@ -71,7 +71,8 @@ for r in rows:
     p2p = f"{r['sent_p2p'] / r['min_p2p']:.3f}" if r["min_p2p"] else "-"
     print(f"| {name} | {n} | {lay} | {r['zero']} | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | "
           f"{r['bytes_sent_per_step'] / MiB:.2f} | {r['min_bytes_per_step'] / MiB:.2f} | {ratio:.4f} | "
-          f"{r['overhead_bytes_per_step'] / KiB:.1f} | {p2p} | {mem:.0f} |")
+          f"{r['overhead_bytes_per_step'] / KiB:.1f} | {p2p} | {mem:.0f} | "
+          f"{r.get('exposed_comm_ms', float('nan')):.1f} / {r.get('exposed_comm_ms_max', float('nan')):.1f} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]
 print("\nMiB sent per rank per step by kind, measured / minimum (+ overhead: statistics, expert row counts):\n")
 print("| layout | " + " | ".join(kinds) + " | gradients | tensor-parallel | ZeRO-3 gathers | expert exchange |")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# tera tune (TPE + Hyperband) against Optuna (TPESampler + HyperbandPruner) on the test functions of
+# tera tune (its GP sampler + Hyperband; SAMPLER=tpe in the environment: its TPE) against Optuna
+# (TPESampler + HyperbandPruner) on the test functions of
 # bench/tune_objective.sh, steps as the fidelity (1..27, eta 3): the best full-fidelity value reached
 # within B trial-steps, median (and quartiles) over 10 seeds each; tera tune's own CPU time per trial.
 # Usage: bench/tune.sh [BUILD_DIR] [BUDGET] [SEEDS] [FUNCTIONS]   (the table of docs/TRACKING.md;
@@ -31,7 +32,7 @@ for f in $FUNCS; do
     for seed in $(seq 1 "$SEEDS"); do
         d="$W/$f-$seed"
         { printf '[study]\nname = %s-%d\nobjective = %s/tune_objective.sh %s {steps} %s\n' "$f" "$seed" "$here" "$f" "$(args $f)"
-          printf 'sampler = tpe\nscheduler = hyperband\ntrials = 100000\nbudget = %d\nparallel = 1\nseed = %d\n' "$B" "$seed"
+          printf 'sampler = %s\nscheduler = hyperband\ntrials = 100000\nbudget = %d\nparallel = 1\nseed = %d\n' "${SAMPLER:-gp}" "$B" "$seed"
           printf 'min_steps = 1\nmax_steps = 27\neta = 3\ndir = %s\nregistry = %s/reg.db\n[space]\n' "$d" "$W"
           space $f; } > "$d.ini"
         "$TERA" tune -c "$d.ini" > "$d.json" 2> "$d.err"

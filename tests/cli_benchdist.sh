@@ -25,14 +25,16 @@ TINY=(--model.dim=32 --model.n_layers=3 --model.n_heads=4 --model.n_experts=4 --
       --training.threads=1 --steps 2 --warmup 1)
 num() { grep -o "\"$2\": [-0-9.e+]*" "$1" | head -1 | cut -d' ' -f2; } # a number of the JSON line
 
-# name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp]
+# name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp] [extra option]
+# (dp2-switchdp: model.balance_loss = switch_dp's count all-reduces, rerun by the full recomputation
+# of layers 0-1, not by layer 2's: the work set still holds it)
 for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
-         pp2xdp2-zero3:2:1:1:3:4:2; do
-    IFS=: read -r name dp tp ep zero accum pp <<< "$l"
+         pp2xdp2-zero3:2:1:1:3:4:2 "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full"; do
+    IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
     if ! mpirun --oversubscribe -np $((pp * dp * tp)) "$TERA" bench "${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" \
-        --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" --training.grad_accum="$accum" \
+        --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" --training.grad_accum="$accum" ${extra:-} \
         > "$out" 2> "$W/$name.err"; then
         fail "$name: bench failed"
         tail -5 "$W/$name.err"
@@ -58,6 +60,13 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1
         fail "$name: $tot bytes sent per step, analytic minimum $min + overhead $over, tolerance $tol"
         ok=0
     fi
-    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min"
+    # the time blocked in communication per step (mean and busiest rank) is reported, positive (every
+    # layout here communicates every step) and consistent
+    e=$(num "$out" exposed_comm_ms) emax=$(num "$out" exposed_comm_ms_max)
+    if ! awk -v e="$e" -v x="$emax" 'BEGIN { exit !(e != "" && e > 0 && x >= e) }'; then
+        fail "$name: exposed communication ${e:-?} ms per step (max rank ${emax:-?})"
+        ok=0
+    fi
+    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax)"
 done
 finish cli_benchdist

@@ -34,6 +34,7 @@ expect_error "syntax error" "bad5.ini" -- "$TERA" train -c "$W/bad5.ini"
 expect_error "bad override" "lr" -- "$TERA" train --training.lr=fast
 expect_error "unknown override" "training.nope" -- "$TERA" train --training.nope=1
 expect_error "cross-field" "n_heads" -- "$TERA" train --model.dim=30 --model.n_heads=4
+expect_error "fp16 sums under fp16" "grad_compression" -- "$TERA" train --training.precision=fp16 --parallel.grad_compression=fp16
 expect_error "missing data file" "missing.txt" -- "$TERA" train --data.path="$W/missing.txt" --logging.run_dir="$W/r0"
 : > "$W/empty.txt"
 expect_error "empty data file" "empty.txt" -- "$TERA" train --data.path="$W/empty.txt" --logging.run_dir="$W/r1"

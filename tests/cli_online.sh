@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Online tokenization (data.tokenizer = DIR, data.format = text | jsonl | auto): raw shards (a glob,
-# a directory, gzip *.gz and zstd *.zst) are encoded at start-up by worker threads into the token stream
+# Online tokenization (data.tokenizer = DIR, data.format = text | jsonl | auto) with data.stream = false:
+# raw shards (a glob, a directory, gzip *.gz and zstd *.zst) are encoded at start-up by worker threads into the token stream
 # `tera data prepare` writes for the same files, so training on them is bit-identical to preparing
 # then training; 1 and 2 workers give the same stream; dp 2 trains as one rank; pp 2 (two ranks
 # sharing the encoding) bit for bit; a resumed run is
@@ -31,6 +31,7 @@ split -l 300 -d "$W/c.txt" "$W/texts/part"
 
 NOD=() # the tiny model without its data.path
 for a in "${MODEL[@]}"; do case $a in --data.path=*) ;; *) NOD+=("$a") ;; esac; done
+NOD+=(--data.stream=false) # the start-up pass (streaming, the default: tests/cli_stream.sh)
 M=("${NOD[@]}" --model.vocab_size=512 --training.steps=6 --training.micro_batch=2 --training.grad_accum=2
    --training.eval_every=3 --checkpoint.every=3)
 ON=(--data.path="$W/shards/s*" --data.tokenizer="$W/tok")

@@ -193,7 +193,7 @@ EOF
         "tera_grad_norm_group lm_head 0" "tera_router_entropy 1 0" "tera_router_entropy 2 0" "tera_router_entropy 3 0" \
         "tera_expert_load_max_over_mean 1 0" "tera_expert_load_max_over_mean 3 0" "tera_step_seconds_bucket 0.01 0" \
         "tera_step_seconds_bucket +Inf 0" "tera_step_seconds_sum - 0" "tera_step_seconds_count - 0" \
-        "tera_data_wait_seconds_total - 0" "tera_skipped_steps_total - 0" "tera_loss_spike_events_total - 0" \
+        "tera_data_wait_seconds_total - 0" "tera_comm_wait_seconds_total - 0" "tera_skipped_steps_total - 0" "tera_loss_spike_events_total - 0" \
         "tera_validation_loss - 0" "tera_validation_perplexity - 0" "tera_validation_step - 0" \
         "tera_memory_bytes params 0" "tera_memory_bytes grads 0" "tera_memory_bytes optimizer 0" \
         "tera_memory_bytes activations 0" "tera_memory_bytes scratch 0" "tera_process_resident_memory_bytes - 0" \
@@ -295,6 +295,8 @@ EOF
             && pass "rank 0 on port $Q, rank 1 on port $((Q + 1)) (tera_info)" || fail "tera_info: $(pq 'tera_info{job="tera-mpi"}')"
         [ "$(pq 'tera_comm_sent_bytes_total{job="tera-mpi",kind="allreduce"} > 0' | wc -l)" = 2 ] \
             && pass "both ranks count all-reduce bytes" || fail "comm bytes: $(pq 'tera_comm_sent_bytes_total{job="tera-mpi",kind="allreduce"}')"
+        [ "$(pq 'tera_comm_wait_seconds_total{job="tera-mpi"} > 0' | wc -l)" = 2 ] \
+            && pass "both ranks count time blocked in communication" || fail "comm wait: $(pq 'tera_comm_wait_seconds_total{job="tera-mpi"}')"
         # the same global loss on both ranks for every step both scraped, equal to rank 0's metrics.jsonl
         prom query --data-urlencode 'query={job="tera-mpi",__name__=~"tera_step|tera_loss"}[1m]' \
             | jq -r '.data.result[] | .metric as $m | .values[] | "\($m.rank) \(.[0]) \($m.__name__) \(.[1])"' > "$W/mpi_samples.txt"

@@ -2,7 +2,8 @@
 # Training options of issue 20 through the command line:
 # - model.balance_loss = switch_global | importance_load: every layout below trains the same model as
 #   one rank (dp2 x ep2 and tp2 to LAYOUT_TOL, pp2 bit for bit), and the balancing loss differs from
-#   the default per-sequence one;
+#   the default per-sequence one; switch_dp under dp2 and dp2 x ep2 trains the model one rank trains
+#   with switch_global on the whole batch (and switch_global under dp2 does not);
 # - training.lr_schedule = wsd / linear: the LR of every step in metrics.jsonl against the formula of
 #   docs/SCHEDULES.md (computed here in awk);
 # - training.loss_scaling = fixed: fp16 keeps training.loss_scale on every step, also across a
@@ -44,6 +45,28 @@ g=$(fields "$W/one-switch_global/metrics.jsonl" step aux_loss | head -1 | cut -d
 i=$(fields "$W/one-importance_load/metrics.jsonl" step aux_loss | head -1 | cut -d' ' -f2)
 awk -v s="$s" -v g="$g" -v i="$i" 'BEGIN { exit !(s != g && s != i && g > 0 && i > 0) }' \
     && pass "the three balancing losses differ at step 0 ($s, $g, $i)" || fail "balancing losses: $s $g $i"
+
+# switch_dp: expert fractions over the data-parallel ranks' micro-batches. dp2 (and dp2 x ep2) with
+# micro-batches of 2 train the model one rank trains on micro-batches of 4 with switch_global (aux_loss
+# included); switch_global under dp2 does not (each rank counts its own tokens)
+"$TERA" train "${TINY[@]}" --model.balance_loss=switch_global --training.micro_batch=4 \
+    --logging.run_dir="$W/one-mb4" > "$W/one-mb4.log" 2>&1 || { fail "switch_global micro-batch 4"; tail -3 "$W/one-mb4.log"; }
+aux_of() { fields "$1/metrics.jsonl" step aux_loss | awk '{ print $2 }' | paste -sd' '; }
+for lay in "dp2:--parallel.dp=2" "dp2ep2:--parallel.dp=2 --parallel.ep=2"; do
+    name=${lay%%:*}
+    $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --model.balance_loss=switch_dp --training.micro_batch=2 ${lay#*:} \
+        --logging.run_dir="$W/dp-$name" > "$W/dp-$name.log" 2>&1 || { fail "switch_dp $name"; tail -3 "$W/dp-$name.log"; }
+    out=$(compare_steps "$W/one-mb4/metrics.jsonl" "$W/dp-$name/metrics.jsonl" "$LAYOUT_TOL") \
+        && paste <(fields "$W/one-mb4/metrics.jsonl" aux_loss) <(fields "$W/dp-$name/metrics.jsonl" aux_loss) \
+            | awk -v t="$LAYOUT_TOL" '{ d = $1 - $2; if (d < 0) d = -d; if (d > t * $1) bad = 1; n++ } END { exit bad || !n }' \
+        && pass "switch_dp $name trains as one rank with the whole batch ($out; aux_loss too)" \
+        || fail "switch_dp $name: $out; aux one rank $(aux_of "$W/one-mb4"), $name $(aux_of "$W/dp-$name")"
+done
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --model.balance_loss=switch_global --training.micro_batch=2 --parallel.dp=2 \
+    --logging.run_dir="$W/dp-global" > "$W/dp-global.log" 2>&1 || fail "switch_global dp2"
+[ "$(aux_of "$W/dp-global")" != "$(aux_of "$W/one-mb4")" ] \
+    && pass "switch_global under dp2 differs from the whole batch's ($(aux_of "$W/dp-global") vs $(aux_of "$W/one-mb4"))" \
+    || fail "switch_global under dp2 equals the whole batch's: switch_dp tests nothing"
 
 # weighted router losses: aux_coef x aux_loss and z_coef x z_loss (coefficients 0.1 and 0.001)
 fields "$W/switch/metrics.jsonl" aux_loss aux_loss_weighted z_loss z_loss_weighted |

@@ -2,7 +2,9 @@
 # tera tune end to end (docs/TRACKING.md): bad search files get one error naming the key; a study
 # of an objective command under Hyperband (best config, report, events, the study in the registry);
 # a study killed with SIGKILL resumes where it was; a study of real tera train trials under ASHA
-# (stopped trials really stop, a promoted one resumes from its checkpoint, best.ini loads).
+# (a trial stops exactly at its rung, a promoted one resumes from its checkpoint and its losses equal
+# an uninterrupted run's, training.stop_at_step by hand, a train study killed and resumed, best.ini
+# loads).
 # Usage: cli_tune.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -28,11 +30,15 @@ bad "empty range" "training.lr = uniform 0.01 0.001" "training.lr" "empty range"
 bad "non-numeric bound" "model.aux_coef = uniform 0 lots" "model.aux_coef" "'lots' is not a number"
 bad "unknown distribution" "model.aux_coef = gaussian 0 1" "model.aux_coef" "unknown distribution"
 bad "value the key refuses" "model.drop_policy = choice position random" "model.drop_policy" "random"
+printf '[study]\nname = own\nargs = --training.stop_at_step=3\ndir = %s/own\nregistry = %s\n[space]\ntraining.lr = uniform 0.001 0.01\n' \
+    "$W" "$REG" > own.ini
+out=$("$TERA" tune -c own.ini 2>&1) && fail "training.stop_at_step in args accepted" \
+    || { echo "$out" | grep -q "training.stop_at_step is set by tera tune" && pass "a key tera tune sets itself: $out" || fail "$out"; }
 out=$("$TERA" tune -c "$W/none.ini" 2>&1) && fail "missing search file accepted" \
     || { echo "$out" | grep -q "none.ini" && pass "missing search file: named" || fail "$out"; }
 
 # 2. an objective command (a quadratic whose value at `steps` carries a 1/steps fidelity error) under
-# Hyperband, 3 trials at once
+# Hyperband, 3 trials at once, sampled by the GP
 cat > f.sh <<'EOF'
 #!/bin/sh
 awk -v x="$1" -v y="$2" -v s="$3" 'BEGIN { printf "%.8f\n", (x - 0.3)^2 + (log(y) / log(10) - 0.5)^2 + 1.0 / s }'
@@ -42,7 +48,7 @@ cat > quad.ini <<EOF
 [study]
 name = quad
 objective = $W/f.sh {x} {y} {steps}
-sampler = tpe
+sampler = gp
 scheduler = hyperband
 trials = 24
 parallel = 3
@@ -120,36 +126,73 @@ model.aux_coef = uniform 0 0.05
 model.init_std = choice 0.01 0.02 0.04
 EOF
 "$TERA" tune -c train.ini > tiny.json 2> tiny.err || fail "tune tiny: $(tail -5 tiny.err)"
-# Which trials ASHA stops depends on timing: a trial trains on while its rung is judged and is stopped
-# at its next checkpoint, so on a fast machine a trial may finish before its stop arrives (it then
-# counts as complete). The checks below hold however the race ends.
-jqe '.trials == 6 and .failed == 0 and .complete >= 1 and .complete + .stopped == 6 and .best_steps == 36' tiny.json > /dev/null \
-    && pass "ASHA study of tera train trials: $(jq -c '{complete, stopped, trial_steps, best_value}' tiny.json)" \
+# A trial trains to its rung and stops there with a checkpoint (training.stop_at_step), so the
+# study is the same on every machine: each trial's steps are exactly its last rung's.
+jqe '.trials == 6 and .failed == 0 and .complete >= 1 and .stopped >= 1 and .complete + .stopped == 6 and .best_steps == 36' \
+    tiny.json > /dev/null && pass "ASHA study of tera train trials: $(jq -c '{complete, stopped, trial_steps, best_value}' tiny.json)" \
     || { fail "tiny"; cat tiny.json; tail -20 tiny.err; }
-stopped=$(sqlite3 "$REG" "SELECT run_dir FROM trials WHERE study='tiny' AND state='stopped'")
-really=1
-for d in $stopped; do
-    n=$(last_fields "$d/metrics.jsonl" step loss | tail -1 | cut -d' ' -f1)
-    [ "$n" -lt 35 ] || really=0
-done
-if [ -n "$stopped" ]; then
-    [ $really = 1 ] && pass "stopped trials really stopped (their last steps: $(for d in $stopped; do
-        last_fields "$d/metrics.jsonl" step loss | tail -1 | cut -d' ' -f1; done | tr '\n' ' '))" || fail "a stopped trial ran on"
-    [ "$(sqlite3 "$REG" "SELECT count(*) FROM runs WHERE study='tiny' AND status='killed'")" -ge 1 ] \
-        && pass "their runs are recorded as killed in the registry, with the study name" || fail "no killed trial run"
+exact=1
+while IFS='|' read -r num state d used; do
+    last=$(jq -s "map(select(.trial == $num)) | max_by(.steps) | .steps" tiny/events.jsonl)
+    n=$(steps_of "$d/metrics.jsonl" | wc -l)
+    top=$(last_fields "$d/metrics.jsonl" step loss | tail -1 | cut -d' ' -f1)
+    ck=$(ls "$d/checkpoints" | grep -c '^step_0*'"$last"'$')
+    { { [ "$state" = complete ] && [ "$last" = 36 ]; } || { [ "$state" = stopped ] && [ "$last" -lt 36 ]; }; } \
+        && [ "$used" = "$last" ] && [ "$n" = "$last" ] && [ "$top" = $((last - 1)) ] && [ "$ck" = 1 ] \
+        || { exact=0; echo "trial $num ($state): last rung $last, steps used $used, $n step records up to step $top, checkpoint at the rung: $ck"; }
+done < <(sqlite3 "$REG" "SELECT number, state, run_dir, steps_used FROM trials WHERE study='tiny' ORDER BY number")
+[ $exact = 1 ] && pass "each trial trained exactly to its last rung (stopped ones at 4 or 12 steps, each step once) and saved it" \
+    || fail "a trial did not stop exactly at its rung"
+[ "$(jq .trial_steps tiny.json)" = "$(jq -s 'group_by(.trial) | map(max_by(.steps) | .steps) | add' tiny/events.jsonl)" ] \
+    && pass "trial-steps $(jq .trial_steps tiny.json): the sum of the trials' last rungs" || fail "trial_steps $(jq .trial_steps tiny.json)"
+p=$(grep "promoted to" tiny.err | head -1 | awk '{ print $4 }')
+[ -z "$p" ] && p=$(sqlite3 "$REG" "SELECT number FROM trials WHERE study='tiny' AND state='complete' AND bracket=0 LIMIT 1")
+pd=$(sqlite3 "$REG" "SELECT run_dir FROM trials WHERE study='tiny' AND number=$p")
+# a complete trial of bracket 0 ran in 3 segments (to 4, 12 and 36 steps), each resumed from the last
+[ "$(grep -c "tera: resumed .*trial_$(printf %04d "$p") at step [1-9]" "tiny/logs/trial_$(printf %04d "$p").log")" -ge 1 ] \
+    && pass "trial $p was resumed from its rung's checkpoint (tera train --resume)" || fail "trial $p not resumed"
+[ "$(sqlite3 "$REG" "SELECT count(*) FROM runs WHERE study='tiny' AND trial='$p'")" = 1 ] \
+    && [ "$(sqlite3 "$REG" "SELECT segments FROM runs WHERE study='tiny' AND trial='$p'")" -ge 2 ] \
+    && pass "the resumed trial is one run in the registry (segments >= 2)" || fail "resumed trial's registry rows"
+# its losses equal one uninterrupted run of the same configuration (bit for bit, as printed)
+if [ "$(sqlite3 "$REG" "SELECT state FROM trials WHERE study='tiny' AND number=$p")" = complete ]; then
+    "$TERA" train -c "$pd/config.ini" --training.stop_at_step=0 --logging.run_dir="$W/ref" --logging.registry= \
+        --checkpoint.every=0 2> ref.err || fail "reference run: $(tail -3 ref.err)"
+    d=$(compare_steps "$pd/metrics.jsonl" "$W/ref/metrics.jsonl" 0) && pass "promoted trial $p = one uninterrupted run: $d" \
+        || fail "promoted trial $p differs from an uninterrupted run: $d"
 else
-    echo "note: every trial finished before a stop reached it (a fast machine): the stop checks did not run"
+    fail "trial $p was promoted but is not complete"
 fi
-if grep -q "promoted to" tiny.err; then
-    p=$(grep "promoted to" tiny.err | head -1 | awk '{ print $4 }')
-    grep -q "tera: resumed .*trial_$(printf %04d "$p") at step [1-9]" "tiny/logs/trial_$(printf %04d "$p").log" \
-        && pass "promoted trial $p resumed from its checkpoint (tera train --resume)" || fail "trial $p not resumed"
-    [ "$(sqlite3 "$REG" "SELECT count(*) FROM runs WHERE study='tiny' AND trial='$p'")" = 1 ] \
-        && [ "$(sqlite3 "$REG" "SELECT segments FROM runs WHERE study='tiny' AND trial='$p'")" -ge 2 ] \
-        && pass "the resumed trial is one run in the registry (segments >= 2)" || fail "resumed trial's registry rows"
-else
-    echo "note: no trial was stopped and then promoted in this run (timing-dependent): the resume checks did not run"
-fi
+# training.stop_at_step by hand: the run stops there with a checkpoint; --resume (config.ini keeps the
+# stop, the run is at it) trains on to training.steps
+"$TERA" train -c "$pd/config.ini" --training.stop_at_step=3 --training.steps=6 --training.warmup_steps=0 --checkpoint.every=0 \
+    --logging.run_dir="$W/hand" --logging.registry= 2> hand1.err \
+    && "$TERA" train -c "$W/hand/config.ini" --resume 2> hand2.err \
+    && [ "$(ls "$W/hand/checkpoints" | tr '\n' ' ')" = "step_00000003 step_00000006 " ] \
+    && [ "$(steps_of "$W/hand/metrics.jsonl" | cut -d' ' -f1 | tr '\n' ' ')" = "0 1 2 3 4 5 " ] \
+    && pass "stop_at_step = 3 of 6: checkpoints at 3 and 6, each step once" \
+    || fail "stop_at_step by hand: $(tail -qn 1 hand1.err hand2.err | tr "\n" " "); $(ls "$W/hand/checkpoints" | tr "\n" " ")"
+# a study of tera train trials killed (SIGKILL) while a trial trains, then resumed: every trial still
+# ends exactly at its last rung (the killed one continues from its newest checkpoint)
+sed -e 's/name = tiny/name = tiny2/' -e "s#dir = $W/tiny#dir = $W/tiny2#" -e 's/trials = 6/trials = 4/' train.ini > train2.ini
+"$TERA" tune -c train2.ini > tiny2a.json 2> tiny2a.err &
+tpid=$!
+for _ in $(seq 1 600); do grep -q '"loss"' tiny2/trials/trial_0001/metrics.jsonl 2> /dev/null && break; sleep 0.05; done
+kill -KILL $tpid
+wait $tpid 2> /dev/null
+sleep 0.5 # the trial ends with the tuner (PR_SET_PDEATHSIG)
+"$TERA" tune -c train2.ini > tiny2.json 2> tiny2.err || fail "resume tiny2: $(tail -3 tiny2.err)"
+grep -q "resuming study 'tiny2'" tiny2.err && jqe '.trials == 4 and .failed == 0 and .complete + .stopped == 4' tiny2.json > /dev/null \
+    && pass "train study resumed after SIGKILL ($(grep -o '[0-9]* interrupted' tiny2.err)): $(jq -c '{complete, stopped, trial_steps}' tiny2.json)" \
+    || fail "tiny2: $(cat tiny2.json)"
+exact=1
+while IFS='|' read -r num d; do
+    last=$(jq -s "map(select(.trial == $num)) | max_by(.steps) | .steps" tiny2/events.jsonl)
+    top=$(last_fields "$d/metrics.jsonl" step loss | tail -1 | cut -d' ' -f1)
+    [ "$(last_fields "$d/metrics.jsonl" step loss | wc -l)" = "$last" ] && [ "$top" = $((last - 1)) ] \
+        || { exact=0; echo "trial $num: last rung $last, last step $top"; }
+done < <(sqlite3 "$REG" "SELECT number, run_dir FROM trials WHERE study='tiny2' ORDER BY number")
+[ $exact = 1 ] && pass "after the resume each trial ended exactly at its last rung" || fail "tiny2: a trial ran past its rung"
 "$TERA" config -c tiny/best.ini > best_resolved.ini 2> cfg.err && pass "best.ini is a loadable tera config" \
     || fail "best.ini: $(cat cfg.err)"
 blr=$(jq -r '.best_params["training.lr"]' tiny.json)

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/cpu.h"
+#include "tera/backend.h"
 #include "tera/kernels.h"
 
 typedef struct {
@@ -320,6 +322,255 @@ static void test_scratch_is_small(void **state) {
     assert_true(n >= (size_t)8 * T); /* holds D[B,H,T] */
 }
 
+/* ------------------------------------------------------------------ bf16 attention
+ * tera_attention_forward_bf16 / backward_bf16 round q, k, v, dO to bf16 (8 significant bits, unit
+ * roundoff u = 2^-9) and run the six tile products on bf16 operands with fp32 accumulation; the
+ * softmax statistics, dP, D and dS are fp32, and P and dS are rounded to bf16 once more as operands
+ * of the next product. The reference is the double-precision one on the bf16-rounded inputs, so
+ * what remains are the roundings inside the kernel: each output element is a sum of terms one of
+ * whose factors was rounded (relative error <= u each), so its error is bounded by about
+ * u * (sum of |terms|): out = sum_c P_c v_c (P rounded), dv = sum_i P_i dO_i (P rounded),
+ * dq = sum_c dS_c k_c and dk = sum_i dS_i q_i (dS rounded; dS = P (dP - D) also carries the error
+ * of D = dO . out, formed from the kernel's own out, so |dS|'s bound adds P * sum|dO| * out's bound
+ * sum). The test allows 4u
+ * times that sum (plus 1e-6 absolute for fp32 noise on tiny elements); the observed worst ratio is
+ * printed (well under 1 in practice). lse never sees a rounded P: fp32 tolerance. */
+
+/* Sums of |terms| of the reference's out, dq, dk, dv (the bounds above), inputs as given. */
+static void ref_abs_terms(shape s, const float *q, const float *k, const float *v, const float *dout,
+                          double *aout, double *adq, double *adk, double *adv) {
+    const int B = s.B, T = s.T, H = s.H, Hkv = s.Hkv, hd = s.hd, rep = H / Hkv;
+    const double scale = 1.0 / sqrt((double)hd);
+    double *p = alloc_d((size_t)T), *dp = alloc_d((size_t)T);
+    memset(adq, 0, nq_of(s) * sizeof(double));
+    memset(adk, 0, nk_of(s) * sizeof(double));
+    memset(adv, 0, nk_of(s) * sizeof(double));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int g = h / rep;
+            for (int t = 0; t < T; t++) {
+                const float *qt = q + (((size_t)b * T + t) * H + h) * hd;
+                double mx = -INFINITY;
+                for (int c = 0; c <= t; c++) {
+                    const float *kc = k + (((size_t)b * T + c) * Hkv + g) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++) d += (double)qt[e] * kc[e];
+                    p[c] = d * scale;
+                    if (p[c] > mx) mx = p[c];
+                }
+                double sum = 0;
+                for (int c = 0; c <= t; c++) sum += exp(p[c] - mx);
+                const double l = mx + log(sum);
+                for (int c = 0; c <= t; c++) p[c] = exp(p[c] - l);
+                double *ot = aout + (((size_t)b * T + t) * H + h) * hd;
+                for (int e = 0; e < hd; e++) {
+                    double a = 0;
+                    for (int c = 0; c <= t; c++) a += p[c] * fabs(v[(((size_t)b * T + c) * Hkv + g) * hd + e]);
+                    ot[e] = a;
+                }
+                const float *gt = dout + (((size_t)b * T + t) * H + h) * hd;
+                double Dt = 0, Dabs = 0; /* D, and the sum of |terms| of D = dO . out */
+                for (int e = 0; e < hd; e++) Dabs += fabs(gt[e]) * ot[e];
+                for (int c = 0; c <= t; c++) {
+                    const float *vc = v + (((size_t)b * T + c) * Hkv + g) * hd;
+                    double a = 0;
+                    for (int e = 0; e < hd; e++) a += (double)gt[e] * vc[e];
+                    dp[c] = a;
+                    Dt += p[c] * a;
+                }
+                double *dqt = adq + (((size_t)b * T + t) * H + h) * hd;
+                for (int c = 0; c <= t; c++) {
+                    const size_t kvo = (((size_t)b * T + c) * Hkv + g) * hd;
+                    /* dS = P (dP - D) scale: its own terms, and D's error (the kernel's out) through P */
+                    const double ds = fabs(p[c] * (dp[c] - Dt) * scale) + p[c] * Dabs * scale;
+                    for (int e = 0; e < hd; e++) {
+                        adv[kvo + e] += p[c] * fabs(gt[e]);
+                        dqt[e] += ds * fabs(k[kvo + e]);
+                        adk[kvo + e] += ds * fabs(qt[e]);
+                    }
+                }
+            }
+        }
+    free(p);
+    free(dp);
+}
+
+/* max over i of |a - r| / (atol + f * bound_i) */
+static double err_bound_ratio(const float *a, const double *r, const double *bound, size_t n, double f) {
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)a[i] - r[i]) / (1e-6 + f * bound[i]);
+        if (isnan(e)) return e;
+        if (e > worst) worst = e;
+    }
+    return worst;
+}
+
+static float *rounded_copy(const float *x, size_t n) {
+    float *y = alloc_f(n);
+    tera_round_bf16f(y, x, (int64_t)n);
+    return y;
+}
+
+static void bufs_bf16_scratch(shape s, bufs *x) {
+    free(x->scratch);
+    x->scratch = alloc_f(tera_attention_bf16_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
+}
+
+static const shape k_bf16_shapes[] = {
+    {1, 1, 1, 1, 16},  {2, 7, 2, 2, 16},   {2, 100, 4, 4, 32}, {1, 200, 8, 2, 32}, {2, 130, 2, 1, 64},
+    {1, 129, 4, 2, 16}, {1, 300, 2, 2, 32}, {1, 257, 4, 1, 64}, {1, 256, 2, 2, 32}, {1, 65, 3, 1, 24},
+};
+
+static void test_bf16_vs_rounded_reference(void **state) {
+    (void)state;
+    if (!tera_attention_bf16_available()) {
+        print_message("skip: no bf16 attention on this CPU / oneDNN\n");
+        return;
+    }
+    const double u = 1.0 / 512.0, f = 4 * u;
+    double worst[5] = {0};
+    for (size_t si = 0; si < sizeof k_bf16_shapes / sizeof k_bf16_shapes[0]; si++) {
+        const shape s = k_bf16_shapes[si];
+        bufs x = bufs_new(s);
+        bufs_bf16_scratch(s, &x);
+        const size_t nl = (size_t)s.B * s.H * s.T;
+        float *qr = rounded_copy(x.q, nq_of(s)), *kr = rounded_copy(x.k, nk_of(s));
+        float *vr = rounded_copy(x.v, nk_of(s)), *dor = rounded_copy(x.dout, nq_of(s));
+        double *ro = alloc_d(nq_of(s)), *rl = alloc_d(nl), *rq = alloc_d(nq_of(s)), *rk = alloc_d(nk_of(s)),
+               *rv = alloc_d(nk_of(s));
+        double *ao = alloc_d(nq_of(s)), *aq = alloc_d(nq_of(s)), *ak = alloc_d(nk_of(s)), *av = alloc_d(nk_of(s));
+        ref_attention(s, qr, kr, vr, dor, ro, rl, rq, rk, rv);
+        ref_abs_terms(s, qr, kr, vr, dor, ao, aq, ak, av);
+        tera_attention_forward_bf16(x.out, x.lse, x.q, x.k, x.v, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        tera_attention_backward_bf16(x.dq, x.dk, x.dv, x.dout, x.q, x.k, x.v, x.out, x.lse, s.B, s.T, s.H, s.Hkv,
+                                     s.hd, x.scratch);
+        const double e[5] = {err_bound_ratio(x.out, ro, ao, nq_of(s), f), err_ratio(x.lse, rl, nl, 1e-5, 1e-5),
+                             err_bound_ratio(x.dq, rq, aq, nq_of(s), f), err_bound_ratio(x.dk, rk, ak, nk_of(s), f),
+                             err_bound_ratio(x.dv, rv, av, nk_of(s), f)};
+        for (int i = 0; i < 5; i++) worst[i] = e[i] > worst[i] || isnan(e[i]) ? e[i] : worst[i];
+        if (!(e[0] <= 1 && e[1] <= 1 && e[2] <= 1 && e[3] <= 1 && e[4] <= 1))
+            fail_msg("bf16 B=%d T=%d H=%d Hkv=%d hd=%d: err ratio out %g lse %g dq %g dk %g dv %g", s.B, s.T, s.H,
+                     s.Hkv, s.hd, e[0], e[1], e[2], e[3], e[4]);
+        /* the kernel rounds its inputs itself: pre-rounded inputs give the same bits */
+        float *out2 = alloc_f(nq_of(s)), *dq2 = alloc_f(nq_of(s));
+        float *lse2 = alloc_f(nl), *dk2 = alloc_f(nk_of(s)), *dv2 = alloc_f(nk_of(s));
+        tera_attention_forward_bf16(out2, lse2, qr, kr, vr, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        tera_attention_backward_bf16(dq2, dk2, dv2, dor, qr, kr, vr, x.out, x.lse, s.B, s.T, s.H, s.Hkv, s.hd,
+                                     x.scratch);
+        assert_memory_equal(out2, x.out, nq_of(s) * sizeof(float));
+        assert_memory_equal(lse2, x.lse, nl * sizeof(float));
+        assert_memory_equal(dq2, x.dq, nq_of(s) * sizeof(float));
+        assert_memory_equal(dk2, x.dk, nk_of(s) * sizeof(float));
+        assert_memory_equal(dv2, x.dv, nk_of(s) * sizeof(float));
+        free(out2), free(dq2), free(lse2), free(dk2), free(dv2);
+        free(qr), free(kr), free(vr), free(dor);
+        free(ro), free(rl), free(rq), free(rk), free(rv), free(ao), free(aq), free(ak), free(av);
+        bufs_free(&x);
+    }
+    print_message("bf16 attention: worst error / bound (bound = 4u * sum|terms|): out %.3g dq %.3g dk %.3g dv %.3g; "
+                  "lse / fp32 tolerance %.3g\n",
+                  worst[0], worst[2], worst[3], worst[4], worst[1]);
+}
+
+/* bf16 forward + backward on `threads` threads: out|lse|dq|dk|dv */
+static float *run_all_bf16(shape s, bufs *x, int threads) {
+    omp_set_num_threads(threads);
+    tera_attention_forward_bf16(x->out, x->lse, x->q, x->k, x->v, s.B, s.T, s.H, s.Hkv, s.hd, x->scratch);
+    tera_attention_backward_bf16(x->dq, x->dk, x->dv, x->dout, x->q, x->k, x->v, x->out, x->lse, s.B, s.T, s.H,
+                                 s.Hkv, s.hd, x->scratch);
+    const size_t nq = nq_of(s), nk = nk_of(s), nl = (size_t)s.B * s.H * s.T;
+    float *all = alloc_f(2 * nq + nl + 2 * nk);
+    memcpy(all, x->out, nq * sizeof(float));
+    memcpy(all + nq, x->lse, nl * sizeof(float));
+    memcpy(all + nq + nl, x->dq, nq * sizeof(float));
+    memcpy(all + 2 * nq + nl, x->dk, nk * sizeof(float));
+    memcpy(all + 2 * nq + nl + nk, x->dv, nk * sizeof(float));
+    return all;
+}
+
+static void test_bf16_determinism(void **state) {
+    (void)state;
+    if (!tera_attention_bf16_available()) {
+        print_message("skip: no bf16 attention on this CPU / oneDNN\n");
+        return;
+    }
+    const int saved = omp_get_max_threads();
+    /* first more distinct tile products than a thread's primitive cache holds, on 2 threads: the
+     * caches then differ between threads, which must not change any result */
+    for (int T = 1; T <= 24; T++) {
+        const shape w = {1, T, 2, 1, 16};
+        omp_set_num_threads(2);
+        bufs x = bufs_new(w);
+        bufs_bf16_scratch(w, &x);
+        free(run_all_bf16(w, &x, 2));
+        bufs_free(&x);
+    }
+    const shape cases[] = {{2, 300, 4, 2, 32}, {1, 150, 8, 1, 64}, {3, 70, 2, 2, 16}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const shape s = cases[ci];
+        omp_set_num_threads(saved > 3 ? saved : 3); /* scratch for the largest thread count used */
+        bufs x = bufs_new(s);
+        bufs_bf16_scratch(s, &x);
+        const size_t n = 2 * nq_of(s) + (size_t)s.B * s.H * s.T + 2 * nk_of(s);
+        float *a = run_all_bf16(s, &x, 2), *b = run_all_bf16(s, &x, 2);
+        float *c = run_all_bf16(s, &x, 1), *d = run_all_bf16(s, &x, 3);
+        assert_memory_equal(a, b, n * sizeof(float));
+        assert_memory_equal(a, c, n * sizeof(float));
+        assert_memory_equal(a, d, n * sizeof(float));
+        free(a), free(b), free(c), free(d);
+        bufs_free(&x);
+    }
+    omp_set_num_threads(saved);
+}
+
+/* The CPU backend runs the bf16 attention exactly when its precision is bf16 on the native units
+ * and the CPU has AMX (elsewhere it is slower than fp32), and sizes the scratch for both paths. */
+static void test_bf16_backend_dispatch(void **state) {
+    (void)state;
+    const shape s = {2, 150, 4, 2, 32};
+    tera_backend *be = tera_backend_cpu_create(-1);
+    const size_t want = be->ops.attention_scratch_floats(be, s.B, s.T, s.H, s.Hkv, s.hd);
+    assert_true(want >= tera_attention_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
+    const int units = tera_attention_bf16_available() && tera_cpu_bf16_fast(NULL);
+    if (units) assert_true(want >= tera_attention_bf16_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
+    bufs x = bufs_new(s), y = bufs_new(s);
+    free(x.scratch);
+    x.scratch = alloc_f(want);
+    bufs_bf16_scratch(s, &y);
+    memcpy(y.q, x.q, nq_of(s) * sizeof(float));
+    memcpy(y.k, x.k, nk_of(s) * sizeof(float));
+    memcpy(y.v, x.v, nk_of(s) * sizeof(float));
+    memcpy(y.dout, x.dout, nq_of(s) * sizeof(float));
+    const struct {
+        tera_precision p;
+        tera_bf16_gemm g;
+    } modes[] = {{TERA_PREC_FP32, TERA_BF16_NATIVE}, {TERA_PREC_BF16, TERA_BF16_FMA}, {TERA_PREC_BF16, TERA_BF16_NATIVE}};
+    for (int mi = 0; mi < 3; mi++) {
+        tera_backend_set_precision(be, modes[mi].p, modes[mi].g);
+        const int bf = modes[mi].p == TERA_PREC_BF16 && modes[mi].g == TERA_BF16_NATIVE && units;
+        be->ops.attention_forward(be, x.out, x.lse, x.q, x.k, x.v, s.B, s.T, s.H, s.Hkv, s.hd, x.scratch);
+        be->ops.attention_backward(be, x.dq, x.dk, x.dv, x.dout, x.q, x.k, x.v, x.out, x.lse, s.B, s.T, s.H, s.Hkv,
+                                   s.hd, x.scratch);
+        if (bf) {
+            tera_attention_forward_bf16(y.out, y.lse, y.q, y.k, y.v, s.B, s.T, s.H, s.Hkv, s.hd, y.scratch);
+            tera_attention_backward_bf16(y.dq, y.dk, y.dv, y.dout, y.q, y.k, y.v, y.out, y.lse, s.B, s.T, s.H, s.Hkv,
+                                         s.hd, y.scratch);
+        } else {
+            tera_attention_forward(y.out, y.lse, y.q, y.k, y.v, s.B, s.T, s.H, s.Hkv, s.hd, y.scratch);
+            tera_attention_backward(y.dq, y.dk, y.dv, y.dout, y.q, y.k, y.v, y.out, y.lse, s.B, s.T, s.H, s.Hkv,
+                                    s.hd, y.scratch);
+        }
+        assert_memory_equal(x.out, y.out, nq_of(s) * sizeof(float));
+        assert_memory_equal(x.dq, y.dq, nq_of(s) * sizeof(float));
+        assert_memory_equal(x.dk, y.dk, nk_of(s) * sizeof(float));
+        assert_memory_equal(x.dv, y.dv, nk_of(s) * sizeof(float));
+    }
+    bufs_free(&x);
+    bufs_free(&y);
+    tera_backend_destroy(be);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_vs_reference),
@@ -328,6 +579,9 @@ int main(void) {
         cmocka_unit_test(test_backward_finite_differences),
         cmocka_unit_test(test_determinism),
         cmocka_unit_test(test_scratch_is_small),
+        cmocka_unit_test(test_bf16_vs_rounded_reference),
+        cmocka_unit_test(test_bf16_determinism),
+        cmocka_unit_test(test_bf16_backend_dispatch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -59,7 +59,8 @@ static tera_balance_loss kind_of(const char *s) {
 
 /* Routes the fixture's logits as the model does, then computes the loss value and d loss / d logits
  * (aux_scale 1, no combine-weight gradient unless dtopw0 is given, no z-loss). */
-static double run_case(const fixture *f, tera_balance_loss kind, const float *dtopw0, float *dl, int32_t *topi) {
+static double run_case_g(const fixture *f, tera_balance_loss kind, const float *dtopw0, float *dl, int32_t *topi,
+                         const float *gcnt) {
     const int B = f->B, T = f->T, E = f->E, k = f->k, N = B * T;
     const tera_router_score sc = strcmp(f->score, "sigmoid") ? TERA_ROUTER_SOFTMAX : TERA_ROUTER_SIGMOID;
     static float s[MAXN * MAXE], lse[MAXN], topw[MAXN * MAXK], dtopw[MAXN * MAXK], rsum[MAXN], dsc[MAXN * MAXE];
@@ -75,15 +76,54 @@ static double run_case(const fixture *f, tera_balance_loss kind, const float *dt
     const tera_moe_stats st = tera_moe_route_stats(cpu(), load, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, psum, s, lse, cnt, B,
                                                    T, E, k, sc);
     const double v = tera_moe_balance_value(kind, st.aux, psum, s, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, topi,
-                                            topw, cnt, B, T, E, k);
+                                            topw, cnt, gcnt, B, T, E, k);
     for (int i = 0; i < N * k; i++) dtopw[i] = dtopw0 ? dtopw0[i] : 0.0f;
     float aux_scale = 1.0f;
-    const float *g = tera_moe_balance_backward_prep(cpu(), kind, psum, dtopw, topi, topw, cnt, B, T, E, k, &aux_scale);
+    const float *g = tera_moe_balance_backward_prep(cpu(), kind, psum, dtopw, topi, topw, cnt, gcnt, B, T, E, k, &aux_scale);
     tera_moe_router_backward_g(be, dl, dsc, f->logits, s, lse, topi, topw, dtopw, cnt, g, B, T, E, k, &r, aux_scale,
                                0.0f);
     tera_backend_destroy(be);
     return v;
 }
+
+static double run_case(const fixture *f, tera_balance_loss kind, const float *dtopw0, float *dl, int32_t *topi) {
+    return run_case_g(f, kind, dtopw0, dl, topi, NULL);
+}
+
+/* switch_dp against the switch_global reference: the fixture's B sequences as B data-parallel ranks of
+ * one sequence each, every rank given the counts summed over the ranks / B (what the model's
+ * all-reduce gives it). The ranks' losses add up to the reference loss of the whole batch, and each
+ * rank's gradient is the reference gradient's rows of its sequence: the same model as one rank. A
+ * rank on its own counts (no all-reduce) differs. */
+static void check_dp_split(const char *name) {
+    static fixture f, one;
+    load_fixture(&f, name);
+    const int B = f.B, T = f.T, E = f.E, k = f.k;
+    static float dl[MAXN * MAXE];
+    int32_t topi[MAXN * MAXK];
+    run_case(&f, TERA_BALANCE_SWITCH_GLOBAL, NULL, dl, topi); /* the whole batch's selection */
+    float gcnt[MAXE] = {0};
+    for (int a = 0; a < B * T * k; a++) gcnt[topi[a]] += 1.0f;
+    for (int e = 0; e < E; e++) gcnt[e] /= (float)B;
+    double total = 0.0, alone = 0.0;
+    for (int r = 0; r < B; r++) {
+        one = f;
+        one.B = 1;
+        memcpy(one.logits, f.logits + (int64_t)r * T * E, sizeof(float) * (size_t)(T * E));
+        total += run_case_g(&one, TERA_BALANCE_SWITCH_DP, NULL, dl, topi, gcnt);
+        char what[96];
+        snprintf(what, sizeof what, "%s as rank %d of %d", name, r, B);
+        assert_true(tu_close(what, dl, f.dlogits + (int64_t)r * T * E, (int64_t)T * E, 1e-4, 1e-6) <= 1.0);
+        alone += run_case_g(&one, TERA_BALANCE_SWITCH_DP, NULL, dl, topi, NULL);
+    }
+    if (!(fabs(total - f.loss) <= 1e-5 * fabs(f.loss) + 1e-7))
+        fail_msg("%s: the ranks' switch_dp losses add up to %.9g, the whole batch's reference %.9g", name, total, f.loss);
+    if (!(fabs(alone - f.loss) > 1e-4 * fabs(f.loss)))
+        fail_msg("%s: ranks on their own counts give %.9g, the same as the whole batch %.9g", name, alone, f.loss);
+}
+
+static void test_dp_softmax(void **state) { (void)state, check_dp_split("switch_global_softmax"); }
+static void test_dp_sigmoid(void **state) { (void)state, check_dp_split("switch_global_sigmoid"); }
 
 static void check_fixture(const char *name) {
     static fixture f;
@@ -151,6 +191,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_switch_softmax),     cmocka_unit_test(test_switch_sigmoid),
         cmocka_unit_test(test_global_softmax),     cmocka_unit_test(test_global_sigmoid),
+        cmocka_unit_test(test_dp_softmax),         cmocka_unit_test(test_dp_sigmoid),
         cmocka_unit_test(test_importance_softmax), cmocka_unit_test(test_importance_sigmoid),
         cmocka_unit_test(test_default_unchanged),
     };

@@ -128,6 +128,40 @@ static void check_group(tera_comm *c, int N, int k, int integers) {
     job_traffic(t1);
     CHECK(memcmp(a, b, sizeof(float) * (size_t)lo) == 0);
     CHECK(near((t1[5] + t1[6] + t1[7] - t0[5] - t0[6] - t0[7]) / groups, (N - 1) * 4.0 * (double)lo));
+    /* two-stage all-to-all: the flat one's bytes in the flat one's places; the same bytes cross nodes
+     * (in k messages per node pair instead of k x k), the rest moves inside the nodes */
+    {
+#define A2A_BYTES(src, dst) ((int64_t)(((src) * 5 + (dst) * 3) % 7) * 13 + ((src) == 1 ? 0 : 3))
+        int64_t sc[16], rc[16], st = 0, rt = 0;
+        for (int q = 0; q < p; q++) sc[q] = A2A_BYTES(r, q), rc[q] = A2A_BYTES(q, r), st += sc[q], rt += rc[q];
+        uint8_t *sb = malloc((size_t)st + 1), *ra = malloc((size_t)rt + 1), *rb = malloc((size_t)rt + 1);
+        int64_t o = 0;
+        for (int q = 0; q < p; q++)
+            for (int64_t i = 0; i < sc[q]; i++) sb[o++] = (uint8_t)(r * 31 + q * 7 + i);
+        memset(rb, 0xEE, (size_t)rt + 1);
+        job_traffic(t0);
+        tera_comm_alltoallv_u8(c, sb, sc, ra, rc, TERA_TRAFFIC_ALLTOALL);
+        job_traffic(t1);
+        tera_hier_reserve_alltoall(h, (int64_t)k * (st > rt ? st : rt) * 4);
+        tera_hier_alltoallv_u8(h, sb, sc, rb, rc);
+        job_traffic(t2);
+        CHECK(memcmp(ra, rb, (size_t)rt) == 0);
+        o = 0; /* and the flat one is right: from q, the bytes q made for this rank */
+        for (int q = 0; q < p; q++)
+            for (int64_t i = 0; i < rc[q]; i++) CHECK(ra[o++] == (uint8_t)(q * 31 + r * 7 + i));
+        const double flat_inter = (t1[8] - t0[8]) / groups, hier_inter = (t2[8] - t1[8]) / groups;
+        double want = 0.0; /* every pair on different nodes, in c's node numbering */
+        for (int s0 = 0; s0 < p; s0++)
+            for (int d0 = 0; d0 < p; d0++)
+                if (tera_comm_member_node(c, s0) != tera_comm_member_node(c, d0)) want += (double)A2A_BYTES(s0, d0);
+        CHECK(near(flat_inter, want) && near(hier_inter, want));
+        CHECK((t2[3] - t1[3]) / groups > (t1[3] - t0[3]) / groups); /* relayed inside the nodes too */
+        if (me == 0)
+            printf("  two-stage all-to-all: %.0f bytes across nodes (flat %.0f), %.0f in all (flat %.0f)\n", hier_inter,
+                   flat_inter, (t2[3] - t1[3]) / groups, (t1[3] - t0[3]) / groups);
+        free(sb), free(ra), free(rb);
+#undef A2A_BYTES
+    }
     tera_hier_free(h);
     /* hierarchical + bf16: the cross-node stage compressed */
     tera_greducer *g = tera_greducer_create(c, NV, TERA_COMPRESS_BF16, 1);

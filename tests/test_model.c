@@ -206,7 +206,7 @@ static void test_nonfinite_skip(void **state) {
     tera_config c = small_train_cfg(2, 1);
     tera_trainer tr;
     assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
-    tr.fault_nan_step = 1;
+    tr.faults.nan_step = 1;
     tera_step_result r;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
     assert_int_equal(r.skipped, 0);

@@ -197,9 +197,54 @@ static void test_hardware_files(void **state) {
     remove(path);
 }
 
+/* The data-parallel sums of a hierarchical run (parallel.hierarchical) are timed as comm_hier.c runs
+ * them: inside the node on all of the gradient, across on 1/k of it. A group on one node: the flat
+ * figure exactly; across nodes: less than flat, and at least the two stages' bandwidth terms. */
+static void test_hierarchical_dp_time(void **state) {
+    (void)state;
+    tera_hw hw;
+    char path[512];
+    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
+    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    hw.n_coll = 0; /* alpha-beta on the links */
+    const int k = hw.devices_per_node;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1};
+    for (int dp = k; dp <= 4 * k; dp *= 4) {
+        tera_plan_time t[2];
+        for (int h = 0; h < 2; h++) {
+            tera_config c;
+            tera_config_defaults(&c);
+            c.training.seq_len = 256;
+            c.training.micro_batch = 1;
+            c.training.grad_accum = 1;
+            c.parallel.dp = dp;
+            c.parallel.hierarchical = h;
+            c.training.global_batch = 0;
+            assert_int_equal(tera_config_finalize(&c), TERA_OK);
+            assert_int_equal(tera_plan_time_model(&c, &hw, &o, &t[h]), TERA_OK);
+        }
+        assert_true(t[0].bytes_dp > 0 && t[0].bytes_dp == t[1].bytes_dp);
+        if (dp == k) {
+            assert_true(t[1].dp_total_s == t[0].dp_total_s); /* one node: nothing to split */
+        } else {
+            const int N = dp / k;
+            const double G = t[0].bytes_dp / (2.0 * (dp - 1) / dp);
+            const double bw = 2.0 * (k - 1) / k * G / hw.intra_bw + 2.0 * (N - 1) / N * G / k / hw.inter_bw;
+            /* ZeRO-0: one all-reduce per parameter group (layers, embedding, head) in buckets of two calls */
+            tera_config c;
+            tera_config_defaults(&c);
+            const double calls = 2.0 * (c.model.n_layers + 2);
+            const double want = bw + calls * (2.0 * (k - 1) * hw.intra_lat + 2.0 * (N - 1) * hw.inter_lat);
+            if (!(t[1].dp_total_s < t[0].dp_total_s && fabs(t[1].dp_total_s - want) <= 1e-9 * want))
+                fail_msg("dp %d: hierarchical %.9f s (want %.9f: bandwidth %.9f + latency), flat %.9f s", dp,
+                         t[1].dp_total_s, want, bw, t[0].dp_total_s);
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_rank_exact), cmocka_unit_test(test_count_is_the_allocator),
                                        cmocka_unit_test(test_calibrated_file), cmocka_unit_test(test_roles_cover_the_world),
-                                       cmocka_unit_test(test_hardware_files)};
+                                       cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

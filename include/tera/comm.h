@@ -142,6 +142,10 @@ typedef struct {
      * collective's bytes cross when the rank's successor in the group's ring is on another node, an
      * all-to-all's and a point-to-point's per destination */
     double inter_allreduce, inter_reduce_scatter, inter_allgather, inter_alltoall, inter_p2p;
+    /* seconds this rank spent blocked in communication: inside blocking collectives and waits for
+     * non-blocking operations and point-to-point transfers (groups of more than one rank); the
+     * communication compute did not hide, waiting for slower ranks included */
+    double blocked_s;
 } tera_comm_traffic;
 tera_comm_traffic tera_comm_traffic_get(void);
 void tera_comm_traffic_reset(void);

@@ -34,6 +34,21 @@ void tera_hier_allreduce_f32(tera_hier *h, float *buf /*[n]*/, int64_t n);
 void tera_hier_reduce_scatter_f32(tera_hier *h, float *buf /*[sum counts]*/, const int64_t *counts);
 void tera_hier_allgather_f32(tera_hier *h, float *buf /*[sum counts]*/, const int64_t *counts);
 
+/* Two-stage all-to-all (the expert exchange across nodes, parallel.ep_hierarchical): the same
+ * result as tera_comm_alltoallv_u8 over c (scounts[r] bytes from send, consecutive in c's rank
+ * order, to rank r; rcounts[r] bytes from rank r into recv, consecutive), moved as
+ *   1. inside the node: to local peer i, this rank's bytes for (node 0, i), (node 1, i), ...;
+ *   2. across the nodes, among the ranks with the same local index (one "rail"): to node n, what
+ *      every local peer sent for (n, this local index), in one message;
+ * then placed at their sources' offsets in recv. Every byte for another node crosses once, in k
+ * messages per node pair (one per rail) instead of k x k; bytes inside the node move twice.
+ * Before a node stage, a count exchange of 8 N bytes per local peer. Scratch: two buffers of at
+ * least max(sum scounts, sum rcounts, bytes relayed) bytes, reserved beforehand (no allocation
+ * here). Collective over c. */
+void tera_hier_reserve_alltoall(tera_hier *h, int64_t bytes);
+void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
+                            const int64_t *rcounts);
+
 /* The data-parallel gradient reducer of one region of n floats over c (parallel.hierarchical,
  * parallel.grad_compression): flat or hierarchical, fp32 or compressed with error feedback
  * (include/tera/compress.h; hierarchical: only the cross-node stage is compressed, inside a node

@@ -20,8 +20,16 @@
 #include "tera/comm.h"
 #include "tera/status.h"
 
-typedef enum { TERA_COMPRESS_NONE, TERA_COMPRESS_BF16, TERA_COMPRESS_FP16, TERA_COMPRESS_INT8, TERA_COMPRESS_FP8 } tera_compress_kind;
+typedef enum { TERA_COMPRESS_NONE, TERA_COMPRESS_BF16, TERA_COMPRESS_FP16, TERA_COMPRESS_INT8, TERA_COMPRESS_FP8,
+               TERA_COMPRESS_ONEBIT } tera_compress_kind;
 #define TERA_COMPRESS_BLOCK 256
+/* onebit (1-bit Adam's momentum, src/train/onebit.c; not a parallel.grad_compression choice): blocks of
+ * TERA_ONEBIT_BLOCK values from the start of each message, each one fp32 scale = mean |v| over the
+ * block (summed in order in fp32, divided by the block's length) followed by one sign bit per value
+ * (bit i % 8 of byte i / 8, 1 = negative; 0 and -0 count as positive), value = +-scale; a block with a
+ * non-finite value has scale NaN and decodes to NaN everywhere (its residuals are 0). Bytes of n values:
+ * 4 + ceil(m / 8) per block of m values (1/32 of fp32 plus 4 bytes per block). */
+#define TERA_ONEBIT_BLOCK 256
 
 /* "none" | "bf16" | "fp16" | "int8" | "fp8" -> kind; -1 when unknown */
 int tera_compress_parse(const char *name);
@@ -35,7 +43,7 @@ float tera_f16_to_f32(uint16_t h);
 uint8_t tera_f32_to_e4m3(float f); /* f already scaled; saturates to +-448, NaN -> NaN */
 float tera_e4m3_to_f32(uint8_t q);
 
-/* Bytes of n values in kind k (bf16, fp16, int8; fp8: one row of n). */
+/* Bytes of n values in kind k (bf16, fp16, int8, onebit; fp8: one row of n). */
 int64_t tera_compress_bytes(tera_compress_kind k, int64_t n);
 /* Encodes x[0..n) (+ err, updated as above, when err is given) into out (tera_compress_bytes). */
 void tera_compress_encode(tera_compress_kind k, const float *x, int64_t n, void *out, float *err);
@@ -64,5 +72,8 @@ void tera_creducer_reduce_scatter(tera_creducer *r, float *buf /*[sum counts]*/,
 /* The error-feedback state: e1 (this rank's residuals, n) and e2 (the owner's, n; only the chunks
  * this rank owns are used), for checkpoints. */
 float *tera_creducer_state(tera_creducer *r, int which, int64_t *n);
+/* mean = 1: the owner's value is the mean instead of the sum: s = (D(q_0) + ... + D(q_{p-1})) x (1/p)
+ * in fp32 (the sum in rank order as above, then one product); 0 (the default): the sum. */
+void tera_creducer_set_mean(tera_creducer *r, int mean);
 
 #endif

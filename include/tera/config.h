@@ -46,6 +46,7 @@ typedef enum {
     TERA_BALANCE_SWITCH = 0,        /* per-sequence Switch loss E sum_e f_e P_e (MODEL.md) */
     TERA_BALANCE_SWITCH_GLOBAL,     /* the Switch loss over all tokens of the micro-batch */
     TERA_BALANCE_IMPORTANCE_LOAD,   /* Shazeer et al.'s CV^2 of importance + CV^2 of load, per micro-batch */
+    TERA_BALANCE_SWITCH_DP,         /* the Switch loss with f_e over the micro-batches of all data-parallel ranks */
 } tera_balance_loss;
 
 typedef struct {
@@ -86,6 +87,8 @@ typedef struct {
 
 typedef struct {
     int steps;             /* optimizer steps */
+    int stop_at_step;      /* stop cleanly (with a checkpoint) after this step, schedule of `steps` unchanged; a run
+                            * resumed at or past it trains on (0 = off) */
     int seq_len;           /* T, tokens per sequence */
     int micro_batch;       /* sequences per micro-batch (per data-parallel rank) */
     int grad_accum;        /* micro-batches per optimizer step */
@@ -125,6 +128,8 @@ typedef struct {
 
 typedef struct {
     float beta1, beta2, eps, weight_decay;
+    char name[16];              /* adamw | onebit_adam (src/train/onebit.c) */
+    int onebit_warmup_steps;    /* onebit_adam: steps of full AdamW before the variance is frozen */
 } tera_optim_config;
 
 typedef struct {
@@ -133,6 +138,7 @@ typedef struct {
     char format[16];            /* auto | text | bin (Megatron .bin/.idx prefix) | u16 */
     char tokenizer[TERA_PATH_MAX]; /* online tokenization: a tokenizer directory ("" = off; src/data/online.c) */
     int tokenize_workers;       /* online tokenization: encoding threads */
+    int stream;                 /* online tokenization: stream the shards during training (src/data/stream.c) */
     int shuffle;                /* 0: sample i = tokens[i*T, i*T+T+1) in order */
     float val_fraction;         /* fraction of samples held out for validation */
     int prefetch;               /* micro-batches prepared ahead by a background thread (0 = off) */
@@ -151,6 +157,7 @@ typedef struct {
     int hierarchical;           /* data-parallel sums inside the node first, then across */
     char grad_compression[8];   /* none | bf16 | fp16 | int8: data-parallel gradient sums in low precision */
     char a2a_compression[8];    /* none | bf16 | fp8: the expert exchange's rows in low precision */
+    int ep_hierarchical;        /* expert exchange in two stages: inside the node, then one rail across */
 } tera_parallel_config;
 
 typedef struct {

@@ -13,9 +13,12 @@
 #include "tera/config.h"
 #include "tera/status.h"
 
-typedef enum { TERA_SRC_EMBEDDED, TERA_SRC_TEXT, TERA_SRC_BIN, TERA_SRC_U16, TERA_SRC_ONLINE } tera_source_kind;
+typedef enum { TERA_SRC_EMBEDDED, TERA_SRC_TEXT, TERA_SRC_BIN, TERA_SRC_U16, TERA_SRC_ONLINE, TERA_SRC_STREAM } tera_source_kind;
 
 struct tera_blend; /* a weighted blend of sources (data.paths, src/data/blend.c) */
+struct tera_stream; /* streaming online tokenization (data.stream, src/data/stream.c) */
+struct tera_comm;
+struct cJSON;
 
 typedef struct {
     tera_source_kind kind;
@@ -27,6 +30,7 @@ typedef struct {
     int64_t n_docs;             /* documents (bin: from the index; else 1) */
     struct tera_blend *blend;   /* data.paths: the blend (this source's own fields are its first dataset's) */
     void *owned;                /* a token array the source allocated (online tokenization), freed at close */
+    struct tera_stream *stream; /* kind TERA_SRC_STREAM: the shards, read during training (no token array) */
     struct {                    /* online tokenization (data.tokenizer): what the start-up pass did */
         int shards, workers, ranks; /* ranks: the processes that shared the encoding (the world) */
         int64_t bytes;          /* raw text bytes (decompressed) */
@@ -65,7 +69,11 @@ tera_status tera_idx_writer_add(tera_idx_writer *w, const int32_t *ids, int64_t 
 tera_status tera_idx_writer_commit(tera_idx_writer *w); /* frees w */
 void tera_idx_writer_abort(tera_idx_writer *w);         /* frees w */
 
-/* Deterministic sample order over a source. */
+/* Deterministic sample order over a source. A streamed source (TERA_SRC_STREAM) has no token array:
+ * each data-parallel rank reads its own shards in order (tera_loader_bind), sample k of a rank's
+ * stream is tokens [k T, k T + T + 1) of the concatenation of its shards' documents; n_train is then
+ * unbounded (TERA_STREAM_UNBOUNDED) and n_val 0. */
+#define TERA_STREAM_UNBOUNDED ((int64_t)1 << 62)
 typedef struct {
     const tera_token_source *src;
     int T;
@@ -91,6 +99,27 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
  * its own indices. Because the data position is counted in samples, a run resumed with another
  * micro-batch, accumulation or data-parallel degree continues with the very next sample. */
 int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int dp_rank, int dp_size, int b);
+
+/* Streaming (src/data/stream.c): which of the streams this process reads and how global sample
+ * indices map onto it. Global sample g of the run is sample (g - c0) div (B dp) B + (g - c0) mod B of
+ * dp rank ((g - c0) div B) mod dp's stream, counted from the data position c0 the stream was
+ * (re)started at: a step's micro-batch a of rank r (tera_loader_step_sample) is then B consecutive
+ * samples of r's own stream. Fails (naming the values) when dp exceeds the number of shards or
+ * evaluation is asked for (no validation split). A no-op for other sources. micro: training.micro_batch */
+tera_status tera_loader_bind(tera_loader *l, int dp_rank, int dp_size, int micro, int eval_every);
+/* Before a checkpoint (collective over the data-parallel group dp, every rank): agrees every dp rank's
+ * stream position at the data position `consumed`, for tera_data_save. A no-op without streaming. */
+void tera_loader_sync(const tera_loader *l, struct tera_comm *dp, int64_t consumed);
+/* The data section of state.json, serialised by its owner (src/data/data_state.c): root's "data"
+ * object (path, n_tokens, seq_len, n_train, shuffle, samples_consumed, epoch, offset_in_epoch; when
+ * streaming also "stream": the dp degree, the shard list's fingerprint and each dp rank's position:
+ * shard, byte offset of the document, token offset in it, epoch, sample). data_path: as configured. */
+void tera_data_save(const tera_loader *l, const char *data_path, int64_t consumed, struct cJSON *root);
+/* Reads it back and checks that this run reads the same stream (ckpt_seed / run_seed: training.seed of
+ * the checkpoint and of this run); restarts a streamed source at this rank's saved position. *consumed:
+ * the data position. Errors name the file and field. */
+tera_status tera_data_load(tera_loader *l, const struct cJSON *root, const char *path, uint64_t ckpt_seed,
+                           uint64_t run_seed, int64_t *consumed);
 
 /* The v-th validation sample (v mod n_val). */
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);

@@ -94,6 +94,10 @@ typedef struct {
     tera_comm *group;     /* the expert-parallel group (its size is ep); NULL when ep = 1 */
     int overlap;          /* 1: exchange one source's tokens while computing another's */
     int a2a_compression;  /* rows exchanged as 0 fp32, 1 bf16, 4 fp8 e4m3 with a scale per row (tera_compress_kind) */
+    int hierarchical;     /* 1: the two-stage node-aware exchange when the group spans nodes (tera_hier_alltoallv_u8) */
+    /* model.balance_loss = switch_dp: the expert counts are summed over this group (the ranks that see
+     * other tokens through the same layers: the data-parallel group); NULL: this rank alone */
+    tera_comm *dp_group;
     /* Tensor parallelism (Megatron): the tp ranks of tp_group see the same tokens and split
      * attention by heads, every FFN (dense, shared and routed experts) by its hidden width, and
      * the embedding and LM head by vocabulary; partial sums meet in all-reduces over tp_group

@@ -104,7 +104,7 @@ enum {
     TERA_PM_COMM,        /* expert-exchange buffers and ZeRO-2/3 staging slots */
     /* the categories above are the six of `tera train`'s "memory bytes per rank" line; these three are
      * allocated too but not in that line */
-    TERA_PM_PIPELINE,    /* pipeline send/receive buffers and token slots (src/train/pipeline.c) */
+    TERA_PM_PIPELINE,    /* pipeline send/receive buffers and token slots (src/parallel/pipeline.c) */
     TERA_PM_CKPT,        /* checkpoint: one rank: the snapshot; several: the writer window + a chunk */
     TERA_PM_OTHER,       /* router state, per-tensor norm scratch, the micro-batch's tokens */
     TERA_PM_N

@@ -11,6 +11,7 @@
 #include "tera/data.h"
 #include "tera/guard.h"
 #include "tera/model.h"
+#include "tera/pipeline.h"
 #include "tera/precision.h"
 #include "tera/topology.h"
 
@@ -24,12 +25,23 @@ typedef struct {
     float *g;       /* ZeRO-2/3: the shard's gradients [n] (NULL: the model's whole buffer) */
     float *w;       /* ZeRO-3: the shard's parameters [n] (NULL: the model's whole buffer) */
     int view;       /* 1: m and v point into another optimizer's allocation (not freed here) */
+    struct tera_adamw_plan *plan; /* the (tensor, chunk) work items of its passes (src/train/optim.c) */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
 /* ZeRO-1: moments for the flat range [lo, hi) only. */
 void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi);
 void tera_adamw_free(tera_adamw *o);
+/* Builds o's work items over m's tensors: chunks of TERA_OPTIM_CHUNK elements aligned to each
+ * tensor's start (clipped to [lo, hi)), one parallel region per pass over all of them, each chunk's
+ * sums kept apart and added per tensor in a fixed order (results independent of the thread count).
+ * Called at init (the step then allocates nothing); a step or norm on a model whose table no longer
+ * matches the plan builds it again. */
+#define TERA_OPTIM_CHUNK 16384
+void tera_adamw_plan(tera_adamw *o, const tera_model *m);
+/* Squared gradient norm of o's range [lo, hi) (the gradients at o->g, else m->g + lo), per tensor
+ * into sq[n_params] (0 for tensors outside the range; sq may be NULL); returns the total. */
+double tera_adamw_grad_sq(tera_adamw *o, const tera_model *m, double *sq);
 /* One decoupled-weight-decay Adam update of every parameter of m (decay only where the
  * parameter table says so): p -= lr*wd*p; p -= lr * m_hat / (sqrt(v_hat) + eps), on the gradient
  * times grad_scale (the clipping factor, applied here instead of in a separate pass). With
@@ -62,6 +74,7 @@ typedef struct {
     float lr;
     double dropped_frac;
     double seconds, data_seconds;
+    double comm_seconds; /* of seconds: this rank blocked in communication (tera_comm_traffic.blocked_s) */
     int skipped;    /* 1: non-finite loss or gradient, update skipped */
     double update_ratio; /* ||w_new - w_old|| / ||w_old|| of this step's update */
     int spike;           /* 1: loss spike detected, update dropped (and rolled back when possible) */
@@ -102,6 +115,23 @@ void tera_batch_save(const tera_train_config *t, const tera_batch_state *b, int6
 /* Restores "batch" of root (absent: growth off); path names the file in errors. */
 tera_status tera_batch_load(tera_batch_state *b, const struct cJSON *root, const char *path);
 
+/* Fault injection for tests (TERA_FAULT_* environment variables, read at init). */
+typedef struct {
+    int64_t nan_step;           /* poison a gradient at this step (-1: off) */
+    int64_t nan_n, nan_done;    /* "S:N": N steps from S, each once (tera_elastic_fault_nan) */
+    int64_t spike_sample;       /* blow up the batch starting at this sample (-1: off) */
+} tera_faults;
+
+/* The elastic hooks' state (src/elastic/rank.c owns it): the wall-clock checkpoint cadence and the
+ * rollback after training.nan_rollback_after consecutive non-finite steps. */
+typedef struct {
+    double ckpt_wall_last, ckpt_wall_full; /* when the last save and the last full save ended (tera_now; 0: not yet) */
+    int ckpt_full_seen;                    /* full saves counted so far */
+    int64_t nonfinite_run, nonfinite_lo;   /* consecutive non-finite steps, the first one's first sample */
+    int64_t nan_rollbacks, nan_last_step;  /* rollbacks so far, the first failed step of the last one */
+    int nan_repeats;                       /* rollbacks in a row for the same steps */
+} tera_elastic_state;
+
 typedef struct {
     tera_config cfg;
     tera_model model;
@@ -125,15 +155,9 @@ typedef struct {
     int grads_zero;             /* the gradients are known to be zero (cleared by the optimizer) */
     double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
-    int64_t fault_nan_step;     /* fault injection for tests: poison a gradient at this step (-1: off) */
-    int64_t fault_nan_n, fault_nan_done; /* "S:N": N steps from S, each once (tera_elastic_fault_nan) */
-    /* elastic hooks (src/elastic/rank.c): the wall-clock checkpoint cadence and the rollback after
-     * training.nan_rollback_after consecutive non-finite steps */
-    double ckpt_wall_last, ckpt_wall_full; /* when the last save and the last full save ended (tera_now; 0: not yet) */
-    int ckpt_force_full, ckpt_full_seen; /* the next save is full; full saves counted so far */
-    int64_t nonfinite_run, nonfinite_lo; /* consecutive non-finite steps, the first one's first sample */
-    int64_t nan_rollbacks, nan_last_step; /* rollbacks so far, the first failed step of the last one */
-    int nan_repeats;            /* rollbacks in a row for the same steps */
+    tera_faults faults;         /* test hooks (fault injection) */
+    tera_elastic_state elastic; /* the elastic hooks' state (src/elastic/rank.c) */
+    int ckpt_force_full;        /* the next save is full (set by the elastic hooks, read by the checkpoint engine) */
     tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c): the world size
                                    and rank, dp/tp/pp/ep/edp and this rank's index on each (the trainer keeps no
                                    copies) */
@@ -150,7 +174,7 @@ typedef struct {
     /* pipeline parallelism: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank; pp_group: the
      * stages of one pipeline; sg: the ranks whose statistics add up (data-parallel x stages) */
     struct tera_comm *pp_group, *sg;
-    struct tera_pipe *pipe;     /* the executor's state (src/train/pipeline.c) */
+    struct tera_pipe *pipe;     /* the pipeline executor (include/tera/pipeline.h), pp > 1 */
     int root;                   /* world rank 0 (writes outputs) */
     tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
                                    ZeRO-1 shard of it); opt holds the non-expert region's */
@@ -162,8 +186,8 @@ typedef struct {
     int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
     struct tera_greducer *gred[2]; /* [non-expert over dp, experts over edp] hierarchical / compressed gradient
                                       sums (include/tera/comm_hier.h); NULL: the plain collectives */
+    struct tera_onebit *onebit;    /* optimizer.name = onebit_adam (src/train/onebit.c); NULL: AdamW */
     tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */
-    int64_t fault_spike_sample; /* fault injection for tests: blow up the batch starting at this sample (-1: off) */
     int64_t *shard_counts;      /* [topo.dp] ZeRO-1 shards of the non-expert region [0, n_dense) */
     struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
     struct tera_shard_ckpt *shard_ckpt; /* the same for sharded checkpoints */
@@ -321,27 +345,8 @@ void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards). */
 void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);
 
-/* ---------------------------------------------------------------- the pipeline (src/train/pipeline.c) */
-typedef struct tera_pipe tera_pipe;
-/* Activation slots this stage needs (before the model): the schedule's peak of micro-batches in
- * flight here; fails if the schedule cannot be built or deadlocks. */
-tera_status tera_pipeline_slots(const tera_trainer *tr, int *slots);
-tera_status tera_pipeline_init(tera_trainer *tr);
-void tera_pipeline_free(tera_trainer *tr);
-/* Runs the step's A micro-batches through the schedule: sums[3] += cross-entropy, aux, z sums of
- * this stage's layers; counts[2] += assignments, dropped; data_s += reading time. grad_ready is
- * set for each backward (final_only: only for a chunk's last micro-batch). */
-void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, double *sums, int64_t *counts,
-                        double *data_s, void (*grad_ready)(void *, int64_t, int64_t), int final_only);
-/* One evaluation micro-batch through the stages in turn: the cross-entropy sum and positions on
- * the last stage (0 elsewhere). */
-double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const int32_t *targets, double *positions);
-/* Mean seconds per step of this stage: running operations, waiting for neighbours, the whole step. */
-/* The parameter groups this stage's schedule uses in one step, in order (forward: the embedding on
- * the first stage, its layers, the head on the last; backward: the head, its layers descending):
- * writes at most max, returns the count. */
-int tera_pipeline_param_uses(const tera_trainer *tr, int *uses, int max);
-void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step);
+/* The pipeline executor is include/tera/pipeline.h (src/parallel/pipeline.c); the trainer builds
+ * it with its data and ZeRO-3 hooks (trainer.c) when pp > 1. */
 
 /* ---------------------------------------------------------------- checkpoints
  * (src/train/checkpoint.c; on-disk format and readers in include/tera/ckpt.h, docs/CHECKPOINTS.md)

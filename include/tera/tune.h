@@ -1,5 +1,6 @@
 /* Hyperparameter search (`tera tune -c search.ini`, docs/TRACKING.md): the search space and study
- * file, the samplers (random; TPE after Bergstra et al. 2011) and the ASHA / Hyperband rungs with
+ * file, the samplers (random; TPE after Bergstra et al. 2011; Gaussian-process expected improvement,
+ * the default) and the ASHA / Hyperband rungs with
  * training steps as the fidelity. The processes (trials run as `tera train` or an objective command)
  * are driven by src/cli/cmd_tune.c. */
 #ifndef TERA_TUNE_H
@@ -30,7 +31,7 @@ typedef struct {
     char choices[TERA_TUNE_MAX_CHOICES][64];
 } tera_param_spec;
 
-typedef enum { TERA_SAMPLER_RANDOM = 0, TERA_SAMPLER_TPE } tera_sampler_kind;
+typedef enum { TERA_SAMPLER_RANDOM = 0, TERA_SAMPLER_TPE, TERA_SAMPLER_GP } tera_sampler_kind;
 typedef enum { TERA_SCHED_NONE = 0, TERA_SCHED_ASHA, TERA_SCHED_HYPERBAND } tera_sched_kind;
 
 typedef struct {
@@ -48,9 +49,9 @@ typedef struct {
     uint64_t seed;
     int min_steps, max_steps, eta;
     int window;                /* metric loss: mean of the last `window` steps up to the rung */
-    int startup;               /* random trials before TPE models the rest */
+    int startup;               /* random trials before TPE / the GP models the rest */
     double gamma;              /* TPE: fraction of observations in the good group */
-    int candidates;            /* TPE: candidates drawn from l(x) per parameter */
+    int candidates;            /* TPE: candidates drawn from l(x) per parameter; GP: 50 x this uniform ones */
     int n_params;
     tera_param_spec params[TERA_TUNE_MAX_PARAMS];
     char text[16384];          /* the file as read (the study's identity in the registry) */
@@ -74,6 +75,20 @@ void tera_sample_random(const tera_search *s, int64_t number, double *x);
  * max(1, ceil(gamma n)) are the good group l, the rest g); draws `candidates` from l per parameter
  * and keeps the one with the largest l(x)/g(x). Falls back to random when n < 2. */
 void tera_sample_tpe(const tera_search *s, const double *xs, const int *order, int n, int64_t number, double *x);
+
+/* Gaussian-process Bayesian optimisation: xs[n][n_params] past parameters, ys[n] their values (lower
+ * is better, at one fidelity: tera_fidelity_map), pend[n_pend][n_params] the parameters of trials
+ * still running (given the mean value, a constant liar, so parallel trials spread out). A Matern 5/2
+ * GP with a length per parameter fitted by marginal likelihood; the candidate with the largest
+ * expected improvement among 50 x candidates uniform ones and ones near the 5 best is taken. Random
+ * when n < 2. Deterministic for a (seed, number). */
+void tera_sample_gp(const tera_search *s, const double *xs, const double *ys, int n, const double *pend, int n_pend,
+                    int64_t number, double *x);
+/* vals[n][levels]: each trial's value at each fidelity level (NAN where it has none; a trial's values
+ * are at consecutive levels). out[n]: its newest value brought to the top level by chaining a
+ * least-squares line from each level to the next (fitted on the trials seen at both: promoted ones;
+ * a shift when fewer than 4 or the slope is not positive); NAN when a level on the way has no pair. */
+void tera_fidelity_map(const double *vals, int n, int levels, double *out);
 
 /* The rungs (steps) of a bracket: min_steps * eta^(bracket + k) below max_steps, then max_steps.
  * NONE: max_steps only. Returns their count. */

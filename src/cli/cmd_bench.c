@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_peak.h"
 #include "cli.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
@@ -73,6 +74,8 @@ int tera_cmd_bench(int argc, char **argv) {
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
     const int multi = tr.topo.world > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
+    tera_bf16_peak bf16_peak = {0}; /* bench_peak.c: before and after the steps, like the sgemm peak */
+    if (!multi) tera_bench_bf16_peak_measure(&cfg, &bf16_peak);
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
     double cpu0 = 0.0;
@@ -92,6 +95,7 @@ int tera_cmd_bench(int argc, char **argv) {
     const tera_comm_traffic tx = tera_comm_traffic_get();
     const double cpu_ms = 1e3 * (cpu_seconds() - cpu0) / steps;
     const double peak_after = multi ? 0.0 : sgemm_peak_gflops();
+    if (!multi) tera_bench_bf16_peak_measure(&cfg, &bf16_peak);
     if (peak_after > peak) peak = peak_after;
     qsort(sec, (size_t)steps, sizeof(double), cmp_double);
     const double med = sec[steps / 2];
@@ -118,11 +122,21 @@ int tera_cmd_bench(int argc, char **argv) {
         for (int q = 0; q < tr.topo.world; q++) inter_max = node_bytes[2 + q] > inter_max ? node_bytes[2 + q] : inter_max;
         if (tr.root)
             fprintf(stderr, "tera bench: comm {\"comm_nodes\": %d, \"intra_bytes_per_rank_step\": %.0f, \"inter_bytes_per_rank_step\": %.0f, "
-                   "\"inter_bytes_max_rank_step\": %.0f, \"grad_compression\": \"%s\", \"hierarchical\": %d, "
-                   "\"a2a_compression\": \"%s\"}\n",
+                   "\"inter_bytes_max_rank_step\": %.0f, \"grad_compression\": \"%s\", \"hierarchical\": %d, \"ep_hierarchical\": %d, "
+                   "\"a2a_compression\": \"%s\", \"optimizer\": \"%s\"}\n",
                    tera_comm_nodes(), (node_bytes[0] - node_bytes[1]) / tr.topo.world, node_bytes[1] / tr.topo.world, inter_max,
-                   cfg.parallel.grad_compression, cfg.parallel.hierarchical, cfg.parallel.a2a_compression);
+                   cfg.parallel.grad_compression, cfg.parallel.hierarchical, cfg.parallel.ep_hierarchical,
+                   cfg.parallel.a2a_compression,
+                   cfg.optimizer.name);
         free(node_bytes);
+        /* communication not hidden behind compute: each rank's seconds blocked in collectives and waits
+         * per step (src/comm/comm.c), the mean and the largest over the ranks */
+        double *blk = tera_calloc((size_t)tr.topo.world, sizeof(double));
+        blk[tr.topo.rank] = tx.blocked_s / steps;
+        tera_comm_allreduce_f64(tera_comm_world(), blk, tr.topo.world);
+        double blk_mean = 0.0, blk_max = 0.0;
+        for (int q = 0; q < tr.topo.world; q++) blk_mean += blk[q] / tr.topo.world, blk_max = blk[q] > blk_max ? blk[q] : blk_max;
+        free(blk);
         if (tr.root) {
             tera_prof_print(stderr, steps);
             printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"pp\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, "
@@ -138,6 +152,7 @@ int tera_cmd_bench(int argc, char **argv) {
             for (int k = 0; k < TERA_XFER_KINDS; k++)
                 printf(", \"sent_%s\": %.0f, \"min_%s\": %.0f, \"overhead_%s\": %.0f", tera_xfer_names[k], kind_sent[k],
                        tera_xfer_names[k], cm.min[k], tera_xfer_names[k], cm.overhead[k]);
+            printf(", \"exposed_comm_ms\": %.2f, \"exposed_comm_ms_max\": %.2f", 1e3 * blk_mean, 1e3 * blk_max);
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
                    "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),
@@ -155,11 +170,13 @@ int tera_cmd_bench(int argc, char **argv) {
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"bf16_gemm\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %s, \"recompute\": \"%s\", "
-           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f}\n",
+           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f",
            val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision),
            tr.precision != TERA_PREC_BF16 ? "-" : tr.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
            (long long)m->bytes_acts, cpu_ms);
+    tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);
+    printf("}\n");
     free(sec);
     tera_trainer_free(&tr);
     return 0;

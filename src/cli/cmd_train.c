@@ -18,17 +18,22 @@ static void print_summary(const tera_trainer *tr) {
     const tera_config *c = &tr->cfg;
     const tera_model *m = &tr->model;
     const double MiB = 1024.0 * 1024.0;
+    char data_note[128]; /* a streamed source has no token count: its shards are read during training */
+    if (tr->src.kind == TERA_SRC_STREAM)
+        snprintf(data_note, sizeof data_note, "streamed: tokenized during training, T=%d", c->training.seq_len);
+    else
+        snprintf(data_note, sizeof data_note, "%ld tokens, %ld train / %ld val samples of T=%d", (long)tr->src.n_tokens,
+                 (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len);
     fprintf(stderr,
             "tera: model %.2fM params (%.2fM active/token), L=%d D=%d H=%d/%d E=%d k=%d F=%d V=%d | %s\n"
-            "tera: data %s (%ld tokens, %ld train / %ld val samples of T=%d) | batch %d x %d x accum %d x dp %d = %ld tokens/step | %d threads\n"
+            "tera: data %s (%s) | batch %d x %d x accum %d x dp %d = %ld tokens/step | %d threads\n"
             "tera: memory MiB per rank: params %.1f, grads %.1f, optimizer %.1f, activations %.1f (recompute %s), scratch %.1f\n"
             "tera: precision %s%s%s\n",
             tera_model_total_params(&c->model) / 1e6, tera_model_active_params(&c->model) / 1e6,
             c->model.n_layers, c->model.dim, c->model.n_heads, c->model.n_kv_heads, c->model.n_experts,
             c->model.top_k, c->model.ffn_dim, c->model.vocab_size,
             c->model.capacity_factor > 0 ? "capacity" : "dropless",
-            c->data.path[0] ? c->data.path : "embedded default corpus", (long)tr->src.n_tokens,
-            (long)tr->loader.n_train, (long)tr->loader.n_val, c->training.seq_len, c->training.micro_batch,
+            c->data.path[0] ? c->data.path : "embedded default corpus", data_note, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->topo.dp, (long)tr->tokens_per_step, tera_get_threads(),
             m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
             c->training.recompute, m->bytes_scratch / MiB, tr->precision_note,
@@ -161,7 +166,7 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
     if (cfg.logging.profile && tr.root) tera_prof_print(stderr, (int)(tr.step - step0));
     if (tr.topo.pp > 1 && tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) { /* the measured bubble of each stage */
         double busy, wait, step;
-        tera_pipeline_times(&tr, &busy, &wait, &step);
+        tera_pipe_times(tr.pipe, &busy, &wait, &step);
         const int m = cfg.training.grad_accum, p = tr.topo.pp, v = cfg.parallel.pp_chunks;
         fprintf(stderr, "tera: pipeline stage %d: step %.1f ms, busy %.1f ms, waiting %.1f ms: idle fraction %.3f "
                 "(bubble formula %.3f)\n", tr.topo.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,

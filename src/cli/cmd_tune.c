@@ -1,7 +1,8 @@
 /* tera tune -c search.ini: runs the trials of a study as child processes (tera train, or an objective
- * command), samples their parameters (random / TPE), stops and promotes them by ASHA / Hyperband with
- * steps as the fidelity, keeps the study in the registry (a crashed or interrupted study resumes), and
- * writes the best config and a report. docs/TRACKING.md. */
+ * command), samples their parameters (random / TPE / GP), stops and promotes them by ASHA / Hyperband
+ * with steps as the fidelity (a tera train trial runs to its rung and stops there with a checkpoint:
+ * training.stop_at_step; a promoted one resumes from it), keeps the study in the registry (a crashed
+ * or interrupted study resumes), and writes the best config and a report. docs/TRACKING.md. */
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -37,10 +38,7 @@ typedef struct {
     int rung_done;                        /* values[0 .. rung_done) are known */
     double values[TERA_TUNE_MAX_RUNGS];
     int64_t steps_used;                   /* trial-steps spent (the study's budget) */
-    int64_t seg_start;                    /* step the running segment started from */
     pid_t pid;
-    int pause_at;                         /* train: rung index to stop at (-1: none) */
-    int kill_sent;
     char dir[TERA_PATH_MAX + 64];
 } trial;
 
@@ -113,7 +111,6 @@ static trial *new_trial(study *st) {
     trial *t = &st->t[st->n];
     memset(t, 0, sizeof *t);
     t->number = st->n++;
-    t->pause_at = -1;
     t->pid = -1;
     return t;
 }
@@ -237,15 +234,20 @@ static int newest_ckpt(const char *dir) {
     return best;
 }
 
-/* Starts (or continues from its checkpoint) a tera train trial. */
+/* Starts (or continues from its checkpoint) a tera train trial: it trains to its next rung and stops
+ * there with a checkpoint (training.stop_at_step; the LR schedule is that of max_steps), so where a
+ * trial stops never depends on timing. Returns 1 (started), 0 (could not start), or 2: its newest
+ * checkpoint is already at the rung (a study interrupted after the trial's save): no process. */
 static int start_train(study *st, trial *t) {
     char *argv[256];
     int argc = 0;
-    char store[4096], a_dir[PATHBUF], a_steps[64], a_every[64], a_reg[PATHBUF], conf[PATHBUF];
+    char store[4096], a_dir[PATHBUF], a_steps[64], a_every[64], a_reg[PATHBUF], a_stop[64], conf[PATHBUF];
     char pv[TERA_TUNE_MAX_PARAMS][256];
     argv[argc++] = st->exe;
     argv[argc++] = "train";
-    const int resume = t->seg_start = newest_ckpt(t->dir);
+    const int target = t->rungs[t->rung_done];
+    const int resume = newest_ckpt(t->dir);
+    if (resume >= target) return 2;
     if (resume > 0) { /* promoted (or interrupted): continue from its newest checkpoint */
         snprintf(conf, sizeof conf, "%s/config.ini", t->dir);
         argv[argc++] = "-c";
@@ -273,11 +275,12 @@ static int start_train(study *st, trial *t) {
         argv[argc++] = a_reg;
         argv[argc++] = "--force"; /* a trial directory left by an interrupted start */
     }
+    /* the rung (0 at max_steps: off, also over a stop that config.ini kept from the last segment) */
+    snprintf(a_stop, sizeof a_stop, "--training.stop_at_step=%d", target < st->s.max_steps ? target : 0);
+    argv[argc++] = a_stop;
     argv[argc] = NULL;
     char log[64];
     snprintf(log, sizeof log, "trial_%04d.log", t->number);
-    t->kill_sent = 0;
-    t->pause_at = -1;
     return spawn(st, t, argv, log) > 0;
 }
 
@@ -320,6 +323,7 @@ static int start_command(study *st, trial *t) {
     return spawn(st, t, argv, log) > 0;
 }
 
+/* 1: started, 0: could not start, 2: no process needed (start_train) */
 static int start_trial(study *st, trial *t) {
     return st->s.objective[0] ? start_command(st, t) : start_train(st, t);
 }
@@ -405,98 +409,48 @@ static void record_rung(study *st, trial *t, int k, double v) {
             t->rungs[k], st->s.objective[0] ? "value" : st->s.metric, v);
 }
 
-/* 1 while the child has not ended (it is not reaped here) */
-static int alive(pid_t pid) {
-    siginfo_t info;
-    memset(&info, 0, sizeof info);
-    return waitid(P_PID, (id_t)pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == 0;
-}
-
-/* train trials: new rungs reached in metrics.jsonl, and the pause of a trial that is not promoted. */
-static void poll_train(study *st, trial *t) {
-    curve c;
-    read_curve(t->dir, st->s.max_steps, &c);
-    while (t->rung_done < t->n_rungs && t->pause_at < 0) {
-        const int k = t->rung_done;
-        const double v = curve_value(st, &c, t->rungs[k]);
-        if (isnan(v)) break;
-        record_rung(st, t, k, v);
-        if (k < t->n_rungs - 1 && !promotable(st, t, k)) t->pause_at = k;
-        save_trial(st, t);
-    }
-    /* a trial to pause stops once its checkpoint at (or after) the rung is committed */
-    if (t->pause_at >= 0 && !t->kill_sent) {
-        /* the rung's checkpoint is written right after its step: wait for it closely (at most a minute),
-         * so the trial trains as little as possible past the rung */
-        for (int i = 0; i < 60000 && newest_ckpt(t->dir) < t->rungs[t->pause_at] && alive(t->pid); i++) usleep(1000);
-        kill(t->pid, SIGTERM);
-        t->kill_sent = 1;
-    }
-    free(c.loss);
-    free(c.val);
-}
-
-/* A child ended: account its steps and decide its state. */
+/* A segment ended (its process, or no process: start_train's 2): the trial trained from its last
+ * rung to rung k (a train trial stops there: training.stop_at_step) or the objective command ran at
+ * rung k; account its steps and decide its state. */
 static void on_exit_trial(study *st, trial *t, int status) {
     const int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     t->pid = -1;
+    const int k = t->rung_done, prev = k ? t->rungs[k - 1] : 0;
+    double v = NAN;
+    int64_t used = t->rungs[k] - prev;
+    char why[PATHBUF + 128];
     if (!st->s.objective[0]) {
         curve c;
         read_curve(t->dir, st->s.max_steps, &c);
-        const int64_t used = c.n > t->seg_start ? c.n - t->seg_start : 0;
-        const int all_steps = c.n >= st->s.max_steps; /* every step is in metrics.jsonl */
-        t->steps_used += used;
-        st->steps_used += used;
+        if (c.n >= t->rungs[k]) v = curve_value(st, &c, t->rungs[k]);
+        if (!ok || isnan(v)) used = c.n > prev ? c.n - prev : 0; /* the steps it did train */
         free(c.loss);
         free(c.val);
-        poll_train(st, t); /* rungs reached in the last lines */
-        /* it finished before the stop reached it (or the stop arrived during its final save, after
-         * its last step): the run is complete */
-        if ((ok || all_steps) && t->pause_at >= 0) {
-            read_curve(t->dir, st->s.max_steps, &c);
-            for (int k = t->rung_done; k < t->n_rungs; k++) {
-                const double v = curve_value(st, &c, t->rungs[k]);
-                if (isnan(v)) break;
-                record_rung(st, t, k, v);
+        snprintf(why, sizeof why, "%s; see %s/logs/trial_%04d.log",
+                 ok ? "its metric at the rung is missing from metrics.jsonl" : "tera train exited with an error",
+                 st->s.dir, t->number);
+    } else {
+        char out[PATHBUF];
+        snprintf(out, sizeof out, "%s/logs/trial_%04d_rung%d.out", st->s.dir, t->number, k);
+        FILE *f = fopen(out, "r");
+        if (f) {
+            char line[512];
+            while (fgets(line, sizeof line, f)) {
+                char *end;
+                const double x = strtod(line, &end);
+                while (*end == ' ' || *end == '\n' || *end == '\r' || *end == '\t') end++;
+                if (end != line && *end == '\0') v = x;
             }
-            free(c.loss);
-            free(c.val);
-            t->kill_sent = 0;
+            fclose(f);
         }
-        if (t->rung_done == t->n_rungs) t->state = T_COMPLETE;
-        else if (t->kill_sent || t->pause_at >= 0) t->state = T_PAUSED;
-        else {
-            t->state = T_FAILED;
-            fprintf(stderr, "tera tune: trial %d failed (%s; see %s/logs/trial_%04d.log)\n", t->number,
-                    ok ? "its metric is missing from metrics.jsonl" : "tera train exited with an error", st->s.dir,
-                    t->number);
-        }
-        t->pause_at = -1;
-        save_trial(st, t);
-        return;
+        snprintf(why, sizeof why, "the objective command %s; see %s",
+                 ok ? "printed no number on its last line" : "exited with an error", out);
     }
-    const int k = t->rung_done;
-    char out[PATHBUF];
-    snprintf(out, sizeof out, "%s/logs/trial_%04d_rung%d.out", st->s.dir, t->number, k);
-    double v = NAN;
-    FILE *f = fopen(out, "r");
-    if (f) {
-        char line[512];
-        while (fgets(line, sizeof line, f)) {
-            char *end;
-            const double x = strtod(line, &end);
-            while (*end == ' ' || *end == '\n' || *end == '\r' || *end == '\t') end++;
-            if (end != line && *end == '\0') v = x;
-        }
-        fclose(f);
-    }
-    const int64_t used = t->rungs[k] - (k ? t->rungs[k - 1] : 0);
     t->steps_used += used;
     st->steps_used += used;
     if (!ok || !isfinite(v)) {
         t->state = T_FAILED;
-        fprintf(stderr, "tera tune: trial %d failed: the objective command %s (see %s)\n", t->number,
-                ok ? "printed no number on its last line" : "exited with an error", out);
+        fprintf(stderr, "tera tune: trial %d failed (%s)\n", t->number, why);
         save_trial(st, t);
         return;
     }
@@ -531,6 +485,31 @@ static void sample(study *st, trial *t) {
         if (&st->t[i] != t && st->t[i].rung_done > 0) order[n++] = i;
     if (st->s.sampler == TERA_SAMPLER_RANDOM || n < st->s.startup || n < 2) {
         tera_sample_random(&st->s, t->number, t->x);
+    } else if (st->s.sampler == TERA_SAMPLER_GP) { /* every value brought to max_steps, running trials as liars */
+        int lv[TERA_TUNE_MAX_RUNGS];
+        const int L = tera_rungs(&st->s, 0, lv), P = st->s.n_params;
+        double *vals = tera_malloc((size_t)n * L * sizeof(double)), *out = tera_malloc((size_t)n * sizeof(double));
+        double *xs = tera_malloc((size_t)(st->n + 1) * P * sizeof(double)), *ys = tera_malloc((size_t)n * sizeof(double));
+        for (int j = 0; j < n * L; j++) vals[j] = NAN;
+        for (int j = 0; j < n; j++) {
+            const trial *u = &st->t[order[j]];
+            for (int k = 0; k < u->rung_done; k++)
+                for (int l = 0; l < L; l++)
+                    if (lv[l] == u->rungs[k]) vals[(size_t)j * L + l] = u->values[k];
+        }
+        tera_fidelity_map(vals, n, L, out);
+        int m = 0, np = 0;
+        for (int j = 0; j < n; j++)
+            if (isfinite(out[j])) {
+                memcpy(xs + (size_t)m * P, st->t[order[j]].x, (size_t)P * sizeof(double));
+                ys[m++] = out[j];
+            }
+        double *pend = xs + (size_t)m * P; /* after the observations */
+        for (int i = 0; i < st->n; i++)
+            if (&st->t[i] != t && st->t[i].rung_done == 0 && (st->t[i].state == T_RUNNING || st->t[i].state == T_PENDING))
+                memcpy(pend + (size_t)np++ * P, st->t[i].x, (size_t)P * sizeof(double));
+        tera_sample_gp(&st->s, xs, ys, m, pend, np, t->number, t->x);
+        free(vals), free(out), free(xs), free(ys);
     } else {
         g_cmp_study = st;
         qsort(order, (size_t)n, sizeof(int), cmp_trial_idx);
@@ -660,7 +639,7 @@ static int write_outputs(study *st) {
     fprintf(f, "# Study %s\n\nsampler %s, scheduler %s (eta %d, steps %d..%d), %d trials: %d complete, %d stopped early, "
             "%d failed; %ld trial-steps.\n\nBest: trial %d, %s %.6g at %d steps (config: best.ini).\n\n## Trials\n\n"
             "| trial | state | bracket | steps | value |", st->s.name,
-            st->s.sampler == TERA_SAMPLER_TPE ? "tpe" : "random",
+            st->s.sampler == TERA_SAMPLER_TPE ? "tpe" : st->s.sampler == TERA_SAMPLER_GP ? "gp" : "random",
             st->s.scheduler == TERA_SCHED_NONE ? "none" : st->s.scheduler == TERA_SCHED_ASHA ? "asha" : "hyperband",
             st->s.eta, st->s.min_steps, st->s.max_steps, st->n, counts[T_COMPLETE], counts[T_STOPPED] + counts[T_PAUSED],
             counts[T_FAILED], (long)st->steps_used, b->number, st->s.objective[0] ? "value" : st->s.metric, value_at(b),
@@ -725,9 +704,6 @@ static int run_study(study *st) {
                     running--;
                     on_exit_trial(st, &st->t[i], status);
                 }
-        if (!st->s.objective[0])
-            for (int i = 0; i < st->n; i++)
-                if (st->t[i].state == T_RUNNING) poll_train(st, &st->t[i]);
         /* free slots: a promotion first (ASHA), then an interrupted or continuing trial, then a new one */
         while (running < st->s.parallel) {
             trial *next = NULL;
@@ -753,7 +729,12 @@ static int run_study(study *st) {
                 save_trial(st, next);
             }
             if (!next) break;
-            if (!start_trial(st, next)) {
+            const int started = start_trial(st, next);
+            if (started == 2) { /* already at its rung: judged as if its process had just ended */
+                on_exit_trial(st, next, 0);
+                continue;
+            }
+            if (!started) {
                 next->state = T_FAILED;
                 save_trial(st, next);
                 continue;
@@ -814,15 +795,16 @@ int tera_cmd_tune(int argc, char **argv) {
     if (trials > 0) st->s.trials = trials;
     if (parallel > 0) st->s.parallel = parallel;
     /* keys tera tune sets itself */
-    static const char *const own[] = {"training.steps", "logging.run_dir", "checkpoint.every", "logging.registry", NULL};
+    static const char *const own[] = {"training.steps", "training.stop_at_step", "logging.run_dir", "checkpoint.every",
+                                      "logging.registry", NULL};
     for (int k = 0; own[k]; k++) {
         char pat[64];
         snprintf(pat, sizeof pat, "--%s=", own[k]);
         int in_space = 0;
         for (int i = 0; i < st->s.n_params; i++) in_space |= !strcmp(st->s.params[i].key, own[k]);
         if (!st->s.objective[0] && (strstr(st->s.args, pat) || in_space)) {
-            tera_fail(TERA_ERR_CONFIG, "%s: %s is set by tera tune (max_steps, the trial directory, min_steps, the "
-                      "registry): remove it from [study] args / [space]", file, own[k]);
+            tera_fail(TERA_ERR_CONFIG, "%s: %s is set by tera tune (max_steps, the rung, the trial directory, "
+                      "min_steps, the registry): remove it from [study] args / [space]", file, own[k]);
             rc = tera_cli_error();
             goto out;
         }
@@ -844,7 +826,7 @@ int tera_cmd_tune(int argc, char **argv) {
     sigaction(SIGTERM, &sa, &old_term);
     fprintf(stderr, "tera tune: study '%s' in %s: %d parameters, %d trials (%d at once), sampler %s, scheduler %s, "
             "directory %s\n", st->s.name, st->s.registry, st->s.n_params, st->s.trials, st->s.parallel,
-            st->s.sampler == TERA_SAMPLER_TPE ? "tpe" : "random",
+            st->s.sampler == TERA_SAMPLER_TPE ? "tpe" : st->s.sampler == TERA_SAMPLER_GP ? "gp" : "random",
             st->s.scheduler == TERA_SCHED_NONE ? "none" : st->s.scheduler == TERA_SCHED_ASHA ? "asha" : "hyperband",
             st->s.dir);
     rc = run_study(st);

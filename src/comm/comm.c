@@ -190,9 +190,11 @@ static int64_t total_count(const tera_comm *c, const int64_t *counts) {
 static void allreduce(tera_comm *c, void *buf, int64_t n, tera_comm_dtype dt, size_t es, tera_comm_redop op) {
     if (c->size == 1 || n == 0) return; /* the one-rank answer: buf as it is */
     count_ring(c, 2.0 * ring_share(c) * (double)n * (double)es, TERA_TRAFFIC_ALLREDUCE);
-    const double t0 = tera_trace_active ? tera_now() : 0.0; /* the timeline (include/tera/trace.h) */
+    const double t0 = tera_now(); /* blocked time, and the timeline (include/tera/trace.h) */
     c->be->allreduce(c, buf, n, dt, op);
-    if (tera_trace_active) tera_trace_comm("allreduce", t0, tera_now(), (int64_t)n * (int64_t)es);
+    const double t1 = tera_now();
+    g_traffic.blocked_s += t1 - t0;
+    if (tera_trace_active) tera_trace_comm("allreduce", t0, t1, (int64_t)n * (int64_t)es);
 }
 
 void tera_comm_allreduce_f32(tera_comm *c, float *buf, int64_t n) {
@@ -210,15 +212,17 @@ void tera_comm_allreduce_max_f32(tera_comm *c, float *buf, int64_t n) {
 
 void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
     if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
-    const double t0 = tera_trace_active ? tera_now() : 0.0;
+    const double t0 = tera_now();
     be_of(c)->reduce_scatter_f32(c, buf, counts);
+    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
     if (tera_trace_active && c->size > 1) tera_trace_comm("reduce_scatter", t0, tera_now(), 4 * total_count(c, counts));
 }
 
 void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
     if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
-    const double t0 = tera_trace_active ? tera_now() : 0.0;
+    const double t0 = tera_now();
     be_of(c)->allgather_f32(c, buf, counts);
+    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
     if (tera_trace_active && c->size > 1) tera_trace_comm("allgather", t0, tera_now(), 4 * total_count(c, counts));
 }
 
@@ -226,12 +230,17 @@ void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, in
     TERA_ASSERTF(n >= 0, "all-to-all of %d values per rank", n);
     for (int r = 0; r < c->size && c->size > 1; r++)
         if (r != c->rank) count_to(c, r, 4.0 * n, TERA_TRAFFIC_ALLTOALL);
-    const double t0 = tera_trace_active ? tera_now() : 0.0;
+    const double t0 = tera_now();
     be_of(c)->alltoall_i32(c, send, recv, n);
+    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
     if (tera_trace_active && c->size > 1) tera_trace_comm("alltoall", t0, tera_now(), 4 * (int64_t)n * c->size);
 }
 
-void tera_comm_barrier(tera_comm *c) { be_of(c)->barrier(c); }
+void tera_comm_barrier(tera_comm *c) {
+    const double t0 = tera_now();
+    be_of(c)->barrier(c);
+    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
+}
 
 void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scounts, void *recv,
                             const int64_t *rcounts, tera_traffic_kind kind) {
@@ -246,7 +255,9 @@ void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scoun
     TERA_ASSERTF(c->be->alltoallv_u8, "backend %s has no byte all-to-all", c->be->name);
     for (int r = 0; r < c->size; r++)
         if (r != c->rank) count_to(c, r, (double)scounts[r], kind);
+    const double t0 = tera_now();
     c->be->alltoallv_u8(c, send, scounts, recv, rcounts);
+    g_traffic.blocked_s += tera_now() - t0;
 }
 
 void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, tera_traffic_kind kind) {
@@ -254,7 +265,9 @@ void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, ter
     if (c->size == 1) return;
     TERA_ASSERTF(c->be->allgatherv_u8, "backend %s has no byte all-gather", c->be->name);
     count_ring(c, ring_share(c) * (double)t, kind);
+    const double t0 = tera_now();
     c->be->allgatherv_u8(c, buf, counts);
+    g_traffic.blocked_s += tera_now() - t0;
 }
 
 /* ---- non-blocking operations: the request's public fields are kept here */
@@ -301,9 +314,11 @@ void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag,
 
 void tera_comm_wait(tera_comm_req *req) {
     if (!req->active) return;
-    const double t0 = tera_trace_active ? tera_now() : 0.0;
+    const double t0 = tera_now();
     req->be->wait(req->op);
-    if (tera_trace_active) tera_trace_comm("wait (non-blocking op)", t0, tera_now(), -1);
+    const double t1 = tera_now();
+    g_traffic.blocked_s += t1 - t0;
+    if (tera_trace_active) tera_trace_comm("wait (non-blocking op)", t0, t1, -1);
     req_set(req, NULL, NULL);
 }
 

@@ -12,6 +12,12 @@ struct tera_hier {
     float *tmp;        /* [n] the permuted buffer */
     int64_t n;
     int64_t *cl, *cx, *ll, *lx; /* [k] local counts and offsets, [N] cross counts and offsets */
+    /* the two-stage all-to-all (tera_hier_alltoallv_u8): two byte buffers of a2a_cap bytes, and
+     * counts: [k N] sent / received in the count exchange, [p + 1] offsets by c-rank, [k] and [N]
+     * per-stage byte counts */
+    uint8_t *a2a_a, *a2a_b;
+    int64_t a2a_cap;
+    int64_t *a2a_cs, *a2a_cr, *a2a_so, *a2a_ro, *a2a_s1, *a2a_r1, *a2a_s2, *a2a_r2;
 };
 
 void tera_hier_shape(const tera_hier *h, int *nodes, int *per_node) {
@@ -47,6 +53,14 @@ tera_hier *tera_hier_create(tera_comm *c, int64_t n) {
         h->tmp = tera_calloc((size_t)n + 16, sizeof(float));
         h->cl = tera_calloc((size_t)(2 * k + 2 * N), sizeof(int64_t));
         h->ll = h->cl + k, h->cx = h->ll + k, h->lx = h->cx + N;
+        h->a2a_cs = tera_calloc((size_t)(4 * k * N + 2 * (p + 1) + 2 * k + 2 * N), sizeof(int64_t));
+        h->a2a_cr = h->a2a_cs + (int64_t)k * N;
+        h->a2a_so = h->a2a_cr + (int64_t)k * N;
+        h->a2a_ro = h->a2a_so + p + 1;
+        h->a2a_s1 = h->a2a_ro + p + 1;
+        h->a2a_r1 = h->a2a_s1 + k;
+        h->a2a_s2 = h->a2a_r1 + k;
+        h->a2a_r2 = h->a2a_s2 + N;
     }
     free(node), free(idx), free(cnt);
     return h;
@@ -57,6 +71,7 @@ void tera_hier_free(tera_hier *h) {
     tera_comm_free(h->local);
     tera_comm_free(h->cross);
     free(h->at), free(h->tmp), free(h->cl);
+    free(h->a2a_cs), free(h->a2a_a), free(h->a2a_b);
     free(h);
 }
 
@@ -149,6 +164,76 @@ void tera_hier_allgather_f32(tera_hier *h, float *buf, const int64_t *counts) {
     tera_comm_allgather_f32(h->cross, piece, h->cx);
     tera_comm_allgather_f32(h->local, h->tmp, h->cl);
     permute(h, buf, counts, 0);
+}
+
+/* ---- the two-stage all-to-all */
+void tera_hier_reserve_alltoall(tera_hier *h, int64_t bytes) {
+    if (bytes <= h->a2a_cap) return;
+    free(h->a2a_a), free(h->a2a_b);
+    h->a2a_a = tera_malloc((size_t)bytes);
+    h->a2a_b = tera_malloc((size_t)bytes);
+    h->a2a_cap = bytes;
+}
+
+void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
+                            const int64_t *rcounts) {
+    const int N = h->N, k = h->k, p = N * k, ni = h->ni, li = h->li;
+    const uint8_t *in = send;
+    uint8_t *out = recv;
+    int64_t *so = h->a2a_so, *ro = h->a2a_ro;
+    so[0] = ro[0] = 0;
+    for (int r = 0; r < p; r++) so[r + 1] = so[r] + scounts[r], ro[r + 1] = ro[r] + rcounts[r];
+    /* 0. counts inside the node: local peer i learns, for every node n, how many bytes this rank
+     * sends to (n, i); cr[i N + n] = bytes (ni, i) sends to (n, li) */
+    for (int i = 0; i < k; i++)
+        for (int n = 0; n < N; n++) h->a2a_cs[i * N + n] = scounts[h->at[n * k + i]];
+    for (int i = 0; i < k; i++) h->a2a_s1[i] = h->a2a_r1[i] = 8 * (int64_t)N;
+    tera_comm_alltoallv_u8(h->local, h->a2a_cs, h->a2a_s1, h->a2a_cr, h->a2a_r1, TERA_TRAFFIC_ALLTOALL);
+    int64_t t1 = 0, t2 = 0;
+    for (int i = 0; i < k; i++) {
+        h->a2a_s1[i] = h->a2a_r1[i] = 0;
+        for (int n = 0; n < N; n++) h->a2a_s1[i] += scounts[h->at[n * k + i]], h->a2a_r1[i] += h->a2a_cr[i * N + n];
+        t1 += h->a2a_s1[i], t2 += h->a2a_r1[i];
+    }
+    const int64_t need = so[p] > t2 ? (so[p] > ro[p] ? so[p] : ro[p]) : (t2 > ro[p] ? t2 : ro[p]);
+    TERA_ASSERTF(need <= h->a2a_cap, "hierarchical all-to-all of %ld bytes, scratch for %ld (tera_hier_reserve_alltoall)",
+                 (long)need, (long)h->a2a_cap);
+    /* 1. inside the node: to local peer i, the rows for (0, i), (1, i), ... in node order */
+    uint8_t *a = h->a2a_a, *b = h->a2a_b;
+    int64_t at = 0;
+    for (int i = 0; i < k; i++)
+        for (int n = 0; n < N; n++) {
+            const int r = h->at[n * k + i];
+            memcpy(a + at, in + so[r], (size_t)scounts[r]);
+            at += scounts[r];
+        }
+    tera_comm_alltoallv_u8(h->local, a, h->a2a_s1, b, h->a2a_r1, TERA_TRAFFIC_ALLTOALL);
+    /* 2. across the nodes, among the ranks with this local index: to node n, what every local peer i
+     * sent for (n, li), in local order; b holds them by peer, then node */
+    for (int n = 0; n < N; n++) {
+        h->a2a_s2[n] = 0;
+        h->a2a_r2[n] = 0;
+        for (int i = 0; i < k; i++) h->a2a_s2[n] += h->a2a_cr[i * N + n], h->a2a_r2[n] += rcounts[h->at[n * k + i]];
+    }
+    at = 0;
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < k; i++) {
+            int64_t from = 0; /* peer i's piece for node n in b */
+            for (int q = 0; q < i; q++) from += h->a2a_r1[q];
+            for (int m = 0; m < n; m++) from += h->a2a_cr[i * N + m];
+            memcpy(a + at, b + from, (size_t)h->a2a_cr[i * N + n]);
+            at += h->a2a_cr[i * N + n];
+        }
+    tera_comm_alltoallv_u8(h->cross, a, h->a2a_s2, b, h->a2a_r2, TERA_TRAFFIC_ALLTOALL);
+    /* b: from node n, the rows of (n, 0), (n, 1), ... for this rank: into their sources' places */
+    at = 0;
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < k; i++) {
+            const int r = h->at[n * k + i];
+            memcpy(out + ro[r], b + at, (size_t)rcounts[r]);
+            at += rcounts[r];
+        }
+    (void)ni, (void)li, (void)t1;
 }
 
 /* ---- the gradient reducer */

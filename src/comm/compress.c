@@ -13,8 +13,8 @@ int tera_compress_parse(const char *name) {
 }
 
 const char *tera_compress_name(tera_compress_kind k) {
-    static const char *const names[] = {"none", "bf16", "fp16", "int8", "fp8"};
-    return k >= 0 && k <= TERA_COMPRESS_FP8 ? names[k] : "?";
+    static const char *const names[] = {"none", "bf16", "fp16", "int8", "fp8", "onebit"};
+    return k >= 0 && k <= TERA_COMPRESS_ONEBIT ? names[k] : "?";
 }
 
 /* ---- scalar formats */
@@ -103,6 +103,9 @@ int64_t tera_compress_bytes(tera_compress_kind k, int64_t n) {
     case TERA_COMPRESS_FP16: return 2 * n;
     case TERA_COMPRESS_INT8: return n + 4 * ((n + TERA_COMPRESS_BLOCK - 1) / TERA_COMPRESS_BLOCK);
     case TERA_COMPRESS_FP8: return n + 4;
+    case TERA_COMPRESS_ONEBIT:
+        return 4 * ((n + TERA_ONEBIT_BLOCK - 1) / TERA_ONEBIT_BLOCK) + n / TERA_ONEBIT_BLOCK * (TERA_ONEBIT_BLOCK / 8) +
+               (n % TERA_ONEBIT_BLOCK + 7) / 8;
     }
     return 0;
 }
@@ -150,6 +153,25 @@ static void encode_scaled(int fp8, const float *x, int64_t n, uint8_t *q, void *
     }
 }
 
+/* onebit: one block of m <= TERA_ONEBIT_BLOCK values (x + err): its scale, then its sign bits */
+static void encode_sign_block(const float *x, int64_t m, uint8_t *blk, float *err) {
+    float v[TERA_ONEBIT_BLOCK];
+    float sum = 0.0f;
+    for (int64_t i = 0; i < m; i++) {
+        v[i] = x[i] + (err ? err[i] : 0.0f);
+        sum += fabsf(v[i]); /* a non-finite value makes the sum (and the scale) non-finite */
+    }
+    const float scale = isfinite(sum) ? sum / (float)m : NAN;
+    memcpy(blk, &scale, 4);
+    uint8_t *bits = blk + 4;
+    memset(bits, 0, (size_t)(m + 7) / 8);
+    for (int64_t i = 0; i < m; i++) {
+        const int neg = v[i] < 0.0f;
+        if (neg) bits[i / 8] |= (uint8_t)(1u << (i % 8));
+        if (err) err[i] = isfinite(scale) ? resid(v[i], neg ? -scale : scale) : 0.0f;
+    }
+}
+
 void tera_compress_encode(tera_compress_kind k, const float *x, int64_t n, void *out, float *err) {
     uint8_t *o = out;
     switch (k) {
@@ -174,6 +196,12 @@ void tera_compress_encode(tera_compress_kind k, const float *x, int64_t n, void 
         return;
     case TERA_COMPRESS_FP8: /* the row's scale, then its bytes */
         encode_scaled(1, x, n, o + 4, o, err);
+        return;
+    case TERA_COMPRESS_ONEBIT: /* per block: scale (4 bytes), then ceil(m / 8) bytes of signs */
+        for (int64_t i0 = 0; i0 < n; i0 += TERA_ONEBIT_BLOCK) {
+            const int64_t m = n - i0 < TERA_ONEBIT_BLOCK ? n - i0 : TERA_ONEBIT_BLOCK;
+            encode_sign_block(x + i0, m, o + i0 / TERA_ONEBIT_BLOCK * (4 + TERA_ONEBIT_BLOCK / 8), err ? err + i0 : NULL);
+        }
         return;
     }
 }
@@ -218,6 +246,18 @@ static void decode(tera_compress_kind k, const void *in, int64_t n, float *y, in
         }
         return;
     }
+    case TERA_COMPRESS_ONEBIT:
+        for (int64_t i0 = 0; i0 < n; i0 += TERA_ONEBIT_BLOCK) {
+            const int64_t m = n - i0 < TERA_ONEBIT_BLOCK ? n - i0 : TERA_ONEBIT_BLOCK;
+            const uint8_t *blk = p + i0 / TERA_ONEBIT_BLOCK * (4 + TERA_ONEBIT_BLOCK / 8);
+            float s;
+            memcpy(&s, blk, 4);
+            for (int64_t i = 0; i < m; i++) {
+                const float v = blk[4 + i / 8] >> (i % 8) & 1u ? -s : s;
+                y[i0 + i] = add ? y[i0 + i] + v : v;
+            }
+        }
+        return;
     }
 }
 
@@ -235,6 +275,7 @@ struct tera_creducer {
     float *sum;        /* [chunk cap] the owner's sum */
     int64_t sumcap;
     int64_t *cnt, *lo, *sb, *rb; /* [p] each */
+    int mean;          /* the owner's value: 1 the mean over the ranks, 0 the sum */
 };
 
 static void grow(void **p, int64_t *cap, int64_t need) {
@@ -266,6 +307,8 @@ void tera_creducer_free(tera_creducer *r) {
     free(r);
 }
 
+void tera_creducer_set_mean(tera_creducer *r, int mean) { r->mean = mean; }
+
 float *tera_creducer_state(tera_creducer *r, int which, int64_t *n) {
     *n = r->n;
     return which ? r->e2 : r->e1;
@@ -296,6 +339,10 @@ static void stage1(tera_creducer *r, const float *buf, int64_t off, tera_traffic
     if (r->cnt[me] == 0) return;
     tera_compress_decode(r->k, r->rbuf, r->cnt[me], r->sum); /* in rank order: deterministic */
     for (int s = 1; s < p; s++) tera_compress_decode_add(r->k, r->rbuf + s * mine, r->cnt[me], r->sum);
+    if (r->mean) {
+        const float inv = 1.0f / (float)p;
+        for (int64_t i = 0; i < r->cnt[me]; i++) r->sum[i] *= inv;
+    }
 }
 
 void tera_creducer_allreduce(tera_creducer *r, float *buf, int64_t off, int64_t len) {

@@ -109,7 +109,7 @@ typedef struct {
 static const config__section config__sections[] = {
     {"model", "Architecture, MoE routing and load balancing."},
     {"training", "Steps, batch shape, learning-rate schedule, evaluation."},
-    {"optimizer", "AdamW (decoupled weight decay on 2-D weights only)."},
+    {"optimizer", "AdamW (decoupled weight decay on 2-D weights only), or 1-bit Adam (optimizer.name)."},
     {"data", "Training corpus."},
     {"parallel", "Parallel layout over MPI ranks: the job runs pp x dp x tp ranks (mpirun -np N; N = 1 without "
                  "mpirun), ep splits the experts inside dp, zero shards optimizer state, gradients and parameters "
@@ -172,10 +172,12 @@ static const config__key config__keys[] = {
           "its best expert score (softmax) or the sum of its best two (sigmoid)"),
     K_FLOAT(model, routed_scale, "1", R_GT0,
             "routed scaling factor: the combine weights are multiplied by it (DeepSeek's routed_scaling_factor)"),
-    K_ENUM(model, balance_loss, tera_balance_loss, "switch", "switch|switch_global|importance_load",
+    K_ENUM(model, balance_loss, tera_balance_loss, "switch", "switch|switch_global|importance_load|switch_dp",
            "load-balancing loss weighted by aux_coef: switch = per sequence (MODEL.md), switch_global = the "
            "Switch loss over all tokens of the micro-batch, importance_load = CV^2 of importance + CV^2 of load "
-           "(Shazeer et al. 2017) per micro-batch (docs/ARCHITECTURE.md)"),
+           "(Shazeer et al. 2017) per micro-batch, switch_dp = switch_global with the expert fractions f_e counted "
+           "over the micro-batches of all data-parallel ranks (one all-reduce of E counts per MoE layer and "
+           "micro-batch; the same model as one rank running the whole batch; docs/ARCHITECTURE.md)"),
 
     /* [training] ------------------------------------------------------------------------------- */
     K_INT(training, steps, "300", 1, INT_MAX, "optimizer steps S"),
@@ -191,6 +193,10 @@ static const config__key config__keys[] = {
     K_UINT64(training, seed, "1234", "seeds init, data shuffling and every other random stream"),
     K_INT(training, threads, "0", 0, INT_MAX, "compute threads; 0 = all cores"),
     K_INT(training, warmup_steps, "30", 0, INT_MAX, "linear warmup steps W (at most steps)"),
+    K_INT(training, stop_at_step, "0", 0, INT_MAX,
+          "stop cleanly after this step with a checkpoint, the LR schedule still that of training.steps; --resume "
+          "continues as one uninterrupted run would, to a later stop_at_step or (already past it) to the end (tera "
+          "tune's rungs); 0 = off"),
     K_FLOAT(training, lr, "3e-3", R_GT0, "peak learning rate max_lr"),
     K_FLOAT(training, min_lr, "3e-4", R_GE0, "cosine floor (at most lr)"),
     K_ENUM(training, lr_schedule, tera_lr_schedule, "cosine", "cosine|linear|wsd",
@@ -269,6 +275,12 @@ static const config__key config__keys[] = {
     K_FLOAT(optimizer, beta2, "0.95", R_UNIT_OPEN, "AdamW second-moment decay"),
     K_FLOAT(optimizer, eps, "1e-8", R_GT0, "AdamW epsilon"),
     K_FLOAT(optimizer, weight_decay, "0.1", R_GE0, "decoupled weight decay (2-D weights only)"),
+    K_CHOICE(optimizer, name, "adamw", "adamw|onebit_adam",
+             "adamw, or onebit_adam: 1-bit Adam (docs/COMMUNICATION.md): AdamW with fp32 gradient sums for "
+             "onebit_warmup_steps steps, then the variance frozen and the momentum exchanged as signs with one scale "
+             "per 256 values and error feedback (parallel.zero 0 or 1)"),
+    K_INT(optimizer, onebit_warmup_steps, "100", 1, INT_MAX,
+          "onebit_adam: optimizer steps of full AdamW (fp32 gradient sums) before the variance is frozen"),
 
     /* [data] ----------------------------------------------------------------------------------- */
     K_STRING(data, path, "",
@@ -284,9 +296,14 @@ static const config__key config__keys[] = {
     K_STRING(data, tokenizer, "",
              "online tokenization: a tokenizer directory (encoder.json + vocab.bpe); data.path (unless a prepared "
              "prefix) is then raw text: a "
-             "file, a directory or a glob of shards (*.zst, *.gz decompressed), encoded at start-up by "
-             "data.tokenize_workers threads into the stream `tera data prepare` would write (docs/DATA.md)"),
+             "file, a directory or a glob of shards (*.zst, *.gz decompressed), encoded by data.tokenize_workers "
+             "threads while training (data.stream) or at start-up into the stream `tera data prepare` would write "
+             "(docs/DATA.md)"),
     K_INT(data, tokenize_workers, "2", 1, 256, "online tokenization: encoding threads"),
+    K_BOOL(data, stream, "true",
+           "online tokenization: stream the shards during training (each data-parallel rank reads its own shards, "
+           "shard i on dp rank i mod dp; tokenized ahead of the steps by data.tokenize_workers threads; no validation "
+           "split, no shuffle); false = one start-up pass into the whole stream (blends always use it; docs/DATA.md)"),
     K_BOOL(data, shuffle, "false",
            "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
     K_FLOAT(data, val_fraction, "0", R_CLOSED(0.0, 0.5),
@@ -336,6 +353,10 @@ static const config__key config__keys[] = {
     K_CHOICE(parallel, a2a_compression, "none", "none|bf16|fp8",
              "expert parallelism: the rows exchanged with the experts' ranks (tokens out and results back, forward "
              "and backward) sent in bf16 or fp8 e4m3 with one fp32 scale per row; docs/COMMUNICATION.md"),
+    K_BOOL(parallel, ep_hierarchical, "false",
+           "expert parallelism across nodes: the exchange in two stages, inside the node to the rank with the "
+           "destination's local index, then across the nodes among ranks of equal local index (k messages per node "
+           "pair instead of k x k); not overlapped with expert compute; results bit-identical; docs/COMMUNICATION.md"),
 
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),
@@ -1049,6 +1070,11 @@ tera_status tera_config_finalize(tera_config *c) {
                     "training.global_batch = %d, but training.micro_batch x training.grad_accum x parallel.dp = "
                     "%d x %d x %d = %lld sequences", t->global_batch, t->micro_batch, t->grad_accum, p->dp,
                     (long long)t->micro_batch * t->grad_accum * p->dp);
+    /* fp16 gradient sums saturate at +-65504: under fp16 training an overflow the loss scaler must
+     * see (an infinite gradient) would arrive finite (docs/COMMUNICATION.md) */
+    CONFIG__REQUIRE(strcmp(p->grad_compression, "fp16") != 0 || strcmp(t->precision, "fp16") != 0,
+                    "parallel.grad_compression = fp16 with training.precision = fp16: fp16 sums saturate at "
+                    "+-65504 and would hide overflows from the loss scaler (use bf16 or int8)");
     /* expert parallelism splits the experts over ranks of the data-parallel group */
     CONFIG__REQUIRE(p->dp % p->ep == 0,
                     "parallel.ep (%d) must divide parallel.dp (%d): expert-parallel ranks are data-parallel ranks "

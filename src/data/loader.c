@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "data/blend.h"
+#include "data/stream.h"
 #include "tera/rng.h"
 
 /* Philox counter tag of the shuffle's round keys ("SHUF"), distinct from other users of the seed. */
@@ -26,6 +27,20 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
     if (T < 1) return tera_fail(TERA_ERR_CONFIG, "training.seq_len = %d: must be >= 1", T);
     if (!(val_fraction >= 0.0f && val_fraction < 1.0f))
         return tera_fail(TERA_ERR_CONFIG, "data.val_fraction = %g: must be in [0, 1)", (double)val_fraction);
+    if (src->stream) { /* streamed (src/data/stream.c): read in order, unbounded, no split */
+        if (val_fraction > 0.0f)
+            return tera_fail(TERA_ERR_CONFIG, "data.val_fraction = %g: streamed online tokenization (data.stream = true) "
+                             "keeps no validation split; set data.val_fraction = 0, or data.stream = false (the "
+                             "start-up pass) for a split", (double)val_fraction);
+        if (shuffle)
+            return tera_fail(TERA_ERR_CONFIG, "data.shuffle = true: streamed online tokenization (data.stream = true) "
+                             "reads each rank's shards in order; set data.shuffle = false, or data.stream = false");
+        l->src = src;
+        l->T = T;
+        l->n_samples = l->n_train = TERA_STREAM_UNBOUNDED;
+        l->seed = seed;
+        return TERA_OK;
+    }
     int64_t n_samples = src->n_tokens > 0 ? (src->n_tokens - 1) / T : 0;
     if (n_samples < 1) {
         if (src->kind == TERA_SRC_EMBEDDED)
@@ -99,7 +114,9 @@ static void fill_sample(const tera_loader *l, int64_t i, int32_t *inputs, int32_
 
 void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, int32_t *targets) {
     TERA_ASSERTF(g >= 0 && l->n_train >= 1, "train sample %lld of %lld", (long long)g, (long long)l->n_train);
-    if (l->src->blend) {
+    if (l->src->stream) {
+        tera_stream_sample(l->src->stream, g, inputs, targets);
+    } else if (l->src->blend) {
         tera_blend_train_sample(l->src->blend, g, inputs, targets);
     } else {
         int64_t epoch = g / l->n_train, j = g % l->n_train;

@@ -43,7 +43,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
 
 /* data.path -> sorted shard list: a directory's regular files (not hidden), a glob's matches, or
  * the one file */
-static tera_status list_shards(const char *path, char ***out, int *n_out) {
+tera_status tera_online_list_shards(const char *path, char ***out, int *n_out) {
     char **v = NULL;
     int n = 0, cap = 0;
     struct stat st;
@@ -161,6 +161,13 @@ static tera_status read_shard(const char *path, char **data, size_t *len) {
     return TERA_OK;
 }
 
+int tera_online_is_jsonl(const char *format, const char *nm) {
+    return !strcmp(format, "jsonl") ||
+           (!strcmp(format, "auto") &&
+            (ends_with(nm, ".jsonl") || ends_with(nm, ".jsonl.zst") || ends_with(nm, ".jsonl.gz") ||
+             ends_with(nm, ".json") || ends_with(nm, ".json.zst") || ends_with(nm, ".json.gz")));
+}
+
 typedef struct {
     const char *text;
     size_t len;
@@ -258,7 +265,7 @@ tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, i
     }
     char **shards = NULL;
     int n_shards = 0;
-    if ((st = list_shards(dc->path, &shards, &n_shards)) != TERA_OK) {
+    if ((st = tera_online_list_shards(dc->path, &shards, &n_shards)) != TERA_OK) {
         tera_tokenizer_free(tok);
         return st;
     }
@@ -276,11 +283,7 @@ tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, i
         if ((st = read_shard(shards[f], &data, &len)) != TERA_OK) break;
         bytes += (int64_t)len;
         /* jsonl: data.format = jsonl, or auto and the shard is named *.jsonl / *.json (.zst) */
-        const char *nm = shards[f];
-        const int jsonl = !strcmp(dc->format, "jsonl") ||
-                          (!strcmp(dc->format, "auto") &&
-                           (ends_with(nm, ".jsonl") || ends_with(nm, ".jsonl.zst") || ends_with(nm, ".jsonl.gz") ||
-                            ends_with(nm, ".json") || ends_with(nm, ".json.zst") || ends_with(nm, ".json.gz")));
+        const int jsonl = tera_online_is_jsonl(dc->format, shards[f]);
         doc *docs = NULL;
         int nd = 0;
         st = split_docs(shards[f], data, len, jsonl, &docs, &nd, &empty);

@@ -13,4 +13,10 @@
  * name the file (and line); an encoding failure is agreed, every rank returns the same message. */
 tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, int vocab_size);
 
+/* data.path -> its shards, sorted by name: a directory's regular, non-hidden files, a glob's matches or
+ * the one file (*out: strdup'ed names in a malloc'ed array). "matches no file" is an error. */
+tera_status tera_online_list_shards(const char *path, char ***out, int *n_out);
+/* Whether a shard is JSON lines: data.format = jsonl, or auto and named *.jsonl / *.json (.zst, .gz). */
+int tera_online_is_jsonl(const char *format, const char *name);
+
 #endif

@@ -9,6 +9,7 @@
 #include "data/atomic_file.h"
 #include "data/blend.h"
 #include "data/online.h"
+#include "data/stream.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -363,14 +364,16 @@ tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, i
         char idx[TERA_PATH_MAX + 8];
         snprintf(idx, sizeof idx, "%s.idx", dc->path);
         if (!file_exists(idx) && !ends_with(dc->path, ".idx") && !ends_with(dc->path, ".bin"))
-            return tera_online_open(s, dc, vocab_size);
+            return dc->stream ? tera_stream_open(s, dc, vocab_size) : tera_online_open(s, dc, vocab_size);
     }
     if (dc->paths[0]) { /* a blend: this source shows its first dataset; the loader reads them all */
         if (dc->path[0])
             return tera_fail(TERA_ERR_CONFIG, "data.path = '%s' and data.paths are both set: give one of them",
                              dc->path);
         struct tera_blend *b;
-        TERA_TRY(tera_blend_open(&b, dc, vocab_size));
+        tera_data_config whole = *dc;
+        whole.stream = 0; /* a blend reads its datasets by global sample index: the start-up pass */
+        TERA_TRY(tera_blend_open(&b, &whole, vocab_size));
         *s = *tera_blend_first_source(b);
         s->map = NULL, s->map_len = 0, s->owned = NULL; /* the blend owns them */
         s->blend = b;
@@ -432,6 +435,7 @@ tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, i
 
 void tera_source_close(tera_token_source *s) {
     if (s->blend) tera_blend_close(s->blend);
+    tera_stream_close(s->stream);
     free(s->owned);
     if (s->map) munmap(s->map, s->map_len);
     memset(s, 0, sizeof *s);

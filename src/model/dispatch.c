@@ -6,6 +6,7 @@
 
 #include "moe.h"
 #include "tera/backend.h"
+#include "tera/comm_hier.h"
 #include "tera/compress.h"
 #include "tera/profile.h"
 
@@ -50,6 +51,9 @@ struct tera_dispatcher {
     int64_t rowb;            /* bytes of one encoded row, a multiple of 4 (sent as floats) */
     uint8_t *c_out, *c_in;   /* [N*k rows] this rank's rows sent / their results received back */
     uint8_t *c_recv, *c_res; /* [R rows] rows received for this rank's experts / their results sent */
+    /* parallel.ep_hierarchical across nodes: the two-stage exchange (NULL: point-to-point) */
+    tera_hier *hier;
+    int64_t *hsc, *hrc;      /* [ep] bytes to / from each rank of one exchange */
 };
 
 /* the encoded rows [r0, r0 + n) of x [rows, D] into buf's rows r0.. (one scale per row for fp8) */
@@ -207,6 +211,50 @@ static void a2a_block(tera_dispatcher *d, tera_dispatch_acts *t, const tera_laye
     experts_run(d, &b);
 }
 
+/* The two-stage node-aware exchange (parallel.ep_hierarchical): for every rank s, rows
+ * [o[s], o[s+1]) of src go to rank s, and rank s's rows for this rank arrive at [q[s], q[s+1]) of
+ * dst (o, q: row offsets by rank, every `stride`-th entry). Both layouts are consecutive by rank, so
+ * they are the all-to-all's buffers as they are; this rank's own block travels too (a copy, no
+ * transfer). Encoded rows (a2a_compression) go through the coded buffers cs -> cr, and only the
+ * other ranks' blocks are encoded and decoded: the caller copies its own rows uncoded, as the
+ * point-to-point path does, so the result is that path's bit for bit. */
+static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, int ostride, float *dst,
+                      const int32_t *q, int qstride, uint8_t *cs, uint8_t *cr) {
+    const int ep = d->ep, me = d->me;
+    const int64_t rb = d->cq ? d->rowb : d->D * (int64_t)sizeof(float);
+    for (int s = 0; s < ep; s++) {
+        const int64_t s0 = o[s * ostride], ns = o[(s + 1) * ostride] - s0;
+        d->hsc[s] = ns * rb;
+        d->hrc[s] = (int64_t)(q[(s + 1) * qstride] - q[s * qstride]) * rb;
+        if (d->cq && s != me && ns > 0) rows_encode(d, src, s0, ns, cs);
+    }
+    const uint8_t *sb = d->cq ? cs : (const uint8_t *)(const void *)src;
+    uint8_t *rbuf = d->cq ? cr : (uint8_t *)(void *)dst;
+    tera_hier_alltoallv_u8(d->hier, sb + o[0] * rb, d->hsc, rbuf + q[0] * rb, d->hrc);
+    if (d->cq)
+        for (int s = 0; s < ep; s++) {
+            const int64_t r0 = q[s * qstride], nr = q[(s + 1) * qstride] - r0;
+            if (s != me && nr > 0) rows_decode(d, cr, r0, nr, dst);
+        }
+}
+
+/* The layer's exchange in two node-aware stages (not overlapped): every rank's rows out, the
+ * experts over every source's block in the point-to-point path's order, the results back. */
+static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                         const tera_layer_view *G, int op) {
+    const int ep = d->ep, me = d->me, El = d->El;
+    const int fwd = op == EXPERTS_FWD;
+    const int64_t D = d->D;
+    float *out_local = fwd ? t->xg : d->dye, *in_local = fwd ? t->ye : d->dxg;
+    float *recv = fwd ? t->xr : d->dyr, *res = fwd ? t->yr : d->dxr;
+    const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
+    hier_move(d, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv);
+    memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
+    for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
+    hier_move(d, res, t->roff, 1, in_local, t->exp_off, El, d->c_res, d->c_in);
+    memcpy(in_local + m0 * D, res + (int64_t)t->roff[me] * D, sizeof(float) * (size_t)((m1 - m0) * D));
+}
+
 /* The exchange of one layer, forward (xg -> xr, experts, yr -> ye), backward (dye -> dyr, expert
  * backward, dxr -> dxg), or the hidden activations again from the kept xr (no exchange). */
 static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
@@ -214,6 +262,10 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     const int ep = d->ep, me = d->me, El = d->El;
     if (op == EXPERTS_HIDDEN) {
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
+        return;
+    }
+    if (d->hier) {
+        hier_experts(d, t, W, G, op);
         return;
     }
     tera_comm *g = d->group;
@@ -314,6 +366,10 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
         d->c_recv = take(base, &off, (size_t)(d->R * d->rowb));
         d->c_res = take(base, &off, (size_t)(d->R * d->rowb));
     }
+    if (d->hier) {
+        d->hsc = take(base, &off, sizeof(int64_t) * (size_t)d->ep);
+        d->hrc = take(base, &off, sizeof(int64_t) * (size_t)d->ep);
+    }
     d->order = take(base, &off, sizeof(int) * 2 * (size_t)E);
     d->cnt = take(base, &off, sizeof(int32_t) * (size_t)E);
     d->off = take(base, &off, sizeof(int64_t) * (size_t)(E + 1));
@@ -340,6 +396,15 @@ static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, i
         d->rowb = (tera_compress_bytes((tera_compress_kind)d->cq, d->D) + 3) & ~(int64_t)3;
         d->R = tera_dispatch_rows_max(c, B, T, ep);
         if (!sizing) d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
+        if (!sizing && par->hierarchical) { /* NULL when the group is on one node (or uneven): point-to-point */
+            d->hier = tera_hier_create(d->group, 0);
+            int nodes, k;
+            tera_hier_shape(d->hier, &nodes, &k);
+            /* relayed at most: every local peer's rows for this rail; received: R rows */
+            const int64_t rb = d->cq ? d->rowb : d->D * (int64_t)sizeof(float);
+            const int64_t rows = d->N * d->K > d->R ? d->N * d->K : d->R;
+            if (d->hier) tera_hier_reserve_alltoall(d->hier, (int64_t)k * rows * rb);
+        }
     } else {
         d->impl = &local_impl;
         d->R = d->N * d->K;
@@ -365,6 +430,7 @@ void tera_dispatch_destroy(tera_dispatcher *d) {
     if (!d) return;
     free(d->block);
     free(d->req);
+    tera_hier_free(d->hier);
     free(d);
 }
 

@@ -37,6 +37,7 @@ typedef struct {
     float *rlse;     /* [N] router logsumexp (z-loss) */
     int32_t *topi;   /* [N, k] */
     float *topw;     /* [N, k] combine weights */
+    float *gcnt;     /* [E] switch_dp: the micro-batch's expert counts summed over the data-parallel ranks / dp */
     tera_dispatch_acts moe; /* the routed tokens: plan, grouped rows, expert activations (dispatch.h) */
     /* dense layer or shared experts */
     float *fa1, *fa3, *fg; /* [N, Fd or Fs] */
@@ -143,6 +144,7 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
             la->moe.row_tok = CARVE_I(c, N * K);
             la->moe.exp_off = CARVE_I(c, E + 1);
             la->moe.sel_count = CARVE_I(c, (int64_t)B * E);
+            if (cfg->balance_loss == TERA_BALANCE_SWITCH_DP) la->gcnt = CARVE_F(c, E);
             la->moe.xg = CARVE_F(c, N * K * D);
             if (ex.rows > 0) {
                 la->moe.rcnt = CARVE_I(c, ex.counts);
@@ -214,6 +216,7 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         SHARE(PART_REST, moe, rlogits); SHARE(PART_REST, moe, probs); SHARE(PART_REST, moe, rlse);
         SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, moe.slot_row);
         SHARE(PART_REST, moe, moe.row_tok); SHARE(PART_REST, moe, moe.exp_off); SHARE(PART_REST, moe, moe.sel_count);
+        SHARE(PART_REST, moe && cfg->balance_loss == TERA_BALANCE_SWITCH_DP, gcnt);
         SHARE(PART_REST, moe, moe.xg); SHARE(PART_REST, moe, moe.ye);
         SHARE(PART_REST, moe && exch, moe.rcnt); SHARE(PART_REST, moe && exch, moe.roff);
         SHARE(PART_REST, moe && exch, moe.xr); SHARE(PART_REST, moe && exch, moe.yr);
@@ -665,8 +668,19 @@ static void moe_forward(tera_model *m, int l, float *out) {
         TERA_PROF_END(ROUTER_FWD);
         m->router_entropy[l] += st.entropy;
         if (l == c->first_k_dense) m->routed_tokens += N;
+        if (c->balance_loss == TERA_BALANCE_SWITCH_DP) { /* the counts of every data-parallel rank's micro-batch */
+            double *cnt = a->route_p;
+            for (int e = 0; e < E; e++) {
+                int64_t n = 0;
+                for (int b = 0; b < B; b++) n += la->moe.sel_count[b * E + e];
+                cnt[e] = (double)n;
+            }
+            const int dp = m->par.dp_group ? tera_comm_size(m->par.dp_group) : 1;
+            if (dp > 1) tera_comm_allreduce_f64(m->par.dp_group, cnt, E);
+            for (int e = 0; e < E; e++) la->gcnt[e] = (float)(cnt[e] / dp);
+        }
         m->stats.aux_sum += tera_moe_balance_value(c->balance_loss, st.aux, a->route_p, la->probs, a->rsum, la->topi,
-                                                   la->topw, la->moe.sel_count, B, T, E, K); /* model.balance_loss */
+                                                   la->topw, la->moe.sel_count, la->gcnt, B, T, E, K); /* model.balance_loss */
         m->stats.z_sum += st.z;
     }
 
@@ -805,7 +819,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         const tera_moe_routing route = tera_moe_routing_of(c);
         float aux_s = s->aux; /* model.balance_loss: switch leaves it and returns NULL */
         const float *gcount = tera_moe_balance_backward_prep(m->be, c->balance_loss, a->route_p, a->dtopw, la->topi, la->topw,
-                                                             la->moe.sel_count, B, T, E, K, &aux_s);
+                                                             la->moe.sel_count, la->gcnt, B, T, E, K, &aux_s);
         tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
                                    a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
         m->be->ops.linear_backward_fp32(m->be, a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);

@@ -390,10 +390,10 @@ static double cv_squared(const double *x, int E) {
 
 double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
                               const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
-                              int B, int T, int E, int k) {
+                              const float *gcnt, int B, int T, int E, int k) {
     const int64_t N = (int64_t)B * T;
     if (kind == TERA_BALANCE_SWITCH) return aux_switch;
-    if (kind == TERA_BALANCE_SWITCH_GLOBAL) {
+    if (kind == TERA_BALANCE_SWITCH_GLOBAL || kind == TERA_BALANCE_SWITCH_DP) {
         /* B E sum_e f_e P_e, f_e = C_e / (B T k), P_e = mean over the B T tokens of p */
         double *P = scratch; /* [E] */
         for (int e = 0; e < E; e++) P[e] = 0.0;
@@ -409,7 +409,8 @@ double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double 
         for (int e = 0; e < E; e++) {
             int64_t C = 0;
             for (int b = 0; b < B; b++) C += sel_count[b * E + e];
-            s += (double)C / ((double)N * k) * (P[e] / (double)N);
+            const double Ce = kind == TERA_BALANCE_SWITCH_DP && gcnt ? (double)gcnt[e] : (double)C;
+            s += Ce / ((double)N * k) * (P[e] / (double)N);
         }
         return (double)B * E * s;
     }
@@ -440,19 +441,20 @@ static void importance_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) 
 }
 
 const float *tera_moe_balance_backward_prep(tera_backend *be, tera_balance_loss kind, double *scratch, float *dtopw,
-                                            const int32_t *topi, const float *topw, const int32_t *sel_count, int B,
-                                            int T, int E, int k, float *aux_scale) {
+                                            const int32_t *topi, const float *topw, const int32_t *sel_count,
+                                            const float *gcnt, int B, int T, int E, int k, float *aux_scale) {
     (void)T;
     const int64_t N = (int64_t)B * T;
     if (kind == TERA_BALANCE_SWITCH) return NULL;
-    if (kind == TERA_BALANCE_SWITCH_GLOBAL) {
+    if (kind == TERA_BALANCE_SWITCH_GLOBAL || kind == TERA_BALANCE_SWITCH_DP) {
         /* d/dp_t,e of B E sum_e f_e P_e = E f_e / T with f_e = C_e / (B T k): the per-sequence formula
          * with the count C_e / B (written over the scratch as floats) */
         float *g = (float *)scratch;
         for (int e = 0; e < E; e++) {
             int64_t C = 0;
             for (int b = 0; b < B; b++) C += sel_count[b * E + e];
-            g[e] = (float)((double)C / B);
+            const double Ce = kind == TERA_BALANCE_SWITCH_DP && gcnt ? (double)gcnt[e] : (double)C;
+            g[e] = (float)(Ce / B);
         }
         return g;
     }

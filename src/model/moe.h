@@ -94,25 +94,29 @@ void tera_moe_router_backward_g(tera_backend *be, float *dlogits, float *dscores
  * so a per-micro-batch loss counts B times):
  *   switch          aux_switch (tera_moe_route_stats' aux: sum_b E sum_e f_{b,e} P_{b,e})
  *   switch_global   B E sum_e f_e P_e,  f_e = C_e / (B T k),  P_e = mean over the B T tokens of p[t,e]
+ *   switch_dp       the same with C_e = gcnt[e]: the counts summed over the data-parallel ranks divided
+ *                   by their number (the model computes it; NULL: this rank's, as switch_global)
  *   importance_load B (CV^2(I) + CV^2(L)),  I_e = sum of topw[t,j] over assignments to e,  L_e = C_e
  * with C_e = sum_b sel_count[b,e], p as tera_moe_route_stats (rsum: the sigmoid normalisers it
  * computed, NULL under softmax), CV^2(x) = var(x) / (mean(x)^2 + 1e-10), var with E - 1 in the
  * denominator (0 when E = 1). Sums in a fixed order (no threads).
- * scores: [B*T, E]  rsum: [B*T] or NULL  topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E] */
+ * scores: [B*T, E]  rsum: [B*T] or NULL  topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E]
+ * gcnt: [E] or NULL */
 double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
                               const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
-                              int B, int T, int E, int k);
+                              const float *gcnt, int B, int T, int E, int k);
 
 /* Prepares the router backward for model.balance_loss (call it after the combine weights' gradient
  * dtopw is complete, then tera_moe_router_backward_g with the returned gcount and *aux_scale):
  *   switch          returns NULL (the per-sequence gradient)
  *   switch_global   returns gcount [E] = C_e / B (floats written over scratch)
+ *   switch_dp       the same with C_e = gcnt[e] (NULL: this rank's counts)
  *   importance_load adds aux_scale B dCV^2(I)/dI_e to dtopw[t,j] for e = topi[t,j] (the load term has
  *                   no gradient), sets *aux_scale = 0 and returns NULL
- * dtopw, topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E] doubles */
+ * dtopw, topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E] doubles  gcnt: [E] or NULL */
 const float *tera_moe_balance_backward_prep(tera_backend *be, tera_balance_loss kind, double *scratch, float *dtopw,
-                                            const int32_t *topi, const float *topw, const int32_t *sel_count, int B,
-                                            int T, int E, int k, float *aux_scale);
+                                            const int32_t *topi, const float *topw, const int32_t *sel_count,
+                                            const float *gcnt, int B, int T, int E, int k, float *aux_scale);
 
 /* Builds the grouped layout of one micro-batch of B sequences of T tokens.
  * topi: [N, k]; probs: [N, E] (for the probability drop policy); capacity: per sequence and

@@ -45,7 +45,7 @@ typedef struct {
     int64_t batch_seqs;
     double group_norm[N_GROUPS];
     int group_present[N_GROUPS];
-    double tokens_total, data_wait_total, step_sum;
+    double tokens_total, data_wait_total, comm_wait_total, step_sum;
     int64_t step_count, bucket[N_BUCKETS]; /* bucket[i]: steps of at most bucket_le[i] seconds */
     int64_t skipped_total, spikes_total;
     double last_step_unix;
@@ -135,6 +135,7 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     }
     p->tokens_total += (double)r->batch_seqs * T;
     p->data_wait_total += r->data_seconds;
+    p->comm_wait_total += r->comm_seconds;
     p->step_sum += r->seconds;
     p->step_count++;
     for (int i = 0; i < N_BUCKETS; i++) p->bucket[i] += r->seconds <= bucket_le[i];
@@ -352,6 +353,9 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
     sample(&o, h, "tera_step_seconds_count", NULL, (double)s->step_count);
     metric(&o, h, "tera_data_wait_seconds_total", "counter", "time this rank's steps waited for training data",
            s->data_wait_total);
+    metric(&o, h, "tera_comm_wait_seconds_total", "counter",
+           "time this rank's steps were blocked in communication (collectives, waits; comm_wait_s summed)",
+           s->comm_wait_total);
     metric(&o, h, "tera_skipped_steps_total", "counter", "updates this process skipped for a non-finite loss or gradient",
            (double)s->skipped_total);
     metric(&o, h, "tera_loss_spike_events_total", "counter",

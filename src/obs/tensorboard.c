@@ -211,6 +211,7 @@ void tera_tensorboard_step(tera_tensorboard *tb, const tera_trainer *tr, const t
     scalar(&p, "tokens_per_s", r->seconds > 0 ? (double)r->batch_seqs * T / r->seconds : 0.0);
     scalar(&p, "step_s", r->seconds);
     scalar(&p, "data_wait_s", r->data_seconds);
+    scalar(&p, "comm_wait_s", r->comm_seconds);
     scalar(&p, "dropped_frac", r->dropped_frac);
     scalar(&p, "update_ratio", r->update_ratio);
     scalar(&p, "loss_scale", r->loss_scale);

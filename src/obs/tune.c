@@ -1,4 +1,4 @@
-/* Search space, samplers (random, TPE) and ASHA / Hyperband rungs (include/tera/tune.h).
+/* Search space, samplers (random, TPE, Gaussian process) and ASHA / Hyperband rungs (include/tera/tune.h).
  *
  * TPE follows Bergstra, Bardenet, Bengio and Kegl, "Algorithms for Hyper-Parameter Optimization"
  * (NeurIPS 2011): the observations are split at the gamma quantile of their objective into a good
@@ -102,7 +102,8 @@ static tera_status study_key(parse_ctx *c, const char *name, const char *value) 
     if (!strcmp(name, "sampler")) {
         if (!strcmp(value, "random")) s->sampler = TERA_SAMPLER_RANDOM;
         else if (!strcmp(value, "tpe")) s->sampler = TERA_SAMPLER_TPE;
-        else return tera_fail(TERA_ERR_CONFIG, "%s: [study] sampler = '%s': expected random or tpe", c->path, value);
+        else if (!strcmp(value, "gp")) s->sampler = TERA_SAMPLER_GP;
+        else return tera_fail(TERA_ERR_CONFIG, "%s: [study] sampler = '%s': expected random, tpe or gp", c->path, value);
         return TERA_OK;
     }
     if (!strcmp(name, "scheduler")) {
@@ -256,7 +257,7 @@ tera_status tera_search_parse(tera_search *s, const char *text, const char *path
     memset(s, 0, sizeof *s);
     snprintf(s->name, sizeof s->name, "study");
     snprintf(s->metric, sizeof s->metric, "loss");
-    s->sampler = TERA_SAMPLER_TPE;
+    s->sampler = TERA_SAMPLER_GP;
     s->scheduler = TERA_SCHED_ASHA;
     s->trials = 20;
     s->parallel = 1;
@@ -551,4 +552,284 @@ int tera_asha_promotable(double v, const double *values, int n, int eta) {
     int better = 0;
     for (int i = 0; i < n; i++) better += values[i] < v;
     return better < top;
+}
+
+/* ---- bringing values to one fidelity ----------------------------------------------------------------- */
+
+/* Each level's values are mapped to the next level's by a least-squares line over the trials seen at
+ * both (a promoted trial gives one pair), then chained to the top level. With fewer than 4 pairs, or
+ * a slope that is not positive, the map is a shift by the mean difference (any pair at all); no pair:
+ * the level cannot be mapped (NAN). */
+void tera_fidelity_map(const double *vals, int n, int levels, double *out) {
+    double a[TERA_TUNE_MAX_RUNGS], b[TERA_TUNE_MAX_RUNGS]; /* level k -> k + 1: a + b v */
+    int ok[TERA_TUNE_MAX_RUNGS];
+    TERA_ASSERT(levels >= 1 && levels <= TERA_TUNE_MAX_RUNGS);
+    for (int k = 0; k + 1 < levels; k++) {
+        double sx = 0, sy = 0, sxx = 0, sxy = 0;
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            const double x = vals[(size_t)i * levels + k], y = vals[(size_t)i * levels + k + 1];
+            if (isnan(x) || isnan(y)) continue;
+            sx += x, sy += y, sxx += x * x, sxy += x * y, m++;
+        }
+        ok[k] = m > 0;
+        if (!m) continue;
+        const double mx = sx / m, my = sy / m, vx = sxx / m - mx * mx, cxy = sxy / m - mx * my;
+        b[k] = m >= 4 && vx > 1e-12 * (1 + mx * mx) && cxy > 0 ? cxy / vx : 1.0;
+        a[k] = my - b[k] * mx;
+    }
+    for (int i = 0; i < n; i++) {
+        int top = -1;
+        for (int k = 0; k < levels; k++)
+            if (!isnan(vals[(size_t)i * levels + k])) top = k;
+        double v = top >= 0 ? vals[(size_t)i * levels + top] : NAN;
+        for (int k = top; k >= 0 && k + 1 < levels && !isnan(v); k++) v = ok[k] ? a[k] + b[k] * v : NAN;
+        out[i] = v;
+    }
+}
+
+/* ---- Gaussian-process sampler ------------------------------------------------------------------------- */
+
+/* Parameters in the unit cube (internal range scaled to [0, 1]); a choice stays its index and its
+ * distance is 0 or 1. Matern 5/2 kernel, one length per parameter, signal variance 1 on standardised
+ * values, and a noise variance; the lengths and the noise maximise the marginal likelihood (a few
+ * coordinate sweeps over a grid, with a weak log-normal prior on each length). */
+typedef struct {
+    const tera_search *s;
+    int n, p;
+    double *X, *y;    /* [n][p], [n] */
+    double ls[TERA_TUNE_MAX_PARAMS], noise;
+    double *L, *alpha; /* [n][n] Cholesky factor of K + noise I, [n] (K + noise I)^-1 y */
+} gp_model;
+
+static double gp_kernel(const gp_model *g, const double *a, const double *b) {
+    double r2 = 0;
+    for (int j = 0; j < g->p; j++) {
+        const double d = g->s->params[j].dist == TERA_DIST_CHOICE ? (a[j] != b[j]) : a[j] - b[j];
+        r2 += d * d / (g->ls[j] * g->ls[j]);
+    }
+    const double r = sqrt(5.0 * r2);
+    return (1.0 + r + r * r / 3.0) * exp(-r);
+}
+
+/* Factorises K + noise I; returns the log marginal likelihood plus the lengths' log prior (-inf when
+ * not positive definite). */
+static double gp_fit(gp_model *g) {
+    const int n = g->n;
+    double *L = g->L;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j <= i; j++) L[(size_t)i * n + j] = gp_kernel(g, g->X + (size_t)i * g->p, g->X + (size_t)j * g->p) +
+                                                             (i == j ? g->noise : 0.0);
+    double logdet = 0;
+    for (int j = 0; j < n; j++) {
+        double d = L[(size_t)j * n + j];
+        for (int k = 0; k < j; k++) d -= L[(size_t)j * n + k] * L[(size_t)j * n + k];
+        if (!(d > 1e-12)) return -INFINITY;
+        d = sqrt(d);
+        L[(size_t)j * n + j] = d;
+        logdet += 2.0 * log(d);
+        for (int i = j + 1; i < n; i++) {
+            double v = L[(size_t)i * n + j];
+            for (int k = 0; k < j; k++) v -= L[(size_t)i * n + k] * L[(size_t)j * n + k];
+            L[(size_t)i * n + j] = v / d;
+        }
+    }
+    for (int i = 0; i < n; i++) { /* L z = y, then L^T alpha = z */
+        double v = g->y[i];
+        for (int k = 0; k < i; k++) v -= L[(size_t)i * n + k] * g->alpha[k];
+        g->alpha[i] = v / L[(size_t)i * n + i];
+    }
+    double fit = 0;
+    for (int i = 0; i < n; i++) fit += g->alpha[i] * g->alpha[i];
+    for (int i = n - 1; i >= 0; i--) {
+        double v = g->alpha[i];
+        for (int k = i + 1; k < n; k++) v -= L[(size_t)k * n + i] * g->alpha[k];
+        g->alpha[i] = v / L[(size_t)i * n + i];
+    }
+    double prior = 0;
+    for (int j = 0; j < g->p; j++) prior -= 0.5 * pow(log(g->ls[j] / 0.5) / 1.5, 2);
+    return -0.5 * fit - 0.5 * logdet + prior;
+}
+
+/* The posterior mean and standard deviation at u; kv, w: scratch [n]. */
+static void gp_predict(const gp_model *g, const double *u, double *kv, double *w, double *mu, double *sd) {
+    const int n = g->n;
+    double m = 0;
+    for (int i = 0; i < n; i++) {
+        kv[i] = gp_kernel(g, u, g->X + (size_t)i * g->p);
+        m += kv[i] * g->alpha[i];
+    }
+    double q = 0;
+    for (int i = 0; i < n; i++) { /* w = L^-1 k */
+        double v = kv[i];
+        for (int k = 0; k < i; k++) v -= g->L[(size_t)i * n + k] * w[k];
+        w[i] = v / g->L[(size_t)i * n + i];
+        q += w[i] * w[i];
+    }
+    *mu = m;
+    *sd = sqrt(fmax(1.0 - q, 1e-12));
+}
+
+static double norm_pdf(double z) { return exp(-0.5 * z * z) / sqrt(2.0 * M_PI); }
+
+/* Expected improvement below best (standardised values). */
+static double gp_ei(const gp_model *g, const double *u, double best, double *kv, double *w) {
+    double mu, sd;
+    gp_predict(g, u, kv, w, &mu, &sd);
+    const double z = (best - mu) / sd;
+    return (best - mu) * norm_cdf(z) + sd * norm_pdf(z);
+}
+
+static double unit_of(const tera_param_spec *p, double v) {
+    if (p->dist == TERA_DIST_CHOICE) return v;
+    double lo, hi;
+    internal_range(p, &lo, &hi);
+    return fmin(fmax((to_internal(p, v) - lo) / (hi - lo), 0.0), 1.0);
+}
+
+static double value_of_unit(const tera_param_spec *p, double u) {
+    if (p->dist == TERA_DIST_CHOICE) return u;
+    double lo, hi;
+    internal_range(p, &lo, &hi);
+    return from_internal(p, lo + (hi - lo) * u);
+}
+
+/* A candidate near c: each numeric coordinate moved by N(0, scale), reflected into [0, 1]; a choice
+ * redrawn with probability 0.2. */
+static void perturb(const tera_search *s, const double *c, double scale, rng_t *r, double *u) {
+    for (int j = 0; j < s->n_params; j++) {
+        const tera_param_spec *p = &s->params[j];
+        if (p->dist == TERA_DIST_CHOICE) {
+            u[j] = rng_u01(r) < 0.2 ? (double)(int)fmin(rng_u01(r) * p->n_choices, p->n_choices - 1) : c[j];
+            continue;
+        }
+        double v = c[j] + scale * rng_normal(r);
+        for (int t = 0; t < 4 && (v < 0 || v > 1); t++) v = v < 0 ? -v : 2.0 - v;
+        u[j] = fmin(fmax(v, 0.0), 1.0);
+    }
+}
+
+static const double *g_sort_ys;
+static int cmp_by_ys(const void *a, const void *b) {
+    const double x = g_sort_ys[*(const int *)a], y = g_sort_ys[*(const int *)b];
+    return x < y ? -1 : x > y;
+}
+
+void tera_sample_gp(const tera_search *s, const double *xs, const double *ys, int n, const double *pend, int n_pend,
+                    int64_t number, double *x) {
+    if (n < 2) {
+        tera_sample_random(s, number, x);
+        return;
+    }
+    /* at most GP_MAX_OBS observations (the best ones) and GP_MAX_PEND liars: the fit is cubic in them */
+    enum { GP_MAX_OBS = 256, GP_MAX_PEND = 64 };
+    int *keep = tera_malloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) keep[i] = i;
+    if (n > GP_MAX_OBS) {
+        g_sort_ys = ys;
+        qsort(keep, (size_t)n, sizeof(int), cmp_by_ys);
+        n = GP_MAX_OBS;
+    }
+    if (n_pend > GP_MAX_PEND) n_pend = GP_MAX_PEND;
+    const int p = s->n_params, N = n + n_pend;
+    gp_model g = {.s = s, .n = N, .p = p};
+    g.X = tera_malloc((size_t)N * p * sizeof(double));
+    g.y = tera_malloc((size_t)N * sizeof(double));
+    g.L = tera_malloc((size_t)N * N * sizeof(double));
+    g.alpha = tera_malloc((size_t)N * sizeof(double));
+    /* standardised values, the bad tail clipped at median + 5 IQR (a diverged run must not flatten the
+     * differences among the rest) */
+    double *srt = tera_malloc((size_t)n * sizeof(double));
+    for (int i = 0; i < n; i++) srt[i] = ys[keep[i]];
+    qsort(srt, (size_t)n, sizeof(double), cmp_double);
+    const double iqr = srt[(3 * n) / 4] - srt[n / 4];
+    const double cap = iqr > 0 ? srt[n / 2] + 5.0 * iqr : INFINITY;
+    free(srt);
+    double mean = 0, var = 0, best = INFINITY;
+    for (int i = 0; i < n; i++) mean += fmin(ys[keep[i]], cap);
+    mean /= n;
+    for (int i = 0; i < n; i++) var += pow(fmin(ys[keep[i]], cap) - mean, 2);
+    const double sdev = sqrt(var / n) > 0 ? sqrt(var / n) : 1.0;
+    for (int i = 0; i < N; i++) {
+        const double *src = i < n ? xs + (size_t)keep[i] * p : pend + (size_t)(i - n) * p;
+        for (int j = 0; j < p; j++) g.X[(size_t)i * p + j] = unit_of(&s->params[j], src[j]);
+        g.y[i] = i < n ? (fmin(ys[keep[i]], cap) - mean) / sdev : 0.0; /* a running trial: the mean (constant liar) */
+        if (i < n && g.y[i] < best) best = g.y[i];
+    }
+    free(keep);
+    /* hyperparameters: coordinate sweeps over a grid of lengths, then the noise */
+    static const double LS[] = {0.03, 0.06, 0.12, 0.25, 0.5, 1.0, 2.0, 4.0};
+    static const double NOISE[] = {1e-6, 1e-4, 1e-3, 1e-2, 0.05, 0.2};
+    for (int j = 0; j < p; j++) g.ls[j] = 0.5;
+    g.noise = 1e-3;
+    double lml = gp_fit(&g);
+    for (int sweep = 0; sweep < 2; sweep++) {
+        for (int j = 0; j < p; j++) {
+            double bl = g.ls[j];
+            for (size_t k = 0; k < sizeof LS / sizeof LS[0]; k++) {
+                g.ls[j] = LS[k];
+                const double v = gp_fit(&g);
+                if (v > lml) lml = v, bl = LS[k];
+            }
+            g.ls[j] = bl;
+        }
+        double bn = g.noise;
+        for (size_t k = 0; k < sizeof NOISE / sizeof NOISE[0]; k++) {
+            g.noise = NOISE[k];
+            const double v = gp_fit(&g);
+            if (v > lml) lml = v, bn = NOISE[k];
+        }
+        g.noise = bn;
+    }
+    if (!isfinite(gp_fit(&g))) { /* not positive definite at any grid point */
+        g.noise = 0.2;
+        if (!isfinite(gp_fit(&g))) {
+            free(g.X), free(g.y), free(g.L), free(g.alpha);
+            tera_sample_random(s, number, x);
+            return;
+        }
+    }
+    /* candidates: uniform ones, then ones near the best observations, then a local refinement */
+    double *kv = tera_malloc((size_t)N * sizeof(double)), *w = tera_malloc((size_t)N * sizeof(double));
+    double u[TERA_TUNE_MAX_PARAMS], bu[TERA_TUNE_MAX_PARAMS], be = -INFINITY;
+    rng_t r = rng_for(s->seed, number, 1000003);
+    const int n_rand = 50 * s->candidates;
+    for (int c = 0; c < n_rand; c++) {
+        for (int j = 0; j < p; j++) {
+            const tera_param_spec *q = &s->params[j];
+            u[j] = q->dist == TERA_DIST_CHOICE ? (double)(int)fmin(rng_u01(&r) * q->n_choices, q->n_choices - 1)
+                                               : rng_u01(&r);
+        }
+        const double e = gp_ei(&g, u, best, kv, w);
+        if (e > be) be = e, memcpy(bu, u, sizeof u);
+    }
+    int *idx = tera_malloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) idx[i] = i;
+    for (int a = 0; a < n && a < 5; a++) /* the 5 best observations (partial selection) */
+        for (int b = a + 1; b < n; b++)
+            if (g.y[idx[b]] < g.y[idx[a]]) {
+                const int t = idx[a];
+                idx[a] = idx[b], idx[b] = t;
+            }
+    static const double SCALE[] = {0.15, 0.05, 0.015};
+    for (int a = 0; a < n && a < 5; a++)
+        for (int c = 0; c < 4 * s->candidates; c++) {
+            perturb(s, g.X + (size_t)idx[a] * p, SCALE[c % 3], &r, u);
+            const double e = gp_ei(&g, u, best, kv, w);
+            if (e > be) be = e, memcpy(bu, u, sizeof u);
+        }
+    for (int round = 0; round < 3; round++) {
+        double cu[TERA_TUNE_MAX_PARAMS];
+        memcpy(cu, bu, sizeof cu);
+        for (int c = 0; c < 2 * s->candidates; c++) {
+            perturb(s, cu, SCALE[round] / 3.0, &r, u);
+            const double e = gp_ei(&g, u, best, kv, w);
+            if (e > be) be = e, memcpy(bu, u, sizeof u);
+        }
+    }
+    for (int j = 0; j < p; j++) x[j] = value_of_unit(&s->params[j], bu[j]);
+    free(idx);
+    free(kv);
+    free(w);
+    free(g.X), free(g.y), free(g.L), free(g.alpha);
 }

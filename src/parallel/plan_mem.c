@@ -10,8 +10,8 @@
  * - optimizer, ZeRO-2/3 shards and staging slots: tera_layout_init / zero23_init (src/train/layout.c),
  *   the slots sized by each group's span as tera_model_group_range gives it (restated as one pass
  *   over the table: the search builds thousands of tables);
- * - activation slots of a pipeline stage: the schedule's simulated peak (tera_pipeline_slots);
- * - pipeline buffers, checkpoint buffers, router state: src/train/pipeline.c, trainer.c, checkpoint.c. */
+ * - activation slots of a pipeline stage: the schedule's simulated peak (tera_pipe_slots);
+ * - pipeline buffers, checkpoint buffers, router state: src/parallel/pipeline.c, trainer.c, checkpoint.c. */
 #include <math.h>
 #include <omp.h>
 #include <string.h>
@@ -208,7 +208,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     out->bytes[TERA_PM_ACTS] = acts - comm_acts;
     out->bytes[TERA_PM_SCRATCH] = scratch - (comm - comm_acts);
     out->bytes[TERA_PM_COMM] = comm + staging;
-    if (pp > 1) /* tera_pipeline_init: send/receive buffers per slot and chunk, tokens and targets */
+    if (pp > 1) /* tera_pipe_create: send/receive buffers per slot and chunk, tokens and targets */
         out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
     const int world = t->pp * t->dp * t->tp;
     out->bytes[TERA_PM_CKPT] = world == 1 ? 4 * (3 * n + (int64_t)L * mc->n_experts)
@@ -231,7 +231,7 @@ typedef struct {
     double bubble, makespan; /* the schedule's simulation (tf = 1/v, tb = 2/v per virtual stage) */
 } layout_ctx;
 
-/* Activation slots of every pipeline stage: the schedule's simulated peak (tera_pipeline_slots
+/* Activation slots of every pipeline stage: the schedule's simulated peak (tera_pipe_slots
  * simulates with tf = 1, tb = 2, which gives the same order of operations and peaks); and the
  * bubble and makespan of the stage's whole work (a chunk holds 1/v of it, tera schedule's scaling). */
 static tera_status stage_slots(const tera_config *cfg, layout_ctx *c) {

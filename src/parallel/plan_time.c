@@ -399,6 +399,26 @@ static double comm_s(const tera_hw *hw, tera_hw_coll_kind kind, int p, int64_t w
     return bytes / bw + calls * steps * lat;
 }
 
+/* Data-parallel sums over dp ranks (tp apart: a group spans dp x tp consecutive world ranks) of
+ * `bytes` sent per rank by the flat ring (factor x (p-1)/p x G for a buffer of G bytes; factor 2 for
+ * an all-reduce, 1 for a reduce-scatter or all-gather). parallel.hierarchical with the group on
+ * N > 1 nodes of k = devices_per_node / tp members (k > 1, N k = dp): inside the node on all G
+ * ((k-1)/k per stage), then across the nodes on G / k, each stage alpha-beta on its own link
+ * (src/comm/comm_hier.c's schedule); otherwise the flat collective (comm_s). */
+static double dp_comm_s(const tera_hw *hw, tera_hw_coll_kind kind, int dp, int tp, int64_t world, double bytes,
+                        double calls, int hierarchical) {
+    const int64_t span = (int64_t)dp * tp;
+    const int k = tp > 0 && hw->devices_per_node % tp == 0 ? hw->devices_per_node / tp : 1;
+    if (!hierarchical || span <= hw->devices_per_node || k < 2 || dp % k != 0)
+        return comm_s(hw, kind, dp, world, span, bytes, calls);
+    const int N = dp / k;
+    const double factor = kind == TERA_HW_ALLREDUCE ? 2.0 : 1.0;
+    const double G = bytes / (factor * ring(dp));
+    const double t_in = factor * ring(k) * G / hw->intra_bw + calls * factor * (k - 1) * hw->intra_lat;
+    const double t_x = factor * ring(N) * G / k / hw->inter_bw + calls * factor * (N - 1) * hw->inter_lat;
+    return t_in + t_x;
+}
+
 /* One micro-batch on one stage: the products and attention (forward + backward, and the forward
  * recomputation adds), and the element-wise passes' bytes. */
 typedef struct {
@@ -563,15 +583,15 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     const double groups = w->layers + (worst == 0) + (worst == pp - 1);
     double t_dp = 0.0, exposed = 0.0;
     const double t_bwd = 2.0 / 3.0 * u_comp; /* one micro-batch's backward on the stage */
-    const int64_t span = (int64_t)dp * tp;
+    const int hier = cfg->parallel.hierarchical;
     if (dp > 1) {
         if (zero == 0) { /* buckets, one all-reduce per group, during the last micro-batch's backward */
             out->bytes_dp = 2.0 * pass;
-            t_dp = comm_s(hw, TERA_HW_ALLREDUCE, dp, devices, span, out->bytes_dp, 2.0 * groups);
+            t_dp = dp_comm_s(hw, TERA_HW_ALLREDUCE, dp, tp, devices, out->bytes_dp, 2.0 * groups, hier);
             exposed = t_dp > t_bwd ? t_dp - t_bwd : 0.0;
         } else if (zero == 1) { /* one reduce-scatter and one all-gather after the last backward */
             out->bytes_dp = 2.0 * pass;
-            t_dp = comm_s(hw, TERA_HW_ALLGATHER, dp, devices, span, out->bytes_dp, 4.0);
+            t_dp = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, out->bytes_dp, 4.0, hier);
             exposed = t_dp;
         } else {
             const double rs = A * pass, ag = zero < 3 ? pass : 0.0;
@@ -585,8 +605,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
                 }
             }
             out->bytes_dp = rs + ag + gather;
-            const double t_rs = comm_s(hw, TERA_HW_ALLGATHER, dp, devices, span, rs, A * groups * 2.0);
-            const double t_rest = comm_s(hw, TERA_HW_ALLGATHER, dp, devices, span, ag + gather, 2.0 + 2.0 * n_gathers);
+            const double t_rs = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, rs, A * groups * 2.0, hier);
+            const double t_rest = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag + gather, 2.0 + 2.0 * n_gathers, hier);
             t_dp = t_rs + t_rest;
             const double hide_rs = A * t_bwd, hide_g = A * u_comp;
             exposed = (t_rs > hide_rs ? t_rs - hide_rs : 0.0);

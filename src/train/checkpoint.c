@@ -165,23 +165,15 @@ tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
 /* ------------------------------------------------------------------ state.json */
 
 static char *state_text(const tera_trainer *tr) {
-    const tera_loader *l = &tr->loader;
-    cJSON *root = cJSON_CreateObject(), *data = cJSON_CreateObject();
+    cJSON *root = cJSON_CreateObject();
     cJSON_AddNumberToObject(root, "format_version", TERA_CKPT_FORMAT_VERSION);
     cJSON_AddNumberToObject(root, "step", (double)tr->step);
     cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
     cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
     cJSON_AddNumberToObject(root, "skipped_steps", (double)tr->skipped_steps);
     if (tr->precision == TERA_PREC_FP16) tera_scaler_save(&tr->scaler, root); /* restored exactly on resume */
-    cJSON_AddItemToObject(root, "data", data);
-    cJSON_AddStringToObject(data, "path", tr->cfg.data.path[0] ? tr->cfg.data.path : "(embedded corpus)");
-    cJSON_AddNumberToObject(data, "n_tokens", (double)tr->src.n_tokens);
-    cJSON_AddNumberToObject(data, "seq_len", l->T);
-    cJSON_AddNumberToObject(data, "n_train", (double)l->n_train);
-    cJSON_AddBoolToObject(data, "shuffle", l->shuffle);
-    cJSON_AddNumberToObject(data, "samples_consumed", (double)tr->samples_consumed);
-    cJSON_AddNumberToObject(data, "epoch", (double)(tr->samples_consumed / l->n_train));
-    cJSON_AddNumberToObject(data, "offset_in_epoch", (double)(tr->samples_consumed % l->n_train));
+    /* the data position, serialised by the data module (src/data/data_state.c) */
+    tera_data_save(&tr->loader, tr->cfg.data.path, tr->samples_consumed, root);
     /* the dynamic batch size and the loss-spike guard, each serialised by its owner: what a resumed
      * run needs to take the same batch sizes, skip the same data windows, keep the LR cut and judge
      * spikes against the same window */
@@ -199,7 +191,6 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     cJSON *root = cJSON_Parse(text);
     free(text);
     if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);
-    const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
     const char *fields[] = {"step", "adam_t", "seed"};
     double v[3];
     for (int i = 0; i < 3; i++) {
@@ -210,18 +201,6 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
         }
         v[i] = it->valuedouble;
     }
-    const char *dfields[] = {"n_tokens", "seq_len", "n_train", "samples_consumed"};
-    double d[4];
-    for (int i = 0; i < 4; i++) {
-        const cJSON *it = cJSON_IsObject(data) ? cJSON_GetObjectItemCaseSensitive(data, dfields[i]) : NULL;
-        if (!cJSON_IsNumber(it)) {
-            cJSON_Delete(root);
-            return tera_fail(TERA_ERR_FORMAT, "%s: \"data.%s\" is missing or not a number", path, dfields[i]);
-        }
-        d[i] = it->valuedouble;
-    }
-    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(data, "shuffle");
-    const int shuffle = cJSON_IsTrue(sh);
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
     const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
     /* fp16: the scaler's state when the checkpoint has one (else the configured initial scale) */
@@ -233,25 +212,18 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
             return sst;
         }
     }
-    const tera_loader *l = &tr->loader;
-    if ((int64_t)d[0] != tr->src.n_tokens || (int)d[1] != l->T || (int64_t)d[2] != l->n_train ||
-        shuffle != l->shuffle || (uint64_t)v[2] != tr->cfg.training.seed) {
-        cJSON_Delete(root);
-        return tera_fail(TERA_ERR_CONFIG,
-                         "--resume: %s was reading other data (%ld tokens, seq_len %d, %ld training samples, "
-                         "shuffle %d, seed %lu) than this run (%ld, %d, %ld, %d, %lu): resuming would not "
-                         "continue the same sample stream",
-                         path, (long)d[0], (int)d[1], (long)d[2], shuffle, (unsigned long)v[2],
-                         (long)tr->src.n_tokens, l->T, (long)l->n_train, l->shuffle,
-                         (unsigned long)tr->cfg.training.seed);
-    }
+    /* the data position, read and checked by the data module (src/data/data_state.c: the same data, and a
+     * streamed source restarted at this rank's position), after every other part could be read */
     tera_status st = tera_batch_load(&tr->batch, root, path);
     if (st == TERA_OK) st = tera_spike_load(&tr->spike, root, path);
+    int64_t consumed = 0;
+    if (st == TERA_OK)
+        st = tera_data_load(&tr->loader, root, path, (uint64_t)v[2], (uint64_t)tr->cfg.training.seed, &consumed);
     cJSON_Delete(root);
     TERA_TRY(st);
     tr->step = (int64_t)v[0];
     tr->opt.t = (int64_t)v[1];
-    tr->samples_consumed = (int64_t)d[3];
+    tr->samples_consumed = consumed;
     tr->skipped_steps = skipped;
     tr->scaler = scaler;
     return TERA_OK;

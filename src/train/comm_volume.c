@@ -80,15 +80,15 @@ static double group_gather(const tera_trainer *tr, int group) {
  * (forward: embedding, layers 0..L-1, head, the embedding again when tied; backward: head, tied
  * embedding, layers L-1..0), so the head, the embedding and the last layer are gathered once a
  * step, the other layers twice per micro-batch, layer 0 once more for the next micro-batch. In a
- * pipeline stage the order is its schedule's (tera_pipeline_param_uses): micro-batches interleave. */
+ * pipeline stage the order is its schedule's (tera_pipe_param_uses): micro-batches interleave. */
 static void zero3_gather_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     if (tr->zero < 3) return;
     const int L = tr->model.cfg.n_layers, tied = tr->model.cfg.tie_embeddings;
     int held[3] = {INT32_MIN, INT32_MIN, INT32_MIN}; /* embedding, head, layer slots */
-    int n = tr->topo.pp > 1 ? tera_pipeline_param_uses(tr, NULL, 0) : A * (2 * L + 5);
+    int n = tr->topo.pp > 1 ? tera_pipe_param_uses(tr->pipe, NULL, 0) : A * (2 * L + 5);
     int *uses = tera_malloc(sizeof(int) * (size_t)(n + 1));
     if (tr->topo.pp > 1) {
-        tera_pipeline_param_uses(tr, uses, n);
+        tera_pipe_param_uses(tr->pipe, uses, n);
     } else {
         for (int a = 0, j = 0; a < A; a++)
             for (int i = 0; i < 2 * L + 5; i++) { /* the uses of one micro-batch, in order */
@@ -154,6 +154,25 @@ static void stats_bytes(const tera_trainer *tr, tera_comm_volume *cm) {
     cm->overhead[TERA_XFER_ALLREDUCE] += cm->stats;
 }
 
+/* model.balance_loss = switch_dp: per micro-batch, every MoE layer of the stage all-reduces its E
+ * expert counts (f64) over the data-parallel group, again when a full recomputation reruns the layer
+ * (without a pipeline the last recomputing layer of the forward is not rerun: the work set still
+ * holds it; with one, micro-batches interleave and this count is an upper bound). */
+static void balance_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
+    const tera_model *m = &tr->model;
+    if (m->cfg.balance_loss != TERA_BALANCE_SWITCH_DP || tr->topo.dp < 2) return;
+    double calls = 0.0;
+    int top = -1; /* the last layer of the forward that uses the work set */
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->held[l] && m->recompute[l] != TERA_RECOMPUTE_NONE) top = l;
+    for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++)
+        if (m->held[l])
+            calls += m->recompute[l] == TERA_RECOMPUTE_FULL && !(l == top && tr->topo.pp == 1) ? 2.0 : 1.0;
+    const double b = A * calls * 2.0 * ring(tr->topo.dp) * 8.0 * m->cfg.n_experts;
+    cm->stats += b;
+    cm->overhead[TERA_XFER_ALLREDUCE] += b;
+}
+
 tera_comm_volume tera_trainer_comm_volume(const tera_trainer *tr, int A) {
     tera_comm_volume cm;
     memset(&cm, 0, sizeof cm);
@@ -163,6 +182,7 @@ tera_comm_volume tera_trainer_comm_volume(const tera_trainer *tr, int A) {
     ep_bytes(tr, A, &cm);
     pp_bytes(tr, A, &cm);
     stats_bytes(tr, &cm);
+    balance_bytes(tr, A, &cm);
     return cm;
 }
 

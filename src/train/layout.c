@@ -22,6 +22,7 @@
 #include "tera/ckpt.h"
 #include "tera/comm_hier.h"
 #include "tera/train.h"
+#include "onebit.h"
 
 /* Consecutive 16-float aligned shards of n floats over w ranks. */
 static void shard(int64_t n, int w, int64_t *counts, int64_t *lo_of) {
@@ -329,9 +330,9 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     }
     TERA_ASSERTF(sl, "ZeRO-2: gradients of [%ld, %ld) are in no live slot", (long)offset, (long)(offset + count));
     const zpiece p = pieces(tr, x, offset, offset + count);
-    if (tr->step == tr->fault_nan_step && count > 0) { /* test hook: a NaN in this rank's own gradient */
+    if (tr->step == tr->faults.nan_step && count > 0) { /* test hook: a NaN in this rank's own gradient */
         sl->g[x][0] = NAN;
-        tr->fault_nan_step = -1;
+        tr->faults.nan_step = -1;
     }
     if (tr->gred[x]) /* hierarchical / compressed (error feedback indexed by the region's offsets) */
         tera_greducer_reduce_scatter(tr->gred[x], sl->g[x], offset - (x ? tr->model.n_dense_floats : 0), z->cnt);
@@ -397,7 +398,7 @@ void tera_layout_grad_scale(tera_trainer *tr, float s) {
 void tera_layout_poison_grad(tera_trainer *tr) {
     if (tr->zero < 2) {
         tr->model.g[tr->model.n_floats / 2] = NAN;
-        tr->fault_nan_step = -1;
+        tr->faults.nan_step = -1;
     }
 }
 
@@ -488,6 +489,8 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
     int sharded;
     const int ns = region_segs(tr, k, sg, &sharded);
     int64_t wrote = 0; /* elements of the window this rank wrote */
+    /* root_only: the runs this rank wrote (window offset, length), sent to rank 0 below */
+    int64_t *runs = NULL, n_runs = 0, cap_runs = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *lp = &m->params[i], *gp = &shell->params[i];
         if (lp->numel == 0 || gp->offset >= b || gp->offset + gp->numel <= a) continue;
@@ -506,15 +509,90 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
                 if (z1 > z0) {
                     memcpy(win + (x0 - a) + (z0 - y0), sg[s].p + (z0 - sg[s].lo), sizeof(float) * (size_t)(z1 - z0));
                     wrote += z1 - z0;
+                    if (root_only && !tr->root) {
+                        if (n_runs == cap_runs) {
+                            cap_runs = cap_runs ? 2 * cap_runs : 64;
+                            runs = realloc(runs, sizeof(int64_t) * 2 * (size_t)cap_runs);
+                            TERA_ASSERT(runs);
+                        }
+                        runs[2 * n_runs] = (x0 - a) + (z0 - y0), runs[2 * n_runs + 1] = z1 - z0;
+                        n_runs++;
+                    }
                 }
             }
         }
     }
-    if (tr->topo.world == 1) return;
-    if (root_only) { /* world rank 0 holds the whole window itself: nothing to move */
-        int64_t missing = tr->root && wrote < nw;
-        tera_comm_allreduce_i64(tera_comm_world(), &missing, 1);
-        if (!missing) return;
+    if (tr->topo.world == 1) {
+        free(runs);
+        return;
+    }
+    if (root_only) {
+        /* every element has exactly one writer: each rank that wrote some sends rank 0 its runs (offset
+         * and length, then the values) in one message, so each byte of the window crosses once (the
+         * all-reduce below moves 2 (p-1)/p of the whole window from every rank); when rank 0 holds the
+         * whole window itself (data-parallel replicas without ZeRO) only the sizes cross. (Point to
+         * point: an all-to-all with one non-empty destination hung in Open MPI 4.1 on the ranks whose
+         * counts were all zero.) */
+        tera_comm *w = tera_comm_world();
+        const int P = tr->topo.world;
+        int64_t *sz = tera_calloc((size_t)P, sizeof(int64_t));
+        /* a rank's message: the run count, the runs (offset, length), then their values in that order */
+        const int64_t mine = tr->root || !n_runs ? 0 : 8 + 16 * n_runs + (int64_t)sizeof(float) * wrote;
+        sz[tr->topo.rank] = mine;
+        tera_comm_allreduce_i64(w, sz, P);
+        int64_t total = 0;
+        for (int r = 0; r < P; r++) total += sz[r];
+        if (total > 0) {
+            uint8_t *pack = tera_malloc((size_t)(tr->root ? total : mine) + 8);
+            enum { GATHER_TAG = 1 }; /* the world communicator carries no other point-to-point messages */
+            if (!tr->root && mine > 0) {
+                memcpy(pack, &n_runs, 8);
+                memcpy(pack + 8, runs, sizeof(int64_t) * 2 * (size_t)n_runs);
+                uint8_t *v = pack + 8 + sizeof(int64_t) * 2 * (size_t)n_runs;
+                for (int64_t i = 0; i < n_runs; i++) {
+                    memcpy(v, win + runs[2 * i], sizeof(float) * (size_t)runs[2 * i + 1]);
+                    v += sizeof(float) * (size_t)runs[2 * i + 1];
+                }
+                tera_comm_req rq; /* a message of mine / 4 floats (8 + 16 n + 4 values bytes) */
+                tera_comm_isend_f32(w, (const float *)(void *)pack, mine / 4, 0, GATHER_TAG, &rq);
+                tera_comm_wait(&rq);
+            } else if (tr->root) {
+                tera_comm_req *rq = tera_calloc((size_t)P, sizeof(tera_comm_req));
+                int64_t at = 0;
+                for (int r = 1; r < P; r++) {
+                    if (sz[r] > 0) tera_comm_irecv_f32(w, (float *)(void *)(pack + at), sz[r] / 4, r, GATHER_TAG, &rq[r]);
+                    at += sz[r];
+                }
+                for (int r = 1; r < P; r++) tera_comm_wait(&rq[r]);
+                free(rq);
+            }
+            if (tr->root) { /* each rank's runs into their places */
+                const uint8_t *q = pack;
+                for (int r = 1; r < P; r++) {
+                    if (sz[r] == 0) continue;
+                    int64_t nr;
+                    memcpy(&nr, q, 8);
+                    TERA_ASSERTF(nr > 0 && 8 + 16 * nr <= sz[r], "window gather: rank %d sent %ld bytes, %ld runs", r,
+                                 (long)sz[r], (long)nr);
+                    const uint8_t *h = q + 8, *v = q + 8 + 16 * nr;
+                    for (int64_t i = 0; i < nr; i++) {
+                        int64_t off, len;
+                        memcpy(&off, h + 16 * i, 8);
+                        memcpy(&len, h + 16 * i + 8, 8);
+                        TERA_ASSERTF(off >= 0 && len >= 0 && off + len <= nw, "window gather: run %ld+%ld of %ld",
+                                     (long)off, (long)len, (long)nw);
+                        TERA_ASSERTF(v + 4 * len <= q + sz[r], "window gather: rank %d's values overrun its message", r);
+                        memcpy(win + off, v, sizeof(float) * (size_t)len);
+                        v += sizeof(float) * (size_t)len;
+                    }
+                    q += sz[r];
+                }
+            }
+            free(pack);
+        }
+        free(sz);
+        free(runs);
+        return;
     }
     /* exactly one rank wrote each element, the others hold zero bits: an integer sum of the bits
      * is a bit-exact gather (a float sum would turn -0.0 into +0.0). (An MPI reduce to rank 0 alone
@@ -591,6 +669,8 @@ tera_status tera_layout_init(tera_trainer *tr) {
         tr->opt.hi = tr->opt.n = nd;
     }
     if (tr->zero >= 2) zero23_init(tr);
+    tera_adamw_plan(&tr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
+    tera_adamw_plan(&tr->opt_x, m);
     /* hierarchical / compressed gradient sums (collective over each group; NULL when both are off) */
     const int ck = tera_compress_parse(p->grad_compression);
     TERA_ASSERTF(ck >= 0 && ck != TERA_COMPRESS_FP8, "parallel.grad_compression = %s", p->grad_compression);
@@ -601,6 +681,7 @@ tera_status tera_layout_init(tera_trainer *tr) {
 }
 
 void tera_layout_free(tera_trainer *tr) {
+    tera_onebit_free(tr); /* its reducers use the groups freed below */
     zero23_free(tr);
     tera_greducer_free(tr->gred[0]);
     tera_greducer_free(tr->gred[1]);
@@ -717,9 +798,8 @@ void tera_layout_reduce_grads(tera_trainer *tr) {
 double tera_layout_grad_sq(tera_trainer *tr) {
     tera_model *m = &tr->model;
     double *sq = tr->grad_sq, *sq2 = tr->grad_sq + m->n_params;
-    const tera_adamw *o = &tr->opt, *ox = &tr->opt_x;
-    tera_grad_sq_by_param_at(m, o->lo, o->hi, o->g ? o->g : m->g + o->lo, sq);
-    tera_grad_sq_by_param_at(m, ox->lo, ox->hi, ox->g ? ox->g : m->g + ox->lo, sq2);
+    tera_adamw_grad_sq(&tr->opt, m, sq); /* one parallel region each (src/train/optim.c) */
+    tera_adamw_grad_sq(&tr->opt_x, m, sq2);
     /* a tensor another rank counts (a replica) still enters as NaN when this rank's copy of its
      * gradient is not finite: the update this rank would apply must be skipped everywhere */
     for (int i = 0; i < m->n_params; i++) {

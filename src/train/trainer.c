@@ -24,6 +24,7 @@
 #include "tera/safetensors.h"
 #include "tera/sample.h"
 #include "tera/train.h"
+#include "onebit.h"
 
 static int dir_nonempty(const char *path) {
     DIR *d = opendir(path);
@@ -65,6 +66,20 @@ static void reserve_scratch(const tera_trainer *tr) {
     tera_backend_reserve(tr->model.be, me, te);
 }
 
+/* The pipeline executor's hooks (include/tera/pipeline.h): micro-batch `micro` of the current step
+ * from the loader, and ZeRO-3's prefetch plan. */
+static double pipe_load(void *ctx, int micro, int32_t *tokens, int32_t *targets) {
+    tera_trainer *tr = ctx;
+    const int B = tr->cfg.training.micro_batch, T = tr->cfg.training.seq_len;
+    const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, micro, tr->topo.dp_rank, tr->topo.dp, 0);
+    const double t0 = tera_now();
+    for (int b = 0; b < B; b++)
+        tera_loader_train_sample(&tr->loader, g0 + b, tokens + (int64_t)b * T, targets + (int64_t)b * T);
+    return tera_now() - t0;
+}
+
+static void pipe_plan(void *ctx, int last, int next) { tera_layout_zero3_plan(ctx, last, next); }
+
 static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
     tr->cfg = *cfg;
@@ -94,6 +109,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if (st != TERA_OK) return st;
     st = tera_loader_init(&tr->loader, &tr->src, t->seq_len, cfg->data.val_fraction, cfg->data.shuffle, t->seed);
     if (st != TERA_OK) goto fail_src;
+    /* streamed data (data.stream): this rank's shards and the sample mapping (src/data/stream.c) */
+    if ((st = tera_loader_bind(&tr->loader, tr->topo.dp_rank, tr->topo.dp, t->micro_batch, t->eval_every)) != TERA_OK) goto fail_src;
     if (t->eval_every > 0 && tr->loader.n_val == 0) {
         st = tera_fail(TERA_ERR_CONFIG, "training.eval_every = %d needs held-out data: set data.val_fraction > 0 "
                                         "(data '%s' has %ld samples)",
@@ -113,7 +130,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             tera_pp_split(&cfg->model, S, t->seq_len, first);
         }
         int slots = 1;
-        if (tr->topo.pp > 1 && (st = tera_pipeline_slots(tr, &slots)) != TERA_OK) {
+        if (tr->topo.pp > 1 && (st = tera_pipe_slots(cfg->parallel.pp_schedule, tr->topo.pp, tr->topo.pp_rank,
+                                                     t->grad_accum, cfg->parallel.pp_chunks, &slots)) != TERA_OK) {
             free(first);
             goto fail_src;
         }
@@ -124,6 +142,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         }
         const tera_model_par par = {.ep = tr->topo.ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
+                                    .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->dp,
                                     .tp = tr->topo.tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
                                     .shard_params = tr->zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
@@ -134,10 +153,17 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         free(first);
     }
     if (st != TERA_OK) goto fail_src;
-    if (tr->topo.pp > 1 && (st = tera_pipeline_init(tr)) != TERA_OK) goto fail_model;
+    if (tr->topo.pp > 1) {
+        const tera_pipe_env pe = {.model = &tr->model, .group = tr->pp_group, .stage = tr->topo.pp_rank,
+                                  .stages = tr->topo.pp, .micro_batches = t->grad_accum, .micro_batch = t->micro_batch,
+                                  .seq_len = t->seq_len, .schedule = cfg->parallel.pp_schedule,
+                                  .load = pipe_load, .plan = pipe_plan, .ctx = tr};
+        if ((st = tera_pipe_create(&pe, &tr->pipe)) != TERA_OK) goto fail_model;
+    }
     /* optimizer ranges: the whole model, or ZeRO shards (src/train/layout.c) */
     if ((st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
     tera_layout_bind_hooks(tr);
+    if ((st = tera_onebit_init(tr)) != TERA_OK) goto fail_model; /* optimizer.name = onebit_adam (src/train/onebit.c) */
     if (t->init_from[0]) {
         tera_model_config hc = cfg->model;
         st = tera_hf_read_config(t->init_from, &hc);
@@ -161,7 +187,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_batch_init(&tr->batch);
     {
         const char *f = getenv("TERA_FAULT_SPIKE_SAMPLE"); /* test hook: a batch whose loss and gradients blow up */
-        tr->fault_spike_sample = f ? atoll(f) : -1;
+        tr->faults.spike_sample = f ? atoll(f) : -1;
         /* test hook: a poisoned batch, "S" (the global batch starting at sample S) or "S:N" samples */
         const char *p = getenv("TERA_FAULT_POISON_SAMPLE");
         if (p) {
@@ -172,14 +198,14 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             tr->loader.poison_vocab = cfg->model.vocab_size;
         }
     }
-    tr->fault_nan_step = -1;
+    tr->faults.nan_step = -1;
     {
         /* test hook: a NaN in this rank's gradient at step S ("S", every rank, or "S@R", world rank R only;
          * "S:N": steps S .. S+N-1, once each: tera_elastic_fault_nan) */
         const char *f = getenv("TERA_FAULT_NAN_STEP");
         const char *at = f ? strchr(f, '@') : NULL, *colon = f ? strchr(f, ':') : NULL;
-        if (f && (!at || atoi(at + 1) == tr->topo.rank)) tr->fault_nan_step = atoll(f);
-        if (colon && (!at || colon < at)) tr->fault_nan_n = atoll(colon + 1);
+        if (f && (!at || atoi(at + 1) == tr->topo.rank)) tr->faults.nan_step = atoll(f);
+        if (colon && (!at || colon < at)) tr->faults.nan_n = atoll(colon + 1);
     }
     const size_t bt = (size_t)t->micro_batch * (size_t)t->seq_len;
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
@@ -256,7 +282,8 @@ fail_all:
     free(tr->targets);
 fail_model:
     tera_adamw_free(&tr->opt); /* allocated by tera_layout_init (zeroed before it: a no-op) */
-    tera_pipeline_free(tr);
+    tera_pipe_destroy(tr->pipe);
+    tr->pipe = NULL;
     tera_model_destroy(&tr->model);
 fail_src:
     tera_layout_free(tr);
@@ -310,7 +337,8 @@ void tera_trainer_free(tera_trainer *tr) {
     free(tr->tokens);
     free(tr->targets);
     tera_adamw_free(&tr->opt);
-    tera_pipeline_free(tr);
+    tera_pipe_destroy(tr->pipe);
+    tr->pipe = NULL;
     tera_layout_free(tr);
     tera_model_destroy(&tr->model);
     tera_source_close(&tr->src); /* the backend (precision, scratch) went with the model */
@@ -376,7 +404,8 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         {"lr", "%.7g", r->lr}, {"grad_norm", "%.7g", r->grad_norm},
         {"tokens_per_s", "%.1f", (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds},
         {"elapsed_s", "%.3f", tera_now() - tr->t_start}, {"step_s", "%.4f", r->seconds},
-        {"data_wait_s", "%.6f", r->data_seconds}, {"dropped_frac", "%.5f", r->dropped_frac},
+        {"data_wait_s", "%.6f", r->data_seconds}, {"comm_wait_s", "%.6f", r->comm_seconds},
+        {"dropped_frac", "%.5f", r->dropped_frac},
     };
     fprintf(f, "{\"step\": %ld", (long)r->step);
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
@@ -439,6 +468,7 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
 static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
     tera_trainer *tr = ctx;
     if (tr->gred[0] || tr->gred[1]) return; /* hierarchical / compressed: summed in tera_layout_reduce_grads */
+    if (tera_onebit_frozen(tr)) return; /* 1-bit Adam past its warm-up: gradients are not summed */
     int i = 0;
     while (i < tr->n_buckets && tr->buckets[i].active) i++;
     TERA_ASSERTF(i < tr->n_buckets, "more gradient buckets than the %d expected", tr->n_buckets);
@@ -506,6 +536,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const double t0 = tera_now();
     memset(r, 0, sizeof *r);
     r->step = tr->step;
+    const double blocked0 = tera_comm_traffic_get().blocked_s; /* the step's time blocked in communication */
     tera_comm_step_begin(tr->step); /* the watchdog's automatic timeout is measured on steps */
     tera_trace_step_begin(tr->step); /* logging.trace: on inside its window of steps */
 
@@ -534,7 +565,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         int64_t cn[2] = {0, 0};
         void (*gr)(void *, int64_t, int64_t) = tr->zero >= 2 ? tera_layout_grad_ready(tr)
                                                : (tr->topo.dp > 1 && !tr->zero ? on_grad_ready : NULL);
-        tera_pipeline_step(tr, &s, A, sm, cn, &r->data_seconds, gr, tr->zero < 2);
+        tera_pipe_step(tr->pipe, &s, A, sm, cn, &r->data_seconds, gr, tr, tr->zero < 2);
         ce = sm[0], aux = sm[1], z = sm[2], assign = cn[0], dropped = cn[1];
     }
     for (int a = 0; a < A && tr->topo.pp == 1; a++) {
@@ -571,7 +602,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         dropped += m->stats.n_dropped;
     }
     /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
-    if (tr->topo.dp > 1) tera_layout_reduce_grads(tr);
+    if (tr->topo.dp > 1 && !tera_onebit_frozen(tr)) tera_layout_reduce_grads(tr); /* 1-bit Adam: momentum instead */
     if (tera_comm_size(tr->sg) > 1) {
         /* statistics: one small sum over the data-parallel ranks of every pipeline stage */
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
@@ -591,12 +622,13 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     if (tr->step < tr->spike.lr_cut_until) r->lr *= cfg->training.spike_lr_factor;
 
     double t_opt = tera_now();
-    r->grad_norm = sqrt(tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
+    r->grad_norm = sqrt(tera_onebit_frozen(tr) ? tera_onebit_grad_sq(tr) /* unsummed: src/train/onebit.h */
+                                               : tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
     if (ls != 1.0f) { /* unscale the norms; the gradients themselves are unscaled in the update below */
         r->grad_norm /= ls;
         for (int i = 0; i < m->n_params; i++) tr->grad_sq[i] /= (double)ls * ls;
     }
-    if (step_sample == tr->fault_spike_sample) { /* test hook: a gradient blow-up on this batch */
+    if (step_sample == tr->faults.spike_sample) { /* test hook: a gradient blow-up on this batch */
         tera_layout_grad_scale(tr, 100.0f);
         r->grad_norm *= 100.0;
         r->loss *= 10.0;
@@ -612,7 +644,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const float c = cfg->training.grad_clip;
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
         double sums[2];
-        tera_layout_adamw_step(tr, r->lr, scale / ls, sums);
+        if (tr->onebit) tera_onebit_step(tr, r->lr, scale / ls, sums); /* optimizer.name = onebit_adam */
+        else tera_layout_adamw_step(tr, r->lr, scale / ls, sums);
         r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
         tr->grads_zero = !tr->zero; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
@@ -623,6 +656,8 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tr->step++;
     tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
+    r->comm_seconds = tera_comm_traffic_get().blocked_s - blocked0;
+    if (r->comm_seconds < 0.0) r->comm_seconds = 0.0; /* the counters were reset during the step */
     tera_comm_step_end(r->seconds);
     tera_trace_event(TERA_TRACE_COMPUTE, "step", "step", t0, t0 + r->seconds, -1);
 
@@ -669,7 +704,7 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
         }
         double ce, pos;
         if (tr->topo.pp > 1) { /* through the pipeline's stages in turn; the last stage has the loss */
-            ce = tera_pipeline_eval_batch(tr, tr->tokens, tr->targets, &pos);
+            ce = tera_pipe_eval(tr->pipe, tr->tokens, tr->targets, &pos);
         } else {
             tera_model_forward(m, tr->tokens, tr->targets);
             ce = m->stats.ce_sum, pos = (double)m->stats.n_positions;
@@ -705,6 +740,7 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     if (tr->topo.world > 1) tera_comm_barrier(tera_comm_world());
     TERA_TRY(tera_ckpt_find_latest(tr->run_dir, dir, sizeof dir));
     TERA_TRY(tera_trainer_resume_dir(tr, dir));
+    TERA_TRY(tera_comm_state_load(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
     /* every check passed: only now is the run directory written (a refused --resume leaves it as
      * it was): the configuration of the continued run, and metrics.jsonl cut back to its last
      * complete line (a crash or a full disk can leave half a line) before appending */
@@ -731,6 +767,8 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
+    tera_loader_sync(&tr->loader, tr->dp, tr->samples_consumed); /* streamed data: every dp rank's position */
+    TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
     if (tr->cfg.checkpoint.sharded && tr->topo.world > 1) return tera_trainer_save_sharded(tr);
     if (tr->topo.world == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
     if (tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->zero) {
@@ -832,6 +870,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         }
         TERA_TRY(tera_sample_hook(tr)); /* logging.sample_every (src/train/sample.c) */
         TERA_TRY(tera_elastic_after_step(tr, &r)); /* training.nan_rollback_after (src/elastic/rank.c) */
+        if (cfg->training.stop_at_step > 0 && tr->step == cfg->training.stop_at_step) break; /* saved below */
         const int due_s = tera_elastic_ckpt_due(tr); /* checkpoint.every_s, full_every_s: 1 save, 2 full */
         if (((cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0) || due_s) && tr->step < S) {
             const double tc = tera_now();

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "tera/kernels.h"
 #include "vmath.h"
 #include "tera/status.h"
@@ -235,4 +236,513 @@ void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout,
         for (int task = 0; task < B * Hkv; task++)
             backward_group(dq, dk, dv, dout, q, k, v, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws);
     }
+}
+
+/* ------------------------------------------------------------------ bf16 on the matrix units
+ *
+ * The same schedules with the six products of each tile pair (S = Q K^T, O += P V; backward S,
+ * dV += P^T dO, dP = dO V^T, dQ += dS K, dK += dS^T Q) as bf16 x bf16 -> fp32 products through
+ * oneDNN matmul primitives (AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise).
+ * The softmax statistics (row max, sum, lse), P before rounding, dP, D and dS stay fp32; P and dS
+ * are rounded to bf16 only as operands of the next product (scale folded into dS first).
+ *
+ * oneDNN's fast (brgemm) matmul kernels need dense operands, so the call first rounds q, k, v (and
+ * dO in the backward) once into head-major bf16 copies [B, heads, T, hd] in the scratch: every tile
+ * operand is then a dense block, a key tile's transpose is a stride. Products write dense fp32
+ * blocks of per-thread accumulators (O; dK, dV; the dQ of a task's query heads), copied to the
+ * strided outputs once. Each product runs single-threaded inside the OpenMP region on primitives
+ * created once per shape and thread (a per-thread cache, created for one thread; the JIT code is
+ * shared by oneDNN's own primitive cache). The partition into tasks and each task's order of
+ * operations are those of the fp32 path, so results are bit-identical for any thread count.
+ * The CPU backend runs this path only where oneDNN reports AMX (backend_cpu.c: slower than the
+ * fp32 kernels elsewhere, docs/PERFORMANCE.md "Attention in bf16"). */
+#include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+/* bf16 tile edge (query and key). Larger than ATTN_TILE's products pay on the matrix units: the
+ * fixed cost of a primitive call is spread over more work. bench/bench_attention.c re-measures. */
+#ifndef ATTN_BF16_TILE
+#define ATTN_BF16_TILE 128
+#endif
+#define BT ATTN_BF16_TILE
+
+static size_t up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* bf16 rounding (nearest even, NaN kept quiet): the same bits as tera_round_bf16, inline so that
+ * the fused row loops below vectorise. */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
+}
+static inline float bf16_val(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One row of P: x[c] = exp(x[c] * scale - m) (fp32, kept) and p16[c] = its bf16 rounding for
+ * c < n, both 0 for n <= c < nk. Returns the fp32 sum of the exponentials (16 lanes, fixed order). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+/* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps; NaN propagates) */
+static inline __m512 vexp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));
+    const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 fi = _mm512_sub_ps(t, magic);
+    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
+    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+/* bf16_rne on 16 lanes, packed to 16 bits */
+static inline __m256i vbf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000))), 16));
+}
+#define ATTN_AVX512 1
+#endif
+
+static float exp_row_bf16(uint16_t *restrict p16, float *restrict x, int n, int nk, float scale, float m) {
+#ifdef ATTN_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
+    for (int c = 0; c < nk; c += 16) {
+        const int left = n - c;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const __mmask16 in = nk - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nk - c)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, vexp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, x + c), vs, vm)));
+        acc = _mm512_add_ps(acc, e);
+        _mm512_mask_storeu_ps(x + c, in, e);
+        _mm256_mask_storeu_epi16(p16 + c, in, vbf16(e));
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc[16] = {0};
+    int c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int u = 0; u < 16; u++) {
+            const float e = tera_vexpf(x[c + u] * scale - m);
+            acc[u] += e;
+            x[c + u] = e;
+            p16[c + u] = bf16_rne(e);
+        }
+    for (int u = 0; c + u < n; u++) {
+        const float e = tera_vexpf(x[c + u] * scale - m);
+        acc[u] += e;
+        x[c + u] = e;
+        p16[c + u] = bf16_rne(e);
+    }
+    for (c = n; c < nk; c++) x[c] = 0.0f, p16[c] = 0;
+    float sum = 0.0f;
+    for (int u = 0; u < 16; u++) sum += acc[u];
+    return sum;
+#endif
+}
+
+/* Scratch layout of the bf16 path, in floats (every section starts at a multiple of 16 floats). */
+typedef struct {
+    size_t q16, k16, v16, do16, D; /* shared: bf16 copies [B,H|Hkv,T,hd] (2 per float), D [B,H,T] */
+    size_t threads, per_thread;    /* then one block per thread (block t at threads + t * per_thread): */
+    size_t S, dP, P16, dS16, ml, acc1, acc2, dq; /* offsets inside a thread's block */
+    size_t total;
+} bf_layout;
+
+static bf_layout bf_layout_of(int B, int T, int H, int Hkv, int hd, int nthr) {
+    bf_layout L;
+    const size_t nq = (size_t)B * T * H * hd, nk = (size_t)B * T * Hkv * hd;
+    L.q16 = 0;
+    L.k16 = L.q16 + up16((nq + 1) / 2);
+    L.v16 = L.k16 + up16((nk + 1) / 2);
+    L.do16 = L.v16 + up16((nk + 1) / 2);
+    L.D = L.do16 + up16((nq + 1) / 2);
+    const size_t shared = L.D + up16((size_t)B * H * T);
+    L.S = 0;
+    L.dP = L.S + up16((size_t)BT * BT);
+    L.P16 = L.dP + up16((size_t)BT * BT);
+    L.dS16 = L.P16 + up16((size_t)BT * BT / 2 + 1);
+    L.ml = L.dS16 + up16((size_t)BT * BT / 2 + 1);
+    L.acc1 = L.ml + up16(2 * (size_t)BT);
+    L.acc2 = L.acc1 + up16((size_t)BT * hd);
+    L.dq = L.acc2 + up16((size_t)BT * hd);
+    L.per_thread = L.dq + up16((size_t)(H / Hkv) * T * hd);
+    L.threads = shared;
+    L.total = shared + (size_t)nthr * L.per_thread;
+    return L;
+}
+
+#if DNNL_VERSION_MAJOR == 2
+#define HAVE_BF16_ATTENTION 1
+
+/* oneDNN's bf16 GEMM (exported, not in the 2.x public headers; also used by matmul.c): the fallback
+ * for a shape whose primitive cannot be created (the same for every thread). */
+dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, dnnl_dim_t N, dnnl_dim_t K,
+                                    float alpha, const uint16_t *A, dnnl_dim_t lda, const uint16_t *B,
+                                    dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
+
+#define BF_CHECK(call)                                                                             \
+    do {                                                                                           \
+        dnnl_status_t _st = (call);                                                                \
+        TERA_ASSERTF(_st == dnnl_success, "oneDNN call failed (status %d): %s", (int)_st, #call);   \
+    } while (0)
+
+typedef struct {
+    int ta, tb, M, N, K;
+    float beta;
+    dnnl_primitive_t prim; /* NULL: creation failed, the GEMM fallback runs */
+    dnnl_memory_t a, b, c;
+} bf_prim;
+
+/* Distinct tile products per thread: a model has at most a dozen (3 kinds x 4 tile shapes). When full
+ * (many attention shapes in one process: tests), the oldest entry is replaced, never bypassed:
+ * every product of a shape runs the same kernel on every thread, whatever the history. */
+#define BF_CACHE 64
+typedef struct {
+    dnnl_stream_t stream;
+    int n, victim;
+    bf_prim e[BF_CACHE];
+} bf_thread;
+
+/* one cache per OS thread: OpenMP's pool threads keep theirs from call to call, and callers on
+ * different threads (two models side by side) never share one. Allocated at a thread's first call
+ * and kept on a list (reachable: the primitives live as long as the process, like matmul.c's). */
+typedef struct bf_thread_node {
+    bf_thread th;
+    struct bf_thread_node *next;
+} bf_thread_node;
+static _Thread_local bf_thread_node *tl_bf;
+static bf_thread_node *g_bf_list;
+static pthread_mutex_t g_bf_mu = PTHREAD_MUTEX_INITIALIZER;
+static dnnl_engine_t g_bf_engine;
+static pthread_once_t g_bf_once = PTHREAD_ONCE_INIT;
+static void bf_engine_init(void) { BF_CHECK(dnnl_engine_create(&g_bf_engine, dnnl_cpu, 0)); }
+
+static bf_prim *bf_prim_get(bf_thread *th, int ta, int tb, int M, int N, int K, float beta) {
+    for (int i = 0; i < th->n; i++) {
+        bf_prim *e = &th->e[i];
+        if (e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K && e->beta == beta) return e;
+    }
+    if (!th->stream) BF_CHECK(dnnl_stream_create(&th->stream, g_bf_engine, dnnl_stream_default_flags));
+    bf_prim *e;
+    if (th->n < BF_CACHE) {
+        e = &th->e[th->n++];
+    } else {
+        e = &th->e[th->victim];
+        th->victim = (th->victim + 1) % BF_CACHE;
+        if (e->prim) {
+            dnnl_primitive_destroy(e->prim);
+            dnnl_memory_destroy(e->a);
+            dnnl_memory_destroy(e->b);
+            dnnl_memory_destroy(e->c);
+        }
+    }
+    *e = (bf_prim){.ta = ta, .tb = tb, .M = M, .N = N, .K = K, .beta = beta};
+    /* dense operands: A [M,K] (ta: stored [K,M]), B [K,N] (tb: stored [N,K]), C [M,N] */
+    dnnl_memory_desc_t ad, bd, cd;
+    dnnl_dims_t adims = {M, K}, bdims = {K, N}, cdims = {M, N};
+    dnnl_dims_t as = {ta ? 1 : K, ta ? M : 1}, bs = {tb ? 1 : N, tb ? K : 1}, cs = {N, 1};
+    BF_CHECK(dnnl_memory_desc_init_by_strides(&ad, 2, adims, dnnl_bf16, as));
+    BF_CHECK(dnnl_memory_desc_init_by_strides(&bd, 2, bdims, dnnl_bf16, bs));
+    BF_CHECK(dnnl_memory_desc_init_by_strides(&cd, 2, cdims, dnnl_f32, cs));
+    dnnl_matmul_desc_t md;
+    BF_CHECK(dnnl_matmul_desc_init(&md, &ad, &bd, NULL, &cd));
+    dnnl_primitive_attr_t attr;
+    BF_CHECK(dnnl_primitive_attr_create(&attr));
+    if (beta != 0.0f) {
+        dnnl_post_ops_t po;
+        BF_CHECK(dnnl_post_ops_create(&po));
+        BF_CHECK(dnnl_post_ops_append_sum(po, beta));
+        BF_CHECK(dnnl_primitive_attr_set_post_ops(attr, po));
+        dnnl_post_ops_destroy(po);
+    }
+    /* oneDNN chooses a kernel's blocking (and so its order of sums) for the thread count it sees at
+     * creation: created for one thread, as it runs, whatever the region's size (this sets the
+     * calling thread's own setting only) */
+    const int nthr = omp_get_max_threads();
+    omp_set_num_threads(1);
+    dnnl_primitive_desc_t pd;
+    if (dnnl_primitive_desc_create(&pd, &md, attr, g_bf_engine, NULL) == dnnl_success) {
+        if (dnnl_primitive_create(&e->prim, pd) != dnnl_success) e->prim = NULL;
+        dnnl_primitive_desc_destroy(pd);
+    }
+    omp_set_num_threads(nthr);
+    dnnl_primitive_attr_destroy(attr);
+    if (e->prim) {
+        BF_CHECK(dnnl_memory_create(&e->a, &ad, g_bf_engine, DNNL_MEMORY_NONE));
+        BF_CHECK(dnnl_memory_create(&e->b, &bd, g_bf_engine, DNNL_MEMORY_NONE));
+        BF_CHECK(dnnl_memory_create(&e->c, &cd, g_bf_engine, DNNL_MEMORY_NONE));
+    }
+    return e;
+}
+
+/* C[M,N] = op(A) op(B) + beta C; A, B dense bf16 (A [M,K] or, ta, [K,M]; B [K,N] or, tb, [N,K]),
+ * C dense fp32 [M,N]; beta 0 or 1. Single-threaded (called inside the OpenMP region). */
+static void bf_mm(bf_thread *th, int ta, int tb, int M, int N, int K, const uint16_t *A, const uint16_t *Bm,
+                  float beta, float *C) {
+    if (M == 0 || N == 0) return;
+    bf_prim *e = bf_prim_get(th, ta, tb, M, N, K, beta);
+    if (e->prim) {
+        BF_CHECK(dnnl_memory_set_data_handle(e->a, (void *)A));
+        BF_CHECK(dnnl_memory_set_data_handle(e->b, (void *)Bm));
+        BF_CHECK(dnnl_memory_set_data_handle(e->c, C));
+        dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b}, {DNNL_ARG_DST, e->c}};
+        BF_CHECK(dnnl_primitive_execute(e->prim, th->stream, 3, args));
+        BF_CHECK(dnnl_stream_wait(th->stream));
+        return;
+    }
+    BF_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A, ta ? M : K, Bm, tb ? K : N,
+                                   beta, C, N));
+}
+
+static bf_thread *bf_thread_of(void) {
+    if (!tl_bf) {
+        tl_bf = tera_calloc(1, sizeof *tl_bf);
+        pthread_mutex_lock(&g_bf_mu);
+        tl_bf->next = g_bf_list;
+        g_bf_list = tl_bf;
+        pthread_mutex_unlock(&g_bf_mu);
+    }
+    return &tl_bf->th;
+}
+#else
+#define HAVE_BF16_ATTENTION 0
+#endif
+
+int tera_attention_bf16_available(void) {
+#if HAVE_BF16_ATTENTION
+    static int on = -1; /* TERA_ATTN_BF16=0 keeps bf16 runs on the fp32 attention (A/B timing) */
+    if (on < 0) {
+        const char *e = getenv("TERA_ATTN_BF16");
+        on = tera_cpu_bf16_native() && !(e && !strcmp(e, "0"));
+    }
+    return on;
+#else
+    return 0;
+#endif
+}
+
+size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd) {
+    return bf_layout_of(B, T, H, Hkv, hd, omp_get_max_threads()).total;
+}
+
+#if HAVE_BF16_ATTENTION
+/* The rows [B*T] of x [B,T,nh,hd] rounded to bf16 into head-major dst [B,nh,T,hd]: row (b,t). */
+static void to_head_major_bf16(uint16_t *dst, const float *x, int64_t row, int T, int nh, int hd) {
+    const int64_t b = row / T, t = row % T;
+    for (int h = 0; h < nh; h++)
+        tera_round_bf16(dst + ((b * nh + h) * T + t) * hd, x + (row * nh + h) * hd, hd);
+}
+
+static void forward_tile_bf16(float *out, float *lse, const uint16_t *q16, const uint16_t *k16, const uint16_t *v16,
+                              int b, int h, int qt, int T, int H, int Hkv, int hd, float *ws, const bf_layout *L,
+                              bf_thread *th) {
+    const int64_t ldq = (int64_t)H * hd;
+    const int kvh = h / (H / Hkv);
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int t0 = qt * BT;
+    const int nq = T - t0 < BT ? T - t0 : BT;
+    float *S = ws + L->S;                        /* [nq, nk] */
+    uint16_t *P16 = (uint16_t *)(ws + L->P16);   /* [nq, nk] */
+    float *m = ws + L->ml, *l = m + BT;          /* running row max and sum */
+    float *O = ws + L->acc1;                     /* [nq, hd] */
+    const uint16_t *Qi = q16 + (((int64_t)b * H + h) * T + t0) * hd;
+    memset(O, 0, sizeof(float) * (size_t)nq * hd);
+    for (int kt = 0; kt <= qt; kt++) {
+        const int s0 = kt * BT;
+        const int nk = T - s0 < BT ? T - s0 : BT;
+        const uint16_t *Kj = k16 + (((int64_t)b * Hkv + kvh) * T + s0) * hd;
+        const uint16_t *Vj = v16 + (((int64_t)b * Hkv + kvh) * T + s0) * hd;
+        bf_mm(th, 0, 1, nq, nk, hd, Qi, Kj, 0.0f, S); /* S = Q_i K_j^T (unscaled) */
+        const int diag = kt == qt;
+        for (int r = 0; r < nq; r++) {
+            float *restrict Sr = S + (int64_t)r * nk;
+            const int n = diag ? r + 1 : nk;
+            const float mt = row_max(Sr, n) * scale; /* = the max of the scaled row (scale > 0) */
+            if (kt == 0) {
+                m[r] = mt;
+                l[r] = exp_row_bf16(P16 + (int64_t)r * nk, Sr, n, nk, scale, mt);
+            } else {
+                const float mn = mt > m[r] ? mt : m[r];
+                const float alpha = expf(m[r] - mn);
+                m[r] = mn;
+                l[r] = l[r] * alpha + exp_row_bf16(P16 + (int64_t)r * nk, Sr, n, nk, scale, mn);
+                if (alpha != 1.0f) {
+                    float *restrict o = O + (int64_t)r * hd;
+                    for (int d = 0; d < hd; d++) o[d] *= alpha;
+                }
+            }
+        }
+        bf_mm(th, 0, 0, nq, hd, nk, P16, Vj, 1.0f, O); /* O += P V_j */
+    }
+    float *lse_row = lse + ((int64_t)b * H + h) * T + t0;
+    float *oi = out + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
+    for (int r = 0; r < nq; r++) {
+        const float inv = 1.0f / l[r];
+        const float *restrict o = O + (int64_t)r * hd;
+        float *restrict y = oi + (int64_t)r * ldq;
+        for (int d = 0; d < hd; d++) y[d] = o[d] * inv;
+        lse_row[r] = m[r] + logf(l[r]);
+    }
+}
+#endif
+
+void tera_attention_forward_bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                 int T, int H, int Hkv, int hd, float *scratch) {
+    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
+                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+#if HAVE_BF16_ATTENTION
+    if (B == 0 || T == 0) return;
+    pthread_once(&g_bf_once, bf_engine_init);
+    const int nthr = omp_get_max_threads();
+    const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
+    uint16_t *q16 = (uint16_t *)(scratch + L.q16), *k16 = (uint16_t *)(scratch + L.k16);
+    uint16_t *v16 = (uint16_t *)(scratch + L.v16);
+    float *blocks = scratch + L.threads;
+    const int nt = (T + BT - 1) / BT;
+    const int64_t ntask = (int64_t)B * H * nt, nrow = (int64_t)B * T;
+#pragma omp parallel num_threads(nthr)
+    {
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < nrow; row++) {
+            to_head_major_bf16(q16, q, row, T, H, hd);
+            to_head_major_bf16(k16, k, row, T, Hkv, hd);
+            to_head_major_bf16(v16, v, row, T, Hkv, hd);
+        }
+        const int t = omp_get_thread_num();
+        float *ws = blocks + (size_t)t * L.per_thread;
+        bf_thread *th = bf_thread_of();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntask; task++) {
+            const int qt = nt - 1 - (int)(task / ((int64_t)B * H));
+            const int bh = (int)(task % ((int64_t)B * H));
+            forward_tile_bf16(out, lse, q16, k16, v16, bh / H, bh % H, qt, T, H, Hkv, hd, ws, &L, th);
+        }
+    }
+#else
+    tera_attention_forward(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+#endif
+}
+
+#if HAVE_BF16_ATTENTION
+static void backward_group_bf16(float *dq, float *dk, float *dv, const uint16_t *q16, const uint16_t *k16,
+                                const uint16_t *v16, const uint16_t *do16, const float *lse, const float *D, int b,
+                                int kvh, int T, int H, int Hkv, int hd, float *ws, const bf_layout *L,
+                                bf_thread *th) {
+    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
+    const int rep = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int nt = (T + BT - 1) / BT;
+    float *P = ws + L->S, *dP = ws + L->dP;        /* [nq, nk] fp32 */
+    uint16_t *P16 = (uint16_t *)(ws + L->P16);     /* [nq, nk] bf16 */
+    uint16_t *dS16 = (uint16_t *)(ws + L->dS16);   /* [nq, nk] bf16 (scaled) */
+    float *dKa = ws + L->acc1, *dVa = ws + L->acc2; /* [nk, hd] */
+    float *dQa = ws + L->dq;                       /* [rep, T, hd] */
+    memset(dQa, 0, sizeof(float) * (size_t)rep * T * hd);
+    for (int kt = 0; kt < nt; kt++) {
+        const int s0 = kt * BT;
+        const int nk = T - s0 < BT ? T - s0 : BT;
+        const uint16_t *Kj = k16 + (((int64_t)b * Hkv + kvh) * T + s0) * hd;
+        const uint16_t *Vj = v16 + (((int64_t)b * Hkv + kvh) * T + s0) * hd;
+        memset(dKa, 0, sizeof(float) * (size_t)nk * hd);
+        memset(dVa, 0, sizeof(float) * (size_t)nk * hd);
+        for (int hh = 0; hh < rep; hh++) {
+            const int h = kvh * rep + hh;
+            for (int qt = kt; qt < nt; qt++) {
+                const int t0 = qt * BT;
+                const int nq = T - t0 < BT ? T - t0 : BT;
+                const int64_t qoff = (((int64_t)b * H + h) * T + t0) * hd;
+                const uint16_t *Qi = q16 + qoff, *dOi = do16 + qoff;
+                const float *lse_i = lse + ((int64_t)b * H + h) * T + t0;
+                const float *D_i = D + ((int64_t)b * H + h) * T + t0;
+                const int diag = qt == kt;
+                /* P = exp(scale * Q_i K_j^T - lse_i), zero above the diagonal */
+                bf_mm(th, 0, 1, nq, nk, hd, Qi, Kj, 0.0f, P);
+                for (int r = 0; r < nq; r++)
+                    exp_row_bf16(P16 + (int64_t)r * nk, P + (int64_t)r * nk, diag ? r + 1 : nk, nk, scale, lse_i[r]);
+                bf_mm(th, 1, 0, nk, hd, nq, P16, dOi, 1.0f, dVa); /* dV_j += P^T dO_i */
+                bf_mm(th, 0, 1, nq, nk, hd, dOi, Vj, 0.0f, dP);   /* dP = dO_i V_j^T */
+                for (int r = 0; r < nq; r++) { /* dS = scale * P * (dP - D_i), rounded */
+                    const float *restrict Pr = P + (int64_t)r * nk, *restrict dPr = dP + (int64_t)r * nk;
+                    uint16_t *restrict dSr = dS16 + (int64_t)r * nk;
+                    const float Dr = D_i[r];
+                    for (int c = 0; c < nk; c++) dSr[c] = bf16_rne(scale * (Pr[c] * (dPr[c] - Dr)));
+                }
+                bf_mm(th, 0, 0, nq, hd, nk, dS16, Kj, 1.0f, dQa + ((int64_t)hh * T + t0) * hd); /* dQ_i += dS K_j */
+                bf_mm(th, 1, 0, nk, hd, nq, dS16, Qi, 1.0f, dKa);                         /* dK_j += dS^T Q_i */
+            }
+        }
+        for (int r = 0; r < nk; r++) {
+            const int64_t off = ((int64_t)b * T + s0 + r) * ldk + (int64_t)kvh * hd;
+            memcpy(dk + off, dKa + (int64_t)r * hd, sizeof(float) * (size_t)hd);
+            memcpy(dv + off, dVa + (int64_t)r * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+    for (int hh = 0; hh < rep; hh++)
+        for (int t = 0; t < T; t++)
+            memcpy(dq + ((int64_t)b * T + t) * ldq + (int64_t)(kvh * rep + hh) * hd, dQa + ((int64_t)hh * T + t) * hd,
+                   sizeof(float) * (size_t)hd);
+}
+#endif
+
+void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                  const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
+                                  int hd, float *scratch) {
+    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
+                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+#if HAVE_BF16_ATTENTION
+    if (B == 0 || T == 0) return;
+    pthread_once(&g_bf_once, bf_engine_init);
+    const int nthr = omp_get_max_threads();
+    const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
+    uint16_t *q16 = (uint16_t *)(scratch + L.q16), *k16 = (uint16_t *)(scratch + L.k16);
+    uint16_t *v16 = (uint16_t *)(scratch + L.v16), *do16 = (uint16_t *)(scratch + L.do16);
+    float *D = scratch + L.D; /* [B,H,T] */
+    float *blocks = scratch + L.threads;
+    const int64_t ld = (int64_t)H * hd, nrow = (int64_t)B * T;
+#pragma omp parallel num_threads(nthr)
+    {
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < nrow; row++) {
+            const int b = (int)(row / T), t = (int)(row % T);
+            to_head_major_bf16(do16, dout, row, T, H, hd);
+            for (int h = 0; h < H; h++) {
+                /* D[b,h,t] = sum_d dO * O (double accumulation, fixed order) with the rounded dO that
+                 * dP = dO V^T sees, so that D = rowsum(P * dP) holds for the same dO */
+                const float *o = out + row * ld + (int64_t)h * hd;
+                const uint16_t *g = do16 + (((int64_t)b * H + h) * T + t) * hd;
+                double s = 0.0;
+                for (int d = 0; d < hd; d++) s += (double)o[d] * bf16_val(g[d]);
+                D[((int64_t)b * H + h) * T + t] = (float)s;
+            }
+            to_head_major_bf16(q16, q, row, T, H, hd);
+            to_head_major_bf16(k16, k, row, T, Hkv, hd);
+            to_head_major_bf16(v16, v, row, T, Hkv, hd);
+        }
+        const int t = omp_get_thread_num();
+        float *ws = blocks + (size_t)t * L.per_thread;
+        bf_thread *th = bf_thread_of();
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < B * Hkv; task++)
+            backward_group_bf16(dq, dk, dv, q16, k16, v16, do16, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws,
+                                &L, th);
+    }
+#else
+    tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+#endif
 }

@@ -63,19 +63,36 @@ static void cpu_rope_backward(tera_backend *be, float *dx, const float *cos_t, c
     tera_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
 }
 
+/* Attention runs its products in bf16 on the native units when the linear layers do (attention.c),
+ * on CPUs with AMX only: on AVX512-BF16 dot products (no AMX) it was measured 0.66-0.82x the
+ * fp32 kernels' speed and on oneDNN's AVX-512 emulation of bf16 0.31-0.40x (docs/PERFORMANCE.md,
+ * "Attention in bf16"), so there it stays fp32 even when native bf16 products are forced. The
+ * scratch is sized for both paths, since it is carved before the precision is set. */
+static int cpu_attention_bf16_units(void) { return tera_attention_bf16_available() && tera_cpu_bf16_fast(NULL); }
+
+static int cpu_attention_bf16(const tera_backend *be) {
+    return be->precision == TERA_PREC_BF16 && be->bf16_gemm == TERA_BF16_NATIVE && cpu_attention_bf16_units();
+}
+
 static size_t cpu_attention_scratch_floats(tera_backend *be, int B, int T, int H, int Hkv, int hd) {
     (void)be;
-    return tera_attention_scratch_floats(B, T, H, Hkv, hd);
+    const size_t f = tera_attention_scratch_floats(B, T, H, Hkv, hd);
+    const size_t h = cpu_attention_bf16_units() ? tera_attention_bf16_scratch_floats(B, T, H, Hkv, hd) : 0;
+    return f > h ? f : h;
 }
 
 static void cpu_attention_forward(tera_backend *be, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T, int H, int Hkv, int hd, float *scratch) {
-    (void)be;
-    tera_attention_forward(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+    if (cpu_attention_bf16(be))
+        tera_attention_forward_bf16(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+    else
+        tera_attention_forward(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
 }
 
 static void cpu_attention_backward(tera_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k, const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd, float *scratch) {
-    (void)be;
-    tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+    if (cpu_attention_bf16(be))
+        tera_attention_backward_bf16(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+    else
+        tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
 }
 
 static void cpu_swiglu_forward(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n) {

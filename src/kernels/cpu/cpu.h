@@ -38,4 +38,18 @@ int tera_cpu_bf16_has_dot(void);
 int tera_cpu_bf16_native(void); /* oneDNN has bf16 GEMM kernels for this CPU (AVX-512 and up) */
 int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
 
+/* Attention with bf16 products on the matrix units (attention.c), same arguments and semantics as
+ * tera_attention_forward / backward (include/tera/kernels.h); softmax statistics, dP and dS in fp32.
+ * The backend runs it when its precision is bf16 on the native units and oneDNN reports AMX.
+ * Available (can run at all): oneDNN 2.x with bf16 kernels for this CPU, unless TERA_ATTN_BF16=0
+ * (A/B timing). Its scratch (more than the fp32 path's: bf16 copies of q, k, v, dO) is
+ * tera_attention_bf16_scratch_floats(...) floats. */
+int tera_attention_bf16_available(void);
+size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd);
+void tera_attention_forward_bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                 int T, int H, int Hkv, int hd, float *scratch);
+void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                  const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
+                                  int hd, float *scratch);
+
 #endif

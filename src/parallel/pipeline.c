@@ -17,11 +17,12 @@
  * (reading the micro-batches, ZeRO-3's gathers, bookkeeping) is neither. */
 #include <string.h>
 
+#include "tera/pipeline.h"
 #include "tera/profile.h"
 #include "tera/schedule.h"
-#include "tera/train.h"
 
 struct tera_pipe {
+    tera_pipe_env env;
     tera_schedule sched;
     int pp, v, S, rank, m;     /* stages, chunks, virtual stages, this stage, micro-batches */
     const int *first;          /* [S + 1] layer split (the model's) */
@@ -47,54 +48,54 @@ enum { BUF_XIN, BUF_XOUT, BUF_DYIN, BUF_DXOUT };
  * differ in chunk index where the pipeline wraps from the last rank to the first). */
 static int tag_of(const tera_pipe *p, int micro, int dst_vs, int bwd) { return ((micro * p->S + dst_vs) << 1) | bwd; }
 
-tera_status tera_pipeline_init(tera_trainer *tr) {
-    const tera_parallel_config *pc = &tr->cfg.parallel;
-    const tera_train_config *t = &tr->cfg.training;
-    tera_pipe *p = tera_calloc(1, sizeof *p);
-    p->pp = tr->topo.pp;
-    p->v = tr->model.par.v;
-    p->S = p->pp * p->v;
-    p->rank = tr->topo.pp_rank;
-    p->m = t->grad_accum;
-    p->first = tr->model.layer_first;
+tera_status tera_pipe_slots(const char *schedule, int stages, int stage, int micro_batches, int chunks, int *slots) {
+    /* before the model exists: the schedule is built and simulated (which also checks it) */
     tera_sched_kind kind;
-    tera_status st = tera_sched_kind_parse(pc->pp_schedule, &kind);
+    tera_schedule s;
+    tera_sched_stats ss;
+    TERA_TRY(tera_sched_kind_parse(schedule, &kind));
+    TERA_TRY(tera_schedule_build(&s, kind, stages, micro_batches, chunks));
+    const tera_status st = tera_schedule_simulate(&s, 1.0, 2.0, &ss);
+    tera_schedule_free(&s);
+    TERA_TRY(st);
+    const int n = stage < 64 ? ss.peak_in_flight_rank[stage] : ss.peak_in_flight;
+    *slots = n > 0 ? n : 1;
+    return TERA_OK;
+}
+
+tera_status tera_pipe_create(const tera_pipe_env *env, tera_pipe **out) {
+    const tera_model *m = env->model;
+    TERA_ASSERTF(env->load && env->group && env->stages > 1 && env->stage >= 0 && env->stage < env->stages,
+                 "pipeline: bad environment (stages %d, stage %d)", env->stages, env->stage);
+    tera_pipe *p = tera_calloc(1, sizeof *p);
+    p->env = *env;
+    p->pp = env->stages;
+    p->v = m->par.v;
+    p->S = p->pp * p->v;
+    p->rank = env->stage;
+    p->m = env->micro_batches;
+    p->first = m->layer_first;
+    tera_sched_kind kind;
+    tera_status st = tera_sched_kind_parse(env->schedule, &kind);
     if (st == TERA_OK) st = tera_schedule_build(&p->sched, kind, p->pp, p->m, p->v);
     if (st != TERA_OK) {
         free(p);
         return st;
     }
-    p->n_slots = tr->model.n_slots; /* tera_pipeline_slots: the schedule's peak on this stage */
-    p->nd = (int64_t)t->micro_batch * t->seq_len * tr->cfg.model.dim;
-    const int64_t N = (int64_t)t->micro_batch * t->seq_len;
+    p->n_slots = m->n_slots; /* tera_pipe_slots: the schedule's peak on this stage */
+    const int64_t N = (int64_t)env->micro_batch * env->seq_len;
+    p->nd = N * m->cfg.dim;
     p->buf = tera_calloc((size_t)(p->n_slots * p->v * 4 * p->nd + 1), sizeof(float));
     p->tok = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));
     p->tgt = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));
     p->req = tera_calloc((size_t)(p->n_slots * p->v * 2), sizeof(tera_comm_req));
     p->slot_of = tera_calloc((size_t)p->m, sizeof(int));
     p->slot_busy = tera_calloc((size_t)p->n_slots, sizeof(int));
-    tr->pipe = p;
+    *out = p;
     return TERA_OK;
 }
 
-tera_status tera_pipeline_slots(const tera_trainer *tr, int *slots) {
-    /* before the model exists: the schedule is built and simulated (which also checks it) */
-    const tera_parallel_config *pc = &tr->cfg.parallel;
-    tera_sched_kind kind;
-    tera_schedule s;
-    tera_sched_stats ss;
-    TERA_TRY(tera_sched_kind_parse(pc->pp_schedule, &kind));
-    TERA_TRY(tera_schedule_build(&s, kind, tr->topo.pp, tr->cfg.training.grad_accum, pc->pp_chunks));
-    const tera_status st = tera_schedule_simulate(&s, 1.0, 2.0, &ss);
-    tera_schedule_free(&s);
-    TERA_TRY(st);
-    const int n = tr->topo.pp_rank < 64 ? ss.peak_in_flight_rank[tr->topo.pp_rank] : ss.peak_in_flight;
-    *slots = n > 0 ? n : 1;
-    return TERA_OK;
-}
-
-void tera_pipeline_free(tera_trainer *tr) {
-    tera_pipe *p = tr->pipe;
+void tera_pipe_destroy(tera_pipe *p) {
     if (!p) return;
     for (int i = 0; i < p->n_slots * p->v * 2; i++) tera_comm_wait(&p->req[i]);
     tera_schedule_free(&p->sched);
@@ -105,7 +106,6 @@ void tera_pipeline_free(tera_trainer *tr) {
     free(p->slot_of);
     free(p->slot_busy);
     free(p);
-    tr->pipe = NULL;
 }
 
 static void wait_slot_sends(tera_pipe *p, int slot) {
@@ -125,24 +125,22 @@ static int take_slot(tera_pipe *p) {
 
 /* Reads micro-batch a of this step into a slot's token buffers (every stage reads it: stage 0
  * embeds the tokens, the last stage needs the targets). */
-static double load_micro(tera_trainer *tr, tera_pipe *p, int a, int slot) {
-    const int B = tr->cfg.training.micro_batch, T = tr->cfg.training.seq_len;
-    const int64_t g0 = tera_loader_step_sample(tr->samples_consumed, B, a, tr->topo.dp_rank, tr->topo.dp, 0);
-    const double t0 = tera_now();
-    for (int b = 0; b < B; b++)
-        tera_loader_train_sample(&tr->loader, g0 + b, p->tok + ((int64_t)slot * B + b) * T,
-                                 p->tgt + ((int64_t)slot * B + b) * T);
-    return tera_now() - t0;
+static double load_micro(tera_pipe *p, int a, int slot) {
+    const int64_t N = (int64_t)p->env.micro_batch * p->env.seq_len;
+    return p->env.load(p->env.ctx, a, p->tok + (int64_t)slot * N, p->tgt + (int64_t)slot * N);
 }
 
-void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, double *sums, int64_t *counts,
-                        double *data_s, void (*grad_ready)(void *, int64_t, int64_t), int final_only) {
-    tera_pipe *p = tr->pipe;
-    tera_model *m = &tr->model;
+static void plan(tera_pipe *p, int last, int next) {
+    if (p->env.plan) p->env.plan(p->env.ctx, last, next);
+}
+
+void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums, int64_t *counts, double *data_s,
+                    void (*grad_ready)(void *, int64_t, int64_t), void *grad_ctx, int final_only) {
+    tera_model *m = p->env.model;
     TERA_ASSERTF(A == p->m, "pipeline built for %d micro-batches, step has %d (dynamic batch size with pp > 1)", p->m,
                  A);
-    const int L = tr->cfg.model.n_layers;
-    const int64_t N = (int64_t)tr->cfg.training.micro_batch * tr->cfg.training.seq_len;
+    const int L = m->cfg.n_layers;
+    const int64_t N = (int64_t)p->env.micro_batch * p->env.seq_len;
     const int prev = (p->rank - 1 + p->pp) % p->pp, next = (p->rank + 1) % p->pp;
     const tera_sched_op *ops = tera_schedule_rank(&p->sched, p->rank);
     for (int i = 0; i < p->m; i++) p->slot_of[i] = -1;
@@ -158,13 +156,13 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
             const int vn = ops[k + 1].chunk * p->pp + p->rank;
             after = ops[k + 1].kind == TERA_OP_FWD ? p->first[vn] : p->first[vn + 1] - 1;
         }
-        tera_layout_zero3_plan(tr, op->kind == TERA_OP_FWD ? l1 - 1 : l0, after);
+        plan(p, op->kind == TERA_OP_FWD ? l1 - 1 : l0, after);
         if (op->kind == TERA_OP_FWD) {
             if (p->slot_of[i] < 0) {
                 const double t0 = tera_now();
                 p->slot_of[i] = take_slot(p); /* may wait for the slot's sends from its previous use */
                 wait += tera_now() - t0;
-                *data_s += load_micro(tr, p, i, p->slot_of[i]);
+                *data_s += load_micro(p, i, p->slot_of[i]);
             }
             const int sl = p->slot_of[i];
             tera_model_use_slot(m, sl);
@@ -172,7 +170,7 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
             if (vs > 0) {
                 tera_comm_req rq;
                 const double t0 = tera_now();
-                tera_comm_irecv_f32(tr->pp_group, xin, p->nd, prev, tag_of(p, i, vs, 0), &rq);
+                tera_comm_irecv_f32(p->env.group, xin, p->nd, prev, tag_of(p, i, vs, 0), &rq);
                 tera_comm_wait(&rq);
                 wait += tera_now() - t0;
             }
@@ -182,7 +180,7 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
             sums[0] += m->stats.ce_sum, sums[1] += m->stats.aux_sum, sums[2] += m->stats.z_sum;
             counts[0] += m->stats.n_assign, counts[1] += m->stats.n_dropped;
             if (l1 < L)
-                tera_comm_isend_f32(tr->pp_group, xout, p->nd, next, tag_of(p, i, vs + 1, 0),
+                tera_comm_isend_f32(p->env.group, xout, p->nd, next, tag_of(p, i, vs + 1, 0),
                                     &p->req[((int64_t)sl * p->v + c) * 2]);
         } else {
             const int sl = p->slot_of[i];
@@ -192,19 +190,19 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
             if (l1 < L) {
                 tera_comm_req rq;
                 const double t0 = tera_now();
-                tera_comm_irecv_f32(tr->pp_group, dyin, p->nd, next, tag_of(p, i, vs, 1), &rq);
+                tera_comm_irecv_f32(p->env.group, dyin, p->nd, next, tag_of(p, i, vs, 1), &rq);
                 tera_comm_wait(&rq);
                 wait += tera_now() - t0;
             }
             /* gradient buckets start reducing once a chunk's last micro-batch is through */
             m->grad_ready = !final_only || i == p->m - 1 ? grad_ready : NULL;
-            m->grad_ready_ctx = tr;
+            m->grad_ready_ctx = grad_ctx;
             const double t1 = tera_now();
             tera_model_backward_range(m, s, l0, l1, dyin, dxout);
             busy += tera_now() - t1;
             m->grad_ready = NULL;
             if (vs > 0)
-                tera_comm_isend_f32(tr->pp_group, dxout, p->nd, prev, tag_of(p, i, vs - 1, 1),
+                tera_comm_isend_f32(p->env.group, dxout, p->nd, prev, tag_of(p, i, vs - 1, 1),
                                     &p->req[((int64_t)sl * p->v + c) * 2 + 1]);
             if (c == 0) { /* the micro-batch's last operation on this rank: its slot is free */
                 p->slot_busy[sl] = 0;
@@ -222,10 +220,9 @@ void tera_pipeline_step(tera_trainer *tr, const tera_loss_scales *s, int A, doub
     p->steps++;
 }
 
-double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const int32_t *targets, double *positions) {
-    tera_pipe *p = tr->pipe;
-    tera_model *m = &tr->model;
-    const int L = tr->cfg.model.n_layers;
+double tera_pipe_eval(tera_pipe *p, const int32_t *tokens, const int32_t *targets, double *positions) {
+    tera_model *m = p->env.model;
+    const int L = m->cfg.n_layers;
     const int prev = (p->rank - 1 + p->pp) % p->pp, next = (p->rank + 1) % p->pp;
     double ce = 0.0;
     *positions = 0.0;
@@ -234,15 +231,15 @@ double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const i
         if (vs % p->pp != p->rank) continue;
         const int c = vs / p->pp, l0 = p->first[vs], l1 = p->first[vs + 1];
         float *xin = pbuf(p, 0, c, BUF_XIN), *xout = pbuf(p, 0, c, BUF_XOUT);
-        tera_layout_zero3_plan(tr, l1 - 1, vs + p->pp < p->S ? p->first[vs + p->pp] : -1);
+        plan(p, l1 - 1, vs + p->pp < p->S ? p->first[vs + p->pp] : -1);
         tera_comm_req rq;
         if (vs > 0) {
-            tera_comm_irecv_f32(tr->pp_group, xin, p->nd, prev, tag_of(p, 0, vs, 0), &rq);
+            tera_comm_irecv_f32(p->env.group, xin, p->nd, prev, tag_of(p, 0, vs, 0), &rq);
             tera_comm_wait(&rq);
         }
         tera_model_forward_range(m, tokens, targets, l0, l1, xin, xout);
         if (l1 < L) {
-            tera_comm_isend_f32(tr->pp_group, xout, p->nd, next, tag_of(p, 0, vs + 1, 0), &rq);
+            tera_comm_isend_f32(p->env.group, xout, p->nd, next, tag_of(p, 0, vs + 1, 0), &rq);
             tera_comm_wait(&rq);
         } else {
             ce = m->stats.ce_sum;
@@ -252,9 +249,8 @@ double tera_pipeline_eval_batch(tera_trainer *tr, const int32_t *tokens, const i
     return ce;
 }
 
-int tera_pipeline_param_uses(const tera_trainer *tr, int *uses, int max) {
-    const tera_pipe *p = tr->pipe;
-    const int L = tr->cfg.model.n_layers;
+int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max) {
+    const int L = p->env.model->cfg.n_layers;
     const tera_sched_op *ops = tera_schedule_rank(&p->sched, p->rank);
     int n = 0;
 #define USE(g) do { if (n < max) uses[n] = (g); n++; } while (0)
@@ -273,8 +269,7 @@ int tera_pipeline_param_uses(const tera_trainer *tr, int *uses, int max) {
     return n;
 }
 
-void tera_pipeline_times(const tera_trainer *tr, double *busy, double *wait, double *step) {
-    const tera_pipe *p = tr->pipe;
+void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step) {
     if (!p || p->steps == 0) {
         *busy = *wait = *step = 0.0;
         return;

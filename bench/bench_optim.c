@@ -1,0 +1,79 @@
+/* The optimizer's passes over the parameter, gradient and moment arrays, timed alone on a model's
+ * parameter table (docs/PERFORMANCE.md, "Optimizer"): the gradient norm (sum of squares per tensor)
+ * and the fused clip + AdamW + gradient clearing pass, as the trainer runs them on one rank. A
+ * whole-step profile on this shared machine moves by +-15% between runs; the passes alone resolve
+ * a change of a few percent. Beside them a STREAM-like triad over arrays of the same size (a[i] =
+ * b[i] + s c[i], 12 bytes per element) gives the memory bandwidth the passes are bounded by.
+ * Bytes counted: norm 4 per parameter (g read), AdamW 32 (g, w, m, v read; g, w, m, v written).
+ * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N]; prints one JSON line. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_median.h"
+#include "tera/kernels.h"
+#include "tera/profile.h"
+#include "tera/train.h"
+
+int main(int argc, char **argv) {
+    const char *cfg_path = "configs/bench-s.ini";
+    int threads = 1, reps = 7;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "-c")) cfg_path = argv[i + 1];
+        else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+    }
+    if (threads < 1 || reps < 1 || reps > 1000) {
+        fprintf(stderr, "bench_optim: --threads >= 1, --reps in 1..1000\n");
+        return 2;
+    }
+    tera_config cfg;
+    tera_config_defaults(&cfg);
+    if (tera_config_load(&cfg, cfg_path) != TERA_OK || tera_config_finalize(&cfg) != TERA_OK) {
+        fprintf(stderr, "bench_optim: %s\n", tera_last_error());
+        return 1;
+    }
+    tera_set_threads(threads);
+    tera_model m;
+    memset(&m, 0, sizeof m);
+    m.params = tera_param_table(&cfg.model, &m.n_params, &m.n_floats);
+    const int64_t n = m.n_floats;
+    m.w = tera_malloc(sizeof(float) * (size_t)n);
+    m.g = tera_malloc(sizeof(float) * (size_t)n);
+    double *sq = tera_calloc((size_t)(3 * m.n_params), sizeof(double));
+    for (int64_t i = 0; i < n; i++) m.w[i] = 0.02f * (float)((i * 7919) % 2001 - 1000) / 1000.0f;
+    tera_adamw o;
+    tera_adamw_init(&o, n);
+    tera_adamw_plan(&o, &m);
+    double *t_sq = tera_malloc(sizeof(double) * (size_t)reps), *t_adam = tera_malloc(sizeof(double) * (size_t)reps);
+    double *t_triad = tera_malloc(sizeof(double) * (size_t)reps);
+    double total = 0.0;
+    for (int r = 0; r < reps + 1; r++) { /* the first round warms up (pages touched) */
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+        double t0 = tera_now();
+        total = tera_adamw_grad_sq(&o, &m, sq);
+        double t1 = tera_now();
+        tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
+                                 sq + 2 * m.n_params);
+        double t2 = tera_now();
+        /* triad over three arrays of n floats: g = w + s m (the moments and parameters, rewritten) */
+        float *a = m.g, *b = m.w, *c = o.m;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) a[i] = b[i] + 1e-9f * c[i];
+        double t3 = tera_now();
+        if (r > 0) t_sq[r - 1] = t1 - t0, t_adam[r - 1] = t2 - t1, t_triad[r - 1] = t3 - t2;
+    }
+    const double s_sq = median(t_sq, reps), s_adam = median(t_adam, reps), s_triad = median(t_triad, reps);
+    const double gb = 1e-9 * (double)n;
+    printf("{\"config\": \"%s\", \"threads\": %d, \"params\": %lld, \"tensors\": %d, \"reps\": %d, "
+           "\"norm_ms\": %.2f, \"adamw_ms\": %.2f, \"optimizer_ms\": %.2f, \"norm_gbs\": %.1f, \"adamw_gbs\": %.1f, "
+           "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"grad_sq\": %.6e}\n",
+           cfg_path, threads, (long long)n, m.n_params, reps, 1e3 * s_sq, 1e3 * s_adam, 1e3 * (s_sq + s_adam),
+           4.0 * gb / s_sq, 32.0 * gb / s_adam, 36.0 * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
+           (36.0 * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), total);
+    free(t_sq), free(t_adam), free(t_triad), free(sq);
+    tera_adamw_free(&o);
+    free(m.w), free(m.g), free(m.params);
+    return 0;
+}

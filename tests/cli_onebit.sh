@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# 1-bit Adam end to end (optimizer.name = onebit_adam; docs/COMMUNICATION.md): the tiny MoE of
+# mpilib.sh in fp32, optimizer.onebit_warmup_steps = 4, 12 steps.
+# - dp 2, dp 4 x ep 2 with ZeRO-1 (edp 2), pp 2 x dp 2: the warm-up steps are AdamW's bit for bit (the same
+#   run with optimizer.name = adamw), the later ones differ (the option acts), the loss decreases;
+# - exact resume: a run resumed from its step-6 checkpoint (after the freeze) logs the same bits for
+#   steps 6..11 and ends with the same weights as the uninterrupted run (dp 2; dp 4 x ep 2 ZeRO-1);
+#   without the per-rank communication state (checkpoints/comm_state) the resume warns and differs;
+# - parallel.grad_compression = int8: resume is bit-identical too (its residuals are in comm_state);
+# - bytes (tera bench, the mean over the ranks per step, 1-bit from the second step on): at most
+#   1/16 of the AdamW run's (dp 2), the gradient/momentum all-reduce at most 1/16 with dp 4 x ep 2
+#   (ZeRO-1's fp32 parameter all-gather stays: docs/COMMUNICATION.md has its figures);
+# - parallel.zero = 2 is refused naming the key.
+# Usage: cli_onebit.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+. "$(dirname "$0")/mpilib.sh"
+TINY=("${MODEL[@]}" --training.steps=12 --training.micro_batch=2 --training.grad_accum=1 --logging.progress=false)
+OB=(--optimizer.name=onebit_adam --optimizer.onebit_warmup_steps=4)
+
+# run NAME NP ARGS...: trains into $W/NAME
+run() {
+    local name=$1 np=$2
+    shift 2
+    $MPIRUN -np "$np" "$TERA" train "${TINY[@]}" "$@" --logging.run_dir="$W/$name" > "$W/$name.log" 2>&1 \
+        || { fail "$name: run failed"; tail -5 "$W/$name.log"; return 1; }
+}
+# warmup_then NAME REF: steps 0-3 identical to REF's, the later ones not; the loss decreases
+warmup_then() {
+    local a=$W/$1/metrics.jsonl b=$W/$2/metrics.jsonl first last
+    first=$(steps_of "$a" | head -1 | cut -d' ' -f2); last=$(steps_of "$a" | tail -1 | cut -d' ' -f2)
+    if ! cmp -s <(steps_of "$a" | head -4) <(steps_of "$b" | head -4); then
+        fail "$1: the warm-up steps differ from $2's (AdamW)"
+    elif cmp -s <(steps_of "$a" | tail -8) <(steps_of "$b" | tail -8); then
+        fail "$1: the steps after the warm-up equal $2's (1-bit Adam did nothing)"
+    elif awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f - 0.5) }'; then
+        pass "$1: warm-up = AdamW bit for bit, then 1-bit Adam; loss $first -> $last (AdamW $(steps_of "$b" | tail -1 | cut -d' ' -f2))"
+    else
+        fail "$1: the loss does not decrease: $first -> $last"
+    fi
+}
+# resumed NAME NP ARGS...: NAME (checkpoints every 6 steps) resumed from step 6 in NAME-r matches NAME
+resumed() {
+    local name=$1 np=$2 D=$W/$1-r C=checkpoints/step_00000012/model.safetensors
+    shift 2
+    cp -r "$W/$name" "$D"
+    rm -rf "$D/checkpoints/step_00000012" "$D/checkpoints/comm_state/step_00000012"
+    head -6 "$W/$name/metrics.jsonl" > "$D/metrics.jsonl"
+    $MPIRUN -np "$np" "$TERA" train "${TINY[@]}" "$@" --logging.run_dir="$D" --resume > "$D.log" 2>&1 \
+        || { fail "$name: resume failed"; tail -5 "$D.log"; return 1; }
+    if grep -q "resumed .* at step 6" "$D.log" && cmp -s <(untimed "$W/$name/metrics.jsonl") <(untimed "$D/metrics.jsonl") \
+        && cmp -s "$W/$name/$C" "$D/$C"; then
+        pass "$name: resumed at step 6, steps 6..11 and the final weights bit-identical"
+    else
+        fail "$name: the resumed run differs"; diff <(steps_of "$W/$name/metrics.jsonl") <(steps_of "$D/metrics.jsonl") | head -4
+    fi
+}
+
+DP=(--parallel.dp=2)
+EP=(--parallel.dp=4 --parallel.ep=2 --parallel.zero=1)
+PP=(--parallel.pp=2 --parallel.dp=2 --training.micro_batch=1 --training.grad_accum=2)
+run adam-dp 2 "${DP[@]}" && run ob-dp 2 "${DP[@]}" "${OB[@]}" --checkpoint.every=6 && warmup_then ob-dp adam-dp
+run adam-ep 4 "${EP[@]}" && run ob-ep 4 "${EP[@]}" "${OB[@]}" --checkpoint.every=6 && warmup_then ob-ep adam-ep
+run adam-pp 4 "${PP[@]}" && run ob-pp 4 "${PP[@]}" "${OB[@]}" && warmup_then ob-pp adam-pp
+
+resumed ob-dp 2 "${DP[@]}" "${OB[@]}" --checkpoint.every=6
+resumed ob-ep 4 "${EP[@]}" "${OB[@]}" --checkpoint.every=6
+# the residuals matter: without them the resume is not exact, and says so
+D=$W/ob-dp-nostate
+cp -r "$W/ob-dp" "$D" && rm -rf "$D/checkpoints/step_00000012" "$D/checkpoints/comm_state" \
+    && head -6 "$W/ob-dp/metrics.jsonl" > "$D/metrics.jsonl"
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" "${DP[@]}" "${OB[@]}" --checkpoint.every=6 --logging.run_dir="$D" --resume \
+    > "$D.log" 2>&1 || fail "resume without comm_state failed"
+grep -q "warning: --resume at step 6: 2 rank(s) have no communication state" "$D.log" \
+    && ! cmp -s <(steps_of "$W/ob-dp/metrics.jsonl") <(steps_of "$D/metrics.jsonl") \
+    && pass "resume without the communication state: warned, and not bit-identical (the state is what makes it exact)" \
+    || fail "resume without the communication state: $(grep warning "$D.log")"
+# parallel.grad_compression's residuals are saved too
+run int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6 \
+    && resumed int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
+
+# bytes per rank per step (tera bench's comm line: the mean over the ranks; the first step is the warm-up)
+bench() { # NAME NP ARGS...
+    local name=$1 np=$2
+    shift 2
+    $MPIRUN -np "$np" "$TERA" bench "${MODEL[@]}" --training.micro_batch=1 --steps 2 --warmup 1 "$@" \
+        > "$W/b-$name.json" 2> "$W/b-$name.err" || { fail "bench $name"; tail -3 "$W/b-$name.err"; }
+    sed -n 's/^tera bench: comm //p' "$W/b-$name.err" > "$W/b-$name.comm"
+}
+total() { jq -r '.intra_bytes_per_rank_step + .inter_bytes_per_rank_step' "$W/b-$1.comm"; }
+bench adam 2 "${DP[@]}" && bench ob 2 "${DP[@]}" "${OB[@]}" --optimizer.onebit_warmup_steps=1 \
+    && awk -v a="$(total adam)" -v o="$(total ob)" 'BEGIN { exit !(o > 0 && o <= a / 16) }' \
+    && pass "bytes per rank per step, dp 2: AdamW $(total adam), 1-bit Adam $(total ob) ($(awk -v a="$(total adam)" \
+       -v o="$(total ob)" 'BEGIN { printf "%.4f", o / a }') of it, at most 1/16)" \
+    || fail "1-bit Adam bytes: $(total ob) vs AdamW $(total adam)"
+ar() { jq -r '.sent_allreduce' "$W/b-$1.json"; }
+EP0=(--parallel.dp=4 --parallel.ep=2)
+bench adam-ep 4 "${EP0[@]}" && bench ob-ep 4 "${EP0[@]}" "${OB[@]}" --optimizer.onebit_warmup_steps=1 \
+    && awk -v a="$(ar adam-ep)" -v o="$(ar ob-ep)" 'BEGIN { exit !(o > 0 && o <= a / 16) }' \
+    && pass "all-reduce bytes per step, dp 4 x ep 2 (rank 0; the expert exchange aside): AdamW $(ar adam-ep), 1-bit Adam $(ar ob-ep)" \
+    || fail "1-bit Adam all-reduce bytes with dp 4 x ep 2: $(ar ob-ep) vs AdamW $(ar adam-ep)"
+
+# ZeRO-2 and 3 never hold a rank's whole gradient: refused at start-up, naming the key
+out=$($MPIRUN -np 2 "$TERA" train "${TINY[@]}" "${OB[@]}" --parallel.dp=2 --parallel.zero=2 --logging.run_dir="$W/bad" 2>&1) \
+    && fail "onebit_adam with ZeRO-2 accepted" || { echo "$out" | grep -q "parallel.zero" \
+    && pass "onebit_adam with ZeRO-2 is refused naming the key" || fail "ZeRO-2 message: $out"; }
+finish cli_onebit
