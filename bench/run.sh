@@ -58,5 +58,16 @@ echo
 echo "fp32 GEMM peak (best of 2048^3 products before and after the steps, same run):"
 grep -o '"threads": [0-9]*, .*"sgemm_peak_gflops": [0-9.]*' "$OUT" | sed 's/"precision.*"sgemm/ sgemm/' | sort -u
 echo
+echo "bf16: model FLOP/s against the best oneDNN bf16 product rate over the model's own training shapes"
+echo "(tera bench's bf16_peak_gflops, same run; null where the CPU has no native bf16 products):"
+grep '"precision": "bf16"' "$OUT" | /usr/bin/python3 -c '
+import json, sys
+for l in sys.stdin:
+    a = json.loads(l)
+    pk = a.get("bf16_peak_gflops")
+    print("%-8s %2d threads: %7.1f GF/s of %s (%s)" % (a["config"], a["threads"], a["gflops"],
+          "%.1f GF/s bf16 peak, %.1f%%" % (pk, 100 * a["gflops"] / pk) if pk else "no bf16 peak",
+          a.get("bf16_peak_isa", a.get("bf16_peak_skipped", "-"))))' || true
+echo
 echo "tera per-operation profile, bench-m, 2 threads:"
 cat bench/results/profile-bench-m-t2-fp32.txt 2>/dev/null || cat bench/results/profile-*-t2-fp32.txt
