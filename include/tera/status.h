@@ -51,5 +51,8 @@ void *tera_malloc_at(size_t n, const char *file, int line);
 void *tera_calloc_at(size_t n, size_t size, const char *file, int line);
 #define tera_malloc(n) tera_malloc_at((n), __FILE__, __LINE__)
 #define tera_calloc(n, s) tera_calloc_at((n), (s), __FILE__, __LINE__)
+/* realloc that aborts with file:line on failure (the alignment is malloc's, not tera_malloc's 64 bytes). */
+void *tera_realloc_at(void *p, size_t n, const char *file, int line);
+#define tera_realloc(p, n) tera_realloc_at((p), (n), __FILE__, __LINE__)
 
 #endif

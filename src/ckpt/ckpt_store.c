@@ -169,7 +169,7 @@ tera_status tera_ckpt_list(const char *root, tera_ckpt_info **out, int *n_out) {
         if (!parse_step_name(e->d_name, &step, &tmp)) continue;
         if (n == cap) {
             cap = cap ? 2 * cap : 16;
-            v = realloc(v, sizeof *v * (size_t)cap);
+            v = tera_realloc(v, sizeof *v * (size_t)cap);
         }
         tera_ckpt_info *in = &v[n++];
         memset(in, 0, sizeof *in);

@@ -264,9 +264,7 @@ typedef struct {
 static void add_prompt(prompt_list *p, const char *s, size_t len) {
     if (p->n == p->cap) {
         p->cap = p->cap ? 2 * p->cap : 16;
-        char **t = realloc(p->text, sizeof(char *) * (size_t)p->cap);
-        TERA_ASSERT(t);
-        p->text = t;
+        p->text = tera_realloc(p->text, sizeof(char *) * (size_t)p->cap);
     }
     char *c = tera_malloc(len + 1);
     memcpy(c, s, len);
@@ -319,8 +317,7 @@ typedef struct {
 static void out_append(seq_state *s, const char *b, size_t n) {
     if (s->out_len + n + 1 > s->out_cap) {
         s->out_cap = (s->out_len + n + 1) * 2;
-        s->out = realloc(s->out, s->out_cap);
-        TERA_ASSERT(s->out);
+        s->out = tera_realloc(s->out, s->out_cap);
     }
     memcpy(s->out + s->out_len, b, n);
     s->out_len += n;

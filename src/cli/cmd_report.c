@@ -49,9 +49,7 @@ static rec *rec_for(run *R, int64_t step) {
     if (R->n > 0 && R->r[R->n - 1].step == step) return &R->r[R->n - 1];
     if (R->n == R->cap) {
         R->cap = R->cap ? 2 * R->cap : 1024;
-        rec *nr = realloc(R->r, sizeof(rec) * (size_t)R->cap);
-        TERA_ASSERTF(nr, "out of memory reading metrics.jsonl");
-        R->r = nr;
+        R->r = tera_realloc(R->r, sizeof(rec) * (size_t)R->cap);
     }
     rec *x = &R->r[R->n++];
     memset(x, 0, sizeof *x);

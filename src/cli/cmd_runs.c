@@ -385,9 +385,8 @@ static int read_series(const char *path, const char *metric, double **xs, double
         if (cJSON_IsNumber(v) && cJSON_IsNumber(s) && isfinite(v->valuedouble)) {
             if (n == cap) {
                 cap = cap ? 2 * cap : 256;
-                *xs = realloc(*xs, (size_t)cap * sizeof(double));
-                *ys = realloc(*ys, (size_t)cap * sizeof(double));
-                TERA_ASSERT(*xs && *ys);
+                *xs = tera_realloc(*xs, (size_t)cap * sizeof(double));
+                *ys = tera_realloc(*ys, (size_t)cap * sizeof(double));
             }
             (*xs)[n] = s->valuedouble;
             (*ys)[n] = v->valuedouble;

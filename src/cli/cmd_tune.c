@@ -105,8 +105,7 @@ static void save_trial(study *st, const trial *t) {
 static trial *new_trial(study *st) {
     if (st->n == st->cap) {
         st->cap = st->cap ? 2 * st->cap : 64;
-        st->t = realloc(st->t, (size_t)st->cap * sizeof(trial));
-        TERA_ASSERT(st->t);
+        st->t = tera_realloc(st->t, (size_t)st->cap * sizeof(trial));
     }
     trial *t = &st->t[st->n];
     memset(t, 0, sizeof *t);

@@ -177,7 +177,7 @@ void tera_hier_reserve_alltoall(tera_hier *h, int64_t bytes) {
 
 void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
                             const int64_t *rcounts) {
-    const int N = h->N, k = h->k, p = N * k, ni = h->ni, li = h->li;
+    const int N = h->N, k = h->k, p = N * k;
     const uint8_t *in = send;
     uint8_t *out = recv;
     int64_t *so = h->a2a_so, *ro = h->a2a_ro;
@@ -189,13 +189,14 @@ void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scoun
         for (int n = 0; n < N; n++) h->a2a_cs[i * N + n] = scounts[h->at[n * k + i]];
     for (int i = 0; i < k; i++) h->a2a_s1[i] = h->a2a_r1[i] = 8 * (int64_t)N;
     tera_comm_alltoallv_u8(h->local, h->a2a_cs, h->a2a_s1, h->a2a_cr, h->a2a_r1, TERA_TRAFFIC_ALLTOALL);
-    int64_t t1 = 0, t2 = 0;
+    int64_t relayed = 0; /* bytes this rank receives in stage 1 and forwards in stage 2 */
     for (int i = 0; i < k; i++) {
         h->a2a_s1[i] = h->a2a_r1[i] = 0;
         for (int n = 0; n < N; n++) h->a2a_s1[i] += scounts[h->at[n * k + i]], h->a2a_r1[i] += h->a2a_cr[i * N + n];
-        t1 += h->a2a_s1[i], t2 += h->a2a_r1[i];
+        relayed += h->a2a_r1[i];
     }
-    const int64_t need = so[p] > t2 ? (so[p] > ro[p] ? so[p] : ro[p]) : (t2 > ro[p] ? t2 : ro[p]);
+    int64_t need = so[p] > ro[p] ? so[p] : ro[p];
+    if (relayed > need) need = relayed;
     TERA_ASSERTF(need <= h->a2a_cap, "hierarchical all-to-all of %ld bytes, scratch for %ld (tera_hier_reserve_alltoall)",
                  (long)need, (long)h->a2a_cap);
     /* 1. inside the node: to local peer i, the rows for (0, i), (1, i), ... in node order */
@@ -233,7 +234,6 @@ void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scoun
             memcpy(out + ro[r], b + at, (size_t)rcounts[r]);
             at += rcounts[r];
         }
-    (void)ni, (void)li, (void)t1;
 }
 
 /* ---- the gradient reducer */

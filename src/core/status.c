@@ -51,6 +51,12 @@ void *tera_malloc_at(size_t n, const char *file, int line) {
     return p;
 }
 
+void *tera_realloc_at(void *p, size_t n, const char *file, int line) {
+    void *q = realloc(p, n ? n : 1);
+    if (!q) tera_abort_at(file, line, "out of memory (%zu bytes)", n);
+    return q;
+}
+
 void *tera_calloc_at(size_t n, size_t size, const char *file, int line) {
     void *p = tera_malloc_at(n * size, file, line);
     memset(p, 0, n * size);

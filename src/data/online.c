@@ -26,14 +26,6 @@
 #include "tera/profile.h"
 #include "tera/tokenizer.h"
 
-/* realloc that aborts naming this file on failure (set-up only, as tera_malloc) */
-#define tera_realloc(p, n) online_realloc((p), (n), __LINE__)
-static void *online_realloc(void *p, size_t n, int line) {
-    void *q = realloc(p, n);
-    TERA_ASSERTF(q, "src/data/online.c:%d: out of memory (%zu bytes)", line, n);
-    return q;
-}
-
 static int ends_with(const char *s, const char *suf) {
     const size_t n = strlen(s), k = strlen(suf);
     return n >= k && !strcmp(s + n - k, suf);
@@ -168,15 +160,7 @@ int tera_online_is_jsonl(const char *format, const char *nm) {
              ends_with(nm, ".json") || ends_with(nm, ".json.zst") || ends_with(nm, ".json.gz")));
 }
 
-typedef struct {
-    const char *text;
-    size_t len;
-    char *owned;    /* a decoded JSON string */
-    int32_t *ids;
-    size_t n_ids;
-    tera_status st;
-    char err[512];
-} doc;
+typedef tera_online_doc doc; /* owned: a decoded JSON string */
 
 typedef struct {
     const tera_tokenizer *tok;
@@ -195,6 +179,15 @@ static void *worker(void *arg) {
         if (d->st != TERA_OK) snprintf(d->err, sizeof d->err, "%s", tera_last_error());
     }
     return NULL;
+}
+
+void tera_online_encode(const tera_tokenizer *tok, tera_online_doc *docs, int n, int workers, pthread_t *th) {
+    work w = {.tok = tok, .docs = docs, .n = n};
+    atomic_init(&w.next, 0);
+    const int nt = workers < n ? workers : (n > 0 ? n : 1);
+    for (int i = 1; i < nt; i++) pthread_create(&th[i - 1], NULL, worker, &w);
+    worker(&w);
+    for (int i = 1; i < nt; i++) pthread_join(th[i - 1], NULL);
 }
 
 /* Splits one shard into documents (jsonl: the "text" field of every non-blank line; text: the file) */
@@ -247,22 +240,29 @@ static tera_status split_docs(const char *path, char *data, size_t len, int json
     return st;
 }
 
-tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
-    const double t0 = tera_now();
+tera_status tera_online_tokenizer(const tera_data_config *dc, int vocab_size, tera_tokenizer **out) {
     if (strcmp(dc->format, "auto") && strcmp(dc->format, "text") && strcmp(dc->format, "jsonl"))
         return tera_fail(TERA_ERR_CONFIG, "data.tokenizer is set: data.format must be text, jsonl or auto, not %s",
                          dc->format);
     if (!dc->path[0]) return tera_fail(TERA_ERR_CONFIG, "data.tokenizer is set but data.path is empty");
     tera_tokenizer *tok;
     TERA_TRY(tera_tokenizer_load(&tok, dc->tokenizer));
-    const int32_t eot = tera_tokenizer_eot(tok), tv = tera_tokenizer_vocab_size(tok);
-    tera_status st = TERA_OK;
+    const int32_t tv = tera_tokenizer_vocab_size(tok);
     if (tv > vocab_size) {
-        st = tera_fail(TERA_ERR_CONFIG, "data.tokenizer '%s' has %d tokens but model.vocab_size = %d", dc->tokenizer,
-                       (int)tv, vocab_size);
         tera_tokenizer_free(tok);
-        return st;
+        return tera_fail(TERA_ERR_CONFIG, "data.tokenizer '%s' has %d tokens but model.vocab_size = %d", dc->tokenizer,
+                         (int)tv, vocab_size);
     }
+    *out = tok;
+    return TERA_OK;
+}
+
+tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
+    const double t0 = tera_now();
+    tera_tokenizer *tok;
+    TERA_TRY(tera_online_tokenizer(dc, vocab_size, &tok));
+    const int32_t eot = tera_tokenizer_eot(tok);
+    tera_status st = TERA_OK;
     char **shards = NULL;
     int n_shards = 0;
     if ((st = tera_online_list_shards(dc->path, &shards, &n_shards)) != TERA_OK) {
@@ -292,12 +292,7 @@ tera_status tera_online_open(tera_token_source *s, const tera_data_config *dc, i
         /* this rank encodes its share, the documents [lo, hi); the others' come by an all-gather */
         const int64_t lo = (int64_t)nd * wr / R, hi = (int64_t)nd * (wr + 1) / R;
         const double tt = tera_now();
-        work w = {.tok = tok, .docs = docs + lo, .n = (int)(hi - lo)};
-        atomic_init(&w.next, 0);
-        const int nt = W < w.n ? W : (w.n > 0 ? w.n : 1);
-        for (int i = 1; i < nt; i++) pthread_create(&th[i], NULL, worker, &w);
-        worker(&w);
-        for (int i = 1; i < nt; i++) pthread_join(th[i], NULL);
+        tera_online_encode(tok, docs + lo, (int)(hi - lo), W, th);
         t_tok += tera_now() - tt;
         /* every document's length (-1: it could not be encoded), agreed over the ranks before anything
          * moves; on a failure every rank encodes the first failing document itself, so all report the

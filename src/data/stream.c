@@ -223,34 +223,7 @@ static tera_status rd_line(rd *r, const char **p, size_t *len, int64_t *at, int 
 
 /* ------------------------------------------------------------------ the producer */
 
-typedef struct {
-    char *text;
-    size_t len;
-    int64_t epoch, shard, offset, line; /* line: 0 for a text shard */
-    int32_t *ids;
-    size_t n_ids;
-    tera_status st;
-    char err[512];
-} sdoc;
-
-typedef struct {
-    const tera_tokenizer *tok;
-    sdoc *docs;
-    int n;
-    atomic_int next;
-} swork;
-
-static void *encoder(void *arg) {
-    swork *w = arg;
-    for (;;) {
-        const int i = atomic_fetch_add(&w->next, 1);
-        if (i >= w->n) break;
-        sdoc *d = &w->docs[i];
-        d->st = tera_tokenizer_encode(w->tok, d->text, d->len, 0, &d->ids, &d->n_ids);
-        if (d->st != TERA_OK) snprintf(d->err, sizeof d->err, "%s", tera_last_error());
-    }
-    return NULL;
-}
+typedef tera_online_doc sdoc; /* text: its own copy (freed with the batch) */
 
 /* The producer's reading state: the open shard and where it is in the rank's list. */
 typedef struct {
@@ -388,12 +361,7 @@ static void *producer(void *arg) {
             break;
         }
         const double t0 = tera_now();
-        swork w = {.tok = st->tok, .docs = docs, .n = nd};
-        atomic_init(&w.next, 0);
-        const int nt = st->W < nd ? st->W : nd;
-        for (int i = 1; i < nt; i++) pthread_create(&th[i], NULL, encoder, &w);
-        encoder(&w);
-        for (int i = 1; i < nt; i++) pthread_join(th[i], NULL);
+        tera_online_encode(st->tok, docs, nd, st->W, th);
         const double enc = tera_now() - t0;
         int64_t ntok = 0, nbytes = 0;
         for (int i = 0; i < nd; i++) ntok += (int64_t)docs[i].n_ids + (st->eot >= 0), nbytes += (int64_t)docs[i].len;
@@ -528,18 +496,8 @@ void tera_stream_sample(struct tera_stream *st, int64_t g, int32_t *inputs, int3
 /* ------------------------------------------------------------------ open, bind, sync, close */
 
 tera_status tera_stream_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
-    if (strcmp(dc->format, "auto") && strcmp(dc->format, "text") && strcmp(dc->format, "jsonl"))
-        return tera_fail(TERA_ERR_CONFIG, "data.tokenizer is set: data.format must be text, jsonl or auto, not %s",
-                         dc->format);
-    if (!dc->path[0]) return tera_fail(TERA_ERR_CONFIG, "data.tokenizer is set but data.path is empty");
     tera_tokenizer *tok;
-    TERA_TRY(tera_tokenizer_load(&tok, dc->tokenizer));
-    const int32_t tv = tera_tokenizer_vocab_size(tok);
-    if (tv > vocab_size) {
-        tera_tokenizer_free(tok);
-        return tera_fail(TERA_ERR_CONFIG, "data.tokenizer '%s' has %d tokens but model.vocab_size = %d", dc->tokenizer,
-                         (int)tv, vocab_size);
-    }
+    TERA_TRY(tera_online_tokenizer(dc, vocab_size, &tok));
     char **all = NULL;
     int n_all = 0;
     tera_status st = tera_online_list_shards(dc->path, &all, &n_all);

@@ -11,12 +11,6 @@
 #include "tera/config.h"
 #include "tera/io.h"
 
-void *tok_realloc_at(void *p, size_t n, const char *file, int line) {
-    void *q = realloc(p, n ? n : 1);
-    if (!q) tera_abort_at(file, line, "out of memory (%zu bytes)", n);
-    return q;
-}
-
 /* ---- byte-string set ------------------------------------------------------------------------ */
 
 void tok_bmap_init(tok_bmap *m, uint32_t expect) {
@@ -72,13 +66,13 @@ uint32_t tok_bmap_add(tok_bmap *m, const void *s, size_t n, int *added) {
     TERA_ASSERTF(m->n < UINT32_MAX - 1 && n < UINT32_MAX, "byte-string set overflow");
     if (m->n == m->cap) {
         m->cap = m->cap ? m->cap * 2 : 256;
-        m->hash = tok_realloc(m->hash, m->cap * sizeof *m->hash);
-        m->off = tok_realloc(m->off, m->cap * sizeof *m->off);
-        m->len = tok_realloc(m->len, m->cap * sizeof *m->len);
+        m->hash = tera_realloc(m->hash, m->cap * sizeof *m->hash);
+        m->off = tera_realloc(m->off, m->cap * sizeof *m->off);
+        m->len = tera_realloc(m->len, m->cap * sizeof *m->len);
     }
     if (m->blob_n + n > m->blob_cap) {
         while (m->blob_n + n > m->blob_cap) m->blob_cap = m->blob_cap ? m->blob_cap * 2 : 4096;
-        m->blob = tok_realloc(m->blob, m->blob_cap);
+        m->blob = tera_realloc(m->blob, m->blob_cap);
     }
     uint32_t e = m->n++;
     memcpy(m->blob + m->blob_n, s, n);
@@ -276,7 +270,7 @@ static tera_status load_encoder(const char *path, const int16_t u2b[TOK_U2B_SIZE
     for (int id = 0; id < n && s == TERA_OK; id++) {
         const char *key = by_id[id]->string;
         size_t kn = strlen(key);
-        if (kn > buf_cap) buf = tok_realloc(buf, buf_cap = kn);
+        if (kn > buf_cap) buf = tera_realloc(buf, buf_cap = kn);
         long bn = gpt2_unmap(u2b, key, kn, buf);
         int added = 0;
         if (bn > 0) tok_bmap_add(vocab, buf, (size_t)bn, &added);
@@ -333,7 +327,7 @@ static tera_status load_merges(const char *path, const int16_t u2b[TOK_U2B_SIZE]
         if (len == 0 || (lineno == 1 && line[0] == '#')) continue;
         if ((size_t)n == cap) {
             cap *= 2;
-            l = tok_realloc(l, cap * 4), r = tok_realloc(r, cap * 4), m = tok_realloc(m, cap * 4);
+            l = tera_realloc(l, cap * 4), r = tera_realloc(r, cap * 4), m = tera_realloc(m, cap * 4);
         }
         int32_t ids[3] = {-1, -1, -1};
         s = parse_merge(path, lineno, line, u2b, vocab, ids);
@@ -416,7 +410,7 @@ static tera_status save_merges(const tera_tokenizer *t, const uint32_t b2u[256],
         gpt2_map(b2u, t->tok_blob + t->tok_off[l], t->tok_len[l], a);
         gpt2_map(b2u, t->tok_blob + t->tok_off[rt], t->tok_len[rt], b);
         size_t need = strlen(a) + strlen(b) + 3;
-        if (n + need > cap) out = tok_realloc(out, cap = 2 * cap + need);
+        if (n + need > cap) out = tera_realloc(out, cap = 2 * cap + need);
         n += (size_t)sprintf(out + n, "%s %s\n", a, b);
     }
     free(a), free(b);

@@ -108,12 +108,12 @@ typedef struct {
 static void worker_reserve(tok_worker *w, size_t n) {
     if (n <= w->cap) return;
     w->cap = n > 2 * w->cap ? n : 2 * w->cap;
-    w->sym = tok_realloc(w->sym, w->cap * sizeof(int32_t));
-    w->rk = tok_realloc(w->rk, w->cap * sizeof(int32_t));
-    w->res = tok_realloc(w->res, w->cap * sizeof(int32_t));
-    w->prev = tok_realloc(w->prev, w->cap * sizeof(int32_t));
-    w->next = tok_realloc(w->next, w->cap * sizeof(int32_t));
-    w->heap = tok_realloc(w->heap, 3 * w->cap * sizeof(tok_heap_ent));
+    w->sym = tera_realloc(w->sym, w->cap * sizeof(int32_t));
+    w->rk = tera_realloc(w->rk, w->cap * sizeof(int32_t));
+    w->res = tera_realloc(w->res, w->cap * sizeof(int32_t));
+    w->prev = tera_realloc(w->prev, w->cap * sizeof(int32_t));
+    w->next = tera_realloc(w->next, w->cap * sizeof(int32_t));
+    w->heap = tera_realloc(w->heap, 3 * w->cap * sizeof(tok_heap_ent));
 }
 
 static tera_status worker_init(tok_worker *w, const tera_tokenizer *t) {
@@ -134,7 +134,7 @@ static void worker_free(tok_worker *w) {
 static inline void ids_push(tok_ids *o, int32_t id) {
     if (o->n == o->cap) {
         o->cap = o->cap ? 2 * o->cap : 1024;
-        o->v = tok_realloc(o->v, o->cap * sizeof(int32_t));
+        o->v = tera_realloc(o->v, o->cap * sizeof(int32_t));
     }
     o->v[o->n++] = id;
 }

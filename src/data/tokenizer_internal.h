@@ -93,10 +93,6 @@ tera_status tok_build(tera_tokenizer **out, tok_bmap *vocab, int32_t n_merges, i
 /* Compiles GPT-2's pattern (UTF + UCP, JIT when available). */
 tera_status tok_compile_regex(pcre2_code **re, int *jit);
 
-/* Growth helper: realloc that aborts with file:line on failure. */
-void *tok_realloc_at(void *p, size_t n, const char *file, int line);
-#define tok_realloc(p, n) tok_realloc_at((p), (n), __FILE__, __LINE__)
-
 /* ---- pre-tokenizing (shared by encode and train) -------------------------------------------- */
 /* Per-thread matcher state. */
 typedef struct {

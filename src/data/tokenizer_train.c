@@ -78,7 +78,7 @@ static int32_t pair_index(tok_trainer *tr, int32_t a, int32_t b, int create) {
     if (!create) return -1;
     if (tr->n_pairs == tr->cap_pairs) {
         tr->cap_pairs = tr->cap_pairs ? 2 * tr->cap_pairs : 1024;
-        tr->pairs = tok_realloc(tr->pairs, (size_t)tr->cap_pairs * sizeof *tr->pairs);
+        tr->pairs = tera_realloc(tr->pairs, (size_t)tr->cap_pairs * sizeof *tr->pairs);
     }
     int32_t p = tr->n_pairs++;
     memset(&tr->pairs[p], 0, sizeof tr->pairs[p]);
@@ -96,7 +96,7 @@ static void pair_inc(tok_trainer *tr, int32_t a, int32_t b, int64_t c, int32_t w
     if (p->n_where == 0 || p->where[p->n_where - 1] != w) {
         if (p->n_where == p->cap_where) {
             p->cap_where = p->cap_where ? 2 * p->cap_where : 4;
-            p->where = tok_realloc(p->where, p->cap_where * sizeof *p->where);
+            p->where = tera_realloc(p->where, p->cap_where * sizeof *p->where);
         }
         p->where[p->n_where++] = w;
     }
@@ -104,7 +104,7 @@ static void pair_inc(tok_trainer *tr, int32_t a, int32_t b, int64_t c, int32_t w
         p->stamp = tr->merge_no;
         if (tr->n_touched == tr->cap_touched) {
             tr->cap_touched = tr->cap_touched ? 2 * tr->cap_touched : 1024;
-            tr->touched = tok_realloc(tr->touched, tr->cap_touched * sizeof *tr->touched);
+            tr->touched = tera_realloc(tr->touched, tr->cap_touched * sizeof *tr->touched);
         }
         tr->touched[tr->n_touched++] = pi;
     }
@@ -146,7 +146,7 @@ static int heap_before(const tok_trainer *tr, const tr_heap_ent *x, const tr_hea
 static void heap_push(tok_trainer *tr, int64_t count, int32_t pair) {
     if (tr->hn == tr->hcap) {
         tr->hcap = tr->hcap ? 2 * tr->hcap : 1024;
-        tr->heap = tok_realloc(tr->heap, tr->hcap * sizeof *tr->heap);
+        tr->heap = tera_realloc(tr->heap, tr->hcap * sizeof *tr->heap);
     }
     tr_heap_ent e = {count, pair};
     size_t i = tr->hn++;
@@ -199,7 +199,7 @@ static tera_status count_words(tok_trainer *tr, const char *const *texts, const 
             uint32_t w = tok_bmap_add(&tr->words, texts[i] + a, b - a, NULL);
             if (w >= cap) {
                 cap = cap ? 2 * cap : 4096;
-                tr->wcount = tok_realloc(tr->wcount, cap * sizeof *tr->wcount);
+                tr->wcount = tera_realloc(tr->wcount, cap * sizeof *tr->wcount);
                 memset(tr->wcount + w, 0, (cap - w) * sizeof *tr->wcount);
             }
             tr->wcount[w]++;
@@ -257,9 +257,9 @@ static void merge_in_word(tok_trainer *tr, int32_t w, int32_t a, int32_t b, int3
 static void record_merge(tok_trainer *tr, int32_t a, int32_t b, int32_t c) {
     if (tr->n_merges == tr->cap_merges) {
         tr->cap_merges = tr->cap_merges ? 2 * tr->cap_merges : 1024;
-        tr->ml = tok_realloc(tr->ml, (size_t)tr->cap_merges * 4);
-        tr->mr = tok_realloc(tr->mr, (size_t)tr->cap_merges * 4);
-        tr->mres = tok_realloc(tr->mres, (size_t)tr->cap_merges * 4);
+        tr->ml = tera_realloc(tr->ml, (size_t)tr->cap_merges * 4);
+        tr->mr = tera_realloc(tr->mr, (size_t)tr->cap_merges * 4);
+        tr->mres = tera_realloc(tr->mres, (size_t)tr->cap_merges * 4);
     }
     tr->ml[tr->n_merges] = a, tr->mr[tr->n_merges] = b, tr->mres[tr->n_merges] = c;
     tr->n_merges++;
@@ -270,7 +270,7 @@ static void apply_merge(tok_trainer *tr, int32_t p, char **buf, size_t *buf_cap)
     int32_t a = tr->pairs[p].a, b = tr->pairs[p].b;
     size_t na, nb;
     const char *sa = tok_bmap_str(&tr->vocab, (uint32_t)a, &na), *sb = tok_bmap_str(&tr->vocab, (uint32_t)b, &nb);
-    if (na + nb > *buf_cap) *buf = tok_realloc(*buf, *buf_cap = 2 * (na + nb));
+    if (na + nb > *buf_cap) *buf = tera_realloc(*buf, *buf_cap = 2 * (na + nb));
     memcpy(*buf, sa, na);
     memcpy(*buf + na, sb, nb);
     int32_t c = (int32_t)tok_bmap_add(&tr->vocab, *buf, na + nb, NULL);

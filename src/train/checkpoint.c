@@ -239,8 +239,7 @@ typedef struct {
 static void sb_put(strbuf *b, const void *p, size_t n) {
     if ((size_t)b->n + n + 1 > (size_t)b->cap) {
         size_t cap = ((size_t)b->cap + n) * 2 + 256;
-        b->buf = realloc(b->buf, cap);
-        TERA_ASSERT(b->buf != NULL);
+        b->buf = tera_realloc(b->buf, cap);
         b->cap = (int)cap;
     }
     memcpy(b->buf + b->n, p, n);

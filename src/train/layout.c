@@ -512,8 +512,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
                     if (root_only && !tr->root) {
                         if (n_runs == cap_runs) {
                             cap_runs = cap_runs ? 2 * cap_runs : 64;
-                            runs = realloc(runs, sizeof(int64_t) * 2 * (size_t)cap_runs);
-                            TERA_ASSERT(runs);
+                            runs = tera_realloc(runs, sizeof(int64_t) * 2 * (size_t)cap_runs);
                         }
                         runs[2 * n_runs] = (x0 - a) + (z0 - y0), runs[2 * n_runs + 1] = z1 - z0;
                         n_runs++;

@@ -120,8 +120,7 @@ tera_status tera_sample_hook(tera_trainer *tr) {
         char one;
         const char *piece = tok ? tera_tokenizer_token(tok, t, &k) : (one = (char)t, k = t < 256, &one);
         if (piece && k) {
-            text = realloc(text, len + k + 1);
-            TERA_ASSERT(text);
+            text = tera_realloc(text, len + k + 1);
             memcpy(text + len, piece, k);
             len += k;
             text[len] = 0;
