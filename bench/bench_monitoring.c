@@ -84,13 +84,13 @@ int main(int argc, char **argv) {
     double *t = tera_malloc(sizeof(double) * (size_t)reps);
     for (int i = 0; i < reps; i++) {
         const double t0 = tera_now();
-        tera_metrics_http_publish(tr.http, &tr, &r);
+        tera_metrics_http_publish(tr.log.http, &tr, &r);
         t[i] = tera_now() - t0;
     }
     const double publish = median(t, reps);
     for (int i = 0; i < reps; i++) {
         const double t0 = tera_now();
-        tera_tensorboard_step(tr.tb, &tr, &r);
+        tera_tensorboard_step(tr.log.tb, &tr, &r);
         t[i] = tera_now() - t0;
     }
     const double tb = median(t, reps);
@@ -105,7 +105,7 @@ int main(int argc, char **argv) {
     size_t text_len = 0;
     for (int i = 0; i < reps; i++) {
         const double t0 = tera_now();
-        text_len = tera_metrics_http_render(tr.http, text, cap);
+        text_len = tera_metrics_http_render(tr.log.http, text, cap);
         t[i] = tera_now() - t0;
     }
     const double render = median(t, reps);

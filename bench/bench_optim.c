@@ -5,15 +5,26 @@
  * a change of a few percent. Beside them a STREAM-like triad over arrays of the same size (a[i] =
  * b[i] + s c[i], 12 bytes per element) gives the memory bandwidth the passes are bounded by.
  * Bytes counted: norm 4 per parameter (g read), AdamW 32 (g, w, m, v read; g, w, m, v written).
+ * Beside the wall times, the process's CPU time over each pass (all threads together; *_cpu_ms):
+ * on a machine shared with other jobs a pass's wall time mostly measures the share of the cores it
+ * got, its CPU time what it costs.
  * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N]; prints one JSON line. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bench_median.h"
+#include "tera/backend.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
 #include "tera/train.h"
+
+static double cpu_now(void) { /* the process's CPU time, all threads */
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
@@ -36,6 +47,7 @@ int main(int argc, char **argv) {
     tera_set_threads(threads);
     tera_model m;
     memset(&m, 0, sizeof m);
+    m.be = tera_backend_cpu_create(threads); /* the passes run on its threads, as in the trainer */
     m.params = tera_param_table(&cfg.model, &m.n_params, &m.n_floats);
     const int64_t n = m.n_floats;
     m.w = tera_malloc(sizeof(float) * (size_t)n);
@@ -47,16 +59,18 @@ int main(int argc, char **argv) {
     tera_adamw_plan(&o, &m);
     double *t_sq = tera_malloc(sizeof(double) * (size_t)reps), *t_adam = tera_malloc(sizeof(double) * (size_t)reps);
     double *t_triad = tera_malloc(sizeof(double) * (size_t)reps);
+    double *c_sq = tera_malloc(sizeof(double) * (size_t)reps), *c_adam = tera_malloc(sizeof(double) * (size_t)reps);
     double total = 0.0;
     for (int r = 0; r < reps + 1; r++) { /* the first round warms up (pages touched) */
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
-        double t0 = tera_now();
+        const double c0 = cpu_now(), t0 = tera_now();
         total = tera_adamw_grad_sq(&o, &m, sq);
-        double t1 = tera_now();
+        const double c1 = cpu_now(), t1 = tera_now();
         tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
                                  sq + 2 * m.n_params);
-        double t2 = tera_now();
+        const double c2 = cpu_now(), t2 = tera_now();
+        if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1;
         /* triad over three arrays of n floats: g = w + s m (the moments and parameters, rewritten) */
         float *a = m.g, *b = m.w, *c = o.m;
 #pragma omp parallel for schedule(static)
@@ -65,15 +79,18 @@ int main(int argc, char **argv) {
         if (r > 0) t_sq[r - 1] = t1 - t0, t_adam[r - 1] = t2 - t1, t_triad[r - 1] = t3 - t2;
     }
     const double s_sq = median(t_sq, reps), s_adam = median(t_adam, reps), s_triad = median(t_triad, reps);
+    const double cs_sq = median(c_sq, reps), cs_adam = median(c_adam, reps);
     const double gb = 1e-9 * (double)n;
     printf("{\"config\": \"%s\", \"threads\": %d, \"params\": %lld, \"tensors\": %d, \"reps\": %d, "
            "\"norm_ms\": %.2f, \"adamw_ms\": %.2f, \"optimizer_ms\": %.2f, \"norm_gbs\": %.1f, \"adamw_gbs\": %.1f, "
-           "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"grad_sq\": %.6e}\n",
+           "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"norm_cpu_ms\": %.2f, "
+           "\"adamw_cpu_ms\": %.2f, \"grad_sq\": %.6e}\n",
            cfg_path, threads, (long long)n, m.n_params, reps, 1e3 * s_sq, 1e3 * s_adam, 1e3 * (s_sq + s_adam),
            4.0 * gb / s_sq, 32.0 * gb / s_adam, 36.0 * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
-           (36.0 * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), total);
-    free(t_sq), free(t_adam), free(t_triad), free(sq);
+           (36.0 * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), 1e3 * cs_sq, 1e3 * cs_adam, total);
+    free(t_sq), free(t_adam), free(t_triad), free(c_sq), free(c_adam), free(sq);
     tera_adamw_free(&o);
     free(m.w), free(m.g), free(m.params);
+    tera_backend_destroy(m.be);
     return 0;
 }

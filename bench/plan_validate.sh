@@ -3,14 +3,18 @@
 # Phases (PHASES, default "calibrate measure predict"):
 #   calibrate  `tera plan --calibrate` for the shapes of bench-s, bench-m and bench-dist (GEMM and
 #              attention rates by shape at the thread counts the benchmarks use, memory bandwidth, and
-#              under mpirun on 2, 4 and 8 ranks the collectives through tera's comm layer) into $HW
+#              under mpirun on 2, 4 and 8 ranks the collectives through tera's comm layer and the
+#              fraction of its rate alone each rank gets when all compute at once, [shared]) into $HW
 #              (default hardware/this-machine.ini; each call adds its points to the file);
+#   shared     only the [shared] points (mpirun on 2, 4 and 8 ranks, --shared-only) into an existing
+#              $HW, its other figures kept (e.g. to re-predict an earlier measurement with them);
 #   measure    `tera bench` of bench-s, bench-m and bench-dist layouts on 1-8 ranks (as bench/dist.sh:
 #              one thread per rank, global batch 16 x 256 tokens), REPS rounds in alternating order
 #              (the machine is shared with other work: rounds and medians show the drift); one JSON
 #              line per run into $MEASURED (bench-m once per round only when BENCH_M_REPS allows);
 #   predict    `tera plan --dry-run --hardware $HW --json` for each case: predicted step time against
-#              the median measured one; prints the table and the median absolute error.
+#              the median measured one; prints the table and the median absolute error. Alone
+#              (PHASES=predict) it re-predicts an earlier $MEASURED with the current model and $HW.
 # Usage: bench/plan_validate.sh [TERA]   (REPS=3 STEPS=3 WARMUP=1 BENCH_M_REPS=1 PHASES=...)
 set -eu
 TERA=${1:-build/tera}
@@ -57,6 +61,14 @@ if [[ " $PHASES " == *" calibrate "* ]]; then
         launch 1 plan --calibrate -c "configs/$b.ini" --out "$HW" > /dev/null
     done
     echo "calibrated: $HW"
+fi
+
+if [[ " $PHASES " == *" shared "* ]]; then
+    [ -f "$HW" ] || { echo "plan_validate.sh: PHASES=shared needs an existing $HW" >&2; exit 1; }
+    for n in 2 4 8; do
+        echo "shared on $n ranks, load $(cut -d' ' -f1-3 /proc/loadavg)"
+        launch "$n" plan --calibrate --shared-only -c configs/bench-dist.ini --training.threads=1 --out "$HW" | grep '^shared'
+    done
 fi
 
 if [[ " $PHASES " == *" measure "* ]]; then

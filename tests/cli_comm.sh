@@ -11,7 +11,8 @@
 # - bytes (tera bench, rank-mean per step): hierarchical sends fewer bytes across nodes than flat,
 #   bf16 at most half of fp32's gradient bytes, int8 about a quarter (+ its scales);
 # - parallel.ep_hierarchical = true (the two-stage expert exchange across nodes) is bit-identical
-#   to the point-to-point exchange, fp32 and bf16 rows;
+#   to the point-to-point exchange, fp32 and bf16 rows, overlapped with the experts or not
+#   (parallel.ep_overlap), with the same bytes inside and across nodes either way;
 # - a bad value is refused naming the key.
 # Usage: cli_comm.sh TERA SOURCE_DIR
 set -u
@@ -72,16 +73,20 @@ for k in bf16 fp8; do
     run a2a-$k 4 "${EP[@]}" --parallel.a2a_compression=$k && close a2a-$k flat-ep 0.01
 done
 # the two-stage expert exchange (parallel.ep_hierarchical): ep = 4 over 2 nodes of 2, against the
-# point-to-point exchange: bit-identical steps and final weights, fp32 and with bf16 rows; on one
-# node a no-op
+# point-to-point exchange: bit-identical steps and final weights, fp32 and with bf16 rows, both
+# overlapped with the experts' compute (parallel.ep_overlap = 1, the default: the split-phase
+# exchange) and not (0: one blocking exchange, then the experts)
 EP4=(--parallel.dp=4 --parallel.ep=4 --parallel.ranks_per_node=2)
 for k in none bf16; do
-    run p2p-ep4-$k 4 "${EP4[@]}" --parallel.a2a_compression=$k \
-        && run hier-ep4-$k 4 "${EP4[@]}" --parallel.a2a_compression=$k --parallel.ep_hierarchical=true \
-        && cmp -s <(steps_of "$W/p2p-ep4-$k/metrics.jsonl") <(steps_of "$W/hier-ep4-$k/metrics.jsonl") \
-        && cmp -s "$W/p2p-ep4-$k/$C" "$W/hier-ep4-$k/$C" \
-        && pass "two-stage expert exchange (ep4 on 2 nodes, rows $k): bit-identical to point-to-point" \
-        || fail "two-stage expert exchange (rows $k) differs from point-to-point"
+    run p2p-ep4-$k 4 "${EP4[@]}" --parallel.a2a_compression=$k || continue
+    for ov in 1 0; do
+        run hier-ep4-$k-ov$ov 4 "${EP4[@]}" --parallel.a2a_compression=$k --parallel.ep_hierarchical=true \
+            --parallel.ep_overlap=$ov \
+            && cmp -s <(steps_of "$W/p2p-ep4-$k/metrics.jsonl") <(steps_of "$W/hier-ep4-$k-ov$ov/metrics.jsonl") \
+            && cmp -s "$W/p2p-ep4-$k/$C" "$W/hier-ep4-$k-ov$ov/$C" \
+            && pass "two-stage expert exchange (ep4 on 2 nodes, rows $k, ep_overlap $ov): bit-identical to point-to-point ($(steps_of "$W/p2p-ep4-$k/metrics.jsonl" | wc -l) steps, final weights)" \
+            || fail "two-stage expert exchange (rows $k, ep_overlap $ov) differs from point-to-point"
+    done
 done
 
 # bytes per rank per step (tera bench's comm line, the mean over ranks)
@@ -95,13 +100,21 @@ bench() { # NAME ARGS...
 bench flat && bench hier --parallel.hierarchical=true && bench bf16 --parallel.grad_compression=bf16 \
     && bench int8 --parallel.grad_compression=int8
 b() { jq -r ".$2" "$W/b-$1.comm"; }
-# the two-stage expert exchange: no point-to-point rows, the same bytes across nodes (relayed inside)
-bench p2p-ep4 --parallel.ep=4 && bench hier-ep4 --parallel.ep=4 --parallel.ep_hierarchical=true \
+# the two-stage expert exchange (not overlapped: blocking all-to-alls): no point-to-point rows, the
+# same bytes across nodes (relayed inside); overlapped (split-phase: its stages are point-to-point
+# messages) the same bytes inside and across nodes as not overlapped
+bench p2p-ep4 --parallel.ep=4 && bench hier-ep4 --parallel.ep=4 --parallel.ep_hierarchical=true --parallel.ep_overlap=0 \
     && [ "$(jq -r .sent_p2p "$W/b-hier-ep4.json")" = 0 ] && [ "$(jq -r .sent_p2p "$W/b-p2p-ep4.json")" != 0 ] \
     && [ "$(b hier-ep4 inter_bytes_per_rank_step)" = "$(b p2p-ep4 inter_bytes_per_rank_step)" ] \
     && [ "$(b hier-ep4 ep_hierarchical)" = 1 ] \
     && pass "two-stage expert exchange: all rows through it, $(b hier-ep4 inter_bytes_per_rank_step) bytes across nodes per rank per step as point-to-point, $(b hier-ep4 intra_bytes_per_rank_step) inside (point-to-point $(b p2p-ep4 intra_bytes_per_rank_step))" \
     || fail "two-stage expert exchange bytes: $(cat "$W/b-hier-ep4.comm") vs $(cat "$W/b-p2p-ep4.comm")"
+bench hier-ep4-ov --parallel.ep=4 --parallel.ep_hierarchical=true --parallel.ep_overlap=1 \
+    && [ "$(b hier-ep4-ov inter_bytes_per_rank_step)" = "$(b hier-ep4 inter_bytes_per_rank_step)" ] \
+    && [ "$(b hier-ep4-ov intra_bytes_per_rank_step)" = "$(b hier-ep4 intra_bytes_per_rank_step)" ] \
+    && [ "$(jq -r .sent_p2p "$W/b-hier-ep4-ov.json")" != 0 ] \
+    && pass "two-stage expert exchange overlapped: the same $(b hier-ep4-ov inter_bytes_per_rank_step) bytes across nodes and $(b hier-ep4-ov intra_bytes_per_rank_step) inside" \
+    || fail "overlapped two-stage expert exchange bytes: $(cat "$W/b-hier-ep4-ov.comm") vs $(cat "$W/b-hier-ep4.comm")"
 # rank 0's gradient all-reduce bytes: its all-reduce bytes less the statistics' (flat's all-reduce
 # bytes above its gradients' minimum; those sums are not compressed)
 other=$(jq -r '.sent_allreduce - .grad_min_bytes' "$W/b-flat.json")

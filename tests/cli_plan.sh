@@ -55,6 +55,29 @@ for l in $LAYOUTS; do
         || { fail "$name: tera plan --dry-run failed: $(cat "$W/$name.err")"; continue; }
     check "$name ($np ranks, recompute $rec)" "$W/$name.log" "$W/$name.json"
 done
+# 1-bit Adam (optimizer.name = onebit_adam): the bytes tera train says it adds to AdamW's (ZeRO-1/2/3's
+# whole momentum, ZeRO-2/3's whole own gradient, error feedback, message buffers) are the plan's "onebit"
+# category, and (dp4 x ep2 ZeRO-1) the six figures of the line stay exact
+onebit() { # onebit NAME RANKS LABEL FULL-CHECK ARGS...
+    local n=$1 np=$2 label=$3 full=$4
+    shift 4
+    local a=("${TINY[@]}" --optimizer.name=onebit_adam --training.micro_batch=1 --training.grad_accum=1 "$@")
+    if $MPIRUN -np "$np" "$TERA" train "${a[@]}" > "$W/$n.log" 2>&1 \
+        && "$TERA" plan --dry-run "${a[@]}" --json > "$W/$n.json" 2> "$W/$n.err"; then
+        [ "$full" = 1 ] && check "$label ($np ranks)" "$W/$n.log" "$W/$n.json"
+        local p m
+        p=$(grep -o "memory per rank [0-9]* bytes more" "$W/$n.log" | grep -o "[0-9][0-9]*" | head -1)
+        m=$(jq -r '.roles[0].onebit' "$W/$n.json")
+        [ -n "$p" ] && [ "$p" = "$m" ] && pass "$label: the $p bytes per rank tera train adds predicted to the byte" \
+            || fail "$label's memory: tera train ${p:-?} bytes, plan $m"
+    else
+        fail "$label: $(grep error "$W/$n.log" | head -2) $(cat "$W/$n.err" 2> /dev/null)"
+    fi
+}
+onebit onebit 4 "1-bit Adam dp4 x ep2 ZeRO-1" 1 --parallel.dp=4 --parallel.ep=2 --parallel.zero=1
+onebit onebit2 2 "1-bit Adam dp2 ZeRO-2" 0 --parallel.dp=2 --parallel.zero=2 --training.steps=2 \
+    --optimizer.onebit_warmup_steps=1
+
 # the benchmark models on one rank (their own micro-batch and sequence; threads fixed: the attention
 # scratch is sized per thread)
 for b in bench-s bench-m; do
@@ -148,10 +171,25 @@ done
     && $MPIRUN -np 2 "$TERA" plan --calibrate "${TINY[@]}" --out "$W/cal.ini" >> "$W/cal.log" 2>&1 \
     && grep -q '^\[gemm\]' "$W/cal.ini" && grep -q '^point = 1 fp32 ' "$W/cal.ini" && grep -q '^\[attention\]' "$W/cal.ini" \
     && grep -q '^\[memory\]' "$W/cal.ini" && grep -q '^allreduce = 2 ' "$W/cal.ini" && grep -q '^alltoall = 2 ' "$W/cal.ini" \
+    && awk '/^\[/ {s = $0} s == "[shared]" && $1 == "point" && $3 == 2 && $5 > 0 && $5 <= 1.5 && $6 > 0 && $6 <= 1.5 {n++} END {exit n != 1}' "$W/cal.ini" \
     && "$TERA" plan --dry-run "${TINY[@]}" --training.threads=1 --hardware "$W/cal.ini" --json > "$W/calp.json" 2> "$W/calp.err" \
     && [ "$(jq '.time.matmul_s > 0 and .time.memory_s > 0 and .time.step_s >= .time.compute_s' "$W/calp.json")" = true ] \
     && pass "tera plan --calibrate: $(grep -c '^point' "$W/cal.ini") measured points, $(grep -c '= 2 ' "$W/cal.ini") collective fits; the time model reads them" \
     || fail "calibrate: $(tail -3 "$W/cal.log"; cat "$W/calp.err" 2> /dev/null)"
+# --shared-only: only the [shared] points are measured again, the collective fits stay as they were;
+# on one process it is refused (it measures ranks sharing the machine)
+grep '^allreduce = 2 ' "$W/cal.ini" > "$W/cal-ar.txt" 2> /dev/null
+if $MPIRUN -np 2 "$TERA" plan --calibrate --shared-only "${TINY[@]}" --out "$W/cal.ini" > "$W/calsh.log" 2>&1 \
+    && grep -q '^shared: 2 ranks' "$W/calsh.log" && [ -s "$W/cal-ar.txt" ] \
+    && [ "$(grep '^allreduce = 2 ' "$W/cal.ini")" = "$(cat "$W/cal-ar.txt")" ]; then
+    if "$TERA" plan --calibrate --shared-only "${TINY[@]}" --out "$W/cal.ini" > /dev/null 2> "$W/calsh1.err"; then
+        fail "--shared-only on one process accepted"
+    else
+        pass "--calibrate --shared-only: $(grep '^shared: 2 ranks' "$W/calsh.log" | head -1 | cut -c1-90); the collective fits kept; one process refused"
+    fi
+else
+    fail "--calibrate --shared-only: $(tail -3 "$W/calsh.log")"
+fi
 # calibrating into a file that is not a hardware description refuses it by name and leaves it as it was
 printf '# precious\n[device]\nname = x\n' > "$W/keep-hw.ini"
 if "$TERA" plan --calibrate "${TINY[@]}" --training.threads=1 --out "$W/keep-hw.ini" > /dev/null 2> "$W/kh.err"; then

@@ -4,7 +4,8 @@
 # (bit-identical training); 1 and 2 workers give the same run; dp 2 gives each rank its own shard;
 # a resumed run (dp 2; and dp 1 resumed under pp 2, a layout change that keeps dp) is bit-identical to
 # the uninterrupted one; a dp change on resume, too few shards, evaluation, a missing tokenizer, an
-# empty shard list and a bad line met while training are refused with one clear message.
+# empty shard list and a bad line met while training are refused with one clear message. A separate
+# validation set (data.val_path) evaluates a streamed run exactly as it evaluates the prepared stream.
 # Throughput and memory figures: bench/online_tokenize.sh (not timed here).
 # Usage: cli_stream.sh TERA SOURCE_DIR
 set -u
@@ -62,6 +63,16 @@ run prept-run --data.path="$W/prept"
 run ont --data.path="$W/texts" --data.tokenizer="$W/tok" --data.format=text
 same prept-run ont && pass "streaming a directory of text files = prepare + train, bit for bit" || fail "text differs"
 
+# a separate validation set (data.val_path) evaluates a streamed run: the streamed run with the raw s0 shard
+# as its validation set equals prepare + train with the prepared s0 as validation set, step and val_loss alike
+"$TERA" data prepare --input "$W/s0.jsonl" --tokenizer "$W/tok" --output "$W/prep0" > /dev/null 2>&1 || fail "prepare s0"
+run onv "${ON[@]}" --data.val_path="$W/s0.jsonl" --training.eval_every=3 --training.eval_batches=2
+run prepv --data.path="$W/prep" --data.val_path="$W/prep0" --training.eval_every=3 --training.eval_batches=2
+vals() { jq -r 'select(.val_loss != null) | "\(.step) \(.val_loss)"' "$W/$1/metrics.jsonl"; }
+[ "$(vals onv | wc -l)" = 2 ] && [ "$(vals onv)" = "$(vals prepv)" ] && same on onv && same prepv on \
+    && pass "streamed run evaluated on data.val_path: both evaluations (step val_loss) = the prepared set's ($(vals onv | tr '\n' ' '))" \
+    || fail "val_path: $(vals onv | tr '\n' ' ') vs $(vals prepv | tr '\n' ' ')"
+
 # dp 2: rank r streams shard r; its state names both ranks' positions
 $MPIRUN -np 2 "$TERA" train "${M[@]}" "${ON[@]}" --parallel.dp=2 --training.grad_accum=1 --logging.run_dir="$W/dp2" \
     > "$W/dp2.log" 2>&1 || { fail "dp2"; tail -5 "$W/dp2.log"; }
@@ -110,6 +121,10 @@ bad "no-such-tok" --data.path="$W/sh" --data.tokenizer="$W/no-such-tok"
 bad "matches no file" --data.path="$W/nothing/*.jsonl" --data.tokenizer="$W/tok"
 bad "keeps no validation split" "${ON[@]}" --training.eval_every=2 --data.val_fraction=0.1
 bad "training.eval_every = 2: streamed" "${ON[@]}" --training.eval_every=2
+bad "data.val_path = '$W/s0.jsonl' and data.val_fraction = 0.1 are both set" "${ON[@]}" --data.val_path="$W/s0.jsonl" \
+    --data.val_fraction=0.1
+bad "data.val_path '$W/nothing/\*.jsonl' matches no file" "${ON[@]}" --data.val_path="$W/nothing/*.jsonl"
+bad "data.val_path = '$W/prep0' with a blend" --data.paths="1 $W/prep" --data.val_path="$W/prep0"
 mkdir -p "$W/one"
 cp "$W/s0.jsonl" "$W/one/"
 if $MPIRUN -np 2 "$TERA" train "${NOD[@]}" --model.vocab_size=512 --training.steps=2 --parallel.dp=2 \

@@ -16,6 +16,7 @@
 #include "tera/ckpt.h"
 #include "tera/io.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 static char g_dir[256];
 
@@ -48,7 +49,7 @@ static void run_to(const char *run, int steps, int every, int resume, int full_e
     if (resume) assert_int_equal(tera_trainer_resume(tr), TERA_OK);
     assert_int_equal(tera_trainer_run(tr, NULL), TERA_OK);
     assert_int_equal(tera_trainer_ckpt_close(tr), TERA_OK);
-    assert_null(tr->ckpt);
+    assert_null(tr->ckpt.whole);
 }
 
 static void test_async_resume_identical(void **state) {
@@ -72,11 +73,11 @@ static void test_async_resume_identical(void **state) {
     assert_int_equal(ta.step, tb.step);
     assert_memory_equal(ta.model.w, tb.model.w, sizeof(float) * (size_t)ta.model.n_floats);
     /* Adam moments: of the non-expert region (opt) and of the experts (opt_x) */
-    assert_int_equal(ta.opt.n + ta.opt_x.n, ta.model.n_floats);
-    assert_memory_equal(ta.opt.m, tb.opt.m, sizeof(float) * (size_t)ta.opt.n);
-    assert_memory_equal(ta.opt.v, tb.opt.v, sizeof(float) * (size_t)ta.opt.n);
-    assert_memory_equal(ta.opt_x.m, tb.opt_x.m, sizeof(float) * (size_t)ta.opt_x.n);
-    assert_memory_equal(ta.opt_x.v, tb.opt_x.v, sizeof(float) * (size_t)ta.opt_x.n);
+    assert_int_equal(ta.sharding->opt.n + ta.sharding->opt_x.n, ta.model.n_floats);
+    assert_memory_equal(ta.sharding->opt.m, tb.sharding->opt.m, sizeof(float) * (size_t)ta.sharding->opt.n);
+    assert_memory_equal(ta.sharding->opt.v, tb.sharding->opt.v, sizeof(float) * (size_t)ta.sharding->opt.n);
+    assert_memory_equal(ta.sharding->opt_x.m, tb.sharding->opt_x.m, sizeof(float) * (size_t)ta.sharding->opt_x.n);
+    assert_memory_equal(ta.sharding->opt_x.v, tb.sharding->opt_x.v, sizeof(float) * (size_t)ta.sharding->opt_x.n);
     /* load a differential checkpoint directly: equals the full one of the other run */
     tera_ckpt_info *v;
     int n;

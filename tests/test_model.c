@@ -4,6 +4,7 @@
 #include "tera/kernels.h"
 #include "tera/model.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 static tera_model_config tiny_cfg(void) {
     tera_config c;
@@ -212,13 +213,13 @@ static void test_nonfinite_skip(void **state) {
     assert_int_equal(r.skipped, 0);
     float *before = malloc(sizeof(float) * (size_t)tr.model.n_floats);
     memcpy(before, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
-    const int64_t t_before = tr.opt.t;
+    const int64_t t_before = tr.sharding->opt.t;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
     assert_int_equal(r.skipped, 1);
     assert_true(!isfinite(r.grad_norm));
     assert_int_equal(tr.skipped_steps, 1);
     assert_memory_equal(before, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
-    assert_int_equal(tr.opt.t, t_before);
+    assert_int_equal(tr.sharding->opt.t, t_before);
     assert_int_equal(tr.samples_consumed, 4); /* both steps consumed their samples */
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK); /* training goes on */
     assert_int_equal(r.skipped, 0);

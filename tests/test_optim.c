@@ -1,10 +1,11 @@
 /* The optimizer's passes (src/train/optim.c): the fused clip + AdamW + gradient clearing pass and
  * the gradient norm against a double-precision reference of MODEL.md's update; bit-identical
  * results for 1, 2 and 3 threads; a range split in two (ZeRO-1 shards) and separate shard buffers
- * (ZeRO-2/3) giving the whole range's numbers; the plan rebuilt when the tensor table changes. */
-#include <omp.h>
-
+ * (ZeRO-2/3) giving the whole range's numbers; the plan rebuilt when the tensor table changes; the
+ * passes scheduled through the model's backend (ops.for_ranges), with the numbers of one thread in
+ * order (a model without a backend). */
 #include "testutil.h"
+#include "tera/backend.h"
 #include "tera/kernels.h"
 #include "tera/train.h"
 
@@ -15,8 +16,11 @@
 static const int64_t sizes[] = {5, C + 7, 3 * C, 1, 256, 2 * C - 3, 1000};
 #define NP ((int)(sizeof sizes / sizeof sizes[0]))
 
+static tera_backend *g_be; /* the CPU backend on the process's threads (main) */
+
 static void fake_model(tera_model *m, tera_param *p, uint64_t seed) {
     memset(m, 0, sizeof *m);
+    m->be = g_be;
     memset(p, 0, sizeof(tera_param) * NP);
     int64_t off = 0;
     for (int i = 0; i < NP; i++) {
@@ -281,12 +285,111 @@ static void test_plan_rebuilt(void **state) {
     free_model(&a);
 }
 
+/* The gradient norm's order of additions, bit for bit (so that a faster pass cannot change it):
+ * per chunk of C elements from the tensor's start, element j's fp64 square into lane j % 32, the 32
+ * lanes added in order, the chunks of a tensor added in order, the tensors in table order. */
+static void test_norm_order(void **state) {
+    (void)state;
+    tera_param p[NP];
+    tera_model m;
+    fake_model(&m, p, 8);
+    for (int t = 1; t <= 3; t++) {
+        tera_set_threads(t);
+        tera_adamw o;
+        tera_adamw_init(&o, m.n_floats);
+        double sq[NP];
+        const double total = tera_adamw_grad_sq(&o, &m, sq);
+        double ref_total = 0.0;
+        for (int i = 0; i < NP; i++) {
+            double t_i = 0.0;
+            for (int64_t a = 0; a < p[i].numel; a += C) {
+                double acc[32] = {0}, s = 0.0;
+                const int64_t len = p[i].numel - a < C ? p[i].numel - a : C;
+                for (int64_t j = 0; j < len; j++) {
+                    const double x = m.g[p[i].offset + a + j];
+                    acc[j % 32] += x * x;
+                }
+                for (int l = 0; l < 32; l++) s += acc[l];
+                t_i += s;
+            }
+            assert_true(sq[i] == t_i);
+            ref_total += t_i;
+        }
+        assert_true(total == ref_total);
+        tera_adamw_free(&o);
+    }
+    tera_set_threads(2);
+    free_model(&m);
+}
+
+/* A backend whose for_ranges counts its calls and hands them to the CPU backend's. */
+static int g_ranges_calls;
+
+static void counting_for_ranges(tera_backend *be, int64_t n, void (*fn)(void *ctx, int64_t lo, int64_t hi, int worker),
+                                void *ctx) {
+    (void)be;
+    g_ranges_calls++;
+    g_be->ops.for_ranges(g_be, n, fn, ctx);
+}
+
+/* The passes go through the model's backend: three steps (norm, update, and a gradient scale in
+ * between) on 1, 2 and 3 threads of a counting backend make one for_ranges call per pass on more
+ * than one thread, and give every array and sum bit for bit as one thread in item order (m->be
+ * NULL) does. */
+static void test_backend_schedules(void **state) {
+    (void)state;
+    tera_backend counting = *g_be;
+    counting.ops.for_ranges = counting_for_ranges;
+    tera_param p[NP];
+    tera_model serial, m;
+    fake_model(&serial, p, 7);
+    serial.be = NULL;
+    const int64_t n = serial.n_floats;
+    float *g = make_grads(n, 3);
+    tera_adamw os;
+    tera_adamw_init(&os, n);
+    g_ranges_calls = 0;
+    const run_out rs = run(&serial, &os, g, 3, lrs, gss, 2);
+    assert_int_equal(g_ranges_calls, 0);
+    for (int t = 1; t <= 3; t++) {
+        fake_model(&m, p, 7);
+        m.be = &counting;
+        tera_adamw o;
+        tera_adamw_init(&o, n);
+        g_ranges_calls = 0;
+        const run_out r = run(&m, &o, g, 3, lrs, gss, t);
+        assert_int_equal(g_ranges_calls, t > 1 ? 6 : 0); /* two passes per step; one thread: inline */
+        assert_same("w", m.w, serial.w, n);
+        assert_same("m", o.m, os.m, n);
+        assert_same("v", o.v, os.v, n);
+        assert_memory_equal(&r, &rs, sizeof r);
+        tera_set_threads(t);
+        g_ranges_calls = 0;
+        memcpy(m.g, g, sizeof(float) * (size_t)n);
+        memcpy(serial.g, g, sizeof(float) * (size_t)n);
+        tera_grad_scale(&m, 0.37f);
+        tera_grad_scale(&serial, 0.37f);
+        tera_set_threads(2);
+        assert_int_equal(g_ranges_calls, 1); /* for_ranges decides itself whether to split */
+        assert_same("g scaled", m.g, serial.g, n);
+        tera_adamw_free(&o);
+        free_model(&m);
+    }
+    tera_adamw_free(&os);
+    free_model(&serial);
+    free(g);
+}
+
 int main(void) {
     tera_set_threads(2);
+    g_be = tera_backend_cpu_create(-1); /* the process's threads: run() sets them per case */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_against_reference), cmocka_unit_test(test_threads_bit_identical),
         cmocka_unit_test(test_ranges), cmocka_unit_test(test_scale_and_keep),
-        cmocka_unit_test(test_plan_rebuilt),
+        cmocka_unit_test(test_plan_rebuilt), cmocka_unit_test(test_backend_schedules),
+        cmocka_unit_test(test_norm_order),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    tera_backend_destroy(g_be);
+    return rc;
 }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "testutil.h"
+#include "tera/compress.h"
 #include "tera/config.h"
 #include "tera/kernels.h"
 #include "tera/model.h"
@@ -242,9 +243,264 @@ static void test_hierarchical_dp_time(void **state) {
     }
 }
 
+
+/* Ranks sharing a CPU host ([node] cores): the fractions tera_hw_shared gives (none on a device host
+ * or for one rank; the cores over ranks x threads without measured points; measured points
+ * interpolated from (1, 1) and, beyond the largest count, that count's node throughput); [shared]
+ * points read back as written, and a bad one is refused naming the line. */
+static void test_shared_fractions(void **state) {
+    (void)state;
+    tera_hw hw;
+    memset(&hw, 0, sizeof hw);
+    assert_true(tera_hw_shared(&hw, 8, 1, 0) == 1.0); /* no cores key: a device per rank */
+    hw.cores = 2;
+    assert_true(tera_hw_shared(&hw, 1, 2, 0) == 1.0);
+    assert_true(tera_hw_shared(&hw, 2, 1, 0) == 1.0);
+    assert_true(tera_hw_shared(&hw, 8, 1, 1) == 0.25);
+    assert_true(tera_hw_shared(&hw, 2, 2, 0) == 0.5);
+    /* one process's throughput on both cores, 0.6 (products) and 0.8 (memory) of twice one core's */
+    hw.all_cores[0] = 0.6, hw.all_cores[1] = 0.8;
+    assert_true(fabs(tera_hw_shared(&hw, 2, 1, 0) - 0.6) < 1e-15);
+    assert_true(fabs(tera_hw_shared(&hw, 4, 1, 0) - 0.3) < 1e-15);
+    assert_true(fabs(tera_hw_shared(&hw, 2, 2, 0) - 0.5) < 1e-15); /* 4 threads' 0.3 over 2 threads' 0.6 */
+    assert_true(fabs(tera_hw_shared(&hw, 8, 1, 1) - 0.2) < 1e-15);
+    assert_true(tera_hw_shared(&hw, 1, 2, 0) == 1.0);
+    hw.all_cores[0] = hw.all_cores[1] = 0.0;
+    hw.share[hw.n_share++] = (tera_hw_share){.ranks = 2, .threads = 1, .compute = 0.7, .memory = 0.9};
+    hw.share[hw.n_share++] = (tera_hw_share){.ranks = 4, .threads = 1, .compute = 0.3, .memory = 0.4};
+    assert_true(fabs(tera_hw_shared(&hw, 2, 1, 0) - 0.7) < 1e-15);
+    assert_true(fabs(tera_hw_shared(&hw, 2, 1, 1) - 0.9) < 1e-15);
+    assert_true(fabs(tera_hw_shared(&hw, 3, 1, 0) - 0.5) < 1e-15); /* halfway between 2 and 4 */
+    assert_true(fabs(tera_hw_shared(&hw, 8, 1, 0) - 0.3 * 4 / 8) < 1e-15); /* 4 ranks' throughput shared by 8 */
+    assert_true(fabs(tera_hw_shared(&hw, 8, 2, 1) - 0.4 * 4 / 8) < 1e-15); /* the nearest thread count's points */
+    /* read back */
+    snprintf(hw.name, sizeof hw.name, "shared");
+    hw.memory_bytes = 1e9, hw.devices_per_node = 4096, hw.peak_flops[TERA_HW_FP32] = hw.peak_flops[TERA_HW_BF16] = 1e11;
+    hw.intra_bw = hw.inter_bw = 1e9, hw.intra_lat = hw.inter_lat = 1e-6;
+    char path[] = "/tmp/tera_test_plan_sh_XXXXXX";
+    const int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(tera_hw_write(&hw, path, NULL), TERA_OK);
+    tera_hw r;
+    if (tera_hw_load(&r, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    assert_int_equal(r.n_share, 2);
+    assert_true(r.share[1].ranks == 4 && r.share[1].threads == 1 && fabs(r.share[1].memory - 0.4) < 1e-12);
+    /* the all-cores fractions derived at load: the median ratio over shapes measured at 1 and 2 threads,
+     * the memory points' ratio */
+    hw.n_share = 0;
+    hw.mem_bw_threads[1] = 10e9, hw.mem_bw_threads[2] = 16e9;
+    static const double one[3] = {100e9, 110e9, 90e9}, two[3] = {130e9, 150e9, 140e9}; /* ratios 0.65, 0.68.., 0.77.. */
+    for (int i = 0; i < 3; i++) {
+        hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 1, .prec = TERA_HW_FP32, .m = 64 << i, .k = 32, .n = 32, .flops_s = one[i]};
+        hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 2, .prec = TERA_HW_FP32, .m = 64 << i, .k = 32, .n = 32, .flops_s = two[i]};
+    }
+    hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 2, .prec = TERA_HW_FP32, .m = 9, .k = 9, .n = 9, .flops_s = 1e9}; /* unpaired */
+    assert_int_equal(tera_hw_write(&hw, path, NULL), TERA_OK);
+    if (tera_hw_load(&r, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    assert_true(fabs(r.all_cores[0] - 150e9 / 220e9) < 1e-12 && fabs(r.all_cores[1] - 0.8) < 1e-12);
+    assert_true(fabs(tera_hw_shared(&r, 4, 1, 0) - 2.0 * (150e9 / 220e9) / 4.0) < 1e-12);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "[device]\nname = x\n[shared]\npoint = 1 1 0.5 0.5\n");
+    fclose(f);
+    assert_int_equal(tera_hw_load(&r, path), TERA_ERR_CONFIG);
+    if (!strstr(tera_last_error(), ":4:") || !strstr(tera_last_error(), "RANKS (>= 2) THREADS COMPUTE MEMORY"))
+        fail_msg("message lacks the line or the form: %s", tera_last_error());
+    remove(path);
+}
+
+/* A small MoE on a CPU host description for the time model's sharing tests. */
+static void cpu_host(tera_hw *hw, double fc2, double fm2) {
+    memset(hw, 0, sizeof *hw);
+    snprintf(hw->name, sizeof hw->name, "cpu host");
+    hw->memory_bytes = 64e9, hw->devices_per_node = 4096, hw->cores = 2;
+    hw->peak_flops[TERA_HW_FP32] = hw->peak_flops[TERA_HW_BF16] = 100e9;
+    hw->gemm_efficiency = 0.5, hw->mem_bw = 10e9;
+    hw->intra_bw = hw->inter_bw = 1e30, hw->intra_lat = hw->inter_lat = 0.0; /* transfers free */
+    if (fc2 > 0) hw->share[hw->n_share++] = (tera_hw_share){.ranks = 2, .threads = 1, .compute = fc2, .memory = fm2};
+}
+
+static void cpu_config(tera_config *c, const char *const *sets) {
+    tera_config_defaults(c);
+    c->training.seq_len = 64;
+    c->training.micro_batch = 2;
+    c->training.grad_accum = 4;
+    c->training.threads = 1;
+    c->training.global_batch = 0;
+    for (int k = 0; sets && sets[k]; k++) assert_int_equal(tera_config_set(c, sets[k]), TERA_OK);
+    assert_int_equal(tera_config_finalize(c), TERA_OK);
+}
+
+/* The time model on a host whose ranks share its cores: two data-parallel ranks computing at once run
+ * their products at the measured compute fraction and their memory passes (and the optimizer) at the
+ * memory fraction, and their transfers hide behind nothing; a two-stage pipeline whose two ranks
+ * together run no faster than one (fraction 0.5) takes exactly the one-stage run's compute (the
+ * bubble's core goes to the other stage), and with A = 1 (never two at once) the fraction does not
+ * matter. */
+static void test_shared_time(void **state) {
+    (void)state;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
+    tera_hw dev, cpu;
+    cpu_host(&dev, 0, 0);
+    dev.cores = 0; /* the same figures, a device per rank */
+    cpu_host(&cpu, 0.7, 0.8);
+    tera_config c;
+    const char *const dp2[] = {"parallel.dp=2", NULL};
+    cpu_config(&c, dp2);
+    tera_plan_time td, tc;
+    assert_int_equal(tera_plan_time_model(&c, &dev, &o, &td), TERA_OK);
+    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &tc), TERA_OK);
+    assert_true(td.matmul_s > 0 && td.optimizer_s > 0);
+    assert_true(fabs(tc.matmul_s - td.matmul_s / 0.7) <= 1e-12 * tc.matmul_s);
+    assert_true(fabs(tc.memory_s - td.memory_s / 0.8) <= 1e-12 * tc.memory_s);
+    assert_true(fabs(tc.optimizer_s - td.optimizer_s / 0.8) <= 1e-12 * tc.optimizer_s);
+    assert_true(tc.dp_s == tc.dp_total_s); /* nothing hidden on the shared cores */
+    /* the pipeline */
+    const char *const pp2[] = {"parallel.pp=2", "model.n_layers=4", NULL}, *const pp1[] = {"model.n_layers=4", NULL};
+    tera_config c1, c2;
+    cpu_config(&c1, pp1);
+    cpu_config(&c2, pp2);
+    tera_hw one;
+    cpu_host(&one, 0.5, 0.5);
+    tera_plan_time t1, t2;
+    assert_int_equal(tera_plan_time_model(&c1, &one, &o, &t1), TERA_OK);
+    assert_int_equal(tera_plan_time_model(&c2, &one, &o, &t2), TERA_OK);
+    const double pipe1 = t1.step_s - t1.optimizer_s - t1.dp_s, pipe2 = t2.step_s - t2.optimizer_s - t2.dp_s;
+    if (!(fabs(pipe2 - pipe1) <= 1e-9 * pipe1)) fail_msg("pp2 on one core's throughput %.9f s, pp1 %.9f s", pipe2, pipe1);
+    c2.training.grad_accum = 1, c1.training.grad_accum = 1;
+    tera_plan_time a, b;
+    cpu_host(&cpu, 0.3, 0.3);
+    assert_int_equal(tera_plan_time_model(&c2, &one, &o, &a), TERA_OK);
+    assert_int_equal(tera_plan_time_model(&c2, &cpu, &o, &b), TERA_OK);
+    assert_true(fabs((a.step_s - a.optimizer_s) - (b.step_s - b.optimizer_s)) <= 1e-12 * a.step_s);
+    assert_int_equal(tera_plan_time_model(&c1, &one, &o, &t1), TERA_OK);
+    assert_true(fabs((a.step_s - a.optimizer_s) - (t1.step_s - t1.optimizer_s)) <= 1e-9 * a.step_s);
+}
+
+/* The expert exchange: parallel.ep_hierarchical over two nodes is priced as its two stages (inside the
+ * node (k-1)/k of the rows, then between the nodes (N-1)/N), on one node as the flat exchange;
+ * parallel.ep_overlap hides tera_plan_ep_overlap_hidden's figure (checked against the closed form)
+ * of the point-to-point exchange on devices, nothing of the two-stage one or on a CPU host. */
+static void test_expert_exchange_time(void **state) {
+    (void)state;
+    /* the overlap's closed form: ep 2, experts long (c'/2 > x): the rows out hidden, the last (only)
+     * block's return not, x each way; short (x > c'/2): the own block's compute, c'/2 */
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 30.0) - 2.0) < 1e-12);
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 0.3) - (0.05 + 0.1)) < 1e-12);
+    /* ep 4, x = 3, c = 12: forward c' = 4: max(1, 3) + 3 + 1 = 7 of 3 + 4 + 3 = 10: 3 hidden; backward
+     * c' = 8: max(2, 3) + 6 + 1 = 10 of 14: 4 */
+    assert_true(fabs(tera_plan_ep_overlap_hidden(4, 3.0, 12.0) - 7.0) < 1e-12);
+    assert_true(tera_plan_ep_overlap_hidden(1, 3.0, 12.0) == 0.0);
+    tera_hw hw;
+    char path[512];
+    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
+    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    hw.n_coll = 0;
+    const int k = hw.devices_per_node;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
+    for (int ep = k; ep <= 2 * k; ep *= 2) {
+        tera_plan_time t[2][2]; /* [ep_hierarchical][ep_overlap] */
+        tera_config c;
+        for (int h = 0; h < 2; h++)
+            for (int ov = 0; ov < 2; ov++) {
+                tera_config_defaults(&c);
+                c.training.seq_len = 64, c.training.micro_batch = 1, c.training.grad_accum = 2;
+                c.training.global_batch = 0;
+                c.model.n_experts = 2 * k;
+                c.parallel.dp = c.parallel.ep = ep;
+                c.parallel.ep_hierarchical = h, c.parallel.ep_overlap = ov;
+                assert_int_equal(tera_config_finalize(&c), TERA_OK);
+                assert_int_equal(tera_plan_time_model(&c, &hw, &o, &t[h][ov]), TERA_OK);
+            }
+        const int moe = c.model.n_layers - c.model.first_k_dense, A = c.training.grad_accum;
+        const double rows = (double)c.training.micro_batch * c.training.seq_len * c.model.top_k * c.model.dim * 4.0;
+        const double flat = A * moe * (4.0 * (ep - 1.0) / ep * rows / hw.inter_bw * (ep > k ? 1.0 : hw.inter_bw / hw.intra_bw) +
+                                       5.0 * (ep - 1) * (ep > k ? hw.inter_lat : hw.intra_lat));
+        if (!(fabs(t[0][0].ep_s - flat) <= 1e-9 * flat)) fail_msg("ep %d flat: %.9g s, want %.9g", ep, t[0][0].ep_s, flat);
+        /* ep_overlap on the flat exchange: the difference is what it hides, at most the exchange */
+        assert_true(t[0][1].ep_hidden_s > 0 && fabs(t[0][0].ep_s - t[0][1].ep_s - t[0][1].ep_hidden_s) <= 1e-9 * flat);
+        if (ep == k) { /* one node: the two-stage exchange does not apply */
+            assert_true(t[1][0].ep_s == t[0][0].ep_s && t[1][1].ep_s == t[0][1].ep_s);
+            continue;
+        }
+        const int N = ep / k;
+        const double t1 = (k - 1.0) / k * rows / hw.intra_bw + (k - 1) * hw.intra_lat;
+        const double t2 = (N - 1.0) / N * rows / hw.inter_bw + (N - 1) * hw.inter_lat;
+        const double want = A * moe * (4.0 * (t1 + t2) + (k - 1) * hw.intra_lat + (N - 1) * hw.inter_lat);
+        if (!(fabs(t[1][0].ep_s - want) <= 1e-9 * want)) fail_msg("ep %d two-stage: %.9g s, want %.9g", ep, t[1][0].ep_s, want);
+        assert_true(t[1][1].ep_s == t[1][0].ep_s && t[1][1].ep_hidden_s == 0.0); /* not overlapped */
+        assert_true(fabs(t[1][0].bytes_ep - A * moe * 4.0 * ((k - 1.0) / k + (N - 1.0) / N) * rows) <= 1e-9 * t[1][0].bytes_ep);
+    }
+    /* on a CPU host nothing is hidden */
+    tera_hw cpu;
+    cpu_host(&cpu, 0, 0);
+    tera_config c;
+    const char *const ep2[] = {"parallel.dp=2", "parallel.ep=2", "parallel.ep_overlap=1", NULL};
+    cpu_config(&c, ep2);
+    tera_plan_time t;
+    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &t), TERA_OK);
+    assert_true(t.ep_hidden_s == 0.0);
+}
+
+/* 1-bit Adam (optimizer.name = onebit_adam): the memory src/train/onebit.c adds (ZeRO-1's whole
+ * momentum, two residuals per shared region, its message buffers) in its own category; the bytes after
+ * the warm-up are the momentum's 1-bit all-reduce (and ZeRO-1/2's fp32 parameter all-gather, ZeRO-3's
+ * layer gathers), exposed; ZeRO-2/3 add the rank's own whole gradient. */
+static void test_onebit(void **state) {
+    (void)state;
+    tera_hw hw;
+    char path[512];
+    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
+    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    hw.n_coll = 0;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
+    for (int zero = 0; zero <= 3; zero++) {
+        tera_config c, a;
+        char z[32];
+        snprintf(z, sizeof z, "parallel.zero=%d", zero);
+        const char *const sets[] = {"parallel.dp=4", "parallel.ep=2", z, "optimizer.name=onebit_adam", NULL};
+        cpu_config(&c, sets);
+        a = c;
+        snprintf(a.optimizer.name, sizeof a.optimizer.name, "adamw");
+        tera_plan_mem m, ma;
+        assert_int_equal(tera_plan_rank_memory(&c, 0, 1, &m), TERA_OK);
+        assert_int_equal(tera_plan_rank_memory(&a, 0, 1, &ma), TERA_OK);
+        assert_int_equal(ma.bytes[TERA_PM_ONEBIT], 0);
+        const int64_t n = m.n_floats, nd = m.n_dense, nx = n - nd;
+        int64_t want = (zero ? 4 * n : 0) + (zero >= 2 ? 4 * n : 0); /* ZeRO-2/3: the rank's own whole gradient */
+        const int64_t len[2] = {nd, nx};
+        const int q[2] = {4, 2};
+        for (int x = 0; x < 2; x++) {
+            const int64_t chunk = ((len[x] + q[x] - 1) / q[x] + 15) & ~(int64_t)15;
+            want += 8 * len[x] + tera_compress_bytes(TERA_COMPRESS_ONEBIT, len[x]) +
+                    q[x] * tera_compress_bytes(TERA_COMPRESS_ONEBIT, chunk) + 4 * chunk;
+        }
+        assert_int_equal(m.bytes[TERA_PM_ONEBIT], want);
+        assert_int_equal(m.total - ma.total, want);
+        tera_plan_time t, ta;
+        assert_int_equal(tera_plan_time_model(&c, &hw, &o, &t), TERA_OK);
+        assert_int_equal(tera_plan_time_model(&a, &hw, &o, &ta), TERA_OK);
+        const double cb = 2.0 * (3.0 / 4.0 * (double)tera_compress_bytes(TERA_COMPRESS_ONEBIT, nd) +
+                                 1.0 / 2.0 * (double)tera_compress_bytes(TERA_COMPRESS_ONEBIT, nx));
+        const double pass = 4.0 * (3.0 / 4.0 * nd + 1.0 / 2.0 * nx);
+        if (zero <= 2) { /* ZeRO-1/2: one fp32 all-gather of the updated parameters */
+            if (!(fabs(t.bytes_dp - (cb + (zero ? pass : 0.0))) <= 1e-9 * t.bytes_dp))
+                fail_msg("ZeRO-%d: 1-bit bytes %.0f, want %.0f", zero, t.bytes_dp, cb + (zero ? pass : 0.0));
+            assert_true(t.dp_s == t.dp_total_s);
+        } else { /* ZeRO-3: AdamW's layer gathers (the same bytes), no gradient reduce-scatter */
+            if (!(fabs(t.bytes_dp - (cb + ta.bytes_dp - (double)c.training.grad_accum * pass)) <= 1e-9 * t.bytes_dp))
+                fail_msg("ZeRO-3: 1-bit bytes %.0f, want %.0f", t.bytes_dp,
+                         cb + ta.bytes_dp - (double)c.training.grad_accum * pass);
+        }
+        assert_true(t.bytes_dp < ta.bytes_dp);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_rank_exact), cmocka_unit_test(test_count_is_the_allocator),
                                        cmocka_unit_test(test_calibrated_file), cmocka_unit_test(test_roles_cover_the_world),
-                                       cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time)};
+                                       cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
+                                       cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
+                                       cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,6 +6,7 @@
 #include "tera/kernels.h"
 #include "tera/precision.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 /* The CPU backend the products run on (created in main; a test that releases its scratch makes a
  * fresh one) */
@@ -346,7 +347,7 @@ static void test_trainer_modes(void **state) {
         assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
         const tera_precision want = i == 0 || i == 3 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
                                     : be->caps.bf16_fast(be, NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
-        assert_int_equal(tr.precision, want);
+        assert_int_equal(tr.prec.precision, want);
         if (want == TERA_PREC_BF16)
             assert_int_equal(tr.model.be->bf16_gemm, i == 0 && be->caps.bf16_native(be) ? TERA_BF16_NATIVE : TERA_BF16_FMA);
         assert_int_equal(tr.model.be->precision, want);
@@ -375,17 +376,17 @@ static void test_fp16_overflow_skip(void **state) {
     memcpy(w0, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
     tera_step_result r;
     assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
-    assert_true(r.skipped && r.loss_scale == 0x1p36f && tr.scaler.scale == 0x1p35f);
+    assert_true(r.skipped && r.loss_scale == 0x1p36f && tr.prec.scaler.scale == 0x1p35f);
     assert_memory_equal(w0, tr.model.w, sizeof(float) * (size_t)tr.model.n_floats);
-    assert_int_equal(tr.opt.t, 0);
+    assert_int_equal(tr.sharding->opt.t, 0);
     int steps = 1;
     while (r.skipped && steps < 40) {
         assert_int_equal(tera_trainer_step(&tr, &r), TERA_OK);
         steps++;
     }
     assert_false(r.skipped);
-    assert_int_equal(tr.opt.t, 1);
-    assert_int_equal(tr.scaler.overflows, steps - 1);
+    assert_int_equal(tr.sharding->opt.t, 1);
+    assert_int_equal(tr.prec.scaler.overflows, steps - 1);
     assert_true(r.loss_scale == ldexpf(1.0f, 36 - (steps - 1)));
     free(w0);
     tera_trainer_free(&tr);

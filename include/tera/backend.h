@@ -101,6 +101,17 @@ typedef struct {
     void (*moe_combine_backward)(tera_backend *be, float *dye, float *dtopw, const float *dy, const float *ye,
                                  const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D);
     void (*add_forward)(tera_backend *be, float *y, const float *x, int64_t n);
+    /* Fused passes (include/tera/kernels.h: tera_rmsnorm_copy_forward, tera_rope_qk_*, tera_ce_fused):
+     * the same numbers as the separate operations, fewer passes over memory. NULL where a backend has
+     * none: the model then calls the separate operations. */
+    void (*rmsnorm_copy_forward)(tera_backend *be, float *y, float *rstd, float *xcopy, const float *x,
+                                 const float *w, int64_t N, int64_t D, float eps);
+    void (*rope_qk_forward)(tera_backend *be, float *q, float *k, const float *cos_t, const float *sin_t, int B,
+                            int T, int H, int Hkv, int hd);
+    void (*rope_qk_backward)(tera_backend *be, float *dq, float *dk, const float *cos_t, const float *sin_t, int B,
+                             int T, int H, int Hkv, int hd);
+    double (*ce_fused)(tera_backend *be, float *dlogits, float *lse, float *tlogit, const float *logits,
+                       const int32_t *targets, int64_t N, int64_t V, float scale);
     /* parameter initialisation (tera_fill_normal_block) */
     void (*fill_normal_block)(tera_backend *be, float *w, int64_t numel, const int64_t *shape, const int64_t *lo,
                               const int64_t *len, float std, uint64_t seed, uint64_t stream);

@@ -91,7 +91,7 @@ tera_status tera_ckpt_load(const char *dir, tera_model *m, float *exp_avg, float
  * A rank reads only the pieces it holds, straight from the files (pread; no whole-model buffer):
  * full, differential (base + changed chunks) and sharded checkpoints alike, and Hugging Face
  * directories (config.json + safetensors, no manifest.json) as whole weights. `global` is the
- * one-process parameter table (tera_layout_global_shell) and must outlive the reader. */
+ * one-process parameter table (tera_zero_global_shell) and must outlive the reader. */
 typedef struct tera_ckpt_reader tera_ckpt_reader;
 tera_status tera_ckpt_reader_open(tera_ckpt_reader **r, const char *dir, const tera_model *global);
 void tera_ckpt_reader_close(tera_ckpt_reader *r);

@@ -48,6 +48,23 @@ void tera_hier_allgather_f32(tera_hier *h, float *buf /*[sum counts]*/, const in
 void tera_hier_reserve_alltoall(tera_hier *h, int64_t bytes);
 void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
                             const int64_t *rcounts);
+/* The same exchange in split phases, so that the caller computes while it is in flight
+ * (parallel.ep_hierarchical with parallel.ep_overlap): the same bytes in the same places of recv and
+ * the same bytes inside and across nodes, but the two stages are point-to-point messages on the
+ * node and rail groups (counted as point-to-point traffic). Every count a multiple of 4 bytes.
+ *   _start: the count exchange (blocking), then stage 1 posted; send is copied out on return;
+ *   _wait(r): blocks until rank r's bytes are in recv (a rank on this node: once stage 1 is done;
+ *             on node n: once stage 1 is done and node n's stage-2 message has come);
+ *   _poll: progresses both stages without blocking (stage 2 is posted when stage 1 is done);
+ *   _end: everything in recv and every send complete; the next exchange may start.
+ * recv and scounts / rcounts must stay as they are until _end; one exchange at a time per h.
+ * tera_hier_same_node: whether c-rank r is on this rank's node (its bytes come in stage 1). */
+void tera_hier_ialltoallv_start(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
+                                const int64_t *rcounts);
+void tera_hier_ialltoallv_wait(tera_hier *h, int r);
+void tera_hier_ialltoallv_poll(tera_hier *h);
+void tera_hier_ialltoallv_end(tera_hier *h);
+int tera_hier_same_node(const tera_hier *h, int r);
 
 /* The data-parallel gradient reducer of one region of n floats over c (parallel.hierarchical,
  * parallel.grad_compression): flat or hierarchical, fp32 or compressed with error feedback

@@ -141,6 +141,7 @@ typedef struct {
     int stream;                 /* online tokenization: stream the shards during training (src/data/stream.c) */
     int shuffle;                /* 0: sample i = tokens[i*T, i*T+T+1) in order */
     float val_fraction;         /* fraction of samples held out for validation */
+    char val_path[TERA_PATH_MAX]; /* a separate validation set, opened as data.path would be ("" = the split above) */
     int prefetch;               /* micro-batches prepared ahead by a background thread (0 = off) */
 } tera_data_config;
 

@@ -20,7 +20,7 @@ struct tera_stream; /* streaming online tokenization (data.stream, src/data/stre
 struct tera_comm;
 struct cJSON;
 
-typedef struct {
+typedef struct tera_token_source {
     tera_source_kind kind;
     char path[TERA_PATH_MAX];   /* file (text/u16) or prefix (bin: PREFIX.bin + PREFIX.idx) */
     int64_t n_tokens;
@@ -31,6 +31,8 @@ typedef struct {
     struct tera_blend *blend;   /* data.paths: the blend (this source's own fields are its first dataset's) */
     void *owned;                /* a token array the source allocated (online tokenization), freed at close */
     struct tera_stream *stream; /* kind TERA_SRC_STREAM: the shards, read during training (no token array) */
+    struct tera_token_source *val; /* data.val_path: the validation set, opened with data.stream = false (NULL:
+                                      the last data.val_fraction of this source's samples validate) */
     struct {                    /* online tokenization (data.tokenizer): what the start-up pass did */
         int shards, workers, ranks; /* ranks: the processes that shared the encoding (the world) */
         int64_t bytes;          /* raw text bytes (decompressed) */
@@ -44,6 +46,8 @@ typedef struct {
  * file and token offset. Empty or too-short sources (fewer than T+1 tokens... checked by the
  * loader) and malformed .idx files are TERA_ERR_FORMAT naming the file and offset. */
 tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size);
+/* With data.val_path set it also opens that set into s->val (as data.path with data.stream = false, and
+ * not with a blend); its errors name data.val_path. */
 /* With data.tokenizer set (online tokenization, src/data/online.c) tera_source_open is collective over
  * the world: every rank calls it, in the same order (the ranks share the encoding). */
 /* data.paths = "W1 PREFIX1, W2 PREFIX2, ...": every dataset opened as tera_source_open would open
@@ -72,13 +76,13 @@ void tera_idx_writer_abort(tera_idx_writer *w);         /* frees w */
 /* Deterministic sample order over a source. A streamed source (TERA_SRC_STREAM) has no token array:
  * each data-parallel rank reads its own shards in order (tera_loader_bind), sample k of a rank's
  * stream is tokens [k T, k T + T + 1) of the concatenation of its shards' documents; n_train is then
- * unbounded (TERA_STREAM_UNBOUNDED) and n_val 0. */
+ * unbounded (TERA_STREAM_UNBOUNDED) and n_val that of data.val_path (0 without it). */
 #define TERA_STREAM_UNBOUNDED ((int64_t)1 << 62)
 typedef struct {
     const tera_token_source *src;
     int T;
     int64_t n_samples;          /* (n_tokens - 1) / T */
-    int64_t n_train, n_val;     /* n_train + n_val = n_samples */
+    int64_t n_train, n_val;     /* n_train + n_val = n_samples (without data.val_path; with it n_val counts its samples) */
     int shuffle;                /* 0: train sample j of epoch e is sample j */
     uint64_t seed;
     /* fault injection for tests (TERA_FAULT_POISON_SAMPLE): training samples with global index in
@@ -121,7 +125,8 @@ void tera_data_save(const tera_loader *l, const char *data_path, int64_t consume
 tera_status tera_data_load(tera_loader *l, const struct cJSON *root, const char *path, uint64_t ckpt_seed,
                            uint64_t run_seed, int64_t *consumed);
 
-/* The v-th validation sample (v mod n_val). */
+/* The v-th validation sample (v mod n_val): of data.val_path's source when set (every sample of it
+ * validates), else of the held-out tail. */
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets);
 
 /* Blends (data.paths): global sample g (training or validation alike) belongs to dataset

@@ -41,12 +41,20 @@ void tera_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w,
 /* dx[N,D] += ..., dw[D] += ...  (dx accumulates: it is the residual stream's gradient) */
 void tera_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
                            const float *rstd, int64_t N, int64_t D);
+/* The forward that also copies x to xcopy[N,D] in the same pass (the residual a block adds onto). */
+void tera_rmsnorm_copy_forward(float *y, float *rstd, float *xcopy, const float *x, const float *w, int64_t N,
+                               int64_t D, float eps);
 
 /* cos/sin tables [T, hd/2] for positions 0..T-1 (HF Llama rotate-half convention). */
 void tera_rope_tables(float *cos_t, float *sin_t, int T, int hd, float theta);
 /* x[B,T,nh,hd] rotated in place; backward applies the inverse rotation to the gradient in place. */
 void tera_rope_forward(float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
 void tera_rope_backward(float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
+/* q[B,T,H,hd] and k[B,T,Hkv,hd] in one pass: the same numbers as rope_forward (backward) on each. */
+void tera_rope_qk_forward(float *q, float *k, const float *cos_t, const float *sin_t, int B, int T, int H, int Hkv,
+                          int hd);
+void tera_rope_qk_backward(float *dq, float *dk, const float *cos_t, const float *sin_t, int B, int T, int H,
+                           int Hkv, int hd);
 
 /* Causal grouped-query flash attention, tiled: memory O(T * tile) per thread, never a T x T matrix.
  * q: [B,T,H,hd]  k, v: [B,T,Hkv,hd]  out: [B,T,H,hd]  lse: [B,H,T] (log-sum-exp of the scaled
@@ -92,6 +100,11 @@ double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, 
 /* dlogits[N,V] = scale * (softmax(logits) - onehot(target)); dlogits may alias logits. */
 void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
                       int64_t N, int64_t V, float scale);
+/* Both in one pass over the logits: lse[N] and tlogit[N] (each row's target logit) written,
+ * dlogits[N,V] = scale * (softmax - onehot) (may alias logits), returns the sum of losses; the same
+ * bits as tera_ce_forward followed by tera_ce_backward. */
+double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
+                     int64_t N, int64_t V, float scale);
 
 /* Row softmax: probs[N,E] and lse[N] from logits[N,E]; backward: dlogits = p * (dp - <dp,p>). */
 void tera_softmax_forward(float *probs, float *lse, const float *logits, int64_t N, int64_t E);

@@ -265,6 +265,12 @@ void tera_model_reset_load(tera_model *m);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets);
+/* Training steps: the next forward (with targets, through the head) also writes the cross-entropy's
+ * gradient for loss scale ce_scale (the s.ce of the backward that follows, asserted there) over the
+ * logits, in the same pass over them as the loss (the same numbers, the logits read once instead of
+ * twice); m->logits then hold that gradient, not the logits. Only with tensor parallelism 1 and a
+ * backend with ops.ce_fused; otherwise, and for any later forward not armed again, nothing changes. */
+void tera_model_arm_fused_loss(tera_model *m, float ce_scale);
 /* Accumulates (+=) parameter gradients of  s.ce*ce_sum + s.aux*aux_sum + s.z*z_sum  into m->g.
  * Must follow the forward of the same micro-batch. */
 void tera_model_backward(tera_model *m, const tera_loss_scales *s);

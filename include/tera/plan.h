@@ -44,9 +44,17 @@ typedef struct {
     int ranks;
     double alpha_s, beta_bytes_s;
 } tera_hw_coll;
+/* What ranks sharing a node's cores and memory get (tera plan --calibrate under mpirun): with `ranks`
+ * processes of `threads` threads each computing at once on the node, each runs the products at
+ * `compute` and streams memory at `memory` times its rate alone. */
+typedef struct {
+    int ranks, threads;
+    double compute, memory;
+} tera_hw_share;
 #define TERA_HW_MAX_GEMM 512
 #define TERA_HW_MAX_ATTN 64
 #define TERA_HW_MAX_COLL 64
+#define TERA_HW_MAX_SHARE 32
 
 typedef struct {
     char name[128];
@@ -65,6 +73,13 @@ typedef struct {
     tera_hw_gemm gemm[TERA_HW_MAX_GEMM];
     tera_hw_attn attn[TERA_HW_MAX_ATTN];
     tera_hw_coll coll[TERA_HW_MAX_COLL];
+    int n_share;                      /* [shared] point = RANKS THREADS COMPUTE MEMORY (measured fractions) */
+    tera_hw_share share[TERA_HW_MAX_SHARE];
+    /* derived by tera_hw_load from the measured points (0: not known): each core's throughput with
+     * all `cores` busy in one process, as a fraction of one core alone: [0] the products (the median
+     * over the [gemm] shapes measured at 1 and at `cores` threads), [1] streaming memory ([memory]
+     * points at 1 and `cores` threads) */
+    double all_cores[2];
 } tera_hw;
 
 /* Reads a hardware INI file (hardware/NAME.ini): [device] name, memory_gib, peak_tflops_fp32/_bf16/
@@ -72,7 +87,8 @@ typedef struct {
  * optionally cores); [intra_node] and [inter_node] bandwidth_gbytes_s, latency_us; and what tera
  * plan --calibrate measured: [gemm] point = THREADS PREC M K N GFLOP/S, [attention] point = THREADS
  * B T H HKV HD GFLOP/S, [collective] KIND = RANKS LATENCY_US GBYTES/S (KIND: allreduce, allgather,
- * alltoall, p2p). Errors name the file, the line and the key. */
+ * alltoall, p2p), [shared] point = RANKS THREADS COMPUTE MEMORY (fractions of the rate alone).
+ * Errors name the file, the line and the key. */
 tera_status tera_hw_load(tera_hw *hw, const char *path);
 /* Writes hw as such a file (to a temporary name, then renamed); `comment` lines go first. */
 tera_status tera_hw_write(const tera_hw *hw, const char *path, const char *comment);
@@ -88,10 +104,23 @@ double tera_hw_gemm_rate(const tera_hw *hw, int threads, tera_hw_prec prec, int6
 double tera_hw_attn_rate(const tera_hw *hw, int threads, tera_hw_prec prec, int B, int T, int H, int Hkv, int hd,
                          double efficiency);
 
+/* The fraction of its rate alone that each of `ranks` ranks of `threads` threads computing at once on
+ * one node gets (memory = 1: streaming memory; 0: the products): 1 where the node has no [node] cores
+ * (a device per rank) or for one rank; else the [shared] points of the nearest thread count,
+ * interpolated linearly in ranks from (1, 1), and beyond the largest measured count at that count's
+ * throughput for the whole node (f x R_max / ranks when R_max x threads >= cores); without points,
+ * from one process's rates at 1 and `cores` threads (all_cores, a = the fraction): with W = ranks x
+ * threads workers each runs at s(W) of one core alone, s(W) = 1 + (W - 1) (a - 1) / (cores - 1) up to
+ * the cores and cores a / W beyond, and a rank at s(W) / s(threads) of its rate alone; without those
+ * either (a = 1), min(1, cores / (ranks x threads)) for a rank of threads <= cores. */
+double tera_hw_shared(const tera_hw *hw, int ranks, int threads, int memory);
+
 /* tera plan --calibrate: measures this machine for cfg's shapes (see docs/PLAN.md) on the comm
  * world's ranks (collectives when there are several) and merges the result into the file `out`
  * (created when absent). Only world rank 0 writes. */
 tera_status tera_plan_calibrate(const tera_config *cfg, const char *out, FILE *log);
+/* The same, only the [shared] points (under mpirun; the file's other figures kept as they are). */
+tera_status tera_plan_calibrate_shared(const tera_config *cfg, const char *out, FILE *log);
 tera_hw_prec tera_hw_prec_of(const char *training_precision); /* fp32 | bf16 | fp16 | auto (= fp32) */
 
 /* ------------------------------------------------------------------ memory per rank */
@@ -107,6 +136,8 @@ enum {
     TERA_PM_PIPELINE,    /* pipeline send/receive buffers and token slots (src/parallel/pipeline.c) */
     TERA_PM_CKPT,        /* checkpoint: one rank: the snapshot; several: the writer window + a chunk */
     TERA_PM_OTHER,       /* router state, per-tensor norm scratch, the micro-batch's tokens */
+    TERA_PM_ONEBIT,      /* optimizer.name = onebit_adam: ZeRO-1's whole momentum, the error feedback and
+                            message buffers of its 1-bit all-reduces (src/train/onebit.c) */
     TERA_PM_N
 };
 extern const char *const tera_pm_name[TERA_PM_N];
@@ -161,7 +192,18 @@ typedef struct {
     double step_s;
     double tokens_per_s, mfu;  /* MFU: model FLOPs / (step time x devices x peak) */
     double bytes_tp, bytes_ep, bytes_pp, bytes_dp; /* bytes one rank sends per step, by purpose */
+    double optimizer_s;        /* of memory_s: the optimizer pass (and zeroing, norms) once a step */
+    double ep_hidden_s;        /* per step: expert exchange hidden by parallel.ep_overlap (not in ep_s) */
 } tera_plan_time;
+
+/* What parallel.ep_overlap hides of one MoE layer's point-to-point exchange (src/model/dispatch.c):
+ * x the seconds of one of its four transfers (rows out or back, forward or backward), c the layer's
+ * routed experts' forward + backward seconds (the forward a third). Per direction (c' = c / 3, then
+ * 2 c / 3), the ep source blocks are posted at once and share the link, so the others' blocks are all
+ * in at x; this rank's own block (c' / ep) is computed meanwhile, then the other blocks, each result
+ * block sent back at once, the last one back x / (ep-1) later: max(c' / ep, x) + c' (ep-1) / ep +
+ * x / (ep-1) against x + c' + x in sequence; hidden = the difference. */
+double tera_plan_ep_overlap_hidden(int ep, double x, double c);
 
 tera_status tera_plan_time_model(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o,
                                  tera_plan_time *out);

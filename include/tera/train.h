@@ -9,6 +9,7 @@
 #include "tera/comm.h"
 #include "tera/config.h"
 #include "tera/data.h"
+#include "tera/groups.h"
 #include "tera/guard.h"
 #include "tera/model.h"
 #include "tera/pipeline.h"
@@ -36,7 +37,8 @@ void tera_adamw_free(tera_adamw *o);
  * tensor's start (clipped to [lo, hi)), one parallel region per pass over all of them, each chunk's
  * sums kept apart and added per tensor in a fixed order (results independent of the thread count).
  * Called at init (the step then allocates nothing); a step or norm on a model whose table no longer
- * matches the plan builds it again. */
+ * matches the plan builds it again. The passes (and tera_grad_scale) run on the threads of the
+ * model's backend (m->be: ops.for_ranges); a model without one runs them on the calling thread. */
 #define TERA_OPTIM_CHUNK 16384
 void tera_adamw_plan(tera_adamw *o, const tera_model *m);
 /* Squared gradient norm of o's range [lo, hi) (the gradients at o->g, else m->g + lo), per tensor
@@ -132,73 +134,65 @@ typedef struct {
     int nan_repeats;                       /* rollbacks in a row for the same steps */
 } tera_elastic_state;
 
+/* The run log (trainer.c): metrics.jsonl and the live exporters. */
 typedef struct {
-    tera_config cfg;
-    tera_model model;
-    tera_adamw opt;
-    tera_token_source src;
-    tera_loader loader;
-    int32_t *tokens, *targets;  /* [micro_batch, seq_len] (evaluation, and training without prefetch) */
-    tera_prefetcher *prefetch;  /* training read-ahead (NULL when data.prefetch = 0) */
-    int64_t step;               /* optimizer steps completed */
-    int64_t samples_consumed;   /* training samples read so far: the data position (the next step
-                                   reads global samples samples_consumed, +1, ...) */
     FILE *metrics;              /* run_dir/metrics.jsonl (NULL: no run directory) */
     FILE *mline;                /* the step line's builder: one memory stream kept for the run (rewound each
                                    step; its buffer mline_buf grows only when a line is longer than any before) */
     char *mline_buf;
     size_t mline_len;
     int metrics_errno;          /* a metrics.jsonl write failed (errno): reported, no more lines written */
-    char run_dir[TERA_PATH_MAX];
-    double t_start;
-    int64_t tokens_per_step;
-    int grads_zero;             /* the gradients are known to be zero (cleared by the optimizer) */
-    double *grad_sq;            /* [n_params] squared gradient norm per tensor, of the last step */
-    int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
-    tera_faults faults;         /* test hooks (fault injection) */
-    tera_elastic_state elastic; /* the elastic hooks' state (src/elastic/rank.c) */
-    int ckpt_force_full;        /* the next save is full (set by the elastic hooks, read by the checkpoint engine) */
-    tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c): the world size
-                                   and rank, dp/tp/pp/ep/edp and this rank's index on each (the trainer keeps no
-                                   copies) */
-    struct tera_comm *dp;       /* the data-parallel group (the ranks of one pipeline stage with this tp_rank;
-                                   its size is parallel.dp, this rank's index topo.dp_rank) */
-    /* expert parallelism (src/train/layout.c): dp_rank = edp_rank * ep + ep_rank; the ep ranks of
-     * one group split the experts, the edp = dp / ep ranks holding the same experts average their
-     * gradients. edp is the dp group itself when ep = 1. */
-    struct tera_comm *ep_group, *edp;
-    /* tensor parallelism: inside a pipeline stage, rank = dp_rank * tp + tp_rank (tp varies
-     * fastest); the tp ranks of a group read the same samples. mp: the ep x tp x pp ranks with the
-     * same edp_rank, which together hold one whole copy of the model. */
-    struct tera_comm *tp_group, *mp;
-    /* pipeline parallelism: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank; pp_group: the
-     * stages of one pipeline; sg: the ranks whose statistics add up (data-parallel x stages) */
-    struct tera_comm *pp_group, *sg;
-    struct tera_pipe *pipe;     /* the pipeline executor (include/tera/pipeline.h), pp > 1 */
-    int root;                   /* world rank 0 (writes outputs) */
-    tera_adamw opt_x;           /* moments of the routed-expert region [n_dense, n) (or this rank's
-                                   ZeRO-1 shard of it); opt holds the non-expert region's */
-    int64_t *shard_counts_x;    /* [topo.edp] ZeRO-1 shards of the expert region */
-    struct tera_zero_ctx *zctx; /* ZeRO-2/3 staging (src/train/layout.c) */
-    int64_t bytes_zero_staging; /* its slots: one group's gradients (and parameters) at a time */
-    tera_comm_req *buckets;     /* [n_layers + 2] in-flight gradient reductions */
-    int n_buckets;
-    int zero;                   /* ZeRO stage in effect (1: optimizer state sharded over dp) */
-    struct tera_greducer *gred[2]; /* [non-expert over dp, experts over edp] hierarchical / compressed gradient
-                                      sums (include/tera/comm_hier.h); NULL: the plain collectives */
-    struct tera_onebit *onebit;    /* optimizer.name = onebit_adam (src/train/onebit.c); NULL: AdamW */
-    tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */
-    int64_t *shard_counts;      /* [topo.dp] ZeRO-1 shards of the non-expert region [0, n_dense) */
-    struct tera_ckpt_ctx *ckpt; /* checkpoint writer state (src/train/checkpoint.c; NULL until the first save) */
-    struct tera_shard_ckpt *shard_ckpt; /* the same for sharded checkpoints */
-    tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
+    double t_start;             /* when set-up ended (elapsed_s) */
+    struct tera_metrics_http *http; /* logging.metrics_port's endpoint (src/obs/metrics_http.c; NULL: off) */
+    struct tera_tensorboard *tb;    /* logging.tensorboard's event file (src/obs/tensorboard.c; world rank 0; NULL: off) */
+} tera_run_log;
+
+/* The numeric precision in effect (src/train/precision.c resolves it at set-up). */
+typedef struct {
     tera_precision precision;   /* of the linear layers' products (training.precision resolved) */
     const char *precision_note; /* one line: the precision in effect and why */
     tera_bf16_gemm bf16_gemm;   /* bf16: the units its products run on (training.bf16_gemm resolved) */
     const char *bf16_gemm_note; /* bf16: one line, the units and why ("" otherwise; static storage) */
     tera_loss_scaler scaler;    /* fp16's dynamic loss scale (scale 1 otherwise) */
-    struct tera_metrics_http *http; /* logging.metrics_port's endpoint (src/obs/metrics_http.c; NULL: off) */
-    struct tera_tensorboard *tb;    /* logging.tensorboard's event file (src/obs/tensorboard.c; world rank 0; NULL: off) */
+} tera_precision_state;
+
+/* The checkpoint engine's state (src/train/checkpoint.c). */
+typedef struct {
+    struct tera_ckpt_ctx *whole;   /* whole checkpoints: the writer (NULL until the first save) */
+    struct tera_shard_ckpt *shard; /* the same for sharded checkpoints */
+    int force_full;                /* the next save is full (set by the elastic hooks) */
+} tera_ckpt_engine;
+
+/* The step loop's state; each part is owned by its module. */
+typedef struct {
+    tera_config cfg;
+    tera_topology topo;         /* ranks -> coordinates -> groups (src/parallel/topology.c): the world size
+                                   and rank, dp/tp/pp/ep/edp and this rank's index on each (the trainer keeps no
+                                   copies) */
+    tera_groups groups;         /* the communicators of the topology's groups (include/tera/groups.h) */
+    int root;                   /* world rank 0 (writes outputs) */
+    tera_model model;
+    struct tera_zero *sharding; /* ZeRO sharding: optimizer state, gradient reduction, the optimizer step and
+                                   the checkpoint windows of this rank's part (include/tera/zero.h) */
+    struct tera_onebit *onebit; /* optimizer.name = onebit_adam (src/train/onebit.c); NULL: AdamW */
+    struct tera_pipe *pipe;     /* the pipeline executor (include/tera/pipeline.h), pp > 1 */
+    tera_precision_state prec;  /* precision in effect and fp16's loss scale */
+    tera_token_source src;
+    tera_loader loader;
+    tera_prefetcher *prefetch;  /* training read-ahead (NULL when data.prefetch = 0) */
+    int32_t *tokens, *targets;  /* [micro_batch, seq_len] (evaluation, and training without prefetch) */
+    int64_t step;               /* optimizer steps completed */
+    int64_t samples_consumed;   /* training samples read so far: the data position (the next step
+                                   reads global samples samples_consumed, +1, ...) */
+    int64_t tokens_per_step;
+    int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
+    tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
+    tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */
+    tera_faults faults;         /* test hooks (fault injection) */
+    tera_elastic_state elastic; /* the elastic hooks' state (src/elastic/rank.c) */
+    char run_dir[TERA_PATH_MAX];
+    tera_run_log log;           /* metrics.jsonl, the /metrics endpoint, TensorBoard */
+    tera_ckpt_engine ckpt;      /* checkpoint writers (src/train/checkpoint.c) */
 } tera_trainer;
 
 /* The bytes one rank sends in one training step of `accum` micro-batches under the trainer's layout,
@@ -283,67 +277,11 @@ void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r);
 /* Runs steps until cfg.training.steps, printing progress; returns the final step's result. */
 tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last);
 
-/* ---------------------------------------------------------------- layout (src/train/layout.c)
- * Process groups, the optimizer's ranges (ZeRO-1 shards) and conversion between this rank's
- * storage and the whole model as one process holds it (the parameter table of ep = 1). */
-tera_status tera_layout_groups(tera_trainer *tr); /* process groups, before the model is created */
-/* The communicator of the topology's group along `axis` holding this rank (the world itself when
- * the group is the whole world); collective over the world. */
-struct tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis);
-tera_status tera_layout_init(tera_trainer *tr);   /* optimizer ranges, after the model is created */
-void tera_layout_free(tera_trainer *tr);
-/* Streaming without whole-model buffers (src/train/layout.c). Window [a, b) of region k (0
- * weights, 1 exp_avg, 2 exp_avg_sq) of the one-process flat buffer (shell: tera_layout_global_shell)
- * into win (room for b - a floats rounded up to even), assembled bit-exactly from every rank's
- * blocks and ZeRO shards; collective over the world. root_only: only world rank 0 needs the window
- * (the others' win is then undefined), and when rank 0 holds all of it already (data-parallel
- * replicas without ZeRO) nothing but a one-number agreement crosses the ranks. */
-void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win,
-                               int root_only);
-/* Window [a, b) of region k of this rank's own flat buffer, inside its non-expert (x = 0) or expert
- * (x = 1) range; collective over the ranks sharing the range's ZeRO shards (dp or edp) when sharded. */
-void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t b, float *dst);
-/* Reads this rank's part (its blocks, its ZeRO shards; moments too when asked) and the router bias
- * from a checkpoint, piece by piece. */
-struct tera_ckpt_reader;
-tera_status tera_layout_load(tera_trainer *tr, struct tera_ckpt_reader *rd, int moments);
-/* Whether this rank writes its block of p in a sharded checkpoint (every element of the model by
- * exactly one rank of the world). */
-int tera_layout_writes(const tera_trainer *tr, const tera_param *p);
-/* The model-parallel group (the ranks that together hold one copy of the model): this rank's index
- * in it, (pp_rank * ep + ep_rank) * tp + tp_rank; the table of member `member` (*n_floats: its
- * storage); whether that member writes its block of p in a sharded checkpoint. */
-int tera_layout_member(const tera_trainer *tr);
-tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats);
-int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p);
-/* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). Used only
- * for a Hugging Face training.init_from (imported whole); checkpoints go through tera_layout_load. */
-void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv);
-/* A model shell with the one-process parameter table and no buffers (caller sets w). */
-void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell);
-/* Global gradient norm squared, per tensor into tr->grad_sq (same value on every rank). */
-double tera_layout_grad_sq(tera_trainer *tr);
-/* The optimizer step on this rank's ranges, then the parameters every rank needs (ZeRO-1
- * all-gather). sums: [2] update and parameter squares over the whole model. */
-void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double *sums);
-/* Sum of the gradient over the ranks that hold each part (after the last backward). */
-void tera_layout_reduce_grads(tera_trainer *tr);
-/* ZeRO-2/3: the model's use_params / use_grads callbacks; the per-micro-batch gradient callback. */
-typedef struct tera_zero_ctx tera_zero_ctx;
-void tera_layout_bind_hooks(tera_trainer *tr);
-void (*tera_layout_grad_ready(tera_trainer *tr))(void *, int64_t, int64_t);
-void tera_layout_zero_grads(tera_trainer *tr);
-void tera_layout_grad_scale(tera_trainer *tr, float s);
-void tera_layout_poison_grad(tera_trainer *tr);
-/* ZeRO-3, since set-up: layer parameter gathers, how many of them a prefetch had started while the
- * layer before computed (parallel.zero_prefetch), and prefetches discarded unused. */
-/* ZeRO-3 prefetch in a pipeline stage: before each operation the executor names its last layer in
- * the order of use (forward: the chunk's last, backward: its first) and the first layer the next
- * operation uses (-1: none); no-op otherwise. */
-void tera_layout_zero3_plan(tera_trainer *tr, int last, int next);
-void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t *prefetched, int64_t *unused);
-/* The seeded init of this rank's part (ZeRO-3: of its parameter shards). */
-void tera_layout_init_weights(tera_trainer *tr, uint64_t seed);
+/* ---------------------------------------------------------------- layout
+ * The communicators are include/tera/groups.h; the optimizer's ranges (ZeRO shards), the gradient
+ * reduction, the optimizer step and the conversion between this rank's storage and the whole model
+ * (the checkpoint windows) are include/tera/zero.h (src/parallel/zero.c): the trainer holds one
+ * tera_zero (tr->sharding) and calls it. */
 
 /* The pipeline executor is include/tera/pipeline.h (src/parallel/pipeline.c); the trainer builds
  * it with its data and ZeRO-3 hooks (trainer.c) when pp > 1. */

@@ -12,6 +12,7 @@
 #include "tera/kernels.h"
 #include "tera/profile.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -69,8 +70,8 @@ int tera_cmd_bench(int argc, char **argv) {
     cfg.training.warmup_steps = 0;
     tera_trainer tr;
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
-    fprintf(stderr, "tera bench: precision %s%s%s\n", tr.precision_note,
-            tr.bf16_gemm_note[0] ? " | bf16 products: " : "", tr.bf16_gemm_note);
+    fprintf(stderr, "tera bench: precision %s%s%s\n", tr.prec.precision_note,
+            tr.prec.bf16_gemm_note[0] ? " | bf16 products: " : "", tr.prec.bf16_gemm_note);
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
     const int multi = tr.topo.world > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
@@ -146,7 +147,7 @@ int tera_cmd_bench(int argc, char **argv) {
                    "\"overhead_bytes_per_step\": %.0f, \"grad_min_bytes\": %.0f, \"tp_min_bytes\": %.0f, "
                    "\"zero3_gather_min_bytes\": %.0f, \"ep_min_bytes\": %.0f, \"pp_min_bytes\": %.0f, "
                    "\"stats_bytes\": %.0f, \"counts_bytes\": %.0f",
-                   val[3] ? val[3] : "custom", tr.topo.world, tr.topo.pp, tr.topo.dp, tr.topo.tp, tr.topo.ep, tr.zero ? cfg.parallel.zero : 0,
+                   val[3] ? val[3] : "custom", tr.topo.world, tr.topo.pp, tr.topo.dp, tr.topo.tp, tr.topo.ep, tr.sharding->stage ? cfg.parallel.zero : 0,
                    cfg.parallel.ep_overlap, tera_get_threads(), r.accum, tps, 1e3 * med, tot, min, over, cm.grad,
                    cm.tp, cm.zero3_gather, cm.ep, cm.pp, cm.stats, cm.counts);
             for (int k = 0; k < TERA_XFER_KINDS; k++)
@@ -171,8 +172,8 @@ int tera_cmd_bench(int argc, char **argv) {
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %s, \"recompute\": \"%s\", "
            "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f",
-           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.precision),
-           tr.precision != TERA_PREC_BF16 ? "-" : tr.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
+           val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.prec.precision),
+           tr.prec.precision != TERA_PREC_BF16 ? "-" : tr.prec.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
            (long long)m->bytes_acts, cpu_ms);
     tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);

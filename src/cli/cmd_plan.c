@@ -57,6 +57,8 @@ static void time_json(cJSON *o, const tera_plan_time *t) {
     cJSON_AddNumberToObject(o, "bytes_ep", t->bytes_ep);
     cJSON_AddNumberToObject(o, "bytes_pp", t->bytes_pp);
     cJSON_AddNumberToObject(o, "bytes_dp", t->bytes_dp);
+    cJSON_AddNumberToObject(o, "optimizer_s", t->optimizer_s);
+    cJSON_AddNumberToObject(o, "ep_hidden_s", t->ep_hidden_s);
 }
 
 static void time_text(FILE *f, const tera_plan_time *t, int64_t devices, const char *indent) {
@@ -87,8 +89,8 @@ static void print_json(cJSON *root) {
 
 int tera_cmd_plan(int argc, char **argv) {
     tera_config cfg;
-    static const char *const flags[] = {"dry-run", "json", "calibrate", NULL};
-    int set[3] = {0, 0, 0};
+    static const char *const flags[] = {"dry-run", "json", "calibrate", "shared-only", NULL};
+    int set[4] = {0, 0, 0, 0};
     enum { O_HW, O_DEV, O_GB, O_T, O_TOP, O_WRITE, O_EFF, O_RES, O_MAXTP, O_THREADS, O_OUT, O_XB, O_XO, O_PROD, O_CO, O_N };
     static const char *const opts[] = {"hardware", "devices", "global-batch", "seq-len", "top", "write-config",
                                        "efficiency", "reserve", "max-tp", "threads", "out", "exchange-bytes",
@@ -113,7 +115,8 @@ int tera_cmd_plan(int argc, char **argv) {
     if (set[2]) { /* tera plan --calibrate [--out FILE]: every rank takes part (the collectives) */
         const char *out = val[O_OUT] ? val[O_OUT] : "hardware/this-machine.ini";
         const int root = tera_comm_rank(tera_comm_world()) == 0;
-        if (tera_plan_calibrate(&cfg, out, root ? stdout : NULL) != TERA_OK) return tera_cli_error();
+        if ((set[3] ? tera_plan_calibrate_shared : tera_plan_calibrate)(&cfg, out, root ? stdout : NULL) != TERA_OK)
+            return tera_cli_error();
         if (root) printf("wrote %s\n", out);
         return 0;
     }

@@ -13,6 +13,7 @@
 #include "tera/profile.h"
 #include "tera/registry.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 static void print_summary(const tera_trainer *tr) {
     const tera_config *c = &tr->cfg;
@@ -35,9 +36,9 @@ static void print_summary(const tera_trainer *tr) {
             c->model.capacity_factor > 0 ? "capacity" : "dropless",
             c->data.path[0] ? c->data.path : "embedded default corpus", data_note, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->topo.dp, (long)tr->tokens_per_step, tera_get_threads(),
-            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
-            c->training.recompute, m->bytes_scratch / MiB, tr->precision_note,
-            tr->bf16_gemm_note[0] ? " | bf16 products: " : "", tr->bf16_gemm_note);
+            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->sharding->opt.n + tr->sharding->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
+            c->training.recompute, m->bytes_scratch / MiB, tr->prec.precision_note,
+            tr->prec.bf16_gemm_note[0] ? " | bf16 products: " : "", tr->prec.bf16_gemm_note);
     tera_data_report(&tr->loader, stderr); /* a blend's datasets, online tokenization's throughput */
     const tera_train_config *t = &c->training;
     static const char *const rules[] = {"sqrt", "linear", "none"};
@@ -67,8 +68,8 @@ static void print_summary(const tera_trainer *tr) {
             "tera: memory bytes per rank: params %ld (non-expert %ld floats + expert %ld floats) grads %ld optimizer %ld "
             "activations %ld scratch %ld comm %ld\n",
             (long)m->bytes_params, (long)m->n_dense_floats, (long)(m->n_floats - m->n_dense_floats), (long)m->bytes_grads,
-            (long)(2 * (tr->opt.n + tr->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
-            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)(m->bytes_comm + tr->bytes_zero_staging));
+            (long)(2 * (tr->sharding->opt.n + tr->sharding->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
+            (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)(m->bytes_comm + tr->sharding->bytes_staging));
 }
 
 /* The run directory's lock (rank 0 takes it, before anything in the directory is touched; every
@@ -128,7 +129,7 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
                     "tera: layout %d ranks = pp %d x dp %d x tp %d, dp %d = edp %d x ep %d, ZeRO %d; world rank = "
                     "(pp_rank * dp + dp_rank) * tp + tp_rank, dp_rank = edp_rank * ep + ep_rank (tp varies fastest, "
                     "pp slowest); ep rank r holds experts [r*%d, (r+1)*%d) of each MoE layer\n",
-                    tr.topo.world, tr.topo.pp, tr.topo.dp, tr.topo.tp, tr.topo.dp, tr.topo.edp, tr.topo.ep, tr.zero ? cfg.parallel.zero : 0,
+                    tr.topo.world, tr.topo.pp, tr.topo.dp, tr.topo.tp, tr.topo.dp, tr.topo.edp, tr.topo.ep, tr.sharding->stage ? cfg.parallel.zero : 0,
                     cfg.model.n_experts / tr.topo.ep, cfg.model.n_experts / tr.topo.ep);
     }
     if (tr.topo.pp > 1 && tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) { /* one line per pipeline stage */
@@ -172,9 +173,9 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
                 "(bubble formula %.3f)\n", tr.topo.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
                 step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
     }
-    if (tr.zero >= 3 && tr.root) {
+    if (tr.sharding->stage >= 3 && tr.root) {
         int64_t g, pf, un;
-        tera_layout_zero3_counts(&tr, &g, &pf, &un);
+        tera_zero_counts(tr.sharding, &g, &pf, &un);
         fprintf(stderr, "tera: ZeRO-3 layer gathers: %ld, %ld of them prefetched while the previous layer computed "
                 "(parallel.zero_prefetch = %d), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
                 (long)un);
@@ -214,7 +215,7 @@ int tera_cmd_eval(int argc, char **argv) {
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
     if (tr.root)
         fprintf(stderr, "tera eval: precision %s\n",
-                precision_given ? tr.precision_note : "fp32 (the eval default; --training.precision=... changes it)");
+                precision_given ? tr.prec.precision_note : "fp32 (the eval default; --training.precision=... changes it)");
     int batches = cfg.training.eval_batches;
     double loss, acc;
     if (tera_trainer_eval_acc(&tr, batches, &loss, &acc) != TERA_OK) {

@@ -61,7 +61,7 @@ static const usage_row g_usage[] = {
      "plan -c MODEL.ini --hardware FILE --devices N --global-batch B [--seq-len T] [--top K]\n"
      "                  [--write-config FILE] [--efficiency F] [--reserve F] [--max-tp N] [--threads N] [--json]\n"
      "  tera plan --dry-run [-c FILE] [--section.key=value ...] [--hardware FILE] [--json]   (= tera train --dry-run)\n"
-     "  [mpirun -np N] tera plan --calibrate -c MODEL.ini [--out hardware/this-machine.ini]\n"
+     "  [mpirun -np N] tera plan --calibrate -c MODEL.ini [--out hardware/this-machine.ini] [--shared-only]\n"
      "  (also --products fp8|bf16|... --exchange-bytes B --exchange-overlap F --comm-overlap F: how the planned\n"
      "  run computes and communicates where it is not tera; docs/PLAN.md)",
      "search the layouts (dp, tp, pp, ep, ZeRO, schedule, chunks, recompute, micro-batch) that the configuration\n"
@@ -69,7 +69,8 @@ static const usage_row g_usage[] = {
      "first time model (FLOPs at --efficiency of peak, default 0.40; alpha-beta communication; pipeline bubble);\n"
      "--dry-run prints the memory of every rank role of the configuration's own layout without allocating it;\n"
      "--calibrate measures this machine (product and attention rates for the model's shapes, memory bandwidth,\n"
-     "collectives under mpirun) into a hardware file; docs/PLAN.md"},
+     "collectives and what ranks computing at once each get under mpirun; --shared-only: only that) into a\n"
+     "hardware file; docs/PLAN.md"},
     {"report", NULL, "report RUN_DIR [--out FILE]",
      "one self-contained HTML page of a run: SVG plots of loss and validation loss, LR, grad norm, throughput,\n"
      "memory, expert load per layer over time (heatmap), skipped steps and loss spikes, and its config.ini\n"

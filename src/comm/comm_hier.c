@@ -18,6 +18,16 @@ struct tera_hier {
     uint8_t *a2a_a, *a2a_b;
     int64_t a2a_cap;
     int64_t *a2a_cs, *a2a_cr, *a2a_so, *a2a_ro, *a2a_s1, *a2a_r1, *a2a_s2, *a2a_r2;
+    /* the split-phase one (tera_hier_ialltoallv_*): the call's buffers and counts, [k] offsets of
+     * stage 1 by peer (sent, received), [N] of stage 2 by node (received), the requests ([k] sends, [k]
+     * receives, [N] sends, [N] receives), and where it is: stage 1 in flight (1) or done (0), and
+     * per node whether its rows are in recv */
+    const int64_t *i_rc;
+    uint8_t *i_recv;
+    int64_t *i_o1, *i_p1, *i_o2;
+    tera_comm_req *i_req;
+    int i_stage1, i_active;
+    int *i_here;
 };
 
 void tera_hier_shape(const tera_hier *h, int *nodes, int *per_node) {
@@ -61,6 +71,10 @@ tera_hier *tera_hier_create(tera_comm *c, int64_t n) {
         h->a2a_r1 = h->a2a_s1 + k;
         h->a2a_s2 = h->a2a_r1 + k;
         h->a2a_r2 = h->a2a_s2 + N;
+        h->i_o1 = tera_calloc((size_t)(2 * k + N), sizeof(int64_t));
+        h->i_p1 = h->i_o1 + k, h->i_o2 = h->i_p1 + k;
+        h->i_req = tera_calloc((size_t)(2 * k + 2 * N), sizeof(tera_comm_req));
+        h->i_here = tera_calloc((size_t)N, sizeof(int));
     }
     free(node), free(idx), free(cnt);
     return h;
@@ -72,6 +86,7 @@ void tera_hier_free(tera_hier *h) {
     tera_comm_free(h->cross);
     free(h->at), free(h->tmp), free(h->cl);
     free(h->a2a_cs), free(h->a2a_a), free(h->a2a_b);
+    free(h->i_o1), free(h->i_req), free(h->i_here);
     free(h);
 }
 
@@ -175,16 +190,17 @@ void tera_hier_reserve_alltoall(tera_hier *h, int64_t bytes) {
     h->a2a_cap = bytes;
 }
 
-void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
-                            const int64_t *rcounts) {
+/* The start of both forms: the offsets so/ro of send and recv; step 0, the counts inside the node
+ * (local peer i learns, for every node n, how many bytes this rank sends to (n, i); cr[i N + n] =
+ * bytes (ni, i) sends to (n, li)); stage 1's counts s1/r1 and, per local peer, where its outgoing
+ * piece starts in a (o1, may be NULL) and its incoming piece in b (p1, may be NULL); then a packed
+ * for stage 1: to local peer i, the rows for (0, i), (1, i), ... in node order. */
+static void two_stage_begin(tera_hier *h, const uint8_t *in, const int64_t *scounts, const int64_t *rcounts,
+                            int64_t *o1, int64_t *p1) {
     const int N = h->N, k = h->k, p = N * k;
-    const uint8_t *in = send;
-    uint8_t *out = recv;
     int64_t *so = h->a2a_so, *ro = h->a2a_ro;
     so[0] = ro[0] = 0;
     for (int r = 0; r < p; r++) so[r + 1] = so[r] + scounts[r], ro[r + 1] = ro[r] + rcounts[r];
-    /* 0. counts inside the node: local peer i learns, for every node n, how many bytes this rank
-     * sends to (n, i); cr[i N + n] = bytes (ni, i) sends to (n, li) */
     for (int i = 0; i < k; i++)
         for (int n = 0; n < N; n++) h->a2a_cs[i * N + n] = scounts[h->at[n * k + i]];
     for (int i = 0; i < k; i++) h->a2a_s1[i] = h->a2a_r1[i] = 8 * (int64_t)N;
@@ -193,21 +209,32 @@ void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scoun
     for (int i = 0; i < k; i++) {
         h->a2a_s1[i] = h->a2a_r1[i] = 0;
         for (int n = 0; n < N; n++) h->a2a_s1[i] += scounts[h->at[n * k + i]], h->a2a_r1[i] += h->a2a_cr[i * N + n];
+        if (o1) o1[i] = i ? o1[i - 1] + h->a2a_s1[i - 1] : 0;
+        if (p1) p1[i] = relayed;
         relayed += h->a2a_r1[i];
     }
     int64_t need = so[p] > ro[p] ? so[p] : ro[p];
     if (relayed > need) need = relayed;
     TERA_ASSERTF(need <= h->a2a_cap, "hierarchical all-to-all of %ld bytes, scratch for %ld (tera_hier_reserve_alltoall)",
                  (long)need, (long)h->a2a_cap);
-    /* 1. inside the node: to local peer i, the rows for (0, i), (1, i), ... in node order */
-    uint8_t *a = h->a2a_a, *b = h->a2a_b;
     int64_t at = 0;
     for (int i = 0; i < k; i++)
         for (int n = 0; n < N; n++) {
             const int r = h->at[n * k + i];
-            memcpy(a + at, in + so[r], (size_t)scounts[r]);
+            memcpy(h->a2a_a + at, in + so[r], (size_t)scounts[r]);
             at += scounts[r];
         }
+}
+
+void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
+                            const int64_t *rcounts) {
+    const int N = h->N, k = h->k;
+    uint8_t *out = recv;
+    const int64_t *ro = h->a2a_ro;
+    two_stage_begin(h, send, scounts, rcounts, NULL, NULL);
+    /* 1. inside the node */
+    uint8_t *a = h->a2a_a, *b = h->a2a_b;
+    int64_t at = 0;
     tera_comm_alltoallv_u8(h->local, a, h->a2a_s1, b, h->a2a_r1, TERA_TRAFFIC_ALLTOALL);
     /* 2. across the nodes, among the ranks with this local index: to node n, what every local peer i
      * sent for (n, li), in local order; b holds them by peer, then node */
@@ -234,6 +261,148 @@ void tera_hier_alltoallv_u8(tera_hier *h, const void *send, const int64_t *scoun
             memcpy(out + ro[r], b + at, (size_t)rcounts[r]);
             at += rcounts[r];
         }
+}
+
+/* ---- the split-phase two-stage all-to-all: the stages as point-to-point messages on the node and
+ * rail groups (one tag each; an exchange completes before the next starts) */
+enum { HIER_TAG_NODE = 7001, HIER_TAG_RAIL = 7002 };
+
+int tera_hier_same_node(const tera_hier *h, int r) {
+    for (int i = 0; i < h->k; i++)
+        if (h->at[h->ni * h->k + i] == r) return 1;
+    return 0;
+}
+
+/* the node of c-rank r */
+static int hier_node_of(const tera_hier *h, int r) {
+    for (int j = 0; j < h->N * h->k; j++)
+        if (h->at[j] == r) return j / h->k;
+    TERA_ASSERTF(0, "rank %d is not in the group", r);
+    return -1;
+}
+
+static int64_t f32_count(int64_t bytes) {
+    TERA_ASSERTF(bytes % 4 == 0, "split-phase two-stage all-to-all of %ld bytes: a multiple of 4 expected", (long)bytes);
+    return bytes / 4;
+}
+
+void tera_hier_ialltoallv_start(tera_hier *h, const void *send, const int64_t *scounts, void *recv,
+                                const int64_t *rcounts) {
+    TERA_ASSERTF(!h->i_active, "a split-phase two-stage all-to-all is already in flight");
+    const int N = h->N, k = h->k;
+    two_stage_begin(h, send, scounts, rcounts, h->i_o1, h->i_p1); /* send is read here only */
+    h->i_rc = rcounts, h->i_recv = recv;
+    h->i_active = 1, h->i_stage1 = 1;
+    for (int n = 0; n < N; n++) h->i_here[n] = 0;
+    /* 1. inside the node, posted */
+    uint8_t *a = h->a2a_a, *b = h->a2a_b;
+    tera_comm_req *snd = h->i_req, *rcv = h->i_req + k;
+    for (int i = 0; i < k; i++) {
+        if (i == h->li) {
+            memcpy(b + h->i_p1[i], a + h->i_o1[i], (size_t)h->a2a_s1[i]);
+            snd[i] = rcv[i] = (tera_comm_req){0};
+            continue;
+        }
+        tera_comm_irecv_f32(h->local, (float *)(void *)(b + h->i_p1[i]), f32_count(h->a2a_r1[i]), i, HIER_TAG_NODE,
+                            &rcv[i]);
+        tera_comm_isend_f32(h->local, (const float *)(const void *)(a + h->i_o1[i]), f32_count(h->a2a_s1[i]), i,
+                            HIER_TAG_NODE, &snd[i]);
+    }
+}
+
+/* stage 1 finished (block: wait for it): this node's rows into recv, stage 2 posted. Returns 1
+ * when stage 1 is done. */
+static int hier_stage1(tera_hier *h, int block) {
+    if (!h->i_stage1) return 1;
+    const int N = h->N, k = h->k;
+    tera_comm_req *r1 = h->i_req;
+    if (block)
+        for (int i = 0; i < 2 * k; i++) tera_comm_wait(&r1[i]);
+    else
+        tera_comm_poll(r1, 2 * k);
+    for (int i = 0; i < 2 * k; i++)
+        if (r1[i].active) return 0;
+    h->i_stage1 = 0;
+    uint8_t *a = h->a2a_a, *b = h->a2a_b;
+    const int64_t *cr = h->a2a_cr;
+    /* peer i's piece for node n sits in b at p1[i] + (its pieces for nodes before n) */
+    for (int i = 0; i < k; i++) {
+        int64_t from = h->i_p1[i];
+        for (int m = 0; m < h->ni; m++) from += cr[i * N + m];
+        const int r = h->at[h->ni * k + i];
+        TERA_ASSERTF(cr[i * N + h->ni] == h->i_rc[r], "two-stage all-to-all: rank %d sends %ld bytes, %ld expected", r,
+                     (long)cr[i * N + h->ni], (long)h->i_rc[r]);
+        memcpy(h->i_recv + h->a2a_ro[r], b + from, (size_t)h->i_rc[r]);
+    }
+    h->i_here[h->ni] = 1;
+    /* 2. across the nodes on this rail: to node n (n != this node), every local peer's rows for
+     * (n, li) in local order, from a; from node n, its ranks' rows for this rank into b */
+    int64_t at = 0, rat = 0;
+    tera_comm_req *snd = h->i_req + 2 * k, *rcv = h->i_req + 2 * k + N;
+    for (int n = 0; n < N; n++) {
+        snd[n] = rcv[n] = (tera_comm_req){0};
+        h->a2a_s2[n] = h->a2a_r2[n] = 0;
+        if (n == h->ni) continue;
+        for (int i = 0; i < k; i++) h->a2a_r2[n] += h->i_rc[h->at[n * k + i]];
+        h->i_o2[n] = rat;
+        rat += h->a2a_r2[n];
+    }
+    for (int n = 0; n < N; n++) {
+        if (n == h->ni) continue;
+        const int64_t start = at;
+        for (int i = 0; i < k; i++) {
+            int64_t from = h->i_p1[i];
+            for (int m = 0; m < n; m++) from += cr[i * N + m];
+            memcpy(a + at, b + from, (size_t)cr[i * N + n]);
+            at += cr[i * N + n];
+        }
+        h->a2a_s2[n] = at - start;
+    }
+    /* every piece is out of b before a receive into it is posted */
+    at = 0;
+    for (int n = 0; n < N; n++) {
+        if (n == h->ni) continue;
+        tera_comm_irecv_f32(h->cross, (float *)(void *)(b + h->i_o2[n]), f32_count(h->a2a_r2[n]), n, HIER_TAG_RAIL,
+                            &rcv[n]);
+        tera_comm_isend_f32(h->cross, (const float *)(const void *)(a + at), f32_count(h->a2a_s2[n]), n, HIER_TAG_RAIL,
+                            &snd[n]);
+        at += h->a2a_s2[n];
+    }
+    return 1;
+}
+
+/* node n's rows (from stage 2) into recv */
+static void hier_unpack(tera_hier *h, int n) {
+    tera_comm_wait(&h->i_req[2 * h->k + h->N + n]);
+    int64_t at = h->i_o2[n];
+    for (int i = 0; i < h->k; i++) {
+        const int r = h->at[n * h->k + i];
+        memcpy(h->i_recv + h->a2a_ro[r], h->a2a_b + at, (size_t)h->i_rc[r]);
+        at += h->i_rc[r];
+    }
+    h->i_here[n] = 1;
+}
+
+void tera_hier_ialltoallv_wait(tera_hier *h, int r) {
+    TERA_ASSERTF(h->i_active, "no split-phase two-stage all-to-all in flight");
+    const int n = hier_node_of(h, r);
+    if (h->i_here[n]) return;
+    hier_stage1(h, 1);
+    if (!h->i_here[n]) hier_unpack(h, n);
+}
+
+void tera_hier_ialltoallv_poll(tera_hier *h) {
+    if (!h->i_active) return;
+    if (hier_stage1(h, 0)) tera_comm_poll(h->i_req + 2 * h->k, 2 * h->N);
+}
+
+void tera_hier_ialltoallv_end(tera_hier *h) {
+    TERA_ASSERTF(h->i_active, "no split-phase two-stage all-to-all in flight");
+    hier_stage1(h, 1);
+    for (int n = 0; n < h->N; n++)
+        if (!h->i_here[n]) hier_unpack(h, n);
+    for (int n = 0; n < h->N; n++) tera_comm_wait(&h->i_req[2 * h->k + n]);
+    h->i_active = 0;
 }
 
 /* ---- the gradient reducer */

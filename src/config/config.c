@@ -278,7 +278,8 @@ static const config__key config__keys[] = {
     K_CHOICE(optimizer, name, "adamw", "adamw|onebit_adam",
              "adamw, or onebit_adam: 1-bit Adam (docs/COMMUNICATION.md): AdamW with fp32 gradient sums for "
              "onebit_warmup_steps steps, then the variance frozen and the momentum exchanged as signs with one scale "
-             "per 256 values and error feedback (parallel.zero 0 or 1)"),
+             "per 256 values and error feedback (every parallel.zero; ZeRO-1/2/3 keep a whole momentum per rank, "
+             "ZeRO-2/3 also a whole gradient)"),
     K_INT(optimizer, onebit_warmup_steps, "100", 1, INT_MAX,
           "onebit_adam: optimizer steps of full AdamW (fp32 gradient sums) before the variance is frozen"),
 
@@ -302,12 +303,16 @@ static const config__key config__keys[] = {
     K_INT(data, tokenize_workers, "2", 1, 256, "online tokenization: encoding threads"),
     K_BOOL(data, stream, "true",
            "online tokenization: stream the shards during training (each data-parallel rank reads its own shards, "
-           "shard i on dp rank i mod dp; tokenized ahead of the steps by data.tokenize_workers threads; no validation "
-           "split, no shuffle); false = one start-up pass into the whole stream (blends always use it; docs/DATA.md)"),
+           "shard i on dp rank i mod dp; tokenized ahead of the steps by data.tokenize_workers threads; validation only "
+           "from data.val_path, no shuffle); false = one start-up pass into the whole stream (blends always use it; docs/DATA.md)"),
     K_BOOL(data, shuffle, "false",
            "shuffle sample order; false = sample i is tokens [i*T, i*T+T+1)"),
     K_FLOAT(data, val_fraction, "0", R_CLOSED(0.0, 0.5),
             "fraction of samples held out for validation (the last ones); 0 = no split, every sample trains"),
+    K_STRING(data, val_path, "",
+             "a separate validation set (a file, a .bin/.idx prefix, or with data.tokenizer raw text: a file, directory "
+             "or glob), read whole at start-up as data.path would be with data.stream = false; every data.path sample "
+             "then trains (data.val_fraction must be 0); the way to evaluate a streamed run (docs/DATA.md)"),
     K_INT(data, prefetch, "2", 0, 64,
           "micro-batches a background thread prepares ahead of the step; 0 = read in the step"),
 
@@ -356,7 +361,8 @@ static const config__key config__keys[] = {
     K_BOOL(parallel, ep_hierarchical, "false",
            "expert parallelism across nodes: the exchange in two stages, inside the node to the rank with the "
            "destination's local index, then across the nodes among ranks of equal local index (k messages per node "
-           "pair instead of k x k); not overlapped with expert compute; results bit-identical; docs/COMMUNICATION.md"),
+           "pair instead of k x k); with parallel.ep_overlap the experts run on the rows already here while the "
+           "cross-node stage is in flight; results bit-identical; docs/COMMUNICATION.md"),
 
     /* [checkpoint] ----------------------------------------------------------------------------- */
     K_INT(checkpoint, every, "0", 0, INT_MAX, "save every N steps; 0 = only at the end"),

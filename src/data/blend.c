@@ -198,6 +198,9 @@ void tera_data_report(const tera_loader *l, FILE *f) {
                 "train / %lld val samples\n", d + 1, b->K, b->src[d].path, b->name[d], b->w[d], (long long)b->per[d],
                 TERA_BLEND_PERIOD, (long long)b->src[d].n_tokens, (long long)b->comp[d].n_train,
                 (long long)b->comp[d].n_val);
+    if (s->val)
+        fprintf(f, "tera: validation set (data.val_path): %s | %lld tokens, %lld samples\n", s->val->path,
+                (long long)s->val->n_tokens, (long long)l->n_val);
     const tera_token_source *o = b ? NULL : s;
     if (o && o->kind == TERA_SRC_ONLINE)
         fprintf(f, "tera: online tokenization: %lld documents, %lld tokens from %d shard(s), %.1f MB of text in %.2f s "

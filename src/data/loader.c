@@ -27,6 +27,14 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
     if (T < 1) return tera_fail(TERA_ERR_CONFIG, "training.seq_len = %d: must be >= 1", T);
     if (!(val_fraction >= 0.0f && val_fraction < 1.0f))
         return tera_fail(TERA_ERR_CONFIG, "data.val_fraction = %g: must be in [0, 1)", (double)val_fraction);
+    int64_t n_val_set = 0; /* data.val_path: the validation set's samples */
+    if (src->val) {
+        n_val_set = src->val->n_tokens > 0 ? (src->val->n_tokens - 1) / T : 0;
+        if (n_val_set < 1)
+            return tera_fail(TERA_ERR_FORMAT, "data.val_path '%s': %lld tokens hold no sample of training.seq_len+1 = "
+                             "%lld tokens", src->val->path, (long long)src->val->n_tokens, (long long)T + 1);
+        val_fraction = 0.0f; /* open_val refused a split besides the set */
+    }
     if (src->stream) { /* streamed (src/data/stream.c): read in order, unbounded, no split */
         if (val_fraction > 0.0f)
             return tera_fail(TERA_ERR_CONFIG, "data.val_fraction = %g: streamed online tokenization (data.stream = true) "
@@ -38,6 +46,7 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
         l->src = src;
         l->T = T;
         l->n_samples = l->n_train = TERA_STREAM_UNBOUNDED;
+        l->n_val = n_val_set;
         l->seed = seed;
         return TERA_OK;
     }
@@ -57,6 +66,7 @@ tera_status tera_loader_init(tera_loader *l, const tera_token_source *src, int T
     l->n_samples = n_samples;
     l->n_val = n_val;
     l->n_train = n_samples - n_val;
+    if (src->val) l->n_val = n_val_set; /* the held-out tail is empty: every data.path sample trains */
     l->shuffle = shuffle != 0;
     l->seed = seed;
     if (src->blend) return tera_blend_loader_init(l, src->blend, T, val_fraction, shuffle, seed); /* data.paths */
@@ -87,9 +97,7 @@ static int64_t shuffle_index(uint64_t seed, uint64_t epoch, int64_t n, int64_t j
     return (int64_t)x;
 }
 
-static void fill_sample(const tera_loader *l, int64_t i, int32_t *inputs, int32_t *targets) {
-    const tera_token_source *s = l->src;
-    int T = l->T;
+static void fill_tokens(const tera_token_source *s, int T, int64_t i, int32_t *inputs, int32_t *targets) {
     int64_t base = i * (int64_t)T;
     TERA_ASSERT(i >= 0 && base + T < s->n_tokens);
     const unsigned char *p = s->tokens;
@@ -121,7 +129,7 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
     } else {
         int64_t epoch = g / l->n_train, j = g % l->n_train;
         int64_t i = l->shuffle ? shuffle_index(l->seed, (uint64_t)epoch, l->n_train, j) : j;
-        fill_sample(l, i, inputs, targets);
+        fill_tokens(l->src, l->T, i, inputs, targets);
     }
     if (l->poison_vocab > 0 && g >= l->poison_lo && g < l->poison_hi) { /* test hook: a poisoned sample */
         for (int t = 0; t <= l->T; t++) {
@@ -136,8 +144,9 @@ void tera_loader_train_sample(const tera_loader *l, int64_t g, int32_t *inputs, 
 void tera_loader_val_sample(const tera_loader *l, int64_t v, int32_t *inputs, int32_t *targets) {
     TERA_ASSERTF(v >= 0 && l->n_val >= 1, "validation sample %lld of %lld (data.val_fraction too small?)",
                  (long long)v, (long long)l->n_val);
-    if (l->src->blend) tera_blend_val_sample(l->src->blend, v, inputs, targets);
-    else fill_sample(l, l->n_train + v % l->n_val, inputs, targets);
+    if (l->src->val) fill_tokens(l->src->val, l->T, v % l->n_val, inputs, targets);
+    else if (l->src->blend) tera_blend_val_sample(l->src->blend, v, inputs, targets);
+    else fill_tokens(l->src, l->T, l->n_train + v % l->n_val, inputs, targets);
 }
 
 int64_t tera_loader_step_sample(int64_t consumed, int micro, int accum_idx, int dp_rank, int dp_size, int b) {

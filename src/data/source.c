@@ -357,7 +357,7 @@ static tera_status open_flat(tera_token_source *s, const char *path, int u16, in
     return rc;
 }
 
-tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
+static tera_status source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
     memset(s, 0, sizeof *s);
     if (vocab_size < 1) return tera_fail(TERA_ERR_CONFIG, "model.vocab_size = %d: must be >= 1", vocab_size);
     if (dc->tokenizer[0] && !dc->paths[0]) { /* online tokenization, unless PATH is a prepared prefix */
@@ -373,6 +373,7 @@ tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, i
         struct tera_blend *b;
         tera_data_config whole = *dc;
         whole.stream = 0; /* a blend reads its datasets by global sample index: the start-up pass */
+        whole.val_path[0] = '\0'; /* refused with a blend (tera_source_open) */
         TERA_TRY(tera_blend_open(&b, &whole, vocab_size));
         *s = *tera_blend_first_source(b);
         s->map = NULL, s->map_len = 0, s->owned = NULL; /* the blend owns them */
@@ -433,7 +434,47 @@ tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, i
     return rc;
 }
 
+/* data.val_path: opened as data.path would be, read whole (no streaming); a message of the inner open
+ * that names data.path is reworded to name data.val_path. */
+static tera_status open_val(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
+    tera_data_config v = *dc;
+    snprintf(v.path, sizeof v.path, "%s", dc->val_path);
+    v.val_path[0] = '\0';
+    v.stream = 0;
+    tera_token_source *val = tera_calloc(1, sizeof *val);
+    tera_status st = source_open(val, &v, vocab_size);
+    if (st != TERA_OK) {
+        free(val);
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", tera_last_error());
+        if (strncmp(msg, "data.path", 9) == 0) return tera_fail(st, "data.val_path%s", msg + 9);
+        return tera_fail(st, "data.val_path '%s': %s", dc->val_path, msg);
+    }
+    s->val = val;
+    return TERA_OK;
+}
+
+tera_status tera_source_open(tera_token_source *s, const tera_data_config *dc, int vocab_size) {
+    memset(s, 0, sizeof *s);
+    if (dc->val_path[0] && dc->paths[0])
+        return tera_fail(TERA_ERR_CONFIG, "data.val_path = '%s' with a blend (data.paths): each dataset of a blend has its "
+                         "own validation split (data.val_fraction); give one of them", dc->val_path);
+    if (dc->val_path[0] && dc->val_fraction > 0.0f)
+        return tera_fail(TERA_ERR_CONFIG, "data.val_path = '%s' and data.val_fraction = %g are both set: the validation "
+                         "set is either a separate file or the held-out tail of data.path; give one of them",
+                         dc->val_path, (double)dc->val_fraction);
+    TERA_TRY(source_open(s, dc, vocab_size));
+    if (!dc->val_path[0]) return TERA_OK;
+    tera_status st = open_val(s, dc, vocab_size);
+    if (st != TERA_OK) tera_source_close(s);
+    return st;
+}
+
 void tera_source_close(tera_token_source *s) {
+    if (s->val) {
+        tera_source_close(s->val);
+        free(s->val);
+    }
     if (s->blend) tera_blend_close(s->blend);
     tera_stream_close(s->stream);
     free(s->owned);

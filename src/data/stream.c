@@ -544,10 +544,10 @@ tera_status tera_stream_open(tera_token_source *s, const tera_data_config *dc, i
 tera_status tera_loader_bind(tera_loader *l, int dp_rank, int dp_size, int micro, int eval_every) {
     struct tera_stream *st = l->src ? l->src->stream : NULL;
     if (!st) return TERA_OK;
-    if (eval_every > 0)
+    if (eval_every > 0 && !l->src->val)
         return tera_fail(TERA_ERR_CONFIG, "training.eval_every = %d: streamed online tokenization (data.stream = true) "
-                         "keeps no validation split; set data.stream = false (the start-up pass) to evaluate",
-                         eval_every);
+                         "keeps no validation split; give a validation set (data.val_path), or set data.stream = false "
+                         "(the start-up pass) to evaluate on a held-out tail", eval_every);
     if (dp_size > st->n_all)
         return tera_fail(TERA_ERR_CONFIG, "data.path '%s': %d shard(s) for parallel.dp = %d: each data-parallel rank "
                          "streams its own shards (shard i on dp rank i mod dp), give at least %d shards or set "

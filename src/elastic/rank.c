@@ -29,7 +29,7 @@ int tera_elastic_ckpt_due(tera_trainer *tr) {
 
 void tera_elastic_ckpt_saved(tera_trainer *tr) {
     const tera_ckpt_config *c = &tr->cfg.checkpoint;
-    tr->ckpt_force_full = 0;
+    tr->ckpt.force_full = 0;
     if (c->every_s <= 0 && c->full_every_s <= 0) return;
     const double now = tera_now();
     const int full = tera_ckpt_last_stats().full_saves;
@@ -74,12 +74,12 @@ tera_status tera_elastic_after_step(tera_trainer *tr, const tera_step_result *r)
                 back >= 0 ? "rolled back to the newest checkpoint" : "no checkpoint to roll back to",
                 (long)lo, (long)hi, t->spike_lr_factor, (long)tr->spike.lr_cut_until);
         if (back >= 0) fprintf(stderr, "tera: resuming at step %ld\n", (long)back);
-        if (tr->metrics) {
-            fprintf(tr->metrics,
+        if (tr->log.metrics) {
+            fprintf(tr->log.metrics,
                     "{\"step\": %ld, \"event\": \"nan_rollback\", \"nonfinite_steps\": %d, \"rolled_back_to\": %ld, "
                     "\"skipped_samples\": [%ld, %ld], \"lr_factor\": %.4g, \"lr_cut_until\": %ld}\n",
                     (long)first, N, (long)back, (long)lo, (long)hi, t->spike_lr_factor, (long)tr->spike.lr_cut_until);
-            fflush(tr->metrics);
+            fflush(tr->log.metrics);
         }
     }
     return TERA_OK;

@@ -219,7 +219,7 @@ static void a2a_block(tera_dispatcher *d, tera_dispatch_acts *t, const tera_laye
  * other ranks' blocks are encoded and decoded: the caller copies its own rows uncoded, as the
  * point-to-point path does, so the result is that path's bit for bit. */
 static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, int ostride, float *dst,
-                      const int32_t *q, int qstride, uint8_t *cs, uint8_t *cr) {
+                      const int32_t *q, int qstride, uint8_t *cs, uint8_t *cr, int split) {
     const int ep = d->ep, me = d->me;
     const int64_t rb = d->cq ? d->rowb : d->D * (int64_t)sizeof(float);
     for (int s = 0; s < ep; s++) {
@@ -230,6 +230,10 @@ static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, in
     }
     const uint8_t *sb = d->cq ? cs : (const uint8_t *)(const void *)src;
     uint8_t *rbuf = d->cq ? cr : (uint8_t *)(void *)dst;
+    if (split) { /* started only: the caller waits for each source (hier_wait_rows) */
+        tera_hier_ialltoallv_start(d->hier, sb + o[0] * rb, d->hsc, rbuf + q[0] * rb, d->hrc);
+        return;
+    }
     tera_hier_alltoallv_u8(d->hier, sb + o[0] * rb, d->hsc, rbuf + q[0] * rb, d->hrc);
     if (d->cq)
         for (int s = 0; s < ep; s++) {
@@ -238,8 +242,24 @@ static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, in
         }
 }
 
-/* The layer's exchange in two node-aware stages (not overlapped): every rank's rows out, the
- * experts over every source's block in the point-to-point path's order, the results back. */
+/* after a split hier_move of the rows out (into dst at row offsets q): source s's rows in dst, decoded */
+static void hier_wait_rows(tera_dispatcher *d, int s, float *dst, const int32_t *q, const uint8_t *cr) {
+    tera_hier_ialltoallv_wait(d->hier, s);
+    const int64_t r0 = q[s], nr = q[s + 1] - r0;
+    if (d->cq && nr > 0) rows_decode(d, cr, r0, nr, dst);
+}
+
+/* The layer's exchange in two node-aware stages: every rank's rows out, the experts over every
+ * source's block, the results back (in two stages too, once every block is done).
+ * Without parallel.ep_overlap the rows out are one blocking exchange, then every block runs in the
+ * point-to-point path's order (this rank first, then the ring). With it the exchange is split
+ * (tera_hier_ialltoallv_*) and the experts run on the blocks already here while the rest is in
+ * flight: this rank's own rows during stage 1 (inside the node), the blocks of this node's ranks
+ * during stage 2 (across the nodes). The backward keeps the ring order (each block's weight
+ * gradients are added to G in that order: another order would round differently), so it only runs
+ * ahead while the ring's next source is on this node; the forward's blocks are independent (each
+ * writes its own rows), so it runs this node's blocks first, then the other nodes' as they come.
+ * Every block sees the same rows and the same G as without overlap: the same bits. */
 static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                          const tera_layer_view *G, int op) {
     const int ep = d->ep, me = d->me, El = d->El;
@@ -248,10 +268,23 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     float *out_local = fwd ? t->xg : d->dye, *in_local = fwd ? t->ye : d->dxg;
     float *recv = fwd ? t->xr : d->dyr, *res = fwd ? t->yr : d->dxr;
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
-    hier_move(d, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv);
+    hier_move(d, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv, d->overlap);
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
-    for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
-    hier_move(d, res, t->roff, 1, in_local, t->exp_off, El, d->c_res, d->c_in);
+    if (!d->overlap) {
+        for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
+    } else {
+        /* forward: pass 0 this node's sources, pass 1 the others; backward: one pass, ring order */
+        for (int pass = 0; pass < (fwd ? 2 : 1); pass++)
+            for (int i = 0; i < ep; i++) {
+                const int s = (me + i) % ep;
+                if (fwd && tera_hier_same_node(d->hier, s) != (pass == 0)) continue;
+                if (s != me) hier_wait_rows(d, s, recv, t->roff, d->c_recv);
+                a2a_block(d, t, W, G, s, op);
+                tera_hier_ialltoallv_poll(d->hier);
+            }
+        tera_hier_ialltoallv_end(d->hier);
+    }
+    hier_move(d, res, t->roff, 1, in_local, t->exp_off, El, d->c_res, d->c_in, 0);
     memcpy(in_local + m0 * D, res + (int64_t)t->roff[me] * D, sizeof(float) * (size_t)((m1 - m0) * D));
 }
 

@@ -12,6 +12,9 @@
  *               parallel.ep_overlap the exchange of later blocks overlaps the compute of earlier
  *               ones) and returns each result block at once; combine is the local one. The
  *               backward mirrors it with the output gradients and the input gradients.
+ *               With parallel.ep_hierarchical across nodes the rows move in two node-aware
+ *               stages (tera_hier_*), the experts running (ep_overlap) on the blocks already here
+ *               while the later stage is in flight; results bit-identical either way.
  *
  * Experts: one routine (SwiGLU, y = w2(silu(x w1^T) * (x w3^T))) over (rows, offsets, weights,
  * buffers), the same for both implementations and for the forward, the backward and the

@@ -76,6 +76,10 @@ struct tera_acts {
     int64_t *expert_load_save; /* [E] a layer's expert loads, kept across its full recomputation */
     void *act_block, *scratch_block;
     int threads;         /* thread count the attention scratch was sized for */
+    /* the loss gradient written in the forward's pass over the logits (tera_model_arm_fused_loss):
+     * armed for the next forward with scale ce_scale; ce_fused: the last forward did it */
+    int ce_armed, ce_fused;
+    float ce_scale;
     /* the modules every slot shares (slot 0 owns them): the token dispatcher of the MoE layers
      * (local or all-to-all) and the tensor-parallel layers */
     tera_dispatcher *dispatch;
@@ -723,20 +727,28 @@ static void layer_forward(tera_model *m, int l, float *out) {
         m->be->ops.linear_forward(m->be, la->v, la->ln1, W->wv, N, D, Hkv * hd, 0.0f);
     });
     TERA_PROF(ROPE_FWD, {
-        m->be->ops.rope_forward(m->be, la->q, m->acts->rope_cos, m->acts->rope_sin, B, T, H, (int)hd);
-        m->be->ops.rope_forward(m->be, la->k, m->acts->rope_cos, m->acts->rope_sin, B, T, Hkv, (int)hd);
+        if (m->be->ops.rope_qk_forward) { /* q and k in one pass */
+            m->be->ops.rope_qk_forward(m->be, la->q, la->k, m->acts->rope_cos, m->acts->rope_sin, B, T, H, Hkv, (int)hd);
+        } else {
+            m->be->ops.rope_forward(m->be, la->q, m->acts->rope_cos, m->acts->rope_sin, B, T, H, (int)hd);
+            m->be->ops.rope_forward(m->be, la->k, m->acts->rope_cos, m->acts->rope_sin, B, T, Hkv, (int)hd);
+        }
     });
     TERA_PROF(ATTN_FWD, m->be->ops.attention_forward(m->be, la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
     tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
-    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, la->ln2, la->rstd2, la->h, W->ffn_norm, N, D, c->norm_eps));
-    tera_tp_row_block_begin(tp, out, la->h, N * D);
+    tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps);
     if (is_moe(c, l))
         moe_forward(m, l, out);
     else
         TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
                                          m->Fdl));
     tera_tp_row_block_end(tp, out, la->h, N * D);
+}
+
+void tera_model_arm_fused_loss(tera_model *m, float ce_scale) {
+    m->acts->ce_armed = 1;
+    m->acts->ce_scale = ce_scale;
 }
 
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets) {
@@ -757,6 +769,9 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     memset(&m->stats, 0, sizeof m->stats);
     a->tokens = tokens;
     a->targets = targets;
+    const int ce_armed = a->ce_armed; /* armed for this forward only */
+    a->ce_armed = 0;
+    a->ce_fused = 0;
     if (l0 > 0) {
         memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(N * D));
     } else {
@@ -775,7 +790,14 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
     TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-    m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
+    /* armed (a training step): the loss and its gradient over the logits in one pass; the targets'
+     * logits go to dres, free until the backward */
+    if (ce_armed && tera_tp_ce_fused(a->tp, m->logits, a->loss_lse, a->dres, m->logits, targets, N, a->ce_scale,
+                                     &m->stats.ce_sum)) {
+        a->ce_fused = 1;
+    } else {
+        m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
+    }
     m->stats.n_positions = N;
 }
 
@@ -850,8 +872,12 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     TERA_PROF(ATTN_BWD, m->be->ops.attention_backward(m->be, a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
                                                 la->att_lse, B, T, H, Hkv, (int)hd, a->attn_scratch));
     TERA_PROF(ROPE_BWD, {
-        m->be->ops.rope_backward(m->be, a->dq, a->rope_cos, a->rope_sin, B, T, H, (int)hd);
-        m->be->ops.rope_backward(m->be, a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
+        if (m->be->ops.rope_qk_backward) {
+            m->be->ops.rope_qk_backward(m->be, a->dq, a->dk, a->rope_cos, a->rope_sin, B, T, H, Hkv, (int)hd);
+        } else {
+            m->be->ops.rope_backward(m->be, a->dq, a->rope_cos, a->rope_sin, B, T, H, (int)hd);
+            m->be->ops.rope_backward(m->be, a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
+        }
     });
     TERA_PROF(QKV_BWD, {
         m->be->ops.linear_backward(m->be, a->dln, G->wq, a->dq, la->ln1, W->wq, N, D, H * hd, 0.0f);
@@ -935,8 +961,15 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
             need_params(m, TERA_GROUP_EMBED);
             need_grads(m, TERA_GROUP_EMBED);
         }
-        /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice) */
-        tera_tp_ce_backward(a->tp, m->logits, m->logits, a->loss_lse, a->targets, N, s->ce);
+        /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice), unless the
+         * forward wrote them already (tera_model_arm_fused_loss) */
+        if (a->ce_fused) {
+            TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
+                         (double)a->ce_scale, (double)s->ce);
+            a->ce_fused = 0;
+        } else {
+            tera_tp_ce_backward(a->tp, m->logits, m->logits, a->loss_lse, a->targets, N, s->ce);
+        }
         TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
         tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
         memset(a->dres, 0, sizeof(float) * (size_t)(N * D));

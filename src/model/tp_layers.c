@@ -80,6 +80,16 @@ void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, in
         memcpy(out, res, sizeof(float) * (size_t)n);
 }
 
+void tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x, const float *w,
+                              int64_t N, int64_t D, float eps) {
+    if (tp->tp == 1 && tp->be->ops.rmsnorm_copy_forward) { /* the residual copied in the norm's pass over x */
+        TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_copy_forward(tp->be, ln, rstd, out, x, w, N, D, eps));
+        return;
+    }
+    TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, ln, rstd, x, w, N, D, eps));
+    tera_tp_row_block_begin(tp, out, x, N * D);
+}
+
 void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n) {
     if (tp->tp == 1) return;
     tp_sum(tp, out, n);
@@ -112,4 +122,11 @@ void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits,
         TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward_range(tp->be, dlogits, logits, lse, targets, N, tp->Vl, tp->v0, scale));
     else
         TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward(tp->be, dlogits, logits, lse, targets, N, tp->Vl, scale));
+}
+
+int tera_tp_ce_fused(const tera_tp *tp, float *dlogits, float *lse, float *tlogit, const float *logits,
+                     const int32_t *targets, int64_t N, float scale, double *sum) {
+    if (tp->tp > 1 || !tp->be->ops.ce_fused) return 0;
+    TERA_PROF(LOSS_FWD, *sum = tp->be->ops.ce_fused(tp->be, dlogits, lse, tlogit, logits, targets, N, tp->Vl, scale));
+    return 1;
 }

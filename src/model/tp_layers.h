@@ -63,6 +63,11 @@ void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const floa
  * residual (tp > 1; nothing to do with tp = 1). */
 void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, int64_t n);
 void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n);
+/* The FFN block's start after its norm: ln[N,D] = RMSNorm(x[N,D]) with weights w (rstd[N] kept) and out
+ * begun as tera_tp_row_block_begin(tp, out, x, N*D) does; with tp = 1 the residual is copied in the
+ * norm's pass over x (ops.rmsnorm_copy_forward, where the backend has it). */
+void tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x, const float *w,
+                              int64_t N, int64_t D, float eps);
 
 /* Vocabulary-parallel cross-entropy of logits[N, Vl] (this rank's slice of the vocabulary) against
  * targets[N]: writes lse[N] (of the whole vocabulary) and returns the sum of the N losses, the same
@@ -71,5 +76,11 @@ void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int6
 double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N);
 void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const float *lse,
                          const int32_t *targets, int64_t N, float scale);
+/* Both in one pass over the logits (tp = 1 and a backend with ops.ce_fused): lse[N] and the sum of
+ * losses (*sum) as tera_tp_ce_forward, dlogits[N, Vl] as tera_tp_ce_backward with scale (may alias
+ * logits), tlogit[N] scratch (each row's target logit); returns 1, or 0 having done nothing
+ * (tp > 1: the three sums over the ranks come first; the separate passes then). */
+int tera_tp_ce_fused(const tera_tp *tp, float *dlogits, float *lse, float *tlogit, const float *logits,
+                     const int32_t *targets, int64_t N, float scale, double *sum);
 
 #endif

@@ -24,6 +24,7 @@
 
 #include "tera/hw.h"
 #include "tera/profile.h"
+#include "tera/zero.h"
 
 #define N_GROUPS TERA_PARAM_GROUPS
 #define N_KINDS 5
@@ -117,7 +118,7 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     int present[N_GROUPS] = {0};
     for (int i = 0; i < m->n_params; i++) {
         const int g = tera_param_group(m->params[i].kind);
-        gsq[g] += tr->grad_sq[i];
+        gsq[g] += tr->sharding->grad_sq[i];
         present[g] = 1;
     }
     for (int g = 0; g < N_GROUPS; g++) p->group_norm[g] = sqrt(gsq[g]), p->group_present[g] = present[g];
@@ -500,11 +501,11 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
     h->n_moe = m->cfg.n_experts > 0 ? m->cfg.n_layers - h->first_moe : 0;
     snprintf(h->info_labels, sizeof h->info_labels,
              "world_size=\"%d\",pp=\"%d\",dp=\"%d\",tp=\"%d\",ep=\"%d\",zero=\"%d\",pp_rank=\"%d\",dp_rank=\"%d\","
-             "tp_rank=\"%d\"", tr->topo.world, tr->topo.pp, tr->topo.dp, tr->topo.tp, tr->topo.ep, tr->zero, tr->topo.pp_rank, tr->topo.dp_rank,
+             "tp_rank=\"%d\"", tr->topo.world, tr->topo.pp, tr->topo.dp, tr->topo.tp, tr->topo.ep, tr->sharding->stage, tr->topo.pp_rank, tr->topo.dp_rank,
              tr->topo.tp_rank);
     h->mem[0] = (double)m->bytes_params;
     h->mem[1] = (double)m->bytes_grads;
-    h->mem[2] = 2.0 * (double)(tr->opt.n + tr->opt_x.n) * sizeof(float);
+    h->mem[2] = 2.0 * (double)(tr->sharding->opt.n + tr->sharding->opt_x.n) * sizeof(float);
     h->mem[3] = (double)m->bytes_acts;
     h->mem[4] = (double)m->bytes_scratch;
     h->steps_target = cfg->training.steps;

@@ -18,6 +18,7 @@
 #include "tera/hw.h"
 #include "tera/io.h"
 #include "tera/profile.h"
+#include "tera/zero.h"
 
 struct tera_tensorboard {
     FILE *f;
@@ -221,7 +222,7 @@ void tera_tensorboard_step(tera_tensorboard *tb, const tera_trainer *tr, const t
     int present[TERA_PARAM_GROUPS] = {0};
     for (int i = 0; i < m->n_params; i++) {
         const int g = tera_param_group(m->params[i].kind);
-        gsq[g] += tr->grad_sq[i];
+        gsq[g] += tr->sharding->grad_sq[i];
         present[g] = 1;
     }
     char tag[96];

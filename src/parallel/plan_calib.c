@@ -11,7 +11,8 @@
  * of point-to-point blocks to every peer, a point-to-point send) by message size, each fitted as
  * latency + bytes / bandwidth (bytes: what one rank sends, as src/comm/comm.c counts it), at the
  * world size. The ranks of one run share the machine's cores (as bench-dist's do), so the compute
- * rates are measured by one process alone and the collectives by all ranks at once.
+ * rates are measured by one process alone and the collectives by all ranks at once; under mpirun
+ * also the fraction of its rate alone each rank gets when all compute at once ([shared]).
  *
  * Each measurement: one warm-up call, then the median of up to 5 timed calls (fewer when one call
  * takes longer than 0.2 s): the machine is shared, so medians, not best cases. The result is merged
@@ -270,13 +271,102 @@ static void measure_colls(tera_hw *hw, FILE *log) {
     free(c.buf), free(c.recv), free(c.counts), free(c.req);
 }
 
+/* ------------------------------------------------------------------ ranks sharing the node */
+/* One process's rate of a product (the layers' FFN shape: [B T, D] x [F, D]^T, forward + backward)
+ * and of the streaming triad, measured by rank 0 alone (the others wait in a barrier, which sleeps:
+ * include/tera/comm.h) and then by every rank at once, the same number of calls each: the fraction
+ * each gets at once is (calls x work / the slowest rank's time) / the rate alone, the node's
+ * throughput shared out (mpirun places the ranks, the OS the threads). Written as [shared] point =
+ * RANKS THREADS COMPUTE MEMORY; the time model uses it for ranks computing at once on one node. */
+typedef struct {
+    tera_backend *be;
+    gemm_ctx g;
+    triad_ctx tr;
+} share_ctx;
+
+/* seconds for `reps` calls of fn */
+static double run_reps(bench_fn fn, void *ctx, int reps) {
+    const double t0 = tera_now();
+    for (int i = 0; i < reps; i++) fn(ctx);
+    return tera_now() - t0;
+}
+
+static void measure_shared(tera_hw *hw, const tera_config *cfg, int threads, FILE *log) {
+    tera_comm *w = tera_comm_world();
+    const int p = tera_comm_size(w), me = tera_comm_rank(w);
+    const tera_model_config *m = &cfg->model;
+    const int64_t M = (int64_t)cfg->training.micro_batch * cfg->training.seq_len, K = m->dim;
+    const int64_t Nn = m->ffn_dim > 0 ? m->ffn_dim : m->dim;
+    tera_backend *be = tera_backend_cpu_create(threads);
+    gemm_ctx g = {.be = be, .m = M, .k = K, .n = Nn, .x = filled(M * K, 1.0f), .w = filled(Nn * K, 0.05f),
+                  .y = filled(M * Nn, 0.0f), .dx = filled(M * K, 0.0f), .dw = filled(Nn * K, 0.0f),
+                  .dy = filled(M * Nn, 0.01f)};
+    triad_ctx t = {.n = (int64_t)8 << 20, .threads = threads};
+    t.a = filled(t.n, 0.0f), t.b = filled(t.n, 1.0f), t.c = filled(t.n, 1.0f);
+    const double gflop = 6.0 * (double)M * (double)K * (double)Nn, tbytes = 12.0 * (double)t.n;
+    double frac[2];
+    for (int k = 0; k < 2; k++) { /* 0: the product, 1: the triad */
+        bench_fn fn = k ? triad_call : gemm_call_fp32;
+        void *ctx = k ? (void *)&t : (void *)&g;
+        /* three rounds of: rank 0 alone, after a warm-up, as many calls as take about 0.25 s (at least
+         * 3); then every rank the same calls at once, the slowest rank's time. The median round's
+         * fraction (the machine may be shared with other work: alone and together alternate) */
+        double f[3], rate_alone = 0.0;
+        for (int round = 0; round < 3; round++) {
+            float alone = 0.0f, reps_f = 0.0f;
+            tera_comm_barrier(w);
+            if (me == 0) {
+                fn(ctx);
+                const double one = run_reps(fn, ctx, 1);
+                int reps = one > 0 ? (int)(0.25 / one) : 3;
+                if (reps < 3) reps = 3;
+                if (reps > 200) reps = 200;
+                alone = (float)(run_reps(fn, ctx, reps) / reps);
+                reps_f = (float)reps;
+            }
+            tera_comm_barrier(w);
+            tera_comm_allreduce_max_f32(w, &reps_f, 1);
+            tera_comm_allreduce_max_f32(w, &alone, 1);
+            fn(ctx);
+            tera_comm_barrier(w);
+            float dt = (float)run_reps(fn, ctx, (int)reps_f);
+            tera_comm_allreduce_max_f32(w, &dt, 1);
+            f[round] = dt > 0 ? (double)alone * reps_f / dt : 1.0;
+            rate_alone += (k ? tbytes : gflop) / alone / 3.0;
+        }
+        qsort(f, 3, sizeof f[0], cmp_d);
+        frac[k] = f[1];
+        if (log && me == 0)
+            fprintf(log, "shared: %d ranks x %d threads at once, %s: %.3f of the rate alone (rounds %.3f %.3f %.3f; "
+                    "%.1f %s alone)\n", p, threads, k ? "memory (triad)" : "products", frac[k], f[0], f[1], f[2],
+                    rate_alone / 1e9, k ? "GB/s" : "GFLOP/s");
+    }
+    int at = -1;
+    for (int i = 0; i < hw->n_share && at < 0; i++)
+        if (hw->share[i].ranks == p && hw->share[i].threads == threads) at = i;
+    if (at < 0 && hw->n_share < TERA_HW_MAX_SHARE) at = hw->n_share++;
+    if (at >= 0) hw->share[at] = (tera_hw_share){.ranks = p, .threads = threads, .compute = frac[0], .memory = frac[1]};
+    free(g.x), free(g.w), free(g.y), free(g.dx), free(g.dw), free(g.dy);
+    free(t.a), free(t.b), free(t.c);
+    tera_backend_destroy(be);
+}
+
 /* ------------------------------------------------------------------ the whole */
 static int divides_widths(const tera_model_config *m, int tp) {
     return m->n_heads % tp == 0 && m->n_kv_heads % tp == 0 && m->ffn_dim % tp == 0 && m->dense_ffn_dim % tp == 0 &&
            m->vocab_size % tp == 0;
 }
 
-tera_status tera_plan_calibrate(const tera_config *cfg, const char *out, FILE *log) {
+static tera_status calibrate(const tera_config *cfg, const char *out, int shared_only, FILE *log);
+tera_status tera_plan_calibrate(const tera_config *cfg, const char *out, FILE *log) { return calibrate(cfg, out, 0, log); }
+tera_status tera_plan_calibrate_shared(const tera_config *cfg, const char *out, FILE *log) {
+    if (tera_comm_size(tera_comm_world()) < 2)
+        return tera_fail(TERA_ERR_ARG, "tera plan --calibrate --shared-only measures ranks sharing the node: run it "
+                         "under mpirun with 2 or more ranks");
+    return calibrate(cfg, out, 1, log);
+}
+
+static tera_status calibrate(const tera_config *cfg, const char *out, int shared_only, FILE *log) {
     tera_comm *world = tera_comm_world();
     const int p = tera_comm_size(world), me = tera_comm_rank(world);
     tera_hw hw;
@@ -297,8 +387,9 @@ tera_status tera_plan_calibrate(const tera_config *cfg, const char *out, FILE *l
         hw.intra_bw = hw.inter_bw = 1e9;     /* replaced by the 2-rank point-to-point fit */
         hw.intra_lat = hw.inter_lat = 1e-5;
     }
-    if (p > 1) { /* the collectives, all ranks at once */
-        measure_colls(&hw, log);
+    if (p > 1) { /* the collectives, all ranks at once; what ranks computing at once get */
+        if (!shared_only) measure_colls(&hw, log);
+        measure_shared(&hw, cfg, cfg->training.threads > 0 ? cfg->training.threads : 1, log);
     } else {
         const tera_model_config *m = &cfg->model;
         const int threads = cfg->training.threads > 0 ? cfg->training.threads : omp_get_num_procs();

@@ -27,7 +27,7 @@
 #include "tera/train.h"
 
 const char *const tera_pm_name[TERA_PM_N] = {"params", "grads", "optimizer", "activations", "scratch",
-                                             "comm", "pipeline", "checkpoint", "other"};
+                                             "comm", "pipeline", "checkpoint", "other", "onebit"};
 
 /* The CPU backend that sizes the per-thread scratch (tera_model_count asks it for the attention
  * and routing scratch of omp_get_max_threads() threads): one for the process. */
@@ -216,6 +216,22 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     /* router bias, expert load, router entropy; per-tensor squared norms (grad_sq); tokens and targets */
     out->bytes[TERA_PM_OTHER] = (int64_t)L * mc->n_experts * (4 + 8) + 8 * (int64_t)L + 8 * 4 * (int64_t)ts->n_params +
                                 2 * 4 * N;
+    /* optimizer.name = onebit_adam (src/train/onebit.c, the count tera_onebit_init prints): ZeRO-1/2/3's whole
+     * momentum, ZeRO-2/3's whole gradient of the rank's own (after the freeze), and per region shared by q > 1 ranks (non-expert over dp, experts over edp) its 1-bit
+     * all-reduce's two residuals (the region's size each), the region compressed, q chunks received
+     * compressed and one fp32 chunk (chunk: the region over q, rounded up to 16 floats) */
+    if (!strcmp(cfg->optimizer.name, "onebit_adam")) {
+        int64_t extra = (zero ? 4 * n : 0) + (zero >= 2 ? 4 * n : 0); /* + ZeRO-2/3's whole own gradient */
+        for (int x = 0; x < 2; x++) {
+            const int64_t len = x ? n - nd : nd;
+            const int q = x ? t->edp : t->dp;
+            if (q <= 1 || len <= 0) continue;
+            const int64_t chunk = ((len + q - 1) / q + 15) & ~(int64_t)15;
+            extra += 8 * len + tera_compress_bytes(TERA_COMPRESS_ONEBIT, len) +
+                     q * tera_compress_bytes(TERA_COMPRESS_ONEBIT, chunk) + 4 * chunk;
+        }
+        out->bytes[TERA_PM_ONEBIT] = extra;
+    }
     for (int k = 0; k < TERA_PM_N; k++) {
         out->total += out->bytes[k];
         if (k <= TERA_PM_COMM) out->printed_total += out->bytes[k];

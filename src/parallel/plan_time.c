@@ -16,9 +16,13 @@
  *   comm_overlap); data-parallel reductions overlap backward where tera overlaps them (ZeRO 0:
  *   buckets during the last micro-batch's backward; ZeRO-2: reduce-scatters during each backward;
  *   ZeRO-3: prefetched gathers during compute); ZeRO-1's reduce-scatter and all-gather are exposed;
- * - ranks x threads beyond [node] cores share them (a CPU machine);
+ * - the expert exchange flat or in two stages (parallel.ep_hierarchical), parallel.ep_overlap's
+ *   hidden part of the flat one (tera_plan_ep_overlap_hidden); 1-bit Adam's momentum all-reduce;
+ * - a host with [node] cores (a CPU machine): ranks computing at once there each get the measured
+ *   [shared] fraction of their rate alone (tera_hw_shared), and transfers hide behind nothing;
  * - pipeline: the schedule's simulated makespan (tera_schedule_simulate, backward = 2 x forward)
- *   times the busiest stage's time per micro-batch. */
+ *   times the busiest stage's time per micro-batch; on a host whose cores the ranks share, a
+ *   processor-sharing simulation of the schedule (shared_pipeline). */
 #include <errno.h>
 #include <ini.h>
 #include <math.h>
@@ -26,6 +30,7 @@
 #include <string.h>
 
 #include "plan_internal.h"
+#include "tera/compress.h"
 #include "tera/model.h"
 #include "tera/schedule.h"
 
@@ -153,6 +158,27 @@ static int hw_handler(void *user, const char *section, const char *name, const c
         if (t < (int)(sizeof h->mem_bw_threads / sizeof h->mem_bw_threads[0])) h->mem_bw_threads[t] = x[1] * 1e9;
         return 1;
     }
+    if (!strcmp(section, "shared") && !strcmp(name, "point")) { /* RANKS THREADS COMPUTE MEMORY */
+        double x[4];
+        if (!parse_point(value, x, 4, -1, NULL) || x[0] < 2 || x[1] < 1 || x[2] <= 0 || x[2] > 1.5 || x[3] <= 0 ||
+            x[3] > 1.5) {
+            snprintf(c->err, sizeof c->err, "[shared] point = '%.200s' is not RANKS (>= 2) THREADS COMPUTE MEMORY "
+                     "(fractions of the rate alone, in (0, 1.5])", value);
+            return 0;
+        }
+        int at = -1;
+        for (int i = 0; i < h->n_share && at < 0; i++)
+            if (h->share[i].ranks == (int)x[0] && h->share[i].threads == (int)x[1]) at = i;
+        if (at < 0) {
+            if (h->n_share == TERA_HW_MAX_SHARE) {
+                snprintf(c->err, sizeof c->err, "more than %d [shared] points", TERA_HW_MAX_SHARE);
+                return 0;
+            }
+            at = h->n_share++;
+        }
+        h->share[at] = (tera_hw_share){.ranks = (int)x[0], .threads = (int)x[1], .compute = x[2], .memory = x[3]};
+        return 1;
+    }
     if (!strcmp(section, "collective")) {
         for (int k = 0; k < TERA_HW_NCOLL; k++)
             if (!strcmp(name, tera_hw_coll_name[k])) {
@@ -185,7 +211,7 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     snprintf(c->err, sizeof c->err, "unknown key [%.64s] %.64s (keys: [device] name, memory_gib, peak_tflops_fp32, "
              "peak_tflops_bf16, peak_tflops_fp16, peak_tflops_fp8, memory_bandwidth_gbytes_s, gemm_efficiency; [node] "
              "devices, cores; [intra_node], [inter_node] bandwidth_gbytes_s, latency_us; [gemm], [attention], [memory] "
-             "point; [collective] allreduce, allgather, alltoall, p2p)", section, name);
+             "point; [collective] allreduce, allgather, alltoall, p2p; [shared] point)", section, name);
     return 0;
 }
 
@@ -207,6 +233,36 @@ tera_status tera_hw_load(tera_hw *hw, const char *path) {
     if (hw->gemm_efficiency > 1.0)
         return tera_fail(TERA_ERR_CONFIG, "%s: [device] gemm_efficiency = %g is not a fraction in 0..1", path,
                          hw->gemm_efficiency);
+    /* each core's throughput with all cores busy in one process against one core alone: the products
+     * of the shapes measured at both thread counts (median ratio), and the streaming bandwidth */
+    const int C = hw->cores;
+    if (C > 1) {
+        double r[TERA_HW_MAX_GEMM];
+        int n = 0;
+        for (int i = 0; i < hw->n_gemm; i++) {
+            const tera_hw_gemm *a = &hw->gemm[i];
+            if (a->threads != 1) continue;
+            for (int j = 0; j < hw->n_gemm; j++) {
+                const tera_hw_gemm *b = &hw->gemm[j];
+                if (b->threads == C && b->prec == a->prec && b->m == a->m && b->k == a->k && b->n == a->n) {
+                    r[n++] = b->flops_s / (C * a->flops_s);
+                    break;
+                }
+            }
+        }
+        if (n > 0) {
+            for (int i = 1; i < n; i++)
+                for (int j = i; j > 0 && r[j] < r[j - 1]; j--) {
+                    const double u = r[j]; r[j] = r[j - 1], r[j - 1] = u;
+                }
+            hw->all_cores[0] = n % 2 ? r[n / 2] : 0.5 * (r[n / 2 - 1] + r[n / 2]);
+        }
+        if (C < (int)(sizeof hw->mem_bw_threads / sizeof hw->mem_bw_threads[0]) && hw->mem_bw_threads[1] > 0 &&
+            hw->mem_bw_threads[C] > 0)
+            hw->all_cores[1] = hw->mem_bw_threads[C] / (C * hw->mem_bw_threads[1]);
+        for (int k = 0; k < 2; k++)
+            if (hw->all_cores[k] > 1.5) hw->all_cores[k] = 1.5; /* noise: no more than that from more cores */
+    }
     return TERA_OK;
 }
 
@@ -249,6 +305,13 @@ tera_status tera_hw_write(const tera_hw *hw, const char *path, const char *comme
     for (int i = 0; i < hw->n_coll; i++) {
         const tera_hw_coll *c = &hw->coll[i];
         fprintf(f, "%s = %d %.4g %.4g\n", tera_hw_coll_name[c->kind], c->ranks, c->alpha_s * 1e6, c->beta_bytes_s / 1e9);
+    }
+    if (hw->n_share)
+        fprintf(f, "\n# ranks sharing the node, all computing at once: each one's rate as a fraction of its rate alone: "
+                   "RANKS THREADS COMPUTE MEMORY\n[shared]\n");
+    for (int i = 0; i < hw->n_share; i++) {
+        const tera_hw_share *q = &hw->share[i];
+        fprintf(f, "point = %d %d %.4g %.4g\n", q->ranks, q->threads, q->compute, q->memory);
     }
     const int bad = ferror(f);
     if (fclose(f) != 0 || bad) {
@@ -369,8 +432,59 @@ static double mem_bw_of(const tera_hw *hw, int threads) {
     return best ? hw->mem_bw_threads[best] : hw->mem_bw;
 }
 
+double tera_hw_shared(const tera_hw *hw, int ranks, int threads, int memory) {
+    if (hw->cores <= 0 || ranks <= 1) return 1.0;
+    if (threads < 1) threads = 1;
+    int t = 0; /* the measured thread count nearest `threads` */
+    for (int i = 0; i < hw->n_share; i++)
+        if (!t || abs(hw->share[i].threads - threads) < abs(t - threads)) t = hw->share[i].threads;
+    if (!t) { /* one process's throughput on all cores (1 when unknown), shared out */
+        const double C = hw->cores, a = hw->all_cores[memory ? 1 : 0] > 0 && C > 1 ? hw->all_cores[memory ? 1 : 0] : 1.0;
+#define S_OF(W) ((W) <= C ? 1.0 + ((W) - 1.0) * (a - 1.0) / (C > 1 ? C - 1.0 : 1.0) : C * a / (W))
+        const double f = S_OF((double)ranks * threads) / S_OF((double)threads);
+#undef S_OF
+        return f < 1.0 ? f : 1.0;
+    }
+    double xs[TERA_HW_MAX_SHARE + 1], ys[TERA_HW_MAX_SHARE + 1];
+    int n = 0;
+    xs[n] = 1.0, ys[n++] = 1.0;
+    for (int i = 0; i < hw->n_share; i++)
+        if (hw->share[i].threads == t) xs[n] = hw->share[i].ranks, ys[n++] = memory ? hw->share[i].memory : hw->share[i].compute;
+    for (int i = 1; i < n; i++) /* by ranks (distinct: the loader keeps one point per (ranks, threads)) */
+        for (int j = i; j > 0 && xs[j] < xs[j - 1]; j--) {
+            double u = xs[j]; xs[j] = xs[j - 1], xs[j - 1] = u;
+            u = ys[j]; ys[j] = ys[j - 1], ys[j - 1] = u;
+        }
+    const double r = ranks;
+    if (r >= xs[n - 1]) { /* beyond the largest count measured: the node's throughput at that count */
+        const double fmax = ys[n - 1];
+        if (xs[n - 1] * t >= hw->cores) return fmax * xs[n - 1] / r;
+        const double f = (double)hw->cores / (r * threads);
+        return f < fmax ? f : fmax;
+    }
+    int i = 1;
+    while (xs[i] < r) i++;
+    return ys[i - 1] + (r - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1]);
+}
+
 /* ------------------------------------------------------------------ time model */
 static double ring(int p) { return p > 1 ? (double)(p - 1) / (double)p : 0.0; }
+
+/* ZeRO-3's parameter gathers of a stage over a step of A micro-batches: each layer twice per
+ * micro-batch (forward, backward), the embedding and head groups once a step; bytes received per rank
+ * (non-expert ranges over dp, expert ranges over edp), and the number of gathers in *n. */
+static double zero3_gathers(const tera_plan_stage *w, int L, int A, int dp, int edp, double *n) {
+    double bytes = 0.0;
+    *n = 0.0;
+    if (!w->group) return 0.0;
+    for (int g = -2; g < L; g++) {
+        const double sz = 4.0 * (ring(dp) * w->group[2 * (g + 2)] + ring(edp) * w->group[2 * (g + 2) + 1]);
+        if (sz <= 0) continue;
+        const double uses = g < 0 ? 1.0 : 2.0 * A;
+        bytes += uses * sz, *n += uses;
+    }
+    return bytes;
+}
 
 /* The link a group of `span` consecutive world ranks (its members spaced inside that span) crosses. */
 static void link_of(const tera_hw *hw, int64_t span, double *bw, double *lat) {
@@ -419,11 +533,48 @@ static double dp_comm_s(const tera_hw *hw, tera_hw_coll_kind kind, int dp, int t
     return t_in + t_x;
 }
 
+/* The expert exchange of one MoE layer and micro-batch: four transfers (tokens out and results back,
+ * forward and backward), each of the `rows` bytes a rank routes (N k D x bytes per element), and a
+ * counts exchange. Flat (the point-to-point exchange): the rows for the ep - 1 peers, (ep-1)/ep of them,
+ * priced by comm_s over the group's span (ep x tp consecutive world ranks), 5 calls. parallel.
+ * ep_hierarchical with the group over N > 1 nodes of k > 1 members (k = devices_per_node / tp, N k =
+ * ep): src/comm/comm_hier.c's two stages in sequence, per transfer inside the node (k-1)/k of the rows
+ * (k-1 messages) then between nodes (N-1)/N (N-1 messages, one per rail and node pair), each on its own
+ * link; the counts take one latency of each stage. *sent: the bytes one rank sends. */
+static double ep_layer_s(const tera_hw *hw, int ep, int tp, int64_t world, double rows, int hierarchical, double *sent) {
+    *sent = 0.0;
+    if (ep <= 1) return 0.0;
+    const int64_t span = (int64_t)ep * tp;
+    const int k = tp > 0 && hw->devices_per_node % tp == 0 ? hw->devices_per_node / tp : 1;
+    if (!hierarchical || span <= hw->devices_per_node || k < 2 || ep % k != 0) {
+        *sent = 4.0 * ring(ep) * rows;
+        return comm_s(hw, TERA_HW_ALLTOALL, ep, world, span, *sent, 5.0);
+    }
+    const int N = ep / k;
+    const double t1 = ring(k) * rows / hw->intra_bw + (k - 1) * hw->intra_lat;
+    const double t2 = ring(N) * rows / hw->inter_bw + (N - 1) * hw->inter_lat;
+    *sent = 4.0 * (ring(k) + ring(N)) * rows;
+    return 4.0 * (t1 + t2) + (k - 1) * hw->intra_lat + (N - 1) * hw->inter_lat;
+}
+
+double tera_plan_ep_overlap_hidden(int ep, double x, double c) {
+    if (ep <= 1 || x <= 0) return 0.0;
+    double hidden = 0.0;
+    for (int dir = 0; dir < 2; dir++) {
+        const double cd = dir ? 2.0 / 3.0 * c : c / 3.0;
+        const double first = cd / ep > x ? cd / ep : x; /* own block computed; the others all arrived */
+        const double done = first + cd * (ep - 1) / ep + x / (ep - 1);
+        hidden += 2.0 * x + cd - done;
+    }
+    return hidden;
+}
+
 /* One micro-batch on one stage: the products and attention (forward + backward, and the forward
  * recomputation adds), and the element-wise passes' bytes. */
 typedef struct {
     double mm, mm_rec;       /* seconds */
     double bytes, bytes_rec; /* bytes through memory */
+    double t_exp;            /* of mm: one MoE layer's routed experts */
 } stage_work;
 
 static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o, const tera_plan_stage *st,
@@ -471,6 +622,7 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     w->mm_rec = (st->full[0] * fb_dense + st->full[1] * fb_moe) / 3.0 +
                 (st->selective[0] * (t_core + t_dense_hidden) + st->selective[1] * (t_core + t_exp_hidden + t_shared_hidden)) /
                     3.0;
+    w->t_exp = t_exp;
     const double fwd_dense = b_base + b_dense_glu, fwd_moe = b_base + b_moe_glu + b_moe;
     w->bytes = 3.0 * (dense * fwd_dense + moe * fwd_moe); /* backward: about twice the forward's traffic */
     w->bytes_rec = st->full[0] * fwd_dense + st->full[1] * fwd_moe + st->selective[0] * b_dense_glu +
@@ -480,6 +632,94 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
         w->bytes += 16.0 * N * Vl + 3.0 * 8.0 * N * D; /* cross-entropy over the logits; the final norm */
     }
 #undef MM
+}
+
+/* The pipeline on a host whose ranks share its cores ([node] cores): the schedule's operations in
+ * order (tera_schedule_build), each starting when its rank is free and its inputs exist (as
+ * tera_schedule_simulate), a forward costing a third and a backward two thirds of the stage's
+ * micro-batch over its v chunks: first its compute (products mm[s] and memory passes mem[s], seconds
+ * at the rate alone), then its communication x[s] (seconds, measured with all ranks at once: not
+ * scaled). While n stages compute, each of their `group` ranks on the node runs its products at
+ * tera_hw_shared(n group, threads, 0) and its memory passes at (.., 1) of the rate alone: a stage in
+ * its bubble or waiting for a transfer leaves its cores to the others (processor sharing).
+ * *makespan: seconds from the first forward to the last backward. */
+static tera_status shared_pipeline(const tera_config *cfg, const tera_hw *hw, int threads, double group, const double *mm,
+                                   const double *mem, const double *x, double *makespan) {
+    const int pp = cfg->parallel.pp, A = cfg->training.grad_accum, v = pp > 1 ? cfg->parallel.pp_chunks : 1;
+    tera_sched_kind kind;
+    TERA_TRY(tera_sched_kind_parse(cfg->parallel.pp_schedule, &kind));
+    tera_schedule sc;
+    TERA_TRY(tera_schedule_build(&sc, kind, pp, A, v));
+    const int V = pp * v, nops = sc.n_ops;
+    double *fin_f = tera_malloc(sizeof(double) * (size_t)A * V), *fin_b = tera_malloc(sizeof(double) * (size_t)A * V);
+    for (int i = 0; i < A * V; i++) fin_f[i] = fin_b[i] = NAN;
+    double *rem = tera_calloc((size_t)pp, sizeof(double)), *xk = tera_calloc((size_t)pp, sizeof(double));
+    double *cend = tera_calloc((size_t)pp, sizeof(double)), *fc = tera_calloc((size_t)pp + 1, sizeof(double));
+    double *fm = tera_calloc((size_t)pp + 1, sizeof(double));
+    int *next = tera_calloc((size_t)pp, sizeof(int)), *phase = tera_calloc((size_t)pp, sizeof(int)); /* 0 idle, 1 compute, 2 transfer */
+    for (int n = 1; n <= pp; n++) {
+        const int ranks = (int)ceil(n * group - 1e-9);
+        fc[n] = tera_hw_shared(hw, ranks, threads, 0);
+        fm[n] = tera_hw_shared(hw, ranks, threads, 1);
+    }
+    tera_status rc = TERA_OK;
+    double t = 0.0;
+    for (int done = 0; done < pp * nops;) {
+        for (int r = 0; r < pp; r++) { /* start what is ready */
+            if (phase[r] || next[r] >= nops) continue;
+            const tera_sched_op *op = tera_schedule_rank(&sc, r) + next[r];
+            const int vs = op->chunk * pp + r, idx = op->micro * V + vs;
+            int ready;
+            if (op->kind == TERA_OP_FWD) ready = vs == 0 || !isnan(fin_f[op->micro * V + vs - 1]);
+            else ready = !isnan(fin_f[idx]) && (vs == V - 1 || !isnan(fin_b[op->micro * V + vs + 1]));
+            if (!ready) continue;
+            const double k = (op->kind == TERA_OP_FWD ? 1.0 : 2.0) / (3.0 * v);
+            rem[r] = (mm[r] + mem[r]) * k, xk[r] = x[r] * k;
+            phase[r] = rem[r] > 0 ? 1 : 2;
+            cend[r] = t + xk[r];
+        }
+        int n = 0;
+        for (int r = 0; r < pp; r++) n += phase[r] == 1;
+        /* the next event: a compute part or a transfer ends */
+        double dt = INFINITY;
+        int first = -1;
+        for (int r = 0; r < pp; r++) {
+            double d = INFINITY;
+            if (phase[r] == 1) {
+                const double w = mm[r] + mem[r];
+                const double rate = w / (mm[r] / fc[n] + mem[r] / fm[n]); /* alone-seconds per second */
+                d = rem[r] / rate;
+            } else if (phase[r] == 2) {
+                d = cend[r] - t;
+            }
+            if (d < dt) dt = d, first = r;
+        }
+        if (first < 0) {
+            rc = tera_fail(TERA_ERR_NUMERIC, "%s schedule deadlocks in the shared-core simulation", cfg->parallel.pp_schedule);
+            break;
+        }
+        if (dt < 0) dt = 0;
+        t += dt;
+        for (int r = 0; r < pp; r++) {
+            if (phase[r] == 1) {
+                const double w = mm[r] + mem[r], rate = w / (mm[r] / fc[n] + mem[r] / fm[n]);
+                rem[r] -= dt * rate;
+                if (r == first || rem[r] <= 1e-12 * w) rem[r] = 0.0, phase[r] = 2, cend[r] = t + xk[r];
+            }
+        }
+        for (int r = 0; r < pp; r++) {
+            if (phase[r] != 2 || cend[r] > t * (1.0 + 1e-12)) continue;
+            const tera_sched_op *op = tera_schedule_rank(&sc, r) + next[r];
+            const int idx = op->micro * V + op->chunk * pp + r;
+            if (op->kind == TERA_OP_FWD) fin_f[idx] = t;
+            else fin_b[idx] = t;
+            phase[r] = 0, next[r]++, done++;
+        }
+    }
+    *makespan = t;
+    free(fin_f), free(fin_b), free(rem), free(xk), free(cend), free(fc), free(fm), free(next), free(phase);
+    tera_schedule_free(&sc);
+    return rc;
 }
 
 tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o,
@@ -497,14 +737,14 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         return tera_fail(TERA_ERR_CONFIG, "hardware '%s' has no peak for training.precision = %s", hw->name,
                          cfg->training.precision);
     const int64_t devices = (int64_t)pp * dp * tp;
-    /* threads per rank (the measured rates are by thread count); ranks x threads beyond the
-     * machine's cores share them (a CPU machine running several ranks) */
+    /* threads per rank (the measured rates are by thread count). A host with [node] cores (a CPU
+     * machine) runs its ranks on the same cores and memory: while n of its ranks compute at once, each
+     * gets tera_hw_shared(n) of its rate alone; its transfers are copies by those same cores, so nothing
+     * hides behind compute there. A device per rank (no cores key): nothing is shared. */
     const int threads = cfg->training.threads > 0 ? cfg->training.threads : hw->cores > 0 ? hw->cores : 1;
-    double share = 1.0;
-    if (hw->cores > 0) {
-        const int64_t on_node = devices < hw->devices_per_node ? devices : hw->devices_per_node;
-        if ((double)on_node * threads > hw->cores) share = (double)on_node * threads / hw->cores;
-    }
+    const int cpu_host = hw->cores > 0;
+    const int64_t on_node = devices < hw->devices_per_node ? devices : hw->devices_per_node;
+    const double fc_all = tera_hw_shared(hw, (int)on_node, threads, 0), fm_all = tera_hw_shared(hw, (int)on_node, threads, 1);
     const double bw_mem = mem_bw_of(hw, threads);
     const double xb = o->exchange_bytes > 0 ? o->exchange_bytes : 4.0;
     const double hide_comm = o->comm_overlap > 0 ? (o->comm_overlap < 1 ? o->comm_overlap : 1.0) : 0.0;
@@ -512,13 +752,16 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     out->flops_per_step = tera_model_flops_per_token(c, T) * N * A * dp;
     double worst_u = 0.0, u_tp = 0, u_ep = 0, u_pp = 0, u_comp = 0, u_mm = 0, u_mem = 0, rec_all = 0.0;
     int worst = 0;
+    double *s_mm = tera_calloc((size_t)pp, sizeof(double)), *s_mem = tera_calloc((size_t)pp, sizeof(double));
+    double *s_x = tera_calloc((size_t)pp, sizeof(double)), *ep_hidden = tera_calloc((size_t)pp, sizeof(double));
     for (int s = 0; s < pp; s++) {
         const int layers = st[s].layers, moe = st[s].moe_layers;
         const int has_head = s == pp - 1;
         stage_work w;
         stage_work_of(cfg, hw, o, &st[s], has_head, threads, &w);
-        const double mm = (w.mm + w.mm_rec) * share;
-        const double mem = bw_mem > 0 ? (w.bytes + w.bytes_rec) / bw_mem * share : 0.0;
+        s_mm[s] = w.mm + w.mm_rec;
+        s_mem[s] = bw_mem > 0 ? (w.bytes + w.bytes_rec) / bw_mem : 0.0;
+        const double mm = s_mm[s] / fc_all, mem = s_mem[s] / fm_all;
         const double comp = mm + mem;
         /* recomputation FLOPs (reported): the forward of the recomputed layers, by policy */
         {
@@ -544,12 +787,23 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             if (s == 0 || bytes * A > out->bytes_tp) out->bytes_tp = bytes * A;
         }
         /* expert exchange: bench-dist's ep_bytes per micro-batch (uniform routing; rows out and back,
-         * forward and backward) at exchange_bytes per element; the hidden fraction overlaps compute */
+         * forward and backward) at exchange_bytes per element, flat or in two stages (ep_layer_s); the
+         * hidden fraction: --exchange-overlap for another implementation, else tera's parallel.ep_overlap
+         * (the point-to-point exchange on devices: tera_plan_ep_overlap_hidden; the two-stage exchange's
+         * partial overlap is not credited, an upper bound) */
         double tep = 0.0;
         if (ep > 1 && moe > 0) {
-            const double bytes = moe * 4.0 * ring(ep) * N * c->top_k * D * xb;
-            tep = (1.0 - hide_ep) * comm_s(hw, TERA_HW_ALLTOALL, ep, devices, (int64_t)ep * tp, bytes, moe * 5.0);
-            if (bytes * A > out->bytes_ep) out->bytes_ep = bytes * A;
+            double sent;
+            const double t_layer = ep_layer_s(hw, ep, tp, devices, N * c->top_k * D * xb, p->ep_hierarchical, &sent);
+            const int flat = sent == 4.0 * ring(ep) * N * c->top_k * D * xb;
+            double hidden = hide_ep * t_layer;
+            if (hide_ep <= 0 && p->ep_overlap && flat && !cpu_host)
+                hidden = tera_plan_ep_overlap_hidden(ep, 0.25 * comm_s(hw, TERA_HW_ALLTOALL, ep, devices, (int64_t)ep * tp, sent, 4.0),
+                                           w.t_exp);
+            if (hidden > t_layer) hidden = t_layer;
+            tep = moe * (t_layer - hidden);
+            ep_hidden[s] = moe * hidden;
+            if (moe * sent * A > out->bytes_ep) out->bytes_ep = moe * sent * A;
         }
         /* pipeline sends: bench-dist's pp_bytes per micro-batch */
         double tpp = 0.0;
@@ -558,18 +812,33 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             tpp = comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, bytes, st[s].sends);
             if (bytes * A > out->bytes_pp) out->bytes_pp = bytes * A;
         }
+        s_x[s] = ttp + tep + tpp;
         const double u = comp + ttp + tep + tpp;
         if (s == 0 || u > worst_u)
             worst_u = u, worst = s, u_tp = ttp, u_ep = tep, u_pp = tpp, u_comp = comp, u_mm = mm, u_mem = mem;
     }
     out->recompute_flops = rec_all;
-    /* the schedule: makespan in forward units (a micro-batch's work = 3 units) */
-    const double pipe = makespan / 3.0 * worst_u;
+    /* the schedule: makespan in forward units (a micro-batch's work = 3 units) times the busiest stage's
+     * micro-batch; on a host whose cores the stages share, the shared-core simulation instead */
+    double pipe = makespan / 3.0 * worst_u;
+    tera_status rc = TERA_OK;
+    if (cpu_host && pp > 1) {
+        const double group = (double)on_node / pp; /* a stage's ranks on the node */
+        rc = shared_pipeline(cfg, hw, threads, group, s_mm, s_mem, s_x, &pipe);
+    }
+    out->ep_hidden_s = A * ep_hidden[worst];
+    free(s_mm), free(s_mem), free(s_x), free(ep_hidden);
+    if (rc != TERA_OK) return rc;
     /* the optimizer on the busiest stage's rank: Adam reads parameter, gradient and both moments and
-     * writes three (its shard under ZeRO); zeroing and the norm pass touch every gradient once each */
+     * writes three (its shard under ZeRO); zeroing and the norm pass touch every gradient once each;
+     * 1-bit Adam after its warm-up also updates the whole momentum from the rank's own gradient and
+     * its error feedback (read m, g, e; write m, e: 20 bytes a float held) */
     const tera_plan_stage *w = &st[worst];
+    const int onebit = !strcmp(cfg->optimizer.name, "onebit_adam") && dp > 1;
     const double opt_floats = (double)w->mem.bytes[TERA_PM_OPTIMIZER] / 8.0;
-    const double t_opt = bw_mem > 0 ? (28.0 * opt_floats + 8.0 * (double)w->n_floats) / bw_mem * share : 0.0;
+    const double opt_bytes = 28.0 * opt_floats + 8.0 * (double)w->n_floats + (onebit ? 20.0 * (double)w->n_floats : 0.0);
+    const double t_opt = bw_mem > 0 ? opt_bytes / bw_mem / fm_all : 0.0;
+    out->optimizer_s = t_opt;
     out->matmul_s = A * u_mm;
     out->memory_s = A * u_mem + t_opt;
     out->compute_s = A * u_comp + t_opt;
@@ -584,7 +853,25 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     double t_dp = 0.0, exposed = 0.0;
     const double t_bwd = 2.0 / 3.0 * u_comp; /* one micro-batch's backward on the stage */
     const int hier = cfg->parallel.hierarchical;
-    if (dp > 1) {
+    if (dp > 1 && onebit) {
+        /* 1-bit Adam after its warm-up (docs/COMMUNICATION.md): no gradient sums; the momentum's 1-bit
+         * all-reduce per region (2 (q-1)/q of the region compressed: n/8 bytes + 4 per 256 values; flat),
+         * in the optimizer step; ZeRO-1 also all-gathers the fp32 parameters (as AdamW's ZeRO-1) */
+        const double cb = 2.0 * (ring(dp) * (double)tera_compress_bytes(TERA_COMPRESS_ONEBIT, (int64_t)nd) +
+                                 ring(edp) * (double)tera_compress_bytes(TERA_COMPRESS_ONEBIT, (int64_t)nx));
+        /* ZeRO-1/2 all-gather the updated parameters once; ZeRO-3 gathers each layer where it is used, as
+         * AdamW's ZeRO-3 (the update marks the gathered layers stale) */
+        double n_gathers = 0.0;
+        const double params = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers) : zero ? pass : 0.0;
+        out->bytes_dp = cb + params;
+        t_dp = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, cb, 4.0, 0);
+        const double t_par = params > 0 ? dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, params,
+                                                    zero >= 3 ? 2.0 * n_gathers : 2.0, hier) : 0.0;
+        t_dp += t_par;
+        exposed = t_dp;
+        if (zero >= 3 && !cpu_host) /* the layer gathers hide behind compute as AdamW's do */
+            exposed -= t_par > A * u_comp ? A * u_comp : t_par;
+    } else if (dp > 1) {
         if (zero == 0) { /* buckets, one all-reduce per group, during the last micro-batch's backward */
             out->bytes_dp = 2.0 * pass;
             t_dp = dp_comm_s(hw, TERA_HW_ALLREDUCE, dp, tp, devices, out->bytes_dp, 2.0 * groups, hier);
@@ -595,15 +882,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             exposed = t_dp;
         } else {
             const double rs = A * pass, ag = zero < 3 ? pass : 0.0;
-            double gather = 0.0, n_gathers = 0.0;
-            if (zero >= 3 && w->group) { /* each layer gathered twice per micro-batch, embedding/head once a step */
-                for (int g = -2; g < L; g++) {
-                    const double sz = 4.0 * (ring(dp) * w->group[2 * (g + 2)] + ring(edp) * w->group[2 * (g + 2) + 1]);
-                    if (sz <= 0) continue;
-                    const double uses = g < 0 ? 1.0 : 2.0 * A;
-                    gather += uses * sz, n_gathers += uses;
-                }
-            }
+            double n_gathers = 0.0;
+            const double gather = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers) : 0.0;
             out->bytes_dp = rs + ag + gather;
             const double t_rs = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, rs, A * groups * 2.0, hier);
             const double t_rest = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag + gather, 2.0 + 2.0 * n_gathers, hier);
@@ -613,6 +893,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             if (zero >= 3) exposed += t_rest > hide_g ? t_rest - hide_g : 0.0;
             else exposed += t_rest;
         }
+        if (cpu_host) exposed = t_dp; /* the cores that compute do the copies */
     }
     out->dp_total_s = t_dp;
     out->dp_s = (1.0 - hide_comm) * exposed;

@@ -79,12 +79,12 @@ void tera_trainer_batch_observe(tera_trainer *tr, const tera_step_result *r) {
             "tera: mean grad norm %.4g over %d steps > %.4g: batch grows to %d micro-batches per rank "
             "(%ld sequences) from step %ld, LR x %.4g\n",
             mean, t->batch_grow_window, (double)t->batch_grow_gnorm, a, (long)seqs, (long)(r->step + 1), (double)f);
-    if (tr->metrics) {
-        fprintf(tr->metrics,
+    if (tr->log.metrics) {
+        fprintf(tr->log.metrics,
                 "{\"step\": %ld, \"event\": \"batch_grow\", \"mean_grad_norm\": %.7g, \"accum\": %d, \"batch\": %ld, "
                 "\"lr_factor\": %.7g}\n",
                 (long)r->step, mean, a, (long)seqs, (double)f);
-        fflush(tr->metrics);
+        fflush(tr->log.metrics);
     }
 }
 

@@ -33,6 +33,7 @@
 #include "tera/safetensors.h"
 #include "tera/trace.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 /* ------------------------------------------------------------------ options */
 
@@ -151,10 +152,10 @@ static tera_status shard_commit(tera_trainer *tr);
 static void shard_free(tera_trainer *tr);
 
 tera_status tera_trainer_ckpt_close(tera_trainer *tr) {
-    tera_status s = ctx_wait(tr->ckpt);
-    ctx_free(tr->ckpt);
-    tr->ckpt = NULL;
-    if (tr->shard_ckpt) { /* sharded: commit the open save (collective), then free */
+    tera_status s = ctx_wait(tr->ckpt.whole);
+    ctx_free(tr->ckpt.whole);
+    tr->ckpt.whole = NULL;
+    if (tr->ckpt.shard) { /* sharded: commit the open save (collective), then free */
         tera_status s2 = shard_commit(tr);
         if (s == TERA_OK) s = s2;
         shard_free(tr);
@@ -168,10 +169,10 @@ static char *state_text(const tera_trainer *tr) {
     cJSON *root = cJSON_CreateObject();
     cJSON_AddNumberToObject(root, "format_version", TERA_CKPT_FORMAT_VERSION);
     cJSON_AddNumberToObject(root, "step", (double)tr->step);
-    cJSON_AddNumberToObject(root, "adam_t", (double)tr->opt.t);
+    cJSON_AddNumberToObject(root, "adam_t", (double)tr->sharding->opt.t);
     cJSON_AddNumberToObject(root, "seed", (double)tr->cfg.training.seed);
     cJSON_AddNumberToObject(root, "skipped_steps", (double)tr->skipped_steps);
-    if (tr->precision == TERA_PREC_FP16) tera_scaler_save(&tr->scaler, root); /* restored exactly on resume */
+    if (tr->prec.precision == TERA_PREC_FP16) tera_scaler_save(&tr->prec.scaler, root); /* restored exactly on resume */
     /* the data position, serialised by the data module (src/data/data_state.c) */
     tera_data_save(&tr->loader, tr->cfg.data.path, tr->samples_consumed, root);
     /* the dynamic batch size and the loss-spike guard, each serialised by its owner: what a resumed
@@ -204,8 +205,8 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
     const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
     /* fp16: the scaler's state when the checkpoint has one (else the configured initial scale) */
-    tera_loss_scaler scaler = tr->scaler;
-    if (tr->precision == TERA_PREC_FP16) {
+    tera_loss_scaler scaler = tr->prec.scaler;
+    if (tr->prec.precision == TERA_PREC_FP16) {
         const tera_status sst = tera_scaler_load(&scaler, root, path);
         if (sst != TERA_OK) {
             cJSON_Delete(root);
@@ -222,10 +223,10 @@ static tera_status read_state(tera_trainer *tr, const char *path) {
     cJSON_Delete(root);
     TERA_TRY(st);
     tr->step = (int64_t)v[0];
-    tr->opt.t = (int64_t)v[1];
+    tr->sharding->opt.t = (int64_t)v[1];
     tr->samples_consumed = consumed;
     tr->skipped_steps = skipped;
-    tr->scaler = scaler;
+    tr->prec.scaler = scaler;
     return TERA_OK;
 }
 
@@ -635,20 +636,27 @@ static tera_status prune(tera_ckpt_ctx *c) {
     return s;
 }
 
-/* Copies the training state into the snapshot buffers (the pause the step loop sees). */
+/* Copies the training state into the snapshot buffers (the pause the step loop sees), on the
+ * model's backend threads: one contiguous range of each region per thread. */
+typedef struct {
+    float *dst;
+    const float *src;
+} snap_copy;
+
+static void snapshot_range(void *arg, int64_t lo, int64_t hi, int worker) {
+    (void)worker;
+    const snap_copy *k = arg;
+    memcpy(k->dst + lo, k->src + lo, sizeof(float) * (size_t)(hi - lo));
+}
+
 static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *const src[TERA_CKPT_N_REGIONS]) {
-    const int64_t BLK = 1 << 18; /* 1 MiB of floats per task */
+    tera_backend *be = tr->model.be;
     for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
         const int64_t n = c->reg_n[r];
         if (!n) continue;
-        const int64_t nb = (n + BLK - 1) / BLK;
-        float *dst = c->reg[r];
-        const float *s = src[r];
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t lo = b * BLK, hi = lo + BLK < n ? lo + BLK : n;
-            memcpy(dst + lo, s + lo, sizeof(float) * (size_t)(hi - lo));
-        }
+        snap_copy k = {.dst = c->reg[r], .src = src[r]};
+        if (be) be->ops.for_ranges(be, n, snapshot_range, &k);
+        else snapshot_range(&k, 0, n, 0);
     }
     c->step = tr->step;
     free(c->state_json);
@@ -705,7 +713,7 @@ static tera_status finish_checkpoint(tera_ckpt_ctx *c, cJSON *man, const char *t
  * No rank holds the whole model. A whole checkpoint: the ranks walk the parameters of the
  * one-process table in table order, each in windows of at most checkpoint.writer_buffer_mb;
  * every window is assembled from the ranks holding its blocks and shards
- * (tera_layout_gather_window) and world rank 0 puts it at its place in the safetensors files
+ * (tera_zero_gather_window) and world rank 0 puts it at its place in the safetensors files
  * (laid out up front, tera_st_stream_*), into the region checksums, and into the 64 KiB chunks
  * of the differential scheme. A sharded checkpoint: each writing rank walks its own blocks, each
  * window gathered over the ranks sharing its ZeRO shards. The files are byte for byte those of
@@ -955,7 +963,7 @@ static tera_ckpt_ctx *ctx_create_streamed(const tera_trainer *tr) {
     c->opt = tera_ckpt_options_from_config(&tr->cfg);
     c->cfg = tr->cfg;
     snprintf(c->run_dir, sizeof c->run_dir, "%s", tr->run_dir);
-    tera_layout_global_shell(tr, &c->shadow); /* the one-process table; no buffers */
+    tera_zero_global_shell(&tr->model, &c->shadow); /* the one-process table; no buffers */
     c->params = c->shadow.params;
     c->shadow.w = NULL;
     c->shadow.router_bias = tr->model.router_bias;
@@ -1045,8 +1053,8 @@ static void *streamed_finish_main(void *arg) {
 
 tera_status tera_trainer_save_streamed(tera_trainer *tr) {
     const int final = tr->step >= tr->cfg.training.steps;
-    if (!tr->ckpt) tr->ckpt = ctx_create_streamed(tr);
-    tera_ckpt_ctx *c = tr->ckpt;
+    if (!tr->ckpt.whole) tr->ckpt.whole = ctx_create_streamed(tr);
+    tera_ckpt_ctx *c = tr->ckpt.whole;
     const double t0 = tera_now();
     char root[TERA_PATH_MAX + 32], dir[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 96], path[TERA_PATH_MAX + 256];
     snprintf(root, sizeof root, "%s/checkpoints", c->run_dir);
@@ -1072,7 +1080,7 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
         uint64_t rhash[TERA_CKPT_N_REGIONS] = {0};
         int64_t changed = 0, total = 0;
         if (tr->root) {
-            c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, c->opt.full_every, c->since_full);
+            c->full = save_is_full(final || tr->ckpt.force_full, c->has_base, c->opt.full_every, c->since_full);
             c->step = tr->step;
             free(c->state_json);
             c->state_json = state_text(tr);
@@ -1121,7 +1129,7 @@ tera_status tera_trainer_save_streamed(tera_trainer *tr) {
                 const tera_param *p = &g->params[i];
                 for (int64_t a = 0; a < p->numel; a += c->win_n) {
                     const int64_t b = a + c->win_n < p->numel ? a + c->win_n : p->numel;
-                    tera_layout_gather_window(tr, g, k, p->offset + a, p->offset + b, c->win, 1);
+                    tera_zero_gather_window(tr->sharding, g, k, p->offset + a, p->offset + b, c->win, 1);
                     if (!tr->root) continue;
                     XXH3_64bits_update(ws.rh, c->win, sizeof(float) * (size_t)(b - a));
                     cstream_feed(&ck, &cs[p->offset >= nd], p->offset + a, c->win, b - a, n);
@@ -1197,12 +1205,12 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     /* one process, or a data-parallel replica without ZeRO: its storage is the whole model, its
      * moments one contiguous buffer (the expert region's optimizer is a view into the non-expert
      * one's allocation) */
-    TERA_ASSERTF(tr->root && tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->zero && tr->model.w &&
-                 (tr->opt_x.view || !tr->opt_x.n), "a whole save from memory needs the whole model in this rank's storage");
-    const float *const src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->opt.m, tr->opt.v, tr->model.router_bias};
+    TERA_ASSERTF(tr->root && tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->sharding->stage && tr->model.w &&
+                 (tr->sharding->opt_x.view || !tr->sharding->opt_x.n), "a whole save from memory needs the whole model in this rank's storage");
+    const float *const src[TERA_CKPT_N_REGIONS] = {tr->model.w, tr->sharding->opt.m, tr->sharding->opt.v, tr->model.router_bias};
     const int final = tr->step >= tr->cfg.training.steps;
-    if (!tr->ckpt) tr->ckpt = ctx_create(tr);
-    tera_ckpt_ctx *c = tr->ckpt;
+    if (!tr->ckpt.whole) tr->ckpt.whole = ctx_create(tr);
+    tera_ckpt_ctx *c = tr->ckpt.whole;
     const double t0 = tera_now();
     tera_status s = ctx_wait(c); /* the previous write must be complete */
     const double t_wait = tera_now() - t0;
@@ -1211,7 +1219,7 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
     /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
     if (s == TERA_OK && !(tera_ckpt_committed(dir) && tera_ckpt_verify(dir, NULL) == TERA_OK)) {
         /* the final save is always full, so a finished run ends with a Hugging Face directory */
-        c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, c->opt.full_every, c->since_full);
+        c->full = save_is_full(final || tr->ckpt.force_full, c->has_base, c->opt.full_every, c->since_full);
         const double t1 = tera_now();
         snapshot(c, tr, src);
         record_pause(tera_now() - t1 + t_wait, c->full);
@@ -1250,7 +1258,7 @@ static tera_status agree_world(const tera_trainer *tr, tera_status st, const cha
  * (table order), streamed window by window from the ranks' parts (collective). */
 static tera_status check_regions(tera_trainer *tr, const char *dir, int moments) {
     tera_model shell;
-    tera_layout_global_shell(tr, &shell);
+    tera_zero_global_shell(&tr->model, &shell);
     shell.router_bias = tr->model.router_bias;
     const int64_t W = window_floats(&tr->cfg);
     float *win = tera_malloc(sizeof(float) * (size_t)(W + 2));
@@ -1268,7 +1276,7 @@ static tera_status check_regions(tera_trainer *tr, const char *dir, int moments)
                 const tera_param *p = &shell.params[i];
                 for (int64_t a = 0; a < p->numel; a += W) {
                     const int64_t b = a + W < p->numel ? a + W : p->numel;
-                    tera_layout_gather_window(tr, &shell, k, p->offset + a, p->offset + b, win, 0);
+                    tera_zero_gather_window(tr->sharding, &shell, k, p->offset + a, p->offset + b, win, 0);
                     XXH3_64bits_update(h, win, sizeof(float) * (size_t)(b - a));
                 }
             }
@@ -1287,13 +1295,13 @@ static tera_status check_regions(tera_trainer *tr, const char *dir, int moments)
 tera_status tera_trainer_load_dir(tera_trainer *tr, const char *dir, int moments) {
     /* every rank reads its own part (its blocks, its ZeRO shards) straight from the files */
     tera_model shell;
-    tera_layout_global_shell(tr, &shell);
+    tera_zero_global_shell(&tr->model, &shell);
     tera_ckpt_reader *rd = NULL;
     tera_status st = tera_ckpt_reader_open(&rd, dir, &shell);
     if (st == TERA_OK && moments && tera_ckpt_reader_is_hf(rd))
         st = tera_fail(TERA_ERR_FORMAT, "%s: a Hugging Face directory holds no optimizer state to resume from (use it "
                        "as training.init_from)", dir);
-    if (st == TERA_OK) st = tera_layout_load(tr, rd, moments);
+    if (st == TERA_OK) st = tera_zero_load(tr->sharding, rd, moments);
     /* sharded checkpoints and Hugging Face directories carry no region checksums */
     const int checksums = rd && !tera_ckpt_reader_sharded(rd) && !tera_ckpt_reader_is_hf(rd);
     tera_ckpt_reader_close(rd);
@@ -1308,14 +1316,14 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
     TERA_TRY(tera_trainer_load_dir(tr, dir, 1));
     snprintf(path, sizeof path, "%s/state.json", dir);
     TERA_TRY(read_state(tr, path));
-    tr->opt_x.t = tr->opt.t;
+    tr->sharding->opt_x.t = tr->sharding->opt.t;
     return TERA_OK;
 }
 
 
 /* ------------------------------------------------------------------ sharded checkpoints
  * checkpoint.sharded with several ranks: no rank gathers the model. Every element of the model is
- * written by exactly one rank (tera_layout_writes: the first expert-data-parallel replica, the
+ * written by exactly one rank (tera_zero_writes: the first expert-data-parallel replica, the
  * first rank of the ep group for non-expert tensors, the first tp rank for tensors replicated over
  * tp), into rank-NNNNN.safetensors (NNNNN: its index in the model-parallel group, (pp_rank * ep +
  * ep_rank) * tp + tp_rank): tensors "w.I", "m.I", "v.I" hold its block of parameter I (of the
@@ -1342,10 +1350,10 @@ static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
     cJSON_AddNumberToObject(lay, "ep", tr->topo.ep);
     cJSON_AddNumberToObject(lay, "zero", tr->cfg.parallel.zero);
     tera_model shell;
-    tera_layout_global_shell(tr, &shell);
+    tera_zero_global_shell(&tr->model, &shell);
     const int P = tr->topo.ep * tr->topo.tp * tr->topo.pp;
     tera_param **tab = tera_calloc((size_t)P, sizeof(tera_param *));
-    for (int r = 0; r < P; r++) tab[r] = tera_layout_member_table(tr, r, NULL);
+    for (int r = 0; r < P; r++) tab[r] = tera_zero_member_table(&tr->model, &tr->topo, r, NULL);
     cJSON *tens = cJSON_AddArrayToObject(man, "tensors");
     char file[64];
     for (int i = 0; i < shell.n_params; i++) {
@@ -1357,7 +1365,7 @@ static cJSON *sharded_manifest(const tera_trainer *tr, int64_t step) {
         cJSON *pcs = cJSON_AddArrayToObject(t, "pieces");
         for (int r = 0; r < P; r++) {
             const tera_param *p = &tab[r][i];
-            if (!tera_layout_member_writes(tr, r, p)) continue;
+            if (!tera_zero_member_writes(&tr->topo, r, p)) continue;
             cJSON *pc = cJSON_CreateObject();
             snprintf(file, sizeof file, "rank-%05d.safetensors", r);
             cJSON_AddStringToObject(pc, "file", file);
@@ -1421,14 +1429,14 @@ struct tera_shard_ckpt {
 };
 
 static void shard_free(tera_trainer *tr) {
-    tera_shard_ckpt *c = tr->shard_ckpt;
+    tera_shard_ckpt *c = tr->ckpt.shard;
     free(c->win);
     free(c->cbuf);
     free(c->bias);
     free(c->state_json);
     free(c->base_hash);
     free(c);
-    tr->shard_ckpt = NULL;
+    tr->ckpt.shard = NULL;
 }
 
 /* This rank's part of a sharded save (collective over the ranks sharing ZeRO shards): every rank
@@ -1443,7 +1451,7 @@ static tera_status shard_stream(tera_trainer *tr, tera_shard_ckpt *c) {
     int64_t sb_n = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
-        if (!tera_layout_writes(tr, p)) continue;
+        if (!tera_zero_writes(&tr->topo, p)) continue;
         static const char prefix[3] = {'w', 'm', 'v'};
         for (int k = 0; k < 3; k++) {
             snprintf(nm, sizeof nm, "%c.%d", prefix[k], i);
@@ -1483,11 +1491,11 @@ static tera_status shard_stream(tera_trainer *tr, tera_shard_ckpt *c) {
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         if (p->numel == 0 || (p->tp_dim < 0 && tr->topo.tp_rank != 0)) continue; /* the same on the ranks sharing it */
-        const int writes = tera_layout_writes(tr, p), x = p->expert_stacked;
+        const int writes = tera_zero_writes(&tr->topo, p), x = p->expert_stacked;
         for (int k = 0; k < 3; k++)
             for (int64_t a = 0; a < p->numel; a += c->win_n) {
                 const int64_t b = a + c->win_n < p->numel ? a + c->win_n : p->numel;
-                tera_layout_local_window(tr, k, x, p->offset + a, p->offset + b, c->win);
+                tera_zero_local_window(tr->sharding, k, x, p->offset + a, p->offset + b, c->win);
                 if (!writes) continue;
                 if (ss && st == TERA_OK)
                     st = tera_st_stream_write(ss, e + k, sizeof(float) * (uint64_t)a, c->win, sizeof(float) * (uint64_t)(b - a));
@@ -1533,7 +1541,7 @@ static void *shard_finish_main(void *arg) {
  * rank 0 writes its files, the manifest and COMMIT (with every rank's file size and hash), renames
  * the directory. Collective. */
 static tera_status shard_commit(tera_trainer *tr) {
-    tera_shard_ckpt *c = tr->shard_ckpt;
+    tera_shard_ckpt *c = tr->ckpt.shard;
     if (!c || !c->pending) return TERA_OK;
     if (c->running) pthread_join(c->th, NULL);
     c->running = 0;
@@ -1544,7 +1552,7 @@ static tera_status shard_commit(tera_trainer *tr) {
     const int W = tr->topo.world;
     int64_t *info = tera_calloc((size_t)(3 * W), sizeof(int64_t));
     if (c->wrote) {
-        const int me = tera_layout_member(tr);
+        const int me = tera_zero_member(&tr->topo);
         info[3 * tr->topo.rank] = me + 1;
         info[3 * tr->topo.rank + 1] = c->size;
         memcpy(&info[3 * tr->topo.rank + 2], &c->hash, sizeof c->hash);
@@ -1617,16 +1625,16 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     const int final = tr->step >= tr->cfg.training.steps;
     const double t0 = tera_now();
     TERA_TRY(shard_commit(tr)); /* the previous save, if still open */
-    if (!tr->shard_ckpt) {
+    if (!tr->ckpt.shard) {
         tera_shard_ckpt *c = tera_calloc(1, sizeof *c);
         c->win_n = window_floats(&tr->cfg);
         c->win = tera_malloc(sizeof(float) * (size_t)(c->win_n + 2));
         c->cbuf = tera_malloc(TERA_CKPT_CHUNK_BYTES);
         c->bias = tera_calloc((size_t)tera_ckpt_region_floats(m, 3) + 1, sizeof(float));
         snprintf(c->root, sizeof c->root, "%s/checkpoints", tr->run_dir);
-        tr->shard_ckpt = c;
+        tr->ckpt.shard = c;
     }
-    tera_shard_ckpt *c = tr->shard_ckpt;
+    tera_shard_ckpt *c = tr->ckpt.shard;
     snprintf(c->dir, sizeof c->dir, "%s/step_%08" PRId64, c->root, tr->step);
     snprintf(c->tmp, sizeof c->tmp, "%s.tmp", c->dir);
     /* a committed checkpoint of this step that verifies is kept (a resumed, finished run) */
@@ -1639,7 +1647,7 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     free(c->state_json);
     c->state_json = tr->root ? state_text(tr) : NULL;
     c->wrote = 0;
-    snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", tera_layout_member(tr));
+    snprintf(c->file, sizeof c->file, "rank-%05d.safetensors", tera_zero_member(&tr->topo));
     tera_status st = TERA_OK;
     if (tr->root) {
         tera_ckpt_io_point("mkdir", c->root);
@@ -1652,7 +1660,7 @@ tera_status tera_trainer_save_sharded(tera_trainer *tr) {
     c->pending = 1;
     const tera_ckpt_options opt = tera_ckpt_options_from_config(&tr->cfg);
     /* the final save is full, like the whole-model path's; the others by checkpoint.full_every */
-    c->full = save_is_full(final || tr->ckpt_force_full, c->has_base, opt.full_every, c->since_full);
+    c->full = save_is_full(final || tr->ckpt.force_full, c->has_base, opt.full_every, c->since_full);
     if (c->full) {
         c->has_base = 1, c->since_full = 0, c->base_step = tr->step;
     } else {

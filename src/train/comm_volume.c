@@ -7,6 +7,7 @@
 
 #include "tera/io.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 /* The communication of one training step under a layout: bytes one rank sends, by kind of
  * transfer, as src/comm/comm.c counts them (collectives at ring-algorithm volume: an
@@ -35,12 +36,12 @@ static double sharded_pass(const tera_trainer *tr) {
  * all-gather; ZeRO-3: the reduce-scatters, no final all-gather (parameters stay sharded). */
 static void grad_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const double pass = sharded_pass(tr);
-    if (tr->zero == 0) {
+    if (tr->sharding->stage == 0) {
         cm->min[TERA_XFER_ALLREDUCE] += 2.0 * pass;
         cm->grad = 2.0 * pass;
         return;
     }
-    const double rs = (tr->zero >= 2 ? A : 1) * pass, ag = tr->zero < 3 ? pass : 0.0;
+    const double rs = (tr->sharding->stage >= 2 ? A : 1) * pass, ag = tr->sharding->stage < 3 ? pass : 0.0;
     cm->min[TERA_XFER_REDUCE_SCATTER] += rs;
     cm->min[TERA_XFER_ALLGATHER] += ag;
     cm->grad = rs + ag;
@@ -82,7 +83,7 @@ static double group_gather(const tera_trainer *tr, int group) {
  * step, the other layers twice per micro-batch, layer 0 once more for the next micro-batch. In a
  * pipeline stage the order is its schedule's (tera_pipe_param_uses): micro-batches interleave. */
 static void zero3_gather_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
-    if (tr->zero < 3) return;
+    if (tr->sharding->stage < 3) return;
     const int L = tr->model.cfg.n_layers, tied = tr->model.cfg.tie_embeddings;
     int held[3] = {INT32_MIN, INT32_MIN, INT32_MIN}; /* embedding, head, layer slots */
     int n = tr->topo.pp > 1 ? tera_pipe_param_uses(tr->pipe, NULL, 0) : A * (2 * L + 5);
@@ -188,5 +189,5 @@ tera_comm_volume tera_trainer_comm_volume(const tera_trainer *tr, int A) {
 
 
 int64_t tera_trainer_optimizer_bytes(const tera_trainer *tr) {
-    return (int64_t)(2 * sizeof(float)) * (tr->opt.n + tr->opt_x.n);
+    return (int64_t)(2 * sizeof(float)) * (tr->sharding->opt.n + tr->sharding->opt_x.n);
 }

@@ -18,16 +18,22 @@
 #include "tera/comm_hier.h"
 #include "tera/compress.h"
 #include "tera/io.h"
+#include "tera/zero.h"
 
-#define CHUNKS 64 /* fixed partition of each range for the loops: thread-count independent */
+/* Fixed partition of each range for the loops (run on the model's backend: ops.for_ranges over the
+ * chunks): the chunks' sums do not depend on the thread count. */
+#define CHUNKS 64
 
 struct tera_onebit {
     int frozen;            /* the variance is frozen: momentum exchanged in 1 bit, gradients not summed */
     int64_t t_freeze;      /* the optimizer's step count when it was frozen (v's bias correction) */
     int64_t warmup;        /* optimizer.onebit_warmup_steps */
     float *mom;            /* [n] the momentum of this rank's flat buffer: the same bits on every rank of a
-                              region's group (ZeRO-0: tr->opt.m itself; ZeRO-1: own, the shards in opt.m) */
-    float *own;            /* ZeRO-1: mom's allocation */
+                              region's group (ZeRO-0: tr->sharding->opt.m itself; ZeRO-1/2/3: own, the shards in opt.m) */
+    float *own;            /* ZeRO-1/2/3: mom's allocation */
+    float *g;              /* [n] this rank's own gradient after the freeze: the model's buffer (ZeRO-0/1), or
+                              gown (ZeRO-2/3: bound to the model in place of the shards, tera_zero_local_grads) */
+    float *gown;           /* ZeRO-2/3: g's allocation */
     int q[2];              /* the ranks sharing each region: dp (non-expert), edp (experts) */
     tera_creducer *cr[2];  /* their 1-bit all-reduces (NULL: one rank, nothing to exchange) */
 };
@@ -42,37 +48,37 @@ static void region(const tera_trainer *tr, int x, int64_t *base, int64_t *len) {
 tera_status tera_onebit_init(tera_trainer *tr) {
     const tera_optim_config *oc = &tr->cfg.optimizer;
     if (strcmp(oc->name, "onebit_adam") != 0) return TERA_OK;
-    if (tr->zero >= 2)
-        return tera_fail(TERA_ERR_CONFIG,
-                         "optimizer.name = onebit_adam works with parallel.zero = 0 or 1, not %d: ZeRO-%d never holds "
-                         "a rank's whole gradient, which 1-bit Adam's own momentum needs (set parallel.zero = 1, or "
-                         "optimizer.name = adamw)", tr->zero, tr->zero);
     const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
     tera_onebit *ob = tera_calloc(1, sizeof *ob);
     ob->warmup = oc->onebit_warmup_steps;
     ob->q[0] = tr->topo.dp;
     ob->q[1] = tr->topo.edp;
-    if (tr->zero) {
+    if (tr->sharding->stage) {
         ob->own = tera_calloc((size_t)n + 1, sizeof(float));
         ob->mom = ob->own;
     } else { /* the whole moments are one allocation, the expert region's a view into it */
-        TERA_ASSERTF(tr->opt.lo == 0 && tr->opt_x.m == tr->opt.m + nd, "1-bit Adam: the moments of [0, %ld) are not "
+        TERA_ASSERTF(tr->sharding->opt.lo == 0 && tr->sharding->opt_x.m == tr->sharding->opt.m + nd, "1-bit Adam: the moments of [0, %ld) are not "
                      "contiguous", (long)n);
-        ob->mom = tr->opt.m;
+        ob->mom = tr->sharding->opt.m;
     }
+    /* ZeRO-2/3 hold no whole gradient; after the freeze the rank's own one is needed whole (its momentum
+     * covers the whole region): allocated here, once */
+    if (tr->sharding->stage >= 2) ob->gown = tera_calloc((size_t)n + 1, sizeof(float));
+    ob->g = ob->gown ? ob->gown : tr->model.g;
     for (int x = 0; x < 2; x++) {
         int64_t base, len;
         region(tr, x, &base, &len);
         if (ob->q[x] > 1 && len > 0) {
-            ob->cr[x] = tera_creducer_create(x ? tr->edp : tr->dp, TERA_COMPRESS_ONEBIT, len);
+            ob->cr[x] = tera_creducer_create(x ? tr->groups.edp : tr->groups.dp, TERA_COMPRESS_ONEBIT, len);
             tera_creducer_set_mean(ob->cr[x], 1);
         }
     }
     tr->onebit = ob;
     if (tr->root && tr->cfg.logging.progress) {
-        /* what 1-bit Adam adds per rank: ZeRO-1's whole momentum, each reducer's residuals (two of the
-         * region's size) and its message buffers (the region compressed, p chunks received, one fp32 chunk) */
-        double extra = tr->zero ? 4.0 * (double)n : 0.0;
+        /* what 1-bit Adam adds per rank: ZeRO-1/2/3's whole momentum, ZeRO-2/3's whole gradient, each
+         * reducer's residuals (two of the region's size) and its message buffers (the region compressed,
+         * p chunks received, one fp32 chunk) */
+        double extra = (tr->sharding->stage ? 4.0 * (double)n : 0.0) + (ob->gown ? 4.0 * (double)n : 0.0);
         for (int x = 0; x < 2; x++) {
             int64_t base, len;
             region(tr, x, &base, &len);
@@ -93,39 +99,48 @@ void tera_onebit_free(tera_trainer *tr) {
     if (!ob) return;
     tera_creducer_free(ob->cr[0]);
     tera_creducer_free(ob->cr[1]);
+    tera_zero_local_grads(tr->sharding, NULL);
     free(ob->own);
+    free(ob->gown);
     free(ob);
     tr->onebit = NULL;
 }
 
 int tera_onebit_frozen(const tera_trainer *tr) { return tr->onebit && tr->onebit->frozen; }
 
-/* ZeRO-1: every rank's whole momentum from the shards in opt.m / opt_x.m (at the freeze and after a
+/* The frozen state, and with it where ZeRO-2/3 put the gradients: the rank's own whole buffer once
+ * frozen (nothing reduce-scattered), the shards before */
+static void set_frozen(tera_trainer *tr, int frozen, int64_t t_freeze) {
+    tera_onebit *ob = tr->onebit;
+    ob->frozen = frozen;
+    ob->t_freeze = t_freeze;
+    tera_zero_local_grads(tr->sharding, frozen ? ob->gown : NULL);
+}
+
+/* ZeRO-1/2/3: every rank's whole momentum from the shards in opt.m / opt_x.m (at the freeze and after a
  * resume; one fp32 all-gather per region) */
 static void gather_momentum(tera_trainer *tr) {
     tera_onebit *ob = tr->onebit;
     const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
-    if (!tr->zero) return;
-    memcpy(ob->mom + tr->opt.lo, tr->opt.m, sizeof(float) * (size_t)tr->opt.n);
-    tera_comm_allgather_f32(tr->dp, ob->mom, tr->shard_counts);
+    if (!tr->sharding->stage) return;
+    memcpy(ob->mom + tr->sharding->opt.lo, tr->sharding->opt.m, sizeof(float) * (size_t)tr->sharding->opt.n);
+    tera_comm_allgather_f32(tr->groups.dp, ob->mom, tr->sharding->shard_counts);
     if (n > nd) {
-        memcpy(ob->mom + tr->opt_x.lo, tr->opt_x.m, sizeof(float) * (size_t)tr->opt_x.n);
-        tera_comm_allgather_f32(tr->edp, ob->mom + nd, tr->shard_counts_x);
+        memcpy(ob->mom + tr->sharding->opt_x.lo, tr->sharding->opt_x.m, sizeof(float) * (size_t)tr->sharding->opt_x.n);
+        tera_comm_allgather_f32(tr->groups.edp, ob->mom + nd, tr->sharding->shard_counts_x);
     }
 }
 
 static void freeze(tera_trainer *tr) {
-    tera_onebit *ob = tr->onebit;
-    ob->t_freeze = tr->opt.t;
-    ob->frozen = 1;
+    set_frozen(tr, 1, tr->sharding->opt.t);
     gather_momentum(tr);
 }
 
 double tera_onebit_grad_sq(tera_trainer *tr) {
     tera_model *m = &tr->model;
     const tera_onebit *ob = tr->onebit;
-    double *sq = tr->grad_sq;
-    tera_grad_sq_by_param_at(m, 0, m->n_floats, m->g, sq);
+    double *sq = tr->sharding->grad_sq;
+    tera_grad_sq_by_param_at(m, 0, m->n_floats, ob->g, sq);
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *p = &m->params[i];
         /* mean over the q ranks of |q g_r|^2 = sum over them of q |g_r|^2; a copy replicated over tp
@@ -142,45 +157,85 @@ double tera_onebit_grad_sq(tera_trainer *tr) {
 /* whether this rank's sums of tensor p count toward the whole model's (as layout.c's counts_here) */
 static int counts_here(const tera_trainer *tr, const tera_param *p) {
     if (p->tp_dim < 0 && tr->topo.tp_rank != 0) return 0;
-    if (tr->zero) return 1;
+    if (tr->sharding->stage) return 1;
     return p->expert_stacked ? tr->topo.edp_rank == 0 : tr->topo.dp_rank == 0;
+}
+
+/* Step 1's chunks: the rank's momentum from its own gradient, the gradient cleared */
+typedef struct {
+    float *mm, *g;
+    float b1, gs;
+    int64_t len, per;
+} mom_ctx;
+
+static void mom_chunks(void *ctx, int64_t lo, int64_t hi, int worker) {
+    (void)worker;
+    const mom_ctx *c = ctx;
+    for (int64_t ch = lo; ch < hi; ch++) {
+        const int64_t j0 = ch * c->per, j1 = j0 + c->per < c->len ? j0 + c->per : c->len;
+        for (int64_t j = j0; j < j1; j++) {
+            c->mm[j] = c->b1 * c->mm[j] + (1.0f - c->b1) * (c->g[j] * c->gs);
+            c->g[j] = 0.0f;
+        }
+    }
+}
+
+/* Step 2's chunks: the update of one tensor's range with the frozen variance; each chunk's update and
+ * parameter squares */
+typedef struct {
+    float *w;
+    const float *mm, *vv;
+    float decay, step_size, bc2_sqrt, eps;
+    int64_t len, per;
+    double *up, *pp; /* [CHUNKS] */
+} upd_ctx;
+
+static void upd_chunks(void *ctx, int64_t lo, int64_t hi, int worker) {
+    (void)worker;
+    const upd_ctx *c = ctx;
+    for (int64_t ch = lo; ch < hi; ch++) {
+        const int64_t j0 = ch * c->per, j1 = j0 + c->per < c->len ? j0 + c->per : c->len;
+        float us = 0.0f, ps = 0.0f;
+        for (int64_t j = j0; j < j1; j++) {
+            const float w0 = c->w[j];
+            float wj = w0 * c->decay;
+            wj -= c->step_size * c->mm[j] / (sqrtf(c->vv[j]) / c->bc2_sqrt + c->eps);
+            c->w[j] = wj;
+            us += (wj - w0) * (wj - w0);
+            ps += w0 * w0;
+        }
+        c->up[ch] = us;
+        c->pp[ch] = ps;
+    }
 }
 
 void tera_onebit_step(tera_trainer *tr, float lr, float grad_scale, double *sums) {
     tera_onebit *ob = tr->onebit;
     if (!ob->frozen) { /* warm-up: AdamW with fp32 gradient sums, then the freeze after the last one */
-        tera_layout_adamw_step(tr, lr, grad_scale, sums);
+        tera_zero_adamw_step(tr->sharding, lr, grad_scale, &tr->cfg.optimizer, sums);
         if (tr->step + 1 >= ob->warmup) freeze(tr);
         return;
     }
     tera_model *m = &tr->model;
     const tera_optim_config *c = &tr->cfg.optimizer;
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
-    const int64_t nd = m->n_dense_floats, n = m->n_floats;
+    tera_backend *be = m->be;
     /* 1. each rank's momentum from its own gradient estimate q g_r (the gradients cleared on the way),
      *    then its 1-bit mean over the region's ranks: the same bits on every one of them */
     for (int x = 0; x < 2; x++) {
         int64_t base, len;
         region(tr, x, &base, &len);
         if (len == 0) continue;
-        float *mm = ob->mom + base, *g = m->g + base;
-        const float gs = grad_scale * (float)ob->q[x];
-        const int64_t per = (len + CHUNKS - 1) / CHUNKS;
-#pragma omp parallel for schedule(static)
-        for (int ch = 0; ch < CHUNKS; ch++) {
-            const int64_t j0 = ch * per, j1 = j0 + per < len ? j0 + per : len;
-            for (int64_t j = j0; j < j1; j++) {
-                mm[j] = b1 * mm[j] + (1.0f - b1) * (g[j] * gs);
-                g[j] = 0.0f;
-            }
-        }
-        if (ob->cr[x]) tera_creducer_allreduce(ob->cr[x], mm, 0, len);
+        mom_ctx mc = {.mm = ob->mom + base, .g = ob->g + base, .b1 = b1, .gs = grad_scale * (float)ob->q[x],
+                      .len = len, .per = (len + CHUNKS - 1) / CHUNKS};
+        be->ops.for_ranges(be, CHUNKS, mom_chunks, &mc);
+        if (ob->cr[x]) tera_creducer_allreduce(ob->cr[x], mc.mm, 0, len);
     }
     /* 2. the update of this rank's optimizer ranges with the frozen variance */
-    double *usq = tr->grad_sq + m->n_params * 2, *psq = usq + m->n_params; /* per tensor */
+    double *usq = tr->sharding->grad_sq + m->n_params * 2, *psq = usq + m->n_params; /* per tensor */
     memset(usq, 0, sizeof(double) * 2 * (size_t)m->n_params);
     const float bc2_sqrt = sqrtf(1.0f - powf(b2, (float)ob->t_freeze));
-    tera_adamw *os[2] = {&tr->opt, &tr->opt_x};
+    tera_adamw *os[2] = {&tr->sharding->opt, &tr->sharding->opt_x};
     for (int x = 0; x < 2; x++) {
         tera_adamw *o = os[x];
         o->t++;
@@ -190,39 +245,24 @@ void tera_onebit_step(tera_trainer *tr, float lr, float grad_scale, double *sums
             const int64_t a = p->offset > o->lo ? p->offset : o->lo;
             const int64_t b = p->offset + p->numel < o->hi ? p->offset + p->numel : o->hi;
             if (b <= a) continue;
-            float *w = m->w + a;
-            const float *mm = ob->mom + a, *vv = o->v + (a - o->lo);
-            const float decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f;
-            const int64_t len = b - a, per = (len + CHUNKS - 1) / CHUNKS;
             double up[CHUNKS], pp[CHUNKS];
-#pragma omp parallel for schedule(static)
-            for (int ch = 0; ch < CHUNKS; ch++) {
-                const int64_t j0 = ch * per, j1 = j0 + per < len ? j0 + per : len;
-                float us = 0.0f, ps = 0.0f;
-                for (int64_t j = j0; j < j1; j++) {
-                    const float w0 = w[j];
-                    float wj = w0 * decay;
-                    wj -= step_size * mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps);
-                    w[j] = wj;
-                    us += (wj - w0) * (wj - w0);
-                    ps += w0 * w0;
-                }
-                up[ch] = us;
-                pp[ch] = ps;
-            }
+            const int64_t len = b - a;
+            upd_ctx uc = {.w = o->w ? o->w + (a - o->lo) : m->w + a, /* ZeRO-3: the shard's parameters */
+                          .mm = ob->mom + a, .vv = o->v + (a - o->lo),
+                          .decay = p->decay ? 1.0f - lr * c->weight_decay : 1.0f, .step_size = step_size,
+                          .bc2_sqrt = bc2_sqrt, .eps = eps, .len = len, .per = (len + CHUNKS - 1) / CHUNKS,
+                          .up = up, .pp = pp};
+            be->ops.for_ranges(be, CHUNKS, upd_chunks, &uc);
             double ut = 0.0, pt = 0.0;
             for (int ch = 0; ch < CHUNKS; ch++) ut += up[ch], pt += pp[ch];
             usq[i] += ut, psq[i] += pt;
         }
-        /* ZeRO-1: the shard's momentum where the checkpoint reads it (ZeRO-0: it is mom itself) */
+        /* ZeRO-1/2/3: the shard's momentum where the checkpoint reads it (ZeRO-0: it is mom itself) */
         if (o->n > 0 && o->m != ob->mom + o->lo) memcpy(o->m, ob->mom + o->lo, sizeof(float) * (size_t)o->n);
     }
-    if (tr->zero) { /* every rank gets every shard's new parameters (fp32, as with AdamW) */
-        if (tr->gred[0]) tera_greducer_allgather(tr->gred[0], m->w, tr->shard_counts);
-        else tera_comm_allgather_f32(tr->dp, m->w, tr->shard_counts);
-        if (n > nd && tr->gred[1]) tera_greducer_allgather(tr->gred[1], m->w + nd, tr->shard_counts_x);
-        else if (n > nd) tera_comm_allgather_f32(tr->edp, m->w + nd, tr->shard_counts_x);
-    }
+    /* ZeRO-1/2: every rank gets every shard's new parameters (fp32, as with AdamW); ZeRO-3: the layers
+     * gathered before are stale */
+    tera_zero_params_updated(tr->sharding);
     double s[2] = {0.0, 0.0};
     for (int i = 0; i < m->n_params; i++)
         if (counts_here(tr, &m->params[i])) s[0] += usq[i], s[1] += psq[i];
@@ -244,7 +284,7 @@ static float *state_array(tera_trainer *tr, int id, int64_t *n) {
     const int src = id / 4, x = id / 2 % 2, which = id % 2;
     *n = 0;
     if (src == 0) return tr->onebit && tr->onebit->cr[x] ? tera_creducer_state(tr->onebit->cr[x], which, n) : NULL;
-    return tera_greducer_state(tr->gred[x], which, n);
+    return tera_greducer_state(tr->sharding->gred[x], which, n);
 }
 
 static int state_on(tera_trainer *tr) {
@@ -262,7 +302,7 @@ static void fill_header(const tera_trainer *tr, int64_t *h) {
     memset(h, 0, sizeof(int64_t) * HDR_LEN);
     h[HDR_MAGIC] = STATE_MAGIC, h[HDR_VERSION] = STATE_VERSION, h[HDR_STEP] = tr->step;
     h[HDR_WORLD] = tr->topo.world, h[HDR_RANK] = tr->topo.rank, h[HDR_DP] = tr->topo.dp, h[HDR_TP] = tr->topo.tp;
-    h[HDR_PP] = tr->topo.pp, h[HDR_EP] = tr->topo.ep, h[HDR_ZERO] = tr->zero, h[HDR_N] = tr->model.n_floats;
+    h[HDR_PP] = tr->topo.pp, h[HDR_EP] = tr->topo.ep, h[HDR_ZERO] = tr->sharding->stage, h[HDR_N] = tr->model.n_floats;
     h[HDR_ND] = tr->model.n_dense_floats;
     h[HDR_FROZEN] = tr->onebit ? tr->onebit->frozen : 0;
     h[HDR_TFREEZE] = tr->onebit ? tr->onebit->t_freeze : 0;
@@ -428,10 +468,7 @@ done:
             float *a = state_array(tr, id, &n);
             if (a) memcpy(a, bufs[id], sizeof(float) * (size_t)lens[id]);
         }
-        if (tr->onebit) {
-            tr->onebit->frozen = (int)h[HDR_FROZEN];
-            tr->onebit->t_freeze = h[HDR_TFREEZE];
-        }
+        if (tr->onebit) set_frozen(tr, (int)h[HDR_FROZEN], h[HDR_TFREEZE]);
     }
     for (int id = 0; id < 8; id++) free(bufs[id]);
     return ok;
@@ -451,7 +488,7 @@ tera_status tera_comm_state_load(tera_trainer *tr) {
             float *a = state_array(tr, id, &n);
             if (a) memset(a, 0, sizeof(float) * (size_t)n);
         }
-        if (tr->onebit) tr->onebit->frozen = 0, tr->onebit->t_freeze = 0;
+        if (tr->onebit) set_frozen(tr, 0, 0);
         if (tr->root)
             fprintf(stderr, "tera: warning: --resume at step %ld: %ld rank(s) have no communication state of this "
                     "checkpoint; error-feedback residuals start at zero%s: not bit-identical to an uninterrupted run\n",
@@ -459,6 +496,6 @@ tera_status tera_comm_state_load(tera_trainer *tr) {
                     tr->onebit ? " and 1-bit Adam freezes the variance again after its next step" : "");
         return TERA_OK;
     }
-    if (tr->onebit && tr->onebit->frozen) gather_momentum(tr); /* ZeRO-1: from the checkpoint's shards */
+    if (tr->onebit && tr->onebit->frozen) gather_momentum(tr); /* ZeRO-1/2/3: from the checkpoint's shards */
     return TERA_OK;
 }

@@ -11,7 +11,11 @@
  * with error feedback on both sides (include/tera/compress.h, TERA_COMPRESS_ONEBIT; every rank gets
  * the same bits); the parameters of this rank's optimizer range (ZeRO-1: its shard) take
  * w = w (1 - lr wd) - lr / (1 - beta1^t) m / (sqrt(v / (1 - beta2^t_freeze)) + eps).
- * parallel.zero 2 and 3 are refused at start-up (they never hold a rank's whole gradient). */
+ * ZeRO-2/3 (no whole gradient buffer): after the freeze the rank's own gradient accumulates whole in
+ * a buffer of this module's (tera_zero_local_grads: no reduce-scatter), the update takes this rank's
+ * shard (ZeRO-3: of the parameters too), then the shards' parameters are shared as with AdamW
+ * (tera_zero_params_updated). Memory per rank: a whole momentum (ZeRO-1/2/3) and a whole gradient
+ * (ZeRO-2/3) besides the error feedback, printed at start-up. */
 #ifndef TERA_TRAIN_ONEBIT_H
 #define TERA_TRAIN_ONEBIT_H
 
@@ -19,17 +23,17 @@
 
 typedef struct tera_onebit tera_onebit;
 
-/* After tera_layout_init (collective over the groups when on): tr->onebit, NULL when
- * optimizer.name = adamw. Fails (the same on every rank) for parallel.zero >= 2. */
+/* After tera_zero_create (collective over the groups when on): tr->onebit, NULL when
+ * optimizer.name = adamw. */
 tera_status tera_onebit_init(tera_trainer *tr);
 void tera_onebit_free(tera_trainer *tr);
 /* 1 once the variance is frozen: the step's gradients are not summed over the data-parallel ranks. */
 int tera_onebit_frozen(const tera_trainer *tr);
 /* Frozen: the squared gradient norm as the trainer uses it (clipping, the finite check, metrics):
- * sum over tensors of the mean over the q ranks of |q g_r|^2 (per tensor in tr->grad_sq), collective
+ * sum over tensors of the mean over the q ranks of |q g_r|^2 (per tensor in tr->sharding->grad_sq), collective
  * over the world; a non-finite gradient on any rank makes it non-finite everywhere. */
 double tera_onebit_grad_sq(tera_trainer *tr);
-/* The optimizer step (replaces tera_layout_adamw_step when on); sums as tera_layout_adamw_step's. */
+/* The optimizer step (replaces tera_zero_adamw_step when on); sums as tera_zero_adamw_step's. */
 void tera_onebit_step(tera_trainer *tr, float lr, float grad_scale, double *sums);
 
 /* Per-rank communication state of a checkpoint of step tr->step: RUN/checkpoints/comm_state/

@@ -1,18 +1,26 @@
 /* AdamW, LR schedule and gradient clipping. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "tera/backend.h"
 #include "tera/train.h"
 
 /* The passes over the parameter, gradient and moment arrays after backward: the gradient norm
  * (tera_adamw_grad_sq) and one fused pass that scales the gradient by the clip factor, updates both
  * moments and the parameter (decoupled weight decay), adds up the update and parameter norms and
- * clears the gradient. Each pass is one parallel region over a flat list of (tensor, chunk) work
+ * clears the gradient. Each pass is one parallel call over a flat list of (tensor, chunk) work
  * items built once (tera_adamw_plan), not one region per tensor; every chunk's sums land in their
  * own slot and are added per tensor in the list's order, so results do not depend on the thread
  * count or the schedule. Inner loops run in LANES independent lanes (a fixed order GCC vectorises
- * without -ffast-math) and multiply where the old code divided (1 / sqrt(bias correction)). */
+ * without -ffast-math) and multiply where the old code divided (1 / sqrt(bias correction)).
+ *
+ * The passes run on the threads of the model's compute backend (m->be, include/tera/backend.h),
+ * not on OpenMP of their own: ops.for_ranges starts one worker per backend thread, and the workers
+ * take blocks of ITEM_GRAIN items from a shared counter until none is left (the dynamic schedule
+ * the OpenMP loops had; one relaxed atomic add per block of 4 x 16384 elements). A model without
+ * a backend (m->be NULL: a hand-built table) runs them on the calling thread, in item order. */
 typedef struct {
     int32_t p;    /* tensor index */
     int64_t a, b; /* flat element range [a, b) */
@@ -49,6 +57,42 @@ static int tensor_items(const tera_param *tp, int p, int64_t lo, int64_t hi, opt
             it[k - k0] = (optim_item){.p = p, .a = a > a0 ? a : a0, .b = b < b0 ? b : b0};
         }
     return (int)(k1 - k0);
+}
+
+/* ---- scheduling: items [0, n) in blocks of ITEM_GRAIN, handed out dynamically */
+#define ITEM_GRAIN 4
+
+typedef struct {
+    void (*fn)(void *ctx, int64_t a, int64_t b); /* items [a, b) */
+    void *ctx;
+    int64_t n;
+    atomic_llong next; /* the first item not yet taken */
+} item_queue;
+
+static void queue_worker(void *arg, int64_t lo, int64_t hi, int worker) {
+    (void)lo, (void)hi, (void)worker; /* every worker drains the same queue */
+    item_queue *q = arg;
+    for (;;) {
+        const int64_t a = (int64_t)atomic_fetch_add_explicit(&q->next, ITEM_GRAIN, memory_order_relaxed);
+        if (a >= q->n) return;
+        q->fn(q->ctx, a, a + ITEM_GRAIN < q->n ? a + ITEM_GRAIN : q->n);
+    }
+}
+
+/* fn over items [0, n) on be's threads (each item exactly once; the join of for_ranges orders
+ * every write before the return); be NULL: on this thread, in order. */
+static void for_items(tera_backend *be, int64_t n, void (*fn)(void *ctx, int64_t a, int64_t b), void *ctx) {
+    if (n <= 0) return;
+    const int64_t blocks = (n + ITEM_GRAIN - 1) / ITEM_GRAIN;
+    int64_t workers = be ? be->ops.max_threads(be) : 1;
+    if (workers > blocks) workers = blocks;
+    if (workers <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    item_queue q = {.fn = fn, .ctx = ctx, .n = n};
+    atomic_init(&q.next, 0);
+    be->ops.for_ranges(be, workers, queue_worker, &q);
 }
 
 void tera_adamw_plan(tera_adamw *o, const tera_model *m) {
@@ -96,27 +140,68 @@ void tera_adamw_free(tera_adamw *o) {
 
 /* sum of g[j]^2 over n elements: the exact fp32 squares added in fp64, lane j % SQ_LANES (fp32 sums
  * over short blocks measured up to 1.6x faster on one core here, but the norm would lose its fp64
- * accuracy: ~1e-7 relative instead of the 1e-9 tests/test_model.c holds it to) */
-static double sq_sum(const float *restrict g, int64_t n) {
-    double acc[SQ_LANES] = {0};
-    int64_t j = 0;
+ * accuracy: ~1e-7 relative instead of the 1e-9 tests/test_model.c holds it to). sq_lanes adds
+ * elements [j, n) into the lanes, sq_total adds the lanes up in order. */
+static inline __attribute__((always_inline)) void sq_lanes(double *restrict acc, const float *restrict g, int64_t j,
+                                                          int64_t n) {
     for (; j + SQ_LANES <= n; j += SQ_LANES)
         for (int l = 0; l < SQ_LANES; l++) acc[l] += (double)g[j + l] * (double)g[j + l];
     for (; j < n; j++) acc[j % SQ_LANES] += (double)g[j] * (double)g[j];
+}
+
+static inline double sq_total(const double *acc) {
     double s = 0.0;
     for (int l = 0; l < SQ_LANES; l++) s += acc[l];
     return s;
 }
 
+static double sq_sum(const float *restrict g, int64_t n) {
+    double acc[SQ_LANES] = {0};
+    sq_lanes(acc, g, 0, n);
+    return sq_total(acc);
+}
+
+/* Two items at once, each in its own lanes (the numbers of sq_sum on each): two read streams per
+ * thread instead of one, which alone left this pass latency-bound (about 20% less CPU time per pass
+ * on bench-m's gradients here; docs/PERFORMANCE.md, "Optimizer"). */
+static void sq_sum2(const float *restrict x, int64_t nx, const float *restrict y, int64_t ny, double *rx,
+                    double *ry) {
+    double ax[SQ_LANES] = {0}, ay[SQ_LANES] = {0};
+    const int64_t n = nx < ny ? nx : ny;
+    int64_t j = 0;
+    for (; j + SQ_LANES <= n; j += SQ_LANES) {
+        for (int l = 0; l < SQ_LANES; l++) ax[l] += (double)x[j + l] * (double)x[j + l];
+        for (int l = 0; l < SQ_LANES; l++) ay[l] += (double)y[j + l] * (double)y[j + l];
+    }
+    sq_lanes(ax, x, j, nx);
+    sq_lanes(ay, y, j, ny);
+    *rx = sq_total(ax), *ry = sq_total(ay);
+}
+
+typedef struct {
+    const float *glo; /* the gradients of [lo, hi) */
+    const optim_item *it;
+    double *part;
+    int64_t lo;
+} sq_ctx;
+
+static void sq_items(void *arg, int64_t a, int64_t b) {
+    const sq_ctx *c = arg;
+    const optim_item *it = c->it;
+    int64_t k = a;
+    for (; k + 1 < b; k += 2)
+        sq_sum2(c->glo + (it[k].a - c->lo), it[k].b - it[k].a, c->glo + (it[k + 1].a - c->lo),
+                it[k + 1].b - it[k + 1].a, &c->part[k], &c->part[k + 1]);
+    if (k < b) c->part[k] = sq_sum(c->glo + (it[k].a - c->lo), it[k].b - it[k].a);
+}
+
 double tera_adamw_grad_sq(tera_adamw *o, const tera_model *m, double *sq) {
     tera_adamw_plan(o, m);
     const struct tera_adamw_plan *P = o->plan;
-    const float *glo = o->g ? o->g : m->g + o->lo;
     const optim_item *it = P->items;
     double *part = P->part;
-    const int64_t lo = o->lo;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int k = 0; k < P->n_items; k++) part[k] = sq_sum(glo + (it[k].a - lo), it[k].b - it[k].a);
+    sq_ctx ctx = {.glo = o->g ? o->g : m->g + o->lo, .it = it, .part = part, .lo = o->lo};
+    for_items(m->be, P->n_items, sq_items, &ctx);
     if (sq)
         for (int i = 0; i < m->n_params; i++) sq[i] = 0.0;
     double total = 0.0;
@@ -162,6 +247,31 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
     *usq = us, *psq = ps;
 }
 
+typedef struct {
+    float *w, *g, *m, *v; /* the range [lo, hi)'s parameters, gradients and moments */
+    const optim_item *it;
+    const tera_param *params;
+    double *part;
+    int64_t lo;
+    adam_k k;
+    float wdecay;
+    int zero_grad;
+} step_ctx;
+
+static void step_items(void *arg, int64_t a, int64_t b) {
+    const step_ctx *c = arg;
+    for (int64_t q = a; q < b; q++) {
+        const optim_item *it = &c->it[q];
+        const int64_t r = it->a - c->lo, n = it->b - it->a;
+        const float decay = c->params[it->p].decay ? c->wdecay : 1.0f;
+        double *part = c->part + 3 * q;
+        if (c->zero_grad)
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, n, &c->k, decay, 1, &part[1], &part[2]);
+        else
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, n, &c->k, decay, 0, &part[1], &part[2]);
+    }
+}
+
 void tera_adamw_step(tera_adamw *o, tera_model *m, float lr, float grad_scale, const tera_optim_config *c,
                      int zero_grad, double *update_sq, double *param_sq) {
     tera_adamw_step_by_param(o, m, lr, grad_scale, c, zero_grad, update_sq, param_sq, NULL, NULL);
@@ -176,21 +286,12 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
     const adam_k k = {.b1 = b1, .b2 = b2, .omb1 = 1.0f - b1, .omb2 = 1.0f - b2, .step_size = lr / bc1,
                       .inv_bc2_sqrt = 1.0f / sqrtf(bc2), .eps = c->eps, .gs = grad_scale};
-    const float wdecay = 1.0f - lr * c->weight_decay;
-    float *wlo = o->w ? o->w : m->w + o->lo, *glo = o->g ? o->g : m->g + o->lo;
     const optim_item *it = P->items;
-    const tera_param *params = m->params;
     double *part = P->part;
-    const int64_t lo = o->lo;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int q = 0; q < P->n_items; q++) {
-        const int64_t r = it[q].a - lo, n = it[q].b - it[q].a;
-        const float decay = params[it[q].p].decay ? wdecay : 1.0f;
-        if (zero_grad)
-            adamw_chunk(wlo + r, glo + r, o->m + r, o->v + r, n, &k, decay, 1, &part[3 * q + 1], &part[3 * q + 2]);
-        else
-            adamw_chunk(wlo + r, glo + r, o->m + r, o->v + r, n, &k, decay, 0, &part[3 * q + 1], &part[3 * q + 2]);
-    }
+    step_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->m, .v = o->v,
+                    .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
+                    .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad};
+    for_items(m->be, P->n_items, step_items, &ctx);
     double usum = 0.0, psum = 0.0;
     for (int q = 0; q < P->n_items;) {
         const int p = it[q].p;
@@ -250,8 +351,20 @@ double tera_grad_sq_by_param_at(const tera_model *m, int64_t lo, int64_t hi, con
 
 double tera_grad_norm(const tera_model *m) { return sqrt(tera_grad_sq_by_param(m, NULL)); }
 
+typedef struct {
+    float *g, s;
+} scale_ctx;
+
+static void scale_range(void *arg, int64_t lo, int64_t hi, int worker) {
+    (void)worker;
+    const scale_ctx *c = arg;
+    float *restrict g = c->g;
+    const float s = c->s;
+    for (int64_t i = lo; i < hi; i++) g[i] *= s;
+}
+
 void tera_grad_scale(tera_model *m, float s) {
-    float *g = m->g;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m->n_floats; i++) g[i] *= s;
+    scale_ctx c = {.g = m->g, .s = s};
+    if (m->be) m->be->ops.for_ranges(m->be, m->n_floats, scale_range, &c);
+    else scale_range(&c, 0, m->n_floats, 0);
 }

@@ -129,11 +129,11 @@ tera_status tera_sample_hook(tera_trainer *tr) {
     }
     if (st == TERA_OK && tr->root) {
         fprintf(stderr, "step %6ld | sample: %s%s\n", (long)tr->step, p, text);
-        if (tr->metrics) { /* {"step": S, "sample": "..."}: S 0-based, as the step records */
+        if (tr->log.metrics) { /* {"step": S, "sample": "..."}: S 0-based, as the step records */
             char *clean = tera_utf8_clean(text, len); /* JSON needs valid UTF-8 (cJSON escapes the rest) */
             cJSON *js = cJSON_CreateString(clean);
             char *q = js ? cJSON_PrintUnformatted(js) : NULL;
-            if (q) fprintf(tr->metrics, "{\"step\": %ld, \"sample\": %s}\n", (long)(tr->step - 1), q), fflush(tr->metrics);
+            if (q) fprintf(tr->log.metrics, "{\"step\": %ld, \"sample\": %s}\n", (long)(tr->step - 1), q), fflush(tr->log.metrics);
             free(q);
             cJSON_Delete(js);
             free(clean);

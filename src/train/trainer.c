@@ -20,6 +20,7 @@
 #include "tera/hw.h"
 #include "tera/tensorboard.h"
 #include "tera/trace.h"
+#include "tera/zero.h"
 #include "tera/profile.h"
 #include "tera/safetensors.h"
 #include "tera/sample.h"
@@ -59,7 +60,7 @@ static const char *model_config_diff(const tera_model_config *a0, const tera_mod
 /* The low-precision conversion scratch, sized once for the model's largest product (set the
  * precision and the bf16 units first). */
 static void reserve_scratch(const tera_trainer *tr) {
-    if (tr->precision == TERA_PREC_FP32) return;
+    if (tr->prec.precision == TERA_PREC_FP32) return;
     const tera_train_config *t = &tr->cfg.training;
     int64_t me, te;
     tera_precision_scratch_elems(&tr->cfg.model, t->micro_batch, t->seq_len, tr->topo.ep, &me, &te);
@@ -78,7 +79,7 @@ static double pipe_load(void *ctx, int micro, int32_t *tokens, int32_t *targets)
     return tera_now() - t0;
 }
 
-static void pipe_plan(void *ctx, int last, int next) { tera_layout_zero3_plan(ctx, last, next); }
+static void pipe_plan(void *ctx, int last, int next) { tera_zero_plan(((tera_trainer *)ctx)->sharding, last, next); }
 
 static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
@@ -94,15 +95,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_status tst = tera_topology_init(&tr->topo, tera_comm_size(world), tera_comm_rank(world), cfg->parallel.pp,
                                          cfg->parallel.dp, cfg->parallel.tp, cfg->parallel.ep);
     if (tst != TERA_OK) return tst;
-    tr->dp = tera_layout_axis_group(&tr->topo, TERA_AXIS_DP);
-    if (tr->topo.pp > 1) tr->pp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_PP);
-    if (tr->topo.tp > 1) tr->tp_group = tera_layout_axis_group(&tr->topo, TERA_AXIS_TP);
-    /* the data-parallel group's order is the topology's (its split keys are the dp ranks) */
-    TERA_ASSERTF(tera_comm_rank(tr->dp) == tr->topo.dp_rank && tera_comm_size(tr->dp) == tr->topo.dp,
-                 "data-parallel group: rank %d of %d, topology dp_rank %d of %d", tera_comm_rank(tr->dp),
-                 tera_comm_size(tr->dp), tr->topo.dp_rank, tr->topo.dp);
-    /* statistics (losses, expert loads) are summed over the data-parallel ranks of every stage */
-    tr->sg = tr->topo.tp > 1 || tr->topo.pp > 1 ? tera_layout_axis_group(&tr->topo, TERA_AXIS_STATS) : tr->dp;
+    /* the communicators of every group, the ranks placed on nodes (include/tera/groups.h) */
+    if ((tst = tera_groups_create(&tr->groups, &tr->topo, cfg->parallel.ranks_per_node)) != TERA_OK) return tst;
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -113,12 +107,11 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if ((st = tera_loader_bind(&tr->loader, tr->topo.dp_rank, tr->topo.dp, t->micro_batch, t->eval_every)) != TERA_OK) goto fail_src;
     if (t->eval_every > 0 && tr->loader.n_val == 0) {
         st = tera_fail(TERA_ERR_CONFIG, "training.eval_every = %d needs held-out data: set data.val_fraction > 0 "
-                                        "(data '%s' has %ld samples)",
+                                        "or a validation set data.val_path (data '%s' has %ld samples)",
                        t->eval_every, cfg->data.path[0] ? cfg->data.path : "embedded corpus",
                        (long)tr->loader.n_samples);
         goto fail_src;
     }
-    if ((st = tera_layout_groups(tr)) != TERA_OK) goto fail_src;
     {
         /* pipeline: the layers of each virtual stage (configured, or balanced by modelled compute) */
         const int S = tr->topo.pp * cfg->parallel.pp_chunks;
@@ -135,16 +128,17 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
             free(first);
             goto fail_src;
         }
+        const int zero = tera_zero_stage_in_effect(&tr->topo, cfg->parallel.zero);
         tera_backend *be = NULL; /* training.device */
         if ((st = tera_backend_for_device(t->device, t->threads, &be)) != TERA_OK) {
             free(first);
             goto fail_src;
         }
-        const tera_model_par par = {.ep = tr->topo.ep, .group = tr->ep_group, .overlap = cfg->parallel.ep_overlap,
+        const tera_model_par par = {.ep = tr->topo.ep, .group = tr->groups.ep, .overlap = cfg->parallel.ep_overlap,
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
-                                    .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->dp,
-                                    .tp = tr->topo.tp, .tp_group = tr->tp_group, .shard_grads = tr->zero >= 2,
-                                    .shard_params = tr->zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
+                                    .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->groups.dp,
+                                    .tp = tr->topo.tp, .tp_group = tr->groups.tp, .shard_grads = zero >= 2,
+                                    .shard_params = zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
                                     .n_slots = slots, .be = be};
         tera_model_config mc = cfg->model;
@@ -154,15 +148,19 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     if (st != TERA_OK) goto fail_src;
     if (tr->topo.pp > 1) {
-        const tera_pipe_env pe = {.model = &tr->model, .group = tr->pp_group, .stage = tr->topo.pp_rank,
+        const tera_pipe_env pe = {.model = &tr->model, .group = tr->groups.pp, .stage = tr->topo.pp_rank,
                                   .stages = tr->topo.pp, .micro_batches = t->grad_accum, .micro_batch = t->micro_batch,
                                   .seq_len = t->seq_len, .schedule = cfg->parallel.pp_schedule,
                                   .load = pipe_load, .plan = pipe_plan, .ctx = tr};
         if ((st = tera_pipe_create(&pe, &tr->pipe)) != TERA_OK) goto fail_model;
     }
-    /* optimizer ranges: the whole model, or ZeRO shards (src/train/layout.c) */
-    if ((st = tera_layout_init(tr)) != TERA_OK) goto fail_model;
-    tera_layout_bind_hooks(tr);
+    { /* optimizer ranges: the whole model, or ZeRO shards (include/tera/zero.h) */
+        const tera_zero_env ze = {.model = &tr->model, .topo = &tr->topo, .dp = tr->groups.dp, .edp = tr->groups.edp,
+                                  .stage = cfg->parallel.zero, .prefetch = cfg->parallel.zero_prefetch,
+                                  .planned = tr->topo.pp > 1, .grad_compression = cfg->parallel.grad_compression,
+                                  .hierarchical = cfg->parallel.hierarchical};
+        if ((st = tera_zero_create(&ze, &tr->sharding)) != TERA_OK) goto fail_model;
+    }
     if ((st = tera_onebit_init(tr)) != TERA_OK) goto fail_model; /* optimizer.name = onebit_adam (src/train/onebit.c) */
     if (t->init_from[0]) {
         tera_model_config hc = cfg->model;
@@ -180,9 +178,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
          * directory: each rank reads its own part range by range (no rank holds the whole model) */
         if ((st = tera_trainer_load_dir(tr, t->init_from, 0)) != TERA_OK) goto fail_model;
     } else {
-        tera_layout_init_weights(tr, t->seed);
+        tera_zero_init_weights(tr->sharding, t->seed);
     }
-    tr->grad_sq = tera_calloc((size_t)(4 * tr->model.n_params), sizeof(double)); /* + scratch of src/train/layout.c */
     tera_spike_init(&tr->spike, t);
     tera_batch_init(&tr->batch);
     {
@@ -216,11 +213,9 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         goto fail_all;
 
     /* logging.metrics_port: before the run directory is touched, so a port in use leaves nothing behind */
-    if ((st = tera_metrics_http_start(&tr->http, tr)) != TERA_OK) goto fail_all;
+    if ((st = tera_metrics_http_start(&tr->log.http, tr)) != TERA_OK) goto fail_all;
     if ((st = tera_trace_start(&cfg->logging, cfg->model.n_layers, tr->topo.rank, tr->topo.world)) != TERA_OK) goto fail_all;
-    if (tr->topo.rank == 0 && (st = tera_tensorboard_open(&tr->tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
-    tr->n_buckets = 2 * (cfg->model.n_layers + 2); /* per layer: non-expert and expert tensors */
-    tr->buckets = tera_calloc((size_t)tr->n_buckets, sizeof(tera_comm_req));
+    if (tr->topo.rank == 0 && (st = tera_tensorboard_open(&tr->log.tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
     if (tr->run_dir[0] && tr->root) {
         if (dir_nonempty(tr->run_dir) && !overwrite) {
             st = tera_fail(TERA_ERR_EXISTS,
@@ -247,14 +242,14 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     }
     /* mixed precision (src/train/precision.c): set the model's backend's precision and size its
      * conversion scratch once */
-    tr->precision = tera_precision_resolve(tr->model.be, t->precision, &tr->precision_note);
-    tr->bf16_gemm = TERA_BF16_NATIVE;
-    tr->bf16_gemm_note = "";
-    if (tr->precision == TERA_PREC_BF16)
-        tr->bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->bf16_gemm_note);
-    tera_backend_set_precision(tr->model.be, tr->precision, tr->bf16_gemm);
+    tr->prec.precision = tera_precision_resolve(tr->model.be, t->precision, &tr->prec.precision_note);
+    tr->prec.bf16_gemm = TERA_BF16_NATIVE;
+    tr->prec.bf16_gemm_note = "";
+    if (tr->prec.precision == TERA_PREC_BF16)
+        tr->prec.bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->prec.bf16_gemm_note);
+    tera_backend_set_precision(tr->model.be, tr->prec.precision, tr->prec.bf16_gemm);
     reserve_scratch(tr);
-    tera_scaler_init(&tr->scaler, tr->precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
+    tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
         if (tr->topo.world == 1)
@@ -266,27 +261,27 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                     "one %d-byte chunk; saves are streamed, no rank holds the whole model\n",
                     (long)tera_ckpt_writer_buffer_bytes(cfg), TERA_CKPT_CHUNK_BYTES);
     }
-    tr->t_start = tera_now();
+    tr->log.t_start = tera_now();
     return TERA_OK;
 
 fail_all:
-    tera_metrics_http_stop(tr->http);
-    tera_tensorboard_close(tr->tb);
-    tr->tb = NULL;
+    tera_metrics_http_stop(tr->log.http);
+    tera_tensorboard_close(tr->log.tb);
+    tr->log.tb = NULL;
     tera_spike_free(&tr->spike);
-    free(tr->buckets);
-    free(tr->grad_sq);
     tera_prefetch_stop(tr->prefetch);
     tera_trace_stop(); /* after the prefetcher */
     free(tr->tokens);
     free(tr->targets);
 fail_model:
-    tera_adamw_free(&tr->opt); /* allocated by tera_layout_init (zeroed before it: a no-op) */
+    tera_onebit_free(tr); /* its reducers use the groups */
+    tera_zero_destroy(tr->sharding);
+    tr->sharding = NULL;
     tera_pipe_destroy(tr->pipe);
     tr->pipe = NULL;
     tera_model_destroy(&tr->model);
 fail_src:
-    tera_layout_free(tr);
+    tera_groups_free(&tr->groups);
     tera_source_close(&tr->src);
     return st;
 }
@@ -300,13 +295,13 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     tera_comm_allreduce_i64(w, &failed, 1);
     if (failed == 0) {
         /* bf16 units: every rank runs the same kernels (fma if any rank's probe chose it) */
-        if (tr->precision == TERA_PREC_BF16 && !strcmp(cfg->training.bf16_gemm, "auto")) {
-            int64_t fma = tr->bf16_gemm == TERA_BF16_FMA;
+        if (tr->prec.precision == TERA_PREC_BF16 && !strcmp(cfg->training.bf16_gemm, "auto")) {
+            int64_t fma = tr->prec.bf16_gemm == TERA_BF16_FMA;
             tera_comm_allreduce_i64(w, &fma, 1);
-            if (fma > 0 && tr->bf16_gemm != TERA_BF16_FMA) {
-                tr->bf16_gemm = TERA_BF16_FMA;
-                tr->bf16_gemm_note = "fma (auto: chosen by another rank's probe)";
-                tera_backend_set_precision(tr->model.be, tr->precision, TERA_BF16_FMA);
+            if (fma > 0 && tr->prec.bf16_gemm != TERA_BF16_FMA) {
+                tr->prec.bf16_gemm = TERA_BF16_FMA;
+                tr->prec.bf16_gemm_note = "fma (auto: chosen by another rank's probe)";
+                tera_backend_set_precision(tr->model.be, tr->prec.precision, TERA_BF16_FMA);
                 reserve_scratch(tr);
             }
         }
@@ -324,33 +319,33 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
 
 void tera_trainer_free(tera_trainer *tr) {
     tera_trainer_ckpt_close(tr); /* waits for a background checkpoint write still in flight */
-    tera_metrics_http_stop(tr->http);
-    tera_tensorboard_close(tr->tb); /* an error was reported by tera_trainer_run */
-    if (tr->metrics) fclose(tr->metrics);
-    if (tr->mline) fclose(tr->mline); /* the memory stream's buffer stays the caller's */
-    free(tr->mline_buf);
+    tera_metrics_http_stop(tr->log.http);
+    tera_tensorboard_close(tr->log.tb); /* an error was reported by tera_trainer_run */
+    if (tr->log.metrics) fclose(tr->log.metrics);
+    if (tr->log.mline) fclose(tr->log.mline); /* the memory stream's buffer stays the caller's */
+    free(tr->log.mline_buf);
     tera_prefetch_stop(tr->prefetch);
     tera_trace_stop(); /* after the threads that record into it */
     tera_spike_free(&tr->spike);
-    free(tr->buckets);
-    free(tr->grad_sq);
     free(tr->tokens);
     free(tr->targets);
-    tera_adamw_free(&tr->opt);
+    tera_onebit_free(tr); /* its reducers use the groups freed below */
+    tera_zero_destroy(tr->sharding);
+    tr->sharding = NULL;
     tera_pipe_destroy(tr->pipe);
     tr->pipe = NULL;
-    tera_layout_free(tr);
     tera_model_destroy(&tr->model);
+    tera_groups_free(&tr->groups);
     tera_source_close(&tr->src); /* the backend (precision, scratch) went with the model */
     memset(tr, 0, sizeof *tr);
 }
 
 tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
-    if (!tr->run_dir[0] || tr->metrics || !tr->root) return TERA_OK;
+    if (!tr->run_dir[0] || tr->log.metrics || !tr->root) return TERA_OK;
     char path[TERA_PATH_MAX + 64];
     snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
-    tr->metrics = fopen(path, mode);
-    if (!tr->metrics) return tera_fail(TERA_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    tr->log.metrics = fopen(path, mode);
+    if (!tr->log.metrics) return tera_fail(TERA_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     return TERA_OK;
 }
 
@@ -359,9 +354,9 @@ tera_status tera_trainer_open_metrics(tera_trainer *tr, const char *mode) {
  * limit) is reported once, naming the file and the error; the partial line is cut off again, no
  * more lines are written, and the run ends with an error (tera_trainer_run). */
 static void metrics_put(tera_trainer *tr, const char *text, size_t n) {
-    if (!tr->metrics || tr->metrics_errno) return;
-    int err = fflush(tr->metrics) != 0 ? (errno ? errno : EIO) : 0; /* lines other code wrote through the FILE */
-    const int fd = fileno(tr->metrics);
+    if (!tr->log.metrics || tr->log.metrics_errno) return;
+    int err = fflush(tr->log.metrics) != 0 ? (errno ? errno : EIO) : 0; /* lines other code wrote through the FILE */
+    const int fd = fileno(tr->log.metrics);
     const off_t at = lseek(fd, 0, SEEK_END); /* the end of the last complete line (opened for appending) */
     for (size_t done = 0; !err && done < n;) {
         const ssize_t k = write(fd, text + done, n - done);
@@ -371,7 +366,7 @@ static void metrics_put(tera_trainer *tr, const char *text, size_t n) {
     }
     if (!err) return;
     if (at >= 0 && ftruncate(fd, at) != 0) { /* best effort: --resume also cuts a torn last line */ }
-    tr->metrics_errno = err;
+    tr->log.metrics_errno = err;
     fprintf(stderr, "tera: warning: %s/metrics.jsonl: write failed: %s; no more metrics are written (the run goes "
             "on and ends with an error)\n", tr->run_dir, strerror(err));
 }
@@ -388,8 +383,8 @@ static void put_num(FILE *f, const char *fmt, double v) {
 static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     const char *const *groups = tera_param_group_names;
     const tera_model *m = &tr->model;
-    if (!tr->mline) tr->mline = open_memstream(&tr->mline_buf, &tr->mline_len); /* once: no allocation per step */
-    FILE *f = tr->mline;
+    if (!tr->log.mline) tr->log.mline = open_memstream(&tr->log.mline_buf, &tr->log.mline_len); /* once: no allocation per step */
+    FILE *f = tr->log.mline;
     if (!f) return;
     rewind(f);
     const struct {
@@ -403,7 +398,7 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         {"z_loss_weighted", "%.7g", tr->cfg.model.z_coef * r->z_loss},
         {"lr", "%.7g", r->lr}, {"grad_norm", "%.7g", r->grad_norm},
         {"tokens_per_s", "%.1f", (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds},
-        {"elapsed_s", "%.3f", tera_now() - tr->t_start}, {"step_s", "%.4f", r->seconds},
+        {"elapsed_s", "%.3f", tera_now() - tr->log.t_start}, {"step_s", "%.4f", r->seconds},
         {"data_wait_s", "%.6f", r->data_seconds}, {"comm_wait_s", "%.6f", r->comm_seconds},
         {"dropped_frac", "%.5f", r->dropped_frac},
     };
@@ -421,7 +416,7 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
     int present[7] = {0};
     for (int i = 0; i < m->n_params; i++) {
         int g = tera_param_group(m->params[i].kind);
-        gsq[g] += tr->grad_sq[i];
+        gsq[g] += tr->sharding->grad_sq[i];
         present[g] = 1;
     }
     int first = 1;
@@ -460,23 +455,7 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         first = 0;
     }
     fprintf(f, "]}\n");
-    if (fflush(f) == 0) metrics_put(tr, tr->mline_buf, (size_t)ftello(f)); /* the line just written */
-}
-
-/* Gradient bucket ready (last micro-batch of a step): start its data-parallel sum now, while
- * backward continues, and let earlier ones progress. Buckets are numbered in backward order. */
-static void on_grad_ready(void *ctx, int64_t offset, int64_t count) {
-    tera_trainer *tr = ctx;
-    if (tr->gred[0] || tr->gred[1]) return; /* hierarchical / compressed: summed in tera_layout_reduce_grads */
-    if (tera_onebit_frozen(tr)) return; /* 1-bit Adam past its warm-up: gradients are not summed */
-    int i = 0;
-    while (i < tr->n_buckets && tr->buckets[i].active) i++;
-    TERA_ASSERTF(i < tr->n_buckets, "more gradient buckets than the %d expected", tr->n_buckets);
-    /* non-expert tensors: summed over every data-parallel rank; this rank's experts: over the
-     * ranks holding the same experts */
-    tera_comm *g = offset >= tr->model.n_dense_floats ? tr->edp : tr->dp;
-    tera_comm_iallreduce_f32(g, tr->model.g + offset, count, &tr->buckets[i]);
-    tera_comm_poll(tr->buckets, i);
+    if (fflush(f) == 0) metrics_put(tr, tr->log.mline_buf, (size_t)ftello(f)); /* the line just written */
 }
 
 /* A spike's update was dropped. Roll back to the newest committed checkpoint when there is one
@@ -515,14 +494,14 @@ static tera_status handle_spike(tera_trainer *tr, const tera_step_result *r, int
                 back >= 0 ? "rolled back to the newest checkpoint" : "no checkpoint to roll back to", (long)sample,
                 (long)(sample + seqs), t->spike_lr_factor, (long)g->lr_cut_until);
         if (back >= 0) fprintf(stderr, "tera: resuming at step %ld\n", (long)back);
-        if (tr->metrics) {
-            fprintf(tr->metrics,
+        if (tr->log.metrics) {
+            fprintf(tr->log.metrics,
                     "{\"step\": %ld, \"event\": \"loss_spike\", \"loss\": %.7g, \"grad_norm\": %.7g, \"z\": %.4g, "
                     "\"rolled_back_to\": %ld, \"skipped_samples\": [%ld, %ld], \"lr_factor\": %.4g, "
                     "\"lr_cut_until\": %ld}\n",
                     (long)spike_step, r->loss, r->grad_norm, tera_spike_last_z(g), (long)back,
                     (long)sample, (long)(sample + seqs), t->spike_lr_factor, (long)g->lr_cut_until);
-            fflush(tr->metrics);
+            fflush(tr->log.metrics);
         }
     }
     return TERA_OK;
@@ -543,7 +522,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     const int64_t seqs = (int64_t)A * B * tr->topo.dp; /* the global batch */
     r->accum = A, r->batch_seqs = seqs;
     const int nmoe = m->n_moe_layers > 0 ? m->n_moe_layers : 1;
-    const float ls = tr->scaler.scale; /* fp16's loss scale (1 otherwise) */
+    const float ls = tr->prec.scaler.scale; /* fp16's loss scale (1 otherwise) */
     r->loss_scale = ls;
     tera_loss_scales s = {
         .ce = ls / (float)(seqs * T),
@@ -554,18 +533,22 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
      * batch size of a replay may differ), checked again against every window */
     tr->samples_consumed = tera_spike_next_clean(&tr->spike, tr->samples_consumed, seqs);
     const int64_t step_sample = tr->samples_consumed;
-    if (!tr->grads_zero) tera_layout_zero_grads(tr);
-    tr->grads_zero = 0;
-    if (tera_elastic_fault_nan(tr)) tera_layout_poison_grad(tr); /* test hook */
+    tera_zero *zr = tr->sharding;
+    if (!zr->grads_zero) tera_zero_zero_grads(zr);
+    zr->grads_zero = 0;
+    if (tera_elastic_fault_nan(tr)) { /* test hook (ZeRO-2/3: armed for the first gradient piece summed) */
+        tera_zero_poison_grad(zr);
+        tr->faults.nan_step = -1;
+    }
+    const int frozen = tera_onebit_frozen(tr); /* 1-bit Adam past its warm-up: the gradients are not summed */
     tera_model_reset_load(m);
     double ce = 0.0, aux = 0.0, z = 0.0;
     int64_t assign = 0, dropped = 0;
     if (tr->topo.pp > 1) { /* the micro-batches flow through the pipeline's schedule */
         double sm[3] = {0, 0, 0};
         int64_t cn[2] = {0, 0};
-        void (*gr)(void *, int64_t, int64_t) = tr->zero >= 2 ? tera_layout_grad_ready(tr)
-                                               : (tr->topo.dp > 1 && !tr->zero ? on_grad_ready : NULL);
-        tera_pipe_step(tr->pipe, &s, A, sm, cn, &r->data_seconds, gr, tr, tr->zero < 2);
+        void (*gr)(void *, int64_t, int64_t) = frozen ? NULL : tera_zero_grad_ready(zr, 1);
+        tera_pipe_step(tr->pipe, &s, A, sm, cn, &r->data_seconds, gr, zr, zr->stage < 2);
         ce = sm[0], aux = sm[1], z = sm[2], assign = cn[0], dropped = cn[1];
     }
     for (int a = 0; a < A && tr->topo.pp == 1; a++) {
@@ -585,13 +568,13 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         tera_prof_calls[TERA_PROF_DATA]++;
         const double tf = tera_now();
         tera_trace_event(TERA_TRACE_COMPUTE, "data wait", "data", tf - dw, tf, -1);
+        tera_model_arm_fused_loss(m, s.ce); /* the loss gradient in the loss's pass over the logits (model.c) */
         tera_model_forward(m, in, tg);
         const double tb = tera_now();
         tera_trace_event(TERA_TRACE_COMPUTE, "forward", "model", tf, tb, -1);
-        const int last = a == A - 1 && tr->topo.dp > 1 && !tr->zero; /* ZeRO: reduce-scatter below */
-        m->grad_ready = last ? on_grad_ready : NULL; /* reduce while the last backward runs */
-        if (tr->zero >= 2) m->grad_ready = tera_layout_grad_ready(tr); /* every micro-batch, group by group */
-        m->grad_ready_ctx = tr;
+        /* stage 0: reduce while the last backward runs; ZeRO-2/3: every micro-batch, group by group */
+        m->grad_ready = frozen ? NULL : tera_zero_grad_ready(zr, a == A - 1);
+        m->grad_ready_ctx = zr;
         tera_model_backward(m, &s);
         tera_trace_event(TERA_TRACE_COMPUTE, "backward", "model", tb, tera_now(), -1);
         m->grad_ready = NULL;
@@ -602,16 +585,16 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         dropped += m->stats.n_dropped;
     }
     /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
-    if (tr->topo.dp > 1 && !tera_onebit_frozen(tr)) tera_layout_reduce_grads(tr); /* 1-bit Adam: momentum instead */
-    if (tera_comm_size(tr->sg) > 1) {
+    if (tr->topo.dp > 1 && !frozen) tera_zero_reduce_grads(zr); /* 1-bit Adam: momentum instead */
+    if (tera_comm_size(tr->groups.sg) > 1) {
         /* statistics: one small sum over the data-parallel ranks of every pipeline stage */
         double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
-        tera_comm_allreduce_f64(tr->sg, sums, 5);
+        tera_comm_allreduce_f64(tr->groups.sg, sums, 5);
         ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
         const int64_t LE = (int64_t)cfg->model.n_layers * cfg->model.n_experts;
-        tera_comm_allreduce_i64(tr->sg, m->expert_load, LE);
-        tera_comm_allreduce_f64(tr->sg, m->router_entropy, cfg->model.n_layers);
-        tera_comm_allreduce_i64(tr->sg, &m->routed_tokens, 1);
+        tera_comm_allreduce_i64(tr->groups.sg, m->expert_load, LE);
+        tera_comm_allreduce_f64(tr->groups.sg, m->router_entropy, cfg->model.n_layers);
+        tera_comm_allreduce_i64(tr->groups.sg, &m->routed_tokens, 1);
     }
     r->ce_loss = ce / (double)(seqs * T);
     r->aux_loss = m->n_moe_layers ? aux / (double)(nmoe * seqs) : 0.0;
@@ -623,18 +606,18 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
 
     double t_opt = tera_now();
     r->grad_norm = sqrt(tera_onebit_frozen(tr) ? tera_onebit_grad_sq(tr) /* unsummed: src/train/onebit.h */
-                                               : tera_layout_grad_sq(tr)); /* of the whole model, from every rank's part */
+                                               : tera_zero_grad_sq(zr)); /* of the whole model, from every rank's part */
     if (ls != 1.0f) { /* unscale the norms; the gradients themselves are unscaled in the update below */
         r->grad_norm /= ls;
-        for (int i = 0; i < m->n_params; i++) tr->grad_sq[i] /= (double)ls * ls;
+        for (int i = 0; i < m->n_params; i++) zr->grad_sq[i] /= (double)ls * ls;
     }
     if (step_sample == tr->faults.spike_sample) { /* test hook: a gradient blow-up on this batch */
-        tera_layout_grad_scale(tr, 100.0f);
+        tera_zero_grad_scale(zr, 100.0f);
         r->grad_norm *= 100.0;
         r->loss *= 10.0;
     }
     if (isfinite(r->loss) && isfinite(r->grad_norm)) r->spike = tera_spike_check(&tr->spike, r->loss, r->grad_norm);
-    if (tr->precision == TERA_PREC_FP16) tera_scaler_update(&tr->scaler, isfinite(r->grad_norm));
+    if (tr->prec.precision == TERA_PREC_FP16) tera_scaler_update(&tr->prec.scaler, isfinite(r->grad_norm));
     if (!isfinite(r->loss) || !isfinite(r->grad_norm)) {
         r->skipped = 1; /* the data position still advances with the step counter (fp16: scale halved) */
         tr->skipped_steps++;
@@ -645,9 +628,9 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const float scale = c > 0.0f && r->grad_norm > c ? c / (float)(r->grad_norm + 1e-6) : 1.0f;
         double sums[2];
         if (tr->onebit) tera_onebit_step(tr, r->lr, scale / ls, sums); /* optimizer.name = onebit_adam */
-        else tera_layout_adamw_step(tr, r->lr, scale / ls, sums);
+        else tera_zero_adamw_step(zr, r->lr, scale / ls, &cfg->optimizer, sums);
         r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
-        tr->grads_zero = !tr->zero; /* ZeRO-1 cleared only its shard */
+        zr->grads_zero = !zr->stage; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;
@@ -662,11 +645,11 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_trace_event(TERA_TRACE_COMPUTE, "step", "step", t0, t0 + r->seconds, -1);
 
     if (tera_trainer_open_metrics(tr, "a") != TERA_OK) return TERA_ERR_IO;
-    if (tr->http || tr->tb || (tr->metrics && tr->cfg.logging.hardware))
+    if (tr->log.http || tr->log.tb || (tr->log.metrics && tr->cfg.logging.hardware))
         tera_hw_sample(1.0); /* hardware readings (src/obs/hw.c), at most once a second */
-    if (tr->metrics) write_metrics(tr, r);
-    tera_metrics_http_publish(tr->http, tr, r); /* every rank: its /metrics endpoint (no-op when off) */
-    tera_tensorboard_step(tr->tb, tr, r);       /* logging.tensorboard (world rank 0; no-op when off) */
+    if (tr->log.metrics) write_metrics(tr, r);
+    tera_metrics_http_publish(tr->log.http, tr, r); /* every rank: its /metrics endpoint (no-op when off) */
+    tera_tensorboard_step(tr->log.tb, tr, r);       /* logging.tensorboard (world rank 0; no-op when off) */
     tera_trainer_batch_observe(tr, r);
     if (r->spike) return handle_spike(tr, r, step_sample, seqs);
     return TERA_OK;
@@ -689,7 +672,7 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
     /* the batches are shared out over the ranks; where a forward communicates over the
      * data-parallel ranks (the expert exchange, ZeRO-3's parameter gathers) every rank must run as
      * many forwards as the others (a rank past the end evaluates batch 0 again and does not count it) */
-    const int rounds = tr->topo.ep > 1 || tr->zero >= 3 ? (batches + tr->topo.dp - 1) / tr->topo.dp : 0;
+    const int rounds = tr->topo.ep > 1 || tr->sharding->stage >= 3 ? (batches + tr->topo.dp - 1) / tr->topo.dp : 0;
     for (int j = 0, i = tr->topo.dp_rank; i < batches || j < rounds; j++, i += tr->topo.dp) {
         const int counted = i < batches;
         for (int b = 0; b < B; b++) {
@@ -713,11 +696,11 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
         sums[0] += ce;
         sums[1] += pos;
         if (acc && pos > 0) /* the ranks holding the LM head (tensor-parallel ranks together) */
-            sums[2] += (double)tera_count_correct(m->logits, tr->targets, (int64_t)B * T, m->Vl, m->v0, tr->tp_group,
+            sums[2] += (double)tera_count_correct(m->logits, tr->targets, (int64_t)B * T, m->Vl, m->v0, tr->groups.tp,
                                                   acc_scratch);
     }
     free(acc_scratch);
-    tera_comm_allreduce_f64(tr->sg, sums, 3);
+    tera_comm_allreduce_f64(tr->groups.sg, sums, 3);
     *loss = sums[1] > 0 ? sums[0] / sums[1] : NAN;
     if (acc) *acc = sums[1] > 0 ? sums[2] / sums[1] : NAN;
     return TERA_OK;
@@ -767,11 +750,11 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
-    tera_loader_sync(&tr->loader, tr->dp, tr->samples_consumed); /* streamed data: every dp rank's position */
+    tera_loader_sync(&tr->loader, tr->groups.dp, tr->samples_consumed); /* streamed data: every dp rank's position */
     TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
     if (tr->cfg.checkpoint.sharded && tr->topo.world > 1) return tera_trainer_save_sharded(tr);
     if (tr->topo.world == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
-    if (tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->zero) {
+    if (tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->sharding->stage) {
         /* data-parallel replicas without ZeRO: world rank 0's own storage is the whole model, so it
          * snapshots and writes as one process does (its double buffer, in the background); the
          * others only learn whether it worked */
@@ -806,7 +789,7 @@ static void report_peak_rss(tera_trainer *tr) {
             n += snprintf(line + n, sizeof line - (size_t)n, "%s%.1f", r ? "," : " ", (double)kib[r] / 1024.0);
         fprintf(stderr, "%s\n", line);
     }
-    if (tr->root && tr->metrics) { /* the same as a metrics.jsonl event */
+    if (tr->root && tr->log.metrics) { /* the same as a metrics.jsonl event */
         char *line = NULL;
         size_t len = 0;
         FILE *f = open_memstream(&line, &len);
@@ -844,7 +827,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
                                          ? r.batch_seqs * cfg->training.seq_len : tr->tokens_per_step; /* grown or full */
             fmt_eta(eta, sizeof eta, (double)(S - tr->step) * step_tokens / tok_s_ema);
             char ls[48] = "";
-            if (tr->precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, " | scale %g", r.loss_scale);
+            if (tr->prec.precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, " | scale %g", r.loss_scale);
             fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f%s | %8.0f tok/s | ETA %s%s%s",
                     tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, ls, tok_s_ema,
                     eta, r.skipped && !r.spike ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
@@ -852,7 +835,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         }
         if (tr->root && r.skipped && !r.spike) { /* every non-finite skip is reported, logged or not */
             char ls[64] = "";
-            if (tr->precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, "; fp16 loss scale now %g", tr->scaler.scale);
+            if (tr->prec.precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, "; fp16 loss scale now %g", tr->prec.scaler.scale);
             fprintf(stderr, "%stera: step %ld: %s not finite (loss %g, grad norm %g): update skipped on every rank, %ld "
                     "skipped so far%s\n", tty ? "\n" : "", (long)r.step, isfinite(r.loss) ? "gradient" : "loss",
                     r.loss, r.grad_norm, (long)tr->skipped_steps, ls);
@@ -861,12 +844,12 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             double vl, va;
             TERA_TRY(tera_trainer_eval_acc(tr, cfg->training.eval_batches, &vl, &va));
             if (tr->root) fprintf(stderr, "step %6ld | validation loss %.4f\n", (long)tr->step, vl);
-            tera_metrics_http_publish_eval(tr->http, tr->step - 1, vl);
-            tera_tensorboard_eval(tr->tb, tr->step - 1, vl);
+            tera_metrics_http_publish_eval(tr->log.http, tr->step - 1, vl);
+            tera_tensorboard_eval(tr->log.tb, tr->step - 1, vl);
             char line[16384]; /* val_loss, val_ppl, val_acc (+ each blended dataset's: collective) */
             size_t n;
             TERA_TRY(tera_trainer_eval_line(tr, tr->step - 1, vl, va, line, sizeof line, &n));
-            if (tr->metrics) metrics_put(tr, line, n);
+            if (tr->log.metrics) metrics_put(tr, line, n);
         }
         TERA_TRY(tera_sample_hook(tr)); /* logging.sample_every (src/train/sample.c) */
         TERA_TRY(tera_elastic_after_step(tr, &r)); /* training.nan_rollback_after (src/elastic/rank.c) */
@@ -874,7 +857,7 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         const int due_s = tera_elastic_ckpt_due(tr); /* checkpoint.every_s, full_every_s: 1 save, 2 full */
         if (((cfg->checkpoint.every > 0 && tr->step % cfg->checkpoint.every == 0) || due_s) && tr->step < S) {
             const double tc = tera_now();
-            tr->ckpt_force_full = due_s == 2;
+            tr->ckpt.force_full = due_s == 2;
             TERA_TRY(tera_trainer_save(tr));
             tera_elastic_ckpt_saved(tr);
             tera_trace_event(TERA_TRACE_COMPUTE, "checkpoint save (pause)", "checkpoint", tc, tera_now(), -1);
@@ -890,15 +873,15 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
     tera_heartbeat_beat(tr->topo.rank, tr->step, "done");
     report_peak_rss(tr);
     TERA_TRY(tera_trace_finish(tera_comm_world())); /* logging.trace: every rank's part, merged by rank 0 */
-    if (tr->tb) {
-        tera_status tst = tera_tensorboard_close(tr->tb);
-        tr->tb = NULL;
+    if (tr->log.tb) {
+        tera_status tst = tera_tensorboard_close(tr->log.tb);
+        tr->log.tb = NULL;
         TERA_TRY(tst);
     }
     if (last) *last = r;
-    if (tr->metrics && !tr->metrics_errno && fflush(tr->metrics) != 0) tr->metrics_errno = errno ? errno : EIO;
-    if (tr->metrics_errno)
+    if (tr->log.metrics && !tr->log.metrics_errno && fflush(tr->log.metrics) != 0) tr->log.metrics_errno = errno ? errno : EIO;
+    if (tr->log.metrics_errno)
         return tera_fail(TERA_ERR_IO, "%s/metrics.jsonl is incomplete (%s: see the warning above); the checkpoints "
-                         "are complete", tr->run_dir, strerror(tr->metrics_errno));
+                         "are complete", tr->run_dir, strerror(tr->log.metrics_errno));
     return TERA_OK;
 }

@@ -185,6 +185,30 @@ static void cpu_add_forward(tera_backend *be, float *y, const float *x, int64_t 
     tera_add_forward(y, x, n);
 }
 
+static void cpu_rmsnorm_copy_forward(tera_backend *be, float *y, float *rstd, float *xcopy, const float *x,
+                                     const float *w, int64_t N, int64_t D, float eps) {
+    (void)be;
+    tera_rmsnorm_copy_forward(y, rstd, xcopy, x, w, N, D, eps);
+}
+
+static void cpu_rope_qk_forward(tera_backend *be, float *q, float *k, const float *cos_t, const float *sin_t, int B,
+                                int T, int H, int Hkv, int hd) {
+    (void)be;
+    tera_rope_qk_forward(q, k, cos_t, sin_t, B, T, H, Hkv, hd);
+}
+
+static void cpu_rope_qk_backward(tera_backend *be, float *dq, float *dk, const float *cos_t, const float *sin_t, int B,
+                                 int T, int H, int Hkv, int hd) {
+    (void)be;
+    tera_rope_qk_backward(dq, dk, cos_t, sin_t, B, T, H, Hkv, hd);
+}
+
+static double cpu_ce_fused(tera_backend *be, float *dlogits, float *lse, float *tlogit, const float *logits,
+                           const int32_t *targets, int64_t N, int64_t V, float scale) {
+    (void)be;
+    return tera_ce_fused(dlogits, lse, tlogit, logits, targets, N, V, scale);
+}
+
 static void cpu_fill_normal_block(tera_backend *be, float *w, int64_t numel, const int64_t *shape, const int64_t *lo, const int64_t *len, float std, uint64_t seed, uint64_t stream) {
     (void)be;
     tera_fill_normal_block(w, numel, shape, lo, len, std, seed, stream);
@@ -295,6 +319,10 @@ tera_backend *tera_backend_cpu_create(int threads) {
         .moe_combine_forward = cpu_moe_combine_forward,
         .moe_combine_backward = cpu_moe_combine_backward,
         .add_forward = cpu_add_forward,
+        .rmsnorm_copy_forward = cpu_rmsnorm_copy_forward,
+        .rope_qk_forward = cpu_rope_qk_forward,
+        .rope_qk_backward = cpu_rope_qk_backward,
+        .ce_fused = cpu_ce_fused,
         .fill_normal_block = cpu_fill_normal_block,
         .max_threads = cpu_max_threads,
         .items_side_by_side = cpu_items_side_by_side,

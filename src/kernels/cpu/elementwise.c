@@ -24,25 +24,82 @@ void tera_rmsnorm_forward(float *restrict y, float *restrict rstd, const float *
     }
 }
 
+void tera_rmsnorm_copy_forward(float *restrict y, float *restrict rstd, float *restrict xcopy,
+                               const float *restrict x, const float *restrict w, int64_t N, int64_t D, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float *yr = y + n * D, *cr = xcopy + n * D;
+        float r = 1.0f / sqrtf(tera_sum_sq(xr, D) / (float)D + eps);
+        rstd[n] = r;
+        for (int64_t d = 0; d < D; d++) {
+            yr[d] = w[d] * (xr[d] * r);
+            cr[d] = xr[d];
+        }
+    }
+}
+
+/* The backward in one pass over the rows (dy and x read once): the rows are cut into nch chunks (a
+ * function of N and D only, never of the thread count), each chunk sums its terms of dw into its own
+ * row of a partial-sum block, and dw then adds the chunks' sums in chunk order, so dw does not
+ * depend on the thread count. The block (RMS_PART_FLOATS) lives on the caller's stack; rows wider
+ * than RMS_FUSED_MAXD take the two-pass form below. */
+#define RMS_PART_FLOATS 32768 /* 128 KiB */
+#define RMS_FUSED_MAXD 4096
+#define RMS_MIN_ROWS 32 /* rows per chunk at least */
+
+/* dx[n,:] += r * (dy*w - x * c) of one row; returns nothing, dw untouched */
+static inline void rmsnorm_row_dx(float *restrict dxr, const float *restrict dyr, const float *restrict xr,
+                                  const float *restrict w, float r, int64_t D) {
+    float acc[TERA_LANES] = {0};
+    int64_t d = 0;
+    for (; d + TERA_LANES <= D; d += TERA_LANES)
+        for (int l = 0; l < TERA_LANES; l++) acc[l] += dyr[d + l] * w[d + l] * xr[d + l];
+    for (; d < D; d++) acc[d % TERA_LANES] += dyr[d] * w[d] * xr[d];
+    float dot = 0.0f;
+    for (int l = 0; l < TERA_LANES; l++) dot += acc[l];
+    const float c = dot * r * r / (float)D;
+    for (int64_t j = 0; j < D; j++) dxr[j] += r * (dyr[j] * w[j] - xr[j] * c);
+}
+
 void tera_rmsnorm_backward(float *restrict dx, float *restrict dw, const float *restrict dy,
                            const float *restrict x, const float *restrict w, const float *restrict rstd,
                            int64_t N, int64_t D) {
     /* y = w * xhat, xhat = x * r:  dx = r * (dy*w - xhat * mean(dy*w*xhat)) */
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xr = x + n * D, *dyr = dy + n * D;
-        float *dxr = dx + n * D;
-        const float r = rstd[n];
-        float acc[TERA_LANES] = {0};
-        int64_t d = 0;
-        for (; d + TERA_LANES <= D; d += TERA_LANES)
-            for (int l = 0; l < TERA_LANES; l++) acc[l] += dyr[d + l] * w[d + l] * xr[d + l];
-        for (; d < D; d++) acc[d % TERA_LANES] += dyr[d] * w[d] * xr[d];
-        float dot = 0.0f;
-        for (int l = 0; l < TERA_LANES; l++) dot += acc[l];
-        const float c = dot * r * r / (float)D;
-        for (int64_t j = 0; j < D; j++) dxr[j] += r * (dyr[j] * w[j] - xr[j] * c);
+    if (D <= RMS_FUSED_MAXD && N > 0) {
+        float part[RMS_PART_FLOATS]; /* [nch, D] */
+        int64_t nch = (N + RMS_MIN_ROWS - 1) / RMS_MIN_ROWS;
+        if (nch > RMS_PART_FLOATS / D) nch = RMS_PART_FLOATS / D;
+        const int64_t rows = (N + nch - 1) / nch;
+        nch = (N + rows - 1) / rows;
+        const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t ch = 0; ch < nch; ch++) {
+                float *pc = part + ch * D;
+                for (int64_t d = 0; d < D; d++) pc[d] = 0.0f;
+                const int64_t n1 = (ch + 1) * rows < N ? (ch + 1) * rows : N;
+                for (int64_t n = ch * rows; n < n1; n++) {
+                    const float *xr = x + n * D, *dyr = dy + n * D;
+                    const float r = rstd[n];
+                    rmsnorm_row_dx(dx + n * D, dyr, xr, w, r, D);
+                    for (int64_t d = 0; d < D; d++) pc[d] += dyr[d] * xr[d] * r;
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < nblk; blk++) {
+                const int64_t d0 = blk * COL_BLOCK, d1 = d0 + COL_BLOCK < D ? d0 + COL_BLOCK : D;
+                float acc[COL_BLOCK] = {0};
+                for (int64_t ch = 0; ch < nch; ch++)
+                    for (int64_t d = d0; d < d1; d++) acc[d - d0] += part[ch * D + d];
+                for (int64_t d = d0; d < d1; d++) dw[d] += acc[d - d0];
+            }
+        }
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) rmsnorm_row_dx(dx + n * D, dy + n * D, x + n * D, w, rstd[n], D);
     const int64_t nblk = (D + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t blk = 0; blk < nblk; blk++) {
@@ -87,6 +144,36 @@ static void rope_apply(float *restrict x, const float *restrict cos_t, const flo
             }
         }
     }
+}
+
+/* q [B,T,H,hd] and k [B,T,Hkv,hd] in one pass over the positions (each position's cos/sin row read
+ * once, one parallel region instead of two); per element the same operations as rope_apply. */
+static void rope_apply_qk(float *restrict q, float *restrict k, const float *restrict cos_t,
+                          const float *restrict sin_t, int B, int T, int H, int Hkv, int hd, float sign) {
+    const int half = hd / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
+        const int t = (int)(bt % T);
+        const float *c = cos_t + (int64_t)t * half, *s = sin_t + (int64_t)t * half;
+        for (int h = 0; h < H + Hkv; h++) {
+            float *v = h < H ? q + (bt * H + h) * hd : k + (bt * Hkv + (h - H)) * hd;
+            for (int j = 0; j < half; j++) {
+                float x1 = v[j], x2 = v[j + half], sj = sign * s[j];
+                v[j] = x1 * c[j] - x2 * sj;
+                v[j + half] = x2 * c[j] + x1 * sj;
+            }
+        }
+    }
+}
+
+void tera_rope_qk_forward(float *q, float *k, const float *cos_t, const float *sin_t, int B, int T, int H, int Hkv,
+                          int hd) {
+    rope_apply_qk(q, k, cos_t, sin_t, B, T, H, Hkv, hd, 1.0f);
+}
+
+void tera_rope_qk_backward(float *dq, float *dk, const float *cos_t, const float *sin_t, int B, int T, int H,
+                           int Hkv, int hd) {
+    rope_apply_qk(dq, dk, cos_t, sin_t, B, T, H, Hkv, hd, -1.0f);
 }
 
 void tera_rope_forward(float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
@@ -231,4 +318,26 @@ void tera_ce_backward_range(float *dlogits, const float *logits, const float *ls
         const int64_t t = (int64_t)targets[n] - v0;
         if (t >= 0 && t < Vl) d[t] -= scale;
     }
+}
+
+/* Forward and backward in one pass over each row of the logits: the row's max and sum of exponentials
+ * (lse, as tera_ce_forward), its target logit kept in tlogit, then dlogits written over the row while
+ * it is still in cache (as tera_ce_backward_range): the same operations per element as the two
+ * separate passes, so the same bits, with the logits read from memory once instead of twice. */
+double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
+                     int64_t N, int64_t V, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * V;
+        float *d = dlogits + n * V;
+        const float l = row_lse(r, V);
+        const int64_t t = targets[n];
+        lse[n] = l;
+        tlogit[n] = r[t];
+        for (int64_t v = 0; v < V; v++) d[v] = scale * tera_vexpf(r[v] - l);
+        d[t] -= scale;
+    }
+    double sum = 0.0; /* fixed order, as tera_ce_forward */
+    for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
+    return sum;
 }

@@ -1,14 +1,13 @@
-/* The parallel layout of a training run: process groups, which part of the model and of the
- * optimizer state each rank holds, and conversion to and from the whole model.
+/* ZeRO sharding (include/tera/zero.h): which part of the optimizer state, the gradients and the
+ * parameters each rank of a data-parallel layout holds, their reduction and the optimizer step on
+ * them, and conversion to and from the whole model (the checkpoint windows). Works on the model,
+ * the topology and the dp / edp communicators only (no trainer).
  *
- * Ranks: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank (set up in trainer.c). The tp
- * ranks with the same pp_rank and dp_rank form a tensor-parallel group (same samples, Megatron
- * splits of each tensor); the dp ranks with the same pp_rank and tp_rank form a data-parallel group
- * (each reading its own samples); the pp ranks with the same dp_rank and tp_rank form a pipeline
- * (each holding its stages' layers). Inside the data-parallel group, with expert
- * parallelism, dp_rank = edp_rank * ep + ep_rank: consecutive groups of ep ranks split the routed
- * experts of every MoE layer (ep_rank r holds experts [r E/ep, (r+1) E/ep)), and the dp/ep ranks
- * with the same ep_rank (the expert-data-parallel group) hold the same experts.
+ * Ranks: world rank = (pp_rank * dp + dp_rank) * tp + tp_rank (include/tera/topology.h). Inside
+ * the data-parallel group, with expert parallelism, dp_rank = edp_rank * ep + ep_rank: consecutive
+ * groups of ep ranks split the routed experts of every MoE layer (ep_rank r holds experts
+ * [r E/ep, (r+1) E/ep)), and the dp/ep ranks with the same ep_rank (the expert-data-parallel group)
+ * hold the same experts.
  *
  * Flat buffers hold this rank's blocks (its pipeline stages' tensors, their tensor-parallel slices)
  * of the non-expert tensors first, [0, n_dense), the same on every rank of the data-parallel group,
@@ -21,8 +20,8 @@
 
 #include "tera/ckpt.h"
 #include "tera/comm_hier.h"
-#include "tera/train.h"
-#include "onebit.h"
+#include "tera/compress.h"
+#include "tera/zero.h"
 
 /* Consecutive 16-float aligned shards of n floats over w ranks. */
 static void shard(int64_t n, int w, int64_t *counts, int64_t *lo_of) {
@@ -32,35 +31,6 @@ static void shard(int64_t n, int w, int64_t *counts, int64_t *lo_of) {
         counts[r] = hi - lo;
         lo_of[r] = lo;
     }
-}
-
-tera_comm *tera_layout_axis_group(const tera_topology *t, tera_axis axis) {
-    tera_comm *world = tera_comm_world();
-    if (tera_topology_size(t, axis) == t->world) return world;
-    int color, key;
-    tera_topology_split_keys(t, axis, &color, &key);
-    return tera_comm_split(world, color, key); /* collective over the world */
-}
-
-tera_status tera_layout_groups(tera_trainer *tr) {
-    const tera_topology *t = &tr->topo; /* validated by tera_topology_init (ep divides dp) */
-    tr->edp = tr->dp;
-    /* nodes (parallel.ranks_per_node; 0: the hosts): collective over the world, the same on every rank */
-    tera_status nst = tera_comm_set_nodes(tr->cfg.parallel.ranks_per_node);
-    if (nst != TERA_OK) return nst;
-    int *node_of = tera_calloc((size_t)t->world, sizeof(int));
-    for (int w = 0; w < t->world; w++) node_of[w] = tera_comm_node_of(w);
-    tera_topology_set_nodes(&tr->topo, node_of);
-    free(node_of);
-    if (tr->topo.ep > 1) {
-        tr->ep_group = tera_layout_axis_group(t, TERA_AXIS_EP);
-        tr->edp = tera_layout_axis_group(t, TERA_AXIS_EDP);
-    }
-    if (tr->topo.ep * tr->topo.tp * tr->topo.pp > 1) tr->mp = tera_layout_axis_group(t, TERA_AXIS_MP);
-    TERA_ASSERT(!tr->mp || tera_comm_rank(tr->mp) == tera_layout_member(tr));
-    /* ZeRO needs more than one data-parallel rank to shard over */
-    tr->zero = tr->topo.dp > 1 ? tr->cfg.parallel.zero : 0;
-    return TERA_OK;
 }
 
 /* ------------------------------------------------------------------ ZeRO-2 and ZeRO-3
@@ -91,7 +61,8 @@ typedef struct {
     tera_comm_req req[2];   /* the gathers in flight (the backend keeps their counts) */
 } zprefetch;
 
-struct tera_zero_ctx {
+typedef struct tera_zero_staging tera_zero_staging;
+struct tera_zero_staging {
     zslot slot[N_SLOTS];
     int64_t version;
     float *block;
@@ -100,7 +71,7 @@ struct tera_zero_ctx {
     zprefetch pf;
     int dir;                /* +1 forward, -1 backward: the order layers are used in */
     int last_layer;         /* the layer group used last, or INT32_MIN */
-    int plan;               /* pipeline: the executor names the order of use (tera_layout_zero3_plan) */
+    int plan;               /* pipeline: the executor names the order of use (tera_zero_plan) */
     int plan_last, plan_next; /* the current operation's last layer in its order of use, the next's first (-1: none) */
     int64_t n_gathered, n_prefetched, n_unused; /* layer gathers: all, of them prefetched, prefetches never used */
 };
@@ -126,10 +97,10 @@ static int64_t piece_counts(const int64_t *shard_counts, int ranks, int me, int6
     return mine;
 }
 
-static void zero23_init(tera_trainer *tr) {
-    tera_model *m = &tr->model;
-    tera_zero_ctx *z = tera_calloc(1, sizeof *z);
-    tr->zctx = z;
+static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
+    tera_model *m = zr->model;
+    tera_zero_staging *z = tera_calloc(1, sizeof *z);
+    zr->zs = z;
     int64_t size[N_SLOTS][2] = {{0}};
     for (int g = TERA_GROUP_HEAD; g < m->cfg.n_layers; g++)
         for (int x = 0; x < 2; x++) {
@@ -139,9 +110,9 @@ static void zero23_init(tera_trainer *tr) {
             if (hi - lo > *sz) *sz = hi - lo;
         }
     int64_t total = 0;
-    const int nb = tr->zero >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
-    z->prefetch = tr->zero >= 3 && tr->cfg.parallel.zero_prefetch;
-    z->plan = tr->topo.pp > 1;
+    const int nb = zr->stage >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
+    z->prefetch = zr->stage >= 3 && env->prefetch;
+    z->plan = env->planned;
     z->plan_last = z->plan_next = -1;
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
@@ -156,7 +127,7 @@ static void zero23_init(tera_trainer *tr) {
             if (nb == 2) z->slot[k].w[x] = p, p += n;
         }
     }
-    const int ranks = tr->topo.dp > tr->topo.edp ? tr->topo.dp : tr->topo.edp;
+    const int ranks = zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp;
     z->pf.group = z->last_layer = INT32_MIN;
     z->dir = 1;
     if (z->prefetch) {
@@ -164,27 +135,27 @@ static void zero23_init(tera_trainer *tr) {
     }
     z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
-    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
     for (int k = 0; k < 2; k++) {
         o[k]->g = tera_calloc((size_t)o[k]->n + 1, sizeof(float));
-        if (tr->zero >= 3) o[k]->w = tera_calloc((size_t)o[k]->n + 1, sizeof(float));
+        if (zr->stage >= 3) o[k]->w = tera_calloc((size_t)o[k]->n + 1, sizeof(float));
     }
     /* memory accounting: the shards; the staging slots are communication buffers */
     m->bytes_grads = (int64_t)sizeof(float) * (o[0]->n + o[1]->n);
-    if (tr->zero >= 3) m->bytes_params = (int64_t)sizeof(float) * (o[0]->n + o[1]->n);
-    tr->bytes_zero_staging = (int64_t)sizeof(float) * total;
+    if (zr->stage >= 3) m->bytes_params = (int64_t)sizeof(float) * (o[0]->n + o[1]->n);
+    zr->bytes_staging = (int64_t)sizeof(float) * total;
 }
 
-static void zero23_free(tera_trainer *tr) {
-    tera_zero_ctx *z = tr->zctx;
+static void zero23_free(tera_zero *zr) {
+    tera_zero_staging *z = zr->zs;
     if (!z) return;
     tera_comm_wait(&z->pf.req[0]); /* a prefetch still in flight (inactive requests return at once) */
     tera_comm_wait(&z->pf.req[1]);
     free(z->block);
     free(z->cnt);
     free(z);
-    tr->zctx = NULL;
-    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    zr->zs = NULL;
+    tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
     for (int k = 0; k < 2; k++) {
         free(o[k]->g), o[k]->g = NULL;
         free(o[k]->w), o[k]->w = NULL;
@@ -201,28 +172,28 @@ typedef struct {
     int64_t soff;    /* offset of this rank's piece inside its shard */
 } zpiece;
 
-static zpiece pieces(tera_trainer *tr, int x, int64_t lo, int64_t hi) {
-    zpiece p = {.c = x ? tr->edp : tr->dp, .o = x ? &tr->opt_x : &tr->opt, .me = x ? tr->topo.edp_rank : tr->topo.dp_rank};
-    const int64_t base = x ? tr->model.n_dense_floats : 0;
-    p.mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, x ? tr->topo.edp : tr->topo.dp, p.me, lo - base,
-                          hi - base, tr->zctx->cnt, &p.soff);
+static zpiece pieces(tera_zero *zr, int x, int64_t lo, int64_t hi) {
+    zpiece p = {.c = x ? zr->edp : zr->dp, .o = x ? &zr->opt_x : &zr->opt, .me = x ? zr->topo.edp_rank : zr->topo.dp_rank};
+    const int64_t base = x ? zr->model->n_dense_floats : 0;
+    p.mine = piece_counts(x ? zr->shard_counts_x : zr->shard_counts, x ? zr->topo.edp : zr->topo.dp, p.me, lo - base,
+                          hi - base, zr->zs->cnt, &p.soff);
     return p;
 }
 
 /* Gathers a group's ranges into w (each rank copies its piece in, then all-gather): blocking, or
  * started into the prefetch slot when pf is given. */
-static void gather_group(tera_trainer *tr, int group, float *const w[2], zprefetch *pf) {
-    tera_zero_ctx *z = tr->zctx;
+static void gather_group(tera_zero *zr, int group, float *const w[2], zprefetch *pf) {
+    tera_zero_staging *z = zr->zs;
     for (int x = 0; x < 2; x++) {
         int64_t lo, hi;
-        tera_model_group_range(&tr->model, group, x, &lo, &hi);
+        tera_model_group_range(zr->model, group, x, &lo, &hi);
         if (hi <= lo) continue;
-        const zpiece p = pieces(tr, x, lo, hi);
+        const zpiece p = pieces(zr, x, lo, hi);
         if (z->cnt[p.me] > 0) memcpy(w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
         if (pf)
             tera_comm_iallgather_f32(p.c, w[x], z->cnt, &pf->req[x]);
-        else if (tr->gred[x])
-            tera_greducer_allgather(tr->gred[x], w[x], z->cnt);
+        else if (zr->gred[x])
+            tera_greducer_allgather(zr->gred[x], w[x], z->cnt);
         else
             tera_comm_allgather_f32(p.c, w[x], z->cnt);
     }
@@ -231,23 +202,23 @@ static void gather_group(tera_trainer *tr, int group, float *const w[2], zprefet
 /* Starts gathering layer `group` into the prefetch slot unless it is in use, already there, or
  * not a layer. A prefetch that was not used is completed first (every rank posts the same
  * collectives in the same order, so no rank is left waiting). */
-static void prefetch_start(tera_trainer *tr, int group) {
-    tera_zero_ctx *z = tr->zctx;
+static void prefetch_start(tera_zero *zr, int group) {
+    tera_zero_staging *z = zr->zs;
     zprefetch *pf = &z->pf;
     const zslot *sl = &z->slot[SLOT_LAYER];
-    if (group < 0 || group >= tr->model.cfg.n_layers) return;
+    if (group < 0 || group >= zr->model->cfg.n_layers) return;
     if ((sl->group == group && sl->version == z->version) || (pf->group == group && pf->version == z->version)) return;
     tera_comm_wait(&pf->req[0]);
     tera_comm_wait(&pf->req[1]);
     if (pf->group != INT32_MIN) z->n_unused++;
     pf->group = group;
     pf->version = z->version;
-    gather_group(tr, group, pf->w, pf);
+    gather_group(zr, group, pf->w, pf);
 }
 
 static void zero_use_params(void *ctx, int group) {
-    tera_trainer *tr = ctx;
-    tera_zero_ctx *z = tr->zctx;
+    tera_zero *zr = ctx;
+    tera_zero_staging *z = zr->zs;
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->group != group || sl->version != z->version) {
         zprefetch *pf = &z->pf;
@@ -263,24 +234,24 @@ static void zero_use_params(void *ctx, int group) {
             pf->group = INT32_MIN;
             z->n_prefetched++;
         } else {
-            gather_group(tr, group, sl->w, NULL);
+            gather_group(zr, group, sl->w, NULL);
         }
         if (group >= 0) z->n_gathered++;
         sl->group = group;
         sl->version = z->version;
-        tera_model_bind_group(&tr->model, group, sl->w[0], sl->w[1], NULL, NULL);
+        tera_model_bind_group(zr->model, group, sl->w[0], sl->w[1], NULL, NULL);
     }
     if (!z->prefetch) return;
     if (z->plan) { /* a pipeline stage: the executor said which layer comes after this operation */
         if (group < 0 || z->plan_last < 0) return;
-        prefetch_start(tr, group == z->plan_last ? z->plan_next : group + (z->plan_last > group ? 1 : -1));
+        prefetch_start(zr, group == z->plan_last ? z->plan_next : group + (z->plan_last > group ? 1 : -1));
         return;
     }
     /* the next layer in the order of use: forward starts at the embedding (layers ascending), backward
      * at the head (descending) */
-    const int L = tr->model.cfg.n_layers;
+    const int L = zr->model->cfg.n_layers;
     int next;
-    if (group == TERA_GROUP_EMBED && tr->model.cfg.tie_embeddings && z->dir == -1 && z->last_layer == L - 1) {
+    if (group == TERA_GROUP_EMBED && zr->model->cfg.tie_embeddings && z->dir == -1 && z->last_layer == L - 1) {
         next = L - 1; /* the tied embedding as the LM head: backward comes next */
     } else if (group == TERA_GROUP_EMBED) {
         z->dir = 1;
@@ -296,12 +267,18 @@ static void zero_use_params(void *ctx, int group) {
         z->last_layer = group;
         next = group + z->dir;
     }
-    prefetch_start(tr, next);
+    prefetch_start(zr, next);
 }
 
 static void zero_use_grads(void *ctx, int group) {
-    tera_trainer *tr = ctx;
-    tera_zero_ctx *z = tr->zctx;
+    tera_zero *zr = ctx;
+    tera_zero_staging *z = zr->zs;
+    if (zr->local_g) { /* 1-bit Adam past its freeze: this rank's own whole gradient (tera_zero_local_grads) */
+        int64_t lo[2], hi[2];
+        for (int x = 0; x < 2; x++) tera_model_group_range(zr->model, group, x, &lo[x], &hi[x]);
+        tera_model_bind_group(zr->model, group, NULL, NULL, zr->local_g + lo[0], zr->local_g + lo[1]);
+        return;
+    }
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->live && sl->group == group) return; /* accumulating since earlier in this backward */
     TERA_ASSERTF(!sl->live, "ZeRO-2: group %d's gradients were never reduced", sl->group);
@@ -309,33 +286,33 @@ static void zero_use_grads(void *ctx, int group) {
     sl->pending = 0;
     for (int x = 0; x < 2; x++) {
         int64_t lo, hi;
-        tera_model_group_range(&tr->model, group, x, &lo, &hi);
+        tera_model_group_range(zr->model, group, x, &lo, &hi);
         if (hi > lo) memset(sl->g[x], 0, sizeof(float) * (size_t)(hi - lo)), sl->pending++;
     }
     sl->group = group;
-    tera_model_bind_group(&tr->model, group, NULL, NULL, sl->g[0], sl->g[1]);
+    tera_model_bind_group(zr->model, group, NULL, NULL, sl->g[0], sl->g[1]);
 }
 
 /* A group range's gradients are final for this micro-batch: sum them into the owners' shards. */
 static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
-    tera_trainer *tr = ctx;
-    tera_zero_ctx *z = tr->zctx;
-    const int x = offset >= tr->model.n_dense_floats;
+    tera_zero *zr = ctx;
+    tera_zero_staging *z = zr->zs;
+    const int x = offset >= zr->model->n_dense_floats;
     zslot *sl = NULL;
     for (int k = 0; k < N_SLOTS; k++) {
         if (!z->slot[k].live) continue;
         int64_t lo, hi;
-        tera_model_group_range(&tr->model, z->slot[k].group, x, &lo, &hi);
+        tera_model_group_range(zr->model, z->slot[k].group, x, &lo, &hi);
         if (lo == offset && hi == offset + count) sl = &z->slot[k];
     }
     TERA_ASSERTF(sl, "ZeRO-2: gradients of [%ld, %ld) are in no live slot", (long)offset, (long)(offset + count));
-    const zpiece p = pieces(tr, x, offset, offset + count);
-    if (tr->step == tr->faults.nan_step && count > 0) { /* test hook: a NaN in this rank's own gradient */
+    const zpiece p = pieces(zr, x, offset, offset + count);
+    if (zr->poison && count > 0) { /* test hook: a NaN in this rank's own gradient */
         sl->g[x][0] = NAN;
-        tr->faults.nan_step = -1;
+        zr->poison = 0;
     }
-    if (tr->gred[x]) /* hierarchical / compressed (error feedback indexed by the region's offsets) */
-        tera_greducer_reduce_scatter(tr->gred[x], sl->g[x], offset - (x ? tr->model.n_dense_floats : 0), z->cnt);
+    if (zr->gred[x]) /* hierarchical / compressed (error feedback indexed by the region's offsets) */
+        tera_greducer_reduce_scatter(zr->gred[x], sl->g[x], offset - (x ? zr->model->n_dense_floats : 0), z->cnt);
     else
         tera_comm_reduce_scatter_f32(p.c, sl->g[x], z->cnt);
     const float *src = sl->g[x] + p.mine;
@@ -344,49 +321,78 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     if (--sl->pending == 0) sl->live = 0;
 }
 
-void tera_layout_zero3_plan(tera_trainer *tr, int last, int next) {
-    tera_zero_ctx *z = tr->zctx;
+void tera_zero_plan(tera_zero *zr, int last, int next) {
+    tera_zero_staging *z = zr->zs;
     if (!z || !z->plan) return;
     z->plan_last = last;
     z->plan_next = next;
 }
 
-void tera_layout_zero3_counts(const tera_trainer *tr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
-    const tera_zero_ctx *z = tr->zctx;
+void tera_zero_counts(const tera_zero *zr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
+    const tera_zero_staging *z = zr ? zr->zs : NULL;
     *gathered = z ? z->n_gathered : 0;
     *prefetched = z ? z->n_prefetched : 0;
     *unused = z ? z->n_unused : 0;
 }
 
-void tera_layout_bind_hooks(tera_trainer *tr) {
-    tera_model *m = &tr->model;
-    if (tr->zero < 2) return;
-    m->bind_ctx = tr;
+static void bind_hooks(tera_zero *zr) {
+    tera_model *m = zr->model;
+    if (zr->stage < 2) return;
+    m->bind_ctx = zr;
     m->use_grads = zero_use_grads;
-    if (tr->zero >= 3) m->use_params = zero_use_params;
+    if (zr->stage >= 3) m->use_params = zero_use_params;
 }
 
-/* The gradient callback of a micro-batch's backward under this layout (NULL: none needed). */
-void (*tera_layout_grad_ready(tera_trainer *tr))(void *, int64_t, int64_t) {
-    return tr->zero >= 2 ? zero_grad_ready : NULL;
+/* Stage 0: a gradient bucket is ready (last micro-batch of a step): start its data-parallel sum now,
+ * while backward continues, and let earlier ones progress. Buckets are numbered in backward order. */
+static void bucket_ready(void *ctx, int64_t offset, int64_t count) {
+    tera_zero *zr = ctx;
+    int i = 0;
+    while (i < zr->n_buckets && zr->buckets[i].active) i++;
+    TERA_ASSERTF(i < zr->n_buckets, "more gradient buckets than the %d expected", zr->n_buckets);
+    /* non-expert tensors: summed over every data-parallel rank; this rank's experts: over the
+     * ranks holding the same experts */
+    tera_comm *g = offset >= zr->model->n_dense_floats ? zr->edp : zr->dp;
+    tera_comm_iallreduce_f32(g, zr->model->g + offset, count, &zr->buckets[i]);
+    tera_comm_poll(zr->buckets, i);
 }
 
-void tera_layout_zero_grads(tera_trainer *tr) {
-    if (tr->zero < 2) {
-        tera_model_zero_grad(&tr->model);
+void (*tera_zero_grad_ready(tera_zero *zr, int last))(void *, int64_t, int64_t) {
+    if (zr->local_g) return NULL; /* 1-bit Adam past its freeze: nothing is summed */
+    if (zr->stage >= 2) return zero_grad_ready; /* every micro-batch, group by group */
+    /* hierarchical / compressed: summed in tera_zero_reduce_grads; ZeRO-1: reduce-scattered there */
+    if (last && zr->topo.dp > 1 && !zr->stage && !zr->gred[0] && !zr->gred[1]) return bucket_ready;
+    return NULL;
+}
+
+void tera_zero_zero_grads(tera_zero *zr) {
+    zr->poison = 0;
+    if (zr->stage < 2) {
+        tera_model_zero_grad(zr->model);
         return;
     }
-    memset(tr->opt.g, 0, sizeof(float) * (size_t)tr->opt.n);
-    memset(tr->opt_x.g, 0, sizeof(float) * (size_t)tr->opt_x.n);
+    memset(zr->opt.g, 0, sizeof(float) * (size_t)zr->opt.n);
+    memset(zr->opt_x.g, 0, sizeof(float) * (size_t)zr->opt_x.n);
+    if (zr->local_g) memset(zr->local_g, 0, sizeof(float) * (size_t)zr->model->n_floats);
+}
+
+void tera_zero_local_grads(tera_zero *zr, float *g) {
+    if (zr->stage < 2) return;
+    for (int k = 0; k < N_SLOTS; k++)
+        TERA_ASSERTF(!zr->zs->slot[k].live, "ZeRO-%d: gradients of group %d still unreduced when switching to "
+                     "local gradients", zr->stage, zr->zs->slot[k].group);
+    zr->local_g = g;
 }
 
 /* Test hooks (fault injection): scale every gradient, poison one. */
-void tera_layout_grad_scale(tera_trainer *tr, float s) {
-    if (tr->zero < 2) {
-        tera_grad_scale(&tr->model, s);
+void tera_zero_grad_scale(tera_zero *zr, float s) {
+    if (zr->stage < 2) {
+        tera_grad_scale(zr->model, s);
         return;
     }
-    tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    if (zr->local_g)
+        for (int64_t i = 0; i < zr->model->n_floats; i++) zr->local_g[i] *= s;
+    tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
     for (int k = 0; k < 2; k++)
         for (int64_t i = 0; i < o[k]->n; i++) o[k]->g[i] *= s;
 }
@@ -395,11 +401,10 @@ void tera_layout_grad_scale(tera_trainer *tr, float s) {
  * backward accumulates into, before any data-parallel sum (called after the gradients are zeroed).
  * ZeRO-2/3 stage each group's gradients in a slot that is zeroed when the group starts, so there the
  * NaN goes into the first slot summed (zero_grad_ready). */
-void tera_layout_poison_grad(tera_trainer *tr) {
-    if (tr->zero < 2) {
-        tr->model.g[tr->model.n_floats / 2] = NAN;
-        tr->faults.nan_step = -1;
-    }
+void tera_zero_poison_grad(tera_zero *zr) {
+    if (zr->stage < 2) zr->model->g[zr->model->n_floats / 2] = NAN;
+    else if (zr->local_g) zr->local_g[zr->model->n_floats / 2] = NAN; /* as stage 0/1 (tera_zero_local_grads) */
+    else zr->poison = 1;
 }
 
 /* The parts of region k (0 weights, 1 exp_avg, 2 exp_avg_sq) of the flat buffer [0, n) this rank
@@ -411,21 +416,21 @@ typedef struct {
     float *p;
 } lseg;
 
-static int region_segs(const tera_trainer *tr, int k, lseg s[2], int *sharded) {
-    const tera_model *m = &tr->model;
+static int region_segs(const tera_zero *zr, int k, lseg s[2], int *sharded) {
+    const tera_model *m = zr->model;
     if (k == 0 && m->w) {
         s[0] = (lseg){0, m->n_floats, m->w};
         *sharded = 0;
         return 1;
     }
-    const tera_adamw *o[2] = {&tr->opt, &tr->opt_x};
+    const tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
     for (int x = 0; x < 2; x++) s[x] = (lseg){o[x]->lo, o[x]->hi, k == 0 ? o[x]->w : k == 1 ? o[x]->m : o[x]->v};
-    *sharded = k == 0 ? 1 : tr->zero >= 1;
+    *sharded = k == 0 ? 1 : zr->stage >= 1;
     return 2;
 }
 
-void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
-    tera_model *m = &tr->model;
+void tera_zero_init_weights(tera_zero *zr, uint64_t seed) {
+    tera_model *m = zr->model;
     if (m->w) {
         tera_model_init_weights(m, seed);
         return;
@@ -437,7 +442,7 @@ void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
     tera_param *rows = tera_calloc((size_t)(5 * m->n_params + 1), sizeof(tera_param));
     lseg sg[2];
     int sharded;
-    const int ns = region_segs(tr, 0, sg, &sharded);
+    const int ns = region_segs(zr, 0, sg, &sharded);
     for (int x = 0; x < ns; x++) {
         int nr = 0;
         for (int i = 0; i < m->n_params; i++) {
@@ -480,22 +485,22 @@ void tera_layout_init_weights(tera_trainer *tr, uint64_t seed) {
     free(rows);
 }
 
-void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k, int64_t a, int64_t b, float *win,
+void tera_zero_gather_window(tera_zero *zr, const tera_model *shell, int k, int64_t a, int64_t b, float *win,
                                int root_only) {
-    const tera_model *m = &tr->model;
+    const tera_model *m = zr->model;
     const int64_t nw = b - a, n64 = (nw + 1) / 2;
     memset(win, 0, sizeof(int64_t) * (size_t)n64);
     lseg sg[2];
     int sharded;
-    const int ns = region_segs(tr, k, sg, &sharded);
+    const int ns = region_segs(zr, k, sg, &sharded);
     int64_t wrote = 0; /* elements of the window this rank wrote */
     /* root_only: the runs this rank wrote (window offset, length), sent to rank 0 below */
     int64_t *runs = NULL, n_runs = 0, cap_runs = 0;
     for (int i = 0; i < m->n_params; i++) {
         const tera_param *lp = &m->params[i], *gp = &shell->params[i];
         if (lp->numel == 0 || gp->offset >= b || gp->offset + gp->numel <= a) continue;
-        if (lp->tp_dim < 0 && tr->topo.tp_rank != 0) continue;                          /* tp rank 0's copy */
-        if (!sharded && (lp->expert_stacked ? tr->topo.edp_rank : tr->topo.dp_rank) != 0) continue; /* the first replica's */
+        if (lp->tp_dim < 0 && zr->topo.tp_rank != 0) continue;                          /* tp rank 0's copy */
+        if (!sharded && (lp->expert_stacked ? zr->topo.edp_rank : zr->topo.dp_rank) != 0) continue; /* the first replica's */
         const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
         for (int64_t r = 0; r < nr; r++) {
             int64_t g, l, n;
@@ -509,7 +514,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
                 if (z1 > z0) {
                     memcpy(win + (x0 - a) + (z0 - y0), sg[s].p + (z0 - sg[s].lo), sizeof(float) * (size_t)(z1 - z0));
                     wrote += z1 - z0;
-                    if (root_only && !tr->root) {
+                    if (root_only && !(zr->topo.rank == 0)) {
                         if (n_runs == cap_runs) {
                             cap_runs = cap_runs ? 2 * cap_runs : 64;
                             runs = tera_realloc(runs, sizeof(int64_t) * 2 * (size_t)cap_runs);
@@ -521,7 +526,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
             }
         }
     }
-    if (tr->topo.world == 1) {
+    if (zr->topo.world == 1) {
         free(runs);
         return;
     }
@@ -533,18 +538,18 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
          * point: an all-to-all with one non-empty destination hung in Open MPI 4.1 on the ranks whose
          * counts were all zero.) */
         tera_comm *w = tera_comm_world();
-        const int P = tr->topo.world;
+        const int P = zr->topo.world;
         int64_t *sz = tera_calloc((size_t)P, sizeof(int64_t));
         /* a rank's message: the run count, the runs (offset, length), then their values in that order */
-        const int64_t mine = tr->root || !n_runs ? 0 : 8 + 16 * n_runs + (int64_t)sizeof(float) * wrote;
-        sz[tr->topo.rank] = mine;
+        const int64_t mine = (zr->topo.rank == 0) || !n_runs ? 0 : 8 + 16 * n_runs + (int64_t)sizeof(float) * wrote;
+        sz[zr->topo.rank] = mine;
         tera_comm_allreduce_i64(w, sz, P);
         int64_t total = 0;
         for (int r = 0; r < P; r++) total += sz[r];
         if (total > 0) {
-            uint8_t *pack = tera_malloc((size_t)(tr->root ? total : mine) + 8);
+            uint8_t *pack = tera_malloc((size_t)((zr->topo.rank == 0) ? total : mine) + 8);
             enum { GATHER_TAG = 1 }; /* the world communicator carries no other point-to-point messages */
-            if (!tr->root && mine > 0) {
+            if (!(zr->topo.rank == 0) && mine > 0) {
                 memcpy(pack, &n_runs, 8);
                 memcpy(pack + 8, runs, sizeof(int64_t) * 2 * (size_t)n_runs);
                 uint8_t *v = pack + 8 + sizeof(int64_t) * 2 * (size_t)n_runs;
@@ -555,7 +560,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
                 tera_comm_req rq; /* a message of mine / 4 floats (8 + 16 n + 4 values bytes) */
                 tera_comm_isend_f32(w, (const float *)(void *)pack, mine / 4, 0, GATHER_TAG, &rq);
                 tera_comm_wait(&rq);
-            } else if (tr->root) {
+            } else if ((zr->topo.rank == 0)) {
                 tera_comm_req *rq = tera_calloc((size_t)P, sizeof(tera_comm_req));
                 int64_t at = 0;
                 for (int r = 1; r < P; r++) {
@@ -565,7 +570,7 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
                 for (int r = 1; r < P; r++) tera_comm_wait(&rq[r]);
                 free(rq);
             }
-            if (tr->root) { /* each rank's runs into their places */
+            if ((zr->topo.rank == 0)) { /* each rank's runs into their places */
                 const uint8_t *q = pack;
                 for (int r = 1; r < P; r++) {
                     if (sz[r] == 0) continue;
@@ -599,32 +604,32 @@ void tera_layout_gather_window(tera_trainer *tr, const tera_model *shell, int k,
     tera_comm_allreduce_i64(tera_comm_world(), (int64_t *)(void *)win, n64);
 }
 
-void tera_layout_local_window(tera_trainer *tr, int k, int x, int64_t a, int64_t b, float *dst) {
+void tera_zero_local_window(tera_zero *zr, int k, int x, int64_t a, int64_t b, float *dst) {
     lseg sg[2];
     int sharded;
-    region_segs(tr, k, sg, &sharded);
+    region_segs(zr, k, sg, &sharded);
     if (!sharded) {
         memcpy(dst, sg[0].p + (a - sg[0].lo), sizeof(float) * (size_t)(b - a));
         return;
     }
-    const int ranks = x ? tr->topo.edp : tr->topo.dp, me = x ? tr->topo.edp_rank : tr->topo.dp_rank;
-    const int64_t base = x ? tr->model.n_dense_floats : 0;
+    const int ranks = x ? zr->topo.edp : zr->topo.dp, me = x ? zr->topo.edp_rank : zr->topo.dp_rank;
+    const int64_t base = x ? zr->model->n_dense_floats : 0;
     int64_t *cnt = tera_calloc((size_t)ranks, sizeof(int64_t)), soff;
-    const int64_t mine = piece_counts(x ? tr->shard_counts_x : tr->shard_counts, ranks, me, a - base, b - base, cnt, &soff);
+    const int64_t mine = piece_counts(x ? zr->shard_counts_x : zr->shard_counts, ranks, me, a - base, b - base, cnt, &soff);
     if (cnt[me] > 0) memcpy(dst + mine, sg[x].p + soff, sizeof(float) * (size_t)cnt[me]);
-    tera_comm_allgather_f32(x ? tr->edp : tr->dp, dst, cnt);
+    tera_comm_allgather_f32(x ? zr->edp : zr->dp, dst, cnt);
     free(cnt);
 }
 
-tera_status tera_layout_load(tera_trainer *tr, tera_ckpt_reader *rd, int moments) {
-    tera_model *m = &tr->model;
+tera_status tera_zero_load(tera_zero *zr, tera_ckpt_reader *rd, int moments) {
+    tera_model *m = zr->model;
     tera_model shell;
-    tera_layout_global_shell(tr, &shell);
+    tera_zero_global_shell(zr->model, &shell);
     tera_status st = TERA_OK;
     for (int k = 0; k < (moments ? 3 : 1) && st == TERA_OK; k++) {
         lseg sg[2];
         int sharded;
-        const int ns = region_segs(tr, k, sg, &sharded);
+        const int ns = region_segs(zr, k, sg, &sharded);
         for (int i = 0; i < m->n_params && st == TERA_OK; i++) {
             const tera_param *lp = &m->params[i], *gp = &shell.params[i];
             const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
@@ -640,112 +645,121 @@ tera_status tera_layout_load(tera_trainer *tr, tera_ckpt_reader *rd, int moments
         }
     }
     if (st == TERA_OK && m->router_bias) st = tera_ckpt_reader_bias(rd, m->router_bias);
-    if (tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
+    if (zr->zs) zr->zs->version++; /* ZeRO-3: gathered parameters are stale */
     free(shell.params);
     return st;
 }
 
-tera_status tera_layout_init(tera_trainer *tr) {
-    const tera_parallel_config *p = &tr->cfg.parallel;
-    tera_model *m = &tr->model;
-    /* the groups (tera_layout_groups) exist; here the optimizer's ranges */
+tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
+    *out = NULL;
+    const int ck = tera_compress_parse(env->grad_compression ? env->grad_compression : "none");
+    if (ck < 0 || ck == TERA_COMPRESS_FP8)
+        return tera_fail(TERA_ERR_CONFIG, "parallel.grad_compression = %s: not a gradient compression",
+                         env->grad_compression);
+    tera_zero *zr = tera_calloc(1, sizeof *zr);
+    zr->model = env->model;
+    zr->topo = *env->topo;
+    zr->dp = env->dp;
+    zr->edp = env->edp ? env->edp : env->dp;
+    zr->stage = tera_zero_stage_in_effect(env->topo, env->stage);
+    tera_model *m = zr->model;
+    TERA_ASSERTF(m->par.shard_grads == (zr->stage >= 2) && m->par.shard_params == (zr->stage >= 3),
+                 "ZeRO-%d on a model created with shard_grads %d, shard_params %d", zr->stage, m->par.shard_grads,
+                 m->par.shard_params);
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    (void)p;
-    tr->shard_counts = tera_calloc((size_t)tr->topo.dp, sizeof(int64_t));
-    tr->shard_counts_x = tera_calloc((size_t)tr->topo.edp, sizeof(int64_t));
-    if (tr->zero) {
-        int64_t *lo = tera_calloc((size_t)(tr->topo.dp > tr->topo.edp ? tr->topo.dp : tr->topo.edp), sizeof(int64_t));
-        shard(nd, tr->topo.dp, tr->shard_counts, lo);
-        tera_adamw_init_range(&tr->opt, lo[tr->topo.dp_rank], lo[tr->topo.dp_rank] + tr->shard_counts[tr->topo.dp_rank]);
-        shard(n - nd, tr->topo.edp, tr->shard_counts_x, lo);
-        tera_adamw_init_range(&tr->opt_x, nd + lo[tr->topo.edp_rank], nd + lo[tr->topo.edp_rank] + tr->shard_counts_x[tr->topo.edp_rank]);
+    zr->shard_counts = tera_calloc((size_t)zr->topo.dp, sizeof(int64_t));
+    zr->shard_counts_x = tera_calloc((size_t)zr->topo.edp, sizeof(int64_t));
+    if (zr->stage) {
+        int64_t *lo = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
+        shard(nd, zr->topo.dp, zr->shard_counts, lo);
+        tera_adamw_init_range(&zr->opt, lo[zr->topo.dp_rank], lo[zr->topo.dp_rank] + zr->shard_counts[zr->topo.dp_rank]);
+        shard(n - nd, zr->topo.edp, zr->shard_counts_x, lo);
+        tera_adamw_init_range(&zr->opt_x, nd + lo[zr->topo.edp_rank], nd + lo[zr->topo.edp_rank] + zr->shard_counts_x[zr->topo.edp_rank]);
         free(lo);
     } else {
         /* one allocation for both regions, so the whole moments are contiguous (a one-rank
          * checkpoint snapshots them directly) */
-        tera_adamw_init_range(&tr->opt, 0, n);
-        tr->opt_x = (tera_adamw){.m = tr->opt.m + nd, .v = tr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
-        tr->opt.hi = tr->opt.n = nd;
+        tera_adamw_init_range(&zr->opt, 0, n);
+        zr->opt_x = (tera_adamw){.m = zr->opt.m + nd, .v = zr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
+        zr->opt.hi = zr->opt.n = nd;
     }
-    if (tr->zero >= 2) zero23_init(tr);
-    tera_adamw_plan(&tr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
-    tera_adamw_plan(&tr->opt_x, m);
+    if (zr->stage >= 2) zero23_init(zr, env);
+    tera_adamw_plan(&zr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
+    tera_adamw_plan(&zr->opt_x, m);
     /* hierarchical / compressed gradient sums (collective over each group; NULL when both are off) */
-    const int ck = tera_compress_parse(p->grad_compression);
-    TERA_ASSERTF(ck >= 0 && ck != TERA_COMPRESS_FP8, "parallel.grad_compression = %s", p->grad_compression);
-    if (tr->topo.dp > 1) tr->gred[0] = tera_greducer_create(tr->dp, nd, (tera_compress_kind)ck, p->hierarchical);
-    if (tr->topo.edp > 1 && n > nd)
-        tr->gred[1] = tera_greducer_create(tr->edp, n - nd, (tera_compress_kind)ck, p->hierarchical);
+    if (zr->topo.dp > 1) zr->gred[0] = tera_greducer_create(zr->dp, nd, (tera_compress_kind)ck, env->hierarchical);
+    if (zr->topo.edp > 1 && n > nd)
+        zr->gred[1] = tera_greducer_create(zr->edp, n - nd, (tera_compress_kind)ck, env->hierarchical);
+    zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
+    zr->n_buckets = 2 * (m->cfg.n_layers + 2); /* per layer: non-expert and expert tensors */
+    zr->buckets = tera_calloc((size_t)zr->n_buckets, sizeof(tera_comm_req));
+    bind_hooks(zr);
+    *out = zr;
     return TERA_OK;
 }
 
-void tera_layout_free(tera_trainer *tr) {
-    tera_onebit_free(tr); /* its reducers use the groups freed below */
-    zero23_free(tr);
-    tera_greducer_free(tr->gred[0]);
-    tera_greducer_free(tr->gred[1]);
-    tr->gred[0] = tr->gred[1] = NULL;
-    free(tr->shard_counts);
-    free(tr->shard_counts_x);
-    tr->shard_counts = tr->shard_counts_x = NULL;
-    tera_adamw_free(&tr->opt_x);
-    tera_comm *world = tera_comm_world(); /* a group spanning the world is the world itself */
-    if (tr->ep_group && tr->ep_group != world) tera_comm_free(tr->ep_group);
-    if (tr->edp && tr->edp != tr->dp && tr->edp != world) tera_comm_free(tr->edp);
-    if (tr->mp && tr->mp != world) tera_comm_free(tr->mp);
-    if (tr->tp_group && tr->tp_group != world) tera_comm_free(tr->tp_group);
-    if (tr->pp_group && tr->pp_group != world) tera_comm_free(tr->pp_group);
-    if (tr->sg && tr->sg != tr->dp && tr->sg != world) tera_comm_free(tr->sg);
-    if (tr->dp && tr->dp != world) tera_comm_free(tr->dp);
-    tr->ep_group = tr->edp = tr->mp = tr->tp_group = tr->pp_group = tr->sg = tr->dp = NULL;
+void tera_zero_destroy(tera_zero *zr) {
+    if (!zr) return;
+    zero23_free(zr);
+    tera_greducer_free(zr->gred[0]);
+    tera_greducer_free(zr->gred[1]);
+    free(zr->shard_counts);
+    free(zr->shard_counts_x);
+    free(zr->grad_sq);
+    free(zr->buckets);
+    tera_adamw_free(&zr->opt_x);
+    tera_adamw_free(&zr->opt);
+    free(zr);
 }
 
-void tera_layout_global_shell(const tera_trainer *tr, tera_model *shell) {
+int64_t tera_zero_optimizer_bytes(const tera_zero *zr) {
+    return (int64_t)(2 * sizeof(float)) * (zr->opt.n + zr->opt_x.n);
+}
+
+void tera_zero_global_shell(const tera_model *m, tera_model *shell) {
     memset(shell, 0, sizeof *shell);
-    shell->cfg = tr->model.cfg;
-    shell->B = tr->model.B;
-    shell->T = tr->model.T;
+    shell->cfg = m->cfg;
+    shell->B = m->B;
+    shell->T = m->T;
     shell->params = tera_param_table_ep(&shell->cfg, 1, 0, &shell->n_params, &shell->n_floats, &shell->n_dense_floats);
     shell->par.ep = 1;
-    shell->n_moe_layers = tr->model.n_moe_layers;
-    shell->router_bias = tr->model.router_bias;
+    shell->n_moe_layers = m->n_moe_layers;
+    shell->router_bias = m->router_bias;
 }
 
-
-int tera_layout_member_writes(const tera_trainer *tr, int member, const tera_param *p) {
+int tera_zero_member_writes(const tera_topology *t, int member, const tera_param *p) {
     if (p->numel == 0) return 0;
-    if (!p->expert_stacked && member / tr->topo.tp % tr->topo.ep != 0) return 0; /* non-expert: the first of the ep group */
-    return p->tp_dim >= 0 || member % tr->topo.tp == 0;                     /* replicated over tp: the first tp rank */
+    if (!p->expert_stacked && member / t->tp % t->ep != 0) return 0; /* non-expert: the first of the ep group */
+    return p->tp_dim >= 0 || member % t->tp == 0;                     /* replicated over tp: the first tp rank */
 }
 
-int tera_layout_writes(const tera_trainer *tr, const tera_param *p) {
+int tera_zero_writes(const tera_topology *t, const tera_param *p) {
     /* one copy: the first expert-data-parallel replica */
-    return tr->topo.edp_rank == 0 && tera_layout_member_writes(tr, tera_layout_member(tr), p);
+    return t->edp_rank == 0 && tera_zero_member_writes(t, tera_zero_member(t), p);
 }
 
-int tera_layout_member(const tera_trainer *tr) { return (tr->topo.pp_rank * tr->topo.ep + tr->topo.ep_rank) * tr->topo.tp + tr->topo.tp_rank; }
+int tera_zero_member(const tera_topology *t) { return (t->pp_rank * t->ep + t->ep_rank) * t->tp + t->tp_rank; }
 
-tera_param *tera_layout_member_table(const tera_trainer *tr, int member, int64_t *n_floats) {
-    const tera_model *m = &tr->model;
-    const tera_shard_spec sp = {.ep = tr->topo.ep, .ep_rank = member / tr->topo.tp % tr->topo.ep, .tp = tr->topo.tp,
-                                .tp_rank = member % tr->topo.tp, .pp = tr->topo.pp, .pp_rank = member / (tr->topo.tp * tr->topo.ep),
+tera_param *tera_zero_member_table(const tera_model *m, const tera_topology *t, int member, int64_t *n_floats) {
+    const tera_shard_spec sp = {.ep = t->ep, .ep_rank = member / t->tp % t->ep, .tp = t->tp,
+                                .tp_rank = member % t->tp, .pp = t->pp, .pp_rank = member / (t->tp * t->ep),
                                 .v = m->par.v, .layer_first = m->layer_first};
     int np;
     int64_t nf;
     return tera_param_table_spec(&m->cfg, &sp, &np, n_floats ? n_floats : &nf, NULL);
 }
 
-void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, const float *gv) {
+void tera_zero_scatter(tera_zero *zr, const float *gw, const float *gm, const float *gv) {
     /* straight into this rank's storage (its blocks; under ZeRO its shards), no temporary */
-    tera_model *m = &tr->model;
+    tera_model *m = zr->model;
     tera_model shell;
-    tera_layout_global_shell(tr, &shell);
+    tera_zero_global_shell(zr->model, &shell);
     const float *src[3] = {gw, gm, gv};
     for (int k = 0; k < 3; k++) {
         if (!src[k]) continue;
         lseg sg[2];
         int sharded;
-        const int ns = region_segs(tr, k, sg, &sharded);
+        const int ns = region_segs(zr, k, sg, &sharded);
         for (int i = 0; i < m->n_params; i++) {
             const tera_param *lp = &m->params[i], *gp = &shell.params[i];
             const int64_t nr = tera_block_n_runs(gp->shape, lp->len);
@@ -761,7 +775,7 @@ void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, con
             }
         }
     }
-    if (!m->w && gw && tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
+    if (!m->w && gw && zr->zs) zr->zs->version++; /* ZeRO-3: gathered parameters are stale */
     free(shell.params);
 }
 
@@ -769,67 +783,71 @@ void tera_layout_scatter(tera_trainer *tr, const float *gw, const float *gm, con
  * must be counted once over the world. Copies on several data-parallel ranks count on the first
  * (ZeRO-1 shards split them instead), copies on several tensor-parallel ranks (norms, router) on
  * tp rank 0. */
-static int counts_here(const tera_trainer *tr, const tera_param *p) {
-    if (p->tp_dim < 0 && tr->topo.tp_rank != 0) return 0;
-    if (tr->zero) return 1;
-    return p->expert_stacked ? tr->topo.edp_rank == 0 : tr->topo.dp_rank == 0;
+static int counts_here(const tera_zero *zr, const tera_param *p) {
+    if (p->tp_dim < 0 && zr->topo.tp_rank != 0) return 0;
+    if (zr->stage) return 1;
+    return p->expert_stacked ? zr->topo.edp_rank == 0 : zr->topo.dp_rank == 0;
 }
 
-void tera_layout_reduce_grads(tera_trainer *tr) {
-    tera_model *m = &tr->model;
+void tera_zero_reduce_grads(tera_zero *zr) {
+    tera_model *m = zr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    if (tr->topo.dp == 1 || tr->zero >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
-    if (tr->zero) { /* each rank sums only its own shard of each region */
-        if (tr->gred[0]) tera_greducer_reduce_scatter(tr->gred[0], m->g, 0, tr->shard_counts);
-        else tera_comm_reduce_scatter_f32(tr->dp, m->g, tr->shard_counts);
-        if (n > nd && tr->gred[1]) tera_greducer_reduce_scatter(tr->gred[1], m->g + nd, 0, tr->shard_counts_x);
-        else if (n > nd) tera_comm_reduce_scatter_f32(tr->edp, m->g + nd, tr->shard_counts_x);
-    } else if (tr->gred[0] || tr->gred[1]) { /* hierarchical / compressed: no buckets were started */
-        if (tr->gred[0]) tera_greducer_allreduce(tr->gred[0], m->g, 0, nd);
-        else tera_comm_allreduce_f32(tr->dp, m->g, nd);
-        if (n > nd && tr->gred[1]) tera_greducer_allreduce(tr->gred[1], m->g + nd, 0, n - nd);
-        else if (n > nd) tera_comm_allreduce_f32(tr->edp, m->g + nd, n - nd);
+    if (zr->topo.dp == 1 || zr->stage >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
+    if (zr->stage) { /* each rank sums only its own shard of each region */
+        if (zr->gred[0]) tera_greducer_reduce_scatter(zr->gred[0], m->g, 0, zr->shard_counts);
+        else tera_comm_reduce_scatter_f32(zr->dp, m->g, zr->shard_counts);
+        if (n > nd && zr->gred[1]) tera_greducer_reduce_scatter(zr->gred[1], m->g + nd, 0, zr->shard_counts_x);
+        else if (n > nd) tera_comm_reduce_scatter_f32(zr->edp, m->g + nd, zr->shard_counts_x);
+    } else if (zr->gred[0] || zr->gred[1]) { /* hierarchical / compressed: no buckets were started */
+        if (zr->gred[0]) tera_greducer_allreduce(zr->gred[0], m->g, 0, nd);
+        else tera_comm_allreduce_f32(zr->dp, m->g, nd);
+        if (n > nd && zr->gred[1]) tera_greducer_allreduce(zr->gred[1], m->g + nd, 0, n - nd);
+        else if (n > nd) tera_comm_allreduce_f32(zr->edp, m->g + nd, n - nd);
     } else { /* the buckets started during the last backward */
-        for (int i = 0; i < tr->n_buckets; i++) tera_comm_wait(&tr->buckets[i]);
+        for (int i = 0; i < zr->n_buckets; i++) tera_comm_wait(&zr->buckets[i]);
     }
 }
 
-double tera_layout_grad_sq(tera_trainer *tr) {
-    tera_model *m = &tr->model;
-    double *sq = tr->grad_sq, *sq2 = tr->grad_sq + m->n_params;
-    tera_adamw_grad_sq(&tr->opt, m, sq); /* one parallel region each (src/train/optim.c) */
-    tera_adamw_grad_sq(&tr->opt_x, m, sq2);
+double tera_zero_grad_sq(tera_zero *zr) {
+    tera_model *m = zr->model;
+    double *sq = zr->grad_sq, *sq2 = zr->grad_sq + m->n_params;
+    tera_adamw_grad_sq(&zr->opt, m, sq); /* one parallel region each (src/train/optim.c) */
+    tera_adamw_grad_sq(&zr->opt_x, m, sq2);
     /* a tensor another rank counts (a replica) still enters as NaN when this rank's copy of its
      * gradient is not finite: the update this rank would apply must be skipped everywhere */
     for (int i = 0; i < m->n_params; i++) {
         const double v = sq[i] + sq2[i];
-        sq[i] = counts_here(tr, &m->params[i]) || !isfinite(v) ? v : 0.0;
+        sq[i] = counts_here(zr, &m->params[i]) || !isfinite(v) ? v : 0.0;
     }
-    if (tr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
+    if (zr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), sq, m->n_params);
     double tot = 0.0;
     for (int i = 0; i < m->n_params; i++) tot += sq[i];
     return tot;
 }
 
-void tera_layout_adamw_step(tera_trainer *tr, float lr, float clip_scale, double *sums) {
-    tera_model *m = &tr->model;
-    const tera_optim_config *oc = &tr->cfg.optimizer;
+void tera_zero_params_updated(tera_zero *zr) {
+    tera_model *m = zr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
-    double *usq = tr->grad_sq + m->n_params * 2, *psq = usq + m->n_params; /* per tensor */
-    memset(usq, 0, sizeof(double) * 2 * (size_t)m->n_params);
-    tera_adamw_step_by_param(&tr->opt, m, lr, clip_scale, oc, !tr->zero, NULL, NULL, usq, psq);
-    tera_adamw_step_by_param(&tr->opt_x, m, lr, clip_scale, oc, !tr->zero, NULL, NULL, usq, psq);
-    if (tr->zctx) tr->zctx->version++; /* ZeRO-3: gathered parameters are stale */
-    if (tr->zero && tr->zero < 3) { /* every rank gets every shard's new parameters */
-        if (tr->gred[0]) tera_greducer_allgather(tr->gred[0], m->w, tr->shard_counts);
-        else tera_comm_allgather_f32(tr->dp, m->w, tr->shard_counts);
-        if (n > nd && tr->gred[1]) tera_greducer_allgather(tr->gred[1], m->w + nd, tr->shard_counts_x);
-        else if (n > nd) tera_comm_allgather_f32(tr->edp, m->w + nd, tr->shard_counts_x);
+    if (zr->zs) zr->zs->version++; /* ZeRO-3: gathered parameters are stale */
+    if (zr->stage && zr->stage < 3) { /* every rank gets every shard's new parameters */
+        if (zr->gred[0]) tera_greducer_allgather(zr->gred[0], m->w, zr->shard_counts);
+        else tera_comm_allgather_f32(zr->dp, m->w, zr->shard_counts);
+        if (n > nd && zr->gred[1]) tera_greducer_allgather(zr->gred[1], m->w + nd, zr->shard_counts_x);
+        else if (n > nd) tera_comm_allgather_f32(zr->edp, m->w + nd, zr->shard_counts_x);
     }
+}
+
+void tera_zero_adamw_step(tera_zero *zr, float lr, float clip_scale, const tera_optim_config *oc, double *sums) {
+    tera_model *m = zr->model;
+    double *usq = zr->grad_sq + m->n_params * 2, *psq = usq + m->n_params; /* per tensor */
+    memset(usq, 0, sizeof(double) * 2 * (size_t)m->n_params);
+    tera_adamw_step_by_param(&zr->opt, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
+    tera_adamw_step_by_param(&zr->opt_x, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
+    tera_zero_params_updated(zr);
     double s[2] = {0.0, 0.0}; /* update^2, param^2 over the whole model */
     for (int i = 0; i < m->n_params; i++)
-        if (counts_here(tr, &m->params[i])) s[0] += usq[i], s[1] += psq[i];
-    if (tr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), s, 2);
+        if (counts_here(zr, &m->params[i])) s[0] += usq[i], s[1] += psq[i];
+    if (zr->topo.world > 1) tera_comm_allreduce_f64(tera_comm_world(), s, 2);
     sums[0] = s[0];
     sums[1] = s[1];
 }

@@ -1,0 +1,155 @@
+/* ZeRO sharding (src/parallel/zero.c): the optimizer state, gradients and parameters of one rank
+ * of a data-parallel layout, their reduction, the AdamW step on them, and the conversion between
+ * this rank's storage and the whole model as one process holds it (the checkpoint windows). It
+ * works on the model (its parameter table, buffers and group hooks), the topology and the
+ * data-parallel communicators; it does not know the trainer, so it runs in a test with nothing
+ * else (tests/test_zero.c).
+ *
+ * Flat buffers hold this rank's blocks (its pipeline stages' tensors, their tensor-parallel slices)
+ * of the non-expert tensors first, [0, n_dense), the same on every rank of the data-parallel group,
+ * then this rank's slices of the expert tensors, [n_dense, n). Gradients of the first region are
+ * summed over dp, of the second over edp (the ranks holding the same experts). ZeRO stage 1 shards
+ * the first region's Adam moments over dp and the second's over edp (consecutive 16-float aligned
+ * shards, tera_zero.shard_counts / shard_counts_x); stage 2 also the gradients (reduce-scattered
+ * group by group during backward into the shards' own buffers, opt.g / opt_x.g); stage 3 also
+ * the fp32 parameters (opt.w / opt_x.w, all-gathered group by group into staging slots before use).
+ * Stage 0: every rank holds all of it and the gradients are all-reduced in buckets during the last
+ * backward of a step. */
+#ifndef TERA_ZERO_H
+#define TERA_ZERO_H
+
+#include <stdint.h>
+
+#include "tera/comm.h"
+#include "tera/config.h"
+#include "tera/model.h"
+#include "tera/status.h"
+#include "tera/topology.h"
+#include "tera/train.h"
+
+typedef struct {
+    tera_model *model;            /* this rank's model, created with par.shard_grads = stage >= 2 and
+                                     par.shard_params = stage >= 3 (tera_zero_stage_in_effect) */
+    const tera_topology *topo;    /* copied */
+    struct tera_comm *dp, *edp;   /* the data-parallel group (size topo.dp, rank topo.dp_rank) and the
+                                     expert-data-parallel group (the dp group itself when ep = 1) */
+    int stage;                    /* parallel.zero requested (0-3) */
+    int prefetch;                 /* parallel.zero_prefetch: ZeRO-3 gathers the next layer while one computes */
+    int planned;                  /* a pipeline stage: the executor names the order of use (tera_zero_plan) */
+    const char *grad_compression; /* parallel.grad_compression (NULL: "none") */
+    int hierarchical;             /* parallel.hierarchical */
+} tera_zero_env;
+
+struct tera_zero_staging;
+struct tera_greducer;
+
+typedef struct tera_zero {
+    tera_model *model;
+    tera_topology topo;
+    struct tera_comm *dp, *edp;
+    int stage;                     /* in effect: 0 with one data-parallel rank */
+    tera_adamw opt;                /* the non-expert region [0, n_dense) (or this rank's shard of it) */
+    tera_adamw opt_x;              /* the routed-expert region [n_dense, n) (or this rank's shard) */
+    int64_t *shard_counts;         /* [topo.dp] shards of the non-expert region */
+    int64_t *shard_counts_x;       /* [topo.edp] shards of the expert region */
+    struct tera_greducer *gred[2]; /* [non-expert over dp, experts over edp] hierarchical / compressed sums
+                                      (include/tera/comm_hier.h); NULL: the plain collectives */
+    double *grad_sq;               /* [4 n_params]: the last step's squared gradient norm per tensor, then
+                                      the step's scratch (per-tensor update and parameter squares) */
+    int grads_zero;                /* the gradients are known to be zero (cleared by the optimizer) */
+    int64_t bytes_staging;         /* ZeRO-2/3 staging slots: one group's gradients (and parameters) at a time */
+    tera_comm_req *buckets;        /* [n_buckets] stage 0: gradient sums in flight during the last backward */
+    int n_buckets;
+    int poison;                    /* test hook armed (ZeRO-2/3): a NaN into the first gradient piece summed */
+    struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
+    float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
+                                      [n] (tera_zero_local_grads; the caller's buffer), NULL otherwise */
+} tera_zero;
+
+/* The stage in effect for `requested` on topology t: ZeRO needs more than one data-parallel rank. */
+static inline int tera_zero_stage_in_effect(const tera_topology *t, int requested) { return t->dp > 1 ? requested : 0; }
+
+/* Creates the optimizer ranges (shards), the ZeRO-2/3 staging and the reducers, and binds the
+ * model's group hooks (stage >= 2); collective over dp and edp when they have several ranks.
+ * Fails (nothing allocated) on a bad grad_compression. */
+tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out);
+/* Frees everything (the model's hooks are left as they were); NULL: no-op. */
+void tera_zero_destroy(tera_zero *z);
+
+/* ---- the step */
+/* Clears the gradients this rank accumulates into (the model's buffer, or the ZeRO-2/3 shards);
+ * disarms the test hook. */
+void tera_zero_zero_grads(tera_zero *z);
+/* The model's gradient callback (model.grad_ready, ctx z) for a micro-batch's backward: stage 2/3
+ * every micro-batch (the group's pieces reduce-scattered into the shards); stage 0 with several
+ * ranks and no hierarchical/compressed reducer the last micro-batch (`last`: the buckets' all-reduce
+ * starts while backward continues); NULL when none is needed. */
+void (*tera_zero_grad_ready(tera_zero *z, int last))(void *, int64_t, int64_t);
+/* Sum of the gradients over the ranks that hold each part (after the last backward; stage 1: each
+ * rank sums only its own shard; stage 2/3: done during backward). */
+void tera_zero_reduce_grads(tera_zero *z);
+/* Global squared gradient norm (the same value on every rank, collective over the world), per
+ * tensor into z->grad_sq[n_params]. */
+double tera_zero_grad_sq(tera_zero *z);
+/* The AdamW step on this rank's ranges with gradients times grad_scale, then the parameters every
+ * rank needs (stage 1/2: all-gather). sums[2]: update and parameter squares over the whole model
+ * (collective over the world). Stage 0 clears the gradients as it goes (z->grads_zero). */
+void tera_zero_adamw_step(tera_zero *z, float lr, float grad_scale, const tera_optim_config *oc, double *sums);
+/* After an optimizer step on this rank's parameter ranges (the model's buffer; ZeRO-3: the shards
+ * opt.w / opt_x.w): stages 1/2 all-gather every shard's new parameters, stage 3 marks the gathered
+ * ones stale (the next use gathers again); stage 0: nothing. tera_zero_adamw_step calls it. */
+void tera_zero_params_updated(tera_zero *z);
+/* 1-bit Adam past its freeze under ZeRO-2/3 (src/train/onebit.c): g [n floats, the whole flat
+ * buffer] receives this rank's own gradients instead of the staging slots: each group's backward
+ * accumulates into its range of g micro-batch after micro-batch, nothing is reduce-scattered (no
+ * gradient callback: tera_zero_grad_ready returns NULL, tera_zero_reduce_grads does nothing), and
+ * tera_zero_zero_grads and the test hooks act on g. NULL: back to the shards. Between steps only;
+ * stages 0/1: no-op (their gradients are the model's whole buffer already). */
+void tera_zero_local_grads(tera_zero *z, float *g);
+/* Test hooks: scale every gradient; a NaN in this rank's gradient where its own backward would have
+ * produced one (call after tera_zero_zero_grads; stage 2/3: armed, it goes into the first gradient
+ * piece summed this step). */
+void tera_zero_grad_scale(tera_zero *z, float s);
+void tera_zero_poison_grad(tera_zero *z);
+/* ZeRO-3 prefetch in a pipeline stage (env.planned): before each operation the executor names its last
+ * layer in the order of use (forward: the chunk's last, backward: its first) and the first layer the
+ * next operation uses (-1: none); no-op otherwise. */
+void tera_zero_plan(tera_zero *z, int last, int next);
+/* ZeRO-3, since creation: layer parameter gathers, how many of them a prefetch had started, and
+ * prefetches discarded unused (0 otherwise). */
+void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused);
+/* The seeded init of this rank's part (ZeRO-3: of its parameter shards only; the same values as the
+ * one-process init's, element by element). */
+void tera_zero_init_weights(tera_zero *z, uint64_t seed);
+/* Bytes of this rank's Adam moments. */
+int64_t tera_zero_optimizer_bytes(const tera_zero *z);
+
+/* ---- the whole model, window by window (checkpoints; no rank holds the whole model) */
+/* A model shell with m's one-process parameter table (ep = 1, tp = 1, pp = 1) and no buffers (caller
+ * sets w; frees shell->params). */
+void tera_zero_global_shell(const tera_model *m, tera_model *shell);
+/* Window [a, b) of region k (0 weights, 1 exp_avg, 2 exp_avg_sq) of the one-process flat buffer
+ * (shell: tera_zero_global_shell) into win (room for b - a floats rounded up to even), assembled
+ * bit-exactly from every rank's blocks and shards; collective over the world. root_only: only world
+ * rank 0 needs the window (the others' win is then undefined). */
+void tera_zero_gather_window(tera_zero *z, const tera_model *shell, int k, int64_t a, int64_t b, float *win,
+                             int root_only);
+/* Window [a, b) of region k of this rank's own flat buffer inside its non-expert (x = 0) or expert
+ * (x = 1) range; collective over the ranks sharing the range's shards (dp or edp) when sharded. */
+void tera_zero_local_window(tera_zero *z, int k, int x, int64_t a, int64_t b, float *dst);
+/* Reads this rank's part (its blocks, its shards; moments too when asked) and the router bias from
+ * a checkpoint, piece by piece. */
+struct tera_ckpt_reader;
+tera_status tera_zero_load(tera_zero *z, struct tera_ckpt_reader *rd, int moments);
+/* This rank takes its part of the whole model (gm, gv may be NULL: moments untouched). */
+void tera_zero_scatter(tera_zero *z, const float *gw, const float *gm, const float *gv);
+/* The model-parallel group (the ranks that together hold one copy of the model): this rank's index
+ * in it, (pp_rank * ep + ep_rank) * tp + tp_rank; the table of member `member` of model m's layout
+ * (*n_floats: its storage; free the result); whether that member writes its block of p in a sharded
+ * checkpoint; whether this rank does (every element of the model by exactly one rank of the world). */
+int tera_zero_member(const tera_topology *t);
+tera_param *tera_zero_member_table(const tera_model *m, const tera_topology *t, int member, int64_t *n_floats);
+int tera_zero_member_writes(const tera_topology *t, int member, const tera_param *p);
+int tera_zero_writes(const tera_topology *t, const tera_param *p);
+
+#endif
