@@ -8,7 +8,8 @@
  * Beside the wall times, the process's CPU time over each pass (all threads together; *_cpu_ms):
  * on a machine shared with other jobs a pass's wall time mostly measures the share of the cores it
  * got, its CPU time what it costs.
- * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N]; prints one JSON line. */
+ * --moments bf16: the moments held as bf16 (optimizer.moments = bf16): AdamW 24 bytes per parameter.
+ * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N] [--moments fp32|bf16]; prints one JSON line. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,9 +29,10 @@ static double cpu_now(void) { /* the process's CPU time, all threads */
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
-    int threads = 1, reps = 7;
+    int threads = 1, reps = 7, bf16 = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-c")) cfg_path = argv[i + 1];
+        else if (!strcmp(argv[i], "--moments")) bf16 = !strcmp(argv[i + 1], "bf16");
         else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
     }
@@ -55,8 +57,11 @@ int main(int argc, char **argv) {
     double *sq = tera_calloc((size_t)(3 * m.n_params), sizeof(double));
     for (int64_t i = 0; i < n; i++) m.w[i] = 0.02f * (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     tera_adamw o;
-    tera_adamw_init(&o, n);
+    if (bf16) tera_adamw_init_range_bf16(&o, 0, n, 1);
+    else tera_adamw_init(&o, n);
     tera_adamw_plan(&o, &m);
+    float *third = bf16 ? tera_calloc((size_t)n, sizeof(float)) : o.m; /* the triad's third array */
+    const double adam_bytes = bf16 ? 24.0 : 32.0;
     double *t_sq = tera_malloc(sizeof(double) * (size_t)reps), *t_adam = tera_malloc(sizeof(double) * (size_t)reps);
     double *t_triad = tera_malloc(sizeof(double) * (size_t)reps);
     double *c_sq = tera_malloc(sizeof(double) * (size_t)reps), *c_adam = tera_malloc(sizeof(double) * (size_t)reps);
@@ -72,7 +77,7 @@ int main(int argc, char **argv) {
         const double c2 = cpu_now(), t2 = tera_now();
         if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1;
         /* triad over three arrays of n floats: g = w + s m (the moments and parameters, rewritten) */
-        float *a = m.g, *b = m.w, *c = o.m;
+        float *a = m.g, *b = m.w, *c = third;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; i++) a[i] = b[i] + 1e-9f * c[i];
         double t3 = tera_now();
@@ -84,11 +89,13 @@ int main(int argc, char **argv) {
     printf("{\"config\": \"%s\", \"threads\": %d, \"params\": %lld, \"tensors\": %d, \"reps\": %d, "
            "\"norm_ms\": %.2f, \"adamw_ms\": %.2f, \"optimizer_ms\": %.2f, \"norm_gbs\": %.1f, \"adamw_gbs\": %.1f, "
            "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"norm_cpu_ms\": %.2f, "
-           "\"adamw_cpu_ms\": %.2f, \"grad_sq\": %.6e}\n",
+           "\"adamw_cpu_ms\": %.2f, \"grad_sq\": %.6e, \"moments\": \"%s\"}\n",
            cfg_path, threads, (long long)n, m.n_params, reps, 1e3 * s_sq, 1e3 * s_adam, 1e3 * (s_sq + s_adam),
-           4.0 * gb / s_sq, 32.0 * gb / s_adam, 36.0 * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
-           (36.0 * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), 1e3 * cs_sq, 1e3 * cs_adam, total);
+           4.0 * gb / s_sq, adam_bytes * gb / s_adam, (4.0 + adam_bytes) * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
+           ((4.0 + adam_bytes) * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), 1e3 * cs_sq, 1e3 * cs_adam, total,
+           bf16 ? "bf16" : "fp32");
     free(t_sq), free(t_adam), free(t_triad), free(c_sq), free(c_adam), free(sq);
+    if (bf16) free(third);
     tera_adamw_free(&o);
     free(m.w), free(m.g), free(m.params);
     tera_backend_destroy(m.be);

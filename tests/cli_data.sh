@@ -24,6 +24,10 @@ head -c 40000 "$SRC/data/default_corpus.txt" > "$W/corpus.txt"
 printf 'To be, or not to be' | "$TERA" tokenizer encode --tokenizer "$W/tok" > "$W/ids.txt" 2>&1 \
     && [ "$("$TERA" tokenizer decode --tokenizer "$W/tok" < "$W/ids.txt")" = "To be, or not to be" ] \
     && pass "encode/decode round trip" || fail "encode/decode: $(cat "$W/ids.txt")"
+# --tokenizer bytes (as data prepare and generate take it): each byte its own id, both ways
+[ "$(printf 'h\303\251' | "$TERA" tokenizer encode --tokenizer bytes)" = "104 195 169" ] \
+    && [ "$(echo 104 195 169 | "$TERA" tokenizer decode --tokenizer bytes)" = "$(printf 'h\303\251')" ] \
+    && pass "encode/decode --tokenizer bytes" || fail "encode/decode --tokenizer bytes"
 "$TERA" train --data.path="$W/ds" --model.vocab_size=400 --model.dim=32 --model.n_layers=2 --model.n_heads=4 \
     --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32 --training.micro_batch=4 --training.steps=30 \
     --training.warmup_steps=2 --logging.run_dir="$W/run" > "$W/train.log" 2>&1 && pass "train on the prepared dataset" \

@@ -38,6 +38,22 @@ expect_error "fp16 sums under fp16" "grad_compression" -- "$TERA" train --traini
 expect_error "missing data file" "missing.txt" -- "$TERA" train --data.path="$W/missing.txt" --logging.run_dir="$W/r0"
 : > "$W/empty.txt"
 expect_error "empty data file" "empty.txt" -- "$TERA" train --data.path="$W/empty.txt" --logging.run_dir="$W/r1"
+# a FIFO (or device) as data is refused at once, not waited on for a writer
+mkfifo "$W/fifo.txt"
+expect_error "a FIFO as data.path" "is not a regular file" -- timeout 30 "$TERA" train --data.path="$W/fifo.txt" --logging.run_dir="$W/r1f"
+expect_error "a FIFO as data prepare's input" "is not a regular file" -- timeout 30 "$TERA" data prepare --input "$W/fifo.txt" --output "$W/fifo_ds" --tokenizer bytes
+# a model that cannot fit the host is refused before anything is allocated or created, with the
+# planner's own figure (tera plan --dry-run's total for the rank, read by field name)
+HUGE=(--model.dim=32 --model.n_heads=2 --model.ffn_dim=32 --model.n_experts=100000000 --training.warmup_steps=1)
+expect_error "model larger than the host" "training.memory_check = false" -- "$TERA" train "${HUGE[@]}" --logging.run_dir="$W/huge"
+want=$("$TERA" plan --dry-run "${HUGE[@]}" --json 2> /dev/null | jq '.roles[0].total / 1073741824 * 100 | round / 100')
+if [ -e "$W/huge" ]; then
+    echo "FAIL: the refused run created its run directory"; fails=$((fails + 1))
+elif [ -n "$want" ] && grep -q "needs $(printf '%.2f' "$want") GiB on the host of world rank 0 (1 rank;" "$W/err"; then
+    echo "ok: the refusal names the planner's $want GiB and creates nothing"
+else
+    echo "FAIL: memory refusal figure (plan says $want GiB): $(cat "$W/err")"; fails=$((fails + 1))
+fi
 printf 'abc' > "$W/odd.u16"
 expect_error "odd u16 file" "odd.u16" -- "$TERA" train --data.path="$W/odd.u16" --logging.run_dir="$W/r2"
 printf 'MMIDIDX\0\0garbage' > "$W/bad.idx"; : > "$W/bad.bin"
@@ -210,6 +226,9 @@ expect_error "data prepare: --input followed by an option" "needs a file before 
     "$TERA" data prepare --input --output "$W/d12_ds0"
 
 expect_error "decode --allow-special" "applies to encode" -- "$TERA" tokenizer decode --tokenizer "$W/nope" --allow-special
+printf '7 300\n' > "$W/ids300.txt"
+expect_error "decode: a byte id past 255" "token id 300 is not in 0..255" -- \
+    bash -c '"$1" tokenizer decode --tokenizer bytes < "$2"' _ "$TERA" "$W/ids300.txt"
 
 # ---- configuration, command line, Hugging Face interchange (issue 12) ----
 # (scratch files c12_*: a tiny model with one dense layer, trained 2 steps on the embedded corpus)
@@ -251,6 +270,21 @@ grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$C12CK/config.json" && pass "the
 "$TERA" export-hf --from "$C12CK" --out "$W/c12_hf" --tera-moe > "$W/c12_exp.log" 2>&1 \
     && grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$W/c12_hf/config.json" \
     && pass "export-hf --tera-moe writes model_type tera_moe" || { fail "export-hf --tera-moe"; cat "$W/c12_exp.log"; }
+# --from a run directory: its newest committed checkpoint; a checkpoint that does not verify (one
+# weight byte changed, the header intact) is refused by export-hf, generate and eval, naming the file
+"$TERA" export-hf --from "$W/c12_run" --out "$W/c12_hfr" --tera-moe > "$W/c12_expr.log" 2>&1 \
+    && grep -q "exported .*c12_run/checkpoints/step_00000002 ->" "$W/c12_expr.log" \
+    && pass "export-hf --from a run directory takes its newest checkpoint" || { fail "export-hf --from RUN"; cat "$W/c12_expr.log"; }
+cp -r "$W/c12_run" "$W/c12_bad"
+C12BAD="$W/c12_bad/checkpoints/step_00000002"
+printf '\x7f' | dd of="$C12BAD/model.safetensors" bs=1 seek=$(( $(stat -c %s "$C12BAD/model.safetensors") - 3 )) conv=notrunc 2> /dev/null
+expect_error "export-hf of a checkpoint that does not verify" "model.safetensors: contents differ" -- \
+    "$TERA" export-hf --from "$C12BAD" --out "$W/c12_hfbad" --tera-moe
+[ -e "$W/c12_hfbad" ] && fail "a refused export of a damaged checkpoint wrote $W/c12_hfbad" || pass "nothing written from the damaged checkpoint"
+expect_error "generate from a checkpoint that does not verify" "model.safetensors: contents differ" -- \
+    "$TERA" generate --from "$C12BAD" --prompt hi --tokenizer bytes --max-new-tokens 1
+expect_error "eval of a checkpoint that does not verify" "differ from the saved state" -- \
+    "$TERA" eval --from "$C12BAD" --training.seq_len=32 --training.micro_batch=2 --training.eval_batches=1
 # derived defaults follow config.json: without dense_intermediate_size the dense width is top_k x 32 = 64
 grep -v '"dense_intermediate_size"' "$W/c12_hf/config.json" > "$W/c12_cfg" && cp "$W/c12_cfg" "$W/c12_hf/config.json"
 C12E=(--training.seq_len=32 --training.micro_batch=2 --training.eval_batches=1 --training.threads=1)

@@ -53,6 +53,17 @@ typedef struct {
                                 int64_t out, float beta);
     void (*linear_backward_fp32)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x,
                                  const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+    /* Several products of one input x[N,in] (q, k and v of the same normed rows; an FFN's gate and
+     * up projections), in the backend's precision: forward y[i][N,out[i]] = x w[i][out[i],in]^T for
+     * i < n (written); backward, for i = 0..n-1 in turn, dx[N,in] = (i == 0 ? dx_beta : 1) * dx +
+     * dy[i][N,out[i]] w[i] and dw[i][out[i],in] += dy[i]^T x. The same bits as n calls of
+     * linear_forward (beta 0) / linear_backward; x is converted once. NULL where a backend has none:
+     * tera_linear_forward_multi / tera_linear_backward_multi below then make the n calls. */
+    void (*linear_forward_multi)(tera_backend *be, int n, float *const *y, const float *x, const float *const *w,
+                                 const int64_t *out, int64_t N, int64_t in);
+    void (*linear_backward_multi)(tera_backend *be, int n, float *dx, float *const *dw, const float *const *dy,
+                                  const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
+                                  float dx_beta);
     void (*rmsnorm_forward)(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N,
                             int64_t D, float eps);
     void (*rmsnorm_backward)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
@@ -156,6 +167,26 @@ typedef struct {
      * (a test checks that it stays 0 over a run). */
     void (*reserve)(tera_backend *be, int64_t main_elems, int64_t thread_elems);
     int64_t (*scratch_grows)(const tera_backend *be);
+    /* The bf16 shadow of the resident weights (CPU backend, bf16 on the native units): a bf16 copy
+     * of a registered fp32 buffer (2 bytes per element, allocated once when both a buffer is
+     * registered and the precision is bf16 native; TERA_BF16_SHADOW=0 turns it off for A/B timing),
+     * so that linear_* round each weight once per change instead of on every call. The trainer
+     * registers the model's parameters when at least 4 micro-batches of a step share them
+     * (training.grad_accum >= 4, no pipeline): with one or two forwards and backwards per change,
+     * writing the copy was measured to cost more (memory traffic) than the rounding it saves
+     * (docs/PERFORMANCE.md, "Operands rounded once"). It is used only inside a window:
+     * weights_begin(be, changed) opens one (the model: at the start of every forward with
+     * changed = 1 unless tera_model_weights_unchanged said otherwise, of every backward with
+     * changed = 0: the weights are those of the forward), weights_end closes it; changed = 1 marks
+     * every element stale, and an element is rounded again at its first use in a product (blocks
+     * of a few thousand elements). Between weights_begin and weights_end the registered buffer
+     * must hold the current weights and must not change; outside a window (the decoder, benchmarks, any other caller) and for weights
+     * outside the buffer (ZeRO-3's gathered groups) products round on the fly. The numbers are the
+     * same bits either way (rounding is deterministic). NULL where a backend has none. */
+    void (*weights_register)(tera_backend *be, const float *w, int64_t n); /* w = NULL: none */
+    void (*weights_begin)(tera_backend *be, int changed);
+    void (*weights_end)(tera_backend *be);
+    int64_t (*weights_shadow_bytes)(const tera_backend *be); /* 0 when there is none */
     void (*destroy)(tera_backend *be); /* frees the scratch and the object */
 } tera_backend_ctl;
 
@@ -188,6 +219,39 @@ static inline void tera_backend_set_precision(tera_backend *be, tera_precision p
 }
 static inline void tera_backend_reserve(tera_backend *be, int64_t main_elems, int64_t thread_elems) {
     be->ctl.reserve(be, main_elems, thread_elems);
+}
+static inline void tera_backend_weights_register(tera_backend *be, const float *w, int64_t n) {
+    if (be->ctl.weights_register) be->ctl.weights_register(be, w, n);
+}
+static inline void tera_backend_weights_begin(tera_backend *be, int changed) {
+    if (be->ctl.weights_begin) be->ctl.weights_begin(be, changed);
+}
+static inline void tera_backend_weights_end(tera_backend *be) {
+    if (be->ctl.weights_end) be->ctl.weights_end(be);
+}
+static inline int64_t tera_backend_weights_shadow_bytes(const tera_backend *be) {
+    return be->ctl.weights_shadow_bytes ? be->ctl.weights_shadow_bytes(be) : 0;
+}
+/* ops.linear_forward_multi / linear_backward_multi, or the n single products where a backend has
+ * none. y: n outputs [N,out[i]]; w: n weights [out[i],in]; dy: n gradients [N,out[i]]; dw: n
+ * weight gradients [out[i],in]; x [N,in]; dx [N,in]. */
+static inline void tera_linear_forward_multi(tera_backend *be, int n, float *const *y, const float *x,
+                                             const float *const *w, const int64_t *out, int64_t N, int64_t in) {
+    if (be->ops.linear_forward_multi) {
+        be->ops.linear_forward_multi(be, n, y, x, w, out, N, in);
+        return;
+    }
+    for (int i = 0; i < n; i++) be->ops.linear_forward(be, y[i], x, w[i], N, in, out[i], 0.0f);
+}
+static inline void tera_linear_backward_multi(tera_backend *be, int n, float *dx, float *const *dw,
+                                              const float *const *dy, const float *x, const float *const *w,
+                                              const int64_t *out, int64_t N, int64_t in, float dx_beta) {
+    if (be->ops.linear_backward_multi) {
+        be->ops.linear_backward_multi(be, n, dx, dw, dy, x, w, out, N, in, dx_beta);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        be->ops.linear_backward(be, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f);
 }
 
 #endif

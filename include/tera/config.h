@@ -124,12 +124,14 @@ typedef struct {
     int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
     int loss_scaling;      /* fp16: 0 = dynamic, 1 = fixed (loss_scale stays constant) */
     char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */
+    int memory_check;      /* refuse before allocating when the layout cannot fit the host (preflight.c) */
 } tera_train_config;
 
 typedef struct {
     float beta1, beta2, eps, weight_decay;
     char name[16];              /* adamw | onebit_adam (src/train/onebit.c) */
     int onebit_warmup_steps;    /* onebit_adam: steps of full AdamW before the variance is frozen */
+    int moments;                /* 0 = fp32, 1 = bf16 with stochastic rounding (tera_adamw_init_range_bf16) */
 } tera_optim_config;
 
 typedef struct {

@@ -35,4 +35,14 @@ const tera_hw_reading *tera_hw_latest(void);
 /* A sample into *out now (tests); rates against the previous sample of either function. */
 void tera_hw_read_now(tera_hw_reading *out);
 
+/* Memory of the machine (reads /proc and /sys; callable any time, not for the step loop):
+ * tera_hw_meminfo: a "Key: N kB" line of /proc/meminfo in bytes (-1: absent);
+ * tera_hw_memory_limit: what this process may use: the cgroup's limit (v2 memory.max, v1
+ *   limit_in_bytes) when below MemTotal, else MemTotal (-1: unknown);
+ * tera_hw_memory_available: what can still be allocated: MemAvailable, or less where a cgroup limit
+ *   leaves less (its limit minus its current use) (-1: unknown). */
+double tera_hw_meminfo(const char *key);
+double tera_hw_memory_limit(void);
+double tera_hw_memory_available(void);
+
 #endif

@@ -271,6 +271,10 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
  * twice); m->logits then hold that gradient, not the logits. Only with tensor parallelism 1 and a
  * backend with ops.ce_fused; otherwise, and for any later forward not armed again, nothing changes. */
 void tera_model_arm_fused_loss(tera_model *m, float ce_scale);
+/* The next forward's weights are those of the previous forward (a later micro-batch of the same
+ * step): the backend's bf16 weight shadow (include/tera/backend.h) stays valid instead of being
+ * rounded again. For that forward only; without it every forward assumes changed weights. */
+void tera_model_weights_unchanged(tera_model *m);
 /* Accumulates (+=) parameter gradients of  s.ce*ce_sum + s.aux*aux_sum + s.z*z_sum  into m->g.
  * Must follow the forward of the same micro-batch. */
 void tera_model_backward(tera_model *m, const tera_loss_scales *s);

@@ -27,12 +27,51 @@ typedef struct {
     float *w;       /* ZeRO-3: the shard's parameters [n] (NULL: the model's whole buffer) */
     int view;       /* 1: m and v point into another optimizer's allocation (not freed here) */
     struct tera_adamw_plan *plan; /* the (tensor, chunk) work items of its passes (src/train/optim.c) */
+    uint16_t *mh, *vh; /* optimizer.moments = bf16: the moments as bf16 [n] each (m and v are NULL) */
+    uint64_t sr_seed;  /* bf16 moments: the stochastic rounding's key is (sr_seed, t) */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
 /* ZeRO-1: moments for the flat range [lo, hi) only. */
 void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi);
 void tera_adamw_free(tera_adamw *o);
+/* optimizer.moments = bf16 (docs/TRAINING.md, "bf16 moments"): m and v held as bf16 (mh, vh; 4 bytes
+ * per parameter instead of 8). Each step computes the new moments in fp32 from the widened bf16 ones,
+ * updates the parameter with those fp32 values and stores them rounded stochastically: element e of
+ * parameter tensor i (its index in the one-process table, e in that tensor's global shape) at update
+ * t draws 32 bits tera_moment_random(tera_moment_key(seed, t), i, e), the low 16 for m, the high 16
+ * for v, so the result depends on neither the thread count, the chunking nor the layout (ZeRO shards,
+ * data-, expert-, tensor- or pipeline-parallel blocks). */
+void tera_adamw_init_range_bf16(tera_adamw *o, int64_t lo, int64_t hi, uint64_t seed);
+uint64_t tera_moment_key(uint64_t seed, int64_t t);
+uint32_t tera_moment_random(uint64_t key, int tensor, int64_t e);
+/* x rounded to bf16 (the top 16 bits of the fp32 pattern): up with probability (low 16 bits) / 2^16
+ * given r16 uniform in [0, 2^16), so E[result] = x; exact when x is a bf16 value; NaN stays NaN. */
+static inline uint16_t tera_bf16_stochastic(float x, uint32_t r16) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) && !(u & 0x7F0000u) ? 0x40u : 0u));
+    return (uint16_t)((u + (r16 & 0xFFFFu)) >> 16);
+}
+/* x rounded to the nearest bf16, ties to even (loading fp32 moments into bf16 ones); NaN stays NaN. */
+static inline uint16_t tera_bf16_nearest(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) && !(u & 0x7F0000u) ? 0x40u : 0u));
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float tera_bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    __builtin_memcpy(&x, &u, 4);
+    return x;
+}
+/* Moments k (1: m, 2: v) of o's elements [lo + a, lo + a + n) into dst as fp32 (bf16: widened, exact),
+ * or from src (bf16: rounded to nearest). */
+void tera_adamw_moments_get(const tera_adamw *o, int k, int64_t a, int64_t n, float *dst);
+void tera_adamw_moments_set(tera_adamw *o, int k, int64_t a, int64_t n, const float *src);
+/* Bytes of o's two moments. */
+int64_t tera_adamw_moment_bytes(const tera_adamw *o);
 /* Builds o's work items over m's tensors: chunks of TERA_OPTIM_CHUNK elements aligned to each
  * tensor's start (clipped to [lo, hi)), one parallel region per pass over all of them, each chunk's
  * sums kept apart and added per tensor in a fixed order (results independent of the thread count).
@@ -219,6 +258,11 @@ enum { TERA_RUN_CONTINUE = 1, TERA_RUN_FRESH = 2 };
 /* Builds model, optimizer and data from cfg (finalized). Starts from cfg->training.init_from
  * (a Hugging Face directory or a tera checkpoint) when set, else a seeded random init. run_dir "" = no run directory
  * (tests). An existing non-empty run_dir is refused unless overwrite. */
+/* Before anything is allocated (src/train/preflight.c): every rank's memory as the planner counts it,
+ * summed over the ranks of each host, against the host's available memory (MemAvailable, or the
+ * cgroup limit's rest); a host that cannot hold its ranks' figure is named in one error, the same on
+ * every rank. Skipped when training.memory_check is false or the device is cuda. Collective. */
+tera_status tera_train_memory_check(const tera_config *cfg);
 tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite);
 void tera_trainer_free(tera_trainer *tr);
 /* One optimizer step over grad_accum micro-batches. */

@@ -38,6 +38,8 @@ typedef struct {
     int planned;                  /* a pipeline stage: the executor names the order of use (tera_zero_plan) */
     const char *grad_compression; /* parallel.grad_compression (NULL: "none") */
     int hierarchical;             /* parallel.hierarchical */
+    int bf16_moments;             /* optimizer.moments = bf16 (tera_adamw_init_range_bf16) */
+    uint64_t seed;                /* training.seed: the key of the bf16 moments' stochastic rounding */
 } tera_zero_env;
 
 struct tera_zero_staging;
@@ -64,6 +66,8 @@ typedef struct tera_zero {
     struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
     float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
                                       [n] (tera_zero_local_grads; the caller's buffer), NULL otherwise */
+    int moments_rounded;           /* bf16 moments: the last tera_zero_load read fp32 moments of this rank that
+                                      were not bf16 values (an fp32-moment checkpoint: rounded to nearest) */
 } tera_zero;
 
 /* The stage in effect for `requested` on topology t: ZeRO needs more than one data-parallel rank. */
@@ -121,7 +125,7 @@ void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards only; the same values as the
  * one-process init's, element by element). */
 void tera_zero_init_weights(tera_zero *z, uint64_t seed);
-/* Bytes of this rank's Adam moments. */
+/* Bytes of this rank's Adam moments (4 per element fp32, 2 bf16: optimizer.moments). */
 int64_t tera_zero_optimizer_bytes(const tera_zero *z);
 
 /* ---- the whole model, window by window (checkpoints; no rank holds the whole model) */

@@ -28,6 +28,10 @@ int tera_cmd_tune(int argc, char **argv);     /* tera tune -c search.ini: hyperp
 int tera_cli_parse(int argc, char **argv, tera_config *cfg, const char *const *flags, int *flag_set,
                    const char *const *opts, const char **opt_val);
 int tera_cli_error(void); /* prints tera_last_error() as "tera: error: ..." and returns 1 */
+/* --from of a command that reads a tera checkpoint: a step directory, or a run directory's newest
+ * committed one (into dir); it must be committed and verify (every file re-hashed against COMMIT and
+ * the manifest), and so must a differential one's base; the first problem names its file. */
+tera_status tera_cli_ckpt_source(const char *arg, char *dir, size_t cap);
 /* 1 when the last tera_cli_parse's command line set `key` ("section.key") with --section.key=value
  * (not through -c FILE). A key or an option given twice on one command line is an error there, and
  * so are --resume with --force. */

@@ -159,13 +159,13 @@ static tera_status verify_named(const char *dir) {
     return st;
 }
 
-/* The checkpoint to convert: a step directory, or the newest committed one of a run directory.
- * It must be committed and verify, and so must the base of a differential one. */
-static tera_status convert_source(const char *arg, char *dir, size_t cap) {
+/* The checkpoint to read: a step directory, or the newest committed one of a run directory.
+ * It must be committed and verify, and so must the base of a differential one (cli.h). */
+tera_status tera_cli_ckpt_source(const char *arg, char *dir, size_t cap) {
     struct stat sb;
     char path[4400];
     if (stat(arg, &sb) != 0 || !S_ISDIR(sb.st_mode))
-        return tera_fail(TERA_ERR_IO, "ckpt convert --from '%s': no such checkpoint directory", arg);
+        return tera_fail(TERA_ERR_IO, "--from '%s': no such checkpoint directory", arg);
     snprintf(path, sizeof path, "%s/checkpoints", arg);
     snprintf(dir, cap, "%s", arg);
     if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) TERA_TRY(tera_ckpt_find_latest(arg, dir, cap));
@@ -229,7 +229,7 @@ static int cmd_convert(int argc, char **argv) {
     const int root = tera_comm_rank(tera_comm_world()) == 0;
     const char *from = find_opt(argc, argv, "from");
     char dir[4400] = "", ini[4500];
-    tera_status st = from ? convert_source(from, dir, sizeof dir)
+    tera_status st = from ? tera_cli_ckpt_source(from, dir, sizeof dir)
                           : tera_fail(TERA_ERR_ARG, "ckpt convert needs --from CKPT_DIR (a checkpoint or a run directory)");
     if (agree(st) != TERA_OK) return tera_cli_error();
     /* the checkpoint's run configuration first, then -c files and --section.key=value overrides */

@@ -213,15 +213,15 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
     data_args a;
     if (parse(argc, argv, &a)) return 1;
     if (!a.tokenizer) {
-        tera_fail(TERA_ERR_ARG, "--tokenizer DIR is required");
+        tera_fail(TERA_ERR_ARG, "--tokenizer DIR|bytes is required");
         return tera_cli_error();
     }
     if (!encode && a.allow_special) { /* decode prints every id as its text: there is nothing to allow */
         tera_fail(TERA_ERR_ARG, "--allow-special applies to encode (and data prepare), not to decode");
         return tera_cli_error();
     }
-    tera_tokenizer *t;
-    if (tera_tokenizer_load(&t, a.tokenizer) != TERA_OK) return tera_cli_error();
+    tera_tokenizer *t; /* NULL: "bytes", each byte its own id (as data prepare and generate take it) */
+    if (load_tokenizer(a.tokenizer, &t) != TERA_OK) return tera_cli_error();
     size_t cap = 1 << 16, n = 0;
     char *in = tera_malloc(cap);
     size_t k;
@@ -246,7 +246,12 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
     if (encode) {
         int32_t *ids;
         size_t m;
-        st = tera_tokenizer_encode(t, in, n, a.allow_special ? TERA_TOK_ALLOW_SPECIAL : 0, &ids, &m);
+        if (t) {
+            st = tera_tokenizer_encode(t, in, n, a.allow_special ? TERA_TOK_ALLOW_SPECIAL : 0, &ids, &m);
+        } else {
+            ids = tera_malloc(sizeof(int32_t) * (n + 1)), m = n, st = TERA_OK;
+            for (size_t i = 0; i < n; i++) ids[i] = (unsigned char)in[i];
+        }
         if (st == TERA_OK) {
             for (size_t i = 0; i < m; i++) printf(i ? " %d" : "%d", ids[i]);
             printf("\n");
@@ -275,12 +280,25 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
                 ids = g;
                 mcap *= 2;
             }
+            if (v < 0 || v > (t ? INT32_MAX : 255)) {
+                const char *s0 = p; /* strtol skipped the blanks before the number */
+                while (s0 < q && (*s0 == ' ' || *s0 == '\n' || *s0 == '\t' || *s0 == '\r')) s0++;
+                st = tera_fail(TERA_ERR_FORMAT, "stdin: byte %ld: token id %.*s is not in 0..%ld%s", (long)(s0 - in),
+                               (int)(q - s0 < 40 ? q - s0 : 40), s0, t ? (long)INT32_MAX : 255L,
+                               t ? "" : " (--tokenizer bytes)");
+                break;
+            }
             ids[m++] = (int32_t)v;
             p = q;
         }
         char *text;
         size_t tl;
-        if (st == TERA_OK) st = tera_tokenizer_decode(t, ids, m, &text, &tl);
+        if (st == TERA_OK && t) {
+            st = tera_tokenizer_decode(t, ids, m, &text, &tl);
+        } else if (st == TERA_OK) {
+            text = tera_malloc(m + 1), tl = m;
+            for (size_t i = 0; i < m; i++) text[i] = (char)ids[i];
+        }
         if (st == TERA_OK) {
             fwrite(text, 1, tl, stdout);
             free(text);
@@ -306,6 +324,6 @@ int tera_cmd_tokenizer(int argc, char **argv) {
     if (argc >= 1 && !strcmp(argv[0], "encode")) return tokenizer_codec(argc - 1, argv + 1, 1);
     if (argc >= 1 && !strcmp(argv[0], "decode")) return tokenizer_codec(argc - 1, argv + 1, 0);
     tera_fail(TERA_ERR_ARG, "usage: tera tokenizer train --input FILE... --vocab-size N --output DIR [--force] | "
-                            "encode --tokenizer DIR [--allow-special] < text | decode --tokenizer DIR < ids");
+                            "encode --tokenizer DIR|bytes [--allow-special] < text | decode --tokenizer DIR|bytes < ids");
     return tera_cli_error();
 }

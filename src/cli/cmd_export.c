@@ -27,6 +27,16 @@ int tera_cmd_export_hf(int argc, char **argv) {
             return tera_cli_error();
         }
     }
+    /* a tera checkpoint (a step directory, or a run directory's newest) is committed and verifies
+     * before a byte is exported; anything else is read as a Hugging Face directory */
+    char src[TERA_PATH_MAX], probe[TERA_PATH_MAX + 32];
+    snprintf(src, sizeof src, "%s", val[0]);
+    snprintf(probe, sizeof probe, "%s/manifest.json", val[0]);
+    int is_ckpt = access(probe, F_OK) == 0;
+    snprintf(probe, sizeof probe, "%s/checkpoints", val[0]);
+    is_ckpt |= access(probe, F_OK) == 0;
+    if (is_ckpt && tera_cli_ckpt_source(val[0], src, sizeof src) != TERA_OK) return tera_cli_error();
+    val[0] = src;
     if (tera_config_from_hf(&cfg, val[0]) != TERA_OK) return tera_cli_error();
     cfg.training.seq_len = 1;
     cfg.training.micro_batch = 1;

@@ -104,9 +104,9 @@ tera_status tera_gen_load(tera_gen_model *g, const tera_config *cfg, const char 
     char man[TERA_PATH_MAX + 32], run_dir[TERA_PATH_MAX] = "";
     snprintf(man, sizeof man, "%s/manifest.json", from);
     int ckpt = 0;
-    if (exists(man)) { /* a checkpoint: RUN/checkpoints/step_N */
+    if (exists(man)) { /* a checkpoint: RUN/checkpoints/step_N, committed and verified */
         ckpt = 1;
-        snprintf(g->dir, sizeof g->dir, "%s", from);
+        TERA_TRY(tera_cli_ckpt_source(from, g->dir, sizeof g->dir));
         char p[TERA_PATH_MAX], pp[TERA_PATH_MAX];
         parent_of(from, p, sizeof p);
         parent_of(p, pp, sizeof pp);

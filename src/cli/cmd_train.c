@@ -36,7 +36,7 @@ static void print_summary(const tera_trainer *tr) {
             c->model.capacity_factor > 0 ? "capacity" : "dropless",
             c->data.path[0] ? c->data.path : "embedded default corpus", data_note, c->training.micro_batch,
             c->training.seq_len, c->training.grad_accum, tr->topo.dp, (long)tr->tokens_per_step, tera_get_threads(),
-            m->bytes_params / MiB, m->bytes_grads / MiB, 2.0 * (double)(tr->sharding->opt.n + tr->sharding->opt_x.n) * sizeof(float) / MiB, m->bytes_acts / MiB,
+            m->bytes_params / MiB, m->bytes_grads / MiB, (double)tera_zero_optimizer_bytes(tr->sharding) / MiB, m->bytes_acts / MiB,
             c->training.recompute, m->bytes_scratch / MiB, tr->prec.precision_note,
             tr->prec.bf16_gemm_note[0] ? " | bf16 products: " : "", tr->prec.bf16_gemm_note);
     tera_data_report(&tr->loader, stderr); /* a blend's datasets, online tokenization's throughput */
@@ -68,8 +68,11 @@ static void print_summary(const tera_trainer *tr) {
             "tera: memory bytes per rank: params %ld (non-expert %ld floats + expert %ld floats) grads %ld optimizer %ld "
             "activations %ld scratch %ld comm %ld\n",
             (long)m->bytes_params, (long)m->n_dense_floats, (long)(m->n_floats - m->n_dense_floats), (long)m->bytes_grads,
-            (long)(2 * (tr->sharding->opt.n + tr->sharding->opt_x.n) * (int64_t)sizeof(float)), (long)(m->bytes_acts - ea),
+            (long)tera_zero_optimizer_bytes(tr->sharding), (long)(m->bytes_acts - ea),
             (long)(m->bytes_scratch - (m->bytes_comm - ea)), (long)(m->bytes_comm + tr->sharding->bytes_staging));
+    if (tera_backend_weights_shadow_bytes(m->be) > 0) /* bf16 on the native units (include/tera/backend.h) */
+        fprintf(stderr, "tera: bf16 weight shadow %ld bytes per rank (2 per resident parameter, beside the figures "
+                "above; TERA_BF16_SHADOW=0: none)\n", (long)tera_backend_weights_shadow_bytes(m->be));
 }
 
 /* The run directory's lock (rank 0 takes it, before anything in the directory is touched; every
@@ -108,6 +111,8 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
         if (tera_comm_rank(tera_comm_world()) == 0)
             fprintf(stderr, "tera: model configuration and weights from %s\n", cfg.training.init_from);
     }
+    /* a layout that cannot fit the host is refused before anything is allocated or created */
+    if (tera_train_memory_check(&cfg) != TERA_OK) return tera_cli_error();
     /* one process at a time in a run directory (also --force and --resume while a run is live) */
     if (lock_run_dir(lock, cfg.logging.run_dir) != TERA_OK) return tera_cli_error();
     tera_trainer tr;

@@ -269,6 +269,10 @@ static const config__key config__keys[] = {
              "activation recomputation per layer: none, selective (attention core and FFN hidden "
              "activations recomputed in backward), full (only each layer's input kept), or per layer range "
              "as POLICY:FIRST-LAST items, e.g. full:0-3,selective:4-7 (layers not named: none)"),
+    K_BOOL(training, memory_check, "true",
+           "before allocating, compare every host's memory as the planner counts it (tera plan --dry-run) with the "
+           "host's available memory (MemAvailable, or a cgroup limit's rest) and refuse a configuration that cannot "
+           "fit; false skips it (cpu device only)"),
 
     /* [optimizer] ------------------------------------------------------------------------------ */
     K_FLOAT(optimizer, beta1, "0.9", R_UNIT_OPEN, "AdamW first-moment decay"),
@@ -282,6 +286,12 @@ static const config__key config__keys[] = {
              "ZeRO-2/3 also a whole gradient)"),
     K_INT(optimizer, onebit_warmup_steps, "100", 1, INT_MAX,
           "onebit_adam: optimizer steps of full AdamW (fp32 gradient sums) before the variance is frozen"),
+    K_ENUM(optimizer, moments, int, "fp32", "fp32|bf16",
+           "storage of AdamW's two moments: fp32, or bf16 (4 bytes per parameter less, the step's optimizer passes "
+           "move 28 bytes per parameter instead of 36): each update computed in fp32, then rounded stochastically "
+           "with random bits keyed by (training.seed, update, parameter element), so the rounding depends on no "
+           "thread count or layout; checkpoints still store fp32 moments (saved exactly, loaded rounded to nearest); "
+           "not with optimizer.name = onebit_adam"),
 
     /* [data] ----------------------------------------------------------------------------------- */
     K_STRING(data, path, "",

@@ -62,7 +62,8 @@ tera_status tera_online_list_shards(const char *path, char ***out, int *n_out) {
             if (stat(full, &st) == 0 && S_ISREG(st.st_mode)) PUSH(full);
         }
         closedir(d);
-    } else if (stat(path, &st) == 0) {
+    } else if (stat(path, &st) == 0) { /* not a FIFO or device: opening one would wait for a writer */
+        if (!S_ISREG(st.st_mode)) return tera_fail(TERA_ERR_IO, "data.path '%s' is not a regular file", path);
         PUSH(path);
     } else {
         return tera_fail(TERA_ERR_IO, "data.path '%s': %s", path, strerror(errno));

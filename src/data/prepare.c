@@ -132,7 +132,7 @@ static tera_status flush_batch(prep_ctx *c, const char *path, doc_slot *slots, i
 }
 
 static tera_status map_input(const char *path, char **data, size_t *len) {
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK); /* a FIFO is refused below, not waited on */
     if (fd < 0) return tera_fail(TERA_ERR_IO, "cannot open input '%s': %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {

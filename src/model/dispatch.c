@@ -85,8 +85,10 @@ typedef struct {
 /* SwiGLU hidden activations of x[n,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([n,F]). */
 static void expert_hidden(tera_backend *be, float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3, int64_t n,
                           int64_t D, int64_t F) {
-    be->ops.linear_forward(be, a1, x, w1, n, D, F, 0.0f);
-    be->ops.linear_forward(be, a3, x, w3, n, D, F, 0.0f);
+    float *const y[2] = {a1, a3};
+    const float *const w[2] = {w1, w3};
+    const int64_t out[2] = {F, F};
+    tera_linear_forward_multi(be, 2, y, x, w, out, n, D); /* x converted once for both */
     be->ops.swiglu_forward(be, g, a1, a3, n * F);
 }
 
@@ -108,8 +110,10 @@ static void expert_run(const expert_rows *b, int e) {
         float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F, *dx = b->dx + r * D;
         d->be->ops.linear_backward(d->be, dg, b->G->w2 + e * D * F, b->dy + r * D, g, w2, n, F, D, 0.0f);
         d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
-        d->be->ops.linear_backward(d->be, dx, b->G->w1 + e * F * D, da1, x, w1, n, D, F, 0.0f);
-        d->be->ops.linear_backward(d->be, dx, b->G->w3 + e * F * D, da3, x, w3, n, D, F, 1.0f);
+        float *const dw[2] = {b->G->w1 + e * F * D, b->G->w3 + e * F * D};
+        const float *const dyi[2] = {da1, da3}, *const w[2] = {w1, w3};
+        const int64_t out[2] = {F, F};
+        tera_linear_backward_multi(d->be, 2, dx, dw, dyi, x, w, out, n, D, 0.0f); /* x converted once */
         break;
     }
     default:

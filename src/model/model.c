@@ -80,6 +80,7 @@ struct tera_acts {
      * armed for the next forward with scale ce_scale; ce_fused: the last forward did it */
     int ce_armed, ce_fused;
     float ce_scale;
+    int weights_same; /* tera_model_weights_unchanged: for the next forward */
     /* the modules every slot shares (slot 0 owns them): the token dispatcher of the MoE layers
      * (local or all-to-all) and the tensor-parallel layers */
     tera_dispatcher *dispatch;
@@ -629,8 +630,10 @@ void tera_model_reset_load(tera_model *m) {
 /* SwiGLU hidden activations of x[N,D]: a1 = x w1^T, a3 = x w3^T, g = silu(a1) * a3 ([N,F]). */
 static void ffn_hidden(tera_backend *be, float *a1, float *a3, float *g, const float *x, const float *w1, const float *w3,
                        int64_t N, int64_t D, int64_t F) {
-    be->ops.linear_forward(be, a1, x, w1, N, D, F, 0.0f);
-    be->ops.linear_forward(be, a3, x, w3, N, D, F, 0.0f);
+    float *const y[2] = {a1, a3};
+    const float *const w[2] = {w1, w3};
+    const int64_t out[2] = {F, F};
+    tera_linear_forward_multi(be, 2, y, x, w, out, N, D); /* x converted once for both */
     be->ops.swiglu_forward(be, g, a1, a3, N * F);
 }
 
@@ -722,9 +725,10 @@ static void layer_forward(tera_model *m, int l, float *out) {
 
     TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
     TERA_PROF(QKV_FWD, {
-        m->be->ops.linear_forward(m->be, la->q, la->ln1, W->wq, N, D, H * hd, 0.0f);
-        m->be->ops.linear_forward(m->be, la->k, la->ln1, W->wk, N, D, Hkv * hd, 0.0f);
-        m->be->ops.linear_forward(m->be, la->v, la->ln1, W->wv, N, D, Hkv * hd, 0.0f);
+        float *const y[3] = {la->q, la->k, la->v};
+        const float *const w[3] = {W->wq, W->wk, W->wv};
+        const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
+        tera_linear_forward_multi(m->be, 3, y, la->ln1, w, widths, N, D); /* ln1 converted once */
     });
     TERA_PROF(ROPE_FWD, {
         if (m->be->ops.rope_qk_forward) { /* q and k in one pass */
@@ -745,6 +749,8 @@ static void layer_forward(tera_model *m, int l, float *out) {
                                          m->Fdl));
     tera_tp_row_block_end(tp, out, la->h, N * D);
 }
+
+void tera_model_weights_unchanged(tera_model *m) { m->acts->weights_same = 1; }
 
 void tera_model_arm_fused_loss(tera_model *m, float ce_scale) {
     m->acts->ce_armed = 1;
@@ -767,6 +773,8 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     TERA_ASSERTF(0 <= l0 && l0 < l1 && l1 <= L, "layer range [%d, %d) of %d", l0, l1, L);
     for (int l = l0; l < l1; l++) TERA_ASSERTF(m->held[l], "layer %d is not on this pipeline stage", l);
     memset(&m->stats, 0, sizeof m->stats);
+    tera_backend_weights_begin(m->be, !a->weights_same); /* unless told otherwise, the weights have changed */
+    a->weights_same = 0;
     a->tokens = tokens;
     a->targets = targets;
     const int ce_armed = a->ce_armed; /* armed for this forward only */
@@ -785,7 +793,10 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         layer_forward(m, l, out);
         if (a->policy[l] != TERA_RECOMPUTE_NONE) claim_work(m, l); /* its parts in the work set */
     }
-    if (l1 < L) return; /* the next stage goes on */
+    if (l1 < L) { /* the next stage goes on */
+        tera_backend_weights_end(m->be);
+        return;
+    }
     need_params(m, TERA_GROUP_HEAD);
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
@@ -799,6 +810,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
     }
     m->stats.n_positions = N;
+    tera_backend_weights_end(m->be);
 }
 
 /* ------------------------------------------------------------------------------ backward */
@@ -809,8 +821,10 @@ static void ffn_backward(tera_backend *be, tera_acts *a, float *dx, const float 
                          float *gw1, float *gw3, float *gw2, int64_t N, int64_t D, int64_t F) {
     be->ops.linear_backward(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f);
     be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
-    be->ops.linear_backward(be, dx, gw1, a->da1, x, w1, N, D, F, 1.0f);
-    be->ops.linear_backward(be, dx, gw3, a->da3, x, w3, N, D, F, 1.0f);
+    float *const dw[2] = {gw1, gw3};
+    const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
+    const int64_t out[2] = {F, F};
+    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f); /* x converted once for both */
 }
 
 static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
@@ -880,9 +894,10 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         }
     });
     TERA_PROF(QKV_BWD, {
-        m->be->ops.linear_backward(m->be, a->dln, G->wq, a->dq, la->ln1, W->wq, N, D, H * hd, 0.0f);
-        m->be->ops.linear_backward(m->be, a->dln, G->wk, a->dk, la->ln1, W->wk, N, D, Hkv * hd, 1.0f);
-        m->be->ops.linear_backward(m->be, a->dln, G->wv, a->dv, la->ln1, W->wv, N, D, Hkv * hd, 1.0f);
+        float *const dw[3] = {G->wq, G->wk, G->wv};
+        const float *const dy[3] = {a->dq, a->dk, a->dv}, *const w[3] = {W->wq, W->wk, W->wv};
+        const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
+        tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D, 0.0f); /* ln1 converted once */
     });
     tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
     TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
@@ -952,6 +967,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     tera_acts *a = m->acts;
     const int L = c->n_layers;
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
+    tera_backend_weights_begin(m->be, 0); /* the weights of the forward */
     if (l1 < L) {
         memcpy(a->dres, dout, sizeof(float) * (size_t)(N * D));
     } else {
@@ -984,6 +1000,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         layer_backward(m, l, s);
         notify_grads(m, l);
     }
+    tera_backend_weights_end(m->be);
     if (l0 > 0) {
         memcpy(dx, a->dres, sizeof(float) * (size_t)(N * D));
         return;

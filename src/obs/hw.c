@@ -207,3 +207,57 @@ void tera_hw_sample(double min_interval_s) {
 const tera_hw_reading *tera_hw_latest(void) { return &g.latest; }
 
 void tera_hw_read_now(tera_hw_reading *out) { read_into(out); }
+
+/* ---- machine memory (hw.h) */
+double tera_hw_meminfo(const char *key) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[256];
+    double v = -1;
+    const size_t kl = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, kl) && line[kl] == ':') {
+            v = 1024.0 * strtod(line + kl + 1, NULL);
+            break;
+        }
+    fclose(f);
+    return v;
+}
+
+/* the first number of a one-line file; -1 when absent, unreadable or not a number ("max") */
+static double file_number(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[64] = "";
+    const int ok = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    char *end;
+    const double v = ok ? strtod(line, &end) : -1;
+    return ok && end != line && v >= 0 ? v : -1;
+}
+
+static const char *const cg_limit[2] = {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"};
+static const char *const cg_usage[2] = {"/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"};
+
+double tera_hw_memory_limit(void) {
+    double total = tera_hw_meminfo("MemTotal");
+    for (int i = 0; i < 2; i++) {
+        const double v = file_number(cg_limit[i]);
+        if (v > 0 && (total < 0 || v < total)) total = v;
+        if (v >= 0 || access(cg_limit[i], F_OK) == 0) break; /* the first hierarchy present decides */
+    }
+    return total;
+}
+
+double tera_hw_memory_available(void) {
+    double avail = tera_hw_meminfo("MemAvailable");
+    for (int i = 0; i < 2; i++) { /* an unlimited v1 group reports a limit past any use: no effect */
+        const double l = file_number(cg_limit[i]), u = file_number(cg_usage[i]);
+        if (l > 0 && u >= 0) {
+            const double left = l > u ? l - u : 0;
+            if (avail < 0 || left < avail) avail = left;
+            break;
+        }
+    }
+    return avail;
+}

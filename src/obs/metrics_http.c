@@ -209,41 +209,6 @@ static void metric(out *o, const tera_metrics_http *h, const char *name, const c
     sample(o, h, name, NULL, v);
 }
 
-/* A "Key:   N kB" line of /proc/meminfo, bytes (-1: absent). */
-static double meminfo(const char *key) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return -1;
-    char line[256];
-    double v = -1;
-    const size_t kl = strlen(key);
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, key, kl) && line[kl] == ':') {
-            v = 1024.0 * strtod(line + kl + 1, NULL);
-            break;
-        }
-    fclose(f);
-    return v;
-}
-
-/* The memory this process may use: the cgroup's limit (v2 memory.max, v1 limit_in_bytes) when it is
- * below the machine's total, else the total. -1: unknown. */
-static double memory_limit(void) {
-    double total = meminfo("MemTotal");
-    static const char *const files[2] = {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"};
-    for (int i = 0; i < 2; i++) {
-        FILE *f = fopen(files[i], "r");
-        if (!f) continue;
-        char line[64] = "";
-        const int ok = fgets(line, sizeof line, f) != NULL;
-        fclose(f);
-        char *end;
-        const double v = ok ? strtod(line, &end) : 0.0;
-        if (ok && end != line && v > 0 && (total < 0 || v < total)) total = v;
-        break;
-    }
-    return total;
-}
-
 static double rss_bytes(void) {
     FILE *f = fopen("/proc/self/statm", "r");
     if (!f) return -1;
@@ -374,7 +339,7 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
         snprintf(lab, sizeof lab, "category=\"%s\"", cats[i]);
         sample(&o, h, "tera_memory_bytes", lab, h->mem[i]);
     }
-    const double rss = rss_bytes(), lim = memory_limit(), avail = meminfo("MemAvailable");
+    const double rss = rss_bytes(), lim = tera_hw_memory_limit(), avail = tera_hw_meminfo("MemAvailable");
     if (rss >= 0)
         metric(&o, h, "tera_process_resident_memory_bytes", "gauge", "resident set size of this process", rss);
     if (lim > 0)
@@ -505,7 +470,7 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
              tr->topo.tp_rank);
     h->mem[0] = (double)m->bytes_params;
     h->mem[1] = (double)m->bytes_grads;
-    h->mem[2] = 2.0 * (double)(tr->sharding->opt.n + tr->sharding->opt_x.n) * sizeof(float);
+    h->mem[2] = (double)tera_zero_optimizer_bytes(tr->sharding);
     h->mem[3] = (double)m->bytes_acts;
     h->mem[4] = (double)m->bytes_scratch;
     h->steps_target = cfg->training.steps;

@@ -204,7 +204,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     }
     out->bytes[TERA_PM_PARAMS] = bp;
     out->bytes[TERA_PM_GRADS] = bg;
-    out->bytes[TERA_PM_OPTIMIZER] = 8 * (on + oxn);
+    out->bytes[TERA_PM_OPTIMIZER] = (cfg->optimizer.moments ? 4 : 8) * (on + oxn); /* optimizer.moments fp32 | bf16 */
     out->bytes[TERA_PM_ACTS] = acts - comm_acts;
     out->bytes[TERA_PM_SCRATCH] = scratch - (comm - comm_acts);
     out->bytes[TERA_PM_COMM] = comm + staging;

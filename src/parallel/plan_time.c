@@ -835,8 +835,11 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
      * its error feedback (read m, g, e; write m, e: 20 bytes a float held) */
     const tera_plan_stage *w = &st[worst];
     const int onebit = !strcmp(cfg->optimizer.name, "onebit_adam") && dp > 1;
-    const double opt_floats = (double)w->mem.bytes[TERA_PM_OPTIMIZER] / 8.0;
-    const double opt_bytes = 28.0 * opt_floats + 8.0 * (double)w->n_floats + (onebit ? 20.0 * (double)w->n_floats : 0.0);
+    /* optimizer.moments = bf16: 4 bytes of moments a parameter held instead of 8, Adam's pass 20 bytes instead of 28 */
+    const int m16 = cfg->optimizer.moments;
+    const double opt_floats = (double)w->mem.bytes[TERA_PM_OPTIMIZER] / (m16 ? 4.0 : 8.0);
+    const double opt_bytes = (m16 ? 20.0 : 28.0) * opt_floats + 8.0 * (double)w->n_floats +
+                             (onebit ? 20.0 * (double)w->n_floats : 0.0);
     const double t_opt = bw_mem > 0 ? opt_bytes / bw_mem / fm_all : 0.0;
     out->optimizer_s = t_opt;
     out->matmul_s = A * u_mm;

@@ -414,17 +414,31 @@ void tera_zero_poison_grad(tera_zero *zr) {
 typedef struct {
     int64_t lo, hi;
     float *p;
+    tera_adamw *o; /* p NULL: bf16 moments k of o (read widened, written rounded to nearest) */
+    int k;
 } lseg;
+
+/* Elements [at, at + n) (flat, inside the segment) of a segment into dst / from src. */
+static void seg_read(const lseg *s, int64_t at, int64_t n, float *dst) {
+    if (s->p) memcpy(dst, s->p + (at - s->lo), sizeof(float) * (size_t)n);
+    else tera_adamw_moments_get(s->o, s->k, at - s->lo, n, dst);
+}
+
+static void seg_write(const lseg *s, int64_t at, int64_t n, const float *src) {
+    if (s->p) memcpy(s->p + (at - s->lo), src, sizeof(float) * (size_t)n);
+    else tera_adamw_moments_set(s->o, s->k, at - s->lo, n, src);
+}
 
 static int region_segs(const tera_zero *zr, int k, lseg s[2], int *sharded) {
     const tera_model *m = zr->model;
     if (k == 0 && m->w) {
-        s[0] = (lseg){0, m->n_floats, m->w};
+        s[0] = (lseg){.lo = 0, .hi = m->n_floats, .p = m->w};
         *sharded = 0;
         return 1;
     }
-    const tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
-    for (int x = 0; x < 2; x++) s[x] = (lseg){o[x]->lo, o[x]->hi, k == 0 ? o[x]->w : k == 1 ? o[x]->m : o[x]->v};
+    tera_adamw *o[2] = {(tera_adamw *)&zr->opt, (tera_adamw *)&zr->opt_x}; /* written only by load / scatter */
+    for (int x = 0; x < 2; x++)
+        s[x] = (lseg){o[x]->lo, o[x]->hi, k == 0 ? o[x]->w : k == 1 ? o[x]->m : o[x]->v, k == 0 ? NULL : o[x], k};
     *sharded = k == 0 ? 1 : zr->stage >= 1;
     return 2;
 }
@@ -512,7 +526,7 @@ void tera_zero_gather_window(tera_zero *zr, const tera_model *shell, int k, int6
             for (int s = 0; s < ns; s++) {
                 const int64_t z0 = y0 > sg[s].lo ? y0 : sg[s].lo, z1 = y1 < sg[s].hi ? y1 : sg[s].hi;
                 if (z1 > z0) {
-                    memcpy(win + (x0 - a) + (z0 - y0), sg[s].p + (z0 - sg[s].lo), sizeof(float) * (size_t)(z1 - z0));
+                    seg_read(&sg[s], z0, z1 - z0, win + (x0 - a) + (z0 - y0));
                     wrote += z1 - z0;
                     if (root_only && !(zr->topo.rank == 0)) {
                         if (n_runs == cap_runs) {
@@ -609,14 +623,14 @@ void tera_zero_local_window(tera_zero *zr, int k, int x, int64_t a, int64_t b, f
     int sharded;
     region_segs(zr, k, sg, &sharded);
     if (!sharded) {
-        memcpy(dst, sg[0].p + (a - sg[0].lo), sizeof(float) * (size_t)(b - a));
+        seg_read(&sg[0], a, b - a, dst);
         return;
     }
     const int ranks = x ? zr->topo.edp : zr->topo.dp, me = x ? zr->topo.edp_rank : zr->topo.dp_rank;
     const int64_t base = x ? zr->model->n_dense_floats : 0;
     int64_t *cnt = tera_calloc((size_t)ranks, sizeof(int64_t)), soff;
     const int64_t mine = piece_counts(x ? zr->shard_counts_x : zr->shard_counts, ranks, me, a - base, b - base, cnt, &soff);
-    if (cnt[me] > 0) memcpy(dst + mine, sg[x].p + soff, sizeof(float) * (size_t)cnt[me]);
+    if (cnt[me] > 0) seg_read(&sg[x], sg[x].lo + soff, cnt[me], dst + mine);
     tera_comm_allgather_f32(x ? zr->edp : zr->dp, dst, cnt);
     free(cnt);
 }
@@ -626,6 +640,9 @@ tera_status tera_zero_load(tera_zero *zr, tera_ckpt_reader *rd, int moments) {
     tera_model shell;
     tera_zero_global_shell(zr->model, &shell);
     tera_status st = TERA_OK;
+    enum { LOAD_PIECE = 65536 };
+    float *piece = NULL; /* bf16 moments: a piece read as fp32 */
+    zr->moments_rounded = 0;
     for (int k = 0; k < (moments ? 3 : 1) && st == TERA_OK; k++) {
         lseg sg[2];
         int sharded;
@@ -639,15 +656,34 @@ tera_status tera_zero_load(tera_zero *zr, tera_ckpt_reader *rd, int moments) {
                 l += lp->offset;
                 for (int s = 0; s < ns && st == TERA_OK; s++) {
                     const int64_t z0 = l > sg[s].lo ? l : sg[s].lo, z1 = l + n < sg[s].hi ? l + n : sg[s].hi;
-                    if (z1 > z0) st = tera_ckpt_reader_read(rd, k, i, g + (z0 - l), z1 - z0, sg[s].p + (z0 - sg[s].lo));
+                    if (z1 > z0 && sg[s].p) {
+                        st = tera_ckpt_reader_read(rd, k, i, g + (z0 - l), z1 - z0, sg[s].p + (z0 - sg[s].lo));
+                    } else { /* bf16 moments: through fp32 pieces, rounded to nearest (exact for bf16 values) */
+                        for (int64_t y = z0; y < z1 && st == TERA_OK; y += LOAD_PIECE) {
+                            const int64_t ny = z1 - y < LOAD_PIECE ? z1 - y : LOAD_PIECE;
+                            if (!piece) piece = tera_malloc(sizeof(float) * LOAD_PIECE);
+                            st = tera_ckpt_reader_read(rd, k, i, g + (y - l), ny, piece);
+                            if (st != TERA_OK) break;
+                            for (int64_t q = 0; q < ny && !zr->moments_rounded; q++)
+                                zr->moments_rounded = tera_bf16_widen(tera_bf16_nearest(piece[q])) != piece[q];
+                            seg_write(&sg[s], y, ny, piece);
+                        }
+                    }
                 }
             }
         }
     }
+    free(piece);
     if (st == TERA_OK && m->router_bias) st = tera_ckpt_reader_bias(rd, m->router_bias);
     if (zr->zs) zr->zs->version++; /* ZeRO-3: gathered parameters are stale */
     free(shell.params);
     return st;
+}
+
+/* The moments of [lo, hi): fp32, or bf16 (env->bf16_moments, include/tera/train.h). */
+static void init_range(const tera_zero_env *env, tera_adamw *o, int64_t lo, int64_t hi) {
+    if (env->bf16_moments) tera_adamw_init_range_bf16(o, lo, hi, env->seed);
+    else tera_adamw_init_range(o, lo, hi);
 }
 
 tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
@@ -672,15 +708,19 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     if (zr->stage) {
         int64_t *lo = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
         shard(nd, zr->topo.dp, zr->shard_counts, lo);
-        tera_adamw_init_range(&zr->opt, lo[zr->topo.dp_rank], lo[zr->topo.dp_rank] + zr->shard_counts[zr->topo.dp_rank]);
+        init_range(env, &zr->opt, lo[zr->topo.dp_rank], lo[zr->topo.dp_rank] + zr->shard_counts[zr->topo.dp_rank]);
         shard(n - nd, zr->topo.edp, zr->shard_counts_x, lo);
-        tera_adamw_init_range(&zr->opt_x, nd + lo[zr->topo.edp_rank], nd + lo[zr->topo.edp_rank] + zr->shard_counts_x[zr->topo.edp_rank]);
+        init_range(env, &zr->opt_x, nd + lo[zr->topo.edp_rank], nd + lo[zr->topo.edp_rank] + zr->shard_counts_x[zr->topo.edp_rank]);
         free(lo);
     } else {
         /* one allocation for both regions, so the whole moments are contiguous (a one-rank
          * checkpoint snapshots them directly) */
-        tera_adamw_init_range(&zr->opt, 0, n);
-        zr->opt_x = (tera_adamw){.m = zr->opt.m + nd, .v = zr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
+        init_range(env, &zr->opt, 0, n);
+        if (zr->opt.mh)
+            zr->opt_x = (tera_adamw){.mh = zr->opt.mh + nd, .vh = zr->opt.vh + nd, .sr_seed = zr->opt.sr_seed, .lo = nd,
+                                     .hi = n, .n = n - nd, .view = 1};
+        else
+            zr->opt_x = (tera_adamw){.m = zr->opt.m + nd, .v = zr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
         zr->opt.hi = zr->opt.n = nd;
     }
     if (zr->stage >= 2) zero23_init(zr, env);
@@ -713,7 +753,7 @@ void tera_zero_destroy(tera_zero *zr) {
 }
 
 int64_t tera_zero_optimizer_bytes(const tera_zero *zr) {
-    return (int64_t)(2 * sizeof(float)) * (zr->opt.n + zr->opt_x.n);
+    return tera_adamw_moment_bytes(&zr->opt) + tera_adamw_moment_bytes(&zr->opt_x);
 }
 
 void tera_zero_global_shell(const tera_model *m, tera_model *shell) {
@@ -770,7 +810,7 @@ void tera_zero_scatter(tera_zero *zr, const float *gw, const float *gm, const fl
                 for (int x = 0; x < ns; x++) {
                     const int64_t z0 = l > sg[x].lo ? l : sg[x].lo, z1 = l + n < sg[x].hi ? l + n : sg[x].hi;
                     if (z1 > z0)
-                        memcpy(sg[x].p + (z0 - sg[x].lo), src[k] + gp->offset + g + (z0 - l), sizeof(float) * (size_t)(z1 - z0));
+                        seg_write(&sg[x], z0, z1 - z0, src[k] + gp->offset + g + (z0 - l));
                 }
             }
         }

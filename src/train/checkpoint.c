@@ -641,12 +641,15 @@ static tera_status prune(tera_ckpt_ctx *c) {
 typedef struct {
     float *dst;
     const float *src;
+    const uint16_t *src16; /* src NULL: bf16 moments (optimizer.moments), widened (exact) */
 } snap_copy;
 
 static void snapshot_range(void *arg, int64_t lo, int64_t hi, int worker) {
     (void)worker;
     const snap_copy *k = arg;
-    memcpy(k->dst + lo, k->src + lo, sizeof(float) * (size_t)(hi - lo));
+    if (k->src) memcpy(k->dst + lo, k->src + lo, sizeof(float) * (size_t)(hi - lo));
+    else
+        for (int64_t i = lo; i < hi; i++) k->dst[i] = tera_bf16_widen(k->src16[i]);
 }
 
 static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *const src[TERA_CKPT_N_REGIONS]) {
@@ -654,7 +657,8 @@ static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *cons
     for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
         const int64_t n = c->reg_n[r];
         if (!n) continue;
-        snap_copy k = {.dst = c->reg[r], .src = src[r]};
+        snap_copy k = {.dst = c->reg[r], .src = src[r], .src16 = r == 1 ? tr->sharding->opt.mh : tr->sharding->opt.vh};
+        TERA_ASSERTF(k.src || ((r == 1 || r == 2) && k.src16), "checkpoint snapshot: region %d has no storage", r);
         if (be) be->ops.for_ranges(be, n, snapshot_range, &k);
         else snapshot_range(&k, 0, n, 0);
     }
@@ -1257,6 +1261,14 @@ static tera_status agree_world(const tera_trainer *tr, tera_status st, const cha
 /* The restored state must be the state that was saved: the XXH3 of each region of the whole model
  * (table order), streamed window by window from the ranks' parts (collective). */
 static tera_status check_regions(tera_trainer *tr, const char *dir, int moments) {
+    if (moments) { /* bf16 moments from an fp32-moment checkpoint were rounded on purpose: not compared */
+        int64_t rounded = tr->sharding->moments_rounded;
+        if (tr->topo.world > 1) tera_comm_allreduce_i64(tera_comm_world(), &rounded, 1);
+        if (rounded && tr->root)
+            fprintf(stderr, "tera: %s: fp32 moments rounded to bf16 (optimizer.moments = bf16); their checksums are "
+                    "not compared\n", dir);
+        moments = !rounded;
+    }
     tera_model shell;
     tera_zero_global_shell(&tr->model, &shell);
     shell.router_bias = tr->model.router_bias;

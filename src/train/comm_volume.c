@@ -189,5 +189,5 @@ tera_comm_volume tera_trainer_comm_volume(const tera_trainer *tr, int A) {
 
 
 int64_t tera_trainer_optimizer_bytes(const tera_trainer *tr) {
-    return (int64_t)(2 * sizeof(float)) * (tr->sharding->opt.n + tr->sharding->opt_x.n);
+    return tera_zero_optimizer_bytes(tr->sharding); /* optimizer.moments: 8 or 4 bytes per element */
 }

@@ -48,6 +48,7 @@ static void region(const tera_trainer *tr, int x, int64_t *base, int64_t *len) {
 tera_status tera_onebit_init(tera_trainer *tr) {
     const tera_optim_config *oc = &tr->cfg.optimizer;
     if (strcmp(oc->name, "onebit_adam") != 0) return TERA_OK;
+    if (oc->moments) return tera_fail(TERA_ERR_CONFIG, "optimizer.moments = bf16: not with optimizer.name = onebit_adam (its momentum exchange and frozen variance work on fp32 moments)");
     const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
     tera_onebit *ob = tera_calloc(1, sizeof *ob);
     ob->warmup = oc->onebit_warmup_steps;

@@ -158,7 +158,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         const tera_zero_env ze = {.model = &tr->model, .topo = &tr->topo, .dp = tr->groups.dp, .edp = tr->groups.edp,
                                   .stage = cfg->parallel.zero, .prefetch = cfg->parallel.zero_prefetch,
                                   .planned = tr->topo.pp > 1, .grad_compression = cfg->parallel.grad_compression,
-                                  .hierarchical = cfg->parallel.hierarchical};
+                                  .hierarchical = cfg->parallel.hierarchical,
+                                  .bf16_moments = cfg->optimizer.moments, .seed = t->seed}; /* optimizer.moments */
         if ((st = tera_zero_create(&ze, &tr->sharding)) != TERA_OK) goto fail_model;
     }
     if ((st = tera_onebit_init(tr)) != TERA_OK) goto fail_model; /* optimizer.name = onebit_adam (src/train/onebit.c) */
@@ -249,6 +250,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         tr->prec.bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->prec.bf16_gemm_note);
     tera_backend_set_precision(tr->model.be, tr->prec.precision, tr->prec.bf16_gemm);
     reserve_scratch(tr);
+    if (t->grad_accum >= 4 && tr->topo.pp == 1 && tr->model.w) /* bf16 weight shadow: micro-batches share it (backend.h) */
+        tera_backend_weights_register(tr->model.be, tr->model.w, tr->model.n_floats);
     tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
@@ -569,6 +572,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         const double tf = tera_now();
         tera_trace_event(TERA_TRACE_COMPUTE, "data wait", "data", tf - dw, tf, -1);
         tera_model_arm_fused_loss(m, s.ce); /* the loss gradient in the loss's pass over the logits (model.c) */
+        if (a > 0) tera_model_weights_unchanged(m); /* the step's weights: bf16 shadow still valid (backend.h) */
         tera_model_forward(m, in, tg);
         const double tb = tera_now();
         tera_trace_event(TERA_TRACE_COMPUTE, "forward", "model", tf, tb, -1);

@@ -28,6 +28,17 @@ static void cpu_linear_backward(tera_backend *be, float *dx, float *dw, const fl
     tera_cpu_linear_backward(&cpu_of(be)->mm, dx, dw, dy, x, w, N, in, out, dx_beta);
 }
 
+static void cpu_linear_forward_multi(tera_backend *be, int n, float *const *y, const float *x, const float *const *w,
+                                     const int64_t *out, int64_t N, int64_t in) {
+    tera_cpu_linear_forward_multi(&cpu_of(be)->mm, n, y, x, w, out, N, in);
+}
+
+static void cpu_linear_backward_multi(tera_backend *be, int n, float *dx, float *const *dw, const float *const *dy,
+                                      const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
+                                      float dx_beta) {
+    tera_cpu_linear_backward_multi(&cpu_of(be)->mm, n, dx, dw, dy, x, w, out, N, in, dx_beta);
+}
+
 static void cpu_linear_forward_fp32(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float beta) {
     (void)be;
     tera_linear_forward_fp32(y, x, w, N, in, out, beta);
@@ -269,6 +280,20 @@ static void cpu_set_precision(tera_backend *be, tera_precision p, tera_bf16_gemm
     cpu_backend *c = cpu_of(be);
     be->precision = c->mm.prec = p;
     be->bf16_gemm = c->mm.bf16_gemm = g;
+    tera_cpu_shadow_sync(&c->mm); /* allocated or freed for the new mode, never in a product */
+}
+
+static void cpu_weights_register(tera_backend *be, const float *w, int64_t n) {
+    tera_cpu_shadow_register(&cpu_of(be)->mm, w, n);
+}
+
+static void cpu_weights_begin(tera_backend *be, int changed) { tera_cpu_shadow_begin(&cpu_of(be)->mm, changed); }
+
+static void cpu_weights_end(tera_backend *be) { tera_cpu_shadow_end(&cpu_of(be)->mm); }
+
+static int64_t cpu_weights_shadow_bytes(const tera_backend *be) {
+    const tera_cpu_shadow *s = &((const cpu_backend *)be)->mm.shadow;
+    return s->w16 ? s->n * (int64_t)sizeof(uint16_t) : 0;
 }
 
 static void cpu_reserve(tera_backend *be, int64_t main_elems, int64_t thread_elems) {
@@ -293,6 +318,8 @@ tera_backend *tera_backend_cpu_create(int threads) {
         .linear_backward = cpu_linear_backward,
         .linear_forward_fp32 = cpu_linear_forward_fp32,
         .linear_backward_fp32 = cpu_linear_backward_fp32,
+        .linear_forward_multi = cpu_linear_forward_multi,
+        .linear_backward_multi = cpu_linear_backward_multi,
         .rmsnorm_forward = cpu_rmsnorm_forward,
         .rmsnorm_backward = cpu_rmsnorm_backward,
         .rope_tables = cpu_rope_tables,
@@ -334,7 +361,9 @@ tera_backend *tera_backend_cpu_create(int threads) {
                                    .bf16_native = cpu_bf16_native,
                                    .bf16_probe = cpu_bf16_probe};
     be->ctl = (tera_backend_ctl){.set_precision = cpu_set_precision, .reserve = cpu_reserve,
-                                 .scratch_grows = cpu_scratch_grows, .destroy = cpu_destroy};
+                                 .scratch_grows = cpu_scratch_grows, .destroy = cpu_destroy,
+                                 .weights_register = cpu_weights_register, .weights_begin = cpu_weights_begin,
+                                 .weights_end = cpu_weights_end, .weights_shadow_bytes = cpu_weights_shadow_bytes};
     be->threads = tera_get_threads();
     be->impl = &c->mm;
     cpu_set_precision(be, TERA_PREC_FP32, TERA_BF16_NATIVE);

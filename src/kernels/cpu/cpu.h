@@ -15,11 +15,26 @@ typedef struct {
     size_t bytes;
 } tera_cpu_scratch_buf;
 
+/* The bf16 shadow of the registered weights (include/tera/backend.h, ctl.weights_*): w16[i] is the
+ * bf16 rounding of base[i] for every element of a block whose stamp equals epoch; a stamp of -epoch
+ * marks a block one thread is rounding now (the others wait for it). */
+typedef struct {
+    const float *base;  /* the registered buffer [n], NULL when none */
+    int64_t n;
+    uint16_t *w16;      /* [n], NULL when off (not bf16 native, nothing registered, TERA_BF16_SHADOW=0) */
+    int64_t *stamp;     /* [nblocks] */
+    int64_t nblocks;
+    int64_t epoch;      /* >= 1 */
+    int active;         /* inside a window (weights_begin .. weights_end) */
+    int64_t rounded;    /* elements rounded into the shadow since registration (a diagnostic) */
+} tera_cpu_shadow;
+
 typedef struct {
     tera_precision prec;
     tera_bf16_gemm bf16_gemm;
     tera_cpu_scratch_buf scratch[TERA_CPU_SCRATCH_THREADS]; /* thread 0: outside parallel regions */
     int64_t grows;                                          /* products that outgrew their scratch */
+    tera_cpu_shadow shadow;
 } tera_cpu_matmul;
 
 /* The CPU backend's ops.linear_forward / linear_backward (include/tera/backend.h): the products of
@@ -28,9 +43,22 @@ void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, cons
                              int64_t out, float beta);
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x,
                               const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+/* ops.linear_forward_multi / linear_backward_multi (include/tera/backend.h): x converted once. */
+void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, const float *x,
+                                   const float *const *w, const int64_t *out, int64_t N, int64_t in);
+void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float *const *dw, const float *const *dy,
+                                    const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
+                                    float dx_beta);
 /* Set the precision and units first. */
 void tera_cpu_matmul_reserve(tera_cpu_matmul *mm, int64_t main_elems, int64_t thread_elems);
-void tera_cpu_matmul_release(tera_cpu_matmul *mm);
+void tera_cpu_matmul_release(tera_cpu_matmul *mm); /* the scratch and the shadow */
+/* The weight shadow (ctl.weights_*): register a buffer (NULL: none); sync allocates or frees the
+ * shadow after a change of precision or registration (allocation happens here only, never in a
+ * product). */
+void tera_cpu_shadow_register(tera_cpu_matmul *mm, const float *w, int64_t n);
+void tera_cpu_shadow_sync(tera_cpu_matmul *mm);
+void tera_cpu_shadow_begin(tera_cpu_matmul *mm, int changed);
+void tera_cpu_shadow_end(tera_cpu_matmul *mm);
 
 /* Capability probes (behind tera_backend caps). */
 int tera_cpu_bf16_fast(const char **isa_name);

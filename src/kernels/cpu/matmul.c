@@ -15,6 +15,7 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -284,6 +285,9 @@ void tera_cpu_matmul_release(tera_cpu_matmul *mm) {
         mm->scratch[t] = (tera_cpu_scratch_buf){0};
     }
     mm->grows = 0;
+    free(mm->shadow.w16);
+    free(mm->shadow.stamp);
+    mm->shadow = (tera_cpu_shadow){0};
 }
 
 static void *scratch_get(tera_cpu_matmul *mm, size_t bytes) {
@@ -400,6 +404,114 @@ void tera_round_bf16(uint16_t *dst, const float *src, int64_t n) { round_chunked
 void tera_round_fp16(float *dst, const float *src, int64_t n) { round_chunked(fp16_range_v, dst, sizeof *dst, src, n); }
 void tera_round_bf16f(float *dst, const float *src, int64_t n) { round_chunked(bf16f_range_v, dst, sizeof *dst, src, n); }
 
+/* ------------------------------------------------------------------ the weights' bf16 shadow */
+
+/* Elements per block of the shadow: the unit that is rounded again after a change (a block that
+ * straddles two tensors is rounded whole at the first use of either). */
+#define SHADOW_BLOCK 8192
+
+static int shadow_wanted(const tera_cpu_matmul *mm) {
+    const char *e = getenv("TERA_BF16_SHADOW"); /* 0: off (A/B timing, tests); read at set-up only */
+    return mm->shadow.base && mm->shadow.n > 0 && !lowp_in_fp32(mm) && mm->prec == TERA_PREC_BF16 &&
+           !(e && strcmp(e, "0") == 0);
+}
+
+static void shadow_free(tera_cpu_shadow *s) {
+    free(s->w16);
+    free(s->stamp);
+    s->w16 = NULL;
+    s->stamp = NULL;
+    s->nblocks = 0;
+}
+
+void tera_cpu_shadow_sync(tera_cpu_matmul *mm) {
+    tera_cpu_shadow *s = &mm->shadow;
+    if (!shadow_wanted(mm)) {
+        shadow_free(s);
+        return;
+    }
+    if (s->w16) return;
+    s->w16 = tera_malloc(sizeof(uint16_t) * (size_t)s->n);
+    s->nblocks = (s->n + SHADOW_BLOCK - 1) / SHADOW_BLOCK;
+    s->stamp = tera_calloc((size_t)s->nblocks, sizeof(int64_t)); /* 0: never rounded (epochs start at 1) */
+    s->epoch++;
+}
+
+void tera_cpu_shadow_register(tera_cpu_matmul *mm, const float *w, int64_t n) {
+    tera_cpu_shadow *s = &mm->shadow;
+    shadow_free(s);
+    s->base = w;
+    s->n = w ? n : 0;
+    s->active = 0;
+    if (s->epoch < 1) s->epoch = 1;
+    tera_cpu_shadow_sync(mm);
+}
+
+void tera_cpu_shadow_begin(tera_cpu_matmul *mm, int changed) {
+    tera_cpu_shadow *s = &mm->shadow;
+    TERA_ASSERTF(!omp_in_parallel(), "the weights' window opens outside parallel regions");
+    if (changed) s->epoch++; /* every block stale */
+    s->active = 1;
+}
+
+void tera_cpu_shadow_end(tera_cpu_matmul *mm) { mm->shadow.active = 0; }
+
+/* Block b brought to the current epoch: rounded by whichever thread claims it first, the others
+ * wait until it is done. */
+static void shadow_block(tera_cpu_shadow *s, int64_t b, int64_t *rounded) {
+    const int64_t e = s->epoch;
+    int64_t st = __atomic_load_n(&s->stamp[b], __ATOMIC_ACQUIRE);
+    int spins = 0;
+    while (st != e) {
+        if (st == -e) { /* another thread is rounding it (a few microseconds): wait, yielding the
+                         * core now and then in case that thread was preempted */
+            if (++spins % 1024 == 0) {
+                sched_yield();
+            } else {
+#if defined(__x86_64__)
+                _mm_pause();
+#endif
+            }
+            st = __atomic_load_n(&s->stamp[b], __ATOMIC_ACQUIRE);
+            continue;
+        }
+        if (__atomic_compare_exchange_n(&s->stamp[b], &st, -e, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            const int64_t lo = b * SHADOW_BLOCK, len = s->n - lo < SHADOW_BLOCK ? s->n - lo : SHADOW_BLOCK;
+            round_bf16_range(s->w16 + lo, s->base + lo, len);
+            *rounded += len;
+            __atomic_store_n(&s->stamp[b], e, __ATOMIC_RELEASE);
+            return;
+        }
+    }
+}
+
+/* The bf16 copy of the weight operand w[n] when it lies in the registered buffer and a window is
+ * open (stale blocks rounded first, on every thread outside parallel regions), else NULL: the
+ * caller rounds it into its scratch. */
+static const uint16_t *shadow_get(tera_cpu_matmul *mm, const float *w, int64_t n) {
+    tera_cpu_shadow *s = &mm->shadow;
+    if (!s->w16 || !s->active || n <= 0) return NULL;
+    const uintptr_t lo = (uintptr_t)s->base, hi = (uintptr_t)(s->base + s->n), p = (uintptr_t)w;
+    if (p < lo || p >= hi || (uintptr_t)(w + n) > hi) return NULL;
+    const int64_t off = w - s->base, b0 = off / SHADOW_BLOCK, b1 = (off + n - 1) / SHADOW_BLOCK;
+    const int64_t e = s->epoch;
+    int64_t b = b0;
+    while (b <= b1 && __atomic_load_n(&s->stamp[b], __ATOMIC_ACQUIRE) == e) b++;
+    if (b <= b1) { /* something to round */
+        int64_t rounded = 0;
+        if (omp_in_parallel() || b1 - b < 2) {
+            for (; b <= b1; b++) shadow_block(s, b, &rounded);
+        } else {
+            const int64_t first = b;
+#pragma omp parallel for schedule(static) reduction(+ : rounded)
+            for (int64_t k = first; k <= b1; k++) shadow_block(s, k, &rounded);
+        }
+#pragma omp atomic
+        s->rounded += rounded;
+    }
+    return s->w16 + off;
+}
+
 /* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
 static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
                       const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -435,12 +547,14 @@ static void gemm_lowp(tera_cpu_matmul *mm, int ta, int tb, int64_t M, int64_t N,
         tera_gemm(ta, tb, M, N, K, 1.0f, s, lda, s + na, ldb, beta, C, ldc);
         return;
     }
-    /* bf16: the bf16 copy of B starts at an even element, so 4-byte aligned */
-    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + nb));
+    /* bf16: the bf16 copy of B starts at an even element, so 4-byte aligned; B is the weights'
+     * shadow when it has one */
+    const uint16_t *bs = shadow_get(mm, B, nb);
+    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + (bs ? 0 : nb)));
     uint16_t *a16 = s, *b16 = s + na + (na & 1);
     tera_round_bf16(a16, A, na);
-    tera_round_bf16(b16, B, nb);
-    gemm_bf16(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
+    if (!bs) tera_round_bf16(b16, B, nb);
+    gemm_bf16(ta, tb, M, N, K, a16, lda, bs ? bs : b16, ldb, beta, C, ldc);
 }
 
 void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
@@ -485,17 +599,102 @@ void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const f
             tera_gemm(1, 0, out, in, N, 1.0f, dyr, out, xr, in, 1.0f, dw, in);
             return;
         }
-        /* bf16 arrays: each copy starts at an even element */
-        const int64_t ny = N * out + ((N * out) & 1), nw = out * in + ((out * in) & 1);
+        /* bf16 arrays: each copy starts at an even element; w is the weights' shadow when it has one */
+        const uint16_t *ws = shadow_get(mm, w, out * in);
+        const int64_t ny = N * out + ((N * out) & 1), nw = ws ? 0 : out * in + ((out * in) & 1);
         uint16_t *dy16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(ny + nw + N * in));
         uint16_t *w16 = dy16 + ny, *x16 = w16 + nw;
+        const uint16_t *wop = ws ? ws : w16;
         tera_round_bf16(dy16, dy, N * out);
-        tera_round_bf16(w16, w, out * in);
+        if (!ws) tera_round_bf16(w16, w, out * in);
         tera_round_bf16(x16, x, N * in);
-        gemm_bf16(0, 0, N, in, out, dy16, out, w16, in, dx_beta, dx, in);
+        gemm_bf16(0, 0, N, in, out, dy16, out, wop, in, dx_beta, dx, in);
         gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
         return;
     }
     if (dx) gemm_lowp(mm, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
     if (dw) gemm_lowp(mm, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
+}
+
+/* ------------------------------------------------------------------ several products of one input */
+
+/* Largest out[i] * in, and whether the fused path applies (every product non-empty). */
+static int multi_ok(int n, const int64_t *out, int64_t N, int64_t in, int64_t *wmax) {
+    *wmax = 0;
+    if (N <= 0 || in <= 0) return 0;
+    for (int i = 0; i < n; i++) {
+        if (out[i] <= 0) return 0;
+        if (out[i] * in > *wmax) *wmax = out[i] * in;
+    }
+    return 1;
+}
+
+void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, const float *x,
+                                   const float *const *w, const int64_t *out, int64_t N, int64_t in) {
+    int64_t wmax;
+    if (mm->prec == TERA_PREC_FP32 || !multi_ok(n, out, N, in, &wmax)) {
+        for (int i = 0; i < n; i++) tera_cpu_linear_forward(mm, y[i], x, w[i], N, in, out[i], 0.0f);
+        return;
+    }
+    /* the products of tera_cpu_linear_forward (gemm_lowp: x as A, w as B), x rounded once; each
+     * weight is rounded into the same place after it (or read from the shadow) */
+    const int64_t na = N * in;
+    if (lowp_in_fp32(mm)) {
+        float *s = scratch_get(mm, sizeof(float) * (size_t)(na + wmax));
+        round_fp32_operand(mm, s, x, na);
+        for (int i = 0; i < n; i++) {
+            round_fp32_operand(mm, s + na, w[i], out[i] * in);
+            tera_gemm(0, 1, N, out[i], in, 1.0f, s, in, s + na, in, 0.0f, y[i], out[i]);
+        }
+        return;
+    }
+    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + wmax));
+    uint16_t *x16 = s, *w16 = s + na + (na & 1);
+    tera_round_bf16(x16, x, na);
+    for (int i = 0; i < n; i++) {
+        const uint16_t *ws = shadow_get(mm, w[i], out[i] * in);
+        if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
+        gemm_bf16(0, 1, N, out[i], in, x16, in, ws ? ws : w16, in, 0.0f, y[i], out[i]);
+    }
+}
+
+void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float *const *dw, const float *const *dy,
+                                    const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
+                                    float dx_beta) {
+    int64_t wmax;
+    int both = dx != NULL;
+    for (int i = 0; i < n; i++) both = both && dw[i];
+    if (mm->prec == TERA_PREC_FP32 || !both || !multi_ok(n, out, N, in, &wmax)) {
+        for (int i = 0; i < n; i++)
+            tera_cpu_linear_backward(mm, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f);
+        return;
+    }
+    /* the two products of tera_cpu_linear_backward for each i in turn, x rounded once */
+    int64_t ymax = 0;
+    for (int i = 0; i < n; i++) ymax = N * out[i] > ymax ? N * out[i] : ymax;
+    const int64_t nx = N * in;
+    if (lowp_in_fp32(mm)) {
+        float *xr = scratch_get(mm, sizeof(float) * (size_t)(nx + ymax + wmax));
+        float *dyr = xr + nx, *wr = dyr + ymax;
+        round_fp32_operand(mm, xr, x, nx);
+        for (int i = 0; i < n; i++) {
+            round_fp32_operand(mm, dyr, dy[i], N * out[i]);
+            round_fp32_operand(mm, wr, w[i], out[i] * in);
+            tera_gemm(0, 0, N, in, out[i], 1.0f, dyr, out[i], wr, in, i == 0 ? dx_beta : 1.0f, dx, in);
+            tera_gemm(1, 0, out[i], in, N, 1.0f, dyr, out[i], xr, in, 1.0f, dw[i], in);
+        }
+        return;
+    }
+    /* bf16 arrays: each copy starts at an even element */
+    const int64_t px = nx + (nx & 1), py = ymax + (ymax & 1);
+    uint16_t *x16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(px + py + wmax));
+    uint16_t *dy16 = x16 + px, *w16 = dy16 + py;
+    tera_round_bf16(x16, x, nx);
+    for (int i = 0; i < n; i++) {
+        const uint16_t *ws = shadow_get(mm, w[i], out[i] * in);
+        tera_round_bf16(dy16, dy[i], N * out[i]);
+        if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
+        gemm_bf16(0, 0, N, in, out[i], dy16, out[i], ws ? ws : w16, in, i == 0 ? dx_beta : 1.0f, dx, in);
+        gemm_bf16(1, 0, out[i], in, N, dy16, out[i], x16, in, 1.0f, dw[i], in);
+    }
 }
