@@ -7,6 +7,15 @@
  *       -o /tmp/bench_attention -ldnnl -lm && /tmp/bench_attention [reps]
  * (add -DATTN_TILE=64 or -DATTN_BF16_TILE=256 to re-measure the tile sizes.)
  *
+ * Old against new in one process: an earlier attention.c (e.g. `git show REV:src/kernels/cpu/attention.c
+ * > /tmp/attention_ref.c`) compiled into this program with its symbols renamed, by adding
+ *   -DATTN_REF='"/tmp/attention_ref.c"' -Isrc/kernels/cpu
+ * to the line above: its fp32 and bf16 kernels then run as variants "fp32-ref" / "bf16-ref",
+ * alternating with the current ones, and each current variant's speed-up is against its ref
+ * ("max rel diff" of the fp32 rows is then against fp32-ref). TERA_ATTN_FP32=sgemm in the
+ * environment also selects the current file's sgemm kernels for fp32 (the path before the AVX-512
+ * kernels), for the whole program.
+ *
  * GFLOP/s are given two ways: "causal" counts the products actually needed under the causal
  * mask (T*(T+1)/2 query-key pairs), "full" counts T*T pairs as is customary for flash attention:
  * forward 4*B*H*T*T*hd, backward 8*B*H*T*T*hd (recomputing S is not counted). Medians of `reps`;
@@ -23,6 +32,41 @@
 #include "kernels/cpu/cpu.h"
 #include "tera/kernels.h"
 #include "bench_median.h"
+
+typedef void (*fwd_fn)(float *, float *, const float *, const float *, const float *, int, int, int, int, int,
+                       float *);
+typedef void (*bwd_fn)(float *, float *, float *, const float *, const float *, const float *, const float *,
+                       const float *, const float *, int, int, int, int, int, float *);
+typedef size_t (*scratch_fn)(int, int, int, int, int);
+
+#ifdef ATTN_REF
+#define tera_attention_forward ref_attention_forward
+#define tera_attention_backward ref_attention_backward
+#define tera_attention_forward_bf16 ref_attention_forward_bf16
+#define tera_attention_backward_bf16 ref_attention_backward_bf16
+#define tera_attention_scratch_floats ref_attention_scratch_floats
+#define tera_attention_bf16_scratch_floats ref_attention_bf16_scratch_floats
+#define tera_attention_bf16_available ref_attention_bf16_available
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-prototypes"
+#include ATTN_REF
+#pragma GCC diagnostic pop
+#undef tera_attention_forward
+#undef tera_attention_backward
+#undef tera_attention_forward_bf16
+#undef tera_attention_backward_bf16
+#undef tera_attention_scratch_floats
+#undef tera_attention_bf16_scratch_floats
+#undef tera_attention_bf16_available
+#endif
+
+typedef struct {
+    const char *name;
+    fwd_fn fwd;
+    bwd_fn bwd;
+    scratch_fn scratch;
+    int ref;  /* index of the variant it is compared with (speed-up, max rel diff) */
+} variant;
 
 typedef struct {
     const char *name;
@@ -57,15 +101,32 @@ int main(int argc, char **argv) {
     const bench_shape shapes[] = {{"bench-s", 8, 256, 8, 8, 32}, {"bench-m", 4, 512, 8, 8, 64}};
     const int max_threads = 2;
     const int bf16 = tera_attention_bf16_available();
+    variant var[4];
+    int nv = 0;
+#ifdef ATTN_REF
+    var[nv++] = (variant){"fp32-ref", ref_attention_forward, ref_attention_backward, ref_attention_scratch_floats, 0};
+    var[nv++] = (variant){"fp32", tera_attention_forward, tera_attention_backward, tera_attention_scratch_floats, 0};
+    if (bf16) {
+        var[nv++] = (variant){"bf16-ref", ref_attention_forward_bf16, ref_attention_backward_bf16,
+                              ref_attention_bf16_scratch_floats, 2};
+        var[nv++] = (variant){"bf16", tera_attention_forward_bf16, tera_attention_backward_bf16,
+                              tera_attention_bf16_scratch_floats, 2};
+    }
+#else
+    var[nv++] = (variant){"fp32", tera_attention_forward, tera_attention_backward, tera_attention_scratch_floats, 0};
+    if (bf16)
+        var[nv++] = (variant){"bf16", tera_attention_forward_bf16, tera_attention_backward_bf16,
+                              tera_attention_bf16_scratch_floats, 0};
+#endif
     uint64_t rng = 0x9E3779B97F4A7C15ull;
-    double *t[2][3];
-    for (int p = 0; p < 2; p++)
+    double *t[4][3];
+    for (int p = 0; p < nv; p++)
         for (int j = 0; j < 3; j++) t[p][j] = malloc((size_t)reps * sizeof(double));
     const char *isa = "";
     tera_cpu_bf16_fast(&isa);
     printf("oneDNN ISA %s; bf16 attention %s\n", isa, bf16 ? "available" : "not available (fp32 only)");
-    printf("%-8s %3s %4s | %9s %9s %9s | fwd GF/s causal/full | bwd GF/s causal/full | f+b GF/s causal/full | %7s | %s\n",
-           "shape", "thr", "prec", "fwd ms", "bwd ms", "f+b ms", "speedup", "max rel diff out/dq vs fp32");
+    printf("%-8s %3s %8s | %9s %9s %9s | fwd GF/s causal/full | bwd GF/s causal/full | f+b GF/s causal/full | %7s | %s\n",
+           "shape", "thr", "variant", "fwd ms", "bwd ms", "f+b ms", "speedup", "max rel diff out/dq vs its ref");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const bench_shape s = shapes[si];
         const size_t nq = (size_t)s.B * s.T * s.H * s.hd, nk = (size_t)s.B * s.T * s.Hkv * s.hd;
@@ -73,57 +134,51 @@ int main(int argc, char **argv) {
         omp_set_num_threads(max_threads);
         float *q = alloc_rand(nq, &rng), *k = alloc_rand(nk, &rng), *v = alloc_rand(nk, &rng);
         float *dout = alloc_rand(nq, &rng);
-        float *out[2], *lse[2], *dq[2], *dk[2], *dv[2];
-        for (int p = 0; p < 2; p++) {
+        float *out[4], *lse[4], *dq[4], *dk[4], *dv[4];
+        size_t ns = 0;
+        for (int p = 0; p < nv; p++) {
             out[p] = alloc_rand(nq, &rng), lse[p] = alloc_rand(nl, &rng), dq[p] = alloc_rand(nq, &rng);
             dk[p] = alloc_rand(nk, &rng), dv[p] = alloc_rand(nk, &rng);
+            const size_t n = var[p].scratch(s.B, s.T, s.H, s.Hkv, s.hd);
+            ns = n > ns ? n : ns;
         }
-        size_t ns = tera_attention_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd);
-        if (bf16 && tera_attention_bf16_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd) > ns)
-            ns = tera_attention_bf16_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd);
         float *scratch = alloc_rand(ns, &rng);
         const double bhd = (double)s.B * s.H * s.hd;
         const double pairs_full = (double)s.T * s.T, pairs_causal = (double)s.T * (s.T + 1) / 2.0;
         for (int thr = 1; thr <= max_threads; thr++) {
             omp_set_num_threads(thr);
             for (int r = -3; r < reps; r++) {
-                for (int p = 0; p < 1 + bf16; p++) {
+                for (int p = 0; p < nv; p++) {
                     const double t0 = omp_get_wtime();
-                    if (p == 0)
-                        tera_attention_forward(out[p], lse[p], q, k, v, s.B, s.T, s.H, s.Hkv, s.hd, scratch);
-                    else
-                        tera_attention_forward_bf16(out[p], lse[p], q, k, v, s.B, s.T, s.H, s.Hkv, s.hd, scratch);
+                    var[p].fwd(out[p], lse[p], q, k, v, s.B, s.T, s.H, s.Hkv, s.hd, scratch);
                     const double t1 = omp_get_wtime();
-                    if (p == 0)
-                        tera_attention_backward(dq[p], dk[p], dv[p], dout, q, k, v, out[p], lse[p], s.B, s.T, s.H,
-                                                s.Hkv, s.hd, scratch);
-                    else
-                        tera_attention_backward_bf16(dq[p], dk[p], dv[p], dout, q, k, v, out[p], lse[p], s.B, s.T,
-                                                     s.H, s.Hkv, s.hd, scratch);
+                    var[p].bwd(dq[p], dk[p], dv[p], dout, q, k, v, out[p], lse[p], s.B, s.T, s.H, s.Hkv, s.hd,
+                               scratch);
                     const double t2 = omp_get_wtime();
                     if (r < 0) continue; /* warm-up */
                     t[p][0][r] = t1 - t0, t[p][1][r] = t2 - t1, t[p][2][r] = t2 - t0;
                 }
             }
-            double fp32_total = 0;
-            for (int p = 0; p < 1 + bf16; p++) {
+            double med[4] = {0};
+            for (int p = 0; p < nv; p++) {
                 const double mf = median(t[p][0], reps), mb = median(t[p][1], reps), mt = median(t[p][2], reps);
-                if (p == 0) fp32_total = mt;
+                med[p] = mt;
                 const double ff = 4 * bhd * pairs_full, fb = 8 * bhd * pairs_full;
                 const double cf = 4 * bhd * pairs_causal, cb = 8 * bhd * pairs_causal;
+                const int rp = var[p].ref;
                 char diff[64] = "-";
-                if (p == 1)
-                    snprintf(diff, sizeof diff, "%.2e / %.2e", rel_diff(out[1], out[0], nq), rel_diff(dq[1], dq[0], nq));
-                printf("%-8s %3d %4s | %9.3f %9.3f %9.3f | %8.1f / %-8.1f  | %8.1f / %-8.1f  | %8.1f / %-8.1f  | %6.2fx | %s\n",
-                       s.name, thr, p ? "bf16" : "fp32", mf * 1e3, mb * 1e3, mt * 1e3, cf / mf * 1e-9, ff / mf * 1e-9,
-                       cb / mb * 1e-9, fb / mb * 1e-9, (cf + cb) / mt * 1e-9, (ff + fb) / mt * 1e-9, fp32_total / mt,
+                if (rp != p)
+                    snprintf(diff, sizeof diff, "%.2e / %.2e", rel_diff(out[p], out[rp], nq), rel_diff(dq[p], dq[rp], nq));
+                printf("%-8s %3d %8s | %9.3f %9.3f %9.3f | %8.1f / %-8.1f  | %8.1f / %-8.1f  | %8.1f / %-8.1f  | %6.2fx | %s\n",
+                       s.name, thr, var[p].name, mf * 1e3, mb * 1e3, mt * 1e3, cf / mf * 1e-9, ff / mf * 1e-9,
+                       cb / mb * 1e-9, fb / mb * 1e-9, (cf + cb) / mt * 1e-9, (ff + fb) / mt * 1e-9, med[rp] / mt,
                        diff);
             }
         }
         free(q), free(k), free(v), free(dout), free(scratch);
-        for (int p = 0; p < 2; p++) free(out[p]), free(lse[p]), free(dq[p]), free(dk[p]), free(dv[p]);
+        for (int p = 0; p < nv; p++) free(out[p]), free(lse[p]), free(dq[p]), free(dk[p]), free(dv[p]);
     }
-    for (int p = 0; p < 2; p++)
+    for (int p = 0; p < nv; p++)
         for (int j = 0; j < 3; j++) free(t[p][j]);
     return 0;
 }

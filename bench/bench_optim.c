@@ -9,7 +9,11 @@
  * on a machine shared with other jobs a pass's wall time mostly measures the share of the cores it
  * got, its CPU time what it costs.
  * --moments bf16: the moments held as bf16 (optimizer.moments = bf16): AdamW 24 bytes per parameter.
- * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N] [--moments fp32|bf16]; prints one JSON line. */
+ * --shadow 1: beside each AdamW pass one that also writes the bf16 weight shadow (tera_adamw.w16: the
+ * update writes each new weight rounded to bf16, 2 bytes more per parameter; docs/PERFORMANCE.md), the
+ * two alternating in order rep by rep (adamw_shadow_ms, adamw_shadow_cpu_ms).
+ * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N] [--moments fp32|bf16] [--shadow 0|1]; prints
+ * one JSON line. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,12 +33,13 @@ static double cpu_now(void) { /* the process's CPU time, all threads */
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
-    int threads = 1, reps = 7, bf16 = 0;
+    int threads = 1, reps = 7, bf16 = 0, shadow = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-c")) cfg_path = argv[i + 1];
         else if (!strcmp(argv[i], "--moments")) bf16 = !strcmp(argv[i + 1], "bf16");
         else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--shadow")) shadow = atoi(argv[i + 1]) != 0;
     }
     if (threads < 1 || reps < 1 || reps > 1000) {
         fprintf(stderr, "bench_optim: --threads >= 1, --reps in 1..1000\n");
@@ -65,17 +70,44 @@ int main(int argc, char **argv) {
     double *t_sq = tera_malloc(sizeof(double) * (size_t)reps), *t_adam = tera_malloc(sizeof(double) * (size_t)reps);
     double *t_triad = tera_malloc(sizeof(double) * (size_t)reps);
     double *c_sq = tera_malloc(sizeof(double) * (size_t)reps), *c_adam = tera_malloc(sizeof(double) * (size_t)reps);
+    double *t_sh = tera_malloc(sizeof(double) * (size_t)reps), *c_sh = tera_malloc(sizeof(double) * (size_t)reps);
+    uint16_t *w16 = shadow ? tera_malloc(sizeof(uint16_t) * (size_t)n) : NULL;
+    if (w16) memset(w16, 0, sizeof(uint16_t) * (size_t)n); /* pages touched */
     double total = 0.0;
     for (int r = 0; r < reps + 1; r++) { /* the first round warms up (pages touched) */
+        double tsh = 0.0, csh = 0.0;
+        for (int first = 1; shadow && r % 2 == 0 && first >= 0; first--) { /* even rounds: with the shadow first */
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+            if (!first) break;
+            const double cs = cpu_now(), ts = tera_now();
+            o.w16 = w16;
+            tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
+                                     sq + 2 * m.n_params);
+            o.w16 = NULL;
+            csh = cpu_now() - cs, tsh = tera_now() - ts;
+        }
+        if (!shadow || r % 2) {
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+        }
         const double c0 = cpu_now(), t0 = tera_now();
         total = tera_adamw_grad_sq(&o, &m, sq);
         const double c1 = cpu_now(), t1 = tera_now();
         tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
                                  sq + 2 * m.n_params);
         const double c2 = cpu_now(), t2 = tera_now();
-        if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1;
+        if (shadow && r % 2) { /* odd rounds: with the shadow second */
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+            const double cs = cpu_now(), ts = tera_now();
+            o.w16 = w16;
+            tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
+                                     sq + 2 * m.n_params);
+            o.w16 = NULL;
+            csh = cpu_now() - cs, tsh = tera_now() - ts;
+        }
+        if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1, t_sh[r - 1] = tsh, c_sh[r - 1] = csh;
         /* triad over three arrays of n floats: g = w + s m (the moments and parameters, rewritten) */
         float *a = m.g, *b = m.w, *c = third;
 #pragma omp parallel for schedule(static)
@@ -89,11 +121,13 @@ int main(int argc, char **argv) {
     printf("{\"config\": \"%s\", \"threads\": %d, \"params\": %lld, \"tensors\": %d, \"reps\": %d, "
            "\"norm_ms\": %.2f, \"adamw_ms\": %.2f, \"optimizer_ms\": %.2f, \"norm_gbs\": %.1f, \"adamw_gbs\": %.1f, "
            "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"norm_cpu_ms\": %.2f, "
-           "\"adamw_cpu_ms\": %.2f, \"grad_sq\": %.6e, \"moments\": \"%s\"}\n",
+           "\"adamw_cpu_ms\": %.2f, \"grad_sq\": %.6e, \"moments\": \"%s\", \"adamw_shadow_ms\": %.2f, "
+           "\"adamw_shadow_cpu_ms\": %.2f}\n",
            cfg_path, threads, (long long)n, m.n_params, reps, 1e3 * s_sq, 1e3 * s_adam, 1e3 * (s_sq + s_adam),
            4.0 * gb / s_sq, adam_bytes * gb / s_adam, (4.0 + adam_bytes) * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
            ((4.0 + adam_bytes) * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), 1e3 * cs_sq, 1e3 * cs_adam, total,
-           bf16 ? "bf16" : "fp32");
+           bf16 ? "bf16" : "fp32", shadow ? 1e3 * median(t_sh, reps) : 0.0, shadow ? 1e3 * median(c_sh, reps) : 0.0);
+    free(t_sh), free(c_sh), free(w16);
     free(t_sq), free(t_adam), free(t_triad), free(c_sq), free(c_adam), free(sq);
     if (bf16) free(third);
     tera_adamw_free(&o);

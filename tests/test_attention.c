@@ -313,13 +313,20 @@ static void test_determinism(void **state) {
 
 static void test_scratch_is_small(void **state) {
     (void)state;
+    /* per thread a bounded block (tiles, and the backward's K, V, dK, dV rows of one key chunk),
+     * independent of T, plus D[B,H,T]: never a T x T matrix, nothing that grows with T per thread */
+    const size_t nthr = (size_t)omp_get_max_threads();
     const size_t T = 4096;
     const size_t n = tera_attention_scratch_floats(1, (int)T, 8, 8, 64);
-    /* per thread O(tile^2), plus D[B,H,T] */
-    assert_true(n < T * T / 64);
-    const size_t n8 = tera_attention_scratch_floats(8, (int)T, 32, 8, 128);
-    assert_true(n8 < T * T / 8);
     assert_true(n >= (size_t)8 * T); /* holds D[B,H,T] */
+    const size_t per = (n - (size_t)8 * T) / nthr;
+    assert_true(per * nthr == n - (size_t)8 * T);
+    assert_true(per <= (size_t)256 * 1024); /* at most 1 MiB a thread at hd = 64 */
+    const size_t n4 = tera_attention_scratch_floats(1, (int)(4 * T), 8, 8, 64);
+    assert_true(n4 - (size_t)8 * 4 * T == n - (size_t)8 * T); /* 4x T: only D grew */
+    const size_t n8 = tera_attention_scratch_floats(8, (int)T, 32, 8, 128);
+    assert_true(n8 - (size_t)8 * 32 * T <= nthr * (size_t)512 * 1024); /* 2 MiB a thread at hd = 128 */
+    assert_true(n8 < T * T / 8 + nthr * (size_t)512 * 1024);
 }
 
 /* ------------------------------------------------------------------ bf16 attention

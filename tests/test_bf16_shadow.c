@@ -207,8 +207,9 @@ static int64_t train_run(const tera_config *c, int shadow, double *loss, float *
 /* bf16 training with the shadow equals training without it bit for bit, over optimizer steps that
  * change the weights between windows (gradient accumulation: one shadow over the step's
  * micro-batches; recomputation; tied embeddings: the head's weights are the embedding's); the trainer
- * registers it when at least 4 micro-batches share the weights (grad_accum >= 4): 2 bytes per
- * resident parameter on the native units, none with fewer micro-batches, on the FMA units or in fp32. */
+ * registers it when at least 4 micro-batches share the weights (grad_accum >= 4; the AdamW update at
+ * ZeRO-0 writes it then: tests/test_optim_shadow.c): 2 bytes per resident parameter on the native
+ * units, none with fewer micro-batches, on the FMA units or in fp32. */
 static void test_training_same_bits(void **state) {
     (void)state;
     const struct {

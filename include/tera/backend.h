@@ -173,8 +173,9 @@ typedef struct {
      * so that linear_* round each weight once per change instead of on every call. The trainer
      * registers the model's parameters when at least 4 micro-batches of a step share them
      * (training.grad_accum >= 4, no pipeline): with one or two forwards and backwards per change,
-     * writing the copy was measured to cost more (memory traffic) than the rounding it saves
-     * (docs/PERFORMANCE.md, "Operands rounded once"). It is used only inside a window:
+     * rounding the copy lazily was measured to cost more (memory traffic) than the rounding it saves
+     * (docs/PERFORMANCE.md, "Operands rounded once"); and at any grad_accum where the AdamW update
+     * writes it (ZeRO-0, no pipeline: weights_shadow_out below). It is used only inside a window:
      * weights_begin(be, changed) opens one (the model: at the start of every forward with
      * changed = 1 unless tera_model_weights_unchanged said otherwise, of every backward with
      * changed = 0: the weights are those of the forward), weights_end closes it; changed = 1 marks
@@ -187,6 +188,16 @@ typedef struct {
     void (*weights_begin)(tera_backend *be, int changed);
     void (*weights_end)(tera_backend *be);
     int64_t (*weights_shadow_bytes)(const tera_backend *be); /* 0 when there is none */
+    /* The shadow written by the optimizer's update pass, so that the next forward needs no rounding
+     * (one micro-batch a step pays too). weights_shadow_out(be, w, n): the shadow itself (w16[n])
+     * when w[n] is the registered buffer, a shadow exists and no window is open, else NULL; the
+     * caller then writes w16[i] = the bf16 rounding of its new w[i] (round to nearest even on the
+     * bit pattern, NaN kept quiet: the products' rounding) for every i, and says so with
+     * weights_filled: the next window keeps every element even when opened with changed = 1 (once:
+     * any window clears it). Between weights_filled and that window the buffer must not change.
+     * NULL where a backend has none. */
+    uint16_t *(*weights_shadow_out)(tera_backend *be, const float *w, int64_t n);
+    void (*weights_filled)(tera_backend *be);
     void (*destroy)(tera_backend *be); /* frees the scratch and the object */
 } tera_backend_ctl;
 
@@ -231,6 +242,12 @@ static inline void tera_backend_weights_end(tera_backend *be) {
 }
 static inline int64_t tera_backend_weights_shadow_bytes(const tera_backend *be) {
     return be->ctl.weights_shadow_bytes ? be->ctl.weights_shadow_bytes(be) : 0;
+}
+static inline uint16_t *tera_backend_weights_shadow_out(tera_backend *be, const float *w, int64_t n) {
+    return be && be->ctl.weights_shadow_out ? be->ctl.weights_shadow_out(be, w, n) : NULL;
+}
+static inline void tera_backend_weights_filled(tera_backend *be) {
+    if (be && be->ctl.weights_filled) be->ctl.weights_filled(be);
 }
 /* ops.linear_forward_multi / linear_backward_multi, or the n single products where a backend has
  * none. y: n outputs [N,out[i]]; w: n weights [out[i],in]; dy: n gradients [N,out[i]]; dw: n

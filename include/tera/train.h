@@ -29,6 +29,8 @@ typedef struct {
     struct tera_adamw_plan *plan; /* the (tensor, chunk) work items of its passes (src/train/optim.c) */
     uint16_t *mh, *vh; /* optimizer.moments = bf16: the moments as bf16 [n] each (m and v are NULL) */
     uint64_t sr_seed;  /* bf16 moments: the stochastic rounding's key is (sr_seed, t) */
+    uint16_t *w16;     /* NULL, or for one step: the backend's bf16 weight shadow of [lo, hi) (backend.h,
+                        * weights_shadow_out), written with each new weight rounded to nearest even */
 } tera_adamw;
 
 void tera_adamw_init(tera_adamw *o, int64_t n_floats);
@@ -44,6 +46,9 @@ void tera_adamw_free(tera_adamw *o);
  * data-, expert-, tensor- or pipeline-parallel blocks). */
 void tera_adamw_init_range_bf16(tera_adamw *o, int64_t lo, int64_t hi, uint64_t seed);
 uint64_t tera_moment_key(uint64_t seed, int64_t t);
+/* The rounding the update writes to tera_adamw.w16: the bf16 products' rounding of an operand (round
+ * to nearest even on the fp32 pattern, NaN kept quiet), the same bits as tera_round_bf16. */
+uint16_t tera_adamw_shadow_round(float x);
 uint32_t tera_moment_random(uint64_t key, int tensor, int64_t e);
 /* x rounded to bf16 (the top 16 bits of the fp32 pattern): up with probability (low 16 bits) / 2^16
  * given r16 uniform in [0, 2^16), so E[result] = x; exact when x is a bf16 value; NaN stays NaN. */

@@ -2,6 +2,8 @@
 #include "dispatch.h"
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe.h"
@@ -147,17 +149,34 @@ static void experts_by_load(int *order, const int64_t *off, int E) {
     if (src != order) memcpy(order, src, sizeof(int) * (size_t)E);
 }
 
-/* All El experts of one call: side by side by descending load, or one after another. The thread
- * layout is a scheduling decision of the CPU backend (ops.items_side_by_side); each expert's
- * outputs and weight gradients are written by one thread either way, so the numbers are the same. */
+/* All El experts of one call. One after another, each product on every thread, when there are fewer
+ * than two experts per thread (ops.items_side_by_side: always on one thread); else side by side by
+ * descending load (each expert's products single-threaded on the thread that takes it,
+ * ops.for_each_item), except the experts with more rows than a thread's share (rows x threads > all
+ * rows), which run first, one after another, each product on every thread: side by side the other
+ * threads would wait for them (k = 1, or many threads: bench-m's routing gives one expert half the
+ * rows, so 3 threads ran at 2/3 and 4 at 1/2 of their rate). A product gives the same numbers alone
+ * on every thread and single-threaded beside others (fp32: sgemm tiles that depend on the shape
+ * alone, src/kernels/cpu/matmul.c; bf16: oneDNN's bf16 GEMM), so the layout is a scheduling decision
+ * only (tests/test_experts_layout.c, tests/test_dispatch.c). */
 static void experts_run(tera_dispatcher *d, expert_rows *b) {
-    if (d->be->ops.items_side_by_side(d->be, d->El)) {
-        experts_by_load(d->order, b->off, d->El);
-        b->order = d->order;
-        d->be->ops.for_each_item(d->be, d->El, expert_item, b);
-    } else {
-        for (int e = 0; e < d->El; e++) expert_run(b, e);
+    const int El = d->El;
+    if (!d->be->ops.items_side_by_side(d->be, El)) {
+        for (int e = 0; e < El; e++) expert_run(b, e);
+        return;
     }
+    experts_by_load(d->order, b->off, El);
+    const int64_t all = b->off[El] - b->off[0], threads = d->be->ops.max_threads(d->be);
+    /* TERA_EXPERTS_ALONE=0: every expert side by side (the layout before; bench/bench_experts.c's A/B
+     * sets it rep by rep, so it is read on every call; the same numbers either way) */
+    const char *ab = getenv("TERA_EXPERTS_ALONE");
+    const int side_by_side_only = ab && !strcmp(ab, "0");
+    int alone = 0; /* the experts by descending load: the ones that run alone are a prefix */
+    while (!side_by_side_only && alone < El && (b->off[d->order[alone] + 1] - b->off[d->order[alone]]) * threads > all)
+        expert_run(b, d->order[alone++]);
+    if (alone == El) return;
+    b->order = d->order + alone;
+    d->be->ops.for_each_item(d->be, El - alone, expert_item, b);
 }
 
 /* ------------------------------------------------------------------------------ local */

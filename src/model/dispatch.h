@@ -20,9 +20,11 @@
  * buffers), the same for both implementations and for the forward, the backward and the
  * recomputation of the hidden activations. The experts of one call run either one after another
  * (each product using every thread) or side by side by descending load (the backend's
- * items_side_by_side and for_each_item: each expert's outputs and weight gradients written by exactly one thread with
- * single-threaded products); the same layout in the forward, its recomputation and the backward,
- * so results are bit-identical whatever the thread count chose.
+ * items_side_by_side and for_each_item: each expert's outputs and weight gradients written by
+ * exactly one thread with single-threaded products), an expert too large to share a thread (more
+ * rows than a thread's share, or products as large as those the CPU backend gives to its matmul
+ * primitive) first and alone (dispatch.c, experts_run); results are bit-identical whatever the
+ * thread count chose (tests/test_experts_layout.c).
  *
  * State: the dispatcher owns its scratch (the plan's, the backward's row buffers, the exchange's
  * buffers and requests), allocated once at creation. The per-layer buffers below belong to the

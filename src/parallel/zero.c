@@ -881,8 +881,15 @@ void tera_zero_adamw_step(tera_zero *zr, float lr, float clip_scale, const tera_
     tera_model *m = zr->model;
     double *usq = zr->grad_sq + m->n_params * 2, *psq = usq + m->n_params; /* per tensor */
     memset(usq, 0, sizeof(double) * 2 * (size_t)m->n_params);
+    /* ZeRO-0: this rank updates every resident weight in place, so the update writes the backend's
+     * bf16 weight shadow as well (NULL where there is none; ZeRO-1/2 gather other ranks' shards
+     * after it, ZeRO-3 holds none: the products round lazily there) */
+    uint16_t *w16 = !zr->stage && m->w ? tera_backend_weights_shadow_out(m->be, m->w, m->n_floats) : NULL;
+    zr->opt.w16 = w16, zr->opt_x.w16 = w16 ? w16 + m->n_dense_floats : NULL;
     tera_adamw_step_by_param(&zr->opt, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
     tera_adamw_step_by_param(&zr->opt_x, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
+    zr->opt.w16 = zr->opt_x.w16 = NULL;
+    if (w16) tera_backend_weights_filled(m->be);
     tera_zero_params_updated(zr);
     double s[2] = {0.0, 0.0}; /* update^2, param^2 over the whole model */
     for (int i = 0; i < m->n_params; i++)

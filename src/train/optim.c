@@ -26,7 +26,12 @@
  * not on OpenMP of their own: ops.for_ranges starts one worker per backend thread, and the workers
  * take blocks of ITEM_GRAIN items from a shared counter until none is left (the dynamic schedule
  * the OpenMP loops had; one relaxed atomic add per block of 4 x 16384 elements). A model without
- * a backend (m->be NULL: a hand-built table) runs them on the calling thread, in item order. */
+ * a backend (m->be NULL: a hand-built table) runs them on the calling thread, in item order.
+ *
+ * When the caller hands it the backend's bf16 weight shadow (tera_adamw.w16: ZeRO-0, src/parallel/zero.c),
+ * the update also writes each new weight rounded to bf16 there, 2 bytes where the pass already has the
+ * weight in a register, so the next forward's products read the copy instead of rounding the fp32
+ * weights (docs/PERFORMANCE.md, "The optimizer writes the bf16 shadow"). */
 typedef struct {
     int32_t p;    /* tensor index */
     int64_t a, b; /* flat element range [a, b) */
@@ -133,6 +138,7 @@ void tera_adamw_init_range(tera_adamw *o, int64_t lo, int64_t hi) {
     o->g = o->w = NULL;
     o->view = 0;
     o->plan = NULL;
+    o->w16 = NULL;
 }
 
 void tera_adamw_init(tera_adamw *o, int64_t n) { tera_adamw_init_range(o, 0, n); }
@@ -149,6 +155,7 @@ void tera_adamw_init_range_bf16(tera_adamw *o, int64_t lo, int64_t hi, uint64_t 
     o->g = o->w = NULL;
     o->view = 0;
     o->plan = NULL;
+    o->w16 = NULL;
 }
 
 int64_t tera_adamw_moment_bytes(const tera_adamw *o) {
@@ -298,11 +305,25 @@ typedef struct {
     float b1, b2, omb1, omb2, step_size, inv_bc2_sqrt, eps, gs;
 } adam_k;
 
+/* The bf16 weight shadow written by the update (tera_adamw.w16, include/tera/backend.h
+ * weights_shadow_out): the products' rounding of an operand, bit for bit (src/kernels/cpu/matmul.c,
+ * bf16_scalar and bf16_round16): round to nearest even on the fp32 pattern, subnormals exact, a NaN
+ * kept and made quiet. tests/test_optim.c checks it against tera_round_bf16 over every high half. */
+static inline uint16_t shadow_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+uint16_t tera_adamw_shadow_round(float x) { return shadow_round(x); }
+
 /* One item of the fused pass: w, g, mm, vv [n] (the same element range). */
 static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w, float *restrict g,
-                                                              float *restrict mm, float *restrict vv, int64_t n,
-                                                              const adam_k *k, float decay, int zero_grad,
-                                                              double *usq, double *psq) {
+                                                              float *restrict mm, float *restrict vv,
+                                                              uint16_t *restrict w16, int64_t n, const adam_k *k,
+                                                              float decay, int zero_grad, int shadow, double *usq,
+                                                              double *psq) {
     const float b1 = k->b1, b2 = k->b2, omb1 = k->omb1, omb2 = k->omb2, ss = k->step_size, ib = k->inv_bc2_sqrt,
                 eps = k->eps, gs = k->gs;
     float ua[LANES] = {0}, pa[LANES] = {0};
@@ -313,6 +334,7 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
         const float mj = b1 * mm[J] + omb1 * gj, vj = b2 * vv[J] + omb2 * gj * gj;                 \
         const float wj = w0 * decay - ss * mj / (sqrtf(vj) * ib + eps);                            \
         mm[J] = mj, vv[J] = vj, w[J] = wj;                                                         \
+        if (shadow) w16[J] = shadow_round(wj);                                                     \
         ua[L] += (wj - w0) * (wj - w0);                                                            \
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \
@@ -328,6 +350,7 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
 
 typedef struct {
     float *w, *g, *m, *v; /* the range [lo, hi)'s parameters, gradients and moments */
+    uint16_t *w16;        /* the range's bf16 weight shadow, NULL: none */
     const optim_item *it;
     const tera_param *params;
     double *part;
@@ -344,10 +367,16 @@ static void step_items(void *arg, int64_t a, int64_t b) {
         const int64_t r = it->a - c->lo, n = it->b - it->a;
         const float decay = c->params[it->p].decay ? c->wdecay : 1.0f;
         double *part = c->part + 3 * q;
-        if (c->zero_grad)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, n, &c->k, decay, 1, &part[1], &part[2]);
+        uint16_t *w16 = c->w16 ? c->w16 + r : NULL;
+        /* four copies of the loop: clearing the gradient and writing the shadow decided outside it */
+        if (c->zero_grad && w16)
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 1, 1, &part[1], &part[2]);
+        else if (c->zero_grad)
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 1, 0, &part[1], &part[2]);
+        else if (w16)
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 0, 1, &part[1], &part[2]);
         else
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, n, &c->k, decay, 0, &part[1], &part[2]);
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 0, 0, &part[1], &part[2]);
     }
 }
 
@@ -357,8 +386,9 @@ static void step_items(void *arg, int64_t a, int64_t b) {
  * draw. Sums into *usq, *psq (added). */
 static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restrict w, float *restrict g,
                                                                    uint16_t *restrict mm, uint16_t *restrict vv,
-                                                                   int64_t n, const adam_k *k, float decay,
-                                                                   int zero_grad, uint32_t c0, uint32_t k0,
+                                                                   uint16_t *restrict w16, int64_t n,
+                                                                   const adam_k *k, float decay, int zero_grad,
+                                                                   int shadow, uint32_t c0, uint32_t k0,
                                                                    uint32_t k1, double *usq, double *psq) {
     const float b1 = k->b1, b2 = k->b2, omb1 = k->omb1, omb2 = k->omb2, ss = k->step_size, ib = k->inv_bc2_sqrt,
                 eps = k->eps, gs = k->gs;
@@ -419,6 +449,15 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
             _mm256_storeu_si256((__m256i *)(mm + j), _mm512_cvtepi32_epi16(hm));
             _mm256_storeu_si256((__m256i *)(vv + j), _mm512_cvtepi32_epi16(hv));
             _mm512_storeu_ps(w + j, wj);
+            if (shadow) { /* shadow_round on 16 lanes (matmul.c's bf16_round16) */
+                const __m512i u = _mm512_castps_si512(wj);
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                __m512i rn = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+                const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                               _mm512_set1_epi32(0x7f800000));
+                rn = _mm512_mask_mov_epi32(rn, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+                _mm256_storeu_si256((__m256i *)(w16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rn, 16)));
+            }
             const __m512 d = _mm512_sub_ps(wj, w0);
             vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
             vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
@@ -439,6 +478,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
         const uint32_t r = sr_mix(sr_mix((c0 + (uint32_t)(J)) ^ k0) ^ k1);                         \
         mm[J] = tera_bf16_stochastic(mj, r & 0xFFFFu), vv[J] = tera_bf16_stochastic(vj, r >> 16);  \
         w[J] = wj;                                                                                 \
+        if (shadow) w16[J] = shadow_round(wj);                                                     \
         ua[L] += (wj - w0) * (wj - w0);                                                            \
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \
@@ -455,6 +495,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
 typedef struct {
     float *w, *g;
     uint16_t *m, *v; /* the range [lo, hi)'s bf16 moments */
+    uint16_t *w16;   /* the range's bf16 weight shadow, NULL: none */
     const optim_item *it;
     const tera_param *params;
     double *part;
@@ -493,12 +534,15 @@ static void step_items_bf16(void *arg, int64_t a, int64_t b) {
             if (to_wrap < n) n = to_wrap;
             const uint64_t kk = sr_run_key(c->key, it->p, e);
             const int64_t r0 = tp->offset + j - c->lo;
-            if (c->zero_grad)
-                adamw_chunk_bf16(c->w + r0, c->g + r0, c->m + r0, c->v + r0, n, &c->k, decay, 1, (uint32_t)e,
-                                 (uint32_t)kk, (uint32_t)(kk >> 32), &part[1], &part[2]);
-            else
-                adamw_chunk_bf16(c->w + r0, c->g + r0, c->m + r0, c->v + r0, n, &c->k, decay, 0, (uint32_t)e,
-                                 (uint32_t)kk, (uint32_t)(kk >> 32), &part[1], &part[2]);
+            uint16_t *w16 = c->w16 ? c->w16 + r0 : NULL;
+#define CHUNK16(ZG, SH)                                                                            \
+    adamw_chunk_bf16(c->w + r0, c->g + r0, c->m + r0, c->v + r0, w16, n, &c->k, decay, ZG, SH, (uint32_t)e, \
+                     (uint32_t)kk, (uint32_t)(kk >> 32), &part[1], &part[2])
+            if (c->zero_grad && w16) CHUNK16(1, 1);
+            else if (c->zero_grad) CHUNK16(1, 0);
+            else if (w16) CHUNK16(0, 1);
+            else CHUNK16(0, 0);
+#undef CHUNK16
             j += n;
         }
     }
@@ -522,13 +566,13 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
     double *part = P->part;
     if (o->mh) {
         step16_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->mh, .v = o->vh,
-                          .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
+                          .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
                           .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad,
                           .key = tera_moment_key(o->sr_seed, o->t)};
         for_items(m->be, P->n_items, step_items_bf16, &ctx);
     } else {
         step_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->m, .v = o->v,
-                        .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
+                        .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
                         .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad};
         for_items(m->be, P->n_items, step_items, &ctx);
     }

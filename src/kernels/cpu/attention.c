@@ -1,5 +1,9 @@
 /* Causal grouped-query attention, tiled flash-style (FlashAttention-2 schedule) on the CPU.
  *
+ * fp32 runs the AVX-512 kernels at the end of this file where the compiler targets AVX-512
+ * ("fp32 on AVX-512": register-blocked products, transposed scores, no masked blocks computed);
+ * the sgemm kernels described here are the path of other builds and of TERA_ATTN_FP32=sgemm.
+ *
  * Forward: for each (b, h, query tile) the key tiles up to the diagonal are visited in order;
  * S = Q K^T * scale and O += P V are oneDNN sgemm calls reading q/k/v in place through their row
  * strides (H*hd, Hkv*hd), so nothing is transposed or copied. The softmax is online: running row
@@ -10,8 +14,10 @@
  * thread owns a kv head's dK/dV and the dQ of its whole query-head group, so GQA needs no atomics
  * and every output element is reduced in a fixed order: bit-identical results for any thread count.
  *
- * Memory: per thread two TILE x TILE blocks (+ 2 TILE floats); the backward also keeps
- * D = rowsum(dO * O) for all rows, B*H*T floats. Never a T x T matrix.
+ * Memory: per thread two TILE x TILE blocks (+ 2 TILE floats; the AVX-512 path's per-thread block
+ * is larger, a bounded key chunk, see attn_thread_floats); the backward also keeps
+ * D = rowsum(dO * O) for all rows, B*H*T floats. Never a T x T matrix, nothing per thread that
+ * grows with T.
  *
  * Inside the OpenMP region each sgemm runs single-threaded (nested parallelism is off).
  * The kernels run omp_get_max_threads() threads, so the scratch must be sized (by
@@ -67,12 +73,40 @@ static void row_exp_sub(float *restrict x, int n, float m) {
 
 static int n_tiles(int T) { return (T + ATTN_TILE - 1) / ATTN_TILE; }
 
+/* Tile edge of the AVX-512 fp32 kernels (query rows and keys; four vectors of 16 rows). */
+#define FT 64
+/* Per-thread scratch of either fp32 path: the sgemm path's blocks, or the AVX-512 path's packed
+ * Q^T and dO^T tiles [hd, FT], S^T / P^T and dS^T tiles [FT, FT], row vectors, dense row tiles
+ * [FT, hdp] (Q, dO, dQ or O) and one key chunk's dense rows (K, V; dK, dV in the backward);
+ * hdp = hd rounded up to 16. */
+static size_t attn_hdp(int hd) { return ((size_t)hd + 15) & ~(size_t)15; }
+/* A key chunk's K, V, dK, dV rows (the backward; the forward uses K, V), in floats: 512 KiB, so
+ * 512 keys at hd = 64 (bench-m's whole sequence: K and V copied once per head), 256 at hd = 128.
+ * A chunk's rows are dense copies: read in place, H*hd-float strides (a power of two) alias in the
+ * caches. Results do not depend on it (-DATTN_CHUNK_FLOATS=16384 gave the same bits). */
+#ifndef ATTN_CHUNK_FLOATS
+#define ATTN_CHUNK_FLOATS 131072
+#endif
+static int attn_key_chunk(int hd) { /* key tiles per chunk, at least one */
+    const size_t n = ATTN_CHUNK_FLOATS / (4 * (size_t)FT * attn_hdp(hd));
+    return n > 0 ? (int)n : 1;
+}
+static size_t attn_thread_floats(int hd) {
+    const size_t fwd = (size_t)hd * FT + (size_t)FT * FT + 3 * (size_t)FT + (size_t)FT * attn_hdp(hd) +
+                       2 * (size_t)attn_key_chunk(hd) * FT * attn_hdp(hd);
+    const size_t bwd = 2 * (size_t)hd * FT + 2 * (size_t)FT * FT + 3 * (size_t)FT * attn_hdp(hd) +
+                       4 * (size_t)attn_key_chunk(hd) * FT * attn_hdp(hd);
+    const size_t f = fwd > bwd ? fwd : bwd;
+    return f > ATTN_THREAD_FLOATS ? f : ATTN_THREAD_FLOATS;
+}
+
 size_t tera_attention_scratch_floats(int B, int T, int H, int Hkv, int hd) {
     /* the per-thread blocks for omp_get_max_threads() threads, then D[B,H,T] for the backward;
-     * the head counts and width do not enter (the output accumulates in place) */
-    (void)Hkv, (void)hd;
-    return (size_t)omp_get_max_threads() * ATTN_THREAD_FLOATS + (size_t)B * H * T;
+     * the output accumulates in place */
+    (void)Hkv;
+    return (size_t)omp_get_max_threads() * attn_thread_floats(hd) + (size_t)B * H * T;
 }
+
 
 /* One (b, h, query tile): out rows [t0, t0+nq) of head h and their lse. */
 static void forward_tile(float *out, float *lse, const float *q, const float *k, const float *v, int b,
@@ -130,8 +164,8 @@ static void forward_tile(float *out, float *lse, const float *q, const float *k,
     }
 }
 
-void tera_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
-                            int B, int T, int H, int Hkv, int hd, float *scratch) {
+static void attention_forward_sgemm(float *out, float *lse, const float *q, const float *k, const float *v,
+                                   int B, int T, int H, int Hkv, int hd, float *scratch) {
     TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
                  "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
     if (B == 0 || T == 0) return;
@@ -144,7 +178,7 @@ void tera_attention_forward(float *out, float *lse, const float *q, const float 
     for (int64_t task = 0; task < ntask; task++) {
         const int qt = nt - 1 - (int)(task / ((int64_t)B * H));
         const int bh = (int)(task % ((int64_t)B * H));
-        float *ws = scratch + (size_t)omp_get_thread_num() * ATTN_THREAD_FLOATS;
+        float *ws = scratch + (size_t)omp_get_thread_num() * attn_thread_floats(hd);
         forward_tile(out, lse, q, k, v, bh / H, bh % H, qt, T, H, Hkv, hd, ws);
     }
 }
@@ -207,14 +241,14 @@ static void backward_group(float *dq, float *dk, float *dv, const float *dout, c
     }
 }
 
-void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
-                             const float *k, const float *v, const float *out, const float *lse,
-                             int B, int T, int H, int Hkv, int hd, float *scratch) {
+static void attention_backward_sgemm(float *dq, float *dk, float *dv, const float *dout, const float *q,
+                                    const float *k, const float *v, const float *out, const float *lse,
+                                    int B, int T, int H, int Hkv, int hd, float *scratch) {
     TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
                  "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
     if (B == 0 || T == 0) return;
     const int nthr = omp_get_max_threads();
-    float *D = scratch + (size_t)nthr * ATTN_THREAD_FLOATS; /* [B,H,T] */
+    float *D = scratch + (size_t)nthr * attn_thread_floats(hd); /* [B,H,T] */
     const int64_t ld = (int64_t)H * hd;
     const int64_t nrow = (int64_t)B * T;
 #pragma omp parallel num_threads(nthr)
@@ -231,7 +265,7 @@ void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                 D[((int64_t)b * H + h) * T + t] = (float)s;
             }
         }
-        float *ws = scratch + (size_t)omp_get_thread_num() * ATTN_THREAD_FLOATS;
+        float *ws = scratch + (size_t)omp_get_thread_num() * attn_thread_floats(hd);
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < B * Hkv; task++)
             backward_group(dq, dk, dv, dout, q, k, v, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws);
@@ -327,6 +361,11 @@ static float exp_row_bf16(uint16_t *restrict p16, float *restrict x, int n, int 
         const int left = n - c;
         const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
         const __mmask16 in = nk - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nk - c)) - 1);
+        if (!live) { /* masked (above the diagonal): zeros, no exponentials */
+            _mm512_mask_storeu_ps(x + c, in, _mm512_setzero_ps());
+            _mm256_mask_storeu_epi16(p16 + c, in, _mm256_setzero_si256());
+            continue;
+        }
         const __m512 e = _mm512_maskz_mov_ps(live, vexp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, x + c), vs, vm)));
         acc = _mm512_add_ps(acc, e);
         _mm512_mask_storeu_ps(x + c, in, e);
@@ -538,7 +577,11 @@ int tera_attention_bf16_available(void) {
 }
 
 size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd) {
-    return bf_layout_of(B, T, H, Hkv, hd, omp_get_max_threads()).total;
+    /* also enough for the fp32 kernels, which run where the bf16 ones cannot (and, given this
+     * scratch, in tests) */
+    const size_t n = bf_layout_of(B, T, H, Hkv, hd, omp_get_max_threads()).total;
+    const size_t f = tera_attention_scratch_floats(B, T, H, Hkv, hd);
+    return n > f ? n : f;
 }
 
 #if HAVE_BF16_ATTENTION
@@ -745,4 +788,461 @@ void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *
 #else
     tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
 #endif
+}
+
+/* ------------------------------------------------------------------ fp32 on AVX-512
+ *
+ * The schedules of the sgemm path (forward: tasks of (b, h) or (b, h, query tile); backward: one
+ * per (b, kv head)) with FT x FT tiles and every product a register-blocked AVX-512 kernel instead
+ * of an sgemm call:
+ * hd = 32 or 64 makes sgemm's per-call packing and its small K costly, and its rectangles computed
+ * the masked half of each diagonal tile. Here the diagonal tile is split into 16-row / 16-key
+ * blocks and only blocks at or below the diagonal are computed.
+ *
+ * Scores are kept transposed, S^T [keys, FT query rows]: with the query rows in the vector lanes
+ * the softmax statistics (row max, sum, lse, D) are per-lane vectors and the softmax passes are
+ * vertical (no horizontal reductions). Q (scaled by 1/sqrt(hd)) and dO are packed transposed,
+ * [hd, FT], once per query tile; K, V, Q, dO are otherwise copied to dense rows (pack_rows).
+ * Every product is one form,
+ *     out[i][l] (+)= sum_j M[i*si + j*sj] * L[j*ldl + l]     (l in the vector lanes),
+ * M broadcast from any strides, L and out rows read / written as vectors:
+ *   S^T = K Q^T, dP^T = V dO^T     (i: key, j: head dim, lanes: query rows)
+ *   O += P V, dQ += dS K           (i: query row, j: key, lanes: head dim)
+ *   dV += P^T dO, dK += dS^T Q     (i: key, j: query row, lanes: head dim)
+ * Each output element is a sum in j order, by one task: bit-identical for any thread count, and a
+ * head's results do not depend on the other heads (tensor-parallel head splits). The backward visits
+ * key chunks outer, (query head, query tile) and the chunk's key tiles inner: every dK, dV element
+ * receives its terms in (head, query tile) order, each dQ element in key tile order.
+ * TERA_ATTN_FP32=sgemm selects the sgemm kernels above (A/B timing; they are also the path of
+ * builds without AVX-512). */
+#ifdef ATTN_AVX512
+#define MK_INLINE static inline __attribute__((always_inline))
+
+/* NR rows of out (stride ldo) x NV vectors of lanes (the last masked by `last`); acc: add to out */
+MK_INLINE void mk_body(const int NV, const int NR, int J, const float *restrict M, int64_t si, int64_t sj,
+                       const float *restrict L, int64_t ldl, float *restrict O, int64_t ldo, int acc,
+                       __mmask16 last) {
+    __m512 a[16][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            a[r][v] = acc ? _mm512_maskz_loadu_ps(v == NV - 1 ? last : (__mmask16)0xffff, O + r * ldo + 16 * v)
+                          : _mm512_setzero_ps();
+    for (int j = 0; j < J; j++) {
+        const float *restrict Lj = L + (int64_t)j * ldl;
+        const float *restrict Mj = M + (int64_t)j * sj;
+        __m512 l[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            l[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : (__mmask16)0xffff, Lj + 16 * v);
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) {
+            const __m512 b = _mm512_set1_ps(Mj[r * si]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) a[r][v] = _mm512_fmadd_ps(b, l[v], a[r][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            _mm512_mask_storeu_ps(O + r * ldo + 16 * v, v == NV - 1 ? last : (__mmask16)0xffff, a[r][v]);
+}
+
+#define MK_DEF(NV, NR)                                                                                        \
+    static void mk_##NV##_##NR(int J, const float *M, int64_t si, int64_t sj, const float *L, int64_t ldl,    \
+                               float *O, int64_t ldo, int acc, __mmask16 last) {                             \
+        mk_body(NV, NR, J, M, si, sj, L, ldl, O, ldo, acc, last);                                            \
+    }
+MK_DEF(4, 4)
+MK_DEF(3, 4)
+MK_DEF(2, 8)
+MK_DEF(1, 16)
+MK_DEF(4, 1)
+MK_DEF(3, 1)
+MK_DEF(2, 1)
+MK_DEF(1, 1)
+
+/* out[i*ldo + l] (+)= sum_{j<J} M[i*si + j*sj] * L[j*ldl + l] for i < I, l < nl */
+static void mk(int I, int J, int nl, const float *M, int64_t si, int64_t sj, const float *L, int64_t ldl, float *O,
+               int64_t ldo, int acc) {
+    for (int l0 = 0; l0 < nl; l0 += 64) {
+        const int w = nl - l0 < 64 ? nl - l0 : 64;
+        const int nv = (w + 15) / 16;
+        const __mmask16 last = (w & 15) ? (__mmask16)((1u << (w & 15)) - 1) : (__mmask16)0xffff;
+        const int nr = nv >= 3 ? 4 : nv == 2 ? 8 : 16;
+        const float *Ll = L + l0;
+        float *Ol = O + l0;
+        int i = 0;
+        for (; i + nr <= I; i += nr) {
+            const float *Mi = M + (int64_t)i * si;
+            float *Oi = Ol + (int64_t)i * ldo;
+            switch (nv) {
+            case 4: mk_4_4(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            case 3: mk_3_4(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            case 2: mk_2_8(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            default: mk_1_16(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            }
+        }
+        for (; i < I; i++) {
+            const float *Mi = M + (int64_t)i * si;
+            float *Oi = Ol + (int64_t)i * ldo;
+            switch (nv) {
+            case 4: mk_4_1(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            case 3: mk_3_1(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            case 2: mk_2_1(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            default: mk_1_1(J, Mi, si, sj, Ll, ldl, Oi, ldo, acc, last); break;
+            }
+        }
+    }
+}
+
+static inline __mmask16 lanes_mask(int n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i+k], 128-bit lane L: column 4L+k of rows 4i..4i+3 */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        const __m512 c = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_f32x4(a, b, 0x88);
+        t[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+        t[4 + k] = _mm512_shuffle_f32x4(c, d, 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(c, d, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Xt[d*FT + r] = mul * x[r*ld + d] for r < n, 0 for n <= r < FT (d < hd) */
+static void pack_t(float *restrict Xt, const float *restrict x, int64_t ld, int n, int hd, float mul) {
+    const __m512 vm = _mm512_set1_ps(mul);
+    for (int r0 = 0; r0 < FT; r0 += 16)
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            const __mmask16 cols = lanes_mask(hd - d0);
+            __m512 blk[16];
+            for (int i = 0; i < 16; i++)
+                blk[i] = r0 + i < n ? _mm512_mul_ps(vm, _mm512_maskz_loadu_ps(cols, x + (int64_t)(r0 + i) * ld + d0))
+                                    : _mm512_setzero_ps();
+            transpose16(blk);
+            for (int c = 0; c < 16 && d0 + c < hd; c++) _mm512_storeu_ps(Xt + (int64_t)(d0 + c) * FT + r0, blk[c]);
+        }
+}
+
+/* dense rows: X[r*hdp + d] = x[r*ld + d] for r < n, d < hd. Tiles read in place through a row
+ * stride of H*hd floats (a power of two in every model config) map to a few L1 sets and evict each
+ * other; dense copies do not. */
+static void pack_rows(float *restrict X, const float *restrict x, int64_t ld, int n, int hd, int64_t hdp) {
+    for (int r = 0; r < n; r++)
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            const __mmask16 cols = lanes_mask(hd - d0);
+            _mm512_mask_storeu_ps(X + r * hdp + d0, cols, _mm512_maskz_loadu_ps(cols, x + r * ld + d0));
+        }
+}
+
+/* St[c*FT + r] = sum_d A[c*lda + d] * Bt[d*FT + r] for keys c < nk; on the diagonal tile (diag) key
+ * block [c0, c0+16) only for rows r >= c0 (its lanes below c0 are all masked and left unwritten) */
+static void scores_t(float *St, const float *A, int64_t lda, const float *Bt, int nk, int hd, int diag) {
+    if (!diag) {
+        mk(nk, hd, FT, A, lda, 1, Bt, FT, St, FT, 0);
+        return;
+    }
+    for (int c0 = 0; c0 < nk; c0 += 16)
+        mk(nk - c0 < 16 ? nk - c0 : 16, hd, FT - c0, A + (int64_t)c0 * lda, lda, 1, Bt + c0, FT,
+           St + (int64_t)c0 * FT + c0, FT, 0);
+}
+
+/* out rows r < nq (stride ldo, lanes hd) (+)= sum_c Pt[c*FT + r] * X[c*ldx + d] over keys c < nk (on
+ * the diagonal, c <= r: 16-row blocks stop at their last row) */
+static void rows_by_keys(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
+                         int hd, int diag, int acc) {
+    if (!diag) {
+        mk(nq, nk, hd, Pt, 1, FT, X, ldx, out, ldo, acc);
+        return;
+    }
+    for (int r0 = 0; r0 < nq; r0 += 16)
+        mk(nq - r0 < 16 ? nq - r0 : 16, nk < r0 + 16 ? nk : r0 + 16, hd, Pt + r0, 1, FT, X, ldx,
+           out + (int64_t)r0 * ldo, ldo, acc);
+}
+
+/* out rows c < nk (stride ldo, lanes hd) += sum_r Pt[c*FT + r] * X[r*ldx + d] over rows r < nq (on
+ * the diagonal, r >= c: 16-key blocks start at their first key) */
+static void keys_by_rows(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
+                         int hd, int diag) {
+    if (!diag) {
+        mk(nk, nq, hd, Pt, FT, 1, X, ldx, out, ldo, 1);
+        return;
+    }
+    for (int c0 = 0; c0 < nk; c0 += 16)
+        mk(nk - c0 < 16 ? nk - c0 : 16, nq - c0, hd, Pt + (int64_t)c0 * FT + c0, FT, 1, X + (int64_t)c0 * ldx, ldx,
+           out + (int64_t)c0 * ldo, ldo, 1);
+}
+
+/* lanes of row group g (rows 16g..16g+15) that key c may see: all, or on the diagonal r >= c */
+static inline __mmask16 causal_mask(int c, int g, int diag) {
+    const int s = c - 16 * g;
+    return !diag || s <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << s);
+}
+
+/* Query tiles [qa, qb) of (b, h): out rows and their lse. Key tiles are visited in chunks (K, V of a
+ * chunk copied to dense rows once, for all the span's query tiles); between chunks a query tile's
+ * state is kept exactly: O unnormalised in out, the running max in lse, the running sum in lsum
+ * ([T], this head's row of the scratch's D block, which the forward does not otherwise use). So
+ * neither the span nor the chunk size changes a bit: a span of one tile (many threads) and of all
+ * (few threads) give the same results. */
+static void forward_span_avx512(float *out, float *lse, float *lsum, const float *q, const float *k, const float *v,
+                                int b, int h, int qa, int qb, int T, int H, int Hkv, int hd, float *ws) {
+    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
+    const int kvh = h / (H / Hkv);
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int64_t hdp = (int64_t)attn_hdp(hd);
+    const int kch = attn_key_chunk(hd);
+    float *Qt = ws;                                      /* [hd, FT] scale * Q^T */
+    float *St = Qt + (size_t)hd * FT;                    /* [FT keys, FT rows] S^T, then P^T */
+    float *m = St + FT * FT, *l = m + FT, *al = l + FT;  /* [FT] running max, sum, rescale */
+    float *Op = al + FT;                                 /* [FT, hdp] O of the query tile */
+    float *Kc = Op + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp; /* [kch*FT, hdp] the chunk's K, V */
+    float *lse_h = lse + ((int64_t)b * H + h) * T;
+    for (int kc0 = 0; kc0 < qb; kc0 += kch) {
+        const int kc1 = kc0 + kch < qb ? kc0 + kch : qb; /* no key tile beyond the last query tile */
+        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0;
+        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
+        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
+        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
+        for (int qt = qa > kc0 ? qa : kc0; qt < qb; qt++) {
+            const int t0 = qt * FT;
+            const int nq = T - t0 < FT ? T - t0 : FT;
+            float *oi = out + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
+            pack_t(Qt, q + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd, ldq, nq, hd, scale);
+            for (int g = 0; g < FT / 16; g++) { /* pad rows (r >= nq) start afresh in every chunk */
+                const __mmask16 rows = lanes_mask(nq - 16 * g);
+                _mm512_storeu_ps(m + 16 * g, kc0 == 0 ? _mm512_set1_ps(-INFINITY)
+                                                      : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), rows, lse_h + t0 + 16 * g));
+                _mm512_storeu_ps(l + 16 * g, kc0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(rows, lsum + t0 + 16 * g));
+            }
+            if (kc0 > 0) pack_rows(Op, oi, ldq, nq, hd, hdp);
+            const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
+            for (int kt = kc0; kt <= kend; kt++) {
+                const int s0 = kt * FT;
+                const int nk = T - s0 < FT ? T - s0 : FT;
+                const int diag = kt == qt;
+                const float *Kp = Kc + (int64_t)(s0 - c0) * hdp, *Vp = Vc + (int64_t)(s0 - c0) * hdp;
+                scores_t(St, Kp, hdp, Qt, nk, hd, diag);
+                /* online softmax, 16 rows a vector; pad rows see every key of the tile: finite */
+                for (int g = 0; g < FT / 16; g++) {
+                    const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
+                    __m512 mt = _mm512_set1_ps(-INFINITY);
+                    for (int c = 0; c < cend; c++)
+                        mt = _mm512_mask_max_ps(mt, causal_mask(c, g, diag), mt, _mm512_loadu_ps(St + (int64_t)c * FT + 16 * g));
+                    const __m512 mo = _mm512_loadu_ps(m + 16 * g);
+                    const __m512 mn = _mm512_max_ps(mo, mt);
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int c = 0; c < cend; c++) {
+                        float *p = St + (int64_t)c * FT + 16 * g;
+                        const __m512 e = _mm512_maskz_mov_ps(causal_mask(c, g, diag), vexp16(_mm512_sub_ps(_mm512_loadu_ps(p), mn)));
+                        _mm512_storeu_ps(p, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+                    const __m512 alpha = vexp16(_mm512_sub_ps(mo, mn)); /* 0 at the first tile (mo = -inf) */
+                    _mm512_storeu_ps(m + 16 * g, mn);
+                    _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), alpha, sum));
+                    _mm512_storeu_ps(al + 16 * g, alpha);
+                }
+                if (kt > 0)
+                    for (int r = 0; r < nq; r++)
+                        if (al[r] != 1.0f) {
+                            float *restrict o = Op + (int64_t)r * hdp;
+                            for (int d = 0; d < hd; d++) o[d] *= al[r];
+                        }
+                rows_by_keys(Op, hdp, St, Vp, hdp, nq, nk, hd, diag, kt > 0); /* O (+)= P V_j */
+            }
+            if (kend == qt) { /* the query tile's last key tile: normalise */
+                for (int r = 0; r < nq; r++) {
+                    const float inv = 1.0f / l[r];
+                    const float *restrict o = Op + (int64_t)r * hdp;
+                    float *restrict y = oi + (int64_t)r * ldq;
+                    for (int d = 0; d < hd; d++) y[d] = o[d] * inv;
+                    lse_h[t0 + r] = m[r] + logf(l[r]);
+                }
+            } else { /* keep the state for the next chunk */
+                for (int r = 0; r < nq; r++) memcpy(oi + (int64_t)r * ldq, Op + (int64_t)r * hdp, sizeof(float) * (size_t)hd);
+                memcpy(lse_h + t0, m, sizeof(float) * (size_t)nq);
+                memcpy(lsum + t0, l, sizeof(float) * (size_t)nq);
+            }
+        }
+    }
+}
+
+static void backward_group_avx512(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                  const float *v, const float *lse, const float *D, int b, int kvh, int T, int H,
+                                  int Hkv, int hd, float *ws) {
+    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
+    const int rep = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int nt = (T + FT - 1) / FT;
+    const int64_t hdp = (int64_t)attn_hdp(hd);
+    const int kch = attn_key_chunk(hd); /* key tiles per chunk */
+    float *Qt = ws, *dOt = Qt + (size_t)hd * FT; /* [hd, FT] scale * Q^T, dO^T */
+    float *Pt = dOt + (size_t)hd * FT;           /* [FT keys, FT rows] S^T, then P^T */
+    float *dSt = Pt + FT * FT;                   /* [FT keys, FT rows] dP^T, then scale * dS^T */
+    float *Qp = dSt + FT * FT, *dOp = Qp + FT * hdp, *dQp = dOp + FT * hdp; /* [FT, hdp] Q_i, dO_i, dQ_i */
+    float *Kc = dQp + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp;         /* [kch*FT, hdp] the chunk's */
+    float *dKc = Vc + (int64_t)kch * FT * hdp, *dVc = dKc + (int64_t)kch * FT * hdp; /* K, V, dK, dV */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* key tiles in chunks [kc0, kc1): K, V and the dK, dV accumulators of a chunk are dense rows; every
+     * dK, dV element gets its terms in (head, query tile) order, every dQ element in key order, so the
+     * chunk size does not change a bit */
+    for (int kc0 = 0; kc0 < nt; kc0 += kch) {
+        const int kc1 = kc0 + kch < nt ? kc0 + kch : nt;
+        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0; /* keys of the chunk */
+        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
+        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
+        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
+        memset(dKc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
+        memset(dVc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
+        for (int hh = 0; hh < rep; hh++) {
+            const int h = kvh * rep + hh;
+            for (int qt = kc0; qt < nt; qt++) {
+                const int t0 = qt * FT;
+                const int nq = T - t0 < FT ? T - t0 : FT;
+                const int64_t qoff = ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
+                const float *qi = q + qoff, *doi = dout + qoff;
+                const float *lse_i = lse + ((int64_t)b * H + h) * T + t0;
+                const float *D_i = D + ((int64_t)b * H + h) * T + t0;
+                pack_t(Qt, qi, ldq, nq, hd, scale);
+                pack_t(dOt, doi, ldq, nq, hd, 1.0f);
+                pack_rows(Qp, qi, ldq, nq, hd, hdp);
+                pack_rows(dOp, doi, ldq, nq, hd, hdp);
+                if (kc0 == 0)
+                    memset(dQp, 0, sizeof(float) * (size_t)nq * (size_t)hdp);
+                else
+                    pack_rows(dQp, dq + qoff, ldq, nq, hd, hdp); /* the sum so far */
+                const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
+                for (int kt = kc0; kt <= kend; kt++) {
+                    const int s0 = kt * FT;
+                    const int nk = T - s0 < FT ? T - s0 : FT;
+                    const int diag = kt == qt;
+                    const int64_t co = (int64_t)(s0 - c0) * hdp; /* the tile's rows in the chunk */
+                    const float *Kp = Kc + co, *Vp = Vc + co;
+                    scores_t(Pt, Kp, hdp, Qt, nk, hd, diag);
+                    scores_t(dSt, Vp, hdp, dOt, nk, hd, diag); /* dP^T = V_j dO_i^T */
+                    for (int g = 0; g < FT / 16; g++) {
+                        const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
+                        const int live = nq - 16 * g; /* rows of the group that exist */
+                        if (live <= 0) break;
+                        const __mmask16 rows = lanes_mask(live);
+                        const __m512 lv = _mm512_maskz_loadu_ps(rows, lse_i + 16 * g);
+                        const __m512 Dv = _mm512_maskz_loadu_ps(rows, D_i + 16 * g);
+                        for (int c = 0; c < cend; c++) {
+                            float *p = Pt + (int64_t)c * FT + 16 * g, *ds = dSt + (int64_t)c * FT + 16 * g;
+                            /* P = exp(S - lse), 0 where masked; dS = scale * P * (dP - D) */
+                            const __m512 e = _mm512_maskz_mov_ps(causal_mask(c, g, diag) & rows,
+                                                                 vexp16(_mm512_sub_ps(_mm512_loadu_ps(p), lv)));
+                            _mm512_storeu_ps(p, e);
+                            _mm512_storeu_ps(ds, _mm512_mul_ps(vscale, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(ds), Dv))));
+                        }
+                    }
+                    keys_by_rows(dVc + co, hdp, Pt, dOp, hdp, nq, nk, hd, diag); /* dV_j += P^T dO_i */
+                    keys_by_rows(dKc + co, hdp, dSt, Qp, hdp, nq, nk, hd, diag); /* dK_j += dS^T Q_i */
+                    rows_by_keys(dQp, hdp, dSt, Kp, hdp, nq, nk, hd, diag, 1);  /* dQ_i += dS K_j */
+                }
+                for (int r = 0; r < nq; r++) memcpy(dq + qoff + r * ldq, dQp + r * hdp, sizeof(float) * (size_t)hd);
+            }
+        }
+        for (int r = 0; r < nkc; r++) {
+            memcpy(dk + koff + r * ldk, dKc + r * hdp, sizeof(float) * (size_t)hd);
+            memcpy(dv + koff + r * ldk, dVc + r * hdp, sizeof(float) * (size_t)hd);
+        }
+    }
+}
+
+static int attn_fp32_sgemm(void) {
+    static int on = -1; /* TERA_ATTN_FP32=sgemm: the sgemm kernels (A/B timing) */
+    if (on < 0) {
+        const char *e = getenv("TERA_ATTN_FP32");
+        on = e && !strcmp(e, "sgemm");
+    }
+    return on;
+}
+
+/* D[b,h,t] = sum_d dO * O for the row (b, t) (double accumulation, fixed order) */
+static void attention_d_row(float *D, const float *out, const float *dout, int64_t row, int T, int H, int hd) {
+    const int64_t ld = (int64_t)H * hd;
+    const int b = (int)(row / T), t = (int)(row % T);
+    for (int h = 0; h < H; h++) {
+        const float *o = out + row * ld + (int64_t)h * hd;
+        const float *g = dout + row * ld + (int64_t)h * hd;
+        double s = 0.0;
+        for (int d = 0; d < hd; d++) s += (double)o[d] * g[d];
+        D[((int64_t)b * H + h) * T + t] = (float)s;
+    }
+}
+#endif
+
+void tera_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                            int H, int Hkv, int hd, float *scratch) {
+#ifdef ATTN_AVX512
+    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
+                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    if (!attn_fp32_sgemm()) {
+        if (B == 0 || T == 0) return;
+        const int nt = (T + FT - 1) / FT;
+        const int nthr = omp_get_max_threads();
+        const size_t per = attn_thread_floats(hd);
+        float *lsum = scratch + (size_t)nthr * per; /* [B,H,T], the backward's D block */
+        /* one task per head when there are enough heads for the threads (K, V copied once per key
+         * chunk for all query tiles), else one per (head, query tile), the longest (last) first:
+         * the same results either way, each output row written by one task */
+        const int per_head = (int64_t)B * H >= 4 * (int64_t)nthr;
+        const int64_t ntask = (int64_t)B * H * (per_head ? 1 : nt);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr)
+        for (int64_t task = 0; task < ntask; task++) {
+            const int qt = per_head ? 0 : nt - 1 - (int)(task / ((int64_t)B * H));
+            const int bh = (int)(task % ((int64_t)B * H));
+            forward_span_avx512(out, lse, lsum + (int64_t)bh * T, q, k, v, bh / H, bh % H, qt, per_head ? nt : qt + 1, T,
+                                H, Hkv, hd, scratch + (size_t)omp_get_thread_num() * per);
+        }
+        return;
+    }
+#endif
+    attention_forward_sgemm(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+}
+
+void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                             const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd,
+                             float *scratch) {
+#ifdef ATTN_AVX512
+    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
+                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    if (!attn_fp32_sgemm()) {
+        if (B == 0 || T == 0) return;
+        const int nthr = omp_get_max_threads();
+        const size_t per = attn_thread_floats(hd);
+        float *D = scratch + (size_t)nthr * per; /* [B,H,T] */
+        const int64_t nrow = (int64_t)B * T;
+#pragma omp parallel num_threads(nthr)
+        {
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < nrow; row++) attention_d_row(D, out, dout, row, T, H, hd);
+            float *ws = scratch + (size_t)omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < B * Hkv; task++)
+                backward_group_avx512(dq, dk, dv, dout, q, k, v, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws);
+        }
+        return;
+    }
+#endif
+    attention_backward_sgemm(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
 }

@@ -291,6 +291,12 @@ static void cpu_weights_begin(tera_backend *be, int changed) { tera_cpu_shadow_b
 
 static void cpu_weights_end(tera_backend *be) { tera_cpu_shadow_end(&cpu_of(be)->mm); }
 
+static uint16_t *cpu_weights_shadow_out(tera_backend *be, const float *w, int64_t n) {
+    return tera_cpu_shadow_out(&cpu_of(be)->mm, w, n);
+}
+
+static void cpu_weights_filled(tera_backend *be) { tera_cpu_shadow_filled(&cpu_of(be)->mm); }
+
 static int64_t cpu_weights_shadow_bytes(const tera_backend *be) {
     const tera_cpu_shadow *s = &((const cpu_backend *)be)->mm.shadow;
     return s->w16 ? s->n * (int64_t)sizeof(uint16_t) : 0;
@@ -363,7 +369,8 @@ tera_backend *tera_backend_cpu_create(int threads) {
     be->ctl = (tera_backend_ctl){.set_precision = cpu_set_precision, .reserve = cpu_reserve,
                                  .scratch_grows = cpu_scratch_grows, .destroy = cpu_destroy,
                                  .weights_register = cpu_weights_register, .weights_begin = cpu_weights_begin,
-                                 .weights_end = cpu_weights_end, .weights_shadow_bytes = cpu_weights_shadow_bytes};
+                                 .weights_end = cpu_weights_end, .weights_shadow_bytes = cpu_weights_shadow_bytes,
+                                 .weights_shadow_out = cpu_weights_shadow_out, .weights_filled = cpu_weights_filled};
     be->threads = tera_get_threads();
     be->impl = &c->mm;
     cpu_set_precision(be, TERA_PREC_FP32, TERA_BF16_NATIVE);

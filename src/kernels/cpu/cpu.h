@@ -27,6 +27,10 @@ typedef struct {
     int64_t epoch;      /* >= 1 */
     int active;         /* inside a window (weights_begin .. weights_end) */
     int64_t rounded;    /* elements rounded into the shadow since registration (a diagnostic) */
+    int filled;         /* weights_filled: every block current; the next window keeps them */
+    int check;          /* verify a filled shadow when the next window opens (ASan builds, TERA_BF16_SHADOW_CHECK=1) */
+    int fill;           /* weights_shadow_out hands it out (TERA_BF16_SHADOW_FILL=0: never, the lazy rounding only) */
+    int64_t filled_n;   /* windows that kept a filled shadow (a diagnostic) */
 } tera_cpu_shadow;
 
 typedef struct {
@@ -59,6 +63,9 @@ void tera_cpu_shadow_register(tera_cpu_matmul *mm, const float *w, int64_t n);
 void tera_cpu_shadow_sync(tera_cpu_matmul *mm);
 void tera_cpu_shadow_begin(tera_cpu_matmul *mm, int changed);
 void tera_cpu_shadow_end(tera_cpu_matmul *mm);
+/* ctl.weights_shadow_out / weights_filled (include/tera/backend.h) */
+uint16_t *tera_cpu_shadow_out(tera_cpu_matmul *mm, const float *w, int64_t n);
+void tera_cpu_shadow_filled(tera_cpu_matmul *mm);
 
 /* Capability probes (behind tera_backend caps). */
 int tera_cpu_bf16_fast(const char **isa_name);

@@ -1,11 +1,12 @@
 /* Matrix products through oneDNN (AVX-512 / AMX dispatch is oneDNN's).
  *
- * Two oneDNN entry points, chosen per call:
- * - the matmul primitive for large products (the LM head): faster than sgemm there, on one thread
- *   (TN 16384x512x2048: 164 vs 105 GFLOP/s) and more so on two (272 vs 110), docs/PERFORMANCE.md;
- * - dnnl_sgemm for small products and inside parallel regions (attention tiles, experts run side by
- *   side), where creating a primitive would cost more than the product.
- * Both are deterministic for a given shape and thread count.
+ * fp32 products are dnnl_sgemm calls. Their results do not depend on the thread count: oneDNN's
+ * own threading does not give that (its sgemm splits and blocks the reduction by the thread count;
+ * "Deterministic tiles" below), so tera cuts each fp32 sgemm that needs it (all under AVX2 kernels,
+ * long reductions under AVX-512) into tiles of C chosen from the shape alone and runs every tile as
+ * a single-threaded product. oneDNN's matmul primitive (faster than oneDNN's multi-threaded sgemm
+ * on the LM head's shapes: TN 16384x512x2048 272 vs 110 GFLOP/s on two threads) serves the large
+ * bf16 products, and fp32 ones only with TERA_GEMM_TILES=0 (fp32_primitive_ok).
  * The linear layers can run in bf16 or (emulated) fp16, the precision of the CPU backend's context
  * (tera_cpu_matmul, cpu.h; include/tera/backend.h) passed to every call: "Mixed precision" below. */
 #if defined(__x86_64__)
@@ -131,6 +132,21 @@ static int matmul_primitive(dnnl_data_type_t dt, int ta, int tb, int64_t M, int6
  * measured no faster than sgemm (bench-s/bench-m A/B with TERA_GEMM=sgemm). */
 static int64_t g_primitive_min_macs = 1LL << 30; /* TERA_GEMM_PRIMITIVE_MIN overrides (A/B timing) */
 
+/* TERA_GEMM_TILES=0 restores oneDNN's own threading of fp32 products (results that depend on the
+ * thread count; for A/B timing only). Read once. */
+static int g_tiles = 1;
+static int64_t g_tile_macs = 1LL << 24; /* a tile's target work (TERA_GEMM_TILE_MACS overrides, for tuning) */
+static int64_t g_tile_min = 128;        /* pieces of a dimension are at least this long, but for the last
+                                         * (TERA_GEMM_TILE_MIN overrides) */
+static pthread_once_t g_tiles_once = PTHREAD_ONCE_INIT;
+static void tiles_init(void) {
+    const char *e = getenv("TERA_GEMM_TILES");
+    g_tiles = !(e && strcmp(e, "0") == 0);
+    const char *m = getenv("TERA_GEMM_TILE_MACS"), *l = getenv("TERA_GEMM_TILE_MIN");
+    if (m && atoll(m) > 0) g_tile_macs = atoll(m);
+    if (l && atoll(l) > 0) g_tile_min = atoll(l);
+}
+
 #if HAVE_MATMUL_PRIMITIVE
 static int use_primitive(void) {
     static int use = -1; /* TERA_GEMM=sgemm forces sgemm everywhere (for A/B timing) */
@@ -142,7 +158,113 @@ static int use_primitive(void) {
     }
     return use;
 }
+
+/* Whether fp32 products may use the matmul primitive: only with TERA_GEMM_TILES=0 (oneDNN's own
+ * threading, the behaviour before the tiles; A/B timing). With the tiles (the default) every fp32
+ * product is sgemm, whole or in tiles: the primitive's numbers were measured to depend on the thread
+ * count with A transposed and a long reduction (it splits K: TN 256x64x4096 and 32x32x65536 differ
+ * at 2 threads; the LM head's weight gradient is such a product), were the same for NN/NT at 1-8
+ * threads only as measured, not by construction, and differ from sgemm's: a product of 2^30
+ * multiply-adds took the primitive outside parallel regions and sgemm inside them, so bench-m's
+ * collapsed experts (2048 x 1024 x 512) gave other numbers on 2 threads (side by side) than on 1.
+ * Measured without it, quiet machine: bench-s and bench-m steps no slower (docs/PERFORMANCE.md,
+ * "Wave 6"). */
+static int fp32_primitive_ok(void) { return !g_tiles; }
 #endif
+
+/* ------------------------------------------------------------------ deterministic tiles */
+
+/* oneDNN's sgemm gives numbers that depend on its thread count: it partitions C (and for some
+ * shapes the reduction) by the threads, and blocks K by the size of each thread's part. Measured
+ * with oneDNN 2.6, 1 thread against 2-8: under ONEDNN_MAX_CPU_ISA=AVX2 most shapes differ (even
+ * K = 8); with AVX-512 kernels NT products with K >= 896 differ at 2 threads and most shapes with
+ * K = 384 at 8. So tera cuts those fp32 sgemms (tiles_needed) into tiles of C that depend on
+ * (M, N, K) alone and runs each tile as a single-threaded sgemm: side by side outside parallel
+ * regions, one after another inside them (attention tiles, experts run side by side). The
+ * numbers are then the same
+ * on any thread count, and the same whether a product runs alone on every thread or on one thread
+ * beside others. A product whose C is too small to cut (M and N both below twice the least piece)
+ * runs on one thread, however long its reduction. fp32 products no longer take the matmul
+ * primitive (fp32_primitive_ok), so a product has the same numbers inside and outside parallel
+ * regions at any size. */
+#define TILE_MAX 16                     /* tiles per product at most (each tile packs its own operands) */
+#define TILE_K_AVX512 384               /* with AVX-512 kernels, only reductions this long are cut (below) */
+#define TILE_ALIGN 16                   /* piece lengths are multiples of this (a 64-byte line of C's row) */
+
+typedef struct {
+    char ta, tb;
+    int64_t M, N, K, lda, ldb, ldc;
+    int64_t tm, tn, gn; /* tile extents, tiles along N */
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+} gemm_tiles;
+
+static int64_t tile_extent(int64_t len, int64_t pieces) {
+    int64_t t = (len + pieces - 1) / pieces;
+    t = (t + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
+    return t < len ? t : len;
+}
+
+/* The tiles of C[M, N] for a reduction of K: as many as g_tile_macs of work each (at most TILE_MAX),
+ * cutting whichever dimension has the longer pieces first. */
+static void tile_plan(gemm_tiles *g) {
+    int64_t want = g->M * g->N * g->K / g_tile_macs;
+    if (want > TILE_MAX) want = TILE_MAX;
+    const int64_t mmax = g->M / g_tile_min > 1 ? g->M / g_tile_min : 1, nmax = g->N / g_tile_min > 1 ? g->N / g_tile_min : 1;
+    int64_t gm = 1, gn = 1;
+    while (gm * gn < want) {
+        const int can_m = gm < mmax, can_n = gn < nmax;
+        if (!can_m && !can_n) break;
+        if (can_m && (!can_n || g->M * gn >= g->N * gm))
+            gm++;
+        else
+            gn++;
+    }
+    g->tm = tile_extent(g->M, gm);
+    g->tn = tile_extent(g->N, gn);
+    g->gn = (g->N + g->tn - 1) / g->tn;
+}
+
+static void tile_run(const gemm_tiles *g, int64_t t) {
+    const int64_t i = t / g->gn * g->tm, j = t % g->gn * g->tn;
+    const int64_t m = g->M - i < g->tm ? g->M - i : g->tm, n = g->N - j < g->tn ? g->N - j : g->tn;
+    const float *a = g->ta == 'T' ? g->A + i : g->A + i * g->lda; /* op(A) rows i.. */
+    const float *b = g->tb == 'T' ? g->B + j * g->ldb : g->B + j; /* op(B) columns j.. */
+    DNNL_CHECK(dnnl_sgemm(g->ta, g->tb, m, n, g->K, g->alpha, a, g->lda, b, g->ldb, g->beta, g->C + i * g->ldc + j, g->ldc));
+}
+
+/* Whether a product needs the tiles: always under AVX2 kernels; with AVX-512 kernels only for
+ * reductions of TILE_K_AVX512 or more: shorter ones were measured to give the same numbers on 1 to 8
+ * threads (every shape of the sweep above with K <= 256 at up to 8 threads, K <= 768 at up to 4),
+ * and whole products keep AVX-512's speed and its previous numbers. */
+static int tiles_needed(int64_t K) {
+    const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return K >= TILE_K_AVX512 || (isa & dnnl_cpu_isa_avx512_core) != dnnl_cpu_isa_avx512_core;
+}
+
+/* C[M,N] = alpha op(A) op(B) + beta C as deterministic tiles (M, N, K > 0). */
+static void sgemm_tiled(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    gemm_tiles g = {.ta = ta ? 'T' : 'N', .tb = tb ? 'T' : 'N', .M = M, .N = N, .K = K, .lda = lda, .ldb = ldb,
+                    .ldc = ldc, .alpha = alpha, .beta = beta, .A = A, .B = B, .C = C};
+    tile_plan(&g);
+    const int64_t nt = (M + g.tm - 1) / g.tm * g.gn;
+    if (omp_in_parallel()) { /* oneDNN runs single-threaded inside a parallel region */
+        for (int64_t t = 0; t < nt; t++) tile_run(&g, t);
+        return;
+    }
+    const int threads = omp_get_max_threads();
+    if (nt == 1 || threads == 1) { /* one thread for oneDNN too, whatever it would choose */
+        omp_set_num_threads(1);
+        for (int64_t t = 0; t < nt; t++) tile_run(&g, t);
+        omp_set_num_threads(threads);
+        return;
+    }
+    /* an active region (at least 2 threads): every tile's sgemm runs on its own thread */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads < nt ? threads : (int)nt)
+    for (int64_t t = 0; t < nt; t++) tile_run(&g, t);
+}
 
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -153,12 +275,16 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
             for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
         return;
     }
+    pthread_once(&g_tiles_once, tiles_init);
 #if HAVE_MATMUL_PRIMITIVE
     if (use_primitive() && alpha == 1.0f && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
-        matmul_primitive(dnnl_f32, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
+        fp32_primitive_ok() && matmul_primitive(dnnl_f32, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
         return;
 #endif
-    DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
+    if (g_tiles && tiles_needed(K))
+        sgemm_tiled(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    else
+        DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
 
 /* ------------------------------------------------------------------ mixed precision */
@@ -422,6 +548,7 @@ static void shadow_free(tera_cpu_shadow *s) {
     s->w16 = NULL;
     s->stamp = NULL;
     s->nblocks = 0;
+    s->filled = 0;
 }
 
 void tera_cpu_shadow_sync(tera_cpu_matmul *mm) {
@@ -435,6 +562,15 @@ void tera_cpu_shadow_sync(tera_cpu_matmul *mm) {
     s->nblocks = (s->n + SHADOW_BLOCK - 1) / SHADOW_BLOCK;
     s->stamp = tera_calloc((size_t)s->nblocks, sizeof(int64_t)); /* 0: never rounded (epochs start at 1) */
     s->epoch++;
+    s->filled = 0;
+    const char *c = getenv("TERA_BF16_SHADOW_CHECK"); /* 1: verify every filled shadow (slow; tests) */
+#if defined(__SANITIZE_ADDRESS__)
+    s->check = !(c && strcmp(c, "0") == 0); /* on in the sanitizer builds unless turned off */
+#else
+    s->check = c && strcmp(c, "1") == 0;
+#endif
+    const char *f = getenv("TERA_BF16_SHADOW_FILL"); /* 0: the update never writes it (A/B timing) */
+    s->fill = !(f && strcmp(f, "0") == 0);
 }
 
 void tera_cpu_shadow_register(tera_cpu_matmul *mm, const float *w, int64_t n) {
@@ -447,14 +583,50 @@ void tera_cpu_shadow_register(tera_cpu_matmul *mm, const float *w, int64_t n) {
     tera_cpu_shadow_sync(mm);
 }
 
+static void shadow_verify(const tera_cpu_shadow *s);
+
 void tera_cpu_shadow_begin(tera_cpu_matmul *mm, int changed) {
     tera_cpu_shadow *s = &mm->shadow;
     TERA_ASSERTF(!omp_in_parallel(), "the weights' window opens outside parallel regions");
-    if (changed) s->epoch++; /* every block stale */
+    if (s->filled) { /* written by the optimizer's pass (weights_filled): every block current, once */
+        if (s->check) shadow_verify(s);
+        s->filled_n += changed;
+    } else if (changed) {
+        s->epoch++; /* every block stale */
+    }
+    s->filled = 0;
     s->active = 1;
 }
 
 void tera_cpu_shadow_end(tera_cpu_matmul *mm) { mm->shadow.active = 0; }
+
+/* A filled shadow against the rounding of the buffer, element by element (TERA_ASSERT on a
+ * difference): the check that nothing changed the weights between weights_filled and the window. */
+static void shadow_verify(const tera_cpu_shadow *s) {
+    int64_t bad = -1;
+#pragma omp parallel for schedule(static) reduction(max : bad)
+    for (int64_t i = 0; i < s->n; i++)
+        if (s->w16[i] != bf16_scalar(s->base[i]) && i > bad) bad = i;
+    TERA_ASSERTF(bad < 0, "bf16 weight shadow: element %lld is 0x%04x, the rounding of %a is 0x%04x (the weights "
+                 "changed between the optimizer's pass and the next forward)", (long long)bad, s->w16[bad],
+                 (double)s->base[bad], bf16_scalar(s->base[bad]));
+}
+
+uint16_t *tera_cpu_shadow_out(tera_cpu_matmul *mm, const float *w, int64_t n) {
+    tera_cpu_shadow *s = &mm->shadow;
+    if (!s->w16 || !s->fill || s->active || w != s->base || n != s->n) return NULL;
+    s->epoch++; /* the caller overwrites it: stale until weights_filled */
+    s->filled = 0;
+    return s->w16;
+}
+
+void tera_cpu_shadow_filled(tera_cpu_matmul *mm) {
+    tera_cpu_shadow *s = &mm->shadow;
+    TERA_ASSERTF(s->w16 && !s->active && !omp_in_parallel(), "weights_filled: no shadow handed out, or inside a window");
+    s->epoch++;
+    for (int64_t b = 0; b < s->nblocks; b++) s->stamp[b] = s->epoch;
+    s->filled = 1;
+}
 
 /* Block b brought to the current epoch: rounded by whichever thread claims it first, the others
  * wait until it is done. */

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# fp32 training is bit-identical on 1, 2 and 3 threads under oneDNN's AVX2 kernels
+# (ONEDNN_MAX_CPU_ISA=AVX2), its AVX-512 kernels (AVX512_CORE) and the machine's own: the step
+# records (loss, grad norm, ...) and the final weights and moments byte for byte. The tiny MoE model
+# has every product kind (attention, a dense first layer, a shared expert, 4 experts that run one
+# after another on every thread at 1 and 3 threads and side by side at 2, the LM head), and every
+# thread count of one ISA is compared with its 1-thread run (src/kernels/cpu/matmul.c, "Deterministic
+# tiles"). Usage: cli_threads.sh TERA SOURCE_DIR
+set -u
+TERA=$1
+SRC=$2
+. "$(dirname "$0")/testlib.sh"
+head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
+A=(--model.dim=32 --model.n_layers=3 --model.n_heads=4 --model.n_kv_heads=2 --model.n_experts=4 --model.ffn_dim=32
+   --model.n_shared_experts=1 --model.first_k_dense=1 --model.capacity_factor=1.25 --model.z_coef=0.001
+   --training.seq_len=32 --training.micro_batch=4 --training.warmup_steps=1 --training.steps=3
+   --training.precision=fp32 --data.path="$W/c.txt" --data.val_fraction=0.1 --logging.progress=false
+   --checkpoint.every=3)
+ck() { echo "$W/$1/checkpoints/step_00000003"; }
+for isa in AVX2 AVX512_CORE default; do
+    ok=1
+    for t in 1 2 3; do
+        if [ $isa = default ]; then
+            env -u ONEDNN_MAX_CPU_ISA "$TERA" train "${A[@]}" --training.threads=$t --logging.run_dir="$W/$isa-$t" > "$W/$isa-$t.log" 2>&1
+        else
+            ONEDNN_MAX_CPU_ISA=$isa "$TERA" train "${A[@]}" --training.threads=$t --logging.run_dir="$W/$isa-$t" > "$W/$isa-$t.log" 2>&1
+        fi || { fail "$isa, $t threads: $(grep error "$W/$isa-$t.log" | head -2)"; ok=0; continue; }
+        [ $t = 1 ] && continue
+        n=$(steps_of "$W/$isa-$t/metrics.jsonl" | wc -l)
+        if [ "$n" = 3 ] && cmp -s <(untimed "$W/$isa-1/metrics.jsonl") <(untimed "$W/$isa-$t/metrics.jsonl") \
+            && cmp -s "$(ck $isa-1)/model.safetensors" "$(ck $isa-$t)/model.safetensors" \
+            && cmp -s "$(ck $isa-1)/optimizer.safetensors" "$(ck $isa-$t)/optimizer.safetensors"; then :
+        else
+            fail "$isa: $t threads differ from 1 ($n step records; $(compare_steps "$W/$isa-1/metrics.jsonl" "$W/$isa-$t/metrics.jsonl" 0 2>&1 | head -2))"
+            ok=0
+        fi
+    done
+    [ $ok = 1 ] && pass "$isa ($(grep -o "oneDNN ISA [^)]*" "$W/$isa-1.log" | head -1)): 1, 2 and 3 threads give byte-identical step records, weights and moments"
+done
+finish cli_threads
