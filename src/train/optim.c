@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "tera/backend.h"
+#include "tera/bf16.h"
 #include "tera/ckpt.h"
 #include "tera/rng.h"
 #include "tera/train.h"
@@ -306,17 +307,9 @@ typedef struct {
 } adam_k;
 
 /* The bf16 weight shadow written by the update (tera_adamw.w16, include/tera/backend.h
- * weights_shadow_out): the products' rounding of an operand, bit for bit (src/kernels/cpu/matmul.c,
- * bf16_scalar and bf16_round16): round to nearest even on the fp32 pattern, subnormals exact, a NaN
- * kept and made quiet. tests/test_optim.c checks it against tera_round_bf16 over every high half. */
-static inline uint16_t shadow_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-uint16_t tera_adamw_shadow_round(float x) { return shadow_round(x); }
+ * weights_shadow_out) takes the products' rounding, tera_bf16_rne (include/tera/bf16.h).
+ * tests/test_optim_shadow.c checks it against tera_round_bf16 over every high half. */
+uint16_t tera_adamw_shadow_round(float x) { return tera_bf16_rne(x); }
 
 /* One item of the fused pass: w, g, mm, vv [n] (the same element range). */
 static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w, float *restrict g,
@@ -334,7 +327,7 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
         const float mj = b1 * mm[J] + omb1 * gj, vj = b2 * vv[J] + omb2 * gj * gj;                 \
         const float wj = w0 * decay - ss * mj / (sqrtf(vj) * ib + eps);                            \
         mm[J] = mj, vv[J] = vj, w[J] = wj;                                                         \
-        if (shadow) w16[J] = shadow_round(wj);                                                     \
+        if (shadow) w16[J] = tera_bf16_rne(wj);                                                     \
         ua[L] += (wj - w0) * (wj - w0);                                                            \
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \
@@ -449,15 +442,9 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
             _mm256_storeu_si256((__m256i *)(mm + j), _mm512_cvtepi32_epi16(hm));
             _mm256_storeu_si256((__m256i *)(vv + j), _mm512_cvtepi32_epi16(hv));
             _mm512_storeu_ps(w + j, wj);
-            if (shadow) { /* shadow_round on 16 lanes (matmul.c's bf16_round16) */
-                const __m512i u = _mm512_castps_si512(wj);
-                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                __m512i rn = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-                const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                               _mm512_set1_epi32(0x7f800000));
-                rn = _mm512_mask_mov_epi32(rn, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
-                _mm256_storeu_si256((__m256i *)(w16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rn, 16)));
-            }
+            if (shadow) /* tera_bf16_rne on 16 lanes */
+                _mm256_storeu_si256((__m256i *)(w16 + j),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(tera_bf16_rne16(_mm512_castps_si512(wj)), 16)));
             const __m512 d = _mm512_sub_ps(wj, w0);
             vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
             vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
@@ -478,7 +465,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
         const uint32_t r = sr_mix(sr_mix((c0 + (uint32_t)(J)) ^ k0) ^ k1);                         \
         mm[J] = tera_bf16_stochastic(mj, r & 0xFFFFu), vv[J] = tera_bf16_stochastic(vj, r >> 16);  \
         w[J] = wj;                                                                                 \
-        if (shadow) w16[J] = shadow_round(wj);                                                     \
+        if (shadow) w16[J] = tera_bf16_rne(wj);                                                     \
         ua[L] += (wj - w0) * (wj - w0);                                                            \
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \

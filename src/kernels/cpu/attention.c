@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "tera/bf16.h"
 #include "tera/kernels.h"
 #include "vmath.h"
 #include "tera/status.h"
@@ -303,14 +304,6 @@ static void attention_backward_sgemm(float *dq, float *dk, float *dv, const floa
 
 static size_t up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-/* bf16 rounding (nearest even, NaN kept quiet): the same bits as tera_round_bf16, inline so that
- * the fused row loops below vectorise. */
-static inline uint16_t bf16_rne(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
-}
 static inline float bf16_val(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
@@ -341,14 +334,9 @@ static inline __m512 vexp16(__m512 x) {
     p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
     return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
 }
-/* bf16_rne on 16 lanes, packed to 16 bits */
+/* tera_bf16_rne on 16 lanes, packed to 16 bits */
 static inline __m256i vbf16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                   _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000))), 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(tera_bf16_rne16(_mm512_castps_si512(f)), 16));
 }
 #define ATTN_AVX512 1
 #endif
@@ -380,13 +368,13 @@ static float exp_row_bf16(uint16_t *restrict p16, float *restrict x, int n, int 
             const float e = tera_vexpf(x[c + u] * scale - m);
             acc[u] += e;
             x[c + u] = e;
-            p16[c + u] = bf16_rne(e);
+            p16[c + u] = tera_bf16_rne(e);
         }
     for (int u = 0; c + u < n; u++) {
         const float e = tera_vexpf(x[c + u] * scale - m);
         acc[u] += e;
         x[c + u] = e;
-        p16[c + u] = bf16_rne(e);
+        p16[c + u] = tera_bf16_rne(e);
     }
     for (c = n; c < nk; c++) x[c] = 0.0f, p16[c] = 0;
     float sum = 0.0f;
@@ -724,7 +712,7 @@ static void backward_group_bf16(float *dq, float *dk, float *dv, const uint16_t 
                     const float *restrict Pr = P + (int64_t)r * nk, *restrict dPr = dP + (int64_t)r * nk;
                     uint16_t *restrict dSr = dS16 + (int64_t)r * nk;
                     const float Dr = D_i[r];
-                    for (int c = 0; c < nk; c++) dSr[c] = bf16_rne(scale * (Pr[c] * (dPr[c] - Dr)));
+                    for (int c = 0; c < nk; c++) dSr[c] = tera_bf16_rne(scale * (Pr[c] * (dPr[c] - Dr)));
                 }
                 bf_mm(th, 0, 0, nq, hd, nk, dS16, Kj, 1.0f, dQa + ((int64_t)hh * T + t0) * hd); /* dQ_i += dS K_j */
                 bf_mm(th, 1, 0, nk, hd, nq, dS16, Qi, 1.0f, dKa);                         /* dK_j += dS^T Q_i */

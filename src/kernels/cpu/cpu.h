@@ -26,11 +26,9 @@ typedef struct {
     int64_t nblocks;
     int64_t epoch;      /* >= 1 */
     int active;         /* inside a window (weights_begin .. weights_end) */
-    int64_t rounded;    /* elements rounded into the shadow since registration (a diagnostic) */
     int filled;         /* weights_filled: every block current; the next window keeps them */
     int check;          /* verify a filled shadow when the next window opens (ASan builds, TERA_BF16_SHADOW_CHECK=1) */
     int fill;           /* weights_shadow_out hands it out (TERA_BF16_SHADOW_FILL=0: never, the lazy rounding only) */
-    int64_t filled_n;   /* windows that kept a filled shadow (a diagnostic) */
 } tera_cpu_shadow;
 
 typedef struct {

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "tera/bf16.h"
 #include "tera/kernels.h"
 #include "tera/status.h"
 
@@ -437,14 +438,6 @@ float tera_bf16_to_float(uint16_t h) {
     return f;
 }
 
-static inline uint16_t bf16_scalar(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
 static inline float fp16_scalar(float x) {
     if (!isfinite(x)) return x;
     float a = fabsf(x);
@@ -461,28 +454,15 @@ static inline float fp16_scalar(float x) {
     return copysignf(a, x);
 }
 
-#if defined(__AVX512F__)
-/* bf16 rounding of 16 floats as 32-bit patterns whose low 16 bits are to be dropped: round to
- * nearest even on the bit pattern (exact for subnormals too, like bf16_scalar; vcvtneps2bf16 would
- * flush them), NaN kept quiet. */
-static inline __m512i bf16_round16(__m512i u) {
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                   _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
-}
-#endif
-
 static void round_bf16_range(uint16_t *d, const float *s, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
-        const __m512i r = bf16_round16(_mm512_loadu_si512((const void *)(s + i)));
+        const __m512i r = tera_bf16_rne16(_mm512_loadu_si512((const void *)(s + i)));
         _mm256_storeu_si256((__m256i *)(void *)(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 #endif
-    for (; i < n; i++) d[i] = bf16_scalar(s[i]);
+    for (; i < n; i++) d[i] = tera_bf16_rne(s[i]);
 }
 
 /* The same rounding, each result widened back to fp32 (the fma engine's operands). */
@@ -490,11 +470,11 @@ static void round_bf16f_range(float *d, const float *s, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
-        const __m512i r = bf16_round16(_mm512_loadu_si512((const void *)(s + i)));
+        const __m512i r = tera_bf16_rne16(_mm512_loadu_si512((const void *)(s + i)));
         _mm512_storeu_si512((void *)(d + i), _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
     }
 #endif
-    for (; i < n; i++) d[i] = tera_bf16_to_float(bf16_scalar(s[i]));
+    for (; i < n; i++) d[i] = tera_bf16_to_float(tera_bf16_rne(s[i]));
 }
 
 static void round_fp16_range(float *d, const float *s, int64_t n) {
@@ -590,7 +570,6 @@ void tera_cpu_shadow_begin(tera_cpu_matmul *mm, int changed) {
     TERA_ASSERTF(!omp_in_parallel(), "the weights' window opens outside parallel regions");
     if (s->filled) { /* written by the optimizer's pass (weights_filled): every block current, once */
         if (s->check) shadow_verify(s);
-        s->filled_n += changed;
     } else if (changed) {
         s->epoch++; /* every block stale */
     }
@@ -606,10 +585,10 @@ static void shadow_verify(const tera_cpu_shadow *s) {
     int64_t bad = -1;
 #pragma omp parallel for schedule(static) reduction(max : bad)
     for (int64_t i = 0; i < s->n; i++)
-        if (s->w16[i] != bf16_scalar(s->base[i]) && i > bad) bad = i;
+        if (s->w16[i] != tera_bf16_rne(s->base[i]) && i > bad) bad = i;
     TERA_ASSERTF(bad < 0, "bf16 weight shadow: element %lld is 0x%04x, the rounding of %a is 0x%04x (the weights "
                  "changed between the optimizer's pass and the next forward)", (long long)bad, s->w16[bad],
-                 (double)s->base[bad], bf16_scalar(s->base[bad]));
+                 (double)s->base[bad], tera_bf16_rne(s->base[bad]));
 }
 
 uint16_t *tera_cpu_shadow_out(tera_cpu_matmul *mm, const float *w, int64_t n) {
@@ -630,7 +609,7 @@ void tera_cpu_shadow_filled(tera_cpu_matmul *mm) {
 
 /* Block b brought to the current epoch: rounded by whichever thread claims it first, the others
  * wait until it is done. */
-static void shadow_block(tera_cpu_shadow *s, int64_t b, int64_t *rounded) {
+static void shadow_block(tera_cpu_shadow *s, int64_t b) {
     const int64_t e = s->epoch;
     int64_t st = __atomic_load_n(&s->stamp[b], __ATOMIC_ACQUIRE);
     int spins = 0;
@@ -650,7 +629,6 @@ static void shadow_block(tera_cpu_shadow *s, int64_t b, int64_t *rounded) {
         if (__atomic_compare_exchange_n(&s->stamp[b], &st, -e, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             const int64_t lo = b * SHADOW_BLOCK, len = s->n - lo < SHADOW_BLOCK ? s->n - lo : SHADOW_BLOCK;
             round_bf16_range(s->w16 + lo, s->base + lo, len);
-            *rounded += len;
             __atomic_store_n(&s->stamp[b], e, __ATOMIC_RELEASE);
             return;
         }
@@ -670,16 +648,13 @@ static const uint16_t *shadow_get(tera_cpu_matmul *mm, const float *w, int64_t n
     int64_t b = b0;
     while (b <= b1 && __atomic_load_n(&s->stamp[b], __ATOMIC_ACQUIRE) == e) b++;
     if (b <= b1) { /* something to round */
-        int64_t rounded = 0;
         if (omp_in_parallel() || b1 - b < 2) {
-            for (; b <= b1; b++) shadow_block(s, b, &rounded);
+            for (; b <= b1; b++) shadow_block(s, b);
         } else {
             const int64_t first = b;
-#pragma omp parallel for schedule(static) reduction(+ : rounded)
-            for (int64_t k = first; k <= b1; k++) shadow_block(s, k, &rounded);
+#pragma omp parallel for schedule(static)
+            for (int64_t k = first; k <= b1; k++) shadow_block(s, k);
         }
-#pragma omp atomic
-        s->rounded += rounded;
     }
     return s->w16 + off;
 }
