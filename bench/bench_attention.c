@@ -47,6 +47,7 @@ typedef size_t (*scratch_fn)(int, int, int, int, int);
 #define tera_attention_scratch_floats ref_attention_scratch_floats
 #define tera_attention_bf16_scratch_floats ref_attention_bf16_scratch_floats
 #define tera_attention_bf16_available ref_attention_bf16_available
+#define tera_attention_bf16_kernel ref_attention_bf16_kernel
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmissing-prototypes"
 #include ATTN_REF
@@ -58,6 +59,7 @@ typedef size_t (*scratch_fn)(int, int, int, int, int);
 #undef tera_attention_scratch_floats
 #undef tera_attention_bf16_scratch_floats
 #undef tera_attention_bf16_available
+#undef tera_attention_bf16_kernel
 #endif
 
 typedef struct {
@@ -98,7 +100,7 @@ static double rel_diff(const float *a, const float *b, size_t n) {
 
 int main(int argc, char **argv) {
     const int reps = argc > 1 ? atoi(argv[1]) : 21;
-    const bench_shape shapes[] = {{"bench-s", 8, 256, 8, 8, 32}, {"bench-m", 4, 512, 8, 8, 64}};
+    const bench_shape shapes[] = {{"bench-s", 8, 256, 8, 8, 32}, {"bench-m", 4, 512, 8, 8, 64}, {"hd128", 4, 512, 4, 4, 128}};
     const int max_threads = 2;
     const int bf16 = tera_attention_bf16_available();
     variant var[4];
@@ -124,7 +126,8 @@ int main(int argc, char **argv) {
         for (int j = 0; j < 3; j++) t[p][j] = malloc((size_t)reps * sizeof(double));
     const char *isa = "";
     tera_cpu_bf16_fast(&isa);
-    printf("oneDNN ISA %s; bf16 attention %s\n", isa, bf16 ? "available" : "not available (fp32 only)");
+    printf("oneDNN ISA %s; bf16 attention %s (%s products)\n", isa, bf16 ? "available" : "not available (fp32 only)",
+           tera_attention_bf16_kernel());
     printf("%-8s %3s %8s | %9s %9s %9s | fwd GF/s causal/full | bwd GF/s causal/full | f+b GF/s causal/full | %7s | %s\n",
            "shape", "thr", "variant", "fwd ms", "bwd ms", "f+b ms", "speedup", "max rel diff out/dq vs its ref");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {

@@ -7,7 +7,10 @@
  *   RoPE: tera_rope_forward on q and on k vs tera_rope_qk_forward (N x D each);
  *   RMSNorm forward + the residual copy (memcpy) vs tera_rmsnorm_copy_forward;
  *   RMSNorm backward: the previous two-pass form (rows, then dw by column blocks: kept below as it was)
- *   vs tera_rmsnorm_backward (one pass, dw summed per chunk of rows).
+ *   vs tera_rmsnorm_backward (one pass, dw summed per chunk of rows);
+ *   the fused cross-entropy with two exponentials per logit (exp(x - lse) again for dlogits: kept below
+ *   as it was) vs tera_ce_fused (one: e = exp(x - max) kept from the sum, scaled): ce_prev / ce_onexp,
+ *   a pair of its own timed alternately (8 bytes per logit both).
  * Bytes counted (compulsory traffic per element, each array read or written once per pass):
  * cross-entropy 12 -> 8 per logit (read; read + write -> read + write), RoPE 8 per element of q and
  * k both ways, RMSNorm forward + copy 16 -> 12, backward 24 -> 16 (dy, x read twice -> once; dx
@@ -22,6 +25,7 @@
 #include <time.h>
 
 #include "bench_median.h"
+#include "kernels/cpu/vmath.h"
 #include "tera/config.h"
 #include "tera/kernels.h"
 #include "tera/model.h"
@@ -58,6 +62,26 @@ static void rmsnorm_backward_two_pass(float *restrict dx, float *restrict dw, co
     }
 }
 
+/* the fused cross-entropy before one exponential per logit (src/kernels/cpu/elementwise.c at a0272eb) */
+static double ce_fused_two_exp(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
+                               int64_t N, int64_t V, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * V;
+        float *d = dlogits + n * V;
+        const float mx = tera_max(r, V);
+        const float l = mx + logf(tera_sum_exp(r, V, mx));
+        const int64_t t = targets[n];
+        lse[n] = l;
+        tlogit[n] = r[t];
+        for (int64_t v = 0; v < V; v++) d[v] = scale * tera_vexpf(r[v] - l);
+        d[t] -= scale;
+    }
+    double sum = 0.0;
+    for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
+    return sum;
+}
+
 static float *filled(int64_t n, uint64_t seed, float a) {
     float *x = tera_malloc(sizeof(float) * (size_t)n);
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
@@ -84,7 +108,8 @@ static double triad(float *a, const float *b, const float *c, int64_t n) {
     return tera_now() - t0;
 }
 
-enum { CE_SEP, CE_FUSED, CE_TRIAD, ROPE_SEP, ROPE_FUSED, NF_SEP, NF_FUSED, NB_SEP, NB_FUSED, ND_TRIAD, N_T };
+enum { CE_SEP, CE_FUSED, CE_TRIAD, ROPE_SEP, ROPE_FUSED, NF_SEP, NF_FUSED, NB_SEP, NB_FUSED, ND_TRIAD, CE_PREV, CE_ONEXP,
+       N_T };
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
@@ -141,7 +166,7 @@ int main(int argc, char **argv) {
                 sink += tera_ce_fused(logits, lse, tl, logits, tg, N, V, 0.5f);
             } else {
                 sink += tera_ce_forward(lse, logits, tg, N, V);
-                tera_ce_backward(logits, logits, lse, tg, N, V, 0.5f);
+                tera_ce_backward(logits, logits, tg, N, V, 0.5f);
             }
             s[fused ? CE_FUSED : CE_SEP] = tera_now() - t0;
             c[fused ? CE_FUSED : CE_SEP] = cpu_now() - c0;
@@ -173,6 +198,18 @@ int main(int argc, char **argv) {
                 rmsnorm_backward_two_pass(dx, dw, dy, x, w, rstd, N, D);
             s[fused ? NB_FUSED : NB_SEP] = tera_now() - t0;
             c[fused ? NB_FUSED : NB_SEP] = cpu_now() - c0;
+        }
+        for (int o = 0; o < 2; o++) { /* the cross-entropy's two forms of its fused pass, alternately */
+            const int one = (o + r + 1) % 2;
+            memcpy(logits, logits0, sizeof(float) * (size_t)NV);
+            c0 = cpu_now();
+            const double t0 = tera_now();
+            if (one)
+                sink += tera_ce_fused(logits, lse, tl, logits, tg, N, V, 0.5f);
+            else
+                sink += ce_fused_two_exp(logits, lse, tl, logits, tg, N, V, 0.5f);
+            s[one ? CE_ONEXP : CE_PREV] = tera_now() - t0;
+            c[one ? CE_ONEXP : CE_PREV] = cpu_now() - c0;
         }
         c0 = cpu_now();
         s[CE_TRIAD] = triad(logits, tb, tc, NV);
@@ -215,9 +252,11 @@ int main(int argc, char **argv) {
            16.0 * g * (double)ND / m[NF_SEP], 12.0 * g * (double)ND / m[NF_FUSED], 1e3 * m[NB_SEP],
            1e3 * m[NB_FUSED], 24.0 * g * (double)ND / m[NB_SEP], 16.0 * g * (double)ND / m[NB_FUSED],
            12.0 * g * (double)ND / m[ND_TRIAD], sink);
+    printf(", \"ce_prev_ms\": %.3f, \"ce_onexp_ms\": %.3f, \"ce_prev_gbs\": %.1f, \"ce_onexp_gbs\": %.1f", 1e3 * m[CE_PREV],
+           1e3 * m[CE_ONEXP], 8.0 * g * (double)NV / m[CE_PREV], 8.0 * g * (double)NV / m[CE_ONEXP]);
     static const char *const names[N_T] = {"ce_sep", "ce_fused", "triad_logits", "rope_sep", "rope_fused",
                                            "norm_fwd_copy_sep", "norm_fwd_copy_fused", "norm_bwd_sep",
-                                           "norm_bwd_fused", "triad_nd"};
+                                           "norm_bwd_fused", "triad_nd", "ce_prev", "ce_onexp"};
     for (int i = 0; i < N_T; i++) printf(", \"%s_cpu_ms\": %.3f", names[i], 1e3 * mc_[i]);
     printf(", \"params\": %lld", (long long)tera_model_total_params(mc));
     printf(", \"triad_nd_best_gbs\": %.1f, \"triad_logits_best_gbs\": %.1f, \"triad_dram_gbs\": %.1f, "

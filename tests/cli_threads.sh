@@ -37,4 +37,30 @@ for isa in AVX2 AVX512_CORE default; do
     done
     [ $ok = 1 ] && pass "$isa ($(grep -o "oneDNN ISA [^)]*" "$W/$isa-1.log" | head -1)): 1, 2 and 3 threads give byte-identical step records, weights and moments"
 done
+# a wide LM head (vocabulary 8192 x dim 64, 512 tokens): its weight gradient runs in primitive pieces
+# with AVX-512 kernels (matmul.c, "Weight gradients in primitive pieces"), blocks side by side at 2
+# and 3 threads, one after another at 1
+B=(--model.dim=64 --model.n_layers=1 --model.n_heads=4 --model.n_kv_heads=2 --model.n_experts=4 --model.ffn_dim=64
+   --model.vocab_size=8192 --training.seq_len=64 --training.micro_batch=8 --training.warmup_steps=1
+   --training.steps=2 --training.precision=fp32 --data.path="$W/c.txt" --data.val_fraction=0.1
+   --logging.progress=false --checkpoint.every=2)
+for isa in AVX512_CORE default; do
+    ok=1
+    for t in 1 2 3; do
+        if [ $isa = default ]; then
+            env -u ONEDNN_MAX_CPU_ISA "$TERA" train "${B[@]}" --training.threads=$t --logging.run_dir="$W/w$isa-$t" > "$W/w$isa-$t.log" 2>&1
+        else
+            ONEDNN_MAX_CPU_ISA=$isa "$TERA" train "${B[@]}" --training.threads=$t --logging.run_dir="$W/w$isa-$t" > "$W/w$isa-$t.log" 2>&1
+        fi || { fail "wide head, $isa, $t threads: $(grep error "$W/w$isa-$t.log" | head -2)"; ok=0; continue; }
+        [ $t = 1 ] && continue
+        if cmp -s <(untimed "$W/w$isa-1/metrics.jsonl") <(untimed "$W/w$isa-$t/metrics.jsonl") \
+            && cmp -s "$W/w$isa-1/checkpoints/step_00000002/model.safetensors" "$W/w$isa-$t/checkpoints/step_00000002/model.safetensors" \
+            && cmp -s "$W/w$isa-1/checkpoints/step_00000002/optimizer.safetensors" "$W/w$isa-$t/checkpoints/step_00000002/optimizer.safetensors"; then :
+        else
+            fail "wide head, $isa: $t threads differ from 1"
+            ok=0
+        fi
+    done
+    [ $ok = 1 ] && pass "wide head, $isa: 1, 2 and 3 threads give byte-identical step records, weights and moments"
+done
 finish cli_threads

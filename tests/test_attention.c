@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels/cpu/cpu.h"
 #include "tera/backend.h"
@@ -427,6 +429,8 @@ static void bufs_bf16_scratch(shape s, bufs *x) {
 static const shape k_bf16_shapes[] = {
     {1, 1, 1, 1, 16},  {2, 7, 2, 2, 16},   {2, 100, 4, 4, 32}, {1, 200, 8, 2, 32}, {2, 130, 2, 1, 64},
     {1, 129, 4, 2, 16}, {1, 300, 2, 2, 32}, {1, 257, 4, 1, 64}, {1, 256, 2, 2, 32}, {1, 65, 3, 1, 24},
+    /* hd 128, the AMX kernels' 32 x 32 blocks cut by odd T on and off the diagonal, odd hd */
+    {1, 130, 2, 1, 128}, {2, 97, 4, 2, 64}, {1, 33, 2, 2, 32}, {1, 200, 2, 1, 40}, {1, 70, 2, 2, 15},
 };
 
 static void test_bf16_vs_rounded_reference(void **state) {
@@ -475,9 +479,14 @@ static void test_bf16_vs_rounded_reference(void **state) {
         free(ro), free(rl), free(rq), free(rk), free(rv), free(ao), free(aq), free(ak), free(av);
         bufs_free(&x);
     }
-    print_message("bf16 attention: worst error / bound (bound = 4u * sum|terms|): out %.3g dq %.3g dk %.3g dv %.3g; "
-                  "lse / fp32 tolerance %.3g\n",
-                  worst[0], worst[2], worst[3], worst[4], worst[1]);
+    print_message("bf16 attention (%s products): worst error / bound (bound = 4u * sum|terms|): out %.3g dq %.3g dk %.3g "
+                  "dv %.3g; lse / fp32 tolerance %.3g\n",
+                  tera_attention_bf16_kernel(), worst[0], worst[2], worst[3], worst[4], worst[1]);
+    /* the AMX kernels run wherever the CPU and oneDNN's ISA have AMX (unless TERA_ATTN_BF16=onednn) */
+    const char *e = getenv("TERA_ATTN_BF16");
+    if (tera_cpu_bf16_fast(NULL) && !(e && !strcmp(e, "onednn")) && __builtin_cpu_supports("amx-bf16") &&
+        syscall(SYS_arch_prctl, 0x1023, 18) == 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: the OS grants tiles */
+        assert_string_equal(tera_attention_bf16_kernel(), "amx");
 }
 
 /* bf16 forward + backward on `threads` threads: out|lse|dq|dk|dv */
@@ -513,7 +522,7 @@ static void test_bf16_determinism(void **state) {
         free(run_all_bf16(w, &x, 2));
         bufs_free(&x);
     }
-    const shape cases[] = {{2, 300, 4, 2, 32}, {1, 150, 8, 1, 64}, {3, 70, 2, 2, 16}};
+    const shape cases[] = {{2, 300, 4, 2, 32}, {1, 150, 8, 1, 64}, {3, 70, 2, 2, 16}, {1, 140, 4, 2, 128}};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const shape s = cases[ci];
         omp_set_num_threads(saved > 3 ? saved : 3); /* scratch for the largest thread count used */

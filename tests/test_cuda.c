@@ -271,27 +271,46 @@ static void test_cross_entropy(void **state) {
     const double lgpu = g_gpu->ops.ce_forward(g_gpu, lse.d, lg.d, t.d, N, V);
     if (!(fabs(lc - lgpu) <= TOL * fabs(lc))) fail_msg("ce_forward loss %.9g, CPU %.9g", lgpu, lc);
     check("ce_forward lse", &lse, TOL);
-    tera_cuda_copy(lse.d, lse.h, sizeof(float) * (size_t)N);
-    g_cpu->ops.ce_backward(g_cpu, d.h, lg.h, lse.h, t.h, N, V, 0.25f);
-    g_gpu->ops.ce_backward(g_gpu, d.d, lg.d, lse.d, t.d, N, V, 0.25f);
+    g_cpu->ops.ce_backward(g_cpu, d.h, lg.h, t.h, N, V, 0.25f);
+    g_gpu->ops.ce_backward(g_gpu, d.d, lg.d, t.d, N, V, 0.25f);
     check("ce_backward", &d, TOL);
+    /* in place (dlogits = logits), as the model calls it */
+    g_cpu->ops.ce_backward(g_cpu, lg.h, lg.h, t.h, N, V, 0.25f);
+    g_gpu->ops.ce_backward(g_gpu, lg.d, lg.d, t.d, N, V, 0.25f);
+    check("ce_backward in place", &lg, TOL);
     /* the slice pieces on the columns [v0, v0 + Vl) of a [N, Vl] slice */
     tbuf sl = mk(N * Vl, 6.0f), mx = mk(N, 0.0f), se = mk(N, 0.0f), tl = mk(N, 0.0f), ds = mk(N * Vl, 0.0f);
     g_cpu->ops.ce_slice_max(g_cpu, mx.h, sl.h, N, Vl);
     g_gpu->ops.ce_slice_max(g_gpu, mx.d, sl.d, N, Vl);
     check_exact("ce_slice_max", &mx);
-    g_cpu->ops.ce_slice_sums(g_cpu, se.h, tl.h, sl.h, mx.h, t.h, N, Vl, v0);
-    g_gpu->ops.ce_slice_sums(g_gpu, se.d, tl.d, sl.d, mx.d, t.d, N, Vl, v0);
+    g_cpu->ops.ce_slice_sums(g_cpu, se.h, tl.h, NULL, sl.h, mx.h, t.h, N, Vl, v0);
+    g_gpu->ops.ce_slice_sums(g_gpu, se.d, tl.d, NULL, sl.d, mx.d, t.d, N, Vl, v0);
     check("ce_slice_sums sumexp", &se, TOL);
     check_exact("ce_slice_sums tlogit", &tl);
-    g_cpu->ops.ce_backward_range(g_cpu, ds.h, sl.h, lse.h, t.h, N, Vl, v0, 0.5f);
-    g_gpu->ops.ce_backward_range(g_gpu, ds.d, sl.d, lse.d, t.d, N, Vl, v0, 0.5f);
+    /* the exponentials written too (the same sums) */
+    tbuf es = mk(N * Vl, 0.0f);
+    g_cpu->ops.ce_slice_sums(g_cpu, se.h, tl.h, es.h, sl.h, mx.h, t.h, N, Vl, v0);
+    g_gpu->ops.ce_slice_sums(g_gpu, se.d, tl.d, es.d, sl.d, mx.d, t.d, N, Vl, v0);
+    check("ce_slice_sums sumexp (with e)", &se, TOL);
+    check_exact("ce_slice_sums tlogit (with e)", &tl);
+    check("ce_slice_sums e", &es, TOL);
+    /* the backward from the same e and sums on both */
+    tera_cuda_copy(es.d, es.h, sizeof(float) * (size_t)(N * Vl));
+    tera_cuda_copy(se.d, se.h, sizeof(float) * (size_t)N);
+    g_cpu->ops.ce_backward_range(g_cpu, ds.h, es.h, se.h, t.h, N, Vl, v0, 0.5f);
+    g_gpu->ops.ce_backward_range(g_gpu, ds.d, es.d, se.d, t.d, N, Vl, v0, 0.5f);
     check("ce_backward_range", &ds, TOL);
-    /* in place: dlogits = logits */
-    g_cpu->ops.ce_backward_range(g_cpu, sl.h, sl.h, lse.h, t.h, N, Vl, v0, 0.5f);
-    g_gpu->ops.ce_backward_range(g_gpu, sl.d, sl.d, lse.d, t.d, N, Vl, v0, 0.5f);
+    /* in place: e = logits, then dlogits = e */
+    g_cpu->ops.ce_slice_sums(g_cpu, se.h, tl.h, sl.h, sl.h, mx.h, t.h, N, Vl, v0);
+    g_gpu->ops.ce_slice_sums(g_gpu, se.d, tl.d, sl.d, sl.d, mx.d, t.d, N, Vl, v0);
+    check_exact("ce_slice_sums tlogit in place", &tl);
+    check("ce_slice_sums e in place", &sl, TOL);
+    tera_cuda_copy(sl.d, sl.h, sizeof(float) * (size_t)(N * Vl));
+    tera_cuda_copy(se.d, se.h, sizeof(float) * (size_t)N);
+    g_cpu->ops.ce_backward_range(g_cpu, sl.h, sl.h, se.h, t.h, N, Vl, v0, 0.5f);
+    g_gpu->ops.ce_backward_range(g_gpu, sl.d, sl.d, se.d, t.d, N, Vl, v0, 0.5f);
     check("ce_backward_range in place", &sl, TOL);
-    reli(&t), rel(&lg), rel(&lse), rel(&d), rel(&sl), rel(&mx), rel(&se), rel(&tl), rel(&ds);
+    reli(&t), rel(&lg), rel(&lse), rel(&d), rel(&sl), rel(&mx), rel(&se), rel(&tl), rel(&ds), rel(&es);
 }
 
 static void test_softmax(void **state) {
@@ -381,8 +400,8 @@ static void test_host_buffers(void **state) {
     const double a = g_cpu->ops.ce_forward(g_cpu, lc, yc, tg, N, out);
     const double b = g_gpu->ops.ce_forward(g_gpu, lgp, yg, tg, N, out);
     assert_true(fabs(a - b) <= 1e-4 * fabs(a));
-    g_cpu->ops.ce_backward(g_cpu, yc, yc, lc, tg, N, out, 1.0f);
-    g_gpu->ops.ce_backward(g_gpu, yg, yg, lc, tg, N, out, 1.0f);
+    g_cpu->ops.ce_backward(g_cpu, yc, yc, tg, N, out, 1.0f);
+    g_gpu->ops.ce_backward(g_gpu, yg, yg, tg, N, out, 1.0f);
     assert_true(tu_close("ce_backward in place on host buffers", yg, yc, N * out, TOL, 1e-6) <= 1.0);
     /* mixed: device weight, host activations */
     float *wd = g_gpu->mem.alloc(g_gpu, sizeof(float) * out * in);

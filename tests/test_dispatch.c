@@ -427,8 +427,8 @@ static void test_tp1_is_plain(void **state) {
     const double s = tera_tp_ce_forward(&tp, lse, logits, tg, N), s_ref = tera_ce_forward(lse_ref, logits, tg, N, V);
     assert_true(s == s_ref);
     assert_same("tp1 ce lse", lse, lse_ref, N);
-    tera_tp_ce_backward(&tp, dl, logits, lse, tg, N, 0.125f);
-    tera_ce_backward(dl_ref, logits, lse_ref, tg, N, V, 0.125f);
+    tera_tp_ce_backward(&tp, dl, logits, tg, N, 0.125f);
+    tera_ce_backward(dl_ref, logits, tg, N, V, 0.125f);
     assert_same("tp1 ce backward", dl, dl_ref, N * V);
     /* embedding */
     float *table = fnew(V * D), *x = fnew(N * D), *xr = fnew(N * D), *dt = fzero(V * D), *dtr = fzero(V * D);
@@ -486,7 +486,7 @@ static void test_vocab_slices(void **state) {
     tu_fill(logits, N * V, 41, 6.0f);
     logits[3 * V + 47] = 30.0f; /* a row whose max is in the last slice */
     const double s_ref = tera_ce_forward(lse_ref, logits, tg, N, V);
-    tera_ce_backward(dl_ref, logits, lse_ref, tg, N, V, 0.5f);
+    tera_ce_backward(dl_ref, logits, tg, N, V, 0.5f);
     float *table = fnew(V * D), *x_ref = fnew(N * D), *dx = fnew(N * D), *dt_ref = fzero(V * D);
     tu_fill(table, V * D, 42, 1.0f), tu_fill(dx, N * D, 43, 1.0f);
     tera_embedding_forward(x_ref, table, tg, N, D);
@@ -496,6 +496,7 @@ static void test_vocab_slices(void **state) {
         /* each "rank" sees its slice, contiguous: [N, Vl] */
         float *sl = fnew(N * Vl), *mx = fnew(N), *mxs = fnew(N), *se = fzero(N), *tl = fzero(N), *ses = fnew(N),
               *tls = fnew(N), *dl = fnew(N * Vl), *x = fzero(N * D), *xs = fnew(N * D), *dt = fnew(Vl * D);
+        float *es = fnew(N * V), *ses2 = fnew(N), *tls2 = fnew(N); /* each slice's exponentials, [P][N, Vl] */
         for (int64_t n = 0; n < N; n++) mx[n] = -INFINITY;
         for (int p = 0; p < P; p++) { /* the max over ranks */
             tera_tp tp;
@@ -517,7 +518,24 @@ static void test_vocab_slices(void **state) {
         int hits = 0;
         for (int p = 0; p < P; p++) { /* the sums over ranks */
             for (int64_t n = 0; n < N; n++) memcpy(sl + n * Vl, logits + n * V + p * Vl, sizeof(float) * (size_t)Vl);
-            tera_ce_slice_sums(ses, tls, sl, mx, tg, N, Vl, p * Vl);
+            tera_ce_slice_sums(ses, tls, NULL, sl, mx, tg, N, Vl, p * Vl);
+            /* with the exponentials written: the same sums, e = exp(x - max) */
+            float *e = es + p * N * Vl;
+            tera_ce_slice_sums(ses2, tls2, e, sl, mx, tg, N, Vl, p * Vl);
+            assert_same("slice sums with e written", ses2, ses, N);
+            assert_same("slice target logits with e written", tls2, tls, N);
+            for (int64_t n = 0; n < N; n++) {
+                float s2 = 0.0f; /* e's sum: 16 lanes */
+                float acc[16] = {0};
+                for (int64_t v = 0; v < Vl; v++) acc[v % 16] += e[n * Vl + v];
+                for (int l = 0; l < 16; l++) s2 += acc[l];
+                if (s2 != ses[n]) fail_msg("P %d slice %d row %ld: e sums to %.9g, sumexp %.9g", P, p, (long)n, s2, ses[n]);
+                for (int64_t v = 0; v < Vl; v++) { /* exp of the float difference, within 2 ulps */
+                    const double want = exp((double)(sl[n * Vl + v] - mx[n]));
+                    if (!(fabs(e[n * Vl + v] - want) <= 2.4e-7 * want))
+                        fail_msg("P %d slice %d: e[%ld][%ld] = %.9g, want %.12g", P, p, (long)n, (long)v, e[n * Vl + v], want);
+                }
+            }
             for (int64_t n = 0; n < N; n++) {
                 const int in = tg[n] >= p * Vl && tg[n] < (p + 1) * Vl;
                 hits += in;
@@ -535,18 +553,28 @@ static void test_vocab_slices(void **state) {
         }
         if (!(tu_close("slices: lse", lse, lse_ref, N, 1e-6, 1e-6) <= 1.0)) fail_msg("P %d: lse", P);
         if (!(fabs(s - s_ref) <= 1e-5 * fabs(s_ref))) fail_msg("P %d: loss %.9g, whole vocabulary %.9g", P, s, s_ref);
-        for (int p = 0; p < P; p++) { /* backward per slice, with the whole lse */
-            for (int64_t n = 0; n < N; n++) memcpy(sl + n * Vl, logits + n * V + p * Vl, sizeof(float) * (size_t)Vl);
-            tera_ce_backward_range(dl, sl, lse_ref, tg, N, Vl, p * Vl, 0.5f);
+        for (int p = 0; p < P; p++) { /* backward per slice: its exponentials over the whole sum */
+            const float *e = es + p * N * Vl;
+            tera_ce_backward_range(dl, e, se, tg, N, Vl, p * Vl, 0.5f);
             for (int64_t n = 0; n < N; n++)
-                for (int64_t v = 0; v < Vl; v++)
-                    if (!(fabsf(dl[n * Vl + v] - dl_ref[n * V + p * Vl + v]) <= 1e-7f))
-                        fail_msg("P %d slice %d: dlogits[%ld][%ld] = %g, whole %g", P, p, (long)n, (long)v,
-                                 dl[n * Vl + v], dl_ref[n * V + p * Vl + v]);
-            /* in place (dlogits aliasing logits) gives the same */
-            tera_ce_backward_range(sl, sl, lse_ref, tg, N, Vl, p * Vl, 0.5f);
+                for (int64_t v = 0; v < Vl; v++) { /* the whole's sum in another order: a few ulps */
+                    const float want = dl_ref[n * V + p * Vl + v];
+                    if (!(fabsf(dl[n * Vl + v] - want) <= 1e-6f * fabsf(want) + 1e-12f))
+                        fail_msg("P %d slice %d: dlogits[%ld][%ld] = %.9g, whole %.9g", P, p, (long)n, (long)v,
+                                 dl[n * Vl + v], want);
+                }
+            /* in place (e written over the logits, then dlogits over e) gives the same */
+            for (int64_t n = 0; n < N; n++) memcpy(sl + n * Vl, logits + n * V + p * Vl, sizeof(float) * (size_t)Vl);
+            tera_ce_slice_sums(ses2, tls2, sl, sl, mx, tg, N, Vl, p * Vl);
+            assert_same("slice exponentials in place", sl, e, N * Vl);
+            for (int64_t n = 0; n < N; n++) { /* read before the exponentials overwrote it */
+                const int in = tg[n] >= p * Vl && tg[n] < (p + 1) * Vl;
+                if (tls2[n] != (in ? logits[n * V + tg[n]] : 0.0f)) fail_msg("P %d slice %d: in-place target logit of row %ld", P, p, (long)n);
+            }
+            tera_ce_backward_range(sl, sl, se, tg, N, Vl, p * Vl, 0.5f);
             assert_same("slice backward in place", sl, dl, N * Vl);
         }
+        free(es), free(ses2), free(tls2);
         for (int p = 0; p < P; p++) { /* embedding: the slices' partial rows sum to the lookup */
             tera_embedding_forward_range(xs, table + p * Vl * D, tg, N, D, p * Vl, Vl);
             for (int64_t i = 0; i < N * D; i++) x[i] += xs[i];
@@ -573,7 +601,7 @@ static void test_tp_ranks_by_hand(void **state) {
     tg[0] = 0, tg[1] = 10, tg[2] = 20, tg[3] = 39, tg[4] = 19; /* the slices' first and last rows */
     tu_fill(logits, N * V, 51, 5.0f);
     const double s_ref = tera_ce_forward(lse_ref, logits, tg, N, V);
-    tera_ce_backward(dl_ref, logits, lse_ref, tg, N, V, 0.25f);
+    tera_ce_backward(dl_ref, logits, tg, N, V, 0.25f);
     float *table = fnew(V * D), *x_ref = fnew(N * D), *dx = fnew(N * D), *dt_ref = fzero(V * D);
     tu_fill(table, V * D, 52, 1.0f), tu_fill(dx, N * D, 53, 1.0f);
     tera_embedding_forward(x_ref, table, tg, N, D);
@@ -603,13 +631,30 @@ static void test_tp_ranks_by_hand(void **state) {
                 want_sp += (double)lse[p * N + n] - (inside ? (double)logits[n * V + tg[n]] : 0.0);
             }
             if (!(fabs(sp - want_sp) <= 1e-9 * (1.0 + fabs(want_sp)))) fail_msg("P %d rank %d: loss sum %.12g, want %.12g", P, p, sp, want_sp);
-            /* backward with the whole lse: this rank's columns of the whole gradient */
-            tera_tp_ce_backward(&tp, dl, sl, lse_ref, tg, N, 0.25f);
-            for (int64_t n = 0; n < N; n++)
-                for (int64_t v = 0; v < Vl; v++)
-                    if (!(fabsf(dl[n * Vl + v] - dl_ref[n * V + p * Vl + v]) <= 1e-7f))
-                        fail_msg("P %d rank %d: dlogits[%ld][%ld] = %g, whole %g", P, p, (long)n, (long)v,
-                                 dl[n * Vl + v], dl_ref[n * V + p * Vl + v]);
+            /* backward: the max and sums over the ranks computed again (here over this rank alone), so
+             * the softmax of the slice */
+            tera_tp_ce_backward(&tp, dl, sl, tg, N, 0.25f);
+            for (int64_t n = 0; n < N; n++) {
+                double m = -INFINITY, se = 0.0;
+                for (int64_t v = 0; v < Vl; v++) m = fmax(m, sl[n * Vl + v]);
+                for (int64_t v = 0; v < Vl; v++) se += exp(sl[n * Vl + v] - m);
+                for (int64_t v = 0; v < Vl; v++) {
+                    const double want = 0.25 * (exp(sl[n * Vl + v] - m) / se - (tg[n] == p * Vl + v ? 1.0 : 0.0));
+                    if (!(fabs(dl[n * Vl + v] - want) <= 2e-6 * (0.25 * exp(sl[n * Vl + v] - m) / se) + 6e-8 * fabs(want)))
+                        fail_msg("P %d rank %d: dlogits[%ld][%ld] = %.9g, the slice's %.12g", P, p, (long)n, (long)v,
+                                 dl[n * Vl + v], want);
+                }
+            }
+            /* armed (the gradient written in the forward's pass, in place): the forward's lse and loss
+             * and the backward's dlogits, bit for bit */
+            float *sl2 = fnew(N * Vl), *lse2 = fnew(N), *tl2 = fnew(N);
+            memcpy(sl2, sl, sizeof(float) * (size_t)(N * Vl));
+            double sp2 = 0.0;
+            assert_int_equal(tera_tp_ce_fused(&tp, sl2, lse2, tl2, sl2, tg, N, 0.25f, &sp2), 1);
+            assert_true(sp2 == sp);
+            assert_same("tp ce fused lse", lse2, lse + p * N, N);
+            assert_same("tp ce fused dlogits = forward then backward", sl2, dl, N * Vl);
+            free(sl2), free(lse2), free(tl2);
             /* embedding: partial rows (zero outside the slice), summed by hand */
             tera_tp_embedding_forward(&tp, xs, table + p * Vl * D, tg, N, D);
             for (int64_t i = 0; i < N * D; i++) xsum[i] += xs[i];

@@ -29,7 +29,7 @@ static void test_ce_fused_bits(void **state) {
         const float scale = 1.0f / 3.0f; /* not a power of two */
         memcpy(ref, x, sizeof(float) * (size_t)(N * V));
         const double s_ref = tera_ce_forward(lse_ref, ref, tg, N, V);
-        tera_ce_backward(ref, ref, lse_ref, tg, N, V, scale);
+        tera_ce_backward(ref, ref, tg, N, V, scale);
         for (int th = 1; th <= 3; th++) {
             tera_set_threads(th);
             memcpy(fused, x, sizeof(float) * (size_t)(N * V));
@@ -40,6 +40,77 @@ static void test_ce_fused_bits(void **state) {
             for (int64_t n = 0; n < N; n++) assert_true(tl[n] == x[n * V + tg[n]]);
         }
         free(x), free(ref), free(fused), free(lse_ref), free(lse), free(tl), free(tg);
+    }
+    tera_set_threads(2);
+}
+
+/* One exponential per logit: the gradient is made of the very exponentials the loss summed,
+ * dlogits = e * (scale / sum) - scale * onehot with e = exp(x - max), not exp(x - lse) recomputed from
+ * the rounded lse. Logits near 1000 make the difference visible: there the lse is rounded to half an ulp
+ * of 1000 (3e-5), which would move every exp(x - lse) by up to 3e-5 relative and each row's gradient
+ * sum off 0 by as much, where e * (scale / sum) stays within a few ulps of the double softmax (the
+ * rounding of e, of the float sum and of the product) and its row sums within that of 0. The same bits
+ * for 1, 2 and 3 threads from tera_ce_fused (out of place), tera_ce_backward (in place) and the
+ * vocabulary-slice ops on one slice (ce_slice_max, ce_slice_sums writing e in place,
+ * ce_backward_range), whose lse = max + log(sum) is the fused lse. */
+static void test_ce_one_exponential(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{40, 64}, {33, 100}, {6, 4096}};
+    const float scale = 0.75f;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t N = shapes[si][0], V = shapes[si][1];
+        /* relative error allowed per element and on each row's sum: the float sum of V / 16 terms per
+         * lane and 16 lanes (about 1e-7 per term at worst), an ulp for e, half an ulp each for scale /
+         * sum and the product */
+        const double rel = V <= 128 ? 1e-6 : 4e-6;
+        float *x = fbuf(N * V), *d = fbuf(N * V), *d1 = fbuf(N * V), *d2 = fbuf(N * V);
+        float *lse = fbuf(N), *tl = fbuf(N), *mx = fbuf(N), *se = fbuf(N), *tl2 = fbuf(N);
+        int32_t *tg = malloc(sizeof(int32_t) * (size_t)N);
+        tu_fill(x, N * V, 21 + si, 6.0f);
+        for (int64_t i = 0; i < N * V; i++) x[i] += 1000.0f;
+        for (int64_t n = 0; n < N; n++) tg[n] = (int32_t)((n * 13 + 5) % V);
+        for (int th = 1; th <= 3; th++) {
+            tera_set_threads(th);
+            const double s = tera_ce_fused(d, lse, tl, x, tg, N, V, scale);
+            if (th == 1)
+                memcpy(d1, d, sizeof(float) * (size_t)(N * V));
+            else
+                assert_same("ce_fused dlogits across threads", d, d1, N * V);
+            memcpy(d2, x, sizeof(float) * (size_t)(N * V));
+            tera_ce_backward(d2, d2, tg, N, V, scale);
+            assert_same("ce_backward in place = ce_fused", d2, d1, N * V);
+            tera_ce_slice_max(mx, x, N, V);
+            memcpy(d2, x, sizeof(float) * (size_t)(N * V));
+            tera_ce_slice_sums(se, tl2, d2, d2, mx, tg, N, V, 0);
+            tera_ce_backward_range(d2, d2, se, tg, N, V, 0, scale);
+            assert_same("slice ops on the whole vocabulary = ce_fused", d2, d1, N * V);
+            double s2 = 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                assert_true(tl2[n] == x[n * V + tg[n]] && tl[n] == tl2[n]);
+                const float l = mx[n] + logf(se[n]);
+                if (l != lse[n]) fail_msg("V %ld row %ld: slice lse %.9g, fused %.9g", (long)V, (long)n, l, lse[n]);
+                s2 += (double)l - (double)tl2[n];
+            }
+            assert_true(s == s2);
+        }
+        for (int64_t n = 0; n < N; n++) { /* against the double softmax */
+            const float *r = x + n * V, *g = d1 + n * V;
+            double m = -INFINITY, sd = 0.0, rowsum = 0.0;
+            for (int64_t v = 0; v < V; v++) m = fmax(m, r[v]);
+            for (int64_t v = 0; v < V; v++) sd += exp((double)r[v] - m);
+            const double l = m + log(sd);
+            if (!(fabs(lse[n] - l) <= 2.5e-7 * l)) fail_msg("V %ld row %ld: lse %.9g, double %.12g", (long)V, (long)n, lse[n], l);
+            for (int64_t v = 0; v < V; v++) {
+                const double p = exp((double)r[v] - m) / sd, want = scale * (p - (v == tg[n] ? 1.0 : 0.0));
+                if (!(fabs(g[v] - want) <= rel * scale * p + 6e-8 * fabs(want)))
+                    fail_msg("V %ld row %ld col %ld: dlogits %.9g, double %.12g (relative %.3g)", (long)V, (long)n,
+                             (long)v, g[v], want, fabs(g[v] - want) / (scale * p));
+                rowsum += g[v];
+            }
+            if (!(fabs(rowsum) <= rel * scale))
+                fail_msg("V %ld row %ld: dlogits sum to %.3g (scale %g)", (long)V, (long)n, rowsum, (double)scale);
+        }
+        free(x), free(d), free(d1), free(d2), free(lse), free(tl), free(mx), free(se), free(tl2), free(tg);
     }
     tera_set_threads(2);
 }
@@ -186,7 +257,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ce_fused_bits),          cmocka_unit_test(test_rope_qk_bits),
         cmocka_unit_test(test_rmsnorm_copy_bits),      cmocka_unit_test(test_rmsnorm_backward_fused),
-        cmocka_unit_test(test_model_fused_loss),
+        cmocka_unit_test(test_model_fused_loss),      cmocka_unit_test(test_ce_one_exponential),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

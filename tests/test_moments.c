@@ -5,7 +5,8 @@
  *   tensor or element, and uniform enough (chi-square over 256 buckets of each 16-bit half), so the
  *   moments are unbiased in expectation over many draws;
  * - the update: equal bit for bit to a scalar reference of the same arithmetic with the element's
- *   draw by global index; bit-identical on 1, 2 and 3 threads, split into ZeRO shards with buffers of
+ *   draw by global index (also with infinite, NaN, overflowing and subnormal gradients: the vector
+ *   loop's special-value path); bit-identical on 1, 2 and 3 threads, split into ZeRO shards with buffers of
  *   their own, and with a tensor stored as blocks of other layouts (tensor-parallel column slices,
  *   expert-parallel slices of dim 0) updated by separate optimizers: the same bits as the whole;
  * - the moments read and written as fp32 (checkpoint windows): exact both ways for bf16 values. */
@@ -137,11 +138,21 @@ static const float lrs[3] = {1e-3f, 3e-3f, 2e-3f}, gss[3] = {1.0f, 0.37f, 1.0f};
 static const int64_t gshape[][3] = {{1, 1, 5}, {1, 3 * 96 + 1, 257}, {1, 32, 48}, {4, 40, 130}};
 #define NT 4
 
+static int g_special; /* 1: gradients with infinities, NaNs, overflowing squares and subnormals */
+
 /* value of global element e of tensor i at step s (s = -1: the weights) */
 static float val(int i, int64_t e, int s) {
     float x;
     tu_fill(&x, 1, (uint64_t)(1000 * (s + 2) + 17 * i) * 1000003ull + (uint64_t)e, s < 0 ? 0.5f : 0.01f);
     if (s >= 0 && (e + s) % 89 == 0) x = 0.0f; /* exact zeros: moments from zero */
+    if (g_special && s >= 0) { /* one special value per element and run at most (a single NaN payload) */
+        static const uint32_t sp0[] = {0x7F800000u, 0xFF800000u, 0x7FFFFFFFu, 0xFFFFFFFFu, 0x7F800001u,
+                                       0x60AD78ECu /* 1e20: its square overflows */, 0xE0AD78ECu, 0x00011C3Au /* subnormal */};
+        const int64_t r = e % 61;
+        if (s == 0 && r < 8) x = float_of(sp0[r]);
+        if (s == 1 && r == 9) x = float_of(0x7FC0FFFFu);
+        if (s == 2 && r == 10) x = float_of(0x60AD78ECu);
+    }
     return x;
 }
 
@@ -197,8 +208,7 @@ static void run3(tera_model *m, const blk *b, tera_adamw *o, int threads) {
 }
 
 /* The same arithmetic, element by element, with the element's draw by global index. */
-static void test_step_reference(void **state) {
-    (void)state;
+static void step_reference(void) {
     blk b[NT];
     whole_blocks(b);
     tera_param p[NT];
@@ -236,6 +246,14 @@ static void test_step_reference(void **state) {
     assert_memory_equal(o.mh, mm, 2 * (size_t)n);
     assert_memory_equal(o.vh, vv, 2 * (size_t)n);
     for (int64_t i = 0; i < n; i++) assert_true(m.g[i] == 0.0f);
+    if (g_special) { /* the special values reached the moments: infinities and NaNs stored as such */
+        int64_t inf = 0, nan = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = tera_bf16_widen(vv[i]);
+            inf += isinf(x), nan += isnan(x);
+        }
+        assert_true(inf > 0 && nan > 0);
+    }
     /* the moments are not all exact: the rounding went both ways somewhere */
     int64_t nonzero = 0;
     for (int64_t i = 0; i < n; i++) nonzero += mm[i] != 0;
@@ -243,6 +261,25 @@ static void test_step_reference(void **state) {
     free(w), free(mm), free(vv);
     tera_adamw_free(&o);
     free_model(&m);
+}
+
+static void test_step_reference(void **state) {
+    (void)state;
+    step_reference();
+}
+
+/* The vector loop's infinity and NaN path (tera_bf16_stochastic's special case: a NaN payload that
+ * the random bits would carry into the sign or turn into an infinity) against the scalar reference. */
+static void test_step_special(void **state) {
+    (void)state;
+    g_special = 1;
+    step_reference();
+}
+
+static int special_off(void **state) { /* teardown: also after a failure */
+    (void)state;
+    g_special = 0;
+    return 0;
 }
 
 /* 1, 2, 3 threads; shards [0, k) and [k, n) with the second on its own buffers: the same bits */
@@ -371,7 +408,7 @@ int main(void) {
     g_be = tera_backend_cpu_create(-1);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rounding_exact_and_unbiased), cmocka_unit_test(test_random_bits),
-        cmocka_unit_test(test_step_reference), cmocka_unit_test(test_threads_and_shards),
+        cmocka_unit_test(test_step_reference), cmocka_unit_test_teardown(test_step_special, special_off), cmocka_unit_test(test_threads_and_shards),
         cmocka_unit_test(test_layouts), cmocka_unit_test(test_moments_io),
     };
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -91,14 +91,18 @@ typedef struct {
     void (*embedding_backward_range)(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens,
                                      int64_t N, int64_t D, int64_t v0, int64_t Vl);
     void (*ce_slice_max)(tera_backend *be, float *rowmax, const float *logits, int64_t N, int64_t Vl);
-    void (*ce_slice_sums)(tera_backend *be, float *sumexp, float *tlogit, const float *logits, const float *rowmax,
-                          const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
-    void (*ce_backward_range)(tera_backend *be, float *dlogits, const float *logits, const float *lse,
+    /* the cross-entropy with one exponential per logit (include/tera/kernels.h): ce_slice_sums writes
+     * e = exp(logits - rowmax) where e is not NULL (may alias logits), ce_backward_range scales those
+     * (dlogits = e * scale / sumexp - scale * onehot, may alias e), ce_backward recomputes each row's max
+     * and sum itself (the same bits as ce_fused's dlogits) */
+    void (*ce_slice_sums)(tera_backend *be, float *sumexp, float *tlogit, float *e, const float *logits,
+                          const float *rowmax, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
+    void (*ce_backward_range)(tera_backend *be, float *dlogits, const float *e, const float *sumexp,
                               const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale);
     double (*ce_forward)(tera_backend *be, float *lse, const float *logits, const int32_t *targets, int64_t N,
                          int64_t V);
-    void (*ce_backward)(tera_backend *be, float *dlogits, const float *logits, const float *lse,
-                        const int32_t *targets, int64_t N, int64_t V, float scale);
+    void (*ce_backward)(tera_backend *be, float *dlogits, const float *logits, const int32_t *targets, int64_t N,
+                        int64_t V, float scale);
     void (*softmax_forward)(tera_backend *be, float *probs, float *lse, const float *logits, int64_t N, int64_t E);
     void (*softmax_backward)(tera_backend *be, float *dlogits, const float *dprobs, const float *probs, int64_t N,
                              int64_t E);

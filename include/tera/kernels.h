@@ -86,23 +86,27 @@ void tera_embedding_backward_range(float *dtable, const float *dx, const int32_t
                                    int64_t v0, int64_t Vl);
 /* Cross-entropy over logits split by vocabulary (this rank: logits[N, Vl] of [v0, v0 + Vl)):
  * rowmax[N] = max of the slice; after the max over ranks, sumexp[N] = sum exp(x - rowmax) of the
- * slice, tlogit[N] = the target's logit when it is in the slice, else 0; after sums over ranks
+ * slice, tlogit[N] = the target's logit when it is in the slice, else 0, and (e not NULL) the
+ * exponentials themselves, e[N, Vl] = exp(logits - rowmax) (may alias logits); after sums over ranks
  * lse = rowmax + log(sumexp) and loss = lse - tlogit. */
 void tera_ce_slice_max(float *rowmax, const float *logits, int64_t N, int64_t Vl);
-void tera_ce_slice_sums(float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+void tera_ce_slice_sums(float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax,
                         const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
-/* dlogits[N,Vl] = scale * (softmax - onehot) on the slice (may alias logits). */
-void tera_ce_backward_range(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+/* From those exponentials e[N, Vl] and the sums over ranks sumexp[N]: dlogits[N, Vl] = e * (scale /
+ * sumexp) - scale * onehot = scale * (softmax - onehot) on the slice (may alias e). No exponential. */
+void tera_ce_backward_range(float *dlogits, const float *e, const float *sumexp, const int32_t *targets,
                             int64_t N, int64_t Vl, int64_t v0, float scale);
 
 /* Cross-entropy of logits[N,V] against targets[N]: writes lse[N], returns the sum of losses. */
 double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V);
-/* dlogits[N,V] = scale * (softmax(logits) - onehot(target)); dlogits may alias logits. */
-void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
-                      int64_t N, int64_t V, float scale);
+/* dlogits[N,V] = scale * (softmax(logits) - onehot(target)) (may alias logits), recomputing each row's
+ * max and sum: e = exp(x - max) written to dlogits while summed (the sum bit-identical to
+ * tera_ce_forward's), then dlogits = e * (scale / sum) - scale * onehot; one exponential per logit. */
+void tera_ce_backward(float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V,
+                      float scale);
 /* Both in one pass over the logits: lse[N] and tlogit[N] (each row's target logit) written,
  * dlogits[N,V] = scale * (softmax - onehot) (may alias logits), returns the sum of losses; the same
- * bits as tera_ce_forward followed by tera_ce_backward. */
+ * bits as tera_ce_forward followed by tera_ce_backward, one exponential per logit. */
 double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
                      int64_t N, int64_t V, float scale);
 

@@ -268,8 +268,9 @@ void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *tar
 /* Training steps: the next forward (with targets, through the head) also writes the cross-entropy's
  * gradient for loss scale ce_scale (the s.ce of the backward that follows, asserted there) over the
  * logits, in the same pass over them as the loss (the same numbers, the logits read once instead of
- * twice); m->logits then hold that gradient, not the logits. Only with tensor parallelism 1 and a
- * backend with ops.ce_fused; otherwise, and for any later forward not armed again, nothing changes. */
+ * twice, one exponential per logit); m->logits then hold that gradient, not the logits. With tensor
+ * parallelism 1 only on a backend with ops.ce_fused (tp > 1: always, the slice's exponentials written
+ * in the loss's pass); otherwise, and for any later forward not armed again, nothing changes. */
 void tera_model_arm_fused_loss(tera_model *m, float ce_scale);
 /* The next forward's weights are those of the previous forward (a later micro-batch of the same
  * step): the backend's bf16 weight shadow (include/tera/backend.h) stays valid instead of being

@@ -984,7 +984,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
                          (double)a->ce_scale, (double)s->ce);
             a->ce_fused = 0;
         } else {
-            tera_tp_ce_backward(a->tp, m->logits, m->logits, a->loss_lse, a->targets, N, s->ce);
+            tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
         }
         TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
         tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */

@@ -96,37 +96,63 @@ void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int6
     tp->be->ops.add_forward(tp->be, out, res, n);
 }
 
+/* tp > 1: this rank's slice against the whole vocabulary, combined over the ranks with three sums of N
+ * floats: mx (max), se (sum of exponentials) and tl (the target's logit) in tp->ce_buf; e (NULL: not
+ * written) = exp(logits - mx) of the slice; with lse not NULL, lse[n] and the sum of losses returned.
+ * Timed as op (the loss's forward or backward). */
+static double ce_slices(const tera_tp *tp, float *e, float *lse, const float *logits, const int32_t *targets,
+                        int64_t N, int op) {
+    TERA_ASSERTF(N <= tp->N, "cross-entropy over %ld rows, scratch for %ld", (long)N, (long)tp->N);
+    float *mx = tp->ce_buf, *se = tp->ce_buf + N, *tl = tp->ce_buf + 2 * N;
+    double t0 = tera_now();
+    tp->be->ops.ce_slice_max(tp->be, mx, logits, N, tp->Vl);
+    tera_prof_add(op, t0);
+    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(tp->group, mx, N));
+    t0 = tera_now();
+    tp->be->ops.ce_slice_sums(tp->be, se, tl, e, logits, mx, targets, N, tp->Vl, tp->v0);
+    tera_prof_add(op, t0);
+    tp_sum(tp, se, 2 * N); /* se and tl are adjacent */
+    double sum = 0.0;
+    if (lse)
+        for (int64_t n = 0; n < N; n++) { /* fixed order */
+            lse[n] = mx[n] + logf(se[n]);
+            sum += (double)lse[n] - (double)tl[n];
+        }
+    return sum;
+}
+
 double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N) {
     double sum = 0.0;
     if (tp->tp == 1) {
         TERA_PROF(LOSS_FWD, sum = tp->be->ops.ce_forward(tp->be, lse, logits, targets, N, tp->Vl));
         return sum;
     }
-    /* this rank's slice, combined over the ranks with three sums of N floats */
-    TERA_ASSERTF(N <= tp->N, "cross-entropy over %ld rows, scratch for %ld", (long)N, (long)tp->N);
-    float *mx = tp->ce_buf, *se = tp->ce_buf + N, *tl = tp->ce_buf + 2 * N;
-    TERA_PROF(LOSS_FWD, tp->be->ops.ce_slice_max(tp->be, mx, logits, N, tp->Vl));
-    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(tp->group, mx, N));
-    TERA_PROF(LOSS_FWD, tp->be->ops.ce_slice_sums(tp->be, se, tl, logits, mx, targets, N, tp->Vl, tp->v0));
-    tp_sum(tp, se, 2 * N); /* se and tl are adjacent */
-    for (int64_t n = 0; n < N; n++) { /* fixed order */
-        lse[n] = mx[n] + logf(se[n]);
-        sum += (double)lse[n] - (double)tl[n];
-    }
-    return sum;
+    return ce_slices(tp, NULL, lse, logits, targets, N, TERA_PROF_LOSS_FWD);
 }
 
-void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const float *lse,
-                         const int32_t *targets, int64_t N, float scale) {
-    if (tp->tp > 1)
-        TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward_range(tp->be, dlogits, logits, lse, targets, N, tp->Vl, tp->v0, scale));
-    else
-        TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward(tp->be, dlogits, logits, lse, targets, N, tp->Vl, scale));
+void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const int32_t *targets, int64_t N,
+                         float scale) {
+    if (tp->tp == 1) {
+        TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward(tp->be, dlogits, logits, targets, N, tp->Vl, scale));
+        return;
+    }
+    /* the max and sums over the ranks again (the forward kept only the lse), the exponentials in dlogits */
+    ce_slices(tp, dlogits, NULL, logits, targets, N, TERA_PROF_LOSS_BWD);
+    TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward_range(tp->be, dlogits, dlogits, tp->ce_buf + N, targets, N, tp->Vl,
+                                                      tp->v0, scale));
 }
 
 int tera_tp_ce_fused(const tera_tp *tp, float *dlogits, float *lse, float *tlogit, const float *logits,
                      const int32_t *targets, int64_t N, float scale, double *sum) {
-    if (tp->tp > 1 || !tp->be->ops.ce_fused) return 0;
-    TERA_PROF(LOSS_FWD, *sum = tp->be->ops.ce_fused(tp->be, dlogits, lse, tlogit, logits, targets, N, tp->Vl, scale));
+    if (tp->tp == 1) {
+        if (!tp->be->ops.ce_fused) return 0;
+        TERA_PROF(LOSS_FWD, *sum = tp->be->ops.ce_fused(tp->be, dlogits, lse, tlogit, logits, targets, N, tp->Vl, scale));
+        return 1;
+    }
+    /* the slice's exponentials written to dlogits in the forward's pass, scaled once the sums over the
+     * ranks are known: no second exponential (tlogit unused: the targets' logits are in tp->ce_buf) */
+    *sum = ce_slices(tp, dlogits, lse, logits, targets, N, TERA_PROF_LOSS_FWD);
+    TERA_PROF(LOSS_FWD, tp->be->ops.ce_backward_range(tp->be, dlogits, dlogits, tp->ce_buf + N, targets, N, tp->Vl,
+                                                      tp->v0, scale));
     return 1;
 }

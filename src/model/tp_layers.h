@@ -72,14 +72,16 @@ void tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *
 /* Vocabulary-parallel cross-entropy of logits[N, Vl] (this rank's slice of the vocabulary) against
  * targets[N]: writes lse[N] (of the whole vocabulary) and returns the sum of the N losses, the same
  * on every rank. Backward: dlogits[N, Vl] = scale * (softmax - onehot) on the slice (may alias
- * logits). */
+ * logits), from each row's max and sum of exponentials computed again (tp > 1: with the ranks, a max
+ * and a sum over them), one exponential per logit: the same bits as tera_tp_ce_fused's dlogits. */
 double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N);
-void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const float *lse,
-                         const int32_t *targets, int64_t N, float scale);
-/* Both in one pass over the logits (tp = 1 and a backend with ops.ce_fused): lse[N] and the sum of
- * losses (*sum) as tera_tp_ce_forward, dlogits[N, Vl] as tera_tp_ce_backward with scale (may alias
- * logits), tlogit[N] scratch (each row's target logit); returns 1, or 0 having done nothing
- * (tp > 1: the three sums over the ranks come first; the separate passes then). */
+void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const int32_t *targets, int64_t N,
+                         float scale);
+/* Both in the forward (tp = 1: one pass over the logits, with a backend that has ops.ce_fused; tp > 1:
+ * the slice's exponentials written to dlogits while summed, scaled after the sums over the ranks):
+ * lse[N] and the sum of losses (*sum) as tera_tp_ce_forward, dlogits[N, Vl] as tera_tp_ce_backward
+ * with scale (may alias logits), tlogit[N] scratch (each row's target logit); returns 1, or 0 having
+ * done nothing (tp = 1 on a backend without ops.ce_fused: the separate passes then). */
 int tera_tp_ce_fused(const tera_tp *tp, float *dlogits, float *lse, float *tlogit, const float *logits,
                      const int32_t *targets, int64_t N, float scale, double *sum);
 

@@ -250,11 +250,12 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         tr->prec.bf16_gemm = tera_bf16_gemm_resolve(tr->model.be, t->bf16_gemm, &tr->prec.bf16_gemm_note);
     tera_backend_set_precision(tr->model.be, tr->prec.precision, tr->prec.bf16_gemm);
     reserve_scratch(tr);
-    /* bf16 weight shadow (backend.h): micro-batches share it (written by the update at ZeRO-0 with
-     * AdamW, else rounded lazily); TERA_BF16_SHADOW=always: with fewer micro-batches too where the
-     * update writes it (not the default: not measured to pay at one micro-batch, docs/PERFORMANCE.md) */
+    /* bf16 weight shadow (backend.h): written by the AdamW update at ZeRO-0 at any grad_accum (measured
+     * 4-8% faster steps on bench-s bf16 and 14-27% on bench-m at one micro-batch, docs/PERFORMANCE.md
+     * "Wave 7"), rounded lazily elsewhere where at least 4 micro-batches share it; TERA_BF16_SHADOW=lazy:
+     * the update does not write it (the lazy rule alone, for A/B timing), =0: no shadow at all */
     const char *shadow_env = getenv("TERA_BF16_SHADOW");
-    const int shadow_filled = !tr->sharding->stage && !tr->onebit && shadow_env && !strcmp(shadow_env, "always");
+    const int shadow_filled = !tr->sharding->stage && !tr->onebit && !(shadow_env && !strcmp(shadow_env, "lazy"));
     if ((t->grad_accum >= 4 || shadow_filled) && tr->topo.pp == 1 && tr->model.w)
         tera_backend_weights_register(tr->model.be, tr->model.w, tr->model.n_floats);
     tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,

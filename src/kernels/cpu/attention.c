@@ -290,7 +290,10 @@ static void attention_backward_sgemm(float *dq, float *dk, float *dv, const floa
  * shared by oneDNN's own primitive cache). The partition into tasks and each task's order of
  * operations are those of the fp32 path, so results are bit-identical for any thread count.
  * The CPU backend runs this path only where oneDNN reports AMX (backend_cpu.c: slower than the
- * fp32 kernels elsewhere, docs/PERFORMANCE.md "Attention in bf16"). */
+ * fp32 kernels elsewhere, docs/PERFORMANCE.md "Attention in bf16"). Where the AMX tile
+ * instructions can be used directly (attn_amx_on) the entry points run the AMX kernels at the end
+ * of this file instead (1.5-2x faster than these primitives per tile); these remain the path under
+ * ONEDNN_MAX_CPU_ISA without AMX (tests) and of TERA_ATTN_BF16=onednn (A/B timing). */
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -551,6 +554,20 @@ static bf_thread *bf_thread_of(void) {
 #define HAVE_BF16_ATTENTION 0
 #endif
 
+/* The bf16 path on AMX tiles directly (the end of this file): where the CPU has AMX-BF16, the OS
+ * grants the tile state and oneDNN's ISA (ONEDNN_MAX_CPU_ISA) includes AMX; elsewhere the oneDNN
+ * matmul primitives above. */
+#if HAVE_BF16_ATTENTION && defined(ATTN_AVX512) && defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 11
+#define ATTN_AMX 1
+static int attn_amx_on(void);
+static size_t amx_scratch_floats(int B, int T, int H, int Hkv, int hd, int nthr);
+static void attention_forward_amx(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                  int H, int Hkv, int hd, float *scratch);
+static void attention_backward_amx(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                   const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
+                                   int hd, float *scratch);
+#endif
+
 int tera_attention_bf16_available(void) {
 #if HAVE_BF16_ATTENTION
     static int on = -1; /* TERA_ATTN_BF16=0 keeps bf16 runs on the fp32 attention (A/B timing) */
@@ -564,10 +581,22 @@ int tera_attention_bf16_available(void) {
 #endif
 }
 
+const char *tera_attention_bf16_kernel(void) {
+    if (!tera_attention_bf16_available()) return "none";
+#ifdef ATTN_AMX
+    if (attn_amx_on()) return "amx";
+#endif
+    return "onednn";
+}
+
 size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd) {
     /* also enough for the fp32 kernels, which run where the bf16 ones cannot (and, given this
      * scratch, in tests) */
-    const size_t n = bf_layout_of(B, T, H, Hkv, hd, omp_get_max_threads()).total;
+    size_t n = bf_layout_of(B, T, H, Hkv, hd, omp_get_max_threads()).total;
+#ifdef ATTN_AMX
+    const size_t a = amx_scratch_floats(B, T, H, Hkv, hd, omp_get_max_threads());
+    n = a > n ? a : n;
+#endif
     const size_t f = tera_attention_scratch_floats(B, T, H, Hkv, hd);
     return n > f ? n : f;
 }
@@ -639,6 +668,12 @@ void tera_attention_forward_bf16(float *out, float *lse, const float *q, const f
                  "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
 #if HAVE_BF16_ATTENTION
     if (B == 0 || T == 0) return;
+#ifdef ATTN_AMX
+    if (attn_amx_on()) {
+        attention_forward_amx(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+        return;
+    }
+#endif
     pthread_once(&g_bf_once, bf_engine_init);
     const int nthr = omp_get_max_threads();
     const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
@@ -738,6 +773,12 @@ void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *
                  "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
 #if HAVE_BF16_ATTENTION
     if (B == 0 || T == 0) return;
+#ifdef ATTN_AMX
+    if (attn_amx_on()) {
+        attention_backward_amx(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+        return;
+    }
+#endif
     pthread_once(&g_bf_once, bf_engine_init);
     const int nthr = omp_get_max_threads();
     const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
@@ -1234,3 +1275,473 @@ void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout,
 #endif
     attention_backward_sgemm(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
 }
+
+/* ------------------------------------------------------------------ bf16 on AMX, intrinsics
+ *
+ * tera_attention_forward_bf16 / backward_bf16 where attn_amx_on(): the fp32 AVX-512 kernels' shape
+ * (FT x FT tiles, scores transposed so that the softmax statistics are per-lane vectors and the
+ * softmax passes vertical, no 32 x 32 block above the diagonal computed) with the six products as
+ * AMX tile products (bf16 x bf16 -> fp32, TDPBF16PS) in this file instead of oneDNN primitive calls.
+ * Every product is C[32 x 32] (+)= A B over K steps of 32 (amx_32x32): A bf16 rows, B in the
+ * "VNNI" layout (pairs of consecutive K elements side by side in a 32-bit word, [K/2][N][2]).
+ *   forward   S^T [keys, rows] = K Q^T      A: K rows,   B: Q^T pairs of head dims (Qv)
+ *             O^T [hd, rows]  += V^T P^T    A: V^T,      B: P^T pairs of keys (Pv)
+ *   backward  S^T = K Q^T, dP^T = V dO^T    A: K, V rows, B: Qv, dOv
+ *             dV [keys, hd]   += P^T dO     A: P^T rows, B: dO pairs of rows (dOr)
+ *             dK [keys, hd]   += dS^T Q     A: dS^T,     B: Q pairs of rows (Qr)
+ *             dQ^T [hd, rows] += K^T dS^T   A: K^T,      B: dS^T pairs of keys (dSv)
+ * Operands are rounded once: K and V (rows, and transposed: V^T forward, K^T backward) into
+ * head-major tiles of the scratch by a pass over the kv heads before the tasks; Q and dO once per
+ * (head, query tile) in the task. The head dim is padded with zeros to HP (a multiple of 32), keys
+ * and rows of a tile to FT (the padding is masked out of P and dS). The softmax statistics, P and
+ * dS before rounding, dP and D stay fp32 as in the oneDNN path. Tasks as in the other paths
+ * (forward: (b, h, query tile); backward: (b, kv head), which owns dK, dV of the head and the dQ
+ * of its query heads); each output element is summed by one task in a fixed order: bit-identical
+ * for any thread count. The scratch (amx_scratch_floats) holds the rounded K, V tiles and per
+ * thread the tiles of one query tile plus the backward's dK, dV accumulators of one kv head
+ * ([T, HP] fp32 each). */
+#ifdef ATTN_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+static int amx_hp(int hd) { return (hd + 31) & ~31; }
+static int amx_tp(int T) { return (T + FT - 1) / FT * FT; }
+
+typedef struct {
+    size_t D, shared; /* D [B*H*T] */
+    size_t kr, vr, kt, xt, qv, dov, qr, dor, st, dpt, pa, dsa, sv, ot, mla, dka, dva, per_thread; /* a thread's block */
+} amx_layout;
+
+static amx_layout amx_layout_of(int B, int T, int Hkv, int H, int hd) {
+    amx_layout L;
+    const size_t HP = (size_t)amx_hp(hd), Tp = (size_t)amx_tp(T), FTs = FT;
+    (void)Hkv;
+    L.D = 0;
+    L.shared = L.D + up16((size_t)B * H * T);
+    L.kr = 0;                         /* [Tp, HP] bf16 K rows of the task's kv head */
+    L.vr = L.kr + Tp * HP / 2;        /* [Tp, HP] bf16 V rows */
+    L.kt = L.vr + Tp * HP / 2;        /* [HP, Tp] bf16 K^T (backward), V^T (forward) */
+    L.xt = L.kt + Tp * HP / 2;        /* [HP, FT] fp32: a tile transposed (pack_t) */
+    L.qv = L.xt + HP * FTs;           /* [HP/2, FT] pairs: Q^T */
+    L.dov = L.qv + HP / 2 * FTs;      /* [HP/2, FT] pairs: dO^T */
+    L.qr = L.dov + HP / 2 * FTs;      /* [FT/2, HP] pairs: Q rows */
+    L.dor = L.qr + FTs / 2 * HP;      /* [FT/2, HP] pairs: dO rows */
+    L.st = L.dor + FTs / 2 * HP;      /* [FT, FT] fp32 S^T */
+    L.dpt = L.st + FTs * FTs;         /* [FT, FT] fp32 dP^T */
+    L.pa = L.dpt + FTs * FTs;         /* [FT, FT] bf16 P^T */
+    L.dsa = L.pa + FTs * FTs / 2;     /* [FT, FT] bf16 dS^T */
+    L.sv = L.dsa + FTs * FTs / 2;     /* [FT/2, FT] pairs: P^T (forward), dS^T (backward) */
+    L.ot = L.sv + FTs * FTs / 2;      /* [HP, FT] fp32 O^T, dQ^T */
+    L.mla = L.ot + HP * FTs;          /* [3, FT] running max, sum, rescale */
+    L.dka = L.mla + 3 * FTs;          /* [Tp, HP] fp32 dK, dV of a kv head */
+    L.dva = L.dka + Tp * HP;
+    L.per_thread = L.dva + Tp * HP;
+    return L;
+}
+
+static size_t amx_scratch_floats(int B, int T, int H, int Hkv, int hd, int nthr) {
+    const amx_layout L = amx_layout_of(B, T, Hkv, H, hd);
+    return L.shared + (size_t)nthr * L.per_thread;
+}
+
+static int g_amx_on;
+static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
+static void amx_init(void) {
+    const char *e = getenv("TERA_ATTN_BF16"); /* "onednn": the oneDNN primitives (A/B timing) */
+    if (e && !strcmp(e, "onednn")) return;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return; /* AMX-BF16, AMX-TILE */
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return; /* AVX512-BF16 */
+    if (!tera_cpu_bf16_fast(NULL)) return;            /* oneDNN's ISA (ONEDNN_MAX_CPU_ISA) without AMX */
+    /* the tile state is granted per process (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;
+    g_amx_on = 1;
+}
+static int attn_amx_on(void) {
+    pthread_once(&g_amx_once, amx_init);
+    return g_amx_on;
+}
+
+/* palette 1, tiles 0-7 of 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7 */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_cfg;
+static const amx_cfg g_amx_cfg = {.palette = 1,
+                                  .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                  .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+AMX_FN static void amx_begin(void) { _tile_loadconfig(&g_amx_cfg); }
+AMX_FN static void amx_end(void) { _tile_release(); }
+
+/* C[32 x 32] fp32 (row stride ldc floats) = (acc ? C : 0) + sum over K steps k in [k0, k1) of
+ * A[32 rows, 32 k-th columns] B[k-th 16 pair rows, 32 columns]: A bf16 rows (stride lda elements),
+ * B pairs (stride ldb bf16 elements, its second 16 columns at +32). */
+AMX_FN __attribute__((noinline)) static void amx_32x32(float *C, int64_t ldc, const uint16_t *A, int64_t lda,
+                                                       const uint16_t *Bm, int64_t ldb, int k0, int k1, int acc) {
+    const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
+    __asm__ volatile("" ::: "memory"); /* tile loads are asm without a memory input */
+    if (acc) {
+        _tile_loadd(0, C, sc);
+        _tile_loadd(1, C + 16, sc);
+        _tile_loadd(2, C + 16 * ldc, sc);
+        _tile_loadd(3, C + 16 * ldc + 16, sc);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int k = k0; k < k1; k++) {
+        const uint16_t *a = A + 32 * k, *b = Bm + 16 * k * ldb;
+        _tile_loadd(4, a, sa);
+        _tile_loadd(5, a + 16 * lda, sa);
+        _tile_loadd(6, b, sb);
+        _tile_loadd(7, b + 32, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, C, sc);
+    _tile_stored(1, C + 16, sc);
+    _tile_stored(2, C + 16 * ldc, sc);
+    _tile_stored(3, C + 16 * ldc + 16, sc);
+    __asm__ volatile("" ::: "memory");
+}
+
+/* Rounding to bf16 by the AVX512-BF16 instructions (to nearest even, like tera_bf16_rne, but
+ * subnormals flushed to zero: the tile products treat subnormal bf16 inputs as zero anyway, so the
+ * products see the same operands). 16 lanes to 16 bf16: */
+AMX_FN static inline __m256i cvt16(__m512 a) { return (__m256i)_mm512_cvtneps_pbh(a); }
+/* 16 words: the bf16 roundings of lo (low half) and hi (high half), lane by lane */
+AMX_FN static inline __m512i pair16(__m512 lo, __m512 hi) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                         5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* Xv[p*FT + r] = (x[r][2p], x[r][2p+1]) for p < HP/2, r < FT: rows of x (stride ld) rounded, as
+ * 32-bit words, transposed 16 x 16 (zero for rows >= n and d >= hd) */
+AMX_FN static void pack_qv(uint32_t *restrict Xv, const float *restrict x, int64_t ld, int n, int hd, int HP) {
+    for (int r0 = 0; r0 < FT; r0 += 16)
+        for (int d0 = 0; d0 < HP; d0 += 32) {
+            const __mmask16 lo = lanes_mask(hd - d0), hi = lanes_mask(hd - d0 - 16);
+            __m512 blk[16];
+            for (int i = 0; i < 16; i++) {
+                const float *xr = x + (int64_t)(r0 + i) * ld + d0;
+                blk[i] = r0 + i < n ? _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + 16),
+                                                                                        _mm512_maskz_loadu_ps(lo, xr)))
+                                    : _mm512_setzero_ps();
+            }
+            transpose16(blk);
+            for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)Xv + (int64_t)(d0 / 2 + p) * FT + r0, blk[p]);
+        }
+}
+
+/* Xr[rp*HP + d] = (x[2rp][d], x[2rp+1][d]) for rp < FT/2, d < HP (rows of x with stride ld; zero for
+ * rows >= n and d >= hd) */
+AMX_FN static void pack_pairs_rows(uint32_t *restrict Xr, const float *restrict x, int64_t ld, int n, int hd, int HP) {
+    for (int rp = 0; rp < FT / 2; rp++)
+        for (int d0 = 0; d0 < HP; d0 += 16) {
+            const __mmask16 cols = lanes_mask(hd - d0);
+            const __m512 a = 2 * rp < n ? _mm512_maskz_loadu_ps(cols, x + (int64_t)(2 * rp) * ld + d0) : _mm512_setzero_ps();
+            const __m512 b = 2 * rp + 1 < n ? _mm512_maskz_loadu_ps(cols, x + (int64_t)(2 * rp + 1) * ld + d0)
+                                            : _mm512_setzero_ps();
+            _mm512_storeu_si512(Xr + (int64_t)rp * HP + d0, pair16(a, b));
+        }
+}
+
+/* Key tile kt of kv head (b, kvh), rounded: rows into the head's Kr [Tp, HP] (and V into Vr) at row
+ * kt*FT, transposed into KT [HP, Tp] (and V into VT) at column kt*FT; NULL targets skipped; zero
+ * padding. Per task into the thread's block: K, V of one head stay in its cache (a pass over all
+ * heads before the tasks left them in memory: the tile loads waited on them). */
+AMX_FN static void amx_pack_kv(uint16_t *Kr, uint16_t *Vr, uint16_t *KT, uint16_t *VT, const float *k, const float *v, int b,
+                        int kvh, int kt, int T, int Hkv, int hd, float *Xt) {
+    const int HP = amx_hp(hd), Tp = amx_tp(T);
+    const int64_t ldk = (int64_t)Hkv * hd;
+    const int s0 = kt * FT, nk = T - s0 < FT ? T - s0 : FT;
+    const int64_t koff = ((int64_t)b * T + s0) * ldk + (int64_t)kvh * hd;
+    for (int w = 0; w < 2; w++) {
+        const float *x = (w ? v : k) + koff;
+        uint16_t *R = w ? Vr : Kr, *Tt = w ? VT : KT;
+        if (R)
+            for (int r = 0; r < FT; r++)
+                for (int d0 = 0; d0 < HP; d0 += 16) {
+                    const __mmask16 cols = lanes_mask(hd - d0);
+                    const __m512 a = r < nk ? _mm512_maskz_loadu_ps(cols, x + (int64_t)r * ldk + d0) : _mm512_setzero_ps();
+                    _mm256_storeu_si256((__m256i *)(R + (int64_t)(s0 + r) * HP + d0), cvt16(a));
+                }
+        if (Tt) {
+            pack_t(Xt, x, ldk, nk, hd, 1.0f);
+            for (int d = 0; d < HP; d++)
+                for (int g = 0; g < FT / 16; g++)
+                    _mm256_storeu_si256((__m256i *)(Tt + (int64_t)d * Tp + s0 + 16 * g),
+                                        cvt16(d < hd ? _mm512_loadu_ps(Xt + (int64_t)d * FT + 16 * g) : _mm512_setzero_ps()));
+        }
+    }
+}
+
+/* out[r][d] = Ot[d][r] * inv[r] for rows r < nq, d < hd (out rows with stride ldo; inv NULL: 1) */
+static void amx_store_t(float *out, int64_t ldo, const float *Ot, const float *inv, int nq, int hd) {
+    for (int r0 = 0; r0 < nq; r0 += 16)
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            const __m512 iv = inv ? _mm512_loadu_ps(inv + r0) : _mm512_set1_ps(1.0f);
+            __m512 blk[16];
+            for (int c = 0; c < 16; c++)
+                blk[c] = d0 + c < hd ? _mm512_mul_ps(_mm512_loadu_ps(Ot + (int64_t)(d0 + c) * FT + r0), iv) : _mm512_setzero_ps();
+            transpose16(blk);
+            const __mmask16 cols = lanes_mask(hd - d0);
+            for (int i = 0; i < 16 && r0 + i < nq; i++) _mm512_mask_storeu_ps(out + (int64_t)(r0 + i) * ldo + d0, cols, blk[i]);
+        }
+}
+
+/* S^T [FT keys, FT rows] (row stride FT) = A_rows [keys of the tile, HP] x (pairs of Xv)^T; on the
+ * diagonal tile the 32 x 32 blocks above it (key block > row block) are skipped */
+static void amx_scores(float *St, const uint16_t *Ar, const uint32_t *Xv, int nk, int HP, int diag) {
+    const int nks = (nk + 31) / 32;
+    for (int i = 0; i < nks; i++)
+        for (int j = 0; j < FT / 32; j++) {
+            if (diag && i > j) continue;
+            amx_32x32(St + (int64_t)32 * i * FT + 32 * j, FT, Ar + (int64_t)32 * i * HP, HP, (const uint16_t *)Xv + 64 * j,
+                      2 * FT, 0, HP / 32, 0);
+        }
+}
+
+/* One (b, h, query tile) */
+AMX_FN static void forward_tile_amx(float *out, float *lse, const float *q, const uint16_t *Kh, const uint16_t *VTh, int b,
+                                    int h, int qt, int T, int H, int Hkv, int hd, float *ws, const amx_layout *L) {
+    const int64_t ldq = (int64_t)H * hd;
+    const int HP = amx_hp(hd), Tp = amx_tp(T);
+    const float scale = 1.0f / sqrtf((float)hd);
+    const __m512 vs = _mm512_set1_ps(scale);
+    const int t0 = qt * FT, nq = T - t0 < FT ? T - t0 : FT;
+    (void)Hkv;
+    float *St = ws + L->st, *Ot = ws + L->ot;
+    uint32_t *Qv = (uint32_t *)(ws + L->qv), *Pv = (uint32_t *)(ws + L->sv);
+    float *m = ws + L->mla, *l = m + FT, *al = l + FT;
+    float *oi = out + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
+    pack_qv(Qv, q + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd, ldq, nq, hd, HP);
+    for (int g = 0; g < FT / 16; g++) {
+        _mm512_storeu_ps(m + 16 * g, _mm512_set1_ps(-INFINITY));
+        _mm512_storeu_ps(l + 16 * g, _mm512_setzero_ps());
+    }
+    /* the tile products run in bursts, O^T's of key tile j with S^T's of tile j+1: the matrix unit
+     * was measured to take ~600 cycles to resume after a long vector pass */
+    amx_scores(St, Kh, Qv, T < FT ? T : FT, HP, qt == 0); /* S^T = K_0 Q_i^T (unscaled) */
+    for (int kt = 0; kt <= qt; kt++) {
+        const int s0 = kt * FT, nk = T - s0 < FT ? T - s0 : FT, diag = kt == qt, nks = (nk + 31) / 32;
+        /* online softmax, 16 rows a vector: P = exp(scale S - m) into key pairs (zero where masked) */
+        for (int g = 0; g < FT / 16; g++) {
+            const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
+            __m512 mt = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < cend; c++)
+                mt = _mm512_mask_max_ps(mt, causal_mask(c, g, diag), mt, _mm512_loadu_ps(St + (int64_t)c * FT + 16 * g));
+            const __m512 mo = _mm512_loadu_ps(m + 16 * g);
+            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(mt, vs));
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < FT; c += 2) {
+                __m512 e[2];
+                for (int u = 0; u < 2; u++)
+                    e[u] = c + u < cend ? _mm512_maskz_mov_ps(causal_mask(c + u, g, diag),
+                                                              vexp16(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(c + u) * FT + 16 * g), vs, mn)))
+                                        : _mm512_setzero_ps();
+                sum = _mm512_add_ps(_mm512_add_ps(sum, e[0]), e[1]);
+                _mm512_storeu_si512(Pv + (int64_t)(c / 2) * FT + 16 * g, pair16(e[0], e[1]));
+            }
+            const __m512 alpha = vexp16(_mm512_sub_ps(mo, mn)); /* 0 at the first tile (mo = -inf) */
+            _mm512_storeu_ps(m + 16 * g, mn);
+            _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), alpha, sum));
+            _mm512_storeu_ps(al + 16 * g, alpha);
+        }
+        if (kt > 0) /* O^T rows (head dims) rescaled, lane by lane */
+            for (int d = 0; d < hd; d++)
+                for (int g = 0; g < FT / 16; g++) {
+                    float *o = Ot + (int64_t)d * FT + 16 * g;
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(al + 16 * g)));
+                }
+        /* O^T (+)= V_j^T P^T: row block j sees key steps up to its own on the diagonal */
+        for (int i = 0; i < HP / 32; i++)
+            for (int j = 0; j < FT / 32; j++) {
+                const int k1 = diag && j + 1 < nks ? j + 1 : nks;
+                amx_32x32(Ot + (int64_t)32 * i * FT + 32 * j, FT, VTh + (int64_t)32 * i * Tp + s0, Tp,
+                          (const uint16_t *)Pv + 64 * j, 2 * FT, 0, k1, kt > 0);
+            }
+        if (kt < qt) { /* S^T = K_{j+1} Q_i^T */
+            const int s1 = s0 + FT;
+            amx_scores(St, Kh + (int64_t)s1 * HP, Qv, T - s1 < FT ? T - s1 : FT, HP, kt + 1 == qt);
+        }
+    }
+    for (int g = 0; g < FT / 16; g++) /* 1 / l, into al */
+        _mm512_storeu_ps(al + 16 * g, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * g)));
+    amx_store_t(oi, ldq, Ot, al, nq, hd);
+    float *lse_row = lse + ((int64_t)b * H + h) * T + t0;
+    for (int r = 0; r < nq; r++) lse_row[r] = m[r] + logf(l[r]);
+}
+
+static void attention_forward_amx(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                  int H, int Hkv, int hd, float *scratch) {
+    const int nthr = omp_get_max_threads();
+    const amx_layout L = amx_layout_of(B, T, Hkv, H, hd);
+    float *blocks = scratch + L.shared;
+    const int nt = amx_tp(T) / FT;
+    /* one task per head when there are enough heads for the threads (K, V^T rounded once for all
+     * query tiles), else one per (head, query tile), the longest (last) first, rounding the key
+     * tiles up to its own: the same results either way, each output row written by one task */
+    const int per_head = (int64_t)B * H >= 4 * (int64_t)nthr;
+    const int64_t ntask = (int64_t)B * H * (per_head ? 1 : nt);
+#pragma omp parallel num_threads(nthr)
+    {
+        float *ws = blocks + (size_t)omp_get_thread_num() * L.per_thread;
+        uint16_t *Kh = (uint16_t *)(ws + L.kr), *VTh = (uint16_t *)(ws + L.kt);
+        amx_begin();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntask; task++) {
+            const int qa = per_head ? 0 : nt - 1 - (int)(task / ((int64_t)B * H)), qb = per_head ? nt : qa + 1;
+            const int bh = (int)(task % ((int64_t)B * H)), b = bh / H, h = bh % H;
+            for (int kt = 0; kt < qb; kt++) amx_pack_kv(Kh, NULL, NULL, VTh, k, v, b, h / (H / Hkv), kt, T, Hkv, hd, ws + L.xt);
+            for (int qt = qa; qt < qb; qt++) forward_tile_amx(out, lse, q, Kh, VTh, b, h, qt, T, H, Hkv, hd, ws, &L);
+        }
+        amx_end();
+    }
+}
+
+/* sum_d o[d] * bf16(g[d]) in double, 16 lanes then a fixed-order sum of the lanes */
+AMX_FN static float amx_d(const float *o, const float *g, int hd) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        const __mmask16 m = lanes_mask(hd - d0);
+        const __m512 gr = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt16(_mm512_maskz_loadu_ps(m, g + d0))), 16));
+        const __m512 ov = _mm512_maskz_loadu_ps(m, o + d0);
+        a0 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(ov)), _mm512_cvtps_pd(_mm512_castps512_ps256(gr)), a0);
+        a1 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ov), 1))),
+                             _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(gr), 1))), a1);
+    }
+    double l[16];
+    _mm512_storeu_pd(l, a0);
+    _mm512_storeu_pd(l + 8, a1);
+    double s = 0.0;
+    for (int i = 0; i < 16; i++) s += l[i];
+    return (float)s;
+}
+
+/* One (b, kv head): dK, dV of the head and dQ of its H/Hkv query heads */
+AMX_FN static void backward_group_amx(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *lse,
+                                      const float *D, const uint16_t *Kh, const uint16_t *Vh, const uint16_t *KTh, int b,
+                                      int kvh, int T, int H, int Hkv, int hd, float *ws, const amx_layout *L) {
+    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
+    const int rep = H / Hkv, HP = amx_hp(hd), Tp = amx_tp(T), nt = Tp / FT;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const __m512 vs = _mm512_set1_ps(scale);
+    float *St = ws + L->st, *dPt = ws + L->dpt, *dQt = ws + L->ot;
+    float *dKa = ws + L->dka, *dVa = ws + L->dva;
+    uint32_t *Qv = (uint32_t *)(ws + L->qv), *dOv = (uint32_t *)(ws + L->dov);
+    uint32_t *Qr = (uint32_t *)(ws + L->qr), *dOr = (uint32_t *)(ws + L->dor), *dSv = (uint32_t *)(ws + L->sv);
+    uint16_t *PA = (uint16_t *)(ws + L->pa), *dSA = (uint16_t *)(ws + L->dsa);
+    memset(dKa, 0, sizeof(float) * (size_t)Tp * HP);
+    memset(dVa, 0, sizeof(float) * (size_t)Tp * HP);
+    for (int hh = 0; hh < rep; hh++) {
+        const int h = kvh * rep + hh;
+        for (int qt = 0; qt < nt; qt++) {
+            const int t0 = qt * FT, nq = T - t0 < FT ? T - t0 : FT, nrs = (nq + 31) / 32;
+            const int64_t qoff = ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
+            const float *lse_i = lse + ((int64_t)b * H + h) * T + t0, *D_i = D + ((int64_t)b * H + h) * T + t0;
+            pack_qv(Qv, q + qoff, ldq, nq, hd, HP);
+            pack_qv(dOv, dout + qoff, ldq, nq, hd, HP);
+            pack_pairs_rows(Qr, q + qoff, ldq, nq, hd, HP);
+            pack_pairs_rows(dOr, dout + qoff, ldq, nq, hd, HP);
+            /* tile products in bursts (see the forward): dV, dK, dQ of key tile j with S^T, dP^T of j+1 */
+            amx_scores(St, Kh, Qv, T < FT ? T : FT, HP, qt == 0);   /* S^T = K_0 Q_i^T */
+            amx_scores(dPt, Vh, dOv, T < FT ? T : FT, HP, qt == 0); /* dP^T = V_0 dO_i^T */
+            for (int kt = 0; kt <= qt; kt++) {
+                const int s0 = kt * FT, nk = T - s0 < FT ? T - s0 : FT, diag = kt == qt, nks = (nk + 31) / 32;
+                for (int g = 0; g < FT / 16; g++) {
+                    const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
+                    const __mmask16 rows = lanes_mask(nq - 16 * g);
+                    const __m512 lv = _mm512_maskz_loadu_ps(rows, lse_i + 16 * g);
+                    const __m512 Dv = _mm512_maskz_loadu_ps(rows, D_i + 16 * g);
+                    for (int c = 0; c < FT; c += 2) {
+                        __m512 ds[2];
+                        for (int u = 0; u < 2; u++) {
+                            const int cc = c + u;
+                            __m512 e = _mm512_setzero_ps();
+                            ds[u] = e;
+                            if (cc < cend && rows) {
+                                /* P = exp(scale S - lse), 0 where masked; dS = scale * P * (dP - D) */
+                                e = _mm512_maskz_mov_ps(causal_mask(cc, g, diag) & rows,
+                                                        vexp16(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)cc * FT + 16 * g), vs, lv)));
+                                ds[u] = _mm512_mul_ps(vs, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(dPt + (int64_t)cc * FT + 16 * g), Dv)));
+                            }
+                            _mm256_storeu_si256((__m256i *)(PA + (int64_t)cc * FT + 16 * g), cvt16(e));
+                            _mm256_storeu_si256((__m256i *)(dSA + (int64_t)cc * FT + 16 * g), cvt16(ds[u]));
+                        }
+                        _mm512_storeu_si512(dSv + (int64_t)(c / 2) * FT + 16 * g, pair16(ds[0], ds[1]));
+                    }
+                }
+                /* dV_j += P^T dO_i, dK_j += dS^T Q_i: key block i sees row steps from its own on the diagonal */
+                for (int i = 0; i < nks; i++)
+                    for (int j = 0; j < HP / 32; j++) {
+                        const int k0 = diag ? i : 0;
+                        float *o = dVa + (int64_t)(s0 + 32 * i) * HP + 32 * j;
+                        amx_32x32(o, HP, PA + (int64_t)32 * i * FT, FT, (const uint16_t *)dOr + 64 * j, 2 * HP, k0, nrs, 1);
+                        o = dKa + (int64_t)(s0 + 32 * i) * HP + 32 * j;
+                        amx_32x32(o, HP, dSA + (int64_t)32 * i * FT, FT, (const uint16_t *)Qr + 64 * j, 2 * HP, k0, nrs, 1);
+                    }
+                /* dQ_i^T (+)= K_j^T dS^T */
+                for (int i = 0; i < HP / 32; i++)
+                    for (int j = 0; j < FT / 32; j++) {
+                        const int k1 = diag && j + 1 < nks ? j + 1 : nks;
+                        amx_32x32(dQt + (int64_t)32 * i * FT + 32 * j, FT, KTh + (int64_t)32 * i * Tp + s0, Tp,
+                                  (const uint16_t *)dSv + 64 * j, 2 * FT, 0, k1, kt > 0);
+                    }
+                if (kt < qt) {
+                    const int s1 = s0 + FT, n1 = T - s1 < FT ? T - s1 : FT;
+                    amx_scores(St, Kh + (int64_t)s1 * HP, Qv, n1, HP, kt + 1 == qt);   /* S^T = K_{j+1} Q_i^T */
+                    amx_scores(dPt, Vh + (int64_t)s1 * HP, dOv, n1, HP, kt + 1 == qt); /* dP^T = V_{j+1} dO_i^T */
+                }
+            }
+            amx_store_t(dq + qoff, ldq, dQt, NULL, nq, hd);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const int64_t off = ((int64_t)b * T + t) * ldk + (int64_t)kvh * hd;
+        memcpy(dk + off, dKa + (int64_t)t * HP, sizeof(float) * (size_t)hd);
+        memcpy(dv + off, dVa + (int64_t)t * HP, sizeof(float) * (size_t)hd);
+    }
+}
+
+static void attention_backward_amx(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                   const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
+                                   int hd, float *scratch) {
+    const int nthr = omp_get_max_threads();
+    const amx_layout L = amx_layout_of(B, T, Hkv, H, hd);
+    float *D = scratch + L.D, *blocks = scratch + L.shared;
+    const int nt = amx_tp(T) / FT;
+    const int64_t ld = (int64_t)H * hd, nrow = (int64_t)B * T;
+#pragma omp parallel num_threads(nthr)
+    {
+        float *ws = blocks + (size_t)omp_get_thread_num() * L.per_thread;
+        uint16_t *Kh = (uint16_t *)(ws + L.kr), *Vh = (uint16_t *)(ws + L.vr), *KTh = (uint16_t *)(ws + L.kt);
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < nrow; row++) {
+            const int b = (int)(row / T), t = (int)(row % T);
+            for (int h = 0; h < H; h++) {
+                /* D = rowsum(dO * O) with the rounded dO that dP = dO V^T sees (double, fixed order) */
+                D[((int64_t)b * H + h) * T + t] = amx_d(out + row * ld + (int64_t)h * hd, dout + row * ld + (int64_t)h * hd, hd);
+            }
+        }
+        amx_begin();
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < B * Hkv; task++) {
+            for (int kt = 0; kt < nt; kt++) amx_pack_kv(Kh, Vh, KTh, NULL, k, v, task / Hkv, task % Hkv, kt, T, Hkv, hd, ws + L.xt);
+            backward_group_amx(dq, dk, dv, dout, q, lse, D, Kh, Vh, KTh, task / Hkv, task % Hkv, T, H, Hkv, hd, ws, &L);
+        }
+        amx_end();
+    }
+}
+#endif

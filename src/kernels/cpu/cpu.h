@@ -65,6 +65,12 @@ void tera_cpu_shadow_end(tera_cpu_matmul *mm);
 uint16_t *tera_cpu_shadow_out(tera_cpu_matmul *mm, const float *w, int64_t n);
 void tera_cpu_shadow_filled(tera_cpu_matmul *mm);
 
+/* fp32 weight gradients (TN products) in primitive pieces and rows-first TN tiles (matmul.c): 1 on
+ * (the default), 0 off (the previous tree's products), as TERA_GEMM_PIECES=0; for benchmarks'
+ * same-process A/B only (the numbers change with it). */
+void tera_cpu_gemm_pieces(int on);
+int64_t tera_cpu_gemm_pieces_taken(void); /* how many products ran in pieces so far (tests) */
+
 /* Capability probes (behind tera_backend caps). */
 int tera_cpu_bf16_fast(const char **isa_name);
 int tera_cpu_bf16_has_dot(void);
@@ -79,6 +85,10 @@ int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
  * tera_attention_bf16_scratch_floats(...) floats. */
 int tera_attention_bf16_available(void);
 size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd);
+/* Which products the bf16 attention runs: "amx" (AMX tile intrinsics in attention.c: the CPU has
+ * AMX-BF16, the OS grants the tile state and ONEDNN_MAX_CPU_ISA allows AMX; TERA_ATTN_BF16=onednn
+ * turns it off) or "onednn" (oneDNN matmul primitives per tile); "none" where not available. */
+const char *tera_attention_bf16_kernel(void);
 void tera_attention_forward_bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                  int T, int H, int Hkv, int hd, float *scratch);
 void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,

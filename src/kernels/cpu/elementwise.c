@@ -250,6 +250,53 @@ void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs
     }
 }
 
+/* Cross-entropy with one exponential per logit: e = exp(x - max) is written to the gradient's memory
+ * while it is summed (exp_row: 16 lanes in tera_sum_exp's order, so the sum and the lse are the
+ * forward's bit for bit), then that memory alone is scaled by scale / sum (scale_row, in cache):
+ * dlogits = e * (scale / sum) - scale * onehot, from the very exponentials the loss summed. */
+
+/* out[i] = exp(x[i] - mx) (out may be x); returns their sum in tera_sum_exp's order */
+static float exp_row(float *out, const float *x, int64_t n, float mx) {
+    float acc[TERA_LANES] = {0};
+    int64_t i = 0;
+    for (; i + TERA_LANES <= n; i += TERA_LANES) {
+        float e[TERA_LANES];
+        for (int l = 0; l < TERA_LANES; l++) e[l] = tera_vexpf(x[i + l] - mx);
+        for (int l = 0; l < TERA_LANES; l++) acc[l] += e[l];
+        memcpy(out + i, e, sizeof e); /* after the loads: out may be x */
+    }
+    for (; i < n; i++) {
+        const float e = tera_vexpf(x[i] - mx);
+        acc[i % TERA_LANES] += e;
+        out[i] = e;
+    }
+    float s = 0.0f;
+    for (int l = 0; l < TERA_LANES; l++) s += acc[l];
+    return s;
+}
+
+/* d[i] = e[i] * k: d is e, or does not overlap it (two loops, each vectorised without an alias check) */
+static void scale_copy(float *restrict d, const float *restrict e, int64_t n, float k) {
+    for (int64_t i = 0; i < n; i++) d[i] = e[i] * k;
+}
+static void scale_row(float *d, const float *e, int64_t n, float k) {
+    if (d != e) {
+        scale_copy(d, e, n, k);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) d[i] *= k;
+}
+
+/* one row of the whole vocabulary: d[V] = scale * (softmax(r) - onehot(t)) (d may be r); returns the
+ * row's lse (= row_lse(r, V), the same bits) */
+static float ce_row(float *d, const float *r, int64_t V, int64_t t, float scale) {
+    const float mx = tera_max(r, V);
+    const float s = exp_row(d, r, V, mx);
+    scale_row(d, d, V, scale / s);
+    d[t] -= scale;
+    return mx + logf(s);
+}
+
 double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) lse[n] = row_lse(logits + n * V, V);
@@ -258,9 +305,10 @@ double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, 
     return sum;
 }
 
-void tera_ce_backward(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
-                      int64_t N, int64_t V, float scale) {
-    tera_ce_backward_range(dlogits, logits, lse, targets, N, V, 0, scale); /* the whole vocabulary */
+void tera_ce_backward(float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V,
+                      float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale);
 }
 
 /* ------------------------------------------------------------- vocabulary-parallel pieces */
@@ -297,45 +345,41 @@ void tera_ce_slice_max(float *rowmax, const float *logits, int64_t N, int64_t Vl
     for (int64_t n = 0; n < N; n++) rowmax[n] = tera_max(logits + n * Vl, Vl);
 }
 
-void tera_ce_slice_sums(float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+void tera_ce_slice_sums(float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax,
                         const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        sumexp[n] = tera_sum_exp(logits + n * Vl, Vl, rowmax[n]);
+        const float *r = logits + n * Vl;
         const int64_t t = (int64_t)targets[n] - v0;
-        tlogit[n] = t >= 0 && t < Vl ? logits[n * Vl + t] : 0.0f;
+        tlogit[n] = t >= 0 && t < Vl ? r[t] : 0.0f; /* before e (may be logits) is written */
+        sumexp[n] = e ? exp_row(e + n * Vl, r, Vl, rowmax[n]) : tera_sum_exp(r, Vl, rowmax[n]);
     }
 }
 
-void tera_ce_backward_range(float *dlogits, const float *logits, const float *lse, const int32_t *targets,
+void tera_ce_backward_range(float *dlogits, const float *e, const float *sumexp, const int32_t *targets,
                             int64_t N, int64_t Vl, int64_t v0, float scale) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const float *r = logits + n * Vl;
         float *d = dlogits + n * Vl;
-        const float l = lse[n];
-        for (int64_t v = 0; v < Vl; v++) d[v] = scale * tera_vexpf(r[v] - l);
+        scale_row(d, e + n * Vl, Vl, scale / sumexp[n]);
         const int64_t t = (int64_t)targets[n] - v0;
         if (t >= 0 && t < Vl) d[t] -= scale;
     }
 }
 
-/* Forward and backward in one pass over each row of the logits: the row's max and sum of exponentials
- * (lse, as tera_ce_forward), its target logit kept in tlogit, then dlogits written over the row while
- * it is still in cache (as tera_ce_backward_range): the same operations per element as the two
- * separate passes, so the same bits, with the logits read from memory once instead of twice. */
+/* Forward and backward in one pass over each row of the logits (ce_row): the row's max, its
+ * exponentials written to dlogits and summed (lse, as tera_ce_forward), its target logit kept in
+ * tlogit, then dlogits scaled while the row is still in cache (as tera_ce_backward): the same
+ * operations per element as the two separate calls, so the same bits, with the logits read from
+ * memory once and one exponential per logit. */
 double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
                      int64_t N, int64_t V, float scale) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *r = logits + n * V;
-        float *d = dlogits + n * V;
-        const float l = row_lse(r, V);
         const int64_t t = targets[n];
-        lse[n] = l;
-        tlogit[n] = r[t];
-        for (int64_t v = 0; v < V; v++) d[v] = scale * tera_vexpf(r[v] - l);
-        d[t] -= scale;
+        tlogit[n] = r[t]; /* before dlogits (may be logits) is written */
+        lse[n] = ce_row(dlogits + n * V, r, V, t, scale);
     }
     double sum = 0.0; /* fixed order, as tera_ce_forward */
     for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];

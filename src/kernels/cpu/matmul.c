@@ -6,7 +6,9 @@
  * long reductions under AVX-512) into tiles of C chosen from the shape alone and runs every tile as
  * a single-threaded product. oneDNN's matmul primitive (faster than oneDNN's multi-threaded sgemm
  * on the LM head's shapes: TN 16384x512x2048 272 vs 110 GFLOP/s on two threads) serves the large
- * bf16 products, and fp32 ones only with TERA_GEMM_TILES=0 (fp32_primitive_ok).
+ * bf16 products; fp32 ones take it whole only with TERA_GEMM_TILES=0 (fp32_primitive_ok), and
+ * large fp32 weight gradients as single-threaded pieces fixed by the shape ("Weight gradients in
+ * primitive pieces").
  * The linear layers can run in bf16 or (emulated) fp16, the precision of the CPU backend's context
  * (tera_cpu_matmul, cpu.h; include/tera/backend.h) passed to every call: "Mixed precision" below. */
 #if defined(__x86_64__)
@@ -136,7 +138,9 @@ static int64_t g_primitive_min_macs = 1LL << 30; /* TERA_GEMM_PRIMITIVE_MIN over
 /* TERA_GEMM_TILES=0 restores oneDNN's own threading of fp32 products (results that depend on the
  * thread count; for A/B timing only). Read once. */
 static int g_tiles = 1;
-static int64_t g_tile_macs = 1LL << 24; /* a tile's target work (TERA_GEMM_TILE_MACS overrides, for tuning) */
+static int g_pieces = 1; /* weight gradients in primitive pieces ("Weight gradients in primitive pieces") */
+static int64_t g_pieces_taken = 0; /* products run in pieces (tests) */
+static int64_t g_tile_macs = 0; /* a tile's target work: 0 the default (tile_plan); TERA_GEMM_TILE_MACS overrides (tuning) */
 static int64_t g_tile_min = 128;        /* pieces of a dimension are at least this long, but for the last
                                          * (TERA_GEMM_TILE_MIN overrides) */
 static pthread_once_t g_tiles_once = PTHREAD_ONCE_INIT;
@@ -146,6 +150,8 @@ static void tiles_init(void) {
     const char *m = getenv("TERA_GEMM_TILE_MACS"), *l = getenv("TERA_GEMM_TILE_MIN");
     if (m && atoll(m) > 0) g_tile_macs = atoll(m);
     if (l && atoll(l) > 0) g_tile_min = atoll(l);
+    const char *p = getenv("TERA_GEMM_PIECES");
+    if (p && strcmp(p, "0") == 0) g_pieces = 0;
 }
 
 #if HAVE_MATMUL_PRIMITIVE
@@ -186,8 +192,9 @@ static int fp32_primitive_ok(void) { return !g_tiles; }
  * on any thread count, and the same whether a product runs alone on every thread or on one thread
  * beside others. A product whose C is too small to cut (M and N both below twice the least piece)
  * runs on one thread, however long its reduction. fp32 products no longer take the matmul
- * primitive (fp32_primitive_ok), so a product has the same numbers inside and outside parallel
- * regions at any size. */
+ * primitive whole (fp32_primitive_ok), so a product has the same numbers inside and outside parallel
+ * regions at any size; large weight gradients take it in single-threaded pieces (below), chosen by
+ * the shape as the tiles are. */
 #define TILE_MAX 16                     /* tiles per product at most (each tile packs its own operands) */
 #define TILE_K_AVX512 384               /* with AVX-512 kernels, only reductions this long are cut (below) */
 #define TILE_ALIGN 16                   /* piece lengths are multiples of this (a 64-byte line of C's row) */
@@ -208,11 +215,24 @@ static int64_t tile_extent(int64_t len, int64_t pieces) {
 }
 
 /* The tiles of C[M, N] for a reduction of K: as many as g_tile_macs of work each (at most TILE_MAX),
- * cutting whichever dimension has the longer pieces first. */
+ * cutting whichever dimension has the longer pieces first; with A transposed and B not (TN: the
+ * weight gradients) only M when it can be cut (tiles of whole rows of C: fewer, so fewer packings
+ * of the long operands): one thread, quiet machine, bench-m 512x512x2048 151 against 131 GFLOP/s
+ * for the 4 x 4 grid, 512x1024x2048 142 against 121. Fewer tiles also means fewer threads busy on
+ * many-core machines (512 rows: 4 tiles). The grid of the previous tree with TERA_GEMM_PIECES=0
+ * (A/B timing). */
 static void tile_plan(gemm_tiles *g) {
-    int64_t want = g->M * g->N * g->K / g_tile_macs;
+    /* 2^28 multiply-adds a tile, at least 2 tiles from 2^26: one thread runs a product's tiles one after
+     * another (inside parallel regions: the experts side by side) 3-10% slower than one whole sgemm
+     * with 2^24 (9-16 tiles), within 1% with 1-4 (bench-m's expert and attention products); 2^24
+     * without the floor with TERA_GEMM_PIECES=0 (the previous tree) */
+    const int64_t macs = g_tile_macs ? g_tile_macs : g_pieces ? 1LL << 28 : 1LL << 24, mnk = g->M * g->N * g->K;
+    int64_t want = mnk / macs;
+    if (!g_tile_macs && g_pieces && want < 2 && mnk >= (1LL << 26)) want = 2;
     if (want > TILE_MAX) want = TILE_MAX;
-    const int64_t mmax = g->M / g_tile_min > 1 ? g->M / g_tile_min : 1, nmax = g->N / g_tile_min > 1 ? g->N / g_tile_min : 1;
+    const int64_t mmax = g->M / g_tile_min > 1 ? g->M / g_tile_min : 1;
+    int64_t nmax = g->N / g_tile_min > 1 ? g->N / g_tile_min : 1;
+    if (g_pieces && g->ta == 'T' && g->tb == 'N' && mmax > 1) nmax = 1; /* TN: whole rows of C */
     int64_t gm = 1, gn = 1;
     while (gm * gn < want) {
         const int can_m = gm < mmax, can_n = gn < nmax;
@@ -267,6 +287,211 @@ static void sgemm_tiled(int ta, int tb, int64_t M, int64_t N, int64_t K, float a
     for (int64_t t = 0; t < nt; t++) tile_run(&g, t);
 }
 
+/* ------------------------------------------------------------------ weight gradients in primitive pieces */
+
+/* A weight gradient C[M,N] += A[K,M]^T B[K,N] (TN, K the tokens) is where oneDNN's sgemm is slowest:
+ * with A transposed and M > N it packs A slowly (TN 16384x512x2048: 55-85 GFLOP/s on one thread,
+ * the deterministic tiles no better) while oneDNN's matmul primitive (brgemm kernels) runs it at
+ * 110-140 (bench/bench_gemm.c). The primitive is only deterministic on one thread (on several it
+ * splits K by the thread count), and it takes its brgemm kernels only for dense operands (a tile of
+ * C with A transposed is not). So such a product runs as pieces fixed by (M, N, K) alone: C cut
+ * into blocks of PIECE_M rows (the last shorter), each block's reduction cut into chunks of PIECE_K
+ * and the rest. A chunk copies its PIECE_K x m block of A into a dense array (each thread its own)
+ * and is one single-threaded primitive call of the fixed shape m x N x PIECE_K, accumulated into C
+ * one chunk after another (the first with the product's beta, the next with beta 1); the rest
+ * (K mod PIECE_K rows) is a single-threaded sgemm. Blocks run side by side outside parallel regions
+ * and one after another inside them: the numbers depend on (M, N, K) alone, on any thread count.
+ * Taken for alpha 1, beta 0 or 1, K >= PIECE_K, at least two blocks and C of PIECE_MIN_MN
+ * elements or more, when every piece's primitive gets oneDNN's brgemm kernels (AVX-512 and up; never
+ * under AVX2): all decided by the shape and the ISA; else the product takes the tiles. Only a few
+ * shapes of primitive exist per model (a chunk's reduction is fixed, whatever the experts' row counts).
+ * TERA_GEMM_PIECES=0 turns them off, and the TN tiles' rows-first plan (tile_plan) with them: the
+ * previous tree's fp32 products, for A/B timing (other numbers). */
+#define PIECE_M 256
+#define PIECE_K 512
+#define PIECE_CACHE 256 /* primitive shapes; a model has a few (2 per (M, N) of its weight gradients, x 2 betas) */
+#define PIECE_MIN_MN (1 << 19) /* smaller C (512 x 512, 512 x 256) measured no faster in pieces than in tiles */
+
+#if HAVE_MATMUL_PRIMITIVE
+typedef struct {
+    int64_t m, N, ldb, ldc; /* the key: TN m x N x PIECE_K, A dense (lda = m) */
+    int accumulate;         /* beta 1 (a sum post-op) or 0 */
+    int brgemm;             /* the primitive got oneDNN's brgemm kernels (else it is not used) */
+    dnnl_primitive_t prim;
+    dnnl_memory_desc_t ad, bd, cd, sd; /* operands and scratchpad (user-managed: one per thread) */
+    size_t scratch_bytes;
+} piece_prim;
+
+static piece_prim g_piece[PIECE_CACHE];
+static int g_npiece = 0;
+static pthread_mutex_t g_piece_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* What each thread executes the pieces with: its stream, its memory objects per cached primitive,
+ * its scratchpad and its dense copy of A's block (grown once, kept for the process; each thread's
+ * is also listed in g_piece_thread, so that a worker thread that exits leaves no unreachable memory). */
+typedef struct {
+    dnnl_stream_t stream;
+    dnnl_memory_t mem[PIECE_CACHE][4]; /* a, b, c, scratchpad */
+    void *scratch;
+    size_t scratch_bytes;
+    float *abuf;
+} piece_thread;
+#define PIECE_THREADS 1024
+static _Thread_local piece_thread *t_piece;
+static piece_thread *g_piece_thread[PIECE_THREADS];
+static int g_npiece_thread = 0;
+
+static piece_thread *piece_thread_get(void) {
+    if (!t_piece) {
+        t_piece = tera_calloc(1, sizeof(piece_thread));
+        pthread_mutex_lock(&g_piece_lock);
+        if (g_npiece_thread < PIECE_THREADS) g_piece_thread[g_npiece_thread++] = t_piece;
+        pthread_mutex_unlock(&g_piece_lock);
+    }
+    return t_piece;
+}
+
+/* The cached primitive of one piece shape (created on first use, single-threaded: oneDNN plans a
+ * primitive for the thread count it is created with). A full cache is an error, not a fallback: which
+ * shapes found room would depend on the order threads reach them, and with it the numbers. */
+static piece_prim *piece_get(int64_t m, int64_t N, int64_t ldb, int64_t ldc, int accumulate) {
+    pthread_once(&g_once, engine_init);
+    pthread_mutex_lock(&g_piece_lock);
+    piece_prim *e = NULL;
+    for (int i = 0; i < g_npiece && !e; i++)
+        if (g_piece[i].m == m && g_piece[i].N == N && g_piece[i].ldb == ldb && g_piece[i].ldc == ldc &&
+            g_piece[i].accumulate == accumulate)
+            e = &g_piece[i];
+    TERA_ASSERTF(e || g_npiece < PIECE_CACHE, "fp32 product pieces: more than %d primitive shapes (TN %lld x %lld)",
+                 PIECE_CACHE, (long long)m, (long long)N);
+    if (!e) {
+        e = &g_piece[g_npiece];
+        *e = (piece_prim){.m = m, .N = N, .ldb = ldb, .ldc = ldc, .accumulate = accumulate};
+        dnnl_dims_t adims = {m, PIECE_K}, bdims = {PIECE_K, N}, cdims = {m, N};
+        dnnl_dims_t as = {1, m}, bs = {ldb, 1}, cs = {ldc, 1}; /* A^T: the copy is [PIECE_K, m] */
+        DNNL_CHECK(dnnl_memory_desc_init_by_strides(&e->ad, 2, adims, dnnl_f32, as));
+        DNNL_CHECK(dnnl_memory_desc_init_by_strides(&e->bd, 2, bdims, dnnl_f32, bs));
+        DNNL_CHECK(dnnl_memory_desc_init_by_strides(&e->cd, 2, cdims, dnnl_f32, cs));
+        dnnl_matmul_desc_t md;
+        DNNL_CHECK(dnnl_matmul_desc_init(&md, &e->ad, &e->bd, NULL, &e->cd));
+        dnnl_primitive_attr_t attr;
+        DNNL_CHECK(dnnl_primitive_attr_create(&attr));
+        DNNL_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user));
+        if (accumulate) {
+            dnnl_post_ops_t po;
+            DNNL_CHECK(dnnl_post_ops_create(&po));
+            DNNL_CHECK(dnnl_post_ops_append_sum(po, 1.0f));
+            DNNL_CHECK(dnnl_primitive_attr_set_post_ops(attr, po));
+            dnnl_post_ops_destroy(po);
+        }
+        const int threads = omp_get_max_threads();
+        omp_set_num_threads(1);
+        dnnl_primitive_desc_t pd;
+        DNNL_CHECK(dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL));
+        const char *impl = "";
+        DNNL_CHECK(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl));
+        e->brgemm = strncmp(impl, "brg", 3) == 0;
+        if (e->brgemm) {
+            e->sd = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+            e->scratch_bytes = dnnl_memory_desc_get_size(&e->sd);
+            DNNL_CHECK(dnnl_primitive_create(&e->prim, pd));
+        }
+        omp_set_num_threads(threads);
+        dnnl_primitive_desc_destroy(pd);
+        dnnl_primitive_attr_destroy(attr);
+        g_npiece++;
+    }
+    pthread_mutex_unlock(&g_piece_lock);
+    return e;
+}
+
+/* One chunk on the calling thread: C[m,N] = beta C + a[PIECE_K,m]^T b[PIECE_K,N] (a dense). */
+static void piece_run(piece_prim *e, const float *a, const float *b, float *c) {
+    piece_thread *t = piece_thread_get();
+    const int i = (int)(e - g_piece);
+    if (!t->stream) DNNL_CHECK(dnnl_stream_create(&t->stream, g_engine, dnnl_stream_default_flags));
+    if (!t->mem[i][0]) {
+        DNNL_CHECK(dnnl_memory_create(&t->mem[i][0], &e->ad, g_engine, DNNL_MEMORY_NONE));
+        DNNL_CHECK(dnnl_memory_create(&t->mem[i][1], &e->bd, g_engine, DNNL_MEMORY_NONE));
+        DNNL_CHECK(dnnl_memory_create(&t->mem[i][2], &e->cd, g_engine, DNNL_MEMORY_NONE));
+        if (e->scratch_bytes) DNNL_CHECK(dnnl_memory_create(&t->mem[i][3], &e->sd, g_engine, DNNL_MEMORY_NONE));
+    }
+    if (e->scratch_bytes > t->scratch_bytes) {
+        free(t->scratch);
+        t->scratch = tera_malloc(e->scratch_bytes);
+        t->scratch_bytes = e->scratch_bytes;
+    }
+    DNNL_CHECK(dnnl_memory_set_data_handle(t->mem[i][0], (void *)a));
+    DNNL_CHECK(dnnl_memory_set_data_handle(t->mem[i][1], (void *)b));
+    DNNL_CHECK(dnnl_memory_set_data_handle(t->mem[i][2], c));
+    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, t->mem[i][0]}, {DNNL_ARG_WEIGHTS, t->mem[i][1]}, {DNNL_ARG_DST, t->mem[i][2]},
+                               {DNNL_ARG_SCRATCHPAD, t->mem[i][3]}};
+    if (e->scratch_bytes) DNNL_CHECK(dnnl_memory_set_data_handle(t->mem[i][3], t->scratch));
+    DNNL_CHECK(dnnl_primitive_execute(e->prim, t->stream, e->scratch_bytes ? 4 : 3, args));
+    DNNL_CHECK(dnnl_stream_wait(t->stream));
+}
+
+typedef struct {
+    int64_t M, N, K, lda, ldb, ldc;
+    float beta;
+    const float *A, *B;
+    float *C;
+    piece_prim *p[2][2]; /* [last block][accumulate] */
+} gemm_pieces;
+
+/* Block b of C (rows b PIECE_M ..): its chunks in order, then the rest of the reduction. */
+static void pieces_block(const gemm_pieces *g, int64_t b) {
+    const int64_t i0 = b * PIECE_M, m = g->M - i0 < PIECE_M ? g->M - i0 : PIECE_M, last = m != PIECE_M;
+    piece_thread *t = piece_thread_get();
+    if (!t->abuf) t->abuf = tera_malloc(sizeof(float) * PIECE_M * PIECE_K);
+    float *c = g->C + i0 * g->ldc;
+    int64_t k0 = 0;
+    for (; k0 + PIECE_K <= g->K; k0 += PIECE_K) {
+        for (int64_t k = 0; k < PIECE_K; k++) memcpy(t->abuf + k * m, g->A + (k0 + k) * g->lda + i0, sizeof(float) * (size_t)m);
+        const int acc = k0 > 0 || g->beta != 0.0f;
+        piece_run(g->p[last][acc], t->abuf, g->B + k0 * g->ldb, c);
+    }
+    if (k0 < g->K)
+        DNNL_CHECK(dnnl_sgemm('T', 'N', m, g->N, g->K - k0, 1.0f, g->A + k0 * g->lda + i0, g->lda, g->B + k0 * g->ldb, g->ldb,
+                              1.0f, c, g->ldc));
+}
+
+/* C[M,N] = A[K,M]^T B[K,N] + beta C in pieces when they apply (see above); 0 when not (nothing done). */
+static int gemm_pieces_tn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                          int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (!g_pieces || alpha != 1.0f || (beta != 0.0f && beta != 1.0f) || K < PIECE_K || M < 2 * PIECE_M ||
+        M * N < PIECE_MIN_MN)
+        return 0;
+    gemm_pieces g = {.M = M, .N = N, .K = K, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta, .A = A, .B = B, .C = C};
+    const int64_t mlast = M % PIECE_M;
+    for (int last = 0; last < 2; last++)
+        for (int acc = 0; acc < 2; acc++) {
+            if (last && !mlast) continue;
+            g.p[last][acc] = piece_get(last ? mlast : PIECE_M, N, ldb, ldc, acc);
+            if (!g.p[last][acc]->brgemm) return 0;
+        }
+    __atomic_add_fetch(&g_pieces_taken, 1, __ATOMIC_RELAXED);
+    const int64_t nb = (M + PIECE_M - 1) / PIECE_M;
+    const int threads = omp_get_max_threads();
+    if (omp_in_parallel() || threads == 1) {
+        omp_set_num_threads(1); /* the rest's sgemm on this thread */
+        for (int64_t b = 0; b < nb; b++) pieces_block(&g, b);
+        omp_set_num_threads(threads);
+        return 1;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads < nb ? threads : (int)nb)
+    for (int64_t b = 0; b < nb; b++) pieces_block(&g, b);
+    return 1;
+}
+#endif
+
+int64_t tera_cpu_gemm_pieces_taken(void) { return __atomic_load_n(&g_pieces_taken, __ATOMIC_RELAXED); }
+
+void tera_cpu_gemm_pieces(int on) {
+    pthread_once(&g_tiles_once, tiles_init);
+    g_pieces = on;
+}
+
 void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M == 0 || N == 0) return;
@@ -280,6 +505,11 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
 #if HAVE_MATMUL_PRIMITIVE
     if (use_primitive() && alpha == 1.0f && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
         fp32_primitive_ok() && matmul_primitive(dnnl_f32, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc))
+        return;
+#endif
+#if HAVE_MATMUL_PRIMITIVE
+    if (g_tiles && trans_a && !trans_b && tiles_needed(K) &&
+        gemm_pieces_tn(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))
         return;
 #endif
     if (g_tiles && tiles_needed(K))

@@ -593,29 +593,30 @@ void cu_ce_slice_max(tera_backend *be, float *rowmax, const float *logits, int64
     tera_cuda::ce_slice_max(c->stream, rowmax, logits, N, Vl);
 }
 
-void cu_ce_slice_sums(tera_backend *be, float *sumexp, float *tlogit, const float *logits, const float *rowmax,
-                      const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
+void cu_ce_slice_sums(tera_backend *be, float *sumexp, float *tlogit, float *e, const float *logits,
+                      const float *rowmax, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
     CudaBackend *c = cb(be);
     Staging s(c);
     s.out(sumexp, fbytes(N));
     s.out(tlogit, fbytes(N));
     s.in(logits, fbytes(N * Vl));
+    s.out(e, fbytes(N * Vl)); /* NULL: not staged; may be logits: staged once, in and out */
     s.in(rowmax, fbytes(N));
     s.in(targets, ibytes(N));
     s.go();
-    tera_cuda::ce_slice_sums(c->stream, sumexp, tlogit, logits, rowmax, targets, N, Vl, v0);
+    tera_cuda::ce_slice_sums(c->stream, sumexp, tlogit, e, logits, rowmax, targets, N, Vl, v0);
 }
 
-void cu_ce_backward_range(tera_backend *be, float *dlogits, const float *logits, const float *lse,
+void cu_ce_backward_range(tera_backend *be, float *dlogits, const float *e, const float *sumexp,
                           const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
     CudaBackend *c = cb(be);
     Staging s(c);
-    s.in(logits, fbytes(N * Vl));
-    s.out(dlogits, fbytes(N * Vl)); /* may be logits: staged once, in and out */
-    s.in(lse, fbytes(N));
+    s.in(e, fbytes(N * Vl));
+    s.out(dlogits, fbytes(N * Vl)); /* may be e: staged once, in and out */
+    s.in(sumexp, fbytes(N));
     s.in(targets, ibytes(N));
     s.go();
-    tera_cuda::ce_backward_range(c->stream, dlogits, logits, lse, targets, N, Vl, v0, scale);
+    tera_cuda::ce_backward_range(c->stream, dlogits, e, sumexp, targets, N, Vl, v0, scale);
 }
 
 double cu_ce_forward(tera_backend *be, float *lse, const float *logits, const int32_t *targets, int64_t N,
@@ -635,9 +636,15 @@ double cu_ce_forward(tera_backend *be, float *lse, const float *logits, const in
     return sum;
 }
 
-void cu_ce_backward(tera_backend *be, float *dlogits, const float *logits, const float *lse, const int32_t *targets,
-                    int64_t N, int64_t V, float scale) {
-    cu_ce_backward_range(be, dlogits, logits, lse, targets, N, V, 0, scale);
+void cu_ce_backward(tera_backend *be, float *dlogits, const float *logits, const int32_t *targets, int64_t N,
+                    int64_t V, float scale) {
+    CudaBackend *c = cb(be);
+    Staging s(c);
+    s.in(logits, fbytes(N * V));
+    s.out(dlogits, fbytes(N * V)); /* may be logits: staged once, in and out */
+    s.in(targets, ibytes(N));
+    s.go();
+    tera_cuda::ce_backward(c->stream, dlogits, logits, targets, N, V, scale);
 }
 
 void cu_softmax_forward(tera_backend *be, float *probs, float *lse, const float *logits, int64_t N, int64_t E) {

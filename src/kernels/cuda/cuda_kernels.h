@@ -34,10 +34,15 @@ void embedding_forward_range(cudaStream_t s, float *x, const float *table, const
 void embedding_backward_range(cudaStream_t s, float *dtable, const float *dx, const int32_t *tokens, int64_t N,
                               int64_t D, int64_t v0, int64_t Vl);
 void ce_slice_max(cudaStream_t s, float *rowmax, const float *logits, int64_t N, int64_t Vl);
-void ce_slice_sums(cudaStream_t s, float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+/* the cross-entropy with one exponential per logit (include/tera/kernels.h): e (may be NULL, or logits)
+ * = exp(logits - rowmax); dlogits = e * scale / sumexp - scale * onehot (may be e); ce_backward: both
+ * for whole rows, each row's max and sum computed again (dlogits may be logits) */
+void ce_slice_sums(cudaStream_t s, float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax,
                    const int32_t *targets, int64_t N, int64_t Vl, int64_t v0);
-void ce_backward_range(cudaStream_t s, float *dlogits, const float *logits, const float *lse,
+void ce_backward_range(cudaStream_t s, float *dlogits, const float *e, const float *sumexp,
                        const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale);
+void ce_backward(cudaStream_t s, float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V,
+                 float scale);
 /* lse[N]; *sum (device, one double) = sum over rows of lse - target logit, in row order */
 void ce_forward(cudaStream_t s, float *lse, double *sum, const float *logits, const int32_t *targets, int64_t N,
                 int64_t V);

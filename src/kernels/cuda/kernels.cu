@@ -424,28 +424,60 @@ __global__ void k_row_max(float *rowmax, const float *logits, int64_t V) {
     m = block_reduce<true>(m, sh);
     if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
 }
-__global__ void k_ce_sums(float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+/* the slice's sum of exponentials, its target logit, and (e != NULL) the exponentials themselves
+ * (e may be logits: the target logit is read before any is written) */
+__global__ void k_ce_sums(float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax,
                           const int32_t *targets, int64_t Vl, int64_t v0) {
     __shared__ float sh[32];
     const int64_t n = blockIdx.x;
     const float *r = logits + n * Vl;
     const float mx = rowmax[n];
+    const int64_t t = (int64_t)targets[n] - v0;
+    if (threadIdx.x == 0) tlogit[n] = t >= 0 && t < Vl ? r[t] : 0.0f;
+    __syncthreads();
     float se = 0.0f;
-    for (int64_t c = threadIdx.x; c < Vl; c += blockDim.x) se += expf(r[c] - mx);
-    se = block_reduce<false>(se, sh);
-    if (threadIdx.x == 0) {
-        sumexp[n] = se;
-        const int64_t t = (int64_t)targets[n] - v0;
-        tlogit[n] = t >= 0 && t < Vl ? r[t] : 0.0f;
+    for (int64_t c = threadIdx.x; c < Vl; c += blockDim.x) {
+        const float x = expf(r[c] - mx);
+        se += x;
+        if (e) e[n * Vl + c] = x;
     }
+    se = block_reduce<false>(se, sh);
+    if (threadIdx.x == 0) sumexp[n] = se;
 }
-__global__ void k_ce_bwd(float *dlogits, const float *logits, const float *lse, const int32_t *targets, int64_t N,
+/* dlogits = e * (scale / sumexp) - scale * onehot (may be e): no exponential; the product rounded
+ * (no FMA with the subtraction), as k_ce_row_bwd */
+__global__ void k_ce_bwd(float *dlogits, const float *e, const float *sumexp, const int32_t *targets, int64_t N,
                          int64_t Vl, int64_t v0, float scale) {
     GRID_STRIDE(i, N * Vl) {
         const int64_t n = i / Vl, c = i % Vl;
-        float d = scale * expf(logits[i] - lse[n]);
+        float d = __fmul_rn(e[i], scale / sumexp[n]);
         if ((int64_t)targets[n] - v0 == c) d -= scale;
         dlogits[i] = d;
+    }
+}
+/* one block per row of the whole vocabulary: k_row_max, k_ce_sums (e into dlogits) and k_ce_bwd in
+ * turn, the same arithmetic (dlogits may be logits) */
+__global__ void k_ce_row_bwd(float *dlogits, const float *logits, const int32_t *targets, int64_t V, float scale) {
+    __shared__ float sh[32];
+    const int64_t n = blockIdx.x;
+    const float *r = logits + n * V;
+    float *d = dlogits + n * V;
+    float m = -INFINITY;
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, r[c]);
+    m = block_reduce<true>(m, sh);
+    float se = 0.0f;
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) { /* each thread rewrites only what it read */
+        const float x = expf(r[c] - m);
+        se += x;
+        d[c] = x;
+    }
+    se = block_reduce<false>(se, sh);
+    const float k = scale / se;
+    const int64_t t = targets[n];
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
+        float v = __fmul_rn(d[c], k);
+        if (c == t) v -= scale;
+        d[c] = v;
     }
 }
 /* lse of each row (softmax too: probs = exp(x - lse) when probs != NULL) */
@@ -485,16 +517,22 @@ void ce_slice_max(cudaStream_t s, float *rowmax, const float *logits, int64_t N,
     k_row_max<<<(unsigned)N, ROW_THREADS, 0, s>>>(rowmax, logits, Vl);
     check_launch("ce_slice_max");
 }
-void ce_slice_sums(cudaStream_t s, float *sumexp, float *tlogit, const float *logits, const float *rowmax,
+void ce_slice_sums(cudaStream_t s, float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax,
                    const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
     if (N <= 0) return;
-    k_ce_sums<<<(unsigned)N, ROW_THREADS, 0, s>>>(sumexp, tlogit, logits, rowmax, targets, Vl, v0);
+    k_ce_sums<<<(unsigned)N, ROW_THREADS, 0, s>>>(sumexp, tlogit, e, logits, rowmax, targets, Vl, v0);
     check_launch("ce_slice_sums");
 }
-void ce_backward_range(cudaStream_t s, float *dlogits, const float *logits, const float *lse,
+void ce_backward_range(cudaStream_t s, float *dlogits, const float *e, const float *sumexp,
                        const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
     if (N <= 0 || Vl <= 0) return;
-    k_ce_bwd<<<grid_for(N * Vl, 256), 256, 0, s>>>(dlogits, logits, lse, targets, N, Vl, v0, scale);
+    k_ce_bwd<<<grid_for(N * Vl, 256), 256, 0, s>>>(dlogits, e, sumexp, targets, N, Vl, v0, scale);
+    check_launch("ce_backward_range");
+}
+void ce_backward(cudaStream_t s, float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V,
+                 float scale) {
+    if (N <= 0 || V <= 0) return;
+    k_ce_row_bwd<<<(unsigned)N, ROW_THREADS, 0, s>>>(dlogits, logits, targets, V, scale);
     check_launch("ce_backward");
 }
 void ce_forward(cudaStream_t s, float *lse, double *sum, const float *logits, const int32_t *targets, int64_t N,
