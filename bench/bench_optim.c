@@ -50,6 +50,25 @@ static double cpu_now(void) { /* the process's CPU time, all threads */
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* the gradients of rep r (the same values for every pass of the rep) */
+static void grads_fill(tera_model *m, int64_t n, int r) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) m->g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+}
+
+/* The rep's second AdamW pass, timed into *cpu, *wall: --ab the previous loop (TERA_OPTIM_V0=1),
+ * else the pass that writes the shadow w16. */
+static void second_pass(tera_adamw *o, tera_model *m, const tera_config *cfg, double *sq, int ab, uint16_t *w16,
+                        double *cpu, double *wall) {
+    const double cs = cpu_now(), ts = tera_now();
+    if (ab) setenv("TERA_OPTIM_V0", "1", 1);
+    else o->w16 = w16;
+    tera_adamw_step_by_param(o, m, 1e-3f, 0.5f, &cfg->optimizer, 1, NULL, NULL, sq + m->n_params, sq + 2 * m->n_params);
+    if (ab) unsetenv("TERA_OPTIM_V0");
+    else o->w16 = NULL;
+    *cpu = cpu_now() - cs, *wall = tera_now() - ts;
+}
+
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
     int threads = 1, reps = 7, bf16 = 0, shadow = 0, ab = 0;
@@ -102,21 +121,12 @@ int main(int argc, char **argv) {
         double tsh = 0.0, csh = 0.0;
         if (ab && shadow) o.w16 = w16; /* --ab: both passes write the shadow */
         for (int first = 1; two && r % 2 == 0 && first >= 0; first--) { /* even rounds: the second pass first */
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+            grads_fill(&m, n, r);
             if (!first) break;
-            const double cs = cpu_now(), ts = tera_now();
-            if (ab) setenv("TERA_OPTIM_V0", "1", 1);
-            else o.w16 = w16;
-            tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
-                                     sq + 2 * m.n_params);
-            if (ab) unsetenv("TERA_OPTIM_V0");
-            else o.w16 = NULL;
-            csh = cpu_now() - cs, tsh = tera_now() - ts;
+            second_pass(&o, &m, &cfg, sq, ab, w16, &csh, &tsh);
         }
         if (!two || r % 2) {
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
+            grads_fill(&m, n, r);
         }
         for (int k = 0; ab && k < 2; k++) /* the previous norm pass: before the current one in odd reps */
             if ((k == 0) == (r % 2 == 1)) {
@@ -137,16 +147,8 @@ int main(int argc, char **argv) {
                                  sq + 2 * m.n_params);
         const double c2 = cpu_now(), t2 = tera_now();
         if (two && r % 2) { /* odd rounds: the second pass second */
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < n; i++) m.g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
-            const double cs = cpu_now(), ts = tera_now();
-            if (ab) setenv("TERA_OPTIM_V0", "1", 1);
-            else o.w16 = w16;
-            tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
-                                     sq + 2 * m.n_params);
-            if (ab) unsetenv("TERA_OPTIM_V0");
-            else o.w16 = NULL;
-            csh = cpu_now() - cs, tsh = tera_now() - ts;
+            grads_fill(&m, n, r);
+            second_pass(&o, &m, &cfg, sq, ab, w16, &csh, &tsh);
         }
         o.w16 = NULL;
         if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1, t_sh[r - 1] = tsh, c_sh[r - 1] = csh;

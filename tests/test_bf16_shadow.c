@@ -155,23 +155,7 @@ static void test_shadow_window(void **state) {
 }
 
 static tera_config tiny_cfg(const char *precision, const char *units, int accum, const char *recompute) {
-    tera_config c;
-    tera_config_defaults(&c);
-    c.model.dim = 32;
-    c.model.n_layers = 2;
-    c.model.n_heads = 4;
-    c.model.n_kv_heads = 2;
-    c.model.n_experts = 4;
-    c.model.ffn_dim = 48;
-    c.model.max_seq_len = 32;
-    c.model.n_shared_experts = 1;
-    c.model.first_k_dense = 1;
-    c.training.seq_len = 32;
-    c.training.micro_batch = 1;
-    c.training.grad_accum = accum;
-    c.training.steps = 4;
-    c.training.warmup_steps = 1;
-    c.logging.progress = 0;
+    tera_config c = tu_tiny_moe_config(1, accum);
     snprintf(c.training.precision, sizeof c.training.precision, "%s", precision);
     snprintf(c.training.bf16_gemm, sizeof c.training.bf16_gemm, "%s", units);
     snprintf(c.training.recompute, sizeof c.training.recompute, "%s", recompute);

@@ -19,23 +19,8 @@ static const int64_t sizes[] = {5, C + 7, 3 * C, 1, 256, 2 * C - 3, 1000};
 static tera_backend *g_be; /* the CPU backend on the process's threads (main) */
 
 static void fake_model(tera_model *m, tera_param *p, uint64_t seed) {
-    memset(m, 0, sizeof *m);
-    m->be = g_be;
-    memset(p, 0, sizeof(tera_param) * NP);
-    int64_t off = 0;
-    for (int i = 0; i < NP; i++) {
-        p[i].numel = sizes[i];
-        p[i].offset = off;
-        p[i].decay = i % 2;
-        off += sizes[i];
-    }
-    m->params = p;
-    m->n_params = NP;
-    m->n_floats = off;
-    m->w = malloc(sizeof(float) * (size_t)off);
-    m->g = malloc(sizeof(float) * (size_t)off);
-    tu_fill(m->w, off, seed, 0.5f);
-    tu_fill(m->g, off, seed + 1, 0.01f);
+    tu_fake_model(m, p, sizes, NP, g_be, seed);
+    const int64_t off = m->n_floats;
     for (int64_t i = 0; i < off; i += 97) m->g[i] = 0.0f; /* exact zeros: m, v from zero */
 }
 

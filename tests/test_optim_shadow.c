@@ -63,23 +63,8 @@ static const int64_t sizes[] = {5, TERA_OPTIM_CHUNK + 7, 1, 256, 2 * TERA_OPTIM_
 #define NP ((int)(sizeof sizes / sizeof sizes[0]))
 
 static void fake_model(tera_model *m, tera_param *p, uint64_t seed) {
-    memset(m, 0, sizeof *m);
-    m->be = g_be;
-    memset(p, 0, sizeof(tera_param) * NP);
-    int64_t off = 0;
-    for (int i = 0; i < NP; i++) {
-        p[i].numel = sizes[i];
-        p[i].offset = off;
-        p[i].decay = i % 2;
-        off += sizes[i];
-    }
-    m->params = p;
-    m->n_params = NP;
-    m->n_floats = off;
-    m->w = malloc(sizeof(float) * (size_t)off);
-    m->g = malloc(sizeof(float) * (size_t)off);
-    tu_fill(m->w, off, seed, 0.5f);
-    tu_fill(m->g, off, seed + 1, 0.01f);
+    tu_fake_model(m, p, sizes, NP, g_be, seed);
+    const int64_t off = m->n_floats;
     m->w[3] = NAN, m->w[40] = INFINITY, m->w[41] = -INFINITY, m->w[42] = 1e-40f, m->w[43] = -3e-39f;
     m->w[off - 2] = 1e-41f;
 }
@@ -128,23 +113,7 @@ static void test_update_writes_the_rounding(void **state) {
 }
 
 static tera_config tiny_cfg(int accum) {
-    tera_config c;
-    tera_config_defaults(&c);
-    c.model.dim = 32;
-    c.model.n_layers = 2;
-    c.model.n_heads = 4;
-    c.model.n_kv_heads = 2;
-    c.model.n_experts = 4;
-    c.model.ffn_dim = 48;
-    c.model.max_seq_len = 32;
-    c.model.n_shared_experts = 1;
-    c.model.first_k_dense = 1;
-    c.training.seq_len = 32;
-    c.training.micro_batch = 2;
-    c.training.grad_accum = accum;
-    c.training.steps = 4;
-    c.training.warmup_steps = 1;
-    c.logging.progress = 0;
+    tera_config c = tu_tiny_moe_config(2, accum);
     snprintf(c.training.precision, sizeof c.training.precision, "bf16");
     snprintf(c.training.bf16_gemm, sizeof c.training.bf16_gemm, "native");
     assert_int_equal(tera_config_finalize(&c), TERA_OK);

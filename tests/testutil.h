@@ -14,6 +14,9 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "tera/config.h"
+#include "tera/model.h"
+
 /* Deterministic test data: xorshift-based uniform in [-a, a]. */
 static inline void tu_fill(float *x, int64_t n, uint64_t seed, float a) {
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
@@ -23,6 +26,54 @@ static inline void tu_fill(float *x, int64_t n, uint64_t seed, float a) {
         s ^= s << 17;
         x[i] = a * (2.0f * (float)((s >> 40) & 0xFFFFFF) / 16777216.0f - 1.0f);
     }
+}
+
+/* A hand-built model of np tensors of the given lengths (for optimizer tests): the table p[np]
+ * (every second tensor decayed), w in [-0.5, 0.5] from seed and g in [-0.01, 0.01] from seed + 1
+ * (malloc'd: the caller frees m->w, m->g), on backend be. */
+static inline void tu_fake_model(tera_model *m, tera_param *p, const int64_t *sizes, int np, tera_backend *be,
+                                 uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->be = be;
+    memset(p, 0, sizeof(tera_param) * (size_t)np);
+    int64_t off = 0;
+    for (int i = 0; i < np; i++) {
+        p[i].numel = sizes[i];
+        p[i].offset = off;
+        p[i].decay = i % 2;
+        off += sizes[i];
+    }
+    m->params = p;
+    m->n_params = np;
+    m->n_floats = off;
+    m->w = malloc(sizeof(float) * (size_t)off);
+    m->g = malloc(sizeof(float) * (size_t)off);
+    tu_fill(m->w, off, seed, 0.5f);
+    tu_fill(m->g, off, seed + 1, 0.01f);
+}
+
+/* A tiny MoE for training tests (D 32, 2 layers of which the first dense, 4 heads over 2 kv heads, 4
+ * experts of width 48 and one shared expert, T 32, 4 steps with one of warm-up, no progress lines):
+ * the defaults with those set, not finalized (the caller sets its own keys, then finalizes). */
+static inline tera_config tu_tiny_moe_config(int micro_batch, int grad_accum) {
+    tera_config c;
+    tera_config_defaults(&c);
+    c.model.dim = 32;
+    c.model.n_layers = 2;
+    c.model.n_heads = 4;
+    c.model.n_kv_heads = 2;
+    c.model.n_experts = 4;
+    c.model.ffn_dim = 48;
+    c.model.max_seq_len = 32;
+    c.model.n_shared_experts = 1;
+    c.model.first_k_dense = 1;
+    c.training.seq_len = 32;
+    c.training.micro_batch = micro_batch;
+    c.training.grad_accum = grad_accum;
+    c.training.steps = 4;
+    c.training.warmup_steps = 1;
+    c.logging.progress = 0;
+    return c;
 }
 
 /* Max relative error |a-b| / (atol + rtol*|b|) over n elements; > 1 means a mismatch. Prints the

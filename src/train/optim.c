@@ -489,22 +489,14 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
                 vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
                 if (zero_grad) _mm512_storeu_ps(g + j, _mm512_setzero_ps());
             }
-#undef SR_MIX16
 #undef SR_SPECIAL16
-        } else { /* the previous loop (TERA_OPTIM_V0=1: bench/bench_optim.c's --ab), the same bits */
+        } else { /* the previous loop (TERA_OPTIM_V0=1: bench/bench_optim.c's --ab), the same bits;
+                  * SR_MIX16 (above) hashes with this scope's K1, K2 */
             const __m512i vk0 = _mm512_set1_epi32((int)k0), vk1 = _mm512_set1_epi32((int)k1),
                           lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                           low16 = _mm512_set1_epi32(0xFFFF), expm = _mm512_set1_epi32(0x7F800000),
                           mhi = _mm512_set1_epi32(0x7F0000), qbit = _mm512_set1_epi32(0x40),
                           K1 = _mm512_set1_epi32((int)0x21f0aaadu), K2 = _mm512_set1_epi32((int)0x735a2d97u);
-#define SR_MIX16(x)                                                                                \
-    do {                                                                                           \
-        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));                                         \
-        x = _mm512_mullo_epi32(x, K1);                                                             \
-        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));                                         \
-        x = _mm512_mullo_epi32(x, K2);                                                             \
-        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));                                         \
-    } while (0)
 /* tera_bf16_stochastic on 16 lanes: u the fp32 bits, r the 16 random bits */
 #define SR_ROUND16(u, r, out)                                                                      \
     do {                                                                                           \
