@@ -12,13 +12,9 @@
  * --shadow 1: beside each AdamW pass one that also writes the bf16 weight shadow (tera_adamw.w16: the
  * update writes each new weight rounded to bf16, 2 bytes more per parameter; docs/PERFORMANCE.md), the
  * two alternating in order rep by rep (adamw_shadow_ms, adamw_shadow_cpu_ms).
- * --ab 1: the second AdamW pass of each rep is instead the previous code (TERA_OPTIM_V0=1: no software
- * prefetch, and with bf16 moments the previous vector loop; the same bits), alternating in order
- * with the current one (adamw_v0_ms, adamw_v0_cpu_ms); with --shadow 1 both then write the shadow.
- * The norm pass runs twice as well, the previous code (norm_v0_ms, norm_v0_cpu_ms) first in odd reps.
  * The triad runs on the backend's threads (ops.for_ranges) like the passes; an OpenMP triad beside
  * the backend's spinning workers read 1-12 GB/s on this 2-core machine.
- * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N] [--moments fp32|bf16] [--shadow 0|1] [--ab 0|1];
+ * Usage: bench_optim [-c CONFIG] [--threads N] [--reps N] [--moments fp32|bf16] [--shadow 0|1];
  * prints one JSON line. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,36 +52,38 @@ static void grads_fill(tera_model *m, int64_t n, int r) {
     for (int64_t i = 0; i < n; i++) m->g[i] = 1e-3f * (float)((i * 104729 + r) % 1999 - 999) / 999.0f;
 }
 
-/* The rep's second AdamW pass, timed into *cpu, *wall: --ab the previous loop (TERA_OPTIM_V0=1),
- * else the pass that writes the shadow w16. */
-static void second_pass(tera_adamw *o, tera_model *m, const tera_config *cfg, double *sq, int ab, uint16_t *w16,
+/* The rep's second AdamW pass (--shadow 1), the one that writes the shadow w16, timed into *cpu, *wall. */
+static void shadow_pass(tera_adamw *o, tera_model *m, const tera_config *cfg, double *sq, uint16_t *w16,
                         double *cpu, double *wall) {
     const double cs = cpu_now(), ts = tera_now();
-    if (ab) setenv("TERA_OPTIM_V0", "1", 1);
-    else o->w16 = w16;
+    o->w16 = w16;
     tera_adamw_step_by_param(o, m, 1e-3f, 0.5f, &cfg->optimizer, 1, NULL, NULL, sq + m->n_params, sq + 2 * m->n_params);
-    if (ab) unsetenv("TERA_OPTIM_V0");
-    else o->w16 = NULL;
+    o->w16 = NULL;
     *cpu = cpu_now() - cs, *wall = tera_now() - ts;
 }
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/bench-s.ini";
-    int threads = 1, reps = 7, bf16 = 0, shadow = 0, ab = 0;
+    int threads = 1, reps = 7, bf16 = 0, shadow = 0;
+    if (argc % 2 == 0) {
+        fprintf(stderr, "bench_optim: option %s without a value\n", argv[argc - 1]);
+        return 2;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-c")) cfg_path = argv[i + 1];
         else if (!strcmp(argv[i], "--moments")) bf16 = !strcmp(argv[i + 1], "bf16");
         else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--shadow")) shadow = atoi(argv[i + 1]) != 0;
-        else if (!strcmp(argv[i], "--ab")) ab = atoi(argv[i + 1]) != 0;
+        else {
+            fprintf(stderr, "bench_optim: unknown option %s\n", argv[i]);
+            return 2;
+        }
     }
     if (threads < 1 || reps < 1 || reps > 1000) {
         fprintf(stderr, "bench_optim: --threads >= 1, --reps in 1..1000\n");
         return 2;
     }
-    const int two = shadow || ab; /* a second AdamW pass per rep: with the shadow, or the previous loop */
-    unsetenv("TERA_OPTIM_V0");
     tera_config cfg;
     tera_config_defaults(&cfg);
     if (tera_config_load(&cfg, cfg_path) != TERA_OK || tera_config_finalize(&cfg) != TERA_OK) {
@@ -112,53 +110,33 @@ int main(int argc, char **argv) {
     double *t_triad = tera_malloc(sizeof(double) * (size_t)reps);
     double *c_sq = tera_malloc(sizeof(double) * (size_t)reps), *c_adam = tera_malloc(sizeof(double) * (size_t)reps);
     double *t_sh = tera_malloc(sizeof(double) * (size_t)reps), *c_sh = tera_malloc(sizeof(double) * (size_t)reps);
-    double *t_n0 = tera_calloc((size_t)reps, sizeof(double)), *c_n0 = tera_calloc((size_t)reps, sizeof(double));
-    double *t_n1 = tera_calloc((size_t)reps, sizeof(double)), *c_n1 = tera_calloc((size_t)reps, sizeof(double));
     uint16_t *w16 = shadow ? tera_malloc(sizeof(uint16_t) * (size_t)n) : NULL;
     if (w16) memset(w16, 0, sizeof(uint16_t) * (size_t)n); /* pages touched */
     double total = 0.0;
     for (int r = 0; r < reps + 1; r++) { /* the first round warms up (pages touched) */
         double tsh = 0.0, csh = 0.0;
-        if (ab && shadow) o.w16 = w16; /* --ab: both passes write the shadow */
-        for (int first = 1; two && r % 2 == 0 && first >= 0; first--) { /* even rounds: the second pass first */
+        if (shadow && r % 2 == 0) { /* even rounds: the shadow pass first */
             grads_fill(&m, n, r);
-            if (!first) break;
-            second_pass(&o, &m, &cfg, sq, ab, w16, &csh, &tsh);
+            shadow_pass(&o, &m, &cfg, sq, w16, &csh, &tsh);
         }
-        if (!two || r % 2) {
-            grads_fill(&m, n, r);
-        }
-        for (int k = 0; ab && k < 2; k++) /* the previous norm pass: before the current one in odd reps */
-            if ((k == 0) == (r % 2 == 1)) {
-                setenv("TERA_OPTIM_V0", "1", 1);
-                const double cs = cpu_now(), ts = tera_now();
-                tera_adamw_grad_sq(&o, &m, sq);
-                if (r > 0) c_n0[r - 1] = cpu_now() - cs, t_n0[r - 1] = tera_now() - ts;
-                unsetenv("TERA_OPTIM_V0");
-            } else {
-                const double cs = cpu_now(), ts = tera_now();
-                total = tera_adamw_grad_sq(&o, &m, sq);
-                if (r > 0) c_n1[r - 1] = cpu_now() - cs, t_n1[r - 1] = tera_now() - ts;
-            }
+        grads_fill(&m, n, r);
         const double c0 = cpu_now(), t0 = tera_now();
-        if (!ab) total = tera_adamw_grad_sq(&o, &m, sq);
+        total = tera_adamw_grad_sq(&o, &m, sq);
         const double c1 = cpu_now(), t1 = tera_now();
         tera_adamw_step_by_param(&o, &m, 1e-3f, 0.5f, &cfg.optimizer, 1, NULL, NULL, sq + m.n_params,
                                  sq + 2 * m.n_params);
         const double c2 = cpu_now(), t2 = tera_now();
-        if (two && r % 2) { /* odd rounds: the second pass second */
+        if (shadow && r % 2) { /* odd rounds: the shadow pass second */
             grads_fill(&m, n, r);
-            second_pass(&o, &m, &cfg, sq, ab, w16, &csh, &tsh);
+            shadow_pass(&o, &m, &cfg, sq, w16, &csh, &tsh);
         }
-        o.w16 = NULL;
         if (r > 0) c_sq[r - 1] = c1 - c0, c_adam[r - 1] = c2 - c1, t_sh[r - 1] = tsh, c_sh[r - 1] = csh;
         /* triad over three arrays of n floats: g = w + s m (the moments and parameters, rewritten) */
         triad_ctx tc = {.a = m.g, .b = m.w, .c = third};
         const double t3 = tera_now();
         m.be->ops.for_ranges(m.be, n, triad_range, &tc);
         const double t4 = tera_now();
-        if (r > 0) t_sq[r - 1] = ab ? t_n1[r - 1] : t1 - t0, t_adam[r - 1] = t2 - t1, t_triad[r - 1] = t4 - t3;
-        if (r > 0 && ab) c_sq[r - 1] = c_n1[r - 1];
+        if (r > 0) t_sq[r - 1] = t1 - t0, t_adam[r - 1] = t2 - t1, t_triad[r - 1] = t4 - t3;
     }
     const double s_sq = median(t_sq, reps), s_adam = median(t_adam, reps), s_triad = median(t_triad, reps);
     const double cs_sq = median(c_sq, reps), cs_adam = median(c_adam, reps);
@@ -167,15 +145,11 @@ int main(int argc, char **argv) {
            "\"norm_ms\": %.3f, \"adamw_ms\": %.3f, \"optimizer_ms\": %.2f, \"norm_gbs\": %.1f, \"adamw_gbs\": %.1f, "
            "\"optimizer_gbs\": %.1f, \"triad_gbs\": %.1f, \"optimizer_vs_triad\": %.3f, \"norm_cpu_ms\": %.2f, "
            "\"adamw_cpu_ms\": %.3f, \"grad_sq\": %.6e, \"moments\": \"%s\", \"adamw_shadow_ms\": %.2f, "
-           "\"adamw_shadow_cpu_ms\": %.2f, \"adamw_v0_ms\": %.3f, \"adamw_v0_cpu_ms\": %.3f, \"norm_v0_ms\": %.3f, "
-           "\"norm_v0_cpu_ms\": %.3f}\n",
+           "\"adamw_shadow_cpu_ms\": %.2f}\n",
            cfg_path, threads, (long long)n, m.n_params, reps, 1e3 * s_sq, 1e3 * s_adam, 1e3 * (s_sq + s_adam),
            4.0 * gb / s_sq, adam_bytes * gb / s_adam, (4.0 + adam_bytes) * gb / (s_sq + s_adam), 12.0 * gb / s_triad,
            ((4.0 + adam_bytes) * gb / (s_sq + s_adam)) / (12.0 * gb / s_triad), 1e3 * cs_sq, 1e3 * cs_adam, total,
-           bf16 ? "bf16" : "fp32", shadow && !ab ? 1e3 * median(t_sh, reps) : 0.0,
-           shadow && !ab ? 1e3 * median(c_sh, reps) : 0.0, ab ? 1e3 * median(t_sh, reps) : 0.0,
-           ab ? 1e3 * median(c_sh, reps) : 0.0, ab ? 1e3 * median(t_n0, reps) : 0.0, ab ? 1e3 * median(c_n0, reps) : 0.0);
-    free(t_n0), free(c_n0), free(t_n1), free(c_n1);
+           bf16 ? "bf16" : "fp32", shadow ? 1e3 * median(t_sh, reps) : 0.0, shadow ? 1e3 * median(c_sh, reps) : 0.0);
     free(t_sh), free(c_sh), free(w16);
     free(t_sq), free(t_adam), free(t_triad), free(c_sq), free(c_adam), free(sq);
     if (bf16) free(third);

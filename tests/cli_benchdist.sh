@@ -3,12 +3,18 @@
 # (src/cli/cmd_bench.c, docs/PERFORMANCE.md "bench-dist"), so a change in what a layout sends
 # fails here. A tiny MoE (a dense first layer, a shared expert, 2 MoE layers) runs 2 timed steps
 # of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, pp2, tp2 x pp2, and pp2 x dp2
-# with ZeRO-3 (4 micro-batches: its gathers follow the 1F1B order) (2 micro-batches a step where
-# it matters; rank 0's bytes: with a pipeline, the first stage's), and
+# with ZeRO-3 (4 micro-batches: its gathers follow the 1F1B order), and tp2 with parallel.tp_overlap=0,
+# in bf16 (the default 1: no overlap there) and in bf16 with parallel.tp_overlap=2 (2 micro-batches a step where it matters; rank 0's bytes: with a pipeline, the first stage's), and
 # for each JSON line:
 #   - every kind of transfer whose volume does not depend on the data (all-reduce, reduce-scatter,
 #     all-gather, all-to-all) sent exactly its minimum plus its known overhead (statistics
 #     all-reduces, expert row counts): tolerance 1 byte per step;
+#   - parallel.tp_overlap (on by default) waits for each backward sum of an input gradient after the
+#     weight gradients it overlapped: tp_overlapped_per_step is per micro-batch 2 per dense layer (the
+#     FFN, q/k/v), 3 per MoE layer (and the combine weights) and 1 for the head (tp2: 2 + 2 x 3 + 1 = 9;
+#     with a pipeline, rank 0's stage: some), and 0 with tp = 1, the overlap off, or bf16 products
+#     under the default 1 (2: in every precision); the bytes are the same (the checks above), and
+#     the numbers too (tests/cli_layouts.sh);
 #   - the whole: bytes_sent_per_step equals the minimum plus the overhead (5 bytes), and the
 #     overhead is small (under 5% of the minimum + 1 KiB), except with expert parallelism: the
 #     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
@@ -29,7 +35,9 @@ num() { grep -o "\"$2\": [-0-9.e+]*" "$1" | head -1 | cut -d' ' -f2; } # a numbe
 # (dp2-switchdp: model.balance_loss = switch_dp's count all-reduces, rerun by the full recomputation
 # of layers 0-1, not by layer 2's: the work set still holds it)
 for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
-         pp2xdp2-zero3:2:1:1:3:4:2 "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full"; do
+         pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
+         tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
+         "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
@@ -67,6 +75,14 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1
         fail "$name: exposed communication ${e:-?} ms per step (max rank ${emax:-?})"
         ok=0
     fi
-    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax)"
+    ov=$(num "$out" tp_overlapped_per_step) want=0
+    if [ "$tp" -gt 1 ] && [[ "${extra:-}" != *tp_overlap=0* ]] && { [[ "${extra:-}" != *bf16* ]] || [[ "${extra:-}" = *tp_overlap=2* ]]; }; then
+        want=$([ "$pp" = 1 ] && echo $((9 * accum)) || echo some)
+    fi
+    if ! awk -v v="$ov" -v w="$want" 'BEGIN { exit !(v != "" && (w == "some" ? v > 0 : v == w)) }'; then
+        fail "$name: ${ov:-?} tensor-parallel sums overlapped per step, expected $want"
+        ok=0
+    fi
+    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax); $ov tp sums overlapped"
 done
 finish cli_benchdist

@@ -257,6 +257,21 @@ cmp -s <(untimed "$W/dl4/metrics.jsonl") <(untimed "$W/dl4n/metrics.jsonl") &&
     cmp -s "$W/dl4/checkpoints/step_00000008/model.safetensors" "$W/dl4n/checkpoints/step_00000008/model.safetensors" \
     && pass "ep overlap on and off: bit-identical losses and final weights" || fail "overlap changes results"
 
+# tensor parallelism's overlap (parallel.tp_overlap: the weight gradients computed while the input
+# gradients are summed; the dense FFN, the shared expert, the routed experts' split exchange, the
+# router, q/k/v and the head) changes nothing either: on (the default) and off, bit for bit
+for ov in 1 0; do
+    $MPIRUN -np 4 "$TERA" train "${MODEL[@]}" --training.steps=3 --training.micro_batch=2 --parallel.dp=2 --parallel.tp=2 \
+        --parallel.ep=2 --parallel.tp_overlap=$ov --logging.run_dir="$W/tpov$ov" > "$W/tpov$ov.log" 2>&1 \
+        || { fail "dp2 x tp2 x ep2 with parallel.tp_overlap=$ov"; tail -5 "$W/tpov$ov.log"; }
+done
+K=checkpoints/step_00000003
+cmp -s <(untimed "$W/tpov1/metrics.jsonl") <(untimed "$W/tpov0/metrics.jsonl") && [ "$(grep -c '"loss"' "$W/tpov1/metrics.jsonl")" = 3 ] \
+    && cmp -s "$W/tpov1/$K/model.safetensors" "$W/tpov0/$K/model.safetensors" \
+    && cmp -s "$W/tpov1/$K/optimizer.safetensors" "$W/tpov0/$K/optimizer.safetensors" \
+    && pass "tp overlap on and off (dp2 x tp2 x ep2): bit-identical losses, final weights and moments" \
+    || fail "tp overlap changes results: $(compare_steps "$W/tpov1/metrics.jsonl" "$W/tpov0/metrics.jsonl" 0 | tail -1)"
+
 # checkpoints hold the whole model: an ep2 ZeRO-1 checkpoint of step 4 resumes on one rank and on
 # ep4 with ZeRO-2 (each rank takes its experts and its moment shards); steps 4..7 match
 $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=2 --parallel.dp=2 --parallel.ep=2 --parallel.zero=1 \

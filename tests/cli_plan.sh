@@ -4,7 +4,9 @@
 #    tests/mpilib.sh on 1-8 MPI ranks (and bench-s / bench-m on one rank), `tera train` prints world
 #    rank 0's "memory bytes per rank" by category; `tera plan --dry-run --json` (nothing allocated)
 #    must give the same six figures to the byte (roles[0] is world rank 0), and the same element
-#    counts (non-expert / expert floats). `tera train --dry-run` is the same command.
+#    counts (non-expert / expert floats). `tera train --dry-run` is the same command. The bf16 weight
+#    shadow (printed on a line of its own, 2 bytes per resident parameter) is the plan's bf16_shadow,
+#    in bf16 layouts where the rule (tera_bf16_shadow_on) keeps one and where it does not.
 # 2. The search: on a hardware file, the best layout is written with --write-config and `tera config`
 #    resolves it; a DeepSeek-V3-like model (approximate widths, docs/PLAN.md) on 2048 H800 with
 #    PP16 x EP64 x ZeRO-1 fits; a 1T-parameter MoE on 1024 x 64 GiB devices gets a fitting plan.
@@ -20,7 +22,9 @@ TINY+=(--training.steps=1 --training.warmup_steps=0 --logging.run_dir=)
 field() { grep "memory bytes per rank" "$1" | grep -o "$2 [0-9]*" | head -1 | cut -d' ' -f2; }
 # floats LOG non-expert|expert: the element counts of that line ("(non-expert N floats + expert M floats)")
 floats() { grep "memory bytes per rank" "$1" | grep -o "[(+] \?$2 [0-9]* floats" | head -1 | grep -o "[0-9][0-9]*"; }
-# check TAG LOG JSON: the six printed figures and the two element counts of world rank 0
+# shadow LOG: the bf16 weight shadow's bytes tera train printed (0 without the line: none)
+shadow() { local b; b=$(grep -o "weight shadow [0-9]* bytes" "$1" | head -1 | cut -d' ' -f3); echo "${b:-0}"; }
+# check TAG LOG JSON: the six printed figures, the two element counts and the bf16 shadow of world rank 0
 check() {
     local tag=$1 log=$2 js=$3 bad="" k p m
     for k in params grads optimizer activations scratch comm; do
@@ -32,6 +36,8 @@ check() {
     [ "$p" = "$m" ] || bad="$bad non-expert floats $p vs $m;"
     p=$(floats "$log" expert); m=$(jq -r '.roles[0].expert_floats' "$js")
     [ "$p" = "$m" ] || bad="$bad expert floats $p vs $m;"
+    p=$(shadow "$log"); m=$(jq -r '.roles[0].bf16_shadow' "$js")
+    [ "$p" = "$m" ] || bad="$bad bf16 shadow: measured $p predicted $m;"
     [ -z "$bad" ] && pass "$tag: memory of world rank 0 predicted to the byte ($(field "$log" params) params, $(field "$log" activations) activations, $(field "$log" scratch) scratch, $(field "$log" comm) comm bytes)" \
         || fail "$tag:$bad"
 }
@@ -55,6 +61,30 @@ for l in $LAYOUTS; do
         || { fail "$name: tera plan --dry-run failed: $(cat "$W/$name.err")"; continue; }
     check "$name ($np ranks, recompute $rec)" "$W/$name.log" "$W/$name.json"
 done
+# the bf16 weight shadow (tera_bf16_shadow_on): bf16 on the native units with the whole weights
+# resident and no pipeline, where the AdamW update writes it (ZeRO-0) or grad_accum >= 4 shares it.
+# name : dp : tp : zero : pp : accum : shadow expected (on a CPU with bf16 GEMM kernels)
+on=0
+for l in one-bf16:1:1:0:1:1:1 tp2-bf16:1:2:0:1:1:1 dp2z1-bf16-accum4:2:1:1:1:4:1 dp2z1-bf16:2:1:1:1:1:0 \
+         dp2z3-bf16-accum4:2:1:3:1:4:0 pp2-bf16-accum4:1:1:0:2:4:0; do
+    IFS=: read -r name dp tp zero pp accum want <<< "$l"
+    np=$((pp * dp * tp))
+    ARGS=("${TINY[@]}" --training.precision=bf16 --training.bf16_gemm=native --parallel.dp="$dp" --parallel.tp="$tp"
+          --parallel.zero="$zero" --parallel.pp="$pp" --training.micro_batch=1 --training.grad_accum="$accum")
+    if [ "$np" = 1 ]; then "$TERA" train "${ARGS[@]}" > "$W/$name.log" 2>&1
+    else $MPIRUN -np "$np" "$TERA" train "${ARGS[@]}" > "$W/$name.log" 2>&1; fi \
+        || { fail "$name: tera train failed: $(grep error "$W/$name.log" | head -2)"; continue; }
+    "$TERA" plan --dry-run "${ARGS[@]}" --json > "$W/$name.json" 2> "$W/$name.err" \
+        || { fail "$name: tera plan --dry-run failed: $(cat "$W/$name.err")"; continue; }
+    check "$name ($np ranks, bf16 shadow $(shadow "$W/$name.log") bytes)" "$W/$name.log" "$W/$name.json"
+    b=$(shadow "$W/$name.log")
+    if grep -q "bf16 products: native" "$W/$name.log"; then
+        [ $((b > 0)) = "$want" ] && on=$((on + want)) || fail "$name: bf16 shadow $b bytes, expected $([ "$want" = 1 ] && echo some || echo none)"
+    fi
+done
+[ "$on" -gt 0 ] && pass "bf16 shadow kept and predicted in $on layouts" \
+    || echo "note: no bf16 GEMM kernels on this CPU (bf16 products on the FMA units): no layout keeps a bf16 shadow"
+
 # 1-bit Adam (optimizer.name = onebit_adam): the bytes tera train says it adds to AdamW's (ZeRO-1/2/3's
 # whole momentum, ZeRO-2/3's whole own gradient, error feedback, message buffers) are the plan's "onebit"
 # category, and (dp4 x ep2 ZeRO-1) the six figures of the line stay exact

@@ -8,7 +8,8 @@
  *   - every gradient tensor of the stage equals the reference's tensor of the same name bit for
  *     bit (the same operations in the same order per micro-batch);
  *   - the last stage's cross-entropy, aux and z sums equal the reference's (to fp64 rounding of the
- *     different order of adding micro-batches), the other stages report 0 cross-entropy;
+ *     different order of adding micro-batches), the other stages report 0 cross-entropy; the last
+ *     stage's loss is armed (its gradient written in the loss's pass: no cross-entropy backward);
  *   - the reader hook is called exactly once per micro-batch, with micro-batches 0 .. m-1, and the
  *     ZeRO-3 plan hook once per operation (2 m v);
  *   - tera_pipe_eval gives the last stage the reference's forward loss of one micro-batch;
@@ -20,6 +21,7 @@
 
 #include "testutil.h"
 #include "tera/pipeline.h"
+#include "tera/profile.h"
 #include "tera/schedule.h"
 
 #define CHECK(cond) TU_RANK_CHECK(me, cond)
@@ -121,7 +123,11 @@ static void run_case(const char *schedule, int v, int layers) {
     double sums[3] = {0, 0, 0}, data_s = 0.0;
     int64_t counts[2] = {0, 0};
     tera_model_reset_load(&st);
+    tera_prof_reset();
     tera_pipe_step(p, &s, M, sums, counts, &data_s, NULL, NULL, 1);
+    /* the last stage's loss is armed (tera_model_arm_fused_loss): each micro-batch's loss gradient is
+     * written in the loss's own pass over the logits (one exponential per logit), no second pass */
+    if (stage == pp - 1) CHECK(tera_prof_calls[TERA_PROF_LOSS_FWD] == M && tera_prof_calls[TERA_PROF_LOSS_BWD] == 0);
     for (int a = 0; a < M; a++) CHECK(h.loads[a] == 1);
     CHECK(h.plans == 2 * M * v);
 

@@ -17,6 +17,7 @@
 #include "tera/kernels.h"
 #include "tera/model.h"
 #include "tera/plan.h"
+#include "tera/train.h"
 
 typedef struct {
     const char *name;
@@ -496,11 +497,58 @@ static void test_onebit(void **state) {
     }
 }
 
+/* The bf16 weight shadow (tera_bf16_shadow_on, include/tera/precision.h): the planner's bf16_shadow
+ * category equals the bytes the trainer's backend holds (tera_backend_weights_shadow_bytes), one rank,
+ * for each case of the rule: bf16 on the native units at one micro-batch (the update writes it, 2 bytes
+ * per parameter), the A/B switches TERA_BF16_SHADOW=lazy (then only grad_accum >= 4) and =0, bf16 on
+ * the FMA units, fp32, and 1-bit Adam. Where the CPU has no bf16 GEMM kernels no case has one. */
+static void test_shadow_is_the_trainer(void **state) {
+    (void)state;
+    tera_set_threads(1);
+    tera_backend *be = tera_backend_cpu_create(-1);
+    const int native = be->caps.bf16_native(be);
+    tera_backend_destroy(be);
+    if (!native) print_message("no bf16 GEMM kernels on this CPU: every case without a shadow\n");
+    const struct {
+        const char *prec, *units, *env, *opt;
+        int accum, on;
+    } cases[] = {{"bf16", "native", NULL, "adamw", 1, 1},   {"bf16", "native", "lazy", "adamw", 1, 0},
+                 {"bf16", "native", "lazy", "adamw", 4, 1}, {"bf16", "native", "0", "adamw", 4, 0},
+                 {"bf16", "fma", NULL, "adamw", 1, 0},      {"fp32", "auto", NULL, "adamw", 4, 0},
+                 {"bf16", "native", NULL, "onebit_adam", 1, 0}};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        tera_config c = tu_tiny_moe_config(1, cases[k].accum);
+        c.training.threads = 1;
+        snprintf(c.training.precision, sizeof c.training.precision, "%s", cases[k].prec);
+        snprintf(c.training.bf16_gemm, sizeof c.training.bf16_gemm, "%s", cases[k].units);
+        snprintf(c.optimizer.name, sizeof c.optimizer.name, "%s", cases[k].opt);
+        assert_int_equal(tera_config_finalize(&c), TERA_OK);
+        if (cases[k].env) setenv("TERA_BF16_SHADOW", cases[k].env, 1);
+        else unsetenv("TERA_BF16_SHADOW");
+        tera_plan_mem pm;
+        assert_int_equal(tera_plan_rank_memory(&c, 0, 1, &pm), TERA_OK);
+        tera_trainer tr;
+        if (tera_trainer_init(&tr, &c, "", 0) != TERA_OK) fail_msg("case %zu: %s", k, tera_last_error());
+        const int64_t held = tera_backend_weights_shadow_bytes(tr.model.be), n = tr.model.n_floats;
+        tera_trainer_free(&tr);
+        unsetenv("TERA_BF16_SHADOW");
+        print_message("%s/%s %s accum %d TERA_BF16_SHADOW=%s: trainer %lld, plan %lld bytes\n", cases[k].prec,
+                      cases[k].units, cases[k].opt, cases[k].accum, cases[k].env ? cases[k].env : "(unset)",
+                      (long long)held, (long long)pm.bytes[TERA_PM_SHADOW]);
+        assert_int_equal(held, cases[k].on && native ? 2 * n : 0);
+        assert_int_equal(pm.bytes[TERA_PM_SHADOW], held);
+        int64_t sum = 0;
+        for (int b = 0; b < TERA_PM_N; b++) sum += pm.bytes[b];
+        assert_int_equal(sum, pm.total);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_rank_exact), cmocka_unit_test(test_count_is_the_allocator),
                                        cmocka_unit_test(test_calibrated_file), cmocka_unit_test(test_roles_cover_the_world),
                                        cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
                                        cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
-                                       cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit)};
+                                       cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit),
+                                       cmocka_unit_test(test_shadow_is_the_trainer)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -9,7 +9,12 @@
  * memory. Another backend (CUDA, issue 21) fills the same table with its own kernels over device
  * buffers from its allocator; model code does not change. The semantics of each operation (shapes,
  * which outputs are written and which accumulate) are those of the CPU function of the same name in
- * include/tera/kernels.h. */
+ * include/tera/kernels.h.
+ *
+ * One rule on the caller: an op's output that the next op on the same thread takes as a product's
+ * operand is not written between the two except through ops (the CPU backend's producers hand that
+ * product a bf16 copy of it: SwiGLU's outputs, the cross-entropy's loss gradient; src/kernels/cpu/cpu.h,
+ * tera_cpu_prod; any op in between makes the product round the array itself). */
 #ifndef TERA_BACKEND_H
 #define TERA_BACKEND_H
 

@@ -31,4 +31,17 @@ static inline __m512i tera_bf16_rne16(__m512i u) {
 }
 #endif
 
+/* d[i] = tera_bf16_rne(s[i]) for n elements, 16 at a time where AVX-512 exists (the products' operand
+ * rounding, matmul.c, and the producers' copies, elementwise.c). */
+static inline void tera_bf16_rne_n(uint16_t *d, const float *s, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i r = tera_bf16_rne16(_mm512_loadu_si512((const void *)(s + i)));
+        _mm256_storeu_si256((__m256i *)(void *)(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+#endif
+    for (; i < n; i++) d[i] = tera_bf16_rne(s[i]);
+}
+
 #endif

@@ -150,6 +150,8 @@ typedef struct {
 typedef struct {
     int dp, tp, pp, ep;         /* parallel degrees (1 = off); ep divides dp (experts split inside dp) */
     int ep_overlap;             /* expert parallelism: overlap exchanges with expert compute */
+    int tp_overlap;             /* tensor parallelism: weight gradients while the input-gradient sums are in flight
+                                   (1: with fp32 products, 2: always, 0: off) */
     int zero_prefetch;          /* ZeRO-3: gather the next layer's parameters while this one computes */
     char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
     int pp_chunks;              /* model chunks per stage (interleaved) */

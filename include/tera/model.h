@@ -105,6 +105,10 @@ typedef struct {
      * computed from the vocabulary slices without gathering the logits. */
     int tp;               /* 1: no tensor parallelism */
     tera_comm *tp_group;  /* NULL when tp = 1 */
+    /* the backward's input-gradient sums start non-blocking and the weight gradients are computed
+     * while they are in flight (parallel.tp_overlap): 1 when the backend's products are fp32, 2 in
+     * every precision; 0 each sum blocking (the same bits in every case) */
+    int tp_overlap;
     /* ZeRO-3 / ZeRO-2: the model allocates no whole parameter / gradient buffer; the trainer binds
      * each group's when use_params / use_grads ask (tera_model_bind_group) */
     int shard_params, shard_grads;
@@ -291,6 +295,13 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
 void tera_model_use_slot(tera_model *m, int slot);
 /* Aux-loss-free balancing: b_e += rate * sign(mean load - load_e) per MoE layer from expert_load. */
 void tera_model_update_router_bias(tera_model *m);
+/* Tensor-parallel sums the backward waited for after computing weight gradients while they were in
+ * flight (parallel.tp_overlap), since the model was created: 0 with tp = 1 or tp_overlap = 0;
+ * *done_early (may be NULL): of those, the ones complete before their wait (at a poll). */
+int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early);
+/* Sets parallel.tp_overlap (0, 1, 2) between steps (every rank of the tensor-parallel group alike:
+ * the sums' kind, blocking or not, must match across the group); bench/bench_tp_overlap.c's A/B. */
+void tera_model_set_tp_overlap(tera_model *m, int mode);
 
 /* Model FLOPs per token, BENCH.md's convention (6 * active matrix params + 12 * L * D * T). */
 double tera_model_flops_per_token(const tera_model_config *cfg, int T);

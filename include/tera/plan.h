@@ -131,13 +131,15 @@ enum {
     TERA_PM_ACTS,        /* activations: every slot's kept parts, the recompute work set, the head's */
     TERA_PM_SCRATCH,     /* backward buffers, logits, attention, routing and dispatch scratch */
     TERA_PM_COMM,        /* expert-exchange buffers and ZeRO-2/3 staging slots */
-    /* the categories above are the six of `tera train`'s "memory bytes per rank" line; these three are
+    /* the categories above are the six of `tera train`'s "memory bytes per rank" line; these are
      * allocated too but not in that line */
     TERA_PM_PIPELINE,    /* pipeline send/receive buffers and token slots (src/parallel/pipeline.c) */
     TERA_PM_CKPT,        /* checkpoint: one rank: the snapshot; several: the writer window + a chunk */
     TERA_PM_OTHER,       /* router state, per-tensor norm scratch, the micro-batch's tokens */
     TERA_PM_ONEBIT,      /* optimizer.name = onebit_adam: ZeRO-1's whole momentum, the error feedback and
                             message buffers of its 1-bit all-reduces (src/train/onebit.c) */
+    TERA_PM_SHADOW,      /* the bf16 weight shadow, 2 bytes per resident parameter where tera_bf16_shadow_on
+                            (include/tera/precision.h) holds; tera train prints it on a line of its own */
     TERA_PM_N
 };
 extern const char *const tera_pm_name[TERA_PM_N];

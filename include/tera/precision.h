@@ -24,6 +24,17 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
 #define TERA_BF16_DOT_MARGIN 1.25
 tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, const char **note);
 
+/* The bf16 weight shadow (include/tera/backend.h, weights_register): whether a rank of the run cfg
+ * describes keeps one, 2 bytes per resident parameter. The one rule, for the trainer (which registers
+ * the model's weights when it holds) and tera plan's memory model (src/parallel/plan_mem.c, which
+ * counts the bytes): the CPU device with products in bf16 on the native units (p, g as resolved:
+ * the CPU backend keeps a shadow only then), no pipeline (parallel.pp = 1), the rank's whole weights
+ * resident (not ZeRO-3), and either the AdamW update writes it (ZeRO-0, optimizer.name = adamw) or at
+ * least 4 micro-batches share each rounding (training.grad_accum >= 4). zero: the ZeRO stage in
+ * effect (tera_zero_stage_in_effect: 0 on one data-parallel rank). Environment, for A/B timing:
+ * TERA_BF16_SHADOW=0: never; =lazy: the update never writes it, so only the grad_accum rule. */
+int tera_bf16_shadow_on(const tera_config *cfg, int zero, tera_precision p, tera_bf16_gemm g);
+
 /* Operand elements (both operands of one product) the largest linear product of this model converts
  * at once: outside parallel regions (main) and on each thread running experts side by side (ep:
  * expert-parallel degree; a rank's expert can receive rows from every rank of its group). */

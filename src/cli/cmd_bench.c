@@ -80,8 +80,10 @@ int tera_cmd_bench(int argc, char **argv) {
     double *sec = tera_malloc(sizeof(double) * (size_t)steps);
     tera_step_result r;
     double cpu0 = 0.0;
+    int64_t tp_ov0 = 0, tp_early0 = 0; /* parallel.tp_overlap: overlapped sums before the timed steps */
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
+            tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
             tera_prof_reset();
             tera_comm_barrier(tera_comm_world());
             tera_comm_traffic_reset();
@@ -154,6 +156,12 @@ int tera_cmd_bench(int argc, char **argv) {
                 printf(", \"sent_%s\": %.0f, \"min_%s\": %.0f, \"overhead_%s\": %.0f", tera_xfer_names[k], kind_sent[k],
                        tera_xfer_names[k], cm.min[k], tera_xfer_names[k], cm.overhead[k]);
             printf(", \"exposed_comm_ms\": %.2f, \"exposed_comm_ms_max\": %.2f", 1e3 * blk_mean, 1e3 * blk_max);
+            /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
+             * of those the ones already complete at their wait (rank 0's) */
+            int64_t tp_early = 0;
+            const int64_t tp_ov = tera_model_tp_overlapped(&tr.model, &tp_early);
+            printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
+                   cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
                    "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),

@@ -331,6 +331,11 @@ static const config__key config__keys[] = {
     K_INT(parallel, tp, "1", 1, INT_MAX,
           "tensor-parallel degree: groups of tp consecutive ranks split attention heads, FFN widths and the vocabulary "
           "(Megatron); the job runs dp x tp ranks"),
+    K_INT(parallel, tp_overlap, "1", 0, 2,
+          "tensor parallelism: start the backward's input-gradient sums non-blocking and compute the weight "
+          "gradients while they are in flight: 1 = with fp32 products (in bf16/fp16 each half of a split product "
+          "would round its operands again, which costs more than it hides on CPUs), 2 = in every precision, "
+          "0 = each sum blocking where it is produced; results are identical"),
     K_INT(parallel, pp, "1", 1, INT_MAX,
           "pipeline-parallel degree: the layers are split into pp stages (the slowest-varying rank dimension); the job "
           "runs pp x dp x tp ranks; training.grad_accum micro-batches flow through the pipeline"),

@@ -13,8 +13,9 @@
 #include "tera/profile.h"
 
 /* What the experts do with their rows: the forward, the backward, or (selective recomputation)
- * the hidden activations again. */
-enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN };
+ * the hidden activations again; the backward also in two parts (tera_dispatch_experts_backward_dx
+ * and _dw): the input gradients, then the weight gradients. */
+enum { EXPERTS_FWD, EXPERTS_BWD, EXPERTS_HIDDEN, EXPERTS_BWD_DX, EXPERTS_BWD_DW };
 
 /* An implementation: the steps that differ between local and all-to-all. */
 typedef struct {
@@ -48,6 +49,7 @@ struct tera_dispatcher {
     int64_t *off;            /* [E+1] rows of each expert in the buffers the experts run over */
     float *da1, *da3, *dg;   /* [R, F] the backward's scratch of the call in progress (the caller's) */
     tera_comm_req *req;      /* [4 ep] in flight: sends, receives, returns sent, returns received */
+    tera_comm_req *poll;     /* the caller's operation in flight, polled between experts (NULL: none) */
     /* parallel.a2a_compression: rows travel encoded (tera_compress_kind; 0: fp32, as they are) */
     int cq;                  /* the kind */
     int64_t rowb;            /* bytes of one encoded row, a multiple of 4 (sent as floats) */
@@ -108,14 +110,19 @@ static void expert_run(const expert_rows *b, int e) {
         expert_hidden(d->be, a1, a3, g, x, w1, w3, n, D, F);
         d->be->ops.linear_forward(d->be, b->y + r * D, g, w2, n, F, D, 0.0f);
         break;
-    case EXPERTS_BWD: {
-        float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F, *dx = b->dx + r * D;
-        d->be->ops.linear_backward(d->be, dg, b->G->w2 + e * D * F, b->dy + r * D, g, w2, n, F, D, 0.0f);
-        d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
-        float *const dw[2] = {b->G->w1 + e * F * D, b->G->w3 + e * F * D};
+    case EXPERTS_BWD:
+    case EXPERTS_BWD_DX:
+    case EXPERTS_BWD_DW: { /* _DX: the products' input-gradient halves only, _DW: their weight-gradient halves */
+        const int want_dx = b->op != EXPERTS_BWD_DW, want_dw = b->op != EXPERTS_BWD_DX;
+        float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F;
+        d->be->ops.linear_backward(d->be, want_dx ? dg : NULL, want_dw ? b->G->w2 + e * D * F : NULL, b->dy + r * D, g,
+                                   w2, n, F, D, 0.0f);
+        if (want_dx) d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
+        float *const dw[2] = {want_dw ? b->G->w1 + e * F * D : NULL, want_dw ? b->G->w3 + e * F * D : NULL};
         const float *const dyi[2] = {da1, da3}, *const w[2] = {w1, w3};
         const int64_t out[2] = {F, F};
-        tera_linear_backward_multi(d->be, 2, dx, dw, dyi, x, w, out, n, D, 0.0f); /* x converted once */
+        tera_linear_backward_multi(d->be, 2, want_dx ? b->dx + r * D : NULL, dw, dyi, x, w, out, n, D,
+                                   0.0f); /* x converted once */
         break;
     }
     default:
@@ -162,7 +169,10 @@ static void experts_by_load(int *order, const int64_t *off, int E) {
 static void experts_run(tera_dispatcher *d, expert_rows *b) {
     const int El = d->El;
     if (!d->be->ops.items_side_by_side(d->be, El)) {
-        for (int e = 0; e < El; e++) expert_run(b, e);
+        for (int e = 0; e < El; e++) {
+            expert_run(b, e);
+            if (d->poll) tera_comm_poll(d->poll, 1);
+        }
         return;
     }
     experts_by_load(d->order, b->off, El);
@@ -172,8 +182,10 @@ static void experts_run(tera_dispatcher *d, expert_rows *b) {
     const char *ab = getenv("TERA_EXPERTS_ALONE");
     const int side_by_side_only = ab && !strcmp(ab, "0");
     int alone = 0; /* the experts by descending load: the ones that run alone are a prefix */
-    while (!side_by_side_only && alone < El && (b->off[d->order[alone] + 1] - b->off[d->order[alone]]) * threads > all)
+    while (!side_by_side_only && alone < El && (b->off[d->order[alone] + 1] - b->off[d->order[alone]]) * threads > all) {
         expert_run(b, d->order[alone++]);
+        if (d->poll) tera_comm_poll(d->poll, 1);
+    }
     if (alone == El) return;
     b->order = d->order + alone;
     d->be->ops.for_each_item(d->be, El - alone, expert_item, b);
@@ -316,7 +328,7 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
 static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                         const tera_layer_view *G, int l, int op) {
     const int ep = d->ep, me = d->me, El = d->El;
-    if (op == EXPERTS_HIDDEN) {
+    if (op == EXPERTS_HIDDEN || op == EXPERTS_BWD_DW) { /* over the kept rows: no exchange */
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
         return;
     }
@@ -540,6 +552,30 @@ void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, c
     d->impl->experts(d, t, W, G, l, EXPERTS_BWD);
     d->da1 = d->da3 = d->dg = NULL;
     TERA_PROF_END(EXPERT_BWD);
+}
+
+/* Block by block, in ring order as the exchange's backward adds them (the DW phase of a split
+ * backward runs the same blocks in the same order: every G sum rounds as in one pass). */
+static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
+                                tera_comm_req *poll, int op) {
+    TERA_PROF_BEGIN(EXPERT_BWD);
+    d->da1 = da1, d->da3 = da3, d->dg = dg, d->poll = poll;
+    d->impl->experts(d, t, W, G, l, op);
+    d->da1 = d->da3 = d->dg = NULL, d->poll = NULL;
+    TERA_PROF_END(EXPERT_BWD);
+}
+
+void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                       const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
+                                       tera_comm_req *poll) {
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DX);
+}
+
+void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                       const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
+                                       tera_comm_req *poll) {
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DW);
 }
 
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t) {

@@ -34,6 +34,7 @@
 
 #include <stdint.h>
 
+#include "tera/comm.h"
 #include "tera/model.h"
 
 /* One MoE layer's routed-token buffers. N = B*T tokens, k experts per token, R = the rows this
@@ -104,6 +105,17 @@ void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const floa
                                     const float *topw);
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                     const tera_layer_view *G, int l, float *da1, float *da3, float *dg);
+/* The same backward in two parts, for work to overlap (parallel.tp_overlap): _dx the exchange and
+ * the input gradients (dxg, as tera_dispatch_experts_backward leaves them; da1, da3, dg [R, F]
+ * written and kept), then _dw the weight gradients from what _dx kept (G +=; no exchange), with the
+ * same products in the same order: the same bits as the one call. Between experts run on the
+ * calling thread, both poll *poll (the caller's operation in flight; NULL: none). */
+void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                       const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
+                                       tera_comm_req *poll);
+void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
+                                       const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
+                                       tera_comm_req *poll);
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t);
 
 #endif

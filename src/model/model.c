@@ -518,6 +518,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     tera_dispatcher *dispatch = tera_dispatch_create(cfg, B, T, m->Fl, &m->par, m->ep_rank);
     tera_tp *tpl = tera_calloc(1, sizeof(tera_tp));
     tera_tp_init(tpl, m->be, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T);
+    tpl->overlap = m->par.tp_overlap;
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
         a->layer = tera_calloc((size_t)cfg->n_layers, sizeof(layer_acts));
@@ -827,6 +828,39 @@ static void ffn_backward(tera_backend *be, tera_acts *a, float *dx, const float 
     tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f); /* x converted once for both */
 }
 
+/* parallel.tp_overlap: whether this model splits the backward's column-parallel products into their
+ * input-gradient halves, the sum over the tensor-parallel ranks started, then the weight-gradient halves
+ * (the same products, so the same bits; only the order of independent work changes) */
+static int tp_split(const tera_acts *a) { return tera_tp_overlapping(a->tp); }
+
+/* ffn_backward's input-gradient half (dx += ...; a->dgact, a->da1, a->da3 written and kept) ... */
+static void ffn_backward_dx(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
+                            const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
+                            int64_t N, int64_t D, int64_t F) {
+    be->ops.linear_backward(be, a->dgact, NULL, dy, g, w2, N, F, D, 0.0f);
+    be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
+    float *const dw[2] = {NULL, NULL};
+    const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
+    const int64_t out[2] = {F, F};
+    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f);
+}
+
+/* ... and its weight-gradient half from them (gw2, gw1, gw3 +=), polling the sum in flight between products */
+static void ffn_backward_dw(tera_acts *a, const float *dy, const float *x, const float *g, const float *w1,
+                            const float *w3, const float *w2, float *gw1, float *gw3, float *gw2, int64_t N, int64_t D,
+                            int64_t F, int prof, tera_comm_req *req) {
+    tera_backend *be = a->tp->be;
+    const float *const dyi[3] = {dy, a->da1, a->da3}, *const xi[3] = {g, x, x}, *const w[3] = {w2, w1, w3};
+    float *const dw[3] = {gw2, gw1, gw3};
+    const int64_t in[3] = {F, D, D}, out[3] = {D, F, F};
+    for (int i = 0; i < 3; i++) {
+        const double t0 = tera_now();
+        be->ops.linear_backward(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f);
+        tera_prof_add(prof, t0);
+        tera_tp_poll(a->tp, req);
+    }
+}
+
 static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
@@ -844,12 +878,25 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
      * are the combine-weight gradients: sum them before the router sees them */
-    tera_tp_copy_backward(a->tp, a->dtopw, N * K);
-    tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact);
+    const int split = tp_split(a);
+    tera_comm_req rq_w, rq_x; /* parallel.tp_overlap: the two sums in flight */
+    if (split) { /* the combine weights' sum behind the experts' input gradients */
+        tera_tp_copy_backward_start(a->tp, a->dtopw, N * K, &rq_w);
+        tera_dispatch_experts_backward_dx(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_w);
+    } else {
+        tera_tp_copy_backward(a->tp, a->dtopw, N * K);
+        tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact);
+    }
     tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
     /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
-     * contribution, added below, is whole on every rank) */
-    tera_tp_copy_backward(a->tp, a->dln, N * D);
+     * contribution, added below, is whole on every rank); overlapped: the router's and the experts'
+     * weight gradients while the sum is in flight, the router's input gradient added after it */
+    if (split) {
+        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq_x);
+        tera_tp_copy_backward_wait(a->tp, &rq_w);
+    } else {
+        tera_tp_copy_backward(a->tp, a->dln, N * D);
+    }
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
@@ -858,8 +905,15 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
                                                              la->moe.sel_count, la->gcnt, B, T, E, K, &aux_s);
         tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
                                    a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
-        m->be->ops.linear_backward_fp32(m->be, a->dln, G->router, a->drlogits, la->ln2, W->router, N, D, E, 1.0f);
+        m->be->ops.linear_backward_fp32(m->be, split ? NULL : a->dln, G->router, a->drlogits, la->ln2, W->router, N, D,
+                                        E, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
+    }
+    if (split) {
+        tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x);
+        tera_tp_copy_backward_wait(a->tp, &rq_x);
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln, NULL, a->drlogits, la->ln2, W->router, N, D,
+                                                              E, 1.0f));
     }
 }
 
@@ -872,8 +926,18 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
     /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward. */
+    const int split = tp_split(a);
+    tera_comm_req rq; /* parallel.tp_overlap: the input gradient's sum in flight */
     if (is_moe(c, l)) {
         moe_backward(m, l, s); /* sums the tensor-parallel partial input gradients itself */
+    } else if (split) { /* the weight gradients while the input gradient is summed */
+        memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
+        TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
+                                             W->dw3, W->dw2, N, D, m->Fdl));
+        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+        ffn_backward_dw(a, a->dres, la->ln2, la->fg, W->dw1, W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl,
+                        TERA_PROF_DENSE_BWD, &rq);
+        tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
@@ -893,13 +957,23 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
             m->be->ops.rope_backward(m->be, a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
         }
     });
-    TERA_PROF(QKV_BWD, {
-        float *const dw[3] = {G->wq, G->wk, G->wv};
-        const float *const dy[3] = {a->dq, a->dk, a->dv}, *const w[3] = {W->wq, W->wk, W->wv};
-        const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
-        tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D, 0.0f); /* ln1 converted once */
-    });
-    tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
+    float *const dw[3] = {G->wq, G->wk, G->wv};
+    const float *const dy[3] = {a->dq, a->dk, a->dv}, *const w[3] = {W->wq, W->wk, W->wv};
+    const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
+    if (split) { /* the heads' partial input gradients summed while the weight gradients are computed */
+        float *const no_dw[3] = {NULL, NULL, NULL};
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, la->ln1, w, widths, N, D, 0.0f));
+        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+        for (int i = 0; i < 3; i++) {
+            TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], la->ln1, w[i], N, D, widths[i], 0.0f));
+            tera_tp_poll(a->tp, &rq);
+        }
+        tera_tp_copy_backward_wait(a->tp, &rq);
+    } else {
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D,
+                                                      0.0f)); /* ln1 converted once */
+        tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
+    }
     TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
 }
 
@@ -986,9 +1060,19 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         } else {
             tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
         }
-        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
-        tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
-        memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
+        if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
+            tera_comm_req rq;
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+            tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
+                                                           V, 0.0f));
+            memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
+            tera_tp_copy_backward_wait(a->tp, &rq);
+        } else {
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+            tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
+            memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
+        }
         TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                                   a->rstdf, N, D));
         if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
@@ -1009,6 +1093,17 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     tera_tp_embedding_backward(a->tp, m->G.embed, a->dres, a->tokens, N, D);
     notify_grads(m, TERA_GROUP_EMBED);
     if (c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD);
+}
+
+int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early) {
+    const tera_tp *tp = m->slots ? m->slots[0].tp : NULL;
+    if (done_early) *done_early = tp ? tp->done_early : 0;
+    return tp ? tp->overlapped : 0;
+}
+
+void tera_model_set_tp_overlap(tera_model *m, int mode) {
+    m->par.tp_overlap = mode;
+    if (m->slots && m->slots[0].tp) m->slots[0].tp->overlap = mode;
 }
 
 void tera_model_update_router_bias(tera_model *m) {

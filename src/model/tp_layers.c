@@ -41,6 +41,32 @@ void tera_tp_reduce_forward(const tera_tp *tp, float *buf, int64_t n) { tp_sum(t
 
 void tera_tp_copy_backward(const tera_tp *tp, float *dx, int64_t n) { tp_sum(tp, dx, n); }
 
+int tera_tp_overlapping(const tera_tp *tp) {
+    return tp->tp > 1 && (tp->overlap == 2 || (tp->overlap == 1 && tp->be->precision == TERA_PREC_FP32));
+}
+
+int tera_tp_copy_backward_start(const tera_tp *tp, float *dx, int64_t n, tera_comm_req *req) {
+    memset(req, 0, sizeof *req);
+    if (tp->tp == 1) return 0;
+    if (!tera_tp_overlapping(tp)) {
+        tp_sum(tp, dx, n);
+        return 0;
+    }
+    TERA_PROF(TP_COMM, tera_comm_iallreduce_f32(tp->group, dx, n, req));
+    return 1;
+}
+
+void tera_tp_poll(const tera_tp *tp, tera_comm_req *req) {
+    if (tp->tp > 1 && req->active) TERA_PROF(TP_COMM, tera_comm_poll(req, 1));
+}
+
+void tera_tp_copy_backward_wait(tera_tp *tp, tera_comm_req *req) {
+    if (!tera_tp_overlapping(tp)) return;
+    if (!req->active) tp->done_early++; /* completed at a poll */
+    TERA_PROF(TP_COMM, tera_comm_wait(req)); /* an inactive request returns at once */
+    tp->overlapped++;
+}
+
 void tera_tp_embedding_forward(const tera_tp *tp, float *x, const float *table, const int32_t *tokens, int64_t N,
                                int64_t D) {
     if (tp->tp > 1) { /* each rank its rows, summed */

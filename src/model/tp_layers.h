@@ -28,6 +28,9 @@ typedef struct {
     float *ce_buf;    /* [3, N] tp > 1: per-row max, sum of exponentials, target logit */
     int64_t bytes;    /* bytes this module allocated (scratch) */
     tera_backend *be; /* the model's compute backend (not owned) */
+    int overlap;      /* parallel.tp_overlap (0, 1, 2): see tera_tp_overlapping */
+    int64_t overlapped; /* sums waited for after work overlapped them (tera_tp_copy_backward_wait) */
+    int64_t done_early; /* of those, the ones complete before their wait (at a poll: no time blocked) */
 } tera_tp;
 
 /* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
@@ -42,6 +45,20 @@ void tera_tp_reduce_forward(const tera_tp *tp, float *buf, int64_t n);
 /* Sum of the ranks' partial gradients of a replicated input of column-parallel layers, in place:
  * dx [n]. */
 void tera_tp_copy_backward(const tera_tp *tp, float *dx, int64_t n);
+/* The same sum split around independent work (Megatron's asynchronous tensor-parallel all-reduce:
+ * a column-parallel layer's weight gradients while its input gradient is summed): start returns 1
+ * with the sum in flight in *req (tp > 1 and tp->overlap: dx must not be read or written until
+ * tera_tp_copy_backward_wait), else 0 with the sum done (blocking, as tera_tp_copy_backward; *req
+ * inactive). tera_tp_poll lets an operation in flight progress between pieces of work (Open MPI's
+ * non-blocking collectives move only inside MPI calls); wait completes it (an inactive req returns
+ * at once) and counts it in tp->overlapped. An all-reduce's result does not depend on when it is
+ * waited for: the same bits as tera_tp_copy_backward. */
+int tera_tp_copy_backward_start(const tera_tp *tp, float *dx, int64_t n, tera_comm_req *req);
+/* Whether start leaves sums in flight: tp > 1 and overlap 2, or overlap 1 with the backend's
+ * products in fp32 (bf16/fp16 halves of a split product would each round their operands). */
+int tera_tp_overlapping(const tera_tp *tp);
+void tera_tp_poll(const tera_tp *tp, tera_comm_req *req);
+void tera_tp_copy_backward_wait(tera_tp *tp, tera_comm_req *req);
 
 /* Vocabulary-parallel embedding: x[N,D] = table[tokens[n]] (table: this rank's [Vl, D] rows; each
  * rank looks up the tokens in its slice, the partial rows are summed). Backward: dtable[Vl, D] +=

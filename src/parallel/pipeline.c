@@ -174,6 +174,9 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
                 tera_comm_wait(&rq);
                 wait += tera_now() - t0;
             }
+            /* the loss's pass also writes its gradient over the slot's logits (one exponential per
+             * logit; the backward of this micro-batch takes it: tera_model_arm_fused_loss) */
+            if (l1 == L) tera_model_arm_fused_loss(m, s->ce);
             const double t1 = tera_now();
             tera_model_forward_range(m, p->tok + (int64_t)sl * N, p->tgt + (int64_t)sl * N, l0, l1, xin, xout);
             busy += tera_now() - t1;

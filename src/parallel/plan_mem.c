@@ -11,7 +11,9 @@
  *   the slots sized by each group's span as tera_model_group_range gives it (restated as one pass
  *   over the table: the search builds thousands of tables);
  * - activation slots of a pipeline stage: the schedule's simulated peak (tera_pipe_slots);
- * - pipeline buffers, checkpoint buffers, router state: src/parallel/pipeline.c, trainer.c, checkpoint.c. */
+ * - pipeline buffers, checkpoint buffers, router state: src/parallel/pipeline.c, trainer.c, checkpoint.c;
+ * - the bf16 weight shadow: tera_bf16_shadow_on (src/train/precision.c), the rule the trainer registers
+ *   it by, with the precision and bf16 units resolved as tera train resolves them on this machine. */
 #include <math.h>
 #include <omp.h>
 #include <string.h>
@@ -27,7 +29,7 @@
 #include "tera/train.h"
 
 const char *const tera_pm_name[TERA_PM_N] = {"params", "grads", "optimizer", "activations", "scratch",
-                                             "comm", "pipeline", "checkpoint", "other", "onebit"};
+                                             "comm", "pipeline", "checkpoint", "other", "onebit", "bf16_shadow"};
 
 /* The CPU backend that sizes the per-thread scratch (tera_model_count asks it for the attention
  * and routing scratch of omp_get_max_threads() threads): one for the process. */
@@ -35,6 +37,26 @@ static tera_backend *sizing_backend(void) {
     static tera_backend *be;
     if (!be) be = tera_backend_cpu_create(-1);
     return be;
+}
+
+/* The precision and bf16 units tera train resolves for cfg on this machine (training.precision and
+ * training.bf16_gemm: `auto` asks the CPU, and bf16_gemm = auto without AMX times a probe): resolved
+ * once per process for each pair of settings (the search plans thousands of layouts of one config).
+ * A multi-rank run takes fma if any rank's probe chose it; this process's probe stands for them. */
+static void resolved_units(const tera_config *cfg, tera_precision *p, tera_bf16_gemm *g) {
+    static char prec[sizeof cfg->training.precision], gemm[sizeof cfg->training.bf16_gemm];
+    static int have;
+    static tera_precision rp;
+    static tera_bf16_gemm rg;
+    if (!have || strcmp(prec, cfg->training.precision) || strcmp(gemm, cfg->training.bf16_gemm)) {
+        tera_backend *be = sizing_backend();
+        rp = tera_precision_resolve(be, cfg->training.precision, NULL);
+        rg = rp == TERA_PREC_BF16 ? tera_bf16_gemm_resolve(be, cfg->training.bf16_gemm, NULL) : TERA_BF16_NATIVE;
+        snprintf(prec, sizeof prec, "%s", cfg->training.precision);
+        snprintf(gemm, sizeof gemm, "%s", cfg->training.bf16_gemm);
+        have = 1;
+    }
+    *p = rp, *g = rg;
 }
 
 /* ------------------------------------------------------------------ layout pieces */
@@ -232,6 +254,11 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
         }
         out->bytes[TERA_PM_ONEBIT] = extra;
     }
+    /* the bf16 weight shadow: 2 bytes per resident parameter (the model's n_floats: no ZeRO-3 shards) */
+    tera_precision prec;
+    tera_bf16_gemm units;
+    resolved_units(cfg, &prec, &units);
+    if (tera_bf16_shadow_on(cfg, zero, prec, units)) out->bytes[TERA_PM_SHADOW] = 2 * n;
     for (int k = 0; k < TERA_PM_N; k++) {
         out->total += out->bytes[k];
         if (k <= TERA_PM_COMM) out->printed_total += out->bytes[k];

@@ -225,14 +225,9 @@ void tera_adamw_free(tera_adamw *o) {
 /* Software prefetch PF_AHEAD elements ahead of each stream of the passes (8 KiB of fp32): with only
  * 2-5 streams per thread the hardware prefetchers alone left the norm pass below the update pass's
  * bandwidth (docs/PERFORMANCE.md, "Optimizer"). Addresses past an array's end are harmless (a
- * prefetch never faults). TERA_OPTIM_V0=1: no prefetch and the previous bf16-moment vector loop
- * (the same bits; bench/bench_optim.c --ab times the two in one process). */
+ * prefetch never faults). */
 #define PF_AHEAD 2048
 #define PF(p) __builtin_prefetch((const void *)((uintptr_t)(p) + PF_AHEAD * sizeof(*(p))), 0, 3) /* no pointer past the end */
-static int optim_v0(void) {
-    const char *e = getenv("TERA_OPTIM_V0");
-    return e && e[0] == '1' && !e[1];
-}
 
 #define LANES 16  /* fp32 lanes of the AdamW pass's sums */
 #define SQ_LANES 32 /* fp64 lanes of the gradient norm (four 8-wide accumulators: latency hidden) */
@@ -264,16 +259,12 @@ static double sq_sum(const float *restrict g, int64_t n) {
  * thread instead of one, which alone left this pass latency-bound (about 20% less CPU time per pass
  * on bench-m's gradients here; docs/PERFORMANCE.md, "Optimizer"). */
 static void sq_sum2(const float *restrict x, int64_t nx, const float *restrict y, int64_t ny, double *rx,
-                    double *ry, int pf) {
+                    double *ry) {
     double ax[SQ_LANES] = {0}, ay[SQ_LANES] = {0};
     const int64_t n = nx < ny ? nx : ny;
     int64_t j = 0;
-    for (; pf && j + SQ_LANES <= n; j += SQ_LANES) { /* SQ_LANES floats: two lines a stream */
+    for (; j + SQ_LANES <= n; j += SQ_LANES) { /* SQ_LANES floats: two lines a stream */
         PF(x + j), PF(x + j + 16), PF(y + j), PF(y + j + 16);
-        for (int l = 0; l < SQ_LANES; l++) ax[l] += (double)x[j + l] * (double)x[j + l];
-        for (int l = 0; l < SQ_LANES; l++) ay[l] += (double)y[j + l] * (double)y[j + l];
-    }
-    for (; j + SQ_LANES <= n; j += SQ_LANES) {
         for (int l = 0; l < SQ_LANES; l++) ax[l] += (double)x[j + l] * (double)x[j + l];
         for (int l = 0; l < SQ_LANES; l++) ay[l] += (double)y[j + l] * (double)y[j + l];
     }
@@ -287,7 +278,6 @@ typedef struct {
     const optim_item *it;
     double *part;
     int64_t lo;
-    int pf; /* software prefetch */
 } sq_ctx;
 
 static void sq_items(void *arg, int64_t a, int64_t b) {
@@ -296,7 +286,7 @@ static void sq_items(void *arg, int64_t a, int64_t b) {
     int64_t k = a;
     for (; k + 1 < b; k += 2)
         sq_sum2(c->glo + (it[k].a - c->lo), it[k].b - it[k].a, c->glo + (it[k + 1].a - c->lo),
-                it[k + 1].b - it[k + 1].a, &c->part[k], &c->part[k + 1], c->pf);
+                it[k + 1].b - it[k + 1].a, &c->part[k], &c->part[k + 1]);
     if (k < b) c->part[k] = sq_sum(c->glo + (it[k].a - c->lo), it[k].b - it[k].a);
 }
 
@@ -305,7 +295,7 @@ double tera_adamw_grad_sq(tera_adamw *o, const tera_model *m, double *sq) {
     const struct tera_adamw_plan *P = o->plan;
     const optim_item *it = P->items;
     double *part = P->part;
-    sq_ctx ctx = {.glo = o->g ? o->g : m->g + o->lo, .it = it, .part = part, .lo = o->lo, .pf = !optim_v0()};
+    sq_ctx ctx = {.glo = o->g ? o->g : m->g + o->lo, .it = it, .part = part, .lo = o->lo};
     for_items(m->be, P->n_items, sq_items, &ctx);
     if (sq)
         for (int i = 0; i < m->n_params; i++) sq[i] = 0.0;
@@ -333,8 +323,8 @@ uint16_t tera_adamw_shadow_round(float x) { return tera_bf16_rne(x); }
 static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w, float *restrict g,
                                                               float *restrict mm, float *restrict vv,
                                                               uint16_t *restrict w16, int64_t n, const adam_k *k,
-                                                              float decay, int zero_grad, int shadow, int pf,
-                                                              double *usq, double *psq) {
+                                                              float decay, int zero_grad, int shadow, double *usq,
+                                                              double *psq) {
     const float b1 = k->b1, b2 = k->b2, omb1 = k->omb1, omb2 = k->omb2, ss = k->step_size, ib = k->inv_bc2_sqrt,
                 eps = k->eps, gs = k->gs;
     float ua[LANES] = {0}, pa[LANES] = {0};
@@ -350,12 +340,10 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \
     } while (0)
-    for (; pf && j + LANES <= n; j += LANES) { /* LANES floats: one line a stream */
+    for (; j + LANES <= n; j += LANES) { /* LANES floats: one line a stream */
         PF(g + j), PF(w + j), PF(mm + j), PF(vv + j);
         for (int l = 0; l < LANES; l++) ADAMW_ELEM(j + l, l);
     }
-    for (; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) ADAMW_ELEM(j + l, l);
     for (; j < n; j++) ADAMW_ELEM(j, j % LANES);
 #undef ADAMW_ELEM
     float us = 0.0f, ps = 0.0f;
@@ -373,7 +361,6 @@ typedef struct {
     adam_k k;
     float wdecay;
     int zero_grad;
-    int pf; /* software prefetch */
 } step_ctx;
 
 static void step_items(void *arg, int64_t a, int64_t b) {
@@ -386,13 +373,13 @@ static void step_items(void *arg, int64_t a, int64_t b) {
         uint16_t *w16 = c->w16 ? c->w16 + r : NULL;
         /* four copies of the loop: clearing the gradient and writing the shadow decided outside it */
         if (c->zero_grad && w16)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 1, 1, c->pf, &part[1], &part[2]);
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 1, 1, &part[1], &part[2]);
         else if (c->zero_grad)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 1, 0, c->pf, &part[1], &part[2]);
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 1, 0, &part[1], &part[2]);
         else if (w16)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 0, 1, c->pf, &part[1], &part[2]);
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 0, 1, &part[1], &part[2]);
         else
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 0, 0, c->pf, &part[1], &part[2]);
+            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 0, 0, &part[1], &part[2]);
     }
 }
 
@@ -405,7 +392,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
                                                                    uint16_t *restrict w16, int64_t n,
                                                                    const adam_k *k, float decay, int zero_grad,
                                                                    int shadow, uint32_t c0, uint32_t k0,
-                                                                   uint32_t k1, int old_loop, double *usq, double *psq) {
+                                                                   uint32_t k1, double *usq, double *psq) {
     const float b1 = k->b1, b2 = k->b2, omb1 = k->omb1, omb2 = k->omb2, ss = k->step_size, ib = k->inv_bc2_sqrt,
                 eps = k->eps, gs = k->gs;
     float ua[LANES] = {0}, pa[LANES] = {0};
@@ -420,23 +407,22 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
                      vomb2 = _mm512_set1_ps(omb2), vss = _mm512_set1_ps(ss), vib = _mm512_set1_ps(ib),
                      veps = _mm512_set1_ps(eps), vgs = _mm512_set1_ps(gs), vdecay = _mm512_set1_ps(decay);
         __m512 vua = _mm512_setzero_ps(), vpa = _mm512_setzero_ps();
-        if (!old_loop) {
-            const __m512i vk0 = _mm512_set1_epi32((int)k0), vk1 = _mm512_set1_epi32((int)k1),
-                          low16 = _mm512_set1_epi32(0xFFFF), mhi = _mm512_set1_epi32(0x7F0000),
-                          qbit = _mm512_set1_epi32(0x400000), step = _mm512_set1_epi32(16),
-                          K1 = _mm512_set1_epi32((int)0x21f0aaadu), K2 = _mm512_set1_epi32((int)0x735a2d97u);
-            /* word permutations (AVX512BW vpermw / vpermt2w, one instruction each in place of a shift and
-             * a two-uop vpmovdw per vector): the high words of two vectors of 32-bit lanes into one
-             * (words 0-15 from the first, 16-31 from the second), and 16 bf16 words widened to the high
-             * words of 32-bit lanes (the low words zeroed by the mask) */
-            static const uint16_t hi_idx[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
-                                                33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-            static const uint16_t wide_idx[32] = {0, 0, 0, 1, 0, 2,  0, 3,  0, 4,  0, 5,  0, 6,  0, 7,
-                                                  0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15};
-            const __m512i hi = _mm512_loadu_si512(hi_idx), wide = _mm512_loadu_si512(wide_idx);
-            /* the element counters c0 + j + lane (mod 2^32), advanced by 16 a vector */
-            __m512i ctr = _mm512_add_epi32(_mm512_set1_epi32((int)c0),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m512i vk0 = _mm512_set1_epi32((int)k0), vk1 = _mm512_set1_epi32((int)k1),
+                      low16 = _mm512_set1_epi32(0xFFFF), mhi = _mm512_set1_epi32(0x7F0000),
+                      qbit = _mm512_set1_epi32(0x400000), step = _mm512_set1_epi32(16),
+                      K1 = _mm512_set1_epi32((int)0x21f0aaadu), K2 = _mm512_set1_epi32((int)0x735a2d97u);
+        /* word permutations (AVX512BW vpermw / vpermt2w, one instruction each in place of a shift and
+         * a two-uop vpmovdw per vector): the high words of two vectors of 32-bit lanes into one
+         * (words 0-15 from the first, 16-31 from the second), and 16 bf16 words widened to the high
+         * words of 32-bit lanes (the low words zeroed by the mask) */
+        static const uint16_t hi_idx[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                            33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+        static const uint16_t wide_idx[32] = {0, 0, 0, 1, 0, 2,  0, 3,  0, 4,  0, 5,  0, 6,  0, 7,
+                                              0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15};
+        const __m512i hi = _mm512_loadu_si512(hi_idx), wide = _mm512_loadu_si512(wide_idx);
+        /* the element counters c0 + j + lane (mod 2^32), advanced by 16 a vector */
+        __m512i ctr = _mm512_add_epi32(_mm512_set1_epi32((int)c0),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 #define SR_MIX16(x)                                                                                \
     do {                                                                                           \
         x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));                                         \
@@ -453,93 +439,44 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
         const __mmask16 q = _mm512_mask_test_epi32_mask(sp, u, low16) & _mm512_testn_epi32_mask(u, mhi); \
         out = _mm512_mask_blend_epi32(sp, out, _mm512_mask_or_epi32(u, q, u, qbit));               \
     } while (0)
-            for (; j + 16 <= n; j += 16) {
-                PF(g + j), PF(w + j), PF(mm + j), PF(vv + j); /* a line of g and w, half a line of m and v */
-                const __m512 gj = _mm512_mul_ps(_mm512_loadu_ps(g + j), vgs), w0 = _mm512_loadu_ps(w + j);
-                const __m512 m0 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                    0xAAAAAAAAu, wide, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(mm + j)))));
-                const __m512 v0 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                    0xAAAAAAAAu, wide, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vv + j)))));
-                const __m512 mj = _mm512_add_ps(_mm512_mul_ps(vb1, m0), _mm512_mul_ps(vomb1, gj));
-                const __m512 vj = _mm512_add_ps(_mm512_mul_ps(vb2, v0), _mm512_mul_ps(_mm512_mul_ps(vomb2, gj), gj));
-                const __m512 wj = _mm512_sub_ps(
-                    _mm512_mul_ps(w0, vdecay),
-                    _mm512_div_ps(_mm512_mul_ps(vss, mj), _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), vib), veps)));
-                __m512i x = _mm512_xor_si512(ctr, vk0);
-                ctr = _mm512_add_epi32(ctr, step);
-                SR_MIX16(x);
-                x = _mm512_xor_si512(x, vk1);
-                SR_MIX16(x);
-                const __m512i um = _mm512_castps_si512(mj), uv = _mm512_castps_si512(vj);
-                __m512i sm = _mm512_add_epi32(um, _mm512_and_si512(x, low16)), sv = _mm512_add_epi32(uv, _mm512_srli_epi32(x, 16));
-                const __mmask16 spm = _mm512_fpclass_ps_mask(mj, 0x99), spv = _mm512_fpclass_ps_mask(vj, 0x99); /* NaN, +-inf */
-                if (!_kortestz_mask16_u8(spm, spv)) {
-                    SR_SPECIAL16(um, spm, sm);
-                    SR_SPECIAL16(uv, spv, sv);
-                }
-                const __m512i hv = _mm512_permutex2var_epi16(sm, hi, sv); /* m's 16 bf16, then v's */
-                _mm256_storeu_si256((__m256i *)(mm + j), _mm512_castsi512_si256(hv));
-                _mm256_storeu_si256((__m256i *)(vv + j), _mm512_extracti64x4_epi64(hv, 1));
-                _mm512_storeu_ps(w + j, wj);
-                if (shadow) /* tera_bf16_rne on 16 lanes */
-                    _mm256_storeu_si256((__m256i *)(w16 + j),
-                                        _mm512_castsi512_si256(_mm512_permutexvar_epi16(hi, tera_bf16_rne16(_mm512_castps_si512(wj)))));
-                const __m512 d = _mm512_sub_ps(wj, w0);
-                vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
-                vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
-                if (zero_grad) _mm512_storeu_ps(g + j, _mm512_setzero_ps());
+        for (; j + 16 <= n; j += 16) {
+            PF(g + j), PF(w + j), PF(mm + j), PF(vv + j); /* a line of g and w, half a line of m and v */
+            const __m512 gj = _mm512_mul_ps(_mm512_loadu_ps(g + j), vgs), w0 = _mm512_loadu_ps(w + j);
+            const __m512 m0 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                0xAAAAAAAAu, wide, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(mm + j)))));
+            const __m512 v0 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                0xAAAAAAAAu, wide, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vv + j)))));
+            const __m512 mj = _mm512_add_ps(_mm512_mul_ps(vb1, m0), _mm512_mul_ps(vomb1, gj));
+            const __m512 vj = _mm512_add_ps(_mm512_mul_ps(vb2, v0), _mm512_mul_ps(_mm512_mul_ps(vomb2, gj), gj));
+            const __m512 wj = _mm512_sub_ps(
+                _mm512_mul_ps(w0, vdecay),
+                _mm512_div_ps(_mm512_mul_ps(vss, mj), _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), vib), veps)));
+            __m512i x = _mm512_xor_si512(ctr, vk0);
+            ctr = _mm512_add_epi32(ctr, step);
+            SR_MIX16(x);
+            x = _mm512_xor_si512(x, vk1);
+            SR_MIX16(x);
+            const __m512i um = _mm512_castps_si512(mj), uv = _mm512_castps_si512(vj);
+            __m512i sm = _mm512_add_epi32(um, _mm512_and_si512(x, low16)), sv = _mm512_add_epi32(uv, _mm512_srli_epi32(x, 16));
+            const __mmask16 spm = _mm512_fpclass_ps_mask(mj, 0x99), spv = _mm512_fpclass_ps_mask(vj, 0x99); /* NaN, +-inf */
+            if (!_kortestz_mask16_u8(spm, spv)) {
+                SR_SPECIAL16(um, spm, sm);
+                SR_SPECIAL16(uv, spv, sv);
             }
-#undef SR_SPECIAL16
-        } else { /* the previous loop (TERA_OPTIM_V0=1: bench/bench_optim.c's --ab), the same bits;
-                  * SR_MIX16 (above) hashes with this scope's K1, K2 */
-            const __m512i vk0 = _mm512_set1_epi32((int)k0), vk1 = _mm512_set1_epi32((int)k1),
-                          lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                          low16 = _mm512_set1_epi32(0xFFFF), expm = _mm512_set1_epi32(0x7F800000),
-                          mhi = _mm512_set1_epi32(0x7F0000), qbit = _mm512_set1_epi32(0x40),
-                          K1 = _mm512_set1_epi32((int)0x21f0aaadu), K2 = _mm512_set1_epi32((int)0x735a2d97u);
-/* tera_bf16_stochastic on 16 lanes: u the fp32 bits, r the 16 random bits */
-#define SR_ROUND16(u, r, out)                                                                      \
-    do {                                                                                           \
-        out = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);                                       \
-        const __mmask16 sp = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expm), expm);             \
-        if (sp) {                                                                                  \
-            const __mmask16 q = _mm512_test_epi32_mask(u, low16) & _mm512_testn_epi32_mask(u, mhi); \
-            const __m512i h = _mm512_srli_epi32(u, 16);                                            \
-            out = _mm512_mask_blend_epi32(sp, out, _mm512_mask_or_epi32(h, q, h, qbit));           \
-        }                                                                                          \
-    } while (0)
-            for (; j + 16 <= n; j += 16) {
-                const __m512 gj = _mm512_mul_ps(_mm512_loadu_ps(g + j), vgs), w0 = _mm512_loadu_ps(w + j);
-                const __m512 m0 = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(mm + j))), 16));
-                const __m512 v0 = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vv + j))), 16));
-                const __m512 mj = _mm512_add_ps(_mm512_mul_ps(vb1, m0), _mm512_mul_ps(vomb1, gj));
-                const __m512 vj = _mm512_add_ps(_mm512_mul_ps(vb2, v0), _mm512_mul_ps(_mm512_mul_ps(vomb2, gj), gj));
-                const __m512 wj = _mm512_sub_ps(
-                    _mm512_mul_ps(w0, vdecay),
-                    _mm512_div_ps(_mm512_mul_ps(vss, mj), _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), vib), veps)));
-                __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(c0 + (uint32_t)j)), lane), vk0);
-                SR_MIX16(x);
-                x = _mm512_xor_si512(x, vk1);
-                SR_MIX16(x);
-                __m512i hm, hv;
-                SR_ROUND16(_mm512_castps_si512(mj), _mm512_and_si512(x, low16), hm);
-                SR_ROUND16(_mm512_castps_si512(vj), _mm512_srli_epi32(x, 16), hv);
-                _mm256_storeu_si256((__m256i *)(mm + j), _mm512_cvtepi32_epi16(hm));
-                _mm256_storeu_si256((__m256i *)(vv + j), _mm512_cvtepi32_epi16(hv));
-                _mm512_storeu_ps(w + j, wj);
-                if (shadow) /* tera_bf16_rne on 16 lanes */
-                    _mm256_storeu_si256((__m256i *)(w16 + j),
-                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(tera_bf16_rne16(_mm512_castps_si512(wj)), 16)));
-                const __m512 d = _mm512_sub_ps(wj, w0);
-                vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
-                vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
-                if (zero_grad) _mm512_storeu_ps(g + j, _mm512_setzero_ps());
-            }
-#undef SR_MIX16
-#undef SR_ROUND16
+            const __m512i hv = _mm512_permutex2var_epi16(sm, hi, sv); /* m's 16 bf16, then v's */
+            _mm256_storeu_si256((__m256i *)(mm + j), _mm512_castsi512_si256(hv));
+            _mm256_storeu_si256((__m256i *)(vv + j), _mm512_extracti64x4_epi64(hv, 1));
+            _mm512_storeu_ps(w + j, wj);
+            if (shadow) /* tera_bf16_rne on 16 lanes */
+                _mm256_storeu_si256((__m256i *)(w16 + j),
+                                    _mm512_castsi512_si256(_mm512_permutexvar_epi16(hi, tera_bf16_rne16(_mm512_castps_si512(wj)))));
+            const __m512 d = _mm512_sub_ps(wj, w0);
+            vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
+            vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
+            if (zero_grad) _mm512_storeu_ps(g + j, _mm512_setzero_ps());
         }
+#undef SR_SPECIAL16
+#undef SR_MIX16
         _mm512_storeu_ps(ua, vua);
         _mm512_storeu_ps(pa, vpa);
     }
@@ -579,7 +516,6 @@ typedef struct {
     float wdecay;
     int zero_grad;
     uint64_t key; /* tera_moment_key(seed, t) */
-    int v0;       /* 1: the previous vector loop (TERA_OPTIM_V0=1, for A/B timing) */
 } step16_ctx;
 
 /* An item of tensor p in runs contiguous in the tensor's global element order (the block's rows
@@ -613,7 +549,7 @@ static void step_items_bf16(void *arg, int64_t a, int64_t b) {
             uint16_t *w16 = c->w16 ? c->w16 + r0 : NULL;
 #define CHUNK16(ZG, SH)                                                                            \
     adamw_chunk_bf16(c->w + r0, c->g + r0, c->m + r0, c->v + r0, w16, n, &c->k, decay, ZG, SH, (uint32_t)e, \
-                     (uint32_t)kk, (uint32_t)(kk >> 32), c->v0, &part[1], &part[2])
+                     (uint32_t)kk, (uint32_t)(kk >> 32), &part[1], &part[2])
             if (c->zero_grad && w16) CHUNK16(1, 1);
             else if (c->zero_grad) CHUNK16(1, 0);
             else if (w16) CHUNK16(0, 1);
@@ -645,12 +581,11 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
                           .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
                           .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad,
                           .key = tera_moment_key(o->sr_seed, o->t)};
-        ctx.v0 = optim_v0(); /* the previous vector loop, for A/B timing */
         for_items(m->be, P->n_items, step_items_bf16, &ctx);
     } else {
         step_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->m, .v = o->v,
                         .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
-                        .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad, .pf = !optim_v0()};
+                        .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad};
         for_items(m->be, P->n_items, step_items, &ctx);
     }
     double usum = 0.0, psum = 0.0;

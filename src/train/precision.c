@@ -1,5 +1,6 @@
 /* training.precision: the rule for `auto`, and the size of the conversion scratch. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tera/precision.h"
@@ -58,12 +59,26 @@ tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, 
     return g;
 }
 
+int tera_bf16_shadow_on(const tera_config *cfg, int zero, tera_precision p, tera_bf16_gemm g) {
+    const char *env = getenv("TERA_BF16_SHADOW");
+    if (env && !strcmp(env, "0")) return 0;
+    if (strcmp(cfg->training.device, "cpu") || p != TERA_PREC_BF16 || g != TERA_BF16_NATIVE || cfg->parallel.pp != 1 ||
+        zero >= 3)
+        return 0;
+    const int filled = !zero && !strcmp(cfg->optimizer.name, "adamw") && !(env && !strcmp(env, "lazy"));
+    return filled || cfg->training.grad_accum >= 4;
+}
+
 /* One linear layer x[N,in] -> [N,out]: its products convert at most N*in + N*out + in*out operand
  * elements together (the backward rounds dy, w and x once for both of its products; +2: each copy
  * after the first starts at an even element). */
 static int64_t linear_elems(int64_t N, int64_t in, int64_t out) { return N * (in + out) + in * out + 2; }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* An FFN's w1/w3 backward when SwiGLU's backward wrote the bf16 copies of both gradients side by side
+ * (bf16 on the native units: src/kernels/cpu/cpu.h, tera_cpu_prod): one [N,F] more than one layer. */
+static int64_t ffn_elems(int64_t N, int64_t D, int64_t F) { return linear_elems(N, D, F) + N * F + 2; }
 
 void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int ep, int64_t *main_elems,
                                   int64_t *thread_elems) {
@@ -75,10 +90,10 @@ void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int 
     int64_t m = linear_elems(N, D, H * hd);        /* q, and o (the same sizes swapped) */
     m = max64(m, linear_elems(N, D, Hkv * hd));    /* k, v */
     m = max64(m, linear_elems(N, D, c->vocab_size)); /* LM head */
-    const int64_t e = linear_elems(Ne, D, F);      /* an expert's rows are at most N per source rank */
+    const int64_t e = ffn_elems(Ne, D, F);         /* an expert's rows are at most N per source rank */
     m = max64(m, e);
-    if (c->n_shared_experts > 0) m = max64(m, linear_elems(N, D, (int64_t)c->n_shared_experts * F));
-    if (c->first_k_dense > 0) m = max64(m, linear_elems(N, D, Fd));
+    if (c->n_shared_experts > 0) m = max64(m, ffn_elems(N, D, (int64_t)c->n_shared_experts * F));
+    if (c->first_k_dense > 0) m = max64(m, ffn_elems(N, D, Fd));
     *main_elems = m;
     *thread_elems = e;
 }

@@ -137,7 +137,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         const tera_model_par par = {.ep = tr->topo.ep, .group = tr->groups.ep, .overlap = cfg->parallel.ep_overlap,
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
                                     .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->groups.dp,
-                                    .tp = tr->topo.tp, .tp_group = tr->groups.tp, .shard_grads = zero >= 2,
+                                    .tp = tr->topo.tp, .tp_group = tr->groups.tp, .tp_overlap = cfg->parallel.tp_overlap,
+                                    .shard_grads = zero >= 2,
                                     .shard_params = zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
                                     .n_slots = slots, .be = be};
@@ -252,12 +253,13 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     reserve_scratch(tr);
     /* bf16 weight shadow (backend.h): written by the AdamW update at ZeRO-0 at any grad_accum (measured
      * 4-8% faster steps on bench-s bf16 and 14-27% on bench-m at one micro-batch, docs/PERFORMANCE.md
-     * "Wave 7"), rounded lazily elsewhere where at least 4 micro-batches share it; TERA_BF16_SHADOW=lazy:
-     * the update does not write it (the lazy rule alone, for A/B timing), =0: no shadow at all */
-    const char *shadow_env = getenv("TERA_BF16_SHADOW");
-    const int shadow_filled = !tr->sharding->stage && !tr->onebit && !(shadow_env && !strcmp(shadow_env, "lazy"));
-    if ((t->grad_accum >= 4 || shadow_filled) && tr->topo.pp == 1 && tr->model.w)
+     * "Wave 7"), rounded lazily elsewhere where at least 4 micro-batches share it; the rule, with its
+     * A/B switches (TERA_BF16_SHADOW), is tera_bf16_shadow_on (include/tera/precision.h), which tera
+     * plan counts too */
+    if (tera_bf16_shadow_on(cfg, tr->sharding->stage, tr->prec.precision, tr->prec.bf16_gemm)) {
+        TERA_ASSERTF(tr->model.w && tr->topo.pp == 1, "bf16 shadow without the whole weights resident");
         tera_backend_weights_register(tr->model.be, tr->model.w, tr->model.n_floats);
+    }
     tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */

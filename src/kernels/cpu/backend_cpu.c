@@ -15,8 +15,13 @@ typedef struct {
 
 static cpu_backend *cpu_of(tera_backend *be) { return (cpu_backend *)be; }
 
+/* The start of every op that writes memory: the calling thread's record of a producer's bf16 copies
+ * (cpu.h, tera_cpu_prod) is good for the next op only, so each op takes and clears it (the products
+ * in matmul.c take it for themselves; the producers below record their own after). */
+static void take(tera_backend *be) { tera_cpu_prod_take(&cpu_of(be)->mm, NULL); }
+
 static void cpu_gemm(tera_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    (void)be;
+    take(be);
     tera_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -40,37 +45,48 @@ static void cpu_linear_backward_multi(tera_backend *be, int n, float *dx, float 
 }
 
 static void cpu_linear_forward_fp32(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float beta) {
-    (void)be;
+    take(be);
     tera_linear_forward_fp32(y, x, w, N, in, out, beta);
 }
 
 static void cpu_linear_backward_fp32(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
-    (void)be;
+    take(be);
     tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
 }
 
+/* The start of a producer op with one output y[n] (tera_cpu_prod, cpu.h): the thread's record taken,
+ * and the place of y's bf16 copy for the next product (NULL: none, the op writes fp32 only). */
+static uint16_t *prod_out1(tera_backend *be, const float *y, int64_t n) {
+    tera_cpu_matmul *mm = &cpu_of(be)->mm;
+    tera_cpu_prod_take(mm, NULL);
+    const float *src[1] = {y};
+    int64_t off[1];
+    uint16_t *s = tera_cpu_prod_out(mm, 1, src, &n, off);
+    return s ? s + off[0] : NULL;
+}
+
+/* a producer: y is the input of the next products (q/k/v, the LM head) */
 static void cpu_rmsnorm_forward(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps) {
-    (void)be;
-    tera_rmsnorm_forward(y, rstd, x, w, N, D, eps);
+    tera_rmsnorm_forward_bf16(y, prod_out1(be, y, N * D), rstd, x, w, N, D, eps);
 }
 
 static void cpu_rmsnorm_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd, int64_t N, int64_t D) {
-    (void)be;
+    take(be);
     tera_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, D);
 }
 
 static void cpu_rope_tables(tera_backend *be, float *cos_t, float *sin_t, int T, int hd, float theta) {
-    (void)be;
+    take(be);
     tera_rope_tables(cos_t, sin_t, T, hd, theta);
 }
 
 static void cpu_rope_forward(tera_backend *be, float *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
-    (void)be;
+    take(be);
     tera_rope_forward(x, cos_t, sin_t, B, T, nh, hd);
 }
 
 static void cpu_rope_backward(tera_backend *be, float *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd) {
-    (void)be;
+    take(be);
     tera_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
 }
 
@@ -95,6 +111,7 @@ static size_t cpu_attention_scratch_floats(tera_backend *be, int B, int T, int H
 }
 
 static void cpu_attention_forward(tera_backend *be, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T, int H, int Hkv, int hd, float *scratch) {
+    take(be);
     if (cpu_attention_bf16(be))
         tera_attention_forward_bf16(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
     else
@@ -102,128 +119,140 @@ static void cpu_attention_forward(tera_backend *be, float *out, float *lse, cons
 }
 
 static void cpu_attention_backward(tera_backend *be, float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k, const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd, float *scratch) {
+    take(be);
     if (cpu_attention_bf16(be))
         tera_attention_backward_bf16(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
     else
         tera_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
 }
 
+/* Producers (cpu.h, tera_cpu_prod): SwiGLU's g is the w2 product's input, its backward's da1 and da3
+ * the gradients of the w1 and w3 products (linear_backward_multi), the cross-entropy's dlogits that of
+ * the LM head (RMSNorm's output above: q/k/v's and the LM head's input); with bf16 on the native
+ * units each writes the bf16 copies where those products look. */
 static void cpu_swiglu_forward(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n) {
-    (void)be;
-    tera_swiglu_forward(g, a1, a3, n);
+    tera_cpu_matmul *mm = &cpu_of(be)->mm;
+    tera_cpu_prod_take(mm, NULL);
+    const float *src[1] = {g};
+    int64_t off[1];
+    uint16_t *s = tera_cpu_prod_out(mm, 1, src, &n, off);
+    tera_swiglu_forward_bf16(g, s ? s + off[0] : NULL, a1, a3, n);
 }
 
 static void cpu_swiglu_backward(tera_backend *be, float *da1, float *da3, const float *dg, const float *a1, const float *a3, int64_t n) {
-    (void)be;
-    tera_swiglu_backward(da1, da3, dg, a1, a3, n);
+    tera_cpu_matmul *mm = &cpu_of(be)->mm;
+    tera_cpu_prod_take(mm, NULL);
+    const float *src[2] = {da1, da3};
+    const int64_t len[2] = {n, n};
+    int64_t off[2];
+    uint16_t *s = tera_cpu_prod_out(mm, 2, src, len, off);
+    tera_swiglu_backward_bf16(da1, da3, s ? s + off[0] : NULL, s ? s + off[1] : NULL, dg, a1, a3, n);
 }
 
 static void cpu_embedding_forward(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D) {
-    (void)be;
+    take(be);
     tera_embedding_forward(x, table, tokens, N, D);
 }
 
 static void cpu_embedding_backward(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D) {
-    (void)be;
+    take(be);
     tera_embedding_backward(dtable, dx, tokens, N, D);
 }
 
 static void cpu_embedding_forward_range(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N, int64_t D, int64_t v0, int64_t Vl) {
-    (void)be;
+    take(be);
     tera_embedding_forward_range(x, table, tokens, N, D, v0, Vl);
 }
 
 static void cpu_embedding_backward_range(tera_backend *be, float *dtable, const float *dx, const int32_t *tokens, int64_t N, int64_t D, int64_t v0, int64_t Vl) {
-    (void)be;
+    take(be);
     tera_embedding_backward_range(dtable, dx, tokens, N, D, v0, Vl);
 }
 
 static void cpu_ce_slice_max(tera_backend *be, float *rowmax, const float *logits, int64_t N, int64_t Vl) {
-    (void)be;
+    take(be);
     tera_ce_slice_max(rowmax, logits, N, Vl);
 }
 
 static void cpu_ce_slice_sums(tera_backend *be, float *sumexp, float *tlogit, float *e, const float *logits, const float *rowmax, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0) {
-    (void)be;
+    take(be);
     tera_ce_slice_sums(sumexp, tlogit, e, logits, rowmax, targets, N, Vl, v0);
 }
 
+
 static void cpu_ce_backward_range(tera_backend *be, float *dlogits, const float *e, const float *sumexp, const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
-    (void)be;
-    tera_ce_backward_range(dlogits, e, sumexp, targets, N, Vl, v0, scale);
+    tera_ce_backward_range_bf16(dlogits, prod_out1(be, dlogits, N * Vl), e, sumexp, targets, N, Vl, v0, scale);
 }
 
 static double cpu_ce_forward(tera_backend *be, float *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V) {
-    (void)be;
+    take(be);
     return tera_ce_forward(lse, logits, targets, N, V);
 }
 
 static void cpu_ce_backward(tera_backend *be, float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V, float scale) {
-    (void)be;
-    tera_ce_backward(dlogits, logits, targets, N, V, scale);
+    tera_ce_backward_bf16(dlogits, prod_out1(be, dlogits, N * V), logits, targets, N, V, scale);
 }
 
 static void cpu_softmax_forward(tera_backend *be, float *probs, float *lse, const float *logits, int64_t N, int64_t E) {
-    (void)be;
+    take(be);
     tera_softmax_forward(probs, lse, logits, N, E);
 }
 
 static void cpu_softmax_backward(tera_backend *be, float *dlogits, const float *dprobs, const float *probs, int64_t N, int64_t E) {
-    (void)be;
+    take(be);
     tera_softmax_backward(dlogits, dprobs, probs, N, E);
 }
 
 static void cpu_moe_gather_forward(tera_backend *be, float *xg, const float *x, const int32_t *row_tok, int64_t R, int64_t D) {
-    (void)be;
+    take(be);
     tera_moe_gather_forward(xg, x, row_tok, R, D);
 }
 
 static void cpu_moe_gather_backward(tera_backend *be, float *dx, const float *dxg, const int32_t *slot_row, int64_t N, int k, int64_t D) {
-    (void)be;
+    take(be);
     tera_moe_gather_backward(dx, dxg, slot_row, N, k, D);
 }
 
 static void cpu_moe_combine_forward(tera_backend *be, float *out, const float *ye, const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D) {
-    (void)be;
+    take(be);
     tera_moe_combine_forward(out, ye, topw, slot_row, N, k, D);
 }
 
 static void cpu_moe_combine_backward(tera_backend *be, float *dye, float *dtopw, const float *dy, const float *ye, const float *topw, const int32_t *slot_row, int64_t N, int k, int64_t D) {
-    (void)be;
+    take(be);
     tera_moe_combine_backward(dye, dtopw, dy, ye, topw, slot_row, N, k, D);
 }
 
 static void cpu_add_forward(tera_backend *be, float *y, const float *x, int64_t n) {
-    (void)be;
+    take(be);
     tera_add_forward(y, x, n);
 }
 
 static void cpu_rmsnorm_copy_forward(tera_backend *be, float *y, float *rstd, float *xcopy, const float *x,
                                      const float *w, int64_t N, int64_t D, float eps) {
-    (void)be;
+    take(be);
     tera_rmsnorm_copy_forward(y, rstd, xcopy, x, w, N, D, eps);
 }
 
 static void cpu_rope_qk_forward(tera_backend *be, float *q, float *k, const float *cos_t, const float *sin_t, int B,
                                 int T, int H, int Hkv, int hd) {
-    (void)be;
+    take(be);
     tera_rope_qk_forward(q, k, cos_t, sin_t, B, T, H, Hkv, hd);
 }
 
 static void cpu_rope_qk_backward(tera_backend *be, float *dq, float *dk, const float *cos_t, const float *sin_t, int B,
                                  int T, int H, int Hkv, int hd) {
-    (void)be;
+    take(be);
     tera_rope_qk_backward(dq, dk, cos_t, sin_t, B, T, H, Hkv, hd);
 }
 
 static double cpu_ce_fused(tera_backend *be, float *dlogits, float *lse, float *tlogit, const float *logits,
                            const int32_t *targets, int64_t N, int64_t V, float scale) {
-    (void)be;
-    return tera_ce_fused(dlogits, lse, tlogit, logits, targets, N, V, scale);
+    return tera_ce_fused_bf16(dlogits, prod_out1(be, dlogits, N * V), lse, tlogit, logits, targets, N, V, scale);
 }
 
 static void cpu_fill_normal_block(tera_backend *be, float *w, int64_t numel, const int64_t *shape, const int64_t *lo, const int64_t *len, float std, uint64_t seed, uint64_t stream) {
-    (void)be;
+    take(be);
     tera_fill_normal_block(w, numel, shape, lo, len, std, seed, stream);
 }
 
@@ -237,15 +266,38 @@ static int cpu_items_side_by_side(tera_backend *be, int n) {
     return tera_items_side_by_side(n);
 }
 
+/* Work items run the caller's code, which calls ops on worker threads: a record made by an item's
+ * last op is cleared when the item ends (its region ends too: cpu.h). */
+typedef struct {
+    tera_cpu_matmul *mm;
+    void (*item)(void *ctx, int i);
+    void (*range)(void *ctx, int64_t lo, int64_t hi, int worker);
+    void *ctx;
+} item_call;
+
+static void item_tramp(void *p, int i) {
+    const item_call *c = p;
+    c->item(c->ctx, i);
+    tera_cpu_prod_item_end(c->mm);
+}
+
+static void range_tramp(void *p, int64_t lo, int64_t hi, int worker) {
+    const item_call *c = p;
+    c->range(c->ctx, lo, hi, worker);
+    tera_cpu_prod_item_end(c->mm);
+}
+
 static void cpu_for_each_item(tera_backend *be, int n, void (*fn)(void *ctx, int i), void *ctx) {
-    (void)be;
-    tera_for_each_item(n, fn, ctx);
+    take(be);
+    item_call c = {.mm = &cpu_of(be)->mm, .item = fn, .ctx = ctx};
+    tera_for_each_item(n, item_tramp, &c);
 }
 
 static void cpu_for_ranges(tera_backend *be, int64_t n, void (*fn)(void *ctx, int64_t lo, int64_t hi, int worker),
                            void *ctx) {
-    (void)be;
-    tera_for_ranges(n, fn, ctx);
+    take(be);
+    item_call c = {.mm = &cpu_of(be)->mm, .range = fn, .ctx = ctx};
+    tera_for_ranges(n, range_tramp, &c);
 }
 
 static void *cpu_alloc(tera_backend *be, size_t bytes) {
@@ -283,6 +335,7 @@ static void cpu_set_precision(tera_backend *be, tera_precision p, tera_bf16_gemm
     be->precision = c->mm.prec = p;
     be->bf16_gemm = c->mm.bf16_gemm = g;
     tera_cpu_shadow_sync(&c->mm); /* allocated or freed for the new mode, never in a product */
+    tera_cpu_prod_sync(&c->mm);
 }
 
 static void cpu_weights_register(tera_backend *be, const float *w, int64_t n) {
@@ -375,6 +428,7 @@ tera_backend *tera_backend_cpu_create(int threads) {
                                  .weights_shadow_out = cpu_weights_shadow_out, .weights_filled = cpu_weights_filled};
     be->threads = tera_get_threads();
     be->impl = &c->mm;
+    tera_cpu_prod_init(&c->mm);
     cpu_set_precision(be, TERA_PREC_FP32, TERA_BF16_NATIVE);
     return be;
 }

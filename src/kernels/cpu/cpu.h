@@ -31,12 +31,40 @@ typedef struct {
     int fill;           /* weights_shadow_out hands it out (TERA_BF16_SHADOW_FILL=0: never, the lazy rounding only) */
 } tera_cpu_shadow;
 
+/* Operands written by their producers (bf16 on the native units): an op whose output is the next
+ * product's activation operand (SwiGLU's g for w2, its backward's da1 and da3 for w1 and w3, the
+ * cross-entropy's dlogits for the LM head, RMSNorm's output for q/k/v and the LM head) writes the bf16 rounding of each output element beside the
+ * fp32 value, into the calling thread's conversion scratch where that product's rounding would put it
+ * (the first operand at element 0, the second after it at an even element), and records it here.
+ * The record is good for the next op on the same thread only: every op of the backend starts by
+ * taking and clearing its thread's record (tera_cpu_prod_take), so any op in between, an op that
+ * writes the array in place included, leaves the product to round the fp32 array as before; a
+ * product uses a copy only for the very arrays (pointer and length) recorded, and only when that
+ * record was made in the same region (region: advanced by every op outside parallel regions, so a
+ * record of a worker thread never outlives its work item's parallel region). */
+#define TERA_CPU_PROD_MAX 2
+typedef struct {
+    const float *src[TERA_CPU_PROD_MAX]; /* the fp32 arrays written */
+    int64_t n[TERA_CPU_PROD_MAX];        /* their lengths */
+    int64_t off[TERA_CPU_PROD_MAX];      /* their bf16 copies: elements into the thread's scratch */
+    int64_t region;                      /* mm->prod_region when recorded */
+    int count;                           /* 0: nothing recorded */
+    char pad[64 - (3 * TERA_CPU_PROD_MAX + 1) * 8 % 64 - sizeof(int)]; /* one cache line per thread */
+} tera_cpu_prod;
+
 typedef struct {
     tera_precision prec;
     tera_bf16_gemm bf16_gemm;
     tera_cpu_scratch_buf scratch[TERA_CPU_SCRATCH_THREADS]; /* thread 0: outside parallel regions */
     int64_t grows;                                          /* products that outgrew their scratch */
     tera_cpu_shadow shadow;
+    tera_cpu_prod prod[TERA_CPU_SCRATCH_THREADS]; /* per thread, as the scratch */
+    int64_t prod_region;
+    int prod_off;      /* producers write no bf16 copies (TERA_PRODUCER_BF16=0 at creation, A/B);
+                        * else they do whenever the precision is bf16 on the native units */
+    int prod_check;    /* verify every copy a product uses, element by element (ASan builds,
+                        * TERA_PRODUCER_BF16_CHECK=1); else a few elements of each */
+    int64_t prod_used; /* operands products took from their producers (tests) */
 } tera_cpu_matmul;
 
 /* The CPU backend's ops.linear_forward / linear_backward (include/tera/backend.h): the products of
@@ -64,6 +92,37 @@ void tera_cpu_shadow_end(tera_cpu_matmul *mm);
 /* ctl.weights_shadow_out / weights_filled (include/tera/backend.h) */
 uint16_t *tera_cpu_shadow_out(tera_cpu_matmul *mm, const float *w, int64_t n);
 void tera_cpu_shadow_filled(tera_cpu_matmul *mm);
+
+/* Producers' bf16 copies (tera_cpu_prod above). tera_cpu_prod_sync: clear every record (a change of
+ * precision, a new scratch); tera_cpu_prod_init: the switches from the environment (creation).
+ * tera_cpu_prod_take: the start of every op on the calling thread: its record, taken and cleared
+ * (into *rec when not NULL; rec->count 0 when none or stale). tera_cpu_prod_out: a producer asks for
+ * the bf16 destinations of k arrays src[i][n[i]] (k <= TERA_CPU_PROD_MAX): the thread's scratch
+ * (copy i at element off[i]), recorded for the next op, or NULL (not bf16 native, off, or the scratch
+ * too small: never grown here), when the producer writes fp32 only. tera_cpu_prod_item_end: a work
+ * item of for_each_item / for_ranges finished on this thread (its record cleared). */
+void tera_cpu_prod_sync(tera_cpu_matmul *mm);
+void tera_cpu_prod_init(tera_cpu_matmul *mm);
+void tera_cpu_prod_take(tera_cpu_matmul *mm, tera_cpu_prod *rec);
+uint16_t *tera_cpu_prod_out(tera_cpu_matmul *mm, int k, const float *const *src, const int64_t *n, int64_t *off);
+void tera_cpu_prod_item_end(tera_cpu_matmul *mm);
+/* A/B and tests: turn the producers on (1, where bf16 native) or off (0) for this context. */
+void tera_cpu_producer_bf16(tera_cpu_matmul *mm, int on);
+
+/* The producers' fused passes (elementwise.c): the functions of include/tera/kernels.h of the same
+ * name without _bf16, the same fp32 outputs, and the bf16 rounding (tera_bf16_rne) of each output
+ * into y16 / g16 / da1_16, da3_16 / d16 (d16: [N, Vl] of the dlogits) where those are not NULL. */
+void tera_rmsnorm_forward_bf16(float *y, uint16_t *y16, float *rstd, const float *x, const float *w, int64_t N,
+                               int64_t D, float eps);
+void tera_swiglu_forward_bf16(float *g, uint16_t *g16, const float *a1, const float *a3, int64_t n);
+void tera_swiglu_backward_bf16(float *da1, float *da3, uint16_t *da1_16, uint16_t *da3_16, const float *dg,
+                               const float *a1, const float *a3, int64_t n);
+double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlogit, const float *logits,
+                          const int32_t *targets, int64_t N, int64_t V, float scale);
+void tera_ce_backward_bf16(float *dlogits, uint16_t *d16, const float *logits, const int32_t *targets, int64_t N,
+                           int64_t V, float scale);
+void tera_ce_backward_range_bf16(float *dlogits, uint16_t *d16, const float *e, const float *sumexp,
+                                 const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale);
 
 /* fp32 weight gradients (TN products) in primitive pieces and rows-first TN tiles (matmul.c): 1 on
  * (the default), 0 off (the previous tree's products), as TERA_GEMM_PIECES=0; for benchmarks'

@@ -5,6 +5,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu.h"
+#include "tera/bf16.h"
 #include "tera/kernels.h"
 #include "vmath.h"
 
@@ -14,14 +16,7 @@
 
 void tera_rmsnorm_forward(float *restrict y, float *restrict rstd, const float *restrict x,
                           const float *restrict w, int64_t N, int64_t D, float eps) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xr = x + n * D;
-        float *yr = y + n * D;
-        float r = 1.0f / sqrtf(tera_sum_sq(xr, D) / (float)D + eps);
-        rstd[n] = r;
-        for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
-    }
+    tera_rmsnorm_forward_bf16(y, NULL, rstd, x, w, N, D, eps); /* cpu.h: y's bf16 copy when given */
 }
 
 void tera_rmsnorm_copy_forward(float *restrict y, float *restrict rstd, float *restrict xcopy,
@@ -200,6 +195,67 @@ void tera_swiglu_backward(float *restrict da1, float *restrict da3, const float 
         float silu = a1[i] * s;
         da3[i] = dg[i] * silu;
         da1[i] = dg[i] * a3[i] * s * (1.0f + a1[i] * (1.0f - s));
+    }
+}
+
+/* ------------------------------------------------ bf16 copies written by the producers (cpu.h) */
+
+/* the products' rounding (include/tera/bf16.h), here on values the caller has just written (in cache) */
+static void rne_row(uint16_t *restrict d, const float *restrict s, int64_t n) { tera_bf16_rne_n(d, s, n); }
+
+/* RMSNorm's forward with the bf16 copy of y (the next products' input: q/k/v, the LM head) */
+void tera_rmsnorm_forward_bf16(float *restrict y, uint16_t *restrict y16, float *restrict rstd,
+                               const float *restrict x, const float *restrict w, int64_t N, int64_t D, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float *yr = y + n * D;
+        float r = 1.0f / sqrtf(tera_sum_sq(xr, D) / (float)D + eps);
+        rstd[n] = r;
+        for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
+        if (y16) rne_row(y16 + n * D, yr, D);
+    }
+}
+
+/* The SwiGLU passes in blocks of PROD_BLOCK elements: each block's fp32 outputs by the loop body of
+ * tera_swiglu_forward / backward (the same operations, so the same bits), then their rounding while
+ * they are in L1. */
+#define PROD_BLOCK 512
+
+void tera_swiglu_forward_bf16(float *restrict g, uint16_t *restrict g16, const float *restrict a1,
+                              const float *restrict a3, int64_t n) {
+    if (!g16) {
+        tera_swiglu_forward(g, a1, a3, n);
+        return;
+    }
+    const int64_t nb = (n + PROD_BLOCK - 1) / PROD_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = b * PROD_BLOCK, i1 = i0 + PROD_BLOCK < n ? i0 + PROD_BLOCK : n;
+        for (int64_t i = i0; i < i1; i++) g[i] = tera_silu(a1[i]) * a3[i];
+        rne_row(g16 + i0, g + i0, i1 - i0);
+    }
+}
+
+void tera_swiglu_backward_bf16(float *restrict da1, float *restrict da3, uint16_t *restrict da1_16,
+                               uint16_t *restrict da3_16, const float *restrict dg, const float *restrict a1,
+                               const float *restrict a3, int64_t n) {
+    if (!da1_16 || !da3_16) {
+        tera_swiglu_backward(da1, da3, dg, a1, a3, n);
+        return;
+    }
+    const int64_t nb = (n + PROD_BLOCK - 1) / PROD_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = b * PROD_BLOCK, i1 = i0 + PROD_BLOCK < n ? i0 + PROD_BLOCK : n;
+        for (int64_t i = i0; i < i1; i++) {
+            float s = tera_sigmoid(a1[i]);
+            float silu = a1[i] * s;
+            da3[i] = dg[i] * silu;
+            da1[i] = dg[i] * a3[i] * s * (1.0f + a1[i] * (1.0f - s));
+        }
+        rne_row(da1_16 + i0, da1 + i0, i1 - i0);
+        rne_row(da3_16 + i0, da3 + i0, i1 - i0);
     }
 }
 
@@ -384,4 +440,52 @@ double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *log
     double sum = 0.0; /* fixed order, as tera_ce_forward */
     for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
     return sum;
+}
+
+/* The cross-entropy passes of the loss gradient with its bf16 copy (cpu.h): each row of dlogits as
+ * tera_ce_fused / tera_ce_backward / tera_ce_backward_range write it, then rounded into d16 while the
+ * row is in cache. */
+double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlogit, const float *logits,
+                          const int32_t *targets, int64_t N, int64_t V, float scale) {
+    if (!d16) return tera_ce_fused(dlogits, lse, tlogit, logits, targets, N, V, scale);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = logits + n * V;
+        const int64_t t = targets[n];
+        tlogit[n] = r[t];
+        lse[n] = ce_row(dlogits + n * V, r, V, t, scale);
+        rne_row(d16 + n * V, dlogits + n * V, V);
+    }
+    double sum = 0.0; /* fixed order, as tera_ce_forward */
+    for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
+    return sum;
+}
+
+void tera_ce_backward_bf16(float *dlogits, uint16_t *d16, const float *logits, const int32_t *targets, int64_t N,
+                           int64_t V, float scale) {
+    if (!d16) {
+        tera_ce_backward(dlogits, logits, targets, N, V, scale);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale);
+        rne_row(d16 + n * V, dlogits + n * V, V);
+    }
+}
+
+void tera_ce_backward_range_bf16(float *dlogits, uint16_t *d16, const float *e, const float *sumexp,
+                                 const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
+    if (!d16) {
+        tera_ce_backward_range(dlogits, e, sumexp, targets, N, Vl, v0, scale);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float *d = dlogits + n * Vl;
+        scale_row(d, e + n * Vl, Vl, scale / sumexp[n]);
+        const int64_t t = (int64_t)targets[n] - v0;
+        if (t >= 0 && t < Vl) d[t] -= scale;
+        rne_row(d16 + n * Vl, d, Vl);
+    }
 }

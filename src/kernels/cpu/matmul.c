@@ -634,6 +634,7 @@ void tera_cpu_matmul_reserve(tera_cpu_matmul *mm, int64_t main_elems, int64_t th
         if (mm->scratch[t].bytes < want) scratch_resize(&mm->scratch[t], want);
     }
     mm->grows = 0;
+    tera_cpu_prod_sync(mm); /* a scratch may be new */
 }
 
 void tera_cpu_matmul_release(tera_cpu_matmul *mm) {
@@ -684,16 +685,7 @@ static inline float fp16_scalar(float x) {
     return copysignf(a, x);
 }
 
-static void round_bf16_range(uint16_t *d, const float *s, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m512i r = tera_bf16_rne16(_mm512_loadu_si512((const void *)(s + i)));
-        _mm256_storeu_si256((__m256i *)(void *)(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-    }
-#endif
-    for (; i < n; i++) d[i] = tera_bf16_rne(s[i]);
-}
+static void round_bf16_range(uint16_t *d, const float *s, int64_t n) { tera_bf16_rne_n(d, s, n); }
 
 /* The same rounding, each result widened back to fp32 (the fma engine's operands). */
 static void round_bf16f_range(float *d, const float *s, int64_t n) {
@@ -889,6 +881,123 @@ static const uint16_t *shadow_get(tera_cpu_matmul *mm, const float *w, int64_t n
     return s->w16 + off;
 }
 
+/* ------------------------------------------------------------------ operands written by their producers */
+
+/* tera_cpu_prod (cpu.h): the producer op writes the bf16 copies of its outputs into the calling
+ * thread's scratch and records them; the next op on that thread takes the record, and a product
+ * among its operands finds the copy there instead of rounding the fp32 array again. */
+
+_Static_assert(sizeof(tera_cpu_prod) == 64, "one record per cache line");
+
+static int prod_thread(void) { return omp_in_parallel() ? omp_get_thread_num() : 0; }
+
+void tera_cpu_prod_sync(tera_cpu_matmul *mm) {
+    for (int t = 0; t < SCRATCH_THREADS; t++) mm->prod[t].count = 0;
+    mm->prod_region++;
+}
+
+void tera_cpu_prod_init(tera_cpu_matmul *mm) {
+    const char *e = getenv("TERA_PRODUCER_BF16"), *c = getenv("TERA_PRODUCER_BF16_CHECK");
+    mm->prod_off = e && strcmp(e, "0") == 0;
+#if defined(__SANITIZE_ADDRESS__)
+    mm->prod_check = !(c && strcmp(c, "0") == 0); /* on in the sanitizer builds unless turned off */
+#else
+    mm->prod_check = c && strcmp(c, "1") == 0;
+#endif
+    tera_cpu_prod_sync(mm);
+}
+
+void tera_cpu_producer_bf16(tera_cpu_matmul *mm, int on) {
+    mm->prod_off = !on;
+    tera_cpu_prod_sync(mm);
+}
+
+void tera_cpu_prod_take(tera_cpu_matmul *mm, tera_cpu_prod *rec) {
+    const int par = omp_in_parallel(), t = par ? omp_get_thread_num() : 0;
+    if (t >= SCRATCH_THREADS) { /* no scratch, so never recorded */
+        if (rec) rec->count = 0;
+        return;
+    }
+    tera_cpu_prod *p = &mm->prod[t];
+    if (rec) {
+        *rec = *p;
+        if (rec->region != mm->prod_region) rec->count = 0;
+    }
+    p->count = 0;
+    if (!par) mm->prod_region++; /* workers read it only inside regions, where it does not change */
+}
+
+void tera_cpu_prod_item_end(tera_cpu_matmul *mm) {
+    const int t = prod_thread();
+    if (t < SCRATCH_THREADS) mm->prod[t].count = 0;
+}
+
+uint16_t *tera_cpu_prod_out(tera_cpu_matmul *mm, int k, const float *const *src, const int64_t *n, int64_t *off) {
+    if (mm->prod_off || mm->prec != TERA_PREC_BF16 || lowp_in_fp32(mm) || k < 1 || k > TERA_CPU_PROD_MAX)
+        return NULL;
+    const int t = prod_thread();
+    if (t >= SCRATCH_THREADS) return NULL;
+    int64_t total = 0;
+    for (int i = 0; i < k; i++) {
+        if (n[i] <= 0 || !src[i]) return NULL;
+        off[i] = total;
+        total += n[i] + (n[i] & 1); /* the next copy at an even element, as the products lay them out */
+    }
+    tera_cpu_scratch_buf *b = &mm->scratch[t];
+    if (!b->p || b->bytes < sizeof(uint16_t) * (size_t)total) return NULL; /* never grown by a producer */
+    tera_cpu_prod *p = &mm->prod[t];
+    for (int i = 0; i < k; i++) {
+        p->src[i] = src[i];
+        p->n[i] = n[i];
+        p->off[i] = off[i];
+    }
+    p->region = mm->prod_region;
+    p->count = k;
+    return b->p;
+}
+
+/* Whether rec (the record this op took) holds a copy of x[n] at element `want` of the scratch. */
+static int prod_match(const tera_cpu_prod *rec, const float *x, int64_t n, int64_t want) {
+    if (!rec) return 0;
+    for (int i = 0; i < rec->count; i++)
+        if (rec->src[i] == x && rec->n[i] == n && rec->off[i] == want) return 1;
+    return 0;
+}
+
+/* Whether the thread's scratch holds `need` bytes: the product's whole layout (it is not grown when
+ * it holds a producer's copy, which growing would lose). */
+static int prod_fits(const tera_cpu_matmul *mm, size_t need) { return mm->scratch[prod_thread()].bytes >= need; }
+
+/* The copy of x[n] at element `at` of the thread's scratch, taken by a product (prod_match and
+ * prod_fits said so). It is checked against the rounding of x, every element with prod_check and 8
+ * spread elements otherwise: a mismatch means x was written between its producer and this product by
+ * something other than the backend's ops, a broken contract (include/tera/backend.h). */
+static const uint16_t *prod_use(tera_cpu_matmul *mm, const float *x, int64_t n, int64_t at) {
+    const uint16_t *c = (const uint16_t *)mm->scratch[prod_thread()].p + at;
+    int64_t bad = -1;
+    if (mm->prod_check) {
+        for (int64_t j = 0; j < n && bad < 0; j++)
+            if (c[j] != tera_bf16_rne(x[j])) bad = j;
+    } else {
+        for (int64_t k = 0; k < 8 && bad < 0; k++) {
+            const int64_t j = k * (n - 1) / 7;
+            if (c[j] != tera_bf16_rne(x[j])) bad = j;
+        }
+    }
+    TERA_ASSERTF(bad < 0, "bf16 operand written by its producer: element %lld of %lld is 0x%04x, the rounding of %a "
+                 "is 0x%04x (the array was written between its producer and the product)", (long long)bad,
+                 (long long)n, bad >= 0 ? c[bad] : 0, bad >= 0 ? (double)x[bad] : 0.0,
+                 bad >= 0 ? tera_bf16_rne(x[bad]) : 0);
+    __atomic_add_fetch(&mm->prod_used, 1, __ATOMIC_RELAXED);
+    return c;
+}
+
+/* A single operand x[n] at element 0 (the first operand of a product's layout): its copy, or NULL. */
+static const uint16_t *prod_find(tera_cpu_matmul *mm, const tera_cpu_prod *rec, const float *x, int64_t n,
+                                 size_t need) {
+    return prod_match(rec, x, n, 0) && prod_fits(mm, need) ? prod_use(mm, x, n, 0) : NULL;
+}
+
 /* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
 static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
                       const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -910,8 +1019,9 @@ static void round_fp32_operand(const tera_cpu_matmul *mm, float *dst, const floa
 
 /* C[M,N] = op(A) op(B) + beta C in the current low precision. A holds na elements, B nb (dense
  * operands: the linear layers' arrays). */
-static void gemm_lowp(tera_cpu_matmul *mm, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, int64_t na,
-                      const float *B, int64_t ldb, int64_t nb, float beta, float *C, int64_t ldc) {
+static void gemm_lowp(tera_cpu_matmul *mm, const tera_cpu_prod *rec, int ta, int tb, int64_t M, int64_t N, int64_t K,
+                      const float *A, int64_t lda, int64_t na, const float *B, int64_t ldb, int64_t nb, float beta, float *C,
+                      int64_t ldc) {
     if (M == 0 || N == 0) return;
     if (K == 0) {
         tera_gemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
@@ -927,9 +1037,11 @@ static void gemm_lowp(tera_cpu_matmul *mm, int ta, int tb, int64_t M, int64_t N,
     /* bf16: the bf16 copy of B starts at an even element, so 4-byte aligned; B is the weights'
      * shadow when it has one */
     const uint16_t *bs = shadow_get(mm, B, nb);
-    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + (bs ? 0 : nb)));
+    const size_t need = sizeof(uint16_t) * (size_t)(na + (na & 1) + (bs ? 0 : nb));
+    const int have_a = prod_find(mm, rec, A, na, need) != NULL; /* A's copy by its producer, in place */
+    uint16_t *s = scratch_get(mm, need);
     uint16_t *a16 = s, *b16 = s + na + (na & 1);
-    tera_round_bf16(a16, A, na);
+    if (!have_a) tera_round_bf16(a16, A, na);
     if (!bs) tera_round_bf16(b16, B, nb);
     gemm_bf16(ta, tb, M, N, K, a16, lda, bs ? bs : b16, ldb, beta, C, ldc);
 }
@@ -950,15 +1062,19 @@ void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const floa
 
 void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                          float beta) {
+    tera_cpu_prod rec;
+    tera_cpu_prod_take(mm, &rec);
     if (mm->prec == TERA_PREC_FP32) {
         tera_linear_forward_fp32(y, x, w, N, in, out, beta);
         return;
     }
-    gemm_lowp(mm, 0, 1, N, out, in, x, in, N * in, w, in, out * in, beta, y, out);
+    gemm_lowp(mm, &rec, 0, 1, N, out, in, x, in, N * in, w, in, out * in, beta, y, out);
 }
 
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x, const float *w,
                           int64_t N, int64_t in, int64_t out, float dx_beta) {
+    tera_cpu_prod rec;
+    tera_cpu_prod_take(mm, &rec);
     if (mm->prec == TERA_PREC_FP32) {
         tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
         return;
@@ -979,18 +1095,20 @@ void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const f
         /* bf16 arrays: each copy starts at an even element; w is the weights' shadow when it has one */
         const uint16_t *ws = shadow_get(mm, w, out * in);
         const int64_t ny = N * out + ((N * out) & 1), nw = ws ? 0 : out * in + ((out * in) & 1);
-        uint16_t *dy16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(ny + nw + N * in));
+        const size_t need = sizeof(uint16_t) * (size_t)(ny + nw + N * in);
+        const int have_dy = prod_find(mm, &rec, dy, N * out, need) != NULL; /* by its producer, in place */
+        uint16_t *dy16 = scratch_get(mm, need);
         uint16_t *w16 = dy16 + ny, *x16 = w16 + nw;
         const uint16_t *wop = ws ? ws : w16;
-        tera_round_bf16(dy16, dy, N * out);
+        if (!have_dy) tera_round_bf16(dy16, dy, N * out);
         if (!ws) tera_round_bf16(w16, w, out * in);
         tera_round_bf16(x16, x, N * in);
         gemm_bf16(0, 0, N, in, out, dy16, out, wop, in, dx_beta, dx, in);
         gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
         return;
     }
-    if (dx) gemm_lowp(mm, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
-    if (dw) gemm_lowp(mm, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
+    if (dx) gemm_lowp(mm, &rec, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
+    if (dw) gemm_lowp(mm, dx ? NULL : &rec, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
 }
 
 /* ------------------------------------------------------------------ several products of one input */
@@ -1013,6 +1131,8 @@ void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, 
         for (int i = 0; i < n; i++) tera_cpu_linear_forward(mm, y[i], x, w[i], N, in, out[i], 0.0f);
         return;
     }
+    tera_cpu_prod rec;
+    tera_cpu_prod_take(mm, &rec);
     /* the products of tera_cpu_linear_forward (gemm_lowp: x as A, w as B), x rounded once; each
      * weight is rounded into the same place after it (or read from the shadow) */
     const int64_t na = N * in;
@@ -1025,9 +1145,11 @@ void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, 
         }
         return;
     }
-    uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(na + (na & 1) + wmax));
+    const size_t need = sizeof(uint16_t) * (size_t)(na + (na & 1) + wmax);
+    const int have_x = prod_find(mm, &rec, x, na, need) != NULL; /* x's copy by its producer, in place */
+    uint16_t *s = scratch_get(mm, need);
     uint16_t *x16 = s, *w16 = s + na + (na & 1);
-    tera_round_bf16(x16, x, na);
+    if (!have_x) tera_round_bf16(x16, x, na);
     for (int i = 0; i < n; i++) {
         const uint16_t *ws = shadow_get(mm, w[i], out[i] * in);
         if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
@@ -1046,6 +1168,8 @@ void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float
             tera_cpu_linear_backward(mm, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f);
         return;
     }
+    tera_cpu_prod rec;
+    tera_cpu_prod_take(mm, &rec);
     /* the two products of tera_cpu_linear_backward for each i in turn, x rounded once */
     int64_t ymax = 0;
     for (int i = 0; i < n; i++) ymax = N * out[i] > ymax ? N * out[i] : ymax;
@@ -1062,8 +1186,35 @@ void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float
         }
         return;
     }
-    /* bf16 arrays: each copy starts at an even element */
+    /* bf16 arrays: each copy starts at an even element. When the producer of the gradients (SwiGLU's
+     * backward: da1, da3) wrote the copies of all n of them side by side at the start of the scratch,
+     * the products read them there, with x and the weight after them; else x, one gradient at a time
+     * and the weight. */
     const int64_t px = nx + (nx & 1), py = ymax + (ymax & 1);
+    const uint16_t *dyp[TERA_CPU_PROD_MAX] = {NULL};
+    int64_t pall = 0; /* the producer's copies, elements */
+    if (rec.count == n) {
+        int all = 1;
+        for (int i = 0; i < n; i++) {
+            all = all && prod_match(&rec, dy[i], N * out[i], pall);
+            pall += N * out[i] + ((N * out[i]) & 1);
+        }
+        if (!all || !prod_fits(mm, sizeof(uint16_t) * (size_t)(pall + px + wmax))) pall = 0;
+        for (int64_t i = 0, off = 0; i < n && pall > 0; off += N * out[i] + ((N * out[i]) & 1), i++)
+            dyp[i] = prod_use(mm, dy[i], N * out[i], off);
+    }
+    if (pall > 0) {
+        uint16_t *s = scratch_get(mm, sizeof(uint16_t) * (size_t)(pall + px + wmax)); /* fits: prod_fits */
+        uint16_t *x16 = s + pall, *w16 = x16 + px;
+        tera_round_bf16(x16, x, nx);
+        for (int i = 0; i < n; i++) {
+            const uint16_t *ws = shadow_get(mm, w[i], out[i] * in);
+            if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
+            gemm_bf16(0, 0, N, in, out[i], dyp[i], out[i], ws ? ws : w16, in, i == 0 ? dx_beta : 1.0f, dx, in);
+            gemm_bf16(1, 0, out[i], in, N, dyp[i], out[i], x16, in, 1.0f, dw[i], in);
+        }
+        return;
+    }
     uint16_t *x16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(px + py + wmax));
     uint16_t *dy16 = x16 + px, *w16 = dy16 + py;
     tera_round_bf16(x16, x, nx);
