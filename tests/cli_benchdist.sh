@@ -15,6 +15,10 @@
 #     with a pipeline, rank 0's stage: some), and 0 with tp = 1, the overlap off, or bf16 products
 #     under the default 1 (2: in every precision); the bytes are the same (the checks above), and
 #     the numbers too (tests/cli_layouts.sh);
+#   - ZeRO-2/3 start every gradient reduce-scatter non-blocking (zero_rs_overlapped_per_step equals
+#     zero_rs_per_step, and that is positive; 0 without ZeRO-2/3), except with TERA_ZERO_RS_OVERLAP=0
+#     (the -rsoff layout: blocking, none overlapped, the same bytes above and the same final loss as
+#     the overlapped dp2-zero3; tests/test_zero.c checks the weights bit for bit);
 #   - the whole: bytes_sent_per_step equals the minimum plus the overhead (5 bytes), and the
 #     overhead is small (under 5% of the minimum + 1 KiB), except with expert parallelism: the
 #     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
@@ -34,14 +38,16 @@ num() { grep -o "\"$2\": [-0-9.e+]*" "$1" | head -1 | cut -d' ' -f2; } # a numbe
 # name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp] [extra option]
 # (dp2-switchdp: model.balance_loss = switch_dp's count all-reduces, rerun by the full recomputation
 # of layers 0-1, not by layer 2's: the work set still holds it)
-for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
+for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 dp2-zero2:2:1:1:2:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
          "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
-    if ! mpirun --oversubscribe -np $((pp * dp * tp)) "$TERA" bench "${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" \
+    envs=()
+    [[ "$name" = *-rsoff ]] && envs=(env TERA_ZERO_RS_OVERLAP=0)
+    if ! mpirun --oversubscribe -np $((pp * dp * tp)) ${envs[@]+"${envs[@]}"} "$TERA" bench "${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" \
         --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" --training.grad_accum="$accum" ${extra:-} \
         > "$out" 2> "$W/$name.err"; then
         fail "$name: bench failed"
@@ -83,6 +89,23 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 pp2:1:1:1
         fail "$name: ${ov:-?} tensor-parallel sums overlapped per step, expected $want"
         ok=0
     fi
-    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax); $ov tp sums overlapped"
+    rs=$(num "$out" zero_rs_per_step) rso=$(num "$out" zero_rs_overlapped_per_step)
+    if [ "$zero" -ge 2 ] && [[ "$name" != *-rsoff ]]; then
+        awk -v a="$rs" -v b="$rso" 'BEGIN { exit !(a != "" && a > 0 && b == a) }' || {
+            fail "$name: ${rso:-?} of ${rs:-?} ZeRO gradient reduce-scatters per step started non-blocking, expected all"
+            ok=0
+        }
+    elif [ "$zero" -ge 2 ]; then
+        awk -v a="$rs" -v b="$rso" 'BEGIN { exit !(a != "" && a > 0 && b == 0) }' || {
+            fail "$name: ${rso:-?} of ${rs:-?} ZeRO gradient reduce-scatters per step started non-blocking, expected none"
+            ok=0
+        }
+        l0=$(num "$W/dp2-zero3.json" final_loss) l1=$(num "$out" final_loss)
+        [ -n "$l1" ] && [ "$l0" = "$l1" ] || { fail "$name: final loss $l1, overlapped dp2-zero3: $l0"; ok=0; }
+    elif [ "${rs:-0}" != 0.0 ] || [ "${rso:-0}" != 0.0 ]; then
+        fail "$name: ${rs:-?} ZeRO gradient reduce-scatters per step (${rso:-?} non-blocking) without ZeRO-2/3"
+        ok=0
+    fi
+    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax); $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
 done
 finish cli_benchdist

@@ -23,7 +23,10 @@
  *   - tera_zero_scatter of the reference's weights and moments, gathered again, gives them back
  *     bit for bit, and tera_zero_local_window of this rank's ranges equals its storage;
  *   - the bytes each rank holds (parameters, gradients, moments, ZeRO-2/3 staging) equal the
- *     planner's formula (tera_plan_rank_memory, the one cli_memory and `tera plan` use).
+ *     planner's formula (tera_plan_rank_memory, the one cli_memory and `tera plan` use);
+ *   - ZeRO-2/3's gradient reduce-scatters start non-blocking (tera_zero_rs_counts: every one over
+ *     several ranks), and stages 2 and 3 run again with them blocking (TERA_ZERO_RS_OVERLAP=0)
+ *     give the weights of the overlapped stage 2 bit for bit after every step.
  * On one process (no mpirun) the module runs as one rank: stage 0, checked against the reference. */
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,6 +39,7 @@
 #define CHECK(cond) TU_RANK_CHECK(me, cond)
 
 static int me;
+static int rs_blocking; /* TERA_ZERO_RS_OVERLAP=0: the second pass of stages 2 and 3 */
 enum { B = 2, T = 8, A = 2, NS = 3 };
 static const double LAYOUT_TOL = 2e-6; /* tests/mpilib.sh */
 
@@ -274,14 +278,14 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
          * after every micro-batch, then over the micro-batches): the same sums in the same order, so
          * bit-identical; between the two pairs the order differs (ranks first or micro-batches first),
          * measured 6e-8 relative after one step, and both are within LAYOUT_TOL of one process above */
-        if (stage == 0 || stage == 2) {
+        if ((stage == 0 || stage == 2) && !rs_blocking) {
             snap->w[stage / 2][st] = w;
-        } else {
+        } else { /* (blocking reduce-scatters: against the overlapped ZeRO-2) */
             const float *base = snap->w[stage / 2][st];
             const int same = memcmp(w, base, sizeof(float) * (size_t)shell.n_floats) == 0;
             if (!same)
-                fprintf(stderr, "rank %d: ep %d zero %d step %d: weights differ from ZeRO-%d's by %.3g (relative)\n", me,
-                        ep, stage, st, stage - 1, rel_norm(w, base, shell.n_floats));
+                fprintf(stderr, "rank %d: ep %d zero %d%s step %d: weights differ from ZeRO-%d's by %.3g (relative)\n", me,
+                        ep, stage, rs_blocking ? " (blocking reduce-scatters)" : "", st, stage / 2 * 2, rel_norm(w, base, shell.n_floats));
             CHECK(same);
             free(w);
         }
@@ -312,6 +316,10 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
     tera_zero_counts(z, &gathered, &prefetched, &unused);
     if (z->stage >= 3) CHECK(gathered > 0 && prefetched > 0);
     else CHECK(gathered == 0);
+    int64_t rs, rs_nb, rs_early;
+    tera_zero_rs_counts(z, &rs, &rs_nb, &rs_early);
+    if (z->stage >= 2) CHECK(rs > 0 && rs_nb == (rs_blocking ? 0 : rs) && rs_early <= rs_nb);
+    else CHECK(rs == 0 && rs_nb == 0);
     free(shell.params);
     rank_close(&q);
 }
@@ -322,6 +330,12 @@ static void run_layout(const tera_model_config *cfg, int ep) {
     ref_run(&R, cfg, ranks, 11, 3e-3f);
     snapshots snap = {{{0}}};
     for (int stage = 0; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
+    /* the gradient reduce-scatters blocking: the same bits as overlapped */
+    setenv("TERA_ZERO_RS_OVERLAP", "0", 1);
+    rs_blocking = 1;
+    for (int stage = 2; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
+    rs_blocking = 0;
+    unsetenv("TERA_ZERO_RS_OVERLAP");
     for (int st = 0; st < NS; st++) free(snap.w[0][st]), free(snap.w[1][st]);
     ref_free(&R);
     if (me == 0) fprintf(stderr, "test_zero: %d ranks, ep %d: ZeRO 0-3 checked over %d steps\n", ranks, ep, NS);

@@ -72,6 +72,12 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
  * request completes. The backend keeps its own copy of counts: the caller may change them at once.
  * One-rank group: complete on return. */
 void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req);
+/* Collective, non-blocking in-place reduce-scatter (as tera_comm_reduce_scatter_f32: once the
+ * request completes, rank r's range holds the sum, added in the same order as the blocking call
+ * adds: both start the backend's same operation). buf must not be read or written until then. The
+ * backend keeps its own copy of counts: the caller may change them at once. One-rank group, or a
+ * backend without a non-blocking form (NCCL): done by the blocking call, complete on return. */
+void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req);
 /* Blocks until req completes (an inactive request returns at once), under the watchdog below. */
 void tera_comm_wait(tera_comm_req *req);
 /* Tests reqs[0..n) once each, completing those that are done (inactive ones are skipped): lets

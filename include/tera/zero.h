@@ -59,7 +59,8 @@ typedef struct tera_zero {
     double *grad_sq;               /* [4 n_params]: the last step's squared gradient norm per tensor, then
                                       the step's scratch (per-tensor update and parameter squares) */
     int grads_zero;                /* the gradients are known to be zero (cleared by the optimizer) */
-    int64_t bytes_staging;         /* ZeRO-2/3 staging slots: one group's gradients (and parameters) at a time */
+    int64_t bytes_staging;         /* ZeRO-2/3 staging slots: one group's gradients (and parameters) at a time,
+                                      and a second layer gradient buffer (its sums in flight) */
     tera_comm_req *buckets;        /* [n_buckets] stage 0: gradient sums in flight during the last backward */
     int n_buckets;
     int poison;                    /* test hook armed (ZeRO-2/3): a NaN into the first gradient piece summed */
@@ -122,6 +123,11 @@ void tera_zero_plan(tera_zero *z, int last, int next);
 /* ZeRO-3, since creation: layer parameter gathers, how many of them a prefetch had started, and
  * prefetches discarded unused (0 otherwise). */
 void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused);
+/* ZeRO-2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
+ * of them started non-blocking (overlapping the backward that follows them; none with
+ * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of
+ * those were complete before they were waited for (0 each otherwise). */
+void tera_zero_rs_counts(const tera_zero *z, int64_t *total, int64_t *nonblocking, int64_t *early);
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards only; the same values as the
  * one-process init's, element by element). */
 void tera_zero_init_weights(tera_zero *z, uint64_t seed);

@@ -81,9 +81,11 @@ int tera_cmd_bench(int argc, char **argv) {
     tera_step_result r;
     double cpu0 = 0.0;
     int64_t tp_ov0 = 0, tp_early0 = 0; /* parallel.tp_overlap: overlapped sums before the timed steps */
+    int64_t rs0[3] = {0, 0, 0};        /* ZeRO-2/3's gradient reduce-scatters before them (tera_zero_rs_counts) */
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
+            tera_zero_rs_counts(tr.sharding, &rs0[0], &rs0[1], &rs0[2]);
             tera_prof_reset();
             tera_comm_barrier(tera_comm_world());
             tera_comm_traffic_reset();
@@ -162,6 +164,12 @@ int tera_cmd_bench(int argc, char **argv) {
             const int64_t tp_ov = tera_model_tp_overlapped(&tr.model, &tp_early);
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
+            /* ZeRO-2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
+             * of those the ones already complete when waited for (rank 0's) */
+            int64_t rs[3];
+            tera_zero_rs_counts(tr.sharding, &rs[0], &rs[1], &rs[2]);
+            printf(", \"zero_rs_per_step\": %.1f, \"zero_rs_overlapped_per_step\": %.1f, \"zero_rs_done_before_wait_per_step\": %.1f",
+                   (double)(rs[0] - rs0[0]) / steps, (double)(rs[1] - rs0[1]) / steps, (double)(rs[2] - rs0[2]) / steps);
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
                    "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),

@@ -291,6 +291,16 @@ void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, t
     req_set(req, c->be, c->be->iallgather_f32(c, buf, counts));
 }
 
+void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req) {
+    req_set(req, NULL, NULL);
+    if (c->size == 1 || !c->be->ireduce_scatter_f32) { /* the one-rank answer, or a backend without it */
+        tera_comm_reduce_scatter_f32(c, buf, counts);
+        return;
+    }
+    count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
+    req_set(req, c->be, c->be->ireduce_scatter_f32(c, buf, counts));
+}
+
 static void p2p_check(const tera_comm *c, int64_t n, int peer, int send) {
     TERA_ASSERTF(c->size > 1 && peer != c->rank && peer >= 0 && peer < c->size,
                  "point-to-point %s rank %d of a group of %d", send ? "send to" : "receive from", peer, c->size);

@@ -68,6 +68,10 @@ struct tera_comm_backend {
     void (*alltoallv_u8)(tera_comm *c, const void *send, const int64_t *scount, void *recv, const int64_t *rcount);
     void (*allgatherv_u8)(tera_comm *c, void *buf, const int64_t *counts);
     int (*host_leader)(void);
+    /* the non-blocking reduce-scatter (copies counts; the result moved into this rank's range when the
+     * operation completes, in wait or test), summing exactly as reduce_scatter_f32 does; NULL: comm.c
+     * runs the blocking one */
+    void *(*ireduce_scatter_f32)(tera_comm *c, float *buf, const int64_t *counts);
 };
 
 extern const struct tera_comm_backend tera__comm_single; /* comm_single.c: the one-rank world */

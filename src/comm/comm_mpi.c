@@ -74,12 +74,12 @@ static double grace_s(double limit) { return fmin(fmax(0.25 * limit, 1.0), 10.0)
 /* ---- what this rank is doing, for the other ranks' questions */
 enum {
     OP_NONE, OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_ALLTOALL, OP_BARRIER, OP_WAIT_ALLREDUCE,
-    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_COUNT
+    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_WAIT_REDUCE_SCATTER, OP_COUNT
 };
 static const char *const g_op_names[OP_COUNT] = {
     "no operation", "MPI_Allreduce", "MPI_Reduce_scatter", "MPI_Allgatherv", "MPI_Alltoall", "MPI_Barrier",
     "MPI_Wait (non-blocking all-reduce)", "MPI_Wait (non-blocking all-gather)", "MPI_Wait (send)", "MPI_Wait (receive)",
-    "MPI_Comm_split"};
+    "MPI_Comm_split", "MPI_Wait (non-blocking reduce-scatter)"};
 static _Atomic int g_op = OP_NONE;          /* the operation being waited for */
 static _Atomic double g_op_start = 0.0;     /* monotonic start of that wait, 0 = none */
 static _Atomic int g_op_blocking = 0;       /* a blocking MPI call (only the backup thread can time it out) */
@@ -283,9 +283,11 @@ static int mpi_launched(void) {
 /* ---- the request pool: objects never move (MPI reads an all-gather's counts until it completes) */
 typedef struct mpi_op {
     MPI_Request r;          /* the MPI request, MPI_REQUEST_NULL while free */
-    int kind;               /* OP_WAIT_ALLREDUCE, OP_WAIT_ALLGATHER, OP_SEND, OP_RECV; blocking:
-                             * OP_REDUCE_SCATTER, OP_ALLGATHER (their counts only) */
-    int *cnt, *disp;        /* the all-gather's counts and displacements ([world size] each) */
+    int kind;               /* OP_WAIT_ALLREDUCE, OP_WAIT_ALLGATHER, OP_WAIT_REDUCE_SCATTER, OP_SEND, OP_RECV;
+                             * blocking: OP_REDUCE_SCATTER, OP_ALLGATHER (their counts only) */
+    int *cnt, *disp;        /* the all-gather's (reduce-scatter's) counts and displacements ([world size] each) */
+    float *rs_buf;          /* OP_WAIT_REDUCE_SCATTER: its buffer, and this rank in its group: the result */
+    int rs_rank;            /* arrives at the buffer's start and is moved into the rank's range at completion */
     struct mpi_op *next;    /* the free list */
 } mpi_op;
 
@@ -534,6 +536,26 @@ static void *mpi_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts)
     return o;
 }
 
+/* The same MPI call as the blocking mpi_reduce_scatter_f32 (the same algorithm, the same order of
+ * additions); the result is moved into place when the request completes (mpi_wait, mpi_test). */
+static void *mpi_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
+    TERA_ASSERT(c->size <= g_size);
+    mpi_op *o = pool_take(OP_WAIT_REDUCE_SCATTER);
+    int_counts(c, counts, o->cnt, o->disp); /* kept with the request until it completes */
+    o->rs_buf = buf;
+    o->rs_rank = c->rank;
+    MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, o->cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
+    return o;
+}
+
+/* A completed request's last step (a reduce-scatter's result into this rank's range), then back to the pool. */
+static void op_done(mpi_op *o) {
+    if (o->kind == OP_WAIT_REDUCE_SCATTER && o->disp[o->rs_rank] > 0)
+        memmove(o->rs_buf + o->disp[o->rs_rank], o->rs_buf, sizeof(float) * (size_t)o->cnt[o->rs_rank]);
+    o->rs_buf = NULL;
+    pool_put(o);
+}
+
 static void *mpi_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, int tag) {
     TERA_ASSERTF(n <= MAX_PIECE, "point-to-point message of %ld floats is too large", (long)n);
     mpi_op *o = pool_take(OP_SEND);
@@ -551,14 +573,14 @@ static void *mpi_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int ta
 static void mpi_wait(void *op) {
     mpi_op *o = op;
     wait_req(&o->r, o->kind);
-    pool_put(o);
+    op_done(o);
 }
 
 static int mpi_test(void *op) {
     mpi_op *o = op;
     int done = 0;
     MPI_CHECK(MPI_Test(&o->r, &done, MPI_STATUS_IGNORE));
-    if (done) pool_put(o);
+    if (done) op_done(o);
     return done;
 }
 
@@ -645,4 +667,5 @@ const struct tera_comm_backend tera__comm_mpi = {
     .alltoallv_u8 = mpi_alltoallv_u8,
     .allgatherv_u8 = mpi_allgatherv_u8,
     .host_leader = mpi_host_leader,
+    .ireduce_scatter_f32 = mpi_ireduce_scatter_f32,
 };

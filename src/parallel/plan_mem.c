@@ -220,6 +220,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
             for (int x = 0; x < 2; x++) total += nb * ((ts->stage[k][x] + 15) & ~(int64_t)15);
         if (zero >= 3 && cfg->parallel.zero_prefetch)
             for (int x = 0; x < 2; x++) total += (ts->stage[2][x] + 15) & ~(int64_t)15;
+        for (int x = 0; x < 2; x++) total += (ts->stage[2][x] + 15) & ~(int64_t)15; /* the layer's spare gradient buffer */
         staging = 4 * total;
         bg = 4 * (on + oxn);
         if (zero >= 3) bp = 4 * (on + oxn);

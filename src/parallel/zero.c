@@ -16,6 +16,7 @@
  * moments over dp and the second's over edp (stages 2 and 3 the gradients and parameters too, below);
  * the optimizer object opt holds the first region (or its shard), opt_x the second. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tera/ckpt.h"
@@ -42,7 +43,19 @@ static void shard(int64_t n, int w, int64_t *counts, int64_t *lo_of) {
  * forward and again in backward) its ranges are all-gathered from the shards' fp32 parameters
  * (opt.w, opt_x.w) into a staging slot; the slot is reused by the next group. Slots: the
  * embedding, the head, and one for the layer in use (the embedding and head slots live through a
- * whole backward: with tied embeddings both are in use from the first to the last op). */
+ * whole backward: with tied embeddings both are in use from the first to the last op).
+ *
+ * Overlap: a group's reduce-scatters start non-blocking when it is done and complete while the
+ * backward of the next group(s) computes (polled at every group hook, as stage 0's buckets are);
+ * each rank's piece is added into its shard once its sum is complete, oldest first, so every shard
+ * element receives the same additions in the same order as with blocking sums (and the backend's
+ * non-blocking reduce-scatter sums as its blocking one does): the same bits. The layer slot has a
+ * second gradient buffer (gspare): the next layer accumulates there while the previous layer's sum
+ * is in flight; a buffer is reused only after its sums complete. The embedding and head slots wait
+ * for theirs at their next use (the next micro-batch). Everything completes in
+ * tera_zero_reduce_grads, before the optimizer. TERA_ZERO_RS_OVERLAP=0 in the environment: blocking
+ * sums (A/B; the spare buffer is allocated either way, as `tera plan` counts it); hierarchical /
+ * compressed reducers (zr->gred) always block. */
 enum { SLOT_EMBED, SLOT_HEAD, SLOT_LAYER, N_SLOTS };
 
 typedef struct {
@@ -61,6 +74,20 @@ typedef struct {
     tera_comm_req req[2];   /* the gathers in flight (the backend keeps their counts) */
 } zprefetch;
 
+/* A gradient reduce-scatter in flight: its buffer is not reused, nor its piece added, until it completes. */
+typedef struct {
+    tera_comm_req req;
+    float *buf;       /* the staging buffer summed */
+    const float *src; /* this rank's piece of the sum in it */
+    float *dst;       /* where the piece is added: this rank's shard gradient */
+    int64_t n;        /* floats of the piece */
+    int x;            /* the range: 0 non-expert, 1 expert (buf is a slot's g[x]) */
+    int comm;         /* over more than one rank */
+} zrs;
+/* in flight at most: one sum on each range (non-expert, expert) of each gradient buffer (embedding,
+ * head, layer, the layer's spare) */
+enum { MAX_RS = 2 * (N_SLOTS + 1) };
+
 typedef struct tera_zero_staging tera_zero_staging;
 struct tera_zero_staging {
     zslot slot[N_SLOTS];
@@ -74,9 +101,56 @@ struct tera_zero_staging {
     int plan;               /* pipeline: the executor names the order of use (tera_zero_plan) */
     int plan_last, plan_next; /* the current operation's last layer in its order of use, the next's first (-1: none) */
     int64_t n_gathered, n_prefetched, n_unused; /* layer gathers: all, of them prefetched, prefetches never used */
+    float *gspare[2];       /* [non-expert, expert] the layer slot's second gradient buffer (see Overlap) */
+    int rs_overlap;         /* gradient reduce-scatters non-blocking (TERA_ZERO_RS_OVERLAP != 0, no zr->gred) */
+    zrs rs[MAX_RS];         /* in flight, oldest first from rs_head (a ring of rs_len) */
+    int rs_head, rs_len;
+    int64_t n_rs, n_rs_nb, n_rs_early; /* sums over several ranks: all, started non-blocking, complete before their wait */
 };
 
 static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : group == TERA_GROUP_HEAD ? SLOT_HEAD : SLOT_LAYER; }
+
+/* Completes the oldest sum in flight and adds this rank's piece into its shard. */
+static void rs_finish_oldest(tera_zero_staging *z) {
+    TERA_ASSERT(z->rs_len > 0);
+    zrs *e = &z->rs[z->rs_head];
+    if (e->comm && !e->req.active) z->n_rs_early++; /* done while compute ran (a poll saw it) */
+    tera_comm_wait(&e->req);
+    float *dst = e->dst;
+    const float *src = e->src;
+    for (int64_t i = 0; i < e->n; i++) dst[i] += src[i];
+    z->rs_head = (z->rs_head + 1) % MAX_RS;
+    z->rs_len--;
+}
+
+/* Lets the sums in flight progress (the MPI backend has no progress thread) and adds the pieces of
+ * those complete, oldest first, stopping at the first still in flight. */
+static void rs_progress(tera_zero_staging *z) {
+    for (int i = 0; i < z->rs_len; i++) {
+        zrs *e = &z->rs[(z->rs_head + i) % MAX_RS];
+        if (e->req.active) tera_comm_poll(&e->req, 1);
+    }
+    while (z->rs_len > 0 && !z->rs[z->rs_head].req.active) rs_finish_oldest(z);
+}
+
+/* Whether a sum in flight reads one of a slot's buffers g[0], g[1] (compared range by range: an
+ * empty buffer may share its address with the next one). */
+static int rs_busy(const tera_zero_staging *z, float *const g[2]) {
+    for (int i = 0; i < z->rs_len; i++) {
+        const zrs *e = &z->rs[(z->rs_head + i) % MAX_RS];
+        if (e->buf == g[e->x]) return 1;
+    }
+    return 0;
+}
+
+/* Completes every sum up to the last one reading g[0] or g[1] (oldest first: the order of additions). */
+static void rs_release(tera_zero_staging *z, float *const g[2]) {
+    while (rs_busy(z, g)) rs_finish_oldest(z);
+}
+
+static void rs_drain(tera_zero_staging *z) {
+    while (z && z->rs_len > 0) rs_finish_oldest(z);
+}
 
 /* Counts of [lo, hi) per rank of a region's shards (counts[r] floats from the region start at
  * lo_r = sum of earlier counts); returns the offset inside [lo, hi) of this rank's piece. */
@@ -117,6 +191,7 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
     for (int x = 0; x < 2 && z->prefetch; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+    for (int x = 0; x < 2; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15; /* the spare gradient buffer */
     z->block = tera_calloc((size_t)total + 1, sizeof(float));
     float *p = z->block;
     for (int k = 0; k < N_SLOTS; k++) {
@@ -133,6 +208,9 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
     if (z->prefetch) {
         for (int x = 0; x < 2; x++) z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
     }
+    for (int x = 0; x < 2; x++) z->gspare[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+    const char *ov = getenv("TERA_ZERO_RS_OVERLAP"); /* A/B switch: 0 = blocking sums */
+    z->rs_overlap = !(ov && strcmp(ov, "0") == 0);
     z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
     tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
@@ -149,6 +227,7 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
 static void zero23_free(tera_zero *zr) {
     tera_zero_staging *z = zr->zs;
     if (!z) return;
+    rs_drain(z);                   /* gradient sums still in flight */
     tera_comm_wait(&z->pf.req[0]); /* a prefetch still in flight (inactive requests return at once) */
     tera_comm_wait(&z->pf.req[1]);
     free(z->block);
@@ -219,6 +298,7 @@ static void prefetch_start(tera_zero *zr, int group) {
 static void zero_use_params(void *ctx, int group) {
     tera_zero *zr = ctx;
     tera_zero_staging *z = zr->zs;
+    rs_progress(z); /* gradient sums in flight (backward) */
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->group != group || sl->version != z->version) {
         zprefetch *pf = &z->pf;
@@ -282,6 +362,13 @@ static void zero_use_grads(void *ctx, int group) {
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->live && sl->group == group) return; /* accumulating since earlier in this backward */
     TERA_ASSERTF(!sl->live, "ZeRO-2: group %d's gradients were never reduced", sl->group);
+    rs_progress(z);
+    if (sl == &z->slot[SLOT_LAYER] && rs_busy(z, sl->g)) /* the previous layer's sums in flight: the other buffer */
+        for (int x = 0; x < 2; x++) {
+            float *t = sl->g[x];
+            sl->g[x] = z->gspare[x], z->gspare[x] = t;
+        }
+    rs_release(z, sl->g); /* sums still reading the buffers now taken (the layer before last's, the last micro-batch's) */
     sl->live = 1;
     sl->pending = 0;
     for (int x = 0; x < 2; x++) {
@@ -311,13 +398,24 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
         sl->g[x][0] = NAN;
         zr->poison = 0;
     }
-    if (zr->gred[x]) /* hierarchical / compressed (error feedback indexed by the region's offsets) */
-        tera_greducer_reduce_scatter(zr->gred[x], sl->g[x], offset - (x ? zr->model->n_dense_floats : 0), z->cnt);
-    else
-        tera_comm_reduce_scatter_f32(p.c, sl->g[x], z->cnt);
-    const float *src = sl->g[x] + p.mine;
-    float *dst = p.o->g + p.soff;
-    for (int64_t i = 0; i < z->cnt[p.me]; i++) dst[i] += src[i];
+    const int comm = tera_comm_size(p.c) > 1;
+    z->n_rs += comm;
+    if (z->rs_overlap) { /* started now, its piece added once complete (see Overlap) */
+        TERA_ASSERTF(z->rs_len < MAX_RS, "ZeRO-2: more than %d gradient sums in flight", MAX_RS);
+        zrs *e = &z->rs[(z->rs_head + z->rs_len++) % MAX_RS];
+        *e = (zrs){.buf = sl->g[x], .src = sl->g[x] + p.mine, .dst = p.o->g + p.soff, .n = z->cnt[p.me], .x = x, .comm = comm};
+        tera_comm_ireduce_scatter_f32(p.c, sl->g[x], z->cnt, &e->req);
+        z->n_rs_nb += comm && e->req.active;
+        rs_progress(z);
+    } else {
+        if (zr->gred[x]) /* hierarchical / compressed (error feedback indexed by the region's offsets) */
+            tera_greducer_reduce_scatter(zr->gred[x], sl->g[x], offset - (x ? zr->model->n_dense_floats : 0), z->cnt);
+        else
+            tera_comm_reduce_scatter_f32(p.c, sl->g[x], z->cnt);
+        const float *src = sl->g[x] + p.mine;
+        float *dst = p.o->g + p.soff;
+        for (int64_t i = 0; i < z->cnt[p.me]; i++) dst[i] += src[i];
+    }
     if (--sl->pending == 0) sl->live = 0;
 }
 
@@ -326,6 +424,13 @@ void tera_zero_plan(tera_zero *zr, int last, int next) {
     if (!z || !z->plan) return;
     z->plan_last = last;
     z->plan_next = next;
+}
+
+void tera_zero_rs_counts(const tera_zero *zr, int64_t *total, int64_t *nonblocking, int64_t *early) {
+    const tera_zero_staging *z = zr ? zr->zs : NULL;
+    *total = z ? z->n_rs : 0;
+    *nonblocking = z ? z->n_rs_nb : 0;
+    *early = z ? z->n_rs_early : 0;
 }
 
 void tera_zero_counts(const tera_zero *zr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
@@ -367,6 +472,7 @@ void (*tera_zero_grad_ready(tera_zero *zr, int last))(void *, int64_t, int64_t) 
 
 void tera_zero_zero_grads(tera_zero *zr) {
     zr->poison = 0;
+    rs_drain(zr->zs); /* (none in flight between steps) */
     if (zr->stage < 2) {
         tera_model_zero_grad(zr->model);
         return;
@@ -378,6 +484,7 @@ void tera_zero_zero_grads(tera_zero *zr) {
 
 void tera_zero_local_grads(tera_zero *zr, float *g) {
     if (zr->stage < 2) return;
+    rs_drain(zr->zs);
     for (int k = 0; k < N_SLOTS; k++)
         TERA_ASSERTF(!zr->zs->slot[k].live, "ZeRO-%d: gradients of group %d still unreduced when switching to "
                      "local gradients", zr->stage, zr->zs->slot[k].group);
@@ -390,6 +497,7 @@ void tera_zero_grad_scale(tera_zero *zr, float s) {
         tera_grad_scale(zr->model, s);
         return;
     }
+    rs_drain(zr->zs);
     if (zr->local_g)
         for (int64_t i = 0; i < zr->model->n_floats; i++) zr->local_g[i] *= s;
     tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
@@ -730,6 +838,7 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     if (zr->topo.dp > 1) zr->gred[0] = tera_greducer_create(zr->dp, nd, (tera_compress_kind)ck, env->hierarchical);
     if (zr->topo.edp > 1 && n > nd)
         zr->gred[1] = tera_greducer_create(zr->edp, n - nd, (tera_compress_kind)ck, env->hierarchical);
+    if (zr->zs && (zr->gred[0] || zr->gred[1])) zr->zs->rs_overlap = 0; /* the reducers' sums block */
     zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
     zr->n_buckets = 2 * (m->cfg.n_layers + 2); /* per layer: non-expert and expert tensors */
     zr->buckets = tera_calloc((size_t)zr->n_buckets, sizeof(tera_comm_req));
@@ -832,6 +941,7 @@ static int counts_here(const tera_zero *zr, const tera_param *p) {
 void tera_zero_reduce_grads(tera_zero *zr) {
     tera_model *m = zr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
+    rs_drain(zr->zs); /* ZeRO-2/3: the last sums still in flight */
     if (zr->topo.dp == 1 || zr->stage >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
     if (zr->stage) { /* each rank sums only its own shard of each region */
         if (zr->gred[0]) tera_greducer_reduce_scatter(zr->gred[0], m->g, 0, zr->shard_counts);
@@ -851,6 +961,7 @@ void tera_zero_reduce_grads(tera_zero *zr) {
 double tera_zero_grad_sq(tera_zero *zr) {
     tera_model *m = zr->model;
     double *sq = zr->grad_sq, *sq2 = zr->grad_sq + m->n_params;
+    rs_drain(zr->zs); /* (tera_zero_reduce_grads did; 1-bit Adam's callers may not) */
     tera_adamw_grad_sq(&zr->opt, m, sq); /* one parallel region each (src/train/optim.c) */
     tera_adamw_grad_sq(&zr->opt_x, m, sq2);
     /* a tensor another rank counts (a replica) still enters as NaN when this rank's copy of its
