@@ -363,8 +363,7 @@ double tera_ce_forward(float *lse, const float *logits, const int32_t *targets, 
 
 void tera_ce_backward(float *dlogits, const float *logits, const int32_t *targets, int64_t N, int64_t V,
                       float scale) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale);
+    tera_ce_backward_bf16(dlogits, NULL, logits, targets, N, V, scale); /* cpu.h: no bf16 copy */
 }
 
 /* ------------------------------------------------------------- vocabulary-parallel pieces */
@@ -414,13 +413,7 @@ void tera_ce_slice_sums(float *sumexp, float *tlogit, float *e, const float *log
 
 void tera_ce_backward_range(float *dlogits, const float *e, const float *sumexp, const int32_t *targets,
                             int64_t N, int64_t Vl, int64_t v0, float scale) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float *d = dlogits + n * Vl;
-        scale_row(d, e + n * Vl, Vl, scale / sumexp[n]);
-        const int64_t t = (int64_t)targets[n] - v0;
-        if (t >= 0 && t < Vl) d[t] -= scale;
-    }
+    tera_ce_backward_range_bf16(dlogits, NULL, e, sumexp, targets, N, Vl, v0, scale); /* cpu.h: no bf16 copy */
 }
 
 /* Forward and backward in one pass over each row of the logits (ce_row): the row's max, its
@@ -430,31 +423,21 @@ void tera_ce_backward_range(float *dlogits, const float *e, const float *sumexp,
  * memory once and one exponential per logit. */
 double tera_ce_fused(float *dlogits, float *lse, float *tlogit, const float *logits, const int32_t *targets,
                      int64_t N, int64_t V, float scale) {
+    return tera_ce_fused_bf16(dlogits, NULL, lse, tlogit, logits, targets, N, V, scale); /* cpu.h: no bf16 copy */
+}
+
+/* The cross-entropy passes of the loss gradient (tera_ce_fused / tera_ce_backward /
+ * tera_ce_backward_range call these with d16 NULL) with its bf16 copy (cpu.h): each row of dlogits,
+ * then, where d16 is given, its rounding into d16 while the row is in cache. */
+double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlogit, const float *logits,
+                          const int32_t *targets, int64_t N, int64_t V, float scale) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *r = logits + n * V;
         const int64_t t = targets[n];
         tlogit[n] = r[t]; /* before dlogits (may be logits) is written */
         lse[n] = ce_row(dlogits + n * V, r, V, t, scale);
-    }
-    double sum = 0.0; /* fixed order, as tera_ce_forward */
-    for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
-    return sum;
-}
-
-/* The cross-entropy passes of the loss gradient with its bf16 copy (cpu.h): each row of dlogits as
- * tera_ce_fused / tera_ce_backward / tera_ce_backward_range write it, then rounded into d16 while the
- * row is in cache. */
-double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlogit, const float *logits,
-                          const int32_t *targets, int64_t N, int64_t V, float scale) {
-    if (!d16) return tera_ce_fused(dlogits, lse, tlogit, logits, targets, N, V, scale);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *r = logits + n * V;
-        const int64_t t = targets[n];
-        tlogit[n] = r[t];
-        lse[n] = ce_row(dlogits + n * V, r, V, t, scale);
-        rne_row(d16 + n * V, dlogits + n * V, V);
+        if (d16) rne_row(d16 + n * V, dlogits + n * V, V);
     }
     double sum = 0.0; /* fixed order, as tera_ce_forward */
     for (int64_t n = 0; n < N; n++) sum += (double)lse[n] - (double)tlogit[n];
@@ -463,29 +446,21 @@ double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlog
 
 void tera_ce_backward_bf16(float *dlogits, uint16_t *d16, const float *logits, const int32_t *targets, int64_t N,
                            int64_t V, float scale) {
-    if (!d16) {
-        tera_ce_backward(dlogits, logits, targets, N, V, scale);
-        return;
-    }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale);
-        rne_row(d16 + n * V, dlogits + n * V, V);
+        if (d16) rne_row(d16 + n * V, dlogits + n * V, V);
     }
 }
 
 void tera_ce_backward_range_bf16(float *dlogits, uint16_t *d16, const float *e, const float *sumexp,
                                  const int32_t *targets, int64_t N, int64_t Vl, int64_t v0, float scale) {
-    if (!d16) {
-        tera_ce_backward_range(dlogits, e, sumexp, targets, N, Vl, v0, scale);
-        return;
-    }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float *d = dlogits + n * Vl;
         scale_row(d, e + n * Vl, Vl, scale / sumexp[n]);
         const int64_t t = (int64_t)targets[n] - v0;
         if (t >= 0 && t < Vl) d[t] -= scale;
-        rne_row(d16 + n * Vl, d, Vl);
+        if (d16) rne_row(d16 + n * Vl, d, Vl);
     }
 }
