@@ -1,10 +1,14 @@
 /* Attention forward/backward throughput on the CPU: the fp32 kernels and the bf16 ones (products on
- * the matrix units, src/kernels/cpu/attention.c) side by side, same shapes, same run.
+ * the matrix units, src/kernels/cpu/attention.c) side by side, same shapes, same run. Where the CPU
+ * has AVX512-BF16 dot products (tera_attention_dot_available) the bf16 entry points run with
+ * TERA_ATTN_BF16=onednn (set here unless the environment sets it: that also keeps AMX off), variant
+ * "bf16" (the oneDNN per-tile products), and the dot-product kernels (src/kernels/cpu/attention_dot.c)
+ * run as variant "dot", called directly: fp32, oneDNN bf16 and dot bf16 in one run, alternating.
  *
  * Build and run (from the repository root):
  *   gcc -std=c11 -D_GNU_SOURCE -O3 -march=native -fopenmp -Iinclude -Isrc src/core/status.c \
- *       src/kernels/cpu/matmul.c src/kernels/cpu/attention.c bench/bench_attention.c \
- *       -o /tmp/bench_attention -ldnnl -lm && /tmp/bench_attention [reps]
+ *       src/kernels/cpu/matmul.c src/kernels/cpu/attention.c src/kernels/cpu/attention_dot.c \
+ *       bench/bench_attention.c -o /tmp/bench_attention -ldnnl -lm && /tmp/bench_attention [reps]
  * (add -DATTN_TILE=64 or -DATTN_BF16_TILE=256 to re-measure the tile sizes.)
  *
  * Old against new in one process: an earlier attention.c (e.g. `git show REV:src/kernels/cpu/attention.c
@@ -88,6 +92,11 @@ static float *alloc_rand(size_t n, uint64_t *rng) {
     return p;
 }
 
+/* the dot kernels' scratch for the thread count of the run (bench threads <= omp max at sizing) */
+static size_t dot_scratch(int B, int T, int H, int Hkv, int hd) {
+    return tera_attention_dot_scratch_floats(B, T, H, Hkv, hd, omp_get_max_threads());
+}
+
 static double rel_diff(const float *a, const float *b, size_t n) {
     double d = 0, m = 0;
     for (size_t i = 0; i < n; i++) {
@@ -102,8 +111,11 @@ int main(int argc, char **argv) {
     const int reps = argc > 1 ? atoi(argv[1]) : 21;
     const bench_shape shapes[] = {{"bench-s", 8, 256, 8, 8, 32}, {"bench-m", 4, 512, 8, 8, 64}, {"hd128", 4, 512, 4, 4, 128}};
     const int max_threads = 2;
+    /* the dot kernels as their own variant; the entry points then on the oneDNN products */
+    const int dot = tera_attention_bf16_available() && tera_attention_dot_available();
+    if (dot) setenv("TERA_ATTN_BF16", "onednn", 0);
     const int bf16 = tera_attention_bf16_available();
-    variant var[4];
+    variant var[5];
     int nv = 0;
 #ifdef ATTN_REF
     var[nv++] = (variant){"fp32-ref", ref_attention_forward, ref_attention_backward, ref_attention_scratch_floats, 0};
@@ -114,20 +126,22 @@ int main(int argc, char **argv) {
         var[nv++] = (variant){"bf16", tera_attention_forward_bf16, tera_attention_backward_bf16,
                               tera_attention_bf16_scratch_floats, 2};
     }
+    if (dot) var[nv++] = (variant){"dot", tera_attention_forward_dot, tera_attention_backward_dot, dot_scratch, 1};
 #else
     var[nv++] = (variant){"fp32", tera_attention_forward, tera_attention_backward, tera_attention_scratch_floats, 0};
     if (bf16)
         var[nv++] = (variant){"bf16", tera_attention_forward_bf16, tera_attention_backward_bf16,
                               tera_attention_bf16_scratch_floats, 0};
+    if (dot) var[nv++] = (variant){"dot", tera_attention_forward_dot, tera_attention_backward_dot, dot_scratch, 0};
 #endif
     uint64_t rng = 0x9E3779B97F4A7C15ull;
-    double *t[4][3];
+    double *t[5][3];
     for (int p = 0; p < nv; p++)
         for (int j = 0; j < 3; j++) t[p][j] = malloc((size_t)reps * sizeof(double));
     const char *isa = "";
     tera_cpu_bf16_fast(&isa);
-    printf("oneDNN ISA %s; bf16 attention %s (%s products)\n", isa, bf16 ? "available" : "not available (fp32 only)",
-           tera_attention_bf16_kernel());
+    printf("oneDNN ISA %s; bf16 attention %s (%s products)%s\n", isa, bf16 ? "available" : "not available (fp32 only)",
+           tera_attention_bf16_kernel(), dot ? "; dot: AVX512-BF16 dot-product kernels (attention_dot.c)" : "");
     printf("%-8s %3s %8s | %9s %9s %9s | fwd GF/s causal/full | bwd GF/s causal/full | f+b GF/s causal/full | %7s | %s\n",
            "shape", "thr", "variant", "fwd ms", "bwd ms", "f+b ms", "speedup", "max rel diff out/dq vs its ref");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -137,7 +151,7 @@ int main(int argc, char **argv) {
         omp_set_num_threads(max_threads);
         float *q = alloc_rand(nq, &rng), *k = alloc_rand(nk, &rng), *v = alloc_rand(nk, &rng);
         float *dout = alloc_rand(nq, &rng);
-        float *out[4], *lse[4], *dq[4], *dk[4], *dv[4];
+        float *out[5], *lse[5], *dq[5], *dk[5], *dv[5];
         size_t ns = 0;
         for (int p = 0; p < nv; p++) {
             out[p] = alloc_rand(nq, &rng), lse[p] = alloc_rand(nl, &rng), dq[p] = alloc_rand(nq, &rng);
@@ -162,7 +176,7 @@ int main(int argc, char **argv) {
                     t[p][0][r] = t1 - t0, t[p][1][r] = t2 - t1, t[p][2][r] = t2 - t0;
                 }
             }
-            double med[4] = {0};
+            double med[5] = {0};
             for (int p = 0; p < nv; p++) {
                 const double mf = median(t[p][0], reps), mb = median(t[p][1], reps), mt = median(t[p][2], reps);
                 med[p] = mt;
@@ -177,6 +191,8 @@ int main(int argc, char **argv) {
                        cb / mb * 1e-9, fb / mb * 1e-9, (cf + cb) / mt * 1e-9, (ff + fb) / mt * 1e-9, med[rp] / mt,
                        diff);
             }
+            if (dot) /* the dot kernels against the entry points' bf16 products (the last two variants) */
+                printf("%-8s %3d %8s | f+b speed-up of dot over bf16: %.2fx\n", s.name, thr, "", med[nv - 2] / med[nv - 1]);
         }
         free(q), free(k), free(v), free(dout), free(scratch);
         for (int p = 0; p < nv; p++) free(out[p]), free(lse[p]), free(dq[p]), free(dk[p]), free(dv[p]);

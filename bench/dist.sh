@@ -6,6 +6,11 @@
 # (micro_batch = 16 / parallel.dp: tensor-parallel ranks share their samples).
 # Then the overlap A/B: each expert-parallel layout of AB_LAYOUTS run AB_REPEATS times with
 # ep_overlap 1 and 0 alternating (the machine's load drifts; alternation and medians show it).
+# Beside the layouts, the machine's ceiling for 2 ranks (CEILING="2", e.g. "2 4"; "" skips it): as
+# many independent one-rank runs side by side, each on its share of the batch; the table gives each
+# layout's tokens/s against one rank (the median of the "one" rows) and against that ceiling, its
+# exposed communication (blocked in collectives and waits) and the time spent starting and polling
+# non-blocking operations (comm_progress_ms: data moved and summed by the library on the rank's core).
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
 # and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
@@ -39,10 +44,32 @@ run() { # name dp tp ep zero overlap [pp]
           --parallel.ep_overlap="$ov" --training.threads=1)
     if [ "$n" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$n" "$TERA" "${args[@]}" 2> /dev/null; fi
 }
+# The machine's own ceiling for N ranks: N independent one-rank runs side by side, each on 16 / N
+# sequences (a dp layout's share) and nothing exchanged; their summed tokens/s is what any N-rank
+# layout could reach here if communication cost nothing (cores, caches and memory bandwidth shared
+# as in the layouts). CEILING="" skips it.
+ceiling() { # n
+    local n=$1 tmp
+    tmp=$(mktemp -d)
+    for i in $(seq "$n"); do
+        "$TERA" bench -c configs/bench-dist.ini --name "bench-dist/ceiling$n" --steps "$STEPS" --warmup "$WARMUP" \
+            --training.micro_batch=$((16 / n)) --training.threads=1 > "$tmp/$i.json" 2> /dev/null &
+    done
+    wait
+    cat "$tmp"/*.json | python3 -c '
+import json, sys
+rs = [json.loads(l) for l in sys.stdin if l.strip()]
+r = dict(rs[0])
+r.update(ranks=len(rs), independent=1, tokens_per_s=sum(x["tokens_per_s"] for x in rs),
+         step_ms_median=max(x["step_ms_median"] for x in rs))
+print(json.dumps(r))'
+    rm -rf "$tmp"
+}
 for l in $LAYOUTS; do
     IFS=: read -r name dp tp ep zero ov pp <<< "$l"
     run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" | tee -a "$OUT"
 done
+for n in ${CEILING-2}; do ceiling "$n" | tee -a "$OUT"; done
 AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
 for l in $AB_LAYOUTS; do
     IFS=: read -r name dp tp ep zero <<< "$l"
@@ -56,29 +83,41 @@ import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ab = [json.loads(l) for l in open(sys.argv[2])]
 MiB, KiB = 2**20, 2**10
-print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | step ms | sent MiB/rank/step | minimum MiB | sent/min "
-      "| overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank | exposed comm ms (mean / max rank) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+ones = [r["tokens_per_s"] for r in rows if r.get("ranks", 1) == 1]
+one = statistics.median(ones) if ones else None
+ceil = {r["ranks"]: r["tokens_per_s"] for r in rows if r.get("independent")}
+xone = lambda r: f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
+print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | x one rank | of the ceiling | step ms | sent MiB/rank/step "
+      "| minimum MiB | sent/min | overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank "
+      "| exposed comm ms (mean / max rank) | progress ms (mean / max rank) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     n = r.get("ranks", 1)
     name = r["config"].split("/")[-1]
     if n == 1:
-        print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 |")
+        print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {xone(r)} | - | {r['step_ms_median']:.0f} "
+              "| 0 | 0 | - | - | - | - | 0 | 0 |")
         continue
+    if r.get("independent"):
+        print(f"| {name} | {n} | {n} independent one-rank runs | - | {r['tokens_per_s']:.0f} | {xone(r)} | 100% | "
+              f"{r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 | 0 |")
+        continue
+    of = f"{100 * r['tokens_per_s'] / ceil[n]:.0f}%" if n in ceil else "-"
     mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / MiB
     lay = f"{r['dp'] // r['ep']} x {r['tp']} x {r['ep']}" + (f" (pp {r['pp']})" if r.get("pp", 1) > 1 else "")
     ratio = r["bytes_sent_per_step"] / r["min_bytes_per_step"] if r["min_bytes_per_step"] else float("nan")
     p2p = f"{r['sent_p2p'] / r['min_p2p']:.3f}" if r["min_p2p"] else "-"
-    print(f"| {name} | {n} | {lay} | {r['zero']} | {r['tokens_per_s']:.0f} | {r['step_ms_median']:.0f} | "
+    print(f"| {name} | {n} | {lay} | {r['zero']} | {r['tokens_per_s']:.0f} | {xone(r)} | {of} | {r['step_ms_median']:.0f} | "
           f"{r['bytes_sent_per_step'] / MiB:.2f} | {r['min_bytes_per_step'] / MiB:.2f} | {ratio:.4f} | "
           f"{r['overhead_bytes_per_step'] / KiB:.1f} | {p2p} | {mem:.0f} | "
-          f"{r.get('exposed_comm_ms', float('nan')):.1f} / {r.get('exposed_comm_ms_max', float('nan')):.1f} |")
+          f"{r.get('exposed_comm_ms', float('nan')):.1f} / {r.get('exposed_comm_ms_max', float('nan')):.1f} | "
+          f"{r.get('comm_progress_ms', float('nan')):.1f} / {r.get('comm_progress_ms_max', float('nan')):.1f} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]
 print("\nMiB sent per rank per step by kind, measured / minimum (+ overhead: statistics, expert row counts):\n")
 print("| layout | " + " | ".join(kinds) + " | gradients | tensor-parallel | ZeRO-3 gathers | expert exchange |")
 print("|---|" + "---|" * (len(kinds) + 4))
 for r in rows:
-    if r.get("ranks", 1) == 1: continue
+    if r.get("ranks", 1) == 1 or r.get("independent"): continue
     cell = lambda k: "-" if r["sent_" + k] == 0 and r["min_" + k] == 0 else \
         f"{r['sent_' + k] / MiB:.3f} / {r['min_' + k] / MiB:.3f}" + (f" + {r['overhead_' + k] / MiB:.4f}" if r["overhead_" + k] else "")
     print(f"| {r['config'].split('/')[-1]} | " + " | ".join(cell(k) for k in kinds) +

@@ -64,6 +64,7 @@ grep '"precision": "bf16"' "$OUT" | /usr/bin/python3 -c '
 import json, sys
 for l in sys.stdin:
     a = json.loads(l)
+    if a.get("impl", "tera") != "tera" or "gflops" not in a: continue  # the PyTorch peer'"'"'s lines
     pk = a.get("bf16_peak_gflops")
     print("%-8s %2d threads: %7.1f GF/s of %s (%s)" % (a["config"], a["threads"], a["gflops"],
           "%.1f GF/s bf16 peak, %.1f%%" % (pk, 100 * a["gflops"] / pk) if pk else "no bf16 peak",

@@ -482,11 +482,23 @@ static void test_bf16_vs_rounded_reference(void **state) {
     print_message("bf16 attention (%s products): worst error / bound (bound = 4u * sum|terms|): out %.3g dq %.3g dk %.3g "
                   "dv %.3g; lse / fp32 tolerance %.3g\n",
                   tera_attention_bf16_kernel(), worst[0], worst[2], worst[3], worst[4], worst[1]);
-    /* the AMX kernels run wherever the CPU and oneDNN's ISA have AMX (unless TERA_ATTN_BF16=onednn) */
+    /* the AMX kernels run wherever the CPU and oneDNN's ISA have AMX, else the AVX512-BF16 dot-product
+     * kernels wherever they have those (attention_dot.c, in AVX-512 builds); TERA_ATTN_BF16=onednn: the
+     * oneDNN primitives (a ctest entry of its own) */
     const char *e = getenv("TERA_ATTN_BF16");
-    if (tera_cpu_bf16_fast(NULL) && !(e && !strcmp(e, "onednn")) && __builtin_cpu_supports("amx-bf16") &&
-        syscall(SYS_arch_prctl, 0x1023, 18) == 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: the OS grants tiles */
+    const int onednn = e && !strcmp(e, "onednn");
+    int amx = 0;
+    if (tera_cpu_bf16_fast(NULL) && !onednn && __builtin_cpu_supports("amx-bf16") &&
+        syscall(SYS_arch_prctl, 0x1023, 18) == 0) { /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: the OS grants tiles */
         assert_string_equal(tera_attention_bf16_kernel(), "amx");
+        amx = 1;
+    }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__GNUC__) && __GNUC__ >= 11
+    if (!amx && !onednn && tera_cpu_bf16_has_dot() && __builtin_cpu_supports("avx512bf16"))
+        assert_string_equal(tera_attention_bf16_kernel(), "dot");
+#endif
+    (void)amx;
+    if (onednn) assert_string_equal(tera_attention_bf16_kernel(), "onednn");
 }
 
 /* bf16 forward + backward on `threads` threads: out|lse|dq|dk|dv */
@@ -541,14 +553,15 @@ static void test_bf16_determinism(void **state) {
 }
 
 /* The CPU backend runs the bf16 attention exactly when its precision is bf16 on the native units
- * and the CPU has AMX (elsewhere it is slower than fp32), and sizes the scratch for both paths. */
+ * and the CPU has AMX or bf16 dot products faster than its FMA (tera_cpu_bf16_dot_fast; elsewhere it
+ * is slower than fp32), and sizes the scratch for both paths. */
 static void test_bf16_backend_dispatch(void **state) {
     (void)state;
     const shape s = {2, 150, 4, 2, 32};
     tera_backend *be = tera_backend_cpu_create(-1);
     const size_t want = be->ops.attention_scratch_floats(be, s.B, s.T, s.H, s.Hkv, s.hd);
     assert_true(want >= tera_attention_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
-    const int units = tera_attention_bf16_available() && tera_cpu_bf16_fast(NULL);
+    const int units = tera_attention_bf16_available() && (tera_cpu_bf16_fast(NULL) || tera_cpu_bf16_dot_fast());
     if (units) assert_true(want >= tera_attention_bf16_scratch_floats(s.B, s.T, s.H, s.Hkv, s.hd));
     bufs x = bufs_new(s), y = bufs_new(s);
     free(x.scratch);

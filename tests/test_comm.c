@@ -7,7 +7,11 @@
  * (skipped without mpirun) and checks every collective's answer and traffic count, more
  * non-blocking operations in flight at once than the request pool's first chunk, all-gather counts
  * the caller changes at once (the backend keeps its own), point-to-point in both directions with
- * two tags, one-rank and two-rank sub-groups. The one-rank backend: tests/test_comm_single.c. */
+ * two tags, one-rank and two-rank sub-groups, and the large fp32 sums that ranks on one host add through
+ * a shared segment (src/comm/comm_shm.h): blocking and non-blocking, several in flight waited in any
+ * order beside small MPI ones, sizes that are no multiple of a chunk, each element summed in rank
+ * order (bit for bit), in the world and in sub-groups; the whole again with TERA_COMM_SHM=0 (MPI's
+ * collectives). The one-rank backend: tests/test_comm_single.c. */
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -207,9 +211,113 @@ static int mpi_contracts(int argc, char **argv) {
     tera_comm_barrier(w);
     CHECK(traffic_is(np > 1 ? 2.0 * ((double)(np - 1) / (double)np) * 1 * 8 : 0, 0, 0, 0, 0));
 
+    /* large fp32 sums (the shared segment on one host, unless TERA_COMM_SHM=0): values whose sum
+     * rounds, so that the order of additions shows; with the segment, rank order exactly */
+    const char *shm_env = getenv("TERA_COMM_SHM");
+    const int shm = !(shm_env && !strcmp(shm_env, "0"));
+    tera_comm_traffic_reset();
+    const int64_t big[4] = {300001, 16384, 1 << 18, 77777};
+    float *L[4], *want4[4];
+    for (int k = 0; k < 4; k++) {
+        L[k] = malloc(sizeof(float) * (size_t)big[k]);
+        want4[k] = malloc(sizeof(float) * (size_t)big[k]);
+        for (int64_t i = 0; i < big[k]; i++) {
+            float acc = 0.0f;
+            for (int r = 0; r < p; r++) {
+                const float val = 1.0f + (float)((i * 7 + r * 13 + k) % 101) * 1.1e-3f + (float)r * 3.3e-8f;
+                if (r == me) L[k][i] = val;
+                acc = r == 0 ? val : acc + val;
+            }
+            want4[k][i] = acc;
+        }
+    }
+    tera_comm_allreduce_f32(w, L[0], big[0]); /* blocking */
+    tera_comm_req lr[8];
+    memset(lr, 0, sizeof lr); /* lr[0] and lr[4] stay inactive */
+    float small[3][LEN];
+    for (int k = 1; k < 4; k++) { /* three in flight, a small one (MPI) between each */
+        tera_comm_iallreduce_f32(w, L[k], big[k], &lr[k]);
+        for (int i = 0; i < LEN; i++) small[k - 1][i] = (float)(me + i);
+        tera_comm_iallreduce_f32(w, small[k - 1], LEN, &lr[4 + k]);
+    }
+    tera_comm_poll(lr + 1, 7);
+    tera_comm_wait(&lr[3]); /* the last started first */
+    tera_comm_wait(&lr[6]);
+    tera_comm_wait(&lr[1]);
+    tera_comm_wait(&lr[5]);
+    tera_comm_wait(&lr[2]);
+    tera_comm_wait(&lr[7]);
+    for (int k = 0; k < 4; k++) {
+        int64_t bad = 0, exact_bad = 0;
+        for (int64_t i = 0; i < big[k]; i++) {
+            const float want_k = want4[k][i];
+            bad += fabsf(L[k][i] - want_k) > 1e-5f * fabsf(want_k);
+            exact_bad += memcmp(&L[k][i], &want_k, sizeof(float)) != 0;
+        }
+        if (bad || (shm && exact_bad))
+            fprintf(stderr, "rank %d: large sum %d (%ld floats): %ld wrong, %ld not in rank order\n", me, k,
+                    (long)big[k], (long)bad, (long)exact_bad);
+        CHECK(bad == 0 && (!shm || exact_bad == 0));
+    }
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < LEN; i++) CHECK(small[k][i] == (float)(tri + p * i));
+    CHECK(traffic_is(2.0 * share * 4.0 * (double)(big[0] + big[1] + big[2] + big[3] + 3 * LEN), 0, 0, 0, 0));
+    /* large reduce-scatters and all-gathers over unequal ranges (the segment's pieces), blocking and
+     * non-blocking, two of each in flight: rank order again for the sums */
+    tera_comm_traffic_reset();
+    int64_t rc[64], rtot = 0, roff[64];
+    for (int r = 0; r < p; r++) roff[r] = rtot, rc[r] = 100000 + 7777 * r, rtot += rc[r];
+    float *R[2], *G[2];
+    for (int x2 = 0; x2 < 2; x2++) {
+        R[x2] = malloc(sizeof(float) * (size_t)rtot), G[x2] = malloc(sizeof(float) * (size_t)rtot);
+        for (int64_t i = 0; i < rtot; i++) {
+            R[x2][i] = 1.0f + (float)((i * 5 + me * 11 + x2) % 97) * 1.3e-3f + (float)me * 2.1e-8f;
+            G[x2][i] = -1.0f;
+        }
+        for (int64_t i = 0; i < rc[me]; i++) G[x2][roff[me] + i] = (float)(x2 * 1000000 + me * 100000) + (float)i;
+    }
+    tera_comm_reduce_scatter_f32(w, R[0], rc);
+    tera_comm_ireduce_scatter_f32(w, R[1], rc, &lr[0]);
+    tera_comm_allgather_f32(w, G[0], rc);
+    tera_comm_iallgather_f32(w, G[1], rc, &lr[1]);
+    tera_comm_wait(&lr[1]);
+    tera_comm_wait(&lr[0]);
+    for (int x2 = 0; x2 < 2; x2++) {
+        int64_t bad = 0, exact_bad = 0, gbad = 0;
+        for (int64_t i = roff[me]; i < roff[me] + rc[me]; i++) {
+            float acc = 0.0f;
+            for (int r = 0; r < p; r++) {
+                const float val = 1.0f + (float)((i * 5 + r * 11 + x2) % 97) * 1.3e-3f + (float)r * 2.1e-8f;
+                acc = r == 0 ? val : acc + val;
+            }
+            bad += fabsf(R[x2][i] - acc) > 1e-5f * fabsf(acc);
+            exact_bad += memcmp(&R[x2][i], &acc, sizeof(float)) != 0;
+        }
+        for (int r = 0; r < p; r++)
+            for (int64_t i = 0; i < rc[r]; i++) gbad += G[x2][roff[r] + i] != (float)(x2 * 1000000 + r * 100000) + (float)i;
+        if (bad || gbad || (shm && exact_bad))
+            fprintf(stderr, "rank %d: large reduce-scatter %d: %ld wrong, %ld not in rank order; all-gather: %ld wrong\n",
+                    me, x2, (long)bad, (long)exact_bad, (long)gbad);
+        CHECK(bad == 0 && gbad == 0 && (!shm || exact_bad == 0));
+        free(R[x2]), free(G[x2]);
+    }
+    CHECK(traffic_is(0, 2.0 * share * 4.0 * (double)rtot, 2.0 * share * 4.0 * (double)rtot, 0, 0));
+    /* a sub-group of two (the segment is per group): world ranks 0 and 1 */
+    tera_comm *lo2 = tera_comm_split(w, me < 2 ? 0 : 1, me);
+    if (me < 2) {
+        for (int64_t i = 0; i < big[0]; i++) L[0][i] = (float)(me + 1) * (float)(i % 1000);
+        tera_comm_iallreduce_f32(lo2, L[0], big[0], &lr[0]);
+        tera_comm_wait(&lr[0]);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < big[0]; i++) bad += L[0][i] != 3.0f * (float)(i % 1000);
+        CHECK(bad == 0);
+    }
+    tera_comm_free(lo2);
+    for (int k = 0; k < 4; k++) free(L[k]), free(want4[k]);
+
     free(buf), free(many), free(rq), free(g2[0]), free(g2[1]);
     tera_comm_finalize();
-    if (me == 0) printf("mpi backend contracts: ok on %d ranks\n", p);
+    if (me == 0) printf("mpi backend contracts: ok on %d ranks (large sums %s)\n", p, shm ? "through the shared segment" : "through MPI");
     return 0;
 }
 
@@ -217,6 +325,9 @@ static void test_mpi_backend(void **state) {
     (void)state;
     if (!tu_mpirun_ready()) return;
     tu_mpirun_self(3, "");
+    tu_mpirun_self(3, "TERA_COMM_SHM=0 "); /* MPI's collectives for the large sums too */
+    tu_mpirun_self(2, "");
+    tu_mpirun_self(4, ""); /* rank order shows from three terms on */
 }
 
 int main(int argc, char **argv) {

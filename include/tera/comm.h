@@ -152,6 +152,11 @@ typedef struct {
      * non-blocking operations and point-to-point transfers (groups of more than one rank); the
      * communication compute did not hide, waiting for slower ranks included */
     double blocked_s;
+    /* seconds inside the calls that start and poll non-blocking operations (tera_comm_i*, tera_comm_poll) of
+     * groups of more than one rank: with no progress thread (the MPI backend) the
+     * library moves and sums data inside them, on the rank's own cores, so this is communication
+     * the overlap hides from the wait but not from the step */
+    double progress_s;
 } tera_comm_traffic;
 tera_comm_traffic tera_comm_traffic_get(void);
 void tera_comm_traffic_reset(void);

@@ -281,14 +281,18 @@ void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req
     req_set(req, NULL, NULL);
     if (c->size == 1 || n == 0) return;
     count_ring(c, 2.0 * ring_share(c) * 4.0 * (double)n, TERA_TRAFFIC_ALLREDUCE);
+    const double t0 = tera_now();
     req_set(req, c->be, c->be->iallreduce_f32(c, buf, n));
+    g_traffic.progress_s += tera_now() - t0;
 }
 
 void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req) {
     req_set(req, NULL, NULL);
     if (c->size == 1) return;
     count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
+    const double t0 = tera_now();
     req_set(req, c->be, c->be->iallgather_f32(c, buf, counts));
+    g_traffic.progress_s += tera_now() - t0;
 }
 
 void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req) {
@@ -298,7 +302,9 @@ void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *coun
         return;
     }
     count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
+    const double t0 = tera_now();
     req_set(req, c->be, c->be->ireduce_scatter_f32(c, buf, counts));
+    g_traffic.progress_s += tera_now() - t0;
 }
 
 static void p2p_check(const tera_comm *c, int64_t n, int peer, int send) {
@@ -312,14 +318,18 @@ void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, in
     if (n == 0) return;
     p2p_check(c, n, peer, 1);
     count_to(c, peer, 4.0 * (double)n, TERA_TRAFFIC_P2P);
+    const double t0 = tera_now();
     req_set(req, c->be, c->be->isend_f32(c, buf, n, peer, tag));
+    g_traffic.progress_s += tera_now() - t0;
 }
 
 void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag, tera_comm_req *req) {
     req_set(req, NULL, NULL);
     if (n == 0) return;
     p2p_check(c, n, peer, 0);
+    const double t0 = tera_now();
     req_set(req, c->be, c->be->irecv_f32(c, buf, n, peer, tag));
+    g_traffic.progress_s += tera_now() - t0;
 }
 
 void tera_comm_wait(tera_comm_req *req) {
@@ -333,8 +343,14 @@ void tera_comm_wait(tera_comm_req *req) {
 }
 
 void tera_comm_poll(tera_comm_req *reqs, int n) {
+    const double t0 = tera_now();
+    int any = 0;
     for (int i = 0; i < n; i++)
-        if (reqs[i].active && reqs[i].be->test(reqs[i].op)) req_set(&reqs[i], NULL, NULL);
+        if (reqs[i].active) {
+            any = 1;
+            if (reqs[i].be->test(reqs[i].op)) req_set(&reqs[i], NULL, NULL);
+        }
+    if (any) g_traffic.progress_s += tera_now() - t0;
 }
 
 /* ---- groups */

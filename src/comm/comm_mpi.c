@@ -31,13 +31,20 @@
 #include <unistd.h>
 
 #include "comm_impl.h"
+#include "comm_shm.h"
 
-/* A group's ctx is an MPI_Comm * (the world's: &g_world_comm). */
-static MPI_Comm g_world_comm = MPI_COMM_NULL;
+/* A group's ctx: its communicator and, where every member runs on one host, its shared-memory
+ * segment for fp32 sums (comm_shm.h; NULL otherwise). The world's: &g_world. */
+typedef struct {
+    MPI_Comm comm;
+    tera_shm *shm;
+} mpi_group;
+static mpi_group g_world = {MPI_COMM_NULL, NULL};
 static int g_rank = 0, g_size = 1; /* this rank in the world, the world's size */
 static int g_mpi = 0;              /* MPI initialised and not finalized */
 
-static MPI_Comm comm_of(const tera_comm *c) { return *(const MPI_Comm *)c->ctx; }
+static MPI_Comm comm_of(const tera_comm *c) { return ((const mpi_group *)c->ctx)->comm; }
+static tera_shm *shm_of(const tera_comm *c) { return ((const mpi_group *)c->ctx)->shm; }
 
 extern void (*tera_abort_hook)(void);
 
@@ -74,12 +81,12 @@ static double grace_s(double limit) { return fmin(fmax(0.25 * limit, 1.0), 10.0)
 /* ---- what this rank is doing, for the other ranks' questions */
 enum {
     OP_NONE, OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_ALLTOALL, OP_BARRIER, OP_WAIT_ALLREDUCE,
-    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_WAIT_REDUCE_SCATTER, OP_COUNT
+    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_WAIT_REDUCE_SCATTER, OP_WAIT_SHM, OP_COUNT
 };
 static const char *const g_op_names[OP_COUNT] = {
     "no operation", "MPI_Allreduce", "MPI_Reduce_scatter", "MPI_Allgatherv", "MPI_Alltoall", "MPI_Barrier",
     "MPI_Wait (non-blocking all-reduce)", "MPI_Wait (non-blocking all-gather)", "MPI_Wait (send)", "MPI_Wait (receive)",
-    "MPI_Comm_split", "MPI_Wait (non-blocking reduce-scatter)"};
+    "MPI_Comm_split", "MPI_Wait (non-blocking reduce-scatter)", "shared-memory all-reduce"};
 static _Atomic int g_op = OP_NONE;          /* the operation being waited for */
 static _Atomic double g_op_start = 0.0;     /* monotonic start of that wait, 0 = none */
 static _Atomic int g_op_blocking = 0;       /* a blocking MPI call (only the backup thread can time it out) */
@@ -135,11 +142,21 @@ static int append(char *buf, size_t n, size_t *len, const char *fmt, ...) {
     return k;
 }
 
-/* The operation this rank waits for (request r) made no progress for `limit` seconds: ask every
+/* What a wait polls: poll(arg) is 1 once the operation completed (an MPI request: MPI_Test; a
+ * shared-memory all-reduce: its flag, advanced by tera_shm_progress, which every waiting loop runs). */
+typedef int (*poll_fn)(void *arg);
+static int poll_req(void *arg) {
+    int done = 0;
+    MPI_CHECK(MPI_Test((MPI_Request *)arg, &done, MPI_STATUS_IGNORE));
+    return done;
+}
+static int poll_shm(void *arg) { return ((const tera_shm_op *)arg)->done; }
+
+/* The operation this rank waits for (poll(arg)) made no progress for `limit` seconds: ask every
  * other rank what it is doing; the ones that do not answer within the grace period are named.
- * Returns 1 when r completed meanwhile, 0 when a lower rank asked meanwhile (that one reports);
+ * Returns 1 when it completed meanwhile, 0 when a lower rank asked meanwhile (that one reports);
  * otherwise prints one line and aborts every rank. */
-static int diagnose_and_abort(MPI_Request *r, double limit, int op) {
+static int diagnose_and_abort(poll_fn poll, void *arg, double limit, int op) {
     const int n = g_size, me = g_rank;
     long long(*ans)[ST_LEN] = calloc((size_t)n, sizeof *ans);
     MPI_Request *rq = calloc((size_t)n * 2, sizeof *rq);
@@ -156,7 +173,8 @@ static int diagnose_and_abort(MPI_Request *r, double limit, int op) {
     int answered = 1, outcome = -1, done = 0;
     while (mono() < t_end && answered < n) {
         serve_questions();
-        MPI_CHECK(MPI_Test(r, &done, MPI_STATUS_IGNORE));
+        tera_shm_progress();
+        done = poll(arg);
         if (done) outcome = 1; /* the peer was slow, not stalled: carry on */
         else if (g_asker >= 0 && g_asker < me) outcome = 0; /* a lower rank reports */
         if (outcome >= 0) break;
@@ -211,20 +229,25 @@ static int diagnose_and_abort(MPI_Request *r, double limit, int op) {
     _exit(3);
 }
 
-/* Completes a request, sleeping between tests; times the wait out (see above). */
-static void wait_req(MPI_Request *r, int op) {
-    if (*r == MPI_REQUEST_NULL) return;
-    int done = 0;
-    MPI_CHECK(MPI_Test(r, &done, MPI_STATUS_IGNORE));
-    if (done) return;
-    const double t0 = mono();
+/* Completes an operation, sleeping between polls; times the wait out (see above). Every poll also
+ * advances the shared-memory all-reduces in flight (a peer may wait for this rank's share); their
+ * progress counts as progress: the backoff and the timeout restart. */
+static void wait_until(poll_fn poll, void *arg, int op) {
+    tera_shm_progress();
+    if (poll(arg)) return;
+    double t0 = mono();
     g_op = op;
     g_op_start = t0;
     double nap = 0.0, next_check = t0 + 0.01;
     for (;;) {
-        MPI_CHECK(MPI_Test(r, &done, MPI_STATUS_IGNORE));
-        if (done) break;
+        const int moved = tera_shm_progress();
+        if (poll(arg)) break;
         double now = mono();
+        if (moved) {
+            t0 = now, nap = 0.0;
+            g_op_start = t0;
+            continue;
+        }
         /* most waits end within a millisecond: test on, yielding the core after the first 50 us (to
          * another rank where ranks share cores); then sleep, 50 us growing to 1 ms */
         if (now - t0 < 50e-6) continue;
@@ -242,11 +265,16 @@ static void wait_req(MPI_Request *r, int op) {
         if (limit > 0.0 && now - t0 > limit) {
             /* a lower rank asked recently: it reports; wait for its abort (and report if it never comes) */
             if (g_asker >= 0 && g_asker < g_rank && now - g_asked_at < grace_s(limit) + 30.0) continue;
-            if (diagnose_and_abort(r, limit, op)) break; /* completed after all */
+            if (diagnose_and_abort(poll, arg, limit, op)) break; /* completed after all */
         }
     }
     g_op_start = 0.0;
     g_op = OP_NONE;
+}
+
+static void wait_req(MPI_Request *r, int op) {
+    if (*r == MPI_REQUEST_NULL) return;
+    wait_until(poll_req, r, op);
 }
 
 /* ---- the backup thread: times out blocking calls (MPI_Comm_split), and any wait whose own loop
@@ -288,6 +316,7 @@ typedef struct mpi_op {
     int *cnt, *disp;        /* the all-gather's (reduce-scatter's) counts and displacements ([world size] each) */
     float *rs_buf;          /* OP_WAIT_REDUCE_SCATTER: its buffer, and this rank in its group: the result */
     int rs_rank;            /* arrives at the buffer's start and is moved into the rank's range at completion */
+    tera_shm_op shm;        /* OP_WAIT_SHM: the shared-memory all-reduce (comm_shm.h) */
     struct mpi_op *next;    /* the free list */
 } mpi_op;
 
@@ -352,10 +381,10 @@ static tera_status mpi_init(int *argc, char ***argv, tera_comm *world) {
     g_mpi = 1;
     /* errors return codes (checked by MPI_CHECK, which aborts every rank with file:line) */
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    g_world_comm = MPI_COMM_WORLD;
+    g_world.comm = MPI_COMM_WORLD;
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
-    *world = (tera_comm){.be = &tera__comm_mpi, .ctx = &g_world_comm, .rank = g_rank, .size = g_size};
+    *world = (tera_comm){.be = &tera__comm_mpi, .ctx = &g_world, .rank = g_rank, .size = g_size};
     tera_abort_hook = abort_all_ranks;
     if (g_size > 1) {
         MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &g_side));
@@ -365,6 +394,7 @@ static tera_status mpi_init(int *argc, char ***argv, tera_comm *world) {
         for (int p = 0; p < g_size; p++) g_answer_req[p] = MPI_REQUEST_NULL;
         post_question_recv();
         pool_grow();
+        g_world.shm = tera_shm_create(MPI_COMM_WORLD);
         if (pthread_create(&g_watchdog, NULL, watchdog, NULL) == 0) {
             pthread_detach(g_watchdog);
             g_watchdog_running = 1;
@@ -376,6 +406,8 @@ static tera_status mpi_init(int *argc, char ***argv, tera_comm *world) {
 static void mpi_finalize(void) {
     if (!g_mpi) return;
     g_op_start = 0.0;
+    tera_shm_free(g_world.shm);
+    g_world.shm = NULL;
     if (g_side != MPI_COMM_NULL) {
         MPI_Cancel(&g_q_req);
         MPI_Wait(&g_q_req, MPI_STATUS_IGNORE);
@@ -463,6 +495,13 @@ static MPI_Datatype mpi_type(tera_comm_dtype dt) {
 static size_t type_size(tera_comm_dtype dt) { return dt == TERA_COMM_F32 ? 4 : 8; }
 
 static void mpi_allreduce(tera_comm *c, void *buf, int64_t n, tera_comm_dtype dt, tera_comm_redop op) {
+    if (dt == TERA_COMM_F32 && op == TERA_COMM_SUM && shm_of(c) && n >= tera_shm_min_floats()) {
+        mpi_op *o = pool_take(OP_WAIT_SHM);
+        tera_shm_start(shm_of(c), &o->shm, buf, n);
+        wait_until(poll_shm, &o->shm, OP_WAIT_SHM);
+        pool_put(o);
+        return;
+    }
     const MPI_Datatype t = mpi_type(dt);
     const size_t es = type_size(dt);
     const MPI_Op o = op == TERA_COMM_MAX ? MPI_MAX : MPI_SUM;
@@ -488,10 +527,28 @@ static void int_counts(const tera_comm *c, const int64_t *counts, int *cnt, int 
 
 /* The blocking reduce-scatter and all-gather take their counts from a pool object too ([world size]
  * each: groups of any size, no allocation after the first step; MPI_THREAD_FUNNELED: one thread). */
+/* ranges summing to at least tera_shm_min_floats(), on a group with a shared segment */
+static int shm_ranges(const tera_comm *c, const mpi_op *o) {
+    if (!shm_of(c)) return 0;
+    int64_t t = 0;
+    for (int r = 0; r < c->size; r++) t += o->cnt[r];
+    return t >= tera_shm_min_floats();
+}
+
+static void shm_ranges_blocking(tera_comm *c, mpi_op *o, tera_shm_kind kind, float *buf) {
+    tera_shm_start_ranges(shm_of(c), &o->shm, kind, buf, o->cnt, o->disp);
+    wait_until(poll_shm, &o->shm, OP_WAIT_SHM);
+    pool_put(o);
+}
+
 static void mpi_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts) {
     TERA_ASSERT(c->size <= g_size);
     mpi_op *o = pool_take(OP_REDUCE_SCATTER);
     int_counts(c, counts, o->cnt, o->disp);
+    if (shm_ranges(c, o)) {
+        shm_ranges_blocking(c, o, TERA_SHM_REDUCE_SCATTER, buf);
+        return;
+    }
     /* MPI_IN_PLACE: input from buf, this rank's result at the START of buf: move it into place */
     MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, o->cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
     wait_req(&o->r, OP_REDUCE_SCATTER);
@@ -503,6 +560,10 @@ static void mpi_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
     TERA_ASSERT(c->size <= g_size);
     mpi_op *o = pool_take(OP_ALLGATHER);
     int_counts(c, counts, o->cnt, o->disp);
+    if (shm_ranges(c, o)) {
+        shm_ranges_blocking(c, o, TERA_SHM_ALLGATHER, buf);
+        return;
+    }
     MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, o->cnt, o->disp, MPI_FLOAT, comm_of(c), &o->r));
     wait_req(&o->r, OP_ALLGATHER);
     pool_put(o);
@@ -523,6 +584,11 @@ static void mpi_barrier(tera_comm *c) {
 /* ---- non-blocking operations: an object from the pool each */
 static void *mpi_iallreduce_f32(tera_comm *c, float *buf, int64_t n) {
     TERA_ASSERTF(n <= MAX_PIECE, "non-blocking all-reduce of %ld floats: buckets must be smaller", (long)n);
+    if (shm_of(c) && n >= tera_shm_min_floats()) { /* on one host: through the shared segment */
+        mpi_op *o = pool_take(OP_WAIT_SHM);
+        tera_shm_start(shm_of(c), &o->shm, buf, n);
+        return o;
+    }
     mpi_op *o = pool_take(OP_WAIT_ALLREDUCE);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
     return o;
@@ -532,6 +598,11 @@ static void *mpi_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts)
     TERA_ASSERT(c->size <= g_size);
     mpi_op *o = pool_take(OP_WAIT_ALLGATHER);
     int_counts(c, counts, o->cnt, o->disp); /* kept with the request until it completes */
+    if (shm_ranges(c, o)) {
+        o->kind = OP_WAIT_SHM;
+        tera_shm_start_ranges(shm_of(c), &o->shm, TERA_SHM_ALLGATHER, buf, o->cnt, o->disp);
+        return o;
+    }
     MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, o->cnt, o->disp, MPI_FLOAT, comm_of(c), &o->r));
     return o;
 }
@@ -542,6 +613,11 @@ static void *mpi_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *co
     TERA_ASSERT(c->size <= g_size);
     mpi_op *o = pool_take(OP_WAIT_REDUCE_SCATTER);
     int_counts(c, counts, o->cnt, o->disp); /* kept with the request until it completes */
+    if (shm_ranges(c, o)) { /* the result lands in this rank's range directly */
+        o->kind = OP_WAIT_SHM;
+        tera_shm_start_ranges(shm_of(c), &o->shm, TERA_SHM_REDUCE_SCATTER, buf, o->cnt, o->disp);
+        return o;
+    }
     o->rs_buf = buf;
     o->rs_rank = c->rank;
     MPI_CHECK(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, o->cnt, MPI_FLOAT, MPI_SUM, comm_of(c), &o->r));
@@ -572,14 +648,17 @@ static void *mpi_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int ta
 
 static void mpi_wait(void *op) {
     mpi_op *o = op;
-    wait_req(&o->r, o->kind);
+    if (o->kind == OP_WAIT_SHM) wait_until(poll_shm, &o->shm, OP_WAIT_SHM);
+    else wait_req(&o->r, o->kind);
     op_done(o);
 }
 
 static int mpi_test(void *op) {
     mpi_op *o = op;
     int done = 0;
-    MPI_CHECK(MPI_Test(&o->r, &done, MPI_STATUS_IGNORE));
+    tera_shm_progress();
+    if (o->kind == OP_WAIT_SHM) done = o->shm.done;
+    else MPI_CHECK(MPI_Test(&o->r, &done, MPI_STATUS_IGNORE));
     if (done) op_done(o);
     return done;
 }
@@ -623,25 +702,27 @@ static int mpi_host_leader(void) {
 
 /* ---- groups */
 static void mpi_split(tera_comm *c, int color, int key, tera_comm *g) {
-    MPI_Comm *m = tera_calloc(1, sizeof *m);
+    mpi_group *m = tera_calloc(1, sizeof *m);
     /* blocking (there is no non-blocking split): the backup thread times it out */
     g_op = OP_SPLIT;
     g_op_blocking = 1;
     g_op_start = mono();
-    MPI_CHECK(MPI_Comm_split(comm_of(c), color, key, m));
+    MPI_CHECK(MPI_Comm_split(comm_of(c), color, key, &m->comm));
+    MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+    *g = (tera_comm){.be = &tera__comm_mpi, .ctx = m};
+    MPI_Comm_rank(m->comm, &g->rank);
+    MPI_Comm_size(m->comm, &g->size);
+    m->shm = tera_shm_create(m->comm); /* collective over the new group (NULL for one rank) */
     g_op_start = 0.0;
     g_op_blocking = 0;
     g_op = OP_NONE;
-    MPI_Comm_set_errhandler(*m, MPI_ERRORS_RETURN);
-    *g = (tera_comm){.be = &tera__comm_mpi, .ctx = m};
-    MPI_Comm_rank(*m, &g->rank);
-    MPI_Comm_size(*m, &g->size);
 }
 
 static void mpi_free(tera_comm *g) {
-    MPI_Comm *m = g->ctx;
-    if (!m || m == &g_world_comm) return;
-    if (*m != MPI_COMM_NULL && g_mpi) MPI_Comm_free(m);
+    mpi_group *m = g->ctx;
+    if (!m || m == &g_world) return;
+    if (g_mpi) tera_shm_free(m->shm);
+    if (m->comm != MPI_COMM_NULL && g_mpi) MPI_Comm_free(&m->comm);
     free(m);
 }
 

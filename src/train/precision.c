@@ -12,8 +12,7 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
     tera_precision p;
     if (!strcmp(name, "bf16")) {
         p = TERA_PREC_BF16;
-        snprintf(buf, sizeof buf, "bf16 (set; oneDNN ISA %s%s)", isa,
-                 fast ? "" : ": no AMX, bf16 products are no faster than fp32 on this CPU");
+        snprintf(buf, sizeof buf, "bf16 (set; oneDNN ISA %s%s)", isa, fast ? "" : ": no AMX");
     } else if (!strcmp(name, "fp16")) {
         p = TERA_PREC_FP16;
         snprintf(buf, sizeof buf, "fp16 (set; emulated: fp16-rounded operands, fp32 products; dynamic loss scaling)");
@@ -23,7 +22,8 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
     } else { /* auto */
         p = fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
         snprintf(buf, sizeof buf, "%s (auto: oneDNN ISA %s, %s)", tera_precision_name(p), isa,
-                 fast ? "AMX bf16 products" : "no AMX: bf16 products would be slower than fp32");
+                 fast ? "AMX bf16 products" : "no AMX, so fp32 (training.precision=bf16 can still be faster where "
+                                              "the CPU's bf16 dot products are: tera bench)");
     }
     if (note) *note = buf;
     return p;

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attention_avx512.h"
 #include "cpu.h"
 #include "tera/bf16.h"
 #include "tera/kernels.h"
@@ -289,11 +290,13 @@ static void attention_backward_sgemm(float *dq, float *dk, float *dv, const floa
  * created once per shape and thread (a per-thread cache, created for one thread; the JIT code is
  * shared by oneDNN's own primitive cache). The partition into tasks and each task's order of
  * operations are those of the fp32 path, so results are bit-identical for any thread count.
- * The CPU backend runs this path only where oneDNN reports AMX (backend_cpu.c: slower than the
- * fp32 kernels elsewhere, docs/PERFORMANCE.md "Attention in bf16"). Where the AMX tile
+ * The CPU backend runs the bf16 attention where oneDNN reports AMX or the CPU's bf16 dot products
+ * are fast (backend_cpu.c; docs/PERFORMANCE.md "Attention in bf16"). Where the AMX tile
  * instructions can be used directly (attn_amx_on) the entry points run the AMX kernels at the end
- * of this file instead (1.5-2x faster than these primitives per tile); these remain the path under
- * ONEDNN_MAX_CPU_ISA without AMX (tests) and of TERA_ATTN_BF16=onednn (A/B timing). */
+ * of this file instead (1.5-2x faster than these primitives per tile), elsewhere where the CPU has
+ * AVX512-BF16 (attn_dot_on) the dot-product kernels of attention_dot.c (1.1-1.5x faster than these
+ * primitives, bench/bench_attention.c); these remain the path under ONEDNN_MAX_CPU_ISA without
+ * AVX512-BF16 (tests) and of TERA_ATTN_BF16=onednn (A/B timing). */
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -316,33 +319,7 @@ static inline float bf16_val(uint16_t h) {
 
 /* One row of P: x[c] = exp(x[c] * scale - m) (fp32, kept) and p16[c] = its bf16 rounding for
  * c < n, both 0 for n <= c < nk. Returns the fp32 sum of the exponentials (16 lanes, fixed order). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-/* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps; NaN propagates) */
-static inline __m512 vexp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
-    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));
-    const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
-    const __m512 fi = _mm512_sub_ps(t, magic);
-    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
-    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
-}
-/* tera_bf16_rne on 16 lanes, packed to 16 bits */
-static inline __m256i vbf16(__m512 f) {
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(tera_bf16_rne16(_mm512_castps_si512(f)), 16));
-}
-#define ATTN_AVX512 1
-#endif
+/* vexp16, vbf16 (and ATTN_AVX512) from attention_avx512.h */
 
 static float exp_row_bf16(uint16_t *restrict p16, float *restrict x, int n, int nk, float scale, float m) {
 #ifdef ATTN_AVX512
@@ -568,6 +545,22 @@ static void attention_backward_amx(float *dq, float *dk, float *dv, const float 
                                    int hd, float *scratch);
 #endif
 
+/* The bf16 path on AVX512-BF16 dot products (attention_dot.c) where AMX is not used: the CPU has them
+ * and oneDNN's ISA (ONEDNN_MAX_CPU_ISA) includes avx512_core_bf16; TERA_ATTN_BF16=onednn keeps the
+ * oneDNN primitives (A/B timing). */
+#if HAVE_BF16_ATTENTION
+static int g_dot_on;
+static pthread_once_t g_dot_once = PTHREAD_ONCE_INIT;
+static void dot_init(void) {
+    const char *e = getenv("TERA_ATTN_BF16");
+    g_dot_on = !(e && !strcmp(e, "onednn")) && tera_attention_dot_available();
+}
+static int attn_dot_on(void) {
+    pthread_once(&g_dot_once, dot_init);
+    return g_dot_on;
+}
+#endif
+
 int tera_attention_bf16_available(void) {
 #if HAVE_BF16_ATTENTION
     static int on = -1; /* TERA_ATTN_BF16=0 keeps bf16 runs on the fp32 attention (A/B timing) */
@@ -586,6 +579,9 @@ const char *tera_attention_bf16_kernel(void) {
 #ifdef ATTN_AMX
     if (attn_amx_on()) return "amx";
 #endif
+#if HAVE_BF16_ATTENTION
+    if (attn_dot_on()) return "dot";
+#endif
     return "onednn";
 }
 
@@ -597,6 +593,8 @@ size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd) 
     const size_t a = amx_scratch_floats(B, T, H, Hkv, hd, omp_get_max_threads());
     n = a > n ? a : n;
 #endif
+    const size_t d = tera_attention_dot_scratch_floats(B, T, H, Hkv, hd, omp_get_max_threads());
+    n = d > n ? d : n;
     const size_t f = tera_attention_scratch_floats(B, T, H, Hkv, hd);
     return n > f ? n : f;
 }
@@ -674,6 +672,10 @@ void tera_attention_forward_bf16(float *out, float *lse, const float *q, const f
         return;
     }
 #endif
+    if (attn_dot_on()) {
+        tera_attention_forward_dot(out, lse, q, k, v, B, T, H, Hkv, hd, scratch);
+        return;
+    }
     pthread_once(&g_bf_once, bf_engine_init);
     const int nthr = omp_get_max_threads();
     const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
@@ -779,6 +781,10 @@ void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *
         return;
     }
 #endif
+    if (attn_dot_on()) {
+        tera_attention_backward_dot(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, Hkv, hd, scratch);
+        return;
+    }
     pthread_once(&g_bf_once, bf_engine_init);
     const int nthr = omp_get_max_threads();
     const bf_layout L = bf_layout_of(B, T, H, Hkv, hd, nthr);
@@ -927,34 +933,6 @@ static void mk(int I, int J, int nl, const float *M, int64_t si, int64_t sj, con
     }
 }
 
-static inline __mmask16 lanes_mask(int n) {
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
-/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* r[4i+k], 128-bit lane L: column 4L+k of rows 4i..4i+3 */
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
-        const __m512 c = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
-        t[k] = _mm512_shuffle_f32x4(a, b, 0x88);
-        t[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
-        t[4 + k] = _mm512_shuffle_f32x4(c, d, 0x88);
-        t[12 + k] = _mm512_shuffle_f32x4(c, d, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* Xt[d*FT + r] = mul * x[r*ld + d] for r < n, 0 for n <= r < FT (d < hd) */
 static void pack_t(float *restrict Xt, const float *restrict x, int64_t ld, int n, int hd, float mul) {
     const __m512 vm = _mm512_set1_ps(mul);
@@ -1017,12 +995,6 @@ static void keys_by_rows(float *out, int64_t ldo, const float *Pt, const float *
     for (int c0 = 0; c0 < nk; c0 += 16)
         mk(nk - c0 < 16 ? nk - c0 : 16, nq - c0, hd, Pt + (int64_t)c0 * FT + c0, FT, 1, X + (int64_t)c0 * ldx, ldx,
            out + (int64_t)c0 * ldo, ldo, 1);
-}
-
-/* lanes of row group g (rows 16g..16g+15) that key c may see: all, or on the diagonal r >= c */
-static inline __mmask16 causal_mask(int c, int g, int diag) {
-    const int s = c - 16 * g;
-    return !diag || s <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << s);
 }
 
 /* Query tiles [qa, qb) of (b, h): out rows and their lse. Key tiles are visited in chunks (K, V of a

@@ -91,13 +91,16 @@ static void cpu_rope_backward(tera_backend *be, float *dx, const float *cos_t, c
 }
 
 /* Attention runs its products in bf16 on the native units when the linear layers do (attention.c),
- * on CPUs with AMX only: on AVX512-BF16 dot products (no AMX) it was measured 0.66-0.82x the
- * fp32 kernels' speed and on oneDNN's AVX-512 emulation of bf16 0.31-0.40x (docs/PERFORMANCE.md,
- * "Attention in bf16"), so there it stays fp32 even when native bf16 products are forced. With AMX
- * the bf16 kernels (AMX tile intrinsics) were measured faster than the fp32 AVX-512 kernels at every
- * head dim tried (32, 64, 128: 1.3-1.8x), so there is no per-head-dim choice. The
+ * on CPUs whose bf16 products beat the fp32 FMA: AMX, or AVX512-BF16 dot products that the probe
+ * measures at least TERA_BF16_DOT_MARGIN times the FMA's multiply-adds (tera_cpu_bf16_dot_fast: an
+ * AMD EPYC of this project's machines, 1.8x; there the bf16 kernels were measured 1.6x the fp32 ones
+ * at head dim 64, docs/PERFORMANCE.md "Wave 9"). Elsewhere (dot products no faster than the FMA:
+ * measured 0.66-0.82x the fp32 kernels' speed; oneDNN's AVX-512 emulation of bf16: 0.31-0.40x,
+ * "Attention in bf16") it stays fp32 even when native bf16 products are forced. The
  * scratch is sized for both paths, since it is carved before the precision is set. */
-static int cpu_attention_bf16_units(void) { return tera_attention_bf16_available() && tera_cpu_bf16_fast(NULL); }
+static int cpu_attention_bf16_units(void) {
+    return tera_attention_bf16_available() && (tera_cpu_bf16_fast(NULL) || tera_cpu_bf16_dot_fast());
+}
 
 static int cpu_attention_bf16(const tera_backend *be) {
     return be->precision == TERA_PREC_BF16 && be->bf16_gemm == TERA_BF16_NATIVE && cpu_attention_bf16_units();

@@ -134,7 +134,11 @@ int64_t tera_cpu_gemm_pieces_taken(void); /* how many products ran in pieces so 
 int tera_cpu_bf16_fast(const char **isa_name);
 int tera_cpu_bf16_has_dot(void);
 int tera_cpu_bf16_native(void); /* oneDNN has bf16 GEMM kernels for this CPU (AVX-512 and up) */
-int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
+int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs); /* measured once per process, then cached */
+/* The CPU's bf16 dot products issue at least TERA_BF16_DOT_MARGIN times the FMA's multiply-adds (the
+ * probe above; 0 without AVX512-BF16 or where ONEDNN_MAX_CPU_ISA excludes it): the rule of
+ * training.bf16_gemm = auto without AMX, and of attention's bf16 kernels there (backend_cpu.c). */
+int tera_cpu_bf16_dot_fast(void);
 
 /* Attention with bf16 products on the matrix units (attention.c), same arguments and semantics as
  * tera_attention_forward / backward (include/tera/kernels.h); softmax statistics, dP and dS in fp32.
@@ -145,13 +149,27 @@ int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs);
 int tera_attention_bf16_available(void);
 size_t tera_attention_bf16_scratch_floats(int B, int T, int H, int Hkv, int hd);
 /* Which products the bf16 attention runs: "amx" (AMX tile intrinsics in attention.c: the CPU has
- * AMX-BF16, the OS grants the tile state and ONEDNN_MAX_CPU_ISA allows AMX; TERA_ATTN_BF16=onednn
- * turns it off) or "onednn" (oneDNN matmul primitives per tile); "none" where not available. */
+ * AMX-BF16, the OS grants the tile state and ONEDNN_MAX_CPU_ISA allows AMX), else "dot" (AVX512-BF16
+ * dot products, attention_dot.c: the CPU has them and ONEDNN_MAX_CPU_ISA allows avx512_core_bf16);
+ * TERA_ATTN_BF16=onednn turns both off; or "onednn" (oneDNN matmul primitives per tile); "none" where
+ * not available. */
 const char *tera_attention_bf16_kernel(void);
 void tera_attention_forward_bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                  int T, int H, int Hkv, int hd, float *scratch);
 void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                                   const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
                                   int hd, float *scratch);
+/* The bf16 attention's kernels on AVX512-BF16 dot products (attention_dot.c; "dot" above), same
+ * arguments and semantics. Available: built for AVX-512 (GCC 11+), the CPU has AVX512-BF16 and
+ * oneDNN's ISA (ONEDNN_MAX_CPU_ISA) includes avx512_core_bf16. Scratch: at least
+ * tera_attention_dot_scratch_floats(..., nthr) floats for nthr = omp_get_max_threads() at the call
+ * (tera_attention_bf16_scratch_floats covers it). */
+int tera_attention_dot_available(void);
+size_t tera_attention_dot_scratch_floats(int B, int T, int H, int Hkv, int hd, int nthr);
+void tera_attention_forward_dot(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                int H, int Hkv, int hd, float *scratch);
+void tera_attention_backward_dot(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                                 const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
+                                 int hd, float *scratch);
 
 #endif

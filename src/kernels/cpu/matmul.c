@@ -25,6 +25,7 @@
 #include "cpu.h"
 #include "tera/bf16.h"
 #include "tera/kernels.h"
+#include "tera/precision.h"
 #include "tera/status.h"
 
 static int g_threads = 0;
@@ -599,20 +600,33 @@ __attribute__((target("avx512f,avx512bf16"))) static double probe_dot(int64_t it
 }
 #endif
 
-int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs) {
-    *fma_macs = *dot_macs = 0.0;
+/* Measured once per process (the first call), so that every decision taken from it in a run (the
+ * bf16 units of training.bf16_gemm = auto, attention's bf16 kernels) sees the same figures. */
+static double g_probe_fma, g_probe_dot;
+static int g_probe_ok;
+static pthread_once_t g_probe_once = PTHREAD_ONCE_INIT;
+static void probe_run(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (!tera_cpu_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return 0;
+    if (!tera_cpu_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return;
     /* best of 3 alternating pairs of ~2 ms loops: a busy neighbour slows a loop, never speeds it up */
     for (int r = 0; r < 3; r++) {
         const double f = probe_fma(400000), d = probe_dot(400000);
-        if (f > *fma_macs) *fma_macs = f;
-        if (d > *dot_macs) *dot_macs = d;
+        if (f > g_probe_fma) g_probe_fma = f;
+        if (d > g_probe_dot) g_probe_dot = d;
     }
-    return 1;
-#else
-    return 0;
+    g_probe_ok = 1;
 #endif
+}
+
+int tera_cpu_bf16_probe(double *fma_macs, double *dot_macs) {
+    pthread_once(&g_probe_once, probe_run);
+    *fma_macs = g_probe_fma, *dot_macs = g_probe_dot;
+    return g_probe_ok;
+}
+
+int tera_cpu_bf16_dot_fast(void) {
+    double f, d;
+    return tera_cpu_bf16_probe(&f, &d) && d >= TERA_BF16_DOT_MARGIN * f;
 }
 
 /* Per-thread conversion scratch (the backend context's): thread 0 (the only caller outside parallel

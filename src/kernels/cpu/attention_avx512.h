@@ -1,0 +1,72 @@
+/* AVX-512 helpers shared by the attention kernels (attention.c: fp32 and AMX; attention_dot.c: bf16 on
+ * AVX512-BF16 dot products). Defines ATTN_AVX512 where the compiler targets AVX-512 F/BW/VL. */
+#ifndef TERA_KERNELS_CPU_ATTENTION_AVX512_H
+#define TERA_KERNELS_CPU_ATTENTION_AVX512_H
+
+#include "tera/bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define ATTN_AVX512 1
+
+/* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps; NaN propagates) */
+static inline __m512 vexp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));
+    const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 fi = _mm512_sub_ps(t, magic);
+    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
+    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+/* tera_bf16_rne on 16 lanes, packed to 16 bits */
+static inline __m256i vbf16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(tera_bf16_rne16(_mm512_castps_si512(f)), 16));
+}
+
+static inline __mmask16 lanes_mask(int n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i+k], 128-bit lane L: column 4L+k of rows 4i..4i+3 */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        const __m512 c = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_f32x4(a, b, 0x88);
+        t[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+        t[4 + k] = _mm512_shuffle_f32x4(c, d, 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(c, d, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* lanes of row group g (rows 16g..16g+15) that key c may see: all, or on the diagonal r >= c */
+static inline __mmask16 causal_mask(int c, int g, int diag) {
+    const int s = c - 16 * g;
+    return !diag || s <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << s);
+}
+#endif
+
+#endif
