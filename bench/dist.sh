@@ -10,7 +10,9 @@
 # many independent one-rank runs side by side, each on its share of the batch; the table gives each
 # layout's tokens/s against one rank (the median of the "one" rows) and against that ceiling, its
 # exposed communication (blocked in collectives and waits) and the time spent starting and polling
-# non-blocking operations (comm_progress_ms: data moved and summed by the library on the rank's core).
+# non-blocking operations (comm_progress_ms: data moved and summed by the library on the rank's core),
+# and with expert parallelism the busiest expert-parallel rank's routed rows over the mean
+# (ep_load_max_over_mean: a rank with more rows makes the others wait in the exchange).
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
 # and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
@@ -89,18 +91,18 @@ ceil = {r["ranks"]: r["tokens_per_s"] for r in rows if r.get("independent")}
 xone = lambda r: f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
 print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | x one rank | of the ceiling | step ms | sent MiB/rank/step "
       "| minimum MiB | sent/min | overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank "
-      "| exposed comm ms (mean / max rank) | progress ms (mean / max rank) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| exposed comm ms (mean / max rank) | progress ms (mean / max rank) | ep load max/mean |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     n = r.get("ranks", 1)
     name = r["config"].split("/")[-1]
     if n == 1:
         print(f"| {name} | 1 | 1 x 1 x 1 | - | {r['tokens_per_s']:.0f} | {xone(r)} | - | {r['step_ms_median']:.0f} "
-              "| 0 | 0 | - | - | - | - | 0 | 0 |")
+              "| 0 | 0 | - | - | - | - | 0 | 0 | - |")
         continue
     if r.get("independent"):
         print(f"| {name} | {n} | {n} independent one-rank runs | - | {r['tokens_per_s']:.0f} | {xone(r)} | 100% | "
-              f"{r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 | 0 |")
+              f"{r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 | 0 | - |")
         continue
     of = f"{100 * r['tokens_per_s'] / ceil[n]:.0f}%" if n in ceil else "-"
     mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / MiB
@@ -111,7 +113,8 @@ for r in rows:
           f"{r['bytes_sent_per_step'] / MiB:.2f} | {r['min_bytes_per_step'] / MiB:.2f} | {ratio:.4f} | "
           f"{r['overhead_bytes_per_step'] / KiB:.1f} | {p2p} | {mem:.0f} | "
           f"{r.get('exposed_comm_ms', float('nan')):.1f} / {r.get('exposed_comm_ms_max', float('nan')):.1f} | "
-          f"{r.get('comm_progress_ms', float('nan')):.1f} / {r.get('comm_progress_ms_max', float('nan')):.1f} |")
+          f"{r.get('comm_progress_ms', float('nan')):.1f} / {r.get('comm_progress_ms_max', float('nan')):.1f} | "
+          f"{r.get('ep_load_max_over_mean', float('nan')):.2f} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]
 print("\nMiB sent per rank per step by kind, measured / minimum (+ overhead: statistics, expert row counts):\n")
 print("| layout | " + " | ".join(kinds) + " | gradients | tensor-parallel | ZeRO-3 gathers | expert exchange |")

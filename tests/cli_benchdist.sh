@@ -113,6 +113,13 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
         fail "$name: ${pg:-?} ms per step in starting and polling non-blocking operations (max rank ${pgmax:-?})"
         ok=0
     fi
+    # the expert-parallel ranks' share of the routed rows: the busiest over the mean, between 1 and ep
+    # (exactly 1 without expert parallelism)
+    im=$(num "$out" ep_load_max_over_mean)
+    if ! awk -v v="$im" -v e="$ep" 'BEGIN { exit !(v != "" && (e == 1 ? v == 1 : v >= 1 && v <= e)) }'; then
+        fail "$name: expert-parallel load max/mean ${im:-?} with ep $ep"
+        ok=0
+    fi
     [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
 done
 finish cli_benchdist

@@ -147,6 +147,30 @@ int tera_cmd_bench(int argc, char **argv) {
             prg_mean += p / tr.topo.world, prg_max = p > prg_max ? p : prg_max;
         }
         free(blk);
+        /* expert parallelism: how evenly the routed rows fell on the expert-parallel ranks in the last
+         * step (every rank's routing counts summed; rank r of the group holds experts [r El, (r+1) El)):
+         * the busiest rank's rows over the mean, averaged over the MoE layers (1 = even; 1 without ep).
+         * A rank with more rows makes the others wait in the exchange: exposed time, not bytes. */
+        double ep_imb = 1.0;
+        if (tr.topo.ep > 1) {
+            const int L = cfg.model.n_layers, E = cfg.model.n_experts, ep = tr.topo.ep, El = E / ep;
+            double *ld = tera_calloc((size_t)L * (size_t)E, sizeof(double));
+            for (int64_t i = 0; i < (int64_t)L * E; i++) ld[i] = (double)tr.model.expert_load[i];
+            tera_comm_allreduce_f64(tera_comm_world(), ld, (int64_t)L * E);
+            double acc = 0.0;
+            int nl = 0;
+            for (int l = 0; l < L; l++) {
+                double rows = 0.0, mx = 0.0;
+                for (int q = 0; q < ep; q++) {
+                    double sq = 0.0;
+                    for (int e = q * El; e < (q + 1) * El; e++) sq += ld[(int64_t)l * E + e];
+                    rows += sq, mx = sq > mx ? sq : mx;
+                }
+                if (rows > 0.0) acc += mx * ep / rows, nl++;
+            }
+            ep_imb = nl ? acc / nl : 1.0;
+            free(ld);
+        }
         if (tr.root) {
             tera_prof_print(stderr, steps);
             printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"pp\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, "
@@ -165,6 +189,7 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"exposed_comm_ms\": %.2f, \"exposed_comm_ms_max\": %.2f, \"comm_progress_ms\": %.3f, "
                    "\"comm_progress_ms_max\": %.3f",
                    1e3 * blk_mean, 1e3 * blk_max, 1e3 * prg_mean, 1e3 * prg_max);
+            printf(", \"ep_load_max_over_mean\": %.4f", ep_imb);
             /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
              * of those the ones already complete at their wait (rank 0's) */
             int64_t tp_early = 0;
