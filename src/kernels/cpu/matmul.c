@@ -21,6 +21,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cpu.h"
 #include "tera/bf16.h"
@@ -563,21 +564,27 @@ int tera_cpu_bf16_has_dot(void) {
 }
 
 /* Instruction-throughput probe: 12 independent accumulators (more than latency x ports), so each
- * loop runs at the unit's issue rate. Compiled for AVX512-BF16 whatever the build flags; only run
+ * loop runs at the unit's issue rate. Timed in the thread's CPU time, so that a loop preempted by
+ * another process (ranks and tests sharing the cores) is not charged for the time it did not run. Compiled for AVX512-BF16 whatever the build flags; only run
  * where the CPU has it. Multiply-adds per second of the vector FMA (16 per instruction) and of the
  * BF16 dot product (32 per instruction). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PROBE_ACC 12
+static double thread_cpu_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 __attribute__((target("avx512f,avx512bf16"))) static double probe_fma(int64_t iters) {
     __m512 acc[PROBE_ACC];
     for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_setzero_ps();
     __m512 a = _mm512_set1_ps(1e-8f), b = _mm512_set1_ps(1.0f);
-    const double t0 = omp_get_wtime();
+    const double t0 = thread_cpu_s();
     for (int64_t i = 0; i < iters; i++) {
         for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
         __asm__ volatile("" : "+v"(a)); /* keeps the loop from being folded */
     }
-    const double dt = omp_get_wtime() - t0;
+    const double dt = thread_cpu_s() - t0;
     float sink = 0.0f;
     for (int j = 0; j < PROBE_ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
     __asm__ volatile("" : : "x"(sink));
@@ -587,12 +594,12 @@ __attribute__((target("avx512f,avx512bf16"))) static double probe_dot(int64_t it
     __m512 acc[PROBE_ACC];
     for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_setzero_ps();
     __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
-    const double t0 = omp_get_wtime();
+    const double t0 = thread_cpu_s();
     for (int64_t i = 0; i < iters; i++) {
         for (int j = 0; j < PROBE_ACC; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
         __asm__ volatile("" : "+v"(a));
     }
-    const double dt = omp_get_wtime() - t0;
+    const double dt = thread_cpu_s() - t0;
     float sink = 0.0f;
     for (int j = 0; j < PROBE_ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
     __asm__ volatile("" : : "x"(sink));
@@ -608,8 +615,9 @@ static pthread_once_t g_probe_once = PTHREAD_ONCE_INIT;
 static void probe_run(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (!tera_cpu_bf16_has_dot() || !__builtin_cpu_supports("avx512bf16")) return;
-    /* best of 3 alternating pairs of ~2 ms loops: a busy neighbour slows a loop, never speeds it up */
-    for (int r = 0; r < 3; r++) {
+    /* best of 5 alternating pairs of ~2 ms loops: a busy neighbour (a sibling hardware thread, the
+     * caches) slows a loop, never speeds it up */
+    for (int r = 0; r < 5; r++) {
         const double f = probe_fma(400000), d = probe_dot(400000);
         if (f > g_probe_fma) g_probe_fma = f;
         if (d > g_probe_dot) g_probe_dot = d;
