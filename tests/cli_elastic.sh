@@ -21,13 +21,15 @@ ONE=(train --model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts
      --training.micro_batch=4 --training.warmup_steps=2 --training.threads=1 --data.path="$W/c.txt" --logging.progress=false)
 
 # --- checkpoint.every_s / full_every_s: saves by rank 0's wall clock, differential unless the full clock ran out
-"$TERA" "${ONE[@]}" --training.steps=400 --checkpoint.every_s=0.04 --checkpoint.full_every_s=0.15 --checkpoint.full_every=1000000 \
+# (1000 steps: the check needs two full saves, 0.15 s apart; 400 steps of this model ran in 0.3 s on a
+# fast CPU, which left room for one)
+"$TERA" "${ONE[@]}" --training.steps=1000 --checkpoint.every_s=0.04 --checkpoint.full_every_s=0.15 --checkpoint.full_every=1000000 \
     --checkpoint.keep=0 --logging.run_dir="$W/cad" > "$W/cad.log" 2>&1 || { fail "wall-clock cadence run"; tail -5 "$W/cad.log"; }
 # step, kind, elapsed_s of the step record before each intermediate save; a differential save comes >= every_s
 # after the one before, a full one >= full_every_s after the full one before (its clock runs on its own)
 for d in "$W/cad/checkpoints/step_"*; do
     k=$(jq -r .kind "$d/manifest.json"); st=$(jq -r .step "$d/manifest.json")
-    [ "$st" -lt 400 ] && echo "$st $k $(fields "$W/cad/metrics.jsonl" step elapsed_s | awk -v s=$((st - 1)) '$1 == s { print $2 }')"
+    [ "$st" -lt 1000 ] && echo "$st $k $(fields "$W/cad/metrics.jsonl" step elapsed_s | awk -v s=$((st - 1)) '$1 == s { print $2 }')"
 done > "$W/cad.saves"
 awk '{ n++; if ($2 == "diff") d++; else f++
        if (n > 1 && $2 == "diff" && $3 - pe < 0.04 - 0.002) { print "saves " ps " and " $1 " only " $3 - pe " s apart"; bad = 1 }
