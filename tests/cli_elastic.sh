@@ -22,7 +22,9 @@ ONE=(train --model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts
 
 # --- checkpoint.every_s / full_every_s: saves by rank 0's wall clock, differential unless the full clock ran out
 # (1000 steps: the check needs two full saves, 0.15 s apart; 400 steps of this model ran in 0.3 s on a
-# fast CPU, which left room for one)
+# fast CPU, which left room for one). The gaps are read from the step records' elapsed_s, stamped a
+# little before rank 0 looks at its clock, and that little varies by a few ms (logging, the data):
+# 10 ms of tolerance, against saves that would come every step (< 1 ms apart) if the clock were ignored.
 "$TERA" "${ONE[@]}" --training.steps=1000 --checkpoint.every_s=0.04 --checkpoint.full_every_s=0.15 --checkpoint.full_every=1000000 \
     --checkpoint.keep=0 --logging.run_dir="$W/cad" > "$W/cad.log" 2>&1 || { fail "wall-clock cadence run"; tail -5 "$W/cad.log"; }
 # step, kind, elapsed_s of the step record before each intermediate save; a differential save comes >= every_s
@@ -32,14 +34,15 @@ for d in "$W/cad/checkpoints/step_"*; do
     [ "$st" -lt 1000 ] && echo "$st $k $(fields "$W/cad/metrics.jsonl" step elapsed_s | awk -v s=$((st - 1)) '$1 == s { print $2 }')"
 done > "$W/cad.saves"
 awk '{ n++; if ($2 == "diff") d++; else f++
-       if (n > 1 && $2 == "diff" && $3 - pe < 0.04 - 0.002) { print "saves " ps " and " $1 " only " $3 - pe " s apart"; bad = 1 }
-       if ($2 == "full" && n > 1 && $3 - pf < 0.15 - 0.002) { print "full saves " psf " and " $1 " only " $3 - pf " s apart"; bad = 1 }
+       if (n > 1 && $2 == "diff" && $3 - pe < 0.04 - 0.01) { print "saves " ps " and " $1 " only " $3 - pe " s apart"; bad = 1 }
+       if ($2 == "full" && n > 1 && $3 - pf < 0.15 - 0.01) { print "full saves " psf " and " $1 " only " $3 - pf " s apart"; bad = 1 }
        if ($2 == "full") { pf = $3; psf = $1 }
        pe = $3; ps = $1 }
      END { printf "%d wall-clock saves (%d full, %d differential)\n", n, f, d; exit bad || n < 3 || d < 1 || f < 2 }' "$W/cad.saves" \
-    && pass "every_s: saves >= 0.04 s apart, differential, and full ones >= 0.15 s apart ($(awk '{ printf "%s%s:%s", (NR > 1 ? " " : ""), $1, $2 }' "$W/cad.saves"))" \
+    && pass "every_s: saves >= 0.04 s apart, differential, and full ones >= 0.15 s apart (10 ms tolerance) ($(awk '{ printf "%s%s:%s", (NR > 1 ? " " : ""), $1, $2 }' "$W/cad.saves"))" \
     || { fail "wall-clock cadence"; cat "$W/cad.saves"; }
-mpirun --oversubscribe -np 2 "$TERA" "${ONE[@]}" --parallel.dp=2 --training.steps=200 --checkpoint.every_s=0.1 --checkpoint.keep=0 \
+# (600 steps: 200 ran in under 0.1 s on a fast CPU with the shared-memory sums, leaving only the final save)
+mpirun --oversubscribe -np 2 "$TERA" "${ONE[@]}" --parallel.dp=2 --training.steps=600 --checkpoint.every_s=0.1 --checkpoint.keep=0 \
     --logging.run_dir="$W/cad2" > "$W/cad2.log" 2>&1 && [ "$(ls -d "$W/cad2/checkpoints/step_"* | wc -l)" -ge 2 ] \
     && pass "every_s on 2 ranks: rank 0's clock decides for both ($(ls "$W/cad2/checkpoints" | grep -c step_) checkpoints)" \
     || { fail "every_s on 2 ranks"; tail -5 "$W/cad2.log"; }
