@@ -96,15 +96,25 @@ void tera_shm_free(tera_shm *s) {
     free(s);
 }
 
-/* out[i] = slot_0[i] + slot_1[i] + ... + slot_{p-1}[i] for i in [lo, hi): in rank order, into slot 0 */
-static void sum_share(const tera_shm *s, uint64_t set, int64_t lo, int64_t hi) {
-    float *restrict o = slot(s, set, 0);
-    const float *restrict a = slot(s, set, 1);
-    for (int64_t i = lo; i < hi; i++) o[i] += a[i];
-    for (int r = 2; r < s->size; r++) {
-        const float *restrict b = slot(s, set, r);
-        for (int64_t i = lo; i < hi; i++) o[i] += b[i];
+/* out[i] = slot_0[at + i] + slot_1[at + i] + ... + slot_{p-1}[at + i] for i in [0, n): in rank order
+ * (the one order of every sum here). out may be slot 0 itself (the all-reduce sums in place). */
+static void sum_slots(const tera_shm *s, uint64_t set, int64_t at, int64_t n, float *out) {
+    const float *a = slot(s, set, 0) + at;
+    if (out != a) memcpy(out, a, sizeof(float) * (size_t)n);
+    for (int r = 1; r < s->size; r++) {
+        const float *restrict b = slot(s, set, r) + at;
+        float *restrict o = out;
+        for (int64_t i = 0; i < n; i++) o[i] += b[i];
     }
+}
+
+/* The head operation is done when its last chunk is: off the queue. */
+static void dequeue_if_done(tera_shm *s, tera_shm_op *op) {
+    if (op->off < op->n) return;
+    op->done = 1;
+    s->head = op->next;
+    if (!s->head) s->tail = NULL;
+    op->next = NULL;
 }
 
 static int all_reached(const tera_shm *s, _Atomic uint64_t *(*ctr)(const tera_shm *, int), uint64_t k) {
@@ -141,13 +151,7 @@ static int advance_ranges(tera_shm *s, tera_shm_op *op, uint64_t k, int *moved) 
     if (!all_reached(s, arrive_of, k)) return 0;
     if (op->kind == TERA_SHM_REDUCE_SCATTER) {
         const int64_t len = clamp0(op->cnt[me] - op->off, piece);
-        float *restrict out = op->buf + op->disp[me] + op->off;
-        const float *restrict a = slot(s, k, 0) + me * piece;
-        for (int64_t i = 0; i < len; i++) out[i] = a[i];
-        for (int r = 1; r < p; r++) {
-            const float *restrict b = slot(s, k, r) + me * piece;
-            for (int64_t i = 0; i < len; i++) out[i] += b[i];
-        }
+        if (len) sum_slots(s, k, me * piece, len, op->buf + op->disp[me] + op->off);
     } else {
         for (int q = 0; q < p; q++) {
             const int64_t len = clamp0(op->cnt[q] - op->off, piece);
@@ -171,12 +175,7 @@ static int advance(tera_shm *s) {
             if (!advance_ranges(s, op, k, &moved)) return moved;
             s->seq = k;
             op->phase = 0;
-            if (op->off >= op->n) {
-                op->done = 1;
-                s->head = op->next;
-                if (!s->head) s->tail = NULL;
-                op->next = NULL;
-            }
+            dequeue_if_done(s, op);
             continue;
         }
         const int64_t m = op->n - op->off < s->ch ? op->n - op->off : s->ch;
@@ -192,7 +191,7 @@ static int advance(tera_shm *s) {
             const int64_t per = ((m + s->size - 1) / s->size + 15) & ~(int64_t)15;
             const int64_t lo = (int64_t)s->rank * per < m ? (int64_t)s->rank * per : m;
             const int64_t hi = lo + per < m ? lo + per : m;
-            if (hi > lo) sum_share(s, k, lo, hi);
+            if (hi > lo) sum_slots(s, k, lo, hi - lo, slot(s, k, 0) + lo);
             atomic_store_explicit(done_of(s, s->rank), k, memory_order_release);
             op->phase = 2, moved = 1;
         }
@@ -200,12 +199,7 @@ static int advance(tera_shm *s) {
         memcpy(op->buf + op->off, slot(s, k, 0), sizeof(float) * (size_t)m);
         s->seq = k;
         op->off += m, op->phase = 0, moved = 1;
-        if (op->off >= op->n) {
-            op->done = 1;
-            s->head = op->next;
-            if (!s->head) s->tail = NULL;
-            op->next = NULL;
-        }
+        dequeue_if_done(s, op);
     }
     return moved;
 }
