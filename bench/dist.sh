@@ -13,6 +13,11 @@
 # non-blocking operations (comm_progress_ms: data moved and summed by the library on the rank's core),
 # and with expert parallelism the busiest expert-parallel rank's routed rows over the mean
 # (ep_load_max_over_mean: a rank with more rows makes the others wait in the exchange).
+# FORCE_BALANCE=1 runs every layout, the ceiling and the A/B with model.router_force_balance=true
+# (benchmarking only: each token's experts are a fixed balanced pattern of its position, so every
+# expert, and every expert-parallel rank, gets the same rows: ep_load_max_over_mean 1; bench-dist's
+# untrained router otherwise collapses onto a few experts and expert parallelism measures that
+# imbalance, not the exchange). The JSON lines carry "router_force_balance"; the table says which.
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
 # and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
@@ -25,6 +30,8 @@ cd "$(dirname "$0")/.."
 mkdir -p bench/results
 OUT=${OUT:-bench/results/dist.jsonl}
 OUT_AB=${OUT_AB:-bench/results/dist-overlap.jsonl}
+FB=()
+[ "${FORCE_BALANCE:-0}" = 1 ] && FB=(--model.router_force_balance=true)
 : > "$OUT"
 : > "$OUT_AB"
 # Naming as tests/cli_layouts.sh: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
@@ -43,7 +50,7 @@ run() { # name dp tp ep zero overlap [pp]
     local args=(bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
           --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum --parallel.dp="$dp"
           --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" --parallel.zero="$zero"
-          --parallel.ep_overlap="$ov" --training.threads=1)
+          --parallel.ep_overlap="$ov" --training.threads=1 ${FB[@]+"${FB[@]}"})
     if [ "$n" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$n" "$TERA" "${args[@]}" 2> /dev/null; fi
 }
 # The machine's own ceiling for N ranks: N independent one-rank runs side by side, each on 16 / N
@@ -55,7 +62,7 @@ ceiling() { # n
     tmp=$(mktemp -d)
     for i in $(seq "$n"); do
         "$TERA" bench -c configs/bench-dist.ini --name "bench-dist/ceiling$n" --steps "$STEPS" --warmup "$WARMUP" \
-            --training.micro_batch=$((16 / n)) --training.threads=1 > "$tmp/$i.json" 2> /dev/null &
+            --training.micro_batch=$((16 / n)) --training.threads=1 ${FB[@]+"${FB[@]}"} > "$tmp/$i.json" 2> /dev/null &
     done
     wait
     cat "$tmp"/*.json | python3 -c '
@@ -89,6 +96,9 @@ ones = [r["tokens_per_s"] for r in rows if r.get("ranks", 1) == 1]
 one = statistics.median(ones) if ones else None
 ceil = {r["ranks"]: r["tokens_per_s"] for r in rows if r.get("independent")}
 xone = lambda r: f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
+fb = sorted({r.get("router_force_balance", 0) for r in rows + ab})
+print("\nrouting: " + " and ".join("forced balanced (model.router_force_balance, FORCE_BALANCE=1)" if f else
+                                  "learned (the router's own top-k)" for f in fb))
 print("\n| layout | ranks | dp x tp x ep | ZeRO | tokens/s | x one rank | of the ceiling | step ms | sent MiB/rank/step "
       "| minimum MiB | sent/min | overhead KiB | p2p / ep minimum | params+grads+optimizer MiB/rank "
       "| exposed comm ms (mean / max rank) | progress ms (mean / max rank) | ep load max/mean |")

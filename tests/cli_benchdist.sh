@@ -22,7 +22,9 @@
 #   - the whole: bytes_sent_per_step equals the minimum plus the overhead (5 bytes), and the
 #     overhead is small (under 5% of the minimum + 1 KiB), except with expert parallelism: the
 #     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
-#     there the point-to-point bytes must lie within 10% of it and the whole within 5%.
+#     there the point-to-point bytes must lie within 10% of it and the whole within 5%; under
+#     model.router_force_balance (ep2-balanced: every expert the same rows) exactly the minimum, and the
+#     busiest expert-parallel rank's rows exactly the mean (ep_load_max_over_mean 1).
 # Usage: cli_benchdist.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -44,7 +46,8 @@ mean_max() { awk -v m="$1" -v x="$2" -v pos="$3" 'BEGIN { exit !(m != "" && (pos
 for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 dp2-zero2:2:1:1:2:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
-         "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full"; do
+         "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full" \
+         "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
@@ -66,8 +69,9 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
         fi
     done
     s=$(num "$out" sent_p2p) m=$(num "$out" min_p2p)
-    if ! awk -v s="$s" -v m="$m" 'BEGIN { exit !(m == 0 ? s == 0 : s >= 0.9 * m && s <= 1.1 * m) }'; then
-        fail "$name: point-to-point $s bytes per step, minimum $m (uniform routing), tolerance 10%"
+    ptol=$([[ "${extra:-}" = *router_force_balance=true* ]] && echo 0 || echo 0.1) # forced balance: exactly uniform
+    if ! awk -v s="$s" -v m="$m" -v t="$ptol" 'BEGIN { exit !(m == 0 ? s == 0 : s >= (1 - t) * m && s <= (1 + t) * m) }'; then
+        fail "$name: point-to-point $s bytes per step, minimum $m (uniform routing), tolerance $ptol"
         ok=0
     fi
     tot=$(num "$out" bytes_sent_per_step) min=$(num "$out" min_bytes_per_step) over=$(num "$out" overhead_bytes_per_step)
@@ -114,9 +118,10 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
         ok=0
     }
     # the expert-parallel ranks' share of the routed rows: the busiest over the mean, between 1 and ep
-    # (exactly 1 without expert parallelism)
-    im=$(num "$out" ep_load_max_over_mean)
-    if ! awk -v v="$im" -v e="$ep" 'BEGIN { exit !(v != "" && (e == 1 ? v == 1 : v >= 1 && v <= e)) }'; then
+    # (exactly 1 without expert parallelism, and with model.router_force_balance: ep2-balanced)
+    im=$(num "$out" ep_load_max_over_mean) fb=$([[ "${extra:-}" = *router_force_balance=true* ]] && echo 1 || echo 0)
+    [ "$(num "$out" router_force_balance)" = "$fb" ] || { fail "$name: router_force_balance $(num "$out" router_force_balance), expected $fb"; ok=0; }
+    if ! awk -v v="$im" -v e="$ep" -v fb="$fb" 'BEGIN { exit !(v != "" && (e == 1 || fb ? v == 1 : v >= 1 && v <= e)) }'; then
         fail "$name: expert-parallel load max/mean ${im:-?} with ep $ep"
         ok=0
     fi

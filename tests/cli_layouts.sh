@@ -12,7 +12,8 @@
 # test-dist` runs the whole table under the AVX2 cap as well as the machine's own ISA. bf16 (operands
 # rounded to 8 bits) amplifies a last-bit difference: a few layouts are checked in bf16 with BF16_TOL.
 # Memory per rank by category is compared with the formulas of docs/PARALLELISM.md.
-# Also: dropless routing under expert parallelism, overlap on/off bit-identical, checkpoints
+# Also: dropless routing under expert parallelism, model.router_force_balance on ep2 and pp2 x dp2 x
+# ep2, overlap on/off bit-identical, checkpoints
 # resumed under another layout (ep 2 -> 1, ep 2 -> 4 with ZeRO-1).
 #
 # Tolerances (docs/PARALLELISM.md, "What is bit-identical"): TOL = LAYOUT_TOL (tests/mpilib.sh) = 2e-6 relative. fp32's unit
@@ -249,6 +250,31 @@ $MPIRUN -np 8 "$TERA" train "${BIG[@]}" --training.micro_batch=1 --parallel.dp=8
 out=$(compare_steps "$W/e4096/metrics.jsonl" "$W/e4096ep8/metrics.jsonl" "$TOL") && [ "$(dropped "$W/e4096")" = "$(dropped "$W/e4096ep8")" ] \
     && grep -q '"dropped_frac": 0\.[0-9]*[1-9]' "$W/e4096/metrics.jsonl" \
     && pass "4096 experts, top-8: ep8 matches one rank ($out), the same tokens dropped" || fail "4096 experts under ep8: $out"
+
+# model.router_force_balance (benchmarking only): the fixed balanced pattern of each token's position
+# (experts (t k + j + l) mod E) is the same on every layout: ep2 (each rank 2 sequences) matches one
+# rank running all 4 in one micro-batch, and pp2 x dp2 x ep2 (1F1B) one rank of 4 micro-batches of 1
+# (tests/test_balance.c checks the pattern itself, test_decode.c the positions of decoding); nothing is dropped at capacity 1.25
+# (each expert gets T k / E = 16 rows of every sequence, the capacity 20), the aux-free bias of MODEL
+# is ignored, and the losses are not those of the learned routing (the pattern is in effect)
+FB=(--model.router_force_balance=true)
+for l in ep2:2:1:2:2:1:4 pp2xdp2xep2:4:2:2:1:2:1; do
+    IFS=: read -r name np pp ep micro accum rmicro <<< "$l"
+    [ -d "$W/fb-$rmicro" ] || "$TERA" train "${TINY[@]}" "${FB[@]}" --training.micro_batch="$rmicro" \
+        --training.grad_accum=$((4 / rmicro)) --logging.run_dir="$W/fb-$rmicro" > "$W/fb-$rmicro.log" 2>&1 \
+        || { fail "forced balance, one rank"; tail -5 "$W/fb-$rmicro.log"; }
+    $MPIRUN -np "$np" "$TERA" train "${TINY[@]}" "${FB[@]}" --training.micro_batch="$micro" --training.grad_accum="$accum" \
+        --parallel.dp=$((np / pp)) --parallel.ep="$ep" --parallel.pp="$pp" --logging.run_dir="$W/fb-$name" \
+        > "$W/fb-$name.log" 2>&1 || { fail "forced balance $name run"; tail -5 "$W/fb-$name.log"; continue; }
+    out=$(compare_steps "$W/fb-$rmicro/metrics.jsonl" "$W/fb-$name/metrics.jsonl" "$TOL") \
+        && [ "$(grep -c '"loss"' "$W/fb-$name/metrics.jsonl")" = 8 ] \
+        && ! dropped "$W/fb-$name" | grep -qv ': 0\(\.0*\)\?$' \
+        && pass "forced balance $name: every step matches one rank ($out), nothing dropped" \
+        || fail "forced balance $name differs from one rank or dropped tokens: $out; $(dropped "$W/fb-$name" | sort | uniq -c | head -3)"
+done
+ref 4 4
+cmp -s <(untimed "$W/one-4-4/metrics.jsonl") <(untimed "$W/fb-4/metrics.jsonl") \
+    && fail "forced balance: the same losses as the learned routing" || pass "forced balance changes the routing"
 
 # overlap of the exchange with expert compute changes nothing, bit for bit
 $MPIRUN -np 4 "$TERA" train "${TINY[@]}" "${DL[@]}" --training.micro_batch=1 --parallel.dp=4 --parallel.ep=4 \

@@ -2,7 +2,8 @@
  * router against the PyTorch reference (tests/ref/make_balance_fixtures.py, fixtures in
  * tests/fixtures/balance/): the selection, the loss value and its gradient with respect to the router
  * logits, under softmax and sigmoid scores. Also: the default (switch) path gives the gradient of the
- * plain tera_moe_router_backward bit for bit, and an extra combine-weight gradient adds linearly. */
+ * plain tera_moe_router_backward bit for bit, and an extra combine-weight gradient adds linearly.
+ * And model.router_force_balance's fixed balanced selection (test_force_balance). */
 #include "testutil.h"
 
 #include "model/moe.h"
@@ -187,13 +188,109 @@ static void test_default_unchanged(void **state) {
     }
 }
 
+/* model.router_force_balance (benchmarking only): the selection is the fixed pattern
+ * (t k + j + layer) mod E of the row's position t whatever the scores and the bias, every expert gets
+ * T k / E rows of each sequence, the combine weights are the chosen scores renormalised (times the
+ * routed scale), positions may come from an array (decoding); off, tera_moe_route_at is
+ * tera_moe_route bit for bit. */
+static void test_force_balance(void **state) {
+    (void)state;
+    enum { FB = 3, FT = 24, FE = 8, FN = FB * FT };
+    static float x[FN * FE], s[FN * FE], lse[FN], bias[FE], w[FN * 4], w2[FN * 4];
+    int32_t ti[FN * 4], ti2[FN * 4], pos[FN], cnt[FE];
+    tu_fill(x, FN * FE, 5, 2.0f);
+    for (int e = 0; e < FE; e++) bias[e] = e == 3 ? 100.0f : 0.0f; /* would win every selection if looked at */
+    const int ks[] = {1, 2, 3, 4};
+    for (int sig = 0; sig < 2; sig++) {
+        const tera_router_score sc = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
+        tera_moe_score_forward(cpu(), s, lse, x, FN, FE, sc);
+        for (int ki = 0; ki < 4; ki++) {
+            const int k = ks[ki];
+            for (int layer = 0; layer < 3; layer++) {
+                const tera_moe_routing r = {.score = sc, .n_groups = 1, .topk_groups = 1, .scale = sig ? 2.5f : 1.0f,
+                                            .force_balance = 1};
+                tera_moe_route_at(cpu(), ti, w, s, layer == 1 ? bias : NULL, FN, FE, k, &r, NULL, FT, NULL, layer);
+                for (int64_t n = 0; n < FN; n++) {
+                    const int t = (int)(n % FT);
+                    float sum = 0.0f;
+                    for (int j = 0; j < k; j++) {
+                        assert_int_equal(ti[n * k + j], (t * k + j + layer) % FE);
+                        sum += s[n * FE + ti[n * k + j]];
+                    }
+                    for (int j = 0; j < k; j++) {
+                        const float want = s[n * FE + ti[n * k + j]] / sum * r.scale;
+                        assert_true(fabsf(w[n * k + j] - want) <= 1e-6f * r.scale);
+                    }
+                }
+                /* every expert T k / E rows of each sequence when E divides T k (k = 1: T = 24 = 3 E) */
+                for (int b = 0; b < FB; b++) {
+                    memset(cnt, 0, sizeof cnt);
+                    for (int a = b * FT * k; a < (b + 1) * FT * k; a++) cnt[ti[a]]++;
+                    for (int e = 0; e < FE; e++) assert_int_equal(cnt[e], FT * k / FE);
+                }
+                /* the position is the row mod T: with T = 23 (T k not a multiple of E) the pattern does not
+                 * repeat with the row index */
+                tera_moe_route_at(cpu(), ti2, w2, s, NULL, FN, FE, k, &r, NULL, FT - 1, NULL, layer);
+                for (int64_t n = 0; n < FN; n++)
+                    for (int j = 0; j < k; j++)
+                        assert_int_equal(ti2[n * k + j], ((int)(n % (FT - 1)) * k + j + layer) % FE);
+                /* the same positions given as an array (decoding): the same selection and weights */
+                for (int n = 0; n < FN; n++) pos[n] = n % FT;
+                tera_moe_route_at(cpu(), ti2, w2, s, bias, FN, FE, k, &r, NULL, 1, pos, layer);
+                assert_memory_equal(ti, ti2, sizeof(int32_t) * (size_t)FN * k);
+                assert_same("forced balance: positions from an array", w, w2, (int64_t)FN * k);
+                /* off: exactly tera_moe_route */
+                tera_moe_routing off = r;
+                off.force_balance = 0;
+                tera_moe_route_at(cpu(), ti, w, s, bias, FN, FE, k, &off, NULL, FT, NULL, layer);
+                tera_moe_route(cpu(), ti2, w2, s, bias, FN, FE, k, &off, NULL);
+                assert_memory_equal(ti, ti2, sizeof(int32_t) * (size_t)FN * k);
+                assert_same("force balance off: tera_moe_route", w, w2, (int64_t)FN * k);
+            }
+        }
+    }
+    /* the router still learns: the combine weights' gradient reaches the logits of the chosen experts */
+    {
+        const int k = 2;
+        const tera_moe_routing r = {.score = TERA_ROUTER_SOFTMAX, .n_groups = 1, .topk_groups = 1, .scale = 1.0f,
+                                    .force_balance = 1};
+        static float dl[FN * FE], dsc[FN * FE], dw[FN * 2];
+        int32_t sel[FB * FE];
+        tera_moe_score_forward(cpu(), s, lse, x, FN, FE, TERA_ROUTER_SOFTMAX);
+        tera_moe_route_at(cpu(), ti, w, s, NULL, FN, FE, k, &r, NULL, FT, NULL, 0);
+        memset(sel, 0, sizeof sel);
+        for (int a = 0; a < FN * k; a++) sel[(a / (FT * k)) * FE + ti[a]]++;
+        for (int b = 0; b < FB; b++)
+            for (int e = 0; e < FE; e++) assert_int_equal(sel[b * FE + e], FT * k / FE);
+        tu_fill(dw, FN * k, 9, 1.0f);
+        tera_moe_router_backward(cpu(), dl, dsc, x, s, lse, ti, w, dw, sel, FB, FT, FE, k, &r, 0.0f, 0.0f);
+        double norm = 0.0;
+        for (int i = 0; i < FN * FE; i++) norm += (double)dl[i] * dl[i];
+        assert_true(norm > 1e-6);
+    }
+    /* the config: off by default; refused with group-limited routing, allowed when every group is open */
+    tera_config c;
+    tera_config_defaults(&c);
+    assert_int_equal(c.model.router_force_balance, 0);
+    assert_int_equal(tera_moe_routing_of(&c.model).force_balance, 0);
+    assert_int_equal(tera_config_set(&c, "model.router_force_balance=true"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    assert_int_equal(tera_moe_routing_of(&c.model).force_balance, 1);
+    assert_int_equal(tera_config_set(&c, "model.n_groups=4"), TERA_OK);
+    assert_int_equal(tera_config_set(&c, "model.topk_groups=2"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
+    assert_non_null(strstr(tera_last_error(), "router_force_balance"));
+    assert_int_equal(tera_config_set(&c, "model.topk_groups=4"), TERA_OK);
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_switch_softmax),     cmocka_unit_test(test_switch_sigmoid),
         cmocka_unit_test(test_global_softmax),     cmocka_unit_test(test_global_sigmoid),
         cmocka_unit_test(test_dp_softmax),         cmocka_unit_test(test_dp_sigmoid),
         cmocka_unit_test(test_importance_softmax), cmocka_unit_test(test_importance_sigmoid),
-        cmocka_unit_test(test_default_unchanged),
+        cmocka_unit_test(test_default_unchanged), cmocka_unit_test(test_force_balance),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,7 +3,7 @@
  * time through the cache (batched over sequences of different lengths), or recomputed from scratch
  * for every position; on a Mixtral-like model and on one with every routing option that applies at
  * inference (dense first layer, shared experts, aux-free bias, sigmoid scores, group-limited
- * routing, routed scale). Bad input is refused with a message. */
+ * routing, routed scale), and under model.router_force_balance. Bad input is refused with a message. */
 #include "testutil.h"
 #include "tera/decode.h"
 #include "tera/model.h"
@@ -154,6 +154,15 @@ static void test_options(void **state) {
     check_model(options_cfg(), "options");
 }
 
+/* model.router_force_balance: the decoder takes each row's own position for the fixed pattern, so it
+ * selects as the training forward (rows b T + t) does: the same logits every way */
+static void test_force_balance(void **state) {
+    (void)state;
+    tera_model_config m = options_cfg();
+    m.n_groups = 1, m.topk_groups = 1, m.router_force_balance = 1;
+    check_model(m, "forced balance");
+}
+
 static void test_refuses(void **state) {
     (void)state;
     tera_model_config mc = mixtral_cfg();
@@ -170,6 +179,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mixtral),
         cmocka_unit_test(test_options),
+        cmocka_unit_test(test_force_balance),
         cmocka_unit_test(test_refuses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -80,6 +80,8 @@ typedef struct {
     int topk_groups;       /* a token picks its top-k experts inside its topk_groups best groups */
     float routed_scale;    /* routed scaling factor: combine weights = renormalised scores x this */
     tera_balance_loss balance_loss; /* which load-balancing loss aux_coef weighs (docs/ARCHITECTURE.md) */
+    int router_force_balance; /* benchmarking only: top-k ignores the scores and takes the fixed balanced
+                               * pattern (t k + j + l) mod E of the token's position t (docs/ARCHITECTURE.md) */
     /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
      * training.recompute); NULL or "" = none. */
     const char *recompute;

@@ -213,7 +213,9 @@ int tera_hf_transformers_gaps(const tera_model_config *c, char *buf, size_t cap)
 #undef GAP
     /* Not gaps (no effect at inference, or the same in both): aux_coef, z_coef, aux_free_rate,
      * init_std, drop_policy when nothing is dropped, tie_embeddings (MixtralForCausalLM ties too), GQA,
-     * sliding_window (tera refuses sequences longer than the window, where the two would differ). */
+     * sliding_window (tera refuses sequences longer than the window, where the two would differ).
+     * model.router_force_balance is a benchmarking switch of the run, not part of the model: config.json
+     * does not record it, and an exported or imported model routes by its scores. */
     return n;
 }
 

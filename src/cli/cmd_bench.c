@@ -189,7 +189,8 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"exposed_comm_ms\": %.2f, \"exposed_comm_ms_max\": %.2f, \"comm_progress_ms\": %.3f, "
                    "\"comm_progress_ms_max\": %.3f",
                    1e3 * blk_mean, 1e3 * blk_max, 1e3 * prg_mean, 1e3 * prg_max);
-            printf(", \"ep_load_max_over_mean\": %.4f", ep_imb);
+            printf(", \"ep_load_max_over_mean\": %.4f, \"router_force_balance\": %d", ep_imb,
+                   cfg.model.router_force_balance);
             /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
              * of those the ones already complete at their wait (rank 0's) */
             int64_t tp_early = 0;
@@ -219,11 +220,11 @@ int tera_cmd_bench(int argc, char **argv) {
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"bf16_gemm\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %s, \"recompute\": \"%s\", "
-           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f",
+           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f, \"router_force_balance\": %d",
            val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.prec.precision),
            tr.prec.precision != TERA_PREC_BF16 ? "-" : tr.prec.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
-           (long long)m->bytes_acts, cpu_ms);
+           (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance);
     tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);
     printf("}\n");
     free(sec);

@@ -178,6 +178,14 @@ static const config__key config__keys[] = {
            "(Shazeer et al. 2017) per micro-batch, switch_dp = switch_global with the expert fractions f_e counted "
            "over the micro-batches of all data-parallel ranks (one all-reduce of E counts per MoE layer and "
            "micro-batch; the same model as one rank running the whole batch; docs/ARCHITECTURE.md)"),
+    K_BOOL(model, router_force_balance, "false",
+           "benchmarking only: the top-k ignores the router scores and takes a fixed balanced pattern, experts "
+           "(t * top_k + j + l) mod n_experts for the token at sequence position t in layer l (j < top_k), the same "
+           "in every layout and run (every expert gets T * top_k / n_experts rows of each sequence when that "
+           "divides); combine weights are the chosen scores renormalised as usual, so the router still learns; "
+           "the aux-free bias is ignored; not with group-limited routing (topk_groups < n_groups). For measuring "
+           "layouts (expert parallelism) at even load, as Megatron-Core's --moe-router-force-load-balancing; "
+           "not a training method"),
 
     /* [training] ------------------------------------------------------------------------------- */
     K_INT(training, steps, "300", 1, INT_MAX, "optimizer steps S"),
@@ -1059,6 +1067,11 @@ tera_status tera_config_finalize(tera_config *c) {
                     "(the experts a token may choose from)",
                     m->top_k, m->topk_groups, m->n_experts / m->n_groups,
                     (long long)m->topk_groups * (m->n_experts / m->n_groups));
+    CONFIG__REQUIRE(!m->router_force_balance || m->n_groups == 1 || m->topk_groups == m->n_groups,
+                    "model.router_force_balance (benchmarking only) picks a fixed balanced pattern of experts that "
+                    "ignores expert groups: it cannot be combined with group-limited routing (model.topk_groups = %d "
+                    "< model.n_groups = %d); set model.topk_groups = model.n_groups or turn one of them off",
+                    m->topk_groups, m->n_groups);
     CONFIG__REQUIRE(m->first_k_dense <= m->n_layers,
                     "model.first_k_dense (%d) must be at most model.n_layers (%d)",
                     m->first_k_dense, m->n_layers);

@@ -179,8 +179,8 @@ static void moe(tera_decoder *d, int l, float *y, const float *ln, int64_t n) {
     be->ops.linear_forward_fp32(be, d->rlogits, ln, W->router, n, D, E, 0.0f);
     tera_moe_score_forward(be, d->rprobs, d->rlse, d->rlogits, n, E, c->router_score);
     const tera_moe_routing route = tera_moe_routing_of(c);
-    tera_moe_route(be, d->topi, d->topw, d->rprobs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, n, E, K, &route,
-                   d->route_scratch);
+    tera_moe_route_at(be, d->topi, d->topw, d->rprobs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, n, E, K,
+                      &route, d->route_scratch, 1, d->pos, l); /* the rows' own positions */
     tera_moe_plan(be, d->slot_row, d->row_tok, d->exp_off, d->sel_count, d->plan_scratch, d->topi, d->rprobs, 1, (int)n,
                   E, K, 0, c->drop_policy);
     be->ops.moe_gather_forward(be, d->xg, ln, d->row_tok, n * K, D);

@@ -660,8 +660,8 @@ static void moe_forward(tera_model *m, int l, float *out) {
         m->be->ops.linear_forward_fp32(m->be, la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
         tera_moe_score_forward(m->be, la->probs, la->rlse, la->rlogits, N, E, c->router_score);
         const tera_moe_routing route = tera_moe_routing_of(c);
-        tera_moe_route(m->be, la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N, E,
-                       K, &route, a->route_scratch);
+        tera_moe_route_at(m->be, la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N,
+                          E, K, &route, a->route_scratch, T, NULL, l); /* rows b*T + t: position t */
     });
     const int64_t dropped = tera_dispatch_permute(a->dispatch, &la->moe, la->ln2, la->topi, la->probs, l);
     m->stats.n_assign += N * K;

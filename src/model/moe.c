@@ -17,7 +17,8 @@ tera_moe_routing tera_moe_routing_of(const tera_model_config *c) {
     return (tera_moe_routing){.score = c->router_score,
                               .n_groups = c->n_groups > 1 ? c->n_groups : 1,
                               .topk_groups = c->topk_groups > 1 ? c->topk_groups : 1,
-                              .scale = c->routed_scale > 0.0f ? c->routed_scale : 1.0f};
+                              .scale = c->routed_scale > 0.0f ? c->routed_scale : 1.0f,
+                              .force_balance = c->router_force_balance != 0};
 }
 
 /* sum of x[0..n), 16 lanes in a fixed order (vectorised without reassociation) */
@@ -90,6 +91,8 @@ typedef struct {
     const tera_moe_routing *r;
     char *scratch;
     size_t stride;
+    const int32_t *pos; /* forced balance: positions of the rows (NULL: row mod T) */
+    int T, layer;
 } route_ctx;
 
 static void topk_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
@@ -181,8 +184,30 @@ static void scale_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
     for (int64_t i = lo * c->k; i < hi * c->k; i++) c->topw[i] *= sc;
 }
 
+/* model.router_force_balance: experts (t k + j + layer) mod E of the token at position t, the chosen
+ * scores renormalised (the scale is applied after, as for the other selections) */
+static void forced_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
+    const route_ctx *c = ctx;
+    (void)worker;
+    const int E = c->E, k = c->k;
+    for (int64_t n = lo; n < hi; n++) {
+        const float *p = c->probs + n * E;
+        int32_t *ti = c->topi + n * k;
+        float *tw = c->topw + n * k;
+        const int64_t t = c->pos ? (int64_t)c->pos[n] : n % c->T;
+        const int64_t e0 = (t * k + c->layer) % E;
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const int e = (int)((e0 + j) % E);
+            ti[j] = e, tw[j] = p[e], sum += tw[j];
+        }
+        for (int j = 0; j < k; j++) tw[j] /= sum;
+    }
+}
+
 void tera_moe_route(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N,
                     int E, int k, const tera_moe_routing *r, void *scratch) {
+    TERA_ASSERTF(!r->force_balance, "forced balanced routing needs the rows' positions: tera_moe_route_at");
     route_ctx c = {.topi = topi, .topw = topw, .probs = scores, .bias = bias, .E = E, .k = k, .r = r,
                    .scratch = scratch, .stride = route_thread_bytes(r)};
     if (r->n_groups <= 1) {
@@ -193,6 +218,20 @@ void tera_moe_route(tera_backend *be, int32_t *topi, float *topw, const float *s
                      "group-limited routing: E %d, %d groups, %d per token, top-%d", E, G, Gk, k);
         be->ops.for_ranges(be, N, group_rows, &c);
     }
+    if (r->scale != 1.0f) be->ops.for_ranges(be, N, scale_rows, &c);
+}
+
+void tera_moe_route_at(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N,
+                       int E, int k, const tera_moe_routing *r, void *scratch, int T, const int32_t *pos, int layer) {
+    if (!r->force_balance) {
+        tera_moe_route(be, topi, topw, scores, bias, N, E, k, r, scratch);
+        return;
+    }
+    TERA_ASSERTF(1 <= k && k <= E && (pos || T >= 1) && layer >= 0, "forced balanced routing: E %d, top-%d, T %d, layer %d",
+                 E, k, T, layer);
+    route_ctx c = {.topi = topi, .topw = topw, .probs = scores, .E = E, .k = k, .r = r, .pos = pos, .T = T,
+                   .layer = layer};
+    be->ops.for_ranges(be, N, forced_rows, &c);
     if (r->scale != 1.0f) be->ops.for_ranges(be, N, scale_rows, &c);
 }
 

@@ -20,6 +20,7 @@ typedef struct {
     int n_groups;            /* experts [g E/G, (g+1) E/G) form group g; 1 = no group limit */
     int topk_groups;         /* groups a token may use */
     float scale;             /* routed scaling factor on the combine weights */
+    int force_balance;       /* model.router_force_balance: the fixed balanced pattern (tera_moe_route_at) */
 } tera_moe_routing;
 
 tera_moe_routing tera_moe_routing_of(const tera_model_config *c);
@@ -42,6 +43,19 @@ void tera_moe_score_forward(tera_backend *be, float *scores, float *lse, const f
 size_t tera_moe_route_scratch_bytes(const tera_moe_routing *r, int threads);
 void tera_moe_route(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N, int E, int k,
                     const tera_moe_routing *r, void *scratch);
+
+/* tera_moe_route for rows at known sequence positions, under every routing option. With
+ * r->force_balance (model.router_force_balance, benchmarking only) the scores and the bias are not
+ * looked at for the selection: the token at position t of a sequence, in layer `layer` (the model's layer index), takes
+ *     e_j = (t k + j + layer) mod E,  j = 0..k-1        (distinct for k <= E; in this order)
+ * so a sequence of T tokens gives every expert T k / E assignments when E divides T k, the same in
+ * every parallel layout and run; combine weights as tera_moe_route (the chosen scores renormalised to
+ * sum 1, times r->scale), so the maths after the selection and the router's gradient are unchanged.
+ * Group-limited routing is refused by the config check (the pattern ignores groups). Without
+ * force_balance: exactly tera_moe_route (T, pos and layer unused).
+ * Position of row n: pos[n] when pos is given (decoding), else n mod T (rows [B*T], sequence-major). */
+void tera_moe_route_at(tera_backend *be, int32_t *topi, float *topw, const float *scores, const float *bias, int64_t N,
+                       int E, int k, const tera_moe_routing *r, void *scratch, int T, const int32_t *pos, int layer);
 
 /* Per-token sums of the scores (the normaliser of the sigmoid balancing loss), in a fixed order.
  * scores: [N, E]  rsum: [N] */
