@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Mixed precision through the command line: the precision in effect is printed (auto follows the AMX
-# rule); bf16 and fp16 runs follow the fp32 loss curve within a stated margin (fidelity, short
+# Mixed precision through the command line: the precision in effect is printed (auto: bf16 with AMX or
+# a bf16 dot product the probe measures at 1.25x the FMA, else fp32; ranks that disagree all take fp32); bf16 and fp16 runs follow the fp32 loss curve within a stated margin (fidelity, short
 # version: docs/PERFORMANCE.md has the long one); fp16 with a deliberately huge initial loss scale
 # recovers (overflowing steps skipped, scale halved each time, then training; the scale doubles
 # after loss_scale_window clean steps); --resume restores the scaler exactly; bf16 and fp16 runs
@@ -29,8 +29,17 @@ grep -q "^tera: precision fp32 (set; oneDNN ISA " "$W/def.log" && pass "default:
 "$TERA" train "${TINY[@]}" --training.steps=2 --training.warmup_steps=1 --training.precision=auto --logging.run_dir="$W/auto" > "$W/auto.log" 2>&1 || { fail "auto run"; cat "$W/auto.log"; }
 grep -q "^tera: precision \(fp32\|bf16\) (auto: oneDNN ISA " "$W/auto.log" && pass "$(grep '^tera: precision' "$W/auto.log")" \
     || { fail "no precision line"; cat "$W/auto.log"; }
-if grep -q "ISA avx512_core_amx" "$W/auto.log"; then grep -q "precision bf16 (auto" "$W/auto.log"; else grep -q "precision fp32 (auto" "$W/auto.log"; fi \
-    && pass "auto = bf16 exactly when oneDNN reports AMX" || fail "auto rule"
+# auto = bf16 with AMX, or where the probe printed on the line measures the bf16 dot product at
+# 1.25x the FMA's multiply-adds or more; fp32 otherwise (read from the line's own figures)
+auto_line=$(grep '^tera: precision' "$W/auto.log")
+want=fp32
+if grep -q "ISA avx512_core_amx" <<< "$auto_line"; then want=bf16
+elif probe=$(grep -o 'probe [0-9.]* G bf16 dot product multiply-adds/s, [0-9.]* G FMA' <<< "$auto_line"); then
+    want=$(awk '{ print ($2 >= 1.25 * $8) ? "bf16" : "fp32" }' <<< "$probe")
+fi
+grep -q "^tera: precision $want (auto" "$W/auto.log" && pass "auto = $want by its rule (AMX, or the dot-product probe)" \
+    || fail "auto rule: want $want: $auto_line"
+AUTO=$want
 
 # 2. fidelity: 20-step window means of the loss within 5% of fp32's over 120 steps (embedded corpus);
 #    bf16n = bf16 on oneDNN's bf16 kernels, bf16f = bf16 on the fp32 FMA kernels
@@ -119,6 +128,27 @@ if command -v mpirun > /dev/null; then
         { n++; for (i = 1; i <= 2; i++) { r = rel($i, $(i + 2)); if (r > worst) worst = r } }
         END { printf "%d steps, worst relative difference %.2g\n", n, worst; exit !(n == 8 && worst <= 1e-4) }' > "$W/m.txt" \
         && pass "bf16 dp2 = one rank: $(cat "$W/m.txt")" || fail "bf16 dp2 differs: $(cat "$W/m.txt")"
+    # precision = auto on ranks whose CPUs differ (rank 1's oneDNN capped at AVX2: no bf16 products
+    # faster than fp32): every rank trains in fp32, rank 0 says why, and the run is the same run as
+    # precision = fp32 on the same two ranks
+    A2=("${TINY[@]}" --training.threads=1 --training.steps=4 --training.warmup_steps=2 --training.micro_batch=4
+        --parallel.dp=2)
+    for p in auto fp32; do
+        mpirun --oversubscribe -np 1 "$TERA" train "${A2[@]}" --training.precision=$p --logging.run_dir="$W/x_$p" : \
+            -np 1 env ONEDNN_MAX_CPU_ISA=AVX2 "$TERA" train "${A2[@]}" --training.precision=$p --logging.run_dir="$W/x_$p" \
+            > "$W/x_$p.log" 2>&1 || { fail "mixed-CPU dp2 $p"; tail -5 "$W/x_$p.log"; }
+    done
+    if [ "$AUTO" = bf16 ]; then
+        grep -q "^tera: precision fp32 (auto: another rank's CPU has no faster bf16 products)" "$W/x_auto.log" \
+            && pass "auto on mixed CPUs: $(grep '^tera: precision' "$W/x_auto.log")" \
+            || fail "auto on mixed CPUs: $(grep '^tera: precision' "$W/x_auto.log")"
+    else
+        grep -q "^tera: precision fp32 (auto" "$W/x_auto.log" && pass "auto on mixed CPUs: fp32 (fp32 here already)" \
+            || fail "auto on mixed CPUs: $(grep '^tera: precision' "$W/x_auto.log")"
+    fi
+    cmp -s <(rows "$W/x_auto/metrics.jsonl") <(rows "$W/x_fp32/metrics.jsonl") \
+        && pass "auto on mixed CPUs trains as fp32 does, bit for bit ($(rows "$W/x_auto/metrics.jsonl" | wc -l) steps)" \
+        || fail "auto on mixed CPUs differs from fp32"
     # fp16 from a loss scale of 2^36 on dp2 x tp2 with ZeRO-2: every rank skips the same overflowing
     # steps and moves its scale alike, as one process does (loss, scale and skip of every step)
     F=("${TINY[@]}" --training.threads=1 --training.steps=24 --training.warmup_steps=2 --training.precision=fp16

@@ -336,7 +336,7 @@ static tera_config tiny_cfg(const char *precision) {
 }
 
 /* Training steps in bf16 and fp16 convert inside the scratch reserved at set-up (no growth in the
- * step loop); `auto` follows the AMX rule; the backend holding the mode goes with the trainer. */
+ * step loop); `auto` follows its rule (AMX or the dot-product probe); the backend holding the mode goes with the trainer. */
 static void test_trainer_modes(void **state) {
     (void)state;
     const char *names[] = {"bf16", "fp16", "auto", "bf16"};
@@ -345,8 +345,10 @@ static void test_trainer_modes(void **state) {
         snprintf(c.training.bf16_gemm, sizeof c.training.bf16_gemm, "%s", i == 0 ? "native" : "fma");
         tera_trainer tr;
         assert_int_equal(tera_trainer_init(&tr, &c, "", 0), TERA_OK);
+        double fma = 0.0, dot = 0.0; /* auto: AMX, or a dot product the probe measures 1.25x the FMA */
+        const int auto_bf16 = be->caps.bf16_fast(be, NULL) || (be->caps.bf16_probe(be, &fma, &dot) && dot >= 1.25 * fma);
         const tera_precision want = i == 0 || i == 3 ? TERA_PREC_BF16 : i == 1 ? TERA_PREC_FP16
-                                    : be->caps.bf16_fast(be, NULL) ? TERA_PREC_BF16 : TERA_PREC_FP32;
+                                    : auto_bf16 ? TERA_PREC_BF16 : TERA_PREC_FP32;
         assert_int_equal(tr.prec.precision, want);
         if (want == TERA_PREC_BF16)
             assert_int_equal(tr.model.be->bf16_gemm, i == 0 && be->caps.bf16_native(be) ? TERA_BF16_NATIVE : TERA_BF16_FMA);

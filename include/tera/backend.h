@@ -30,9 +30,9 @@
  * emulates: oneDNN has no f16 matmul on CPUs in this version; the products of fp16 values are exact
  * in fp32, so only the accumulation order differs from an fp16 unit). ops.gemm and the *_fp32
  * variants (the router) always run in fp32. Attention (ops.attention_*) runs in fp32, except BF16 on
- * native units where the CPU has AMX: its six products per tile take bf16 operands with fp32
- * accumulation, its softmax statistics and dS stay fp32 (src/kernels/cpu/attention.c; TERA_ATTN_BF16=0
- * keeps fp32). */
+ * native units where the CPU has AMX or a bf16 dot product faster than its FMA (the probe): its six
+ * products per tile take bf16 operands with fp32 accumulation, its softmax statistics and dS stay
+ * fp32 (src/kernels/cpu/attention.c, attention_dot.c; TERA_ATTN_BF16=0 keeps fp32). */
 typedef enum { TERA_PREC_FP32 = 0, TERA_PREC_BF16, TERA_PREC_FP16 } tera_precision;
 const char *tera_precision_name(tera_precision p);
 /* Which units run the bf16 products (the numbers are the same up to the order of the fp32 sums: the

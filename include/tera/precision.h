@@ -10,9 +10,13 @@
 #include "tera/config.h"
 
 /* training.precision ("auto", "fp32", "bf16", "fp16") -> the precision in effect on backend be.
- * auto = bf16 where be reports fast bf16 products (caps.bf16_fast: the CPU backend, oneDNN's AMX),
- * else fp32: on AVX512-BF16 without AMX, oneDNN's bf16 products were measured at ~0.6x its fp32
- * ones (docs/PERFORMANCE.md). *note receives one line saying why (static storage). */
+ * auto = bf16 where be's bf16 products are faster than its fp32 ones: fast bf16 products
+ * (caps.bf16_fast: the CPU backend, oneDNN's AMX), or a bf16 dot product that the probe
+ * (caps.bf16_probe) measures at TERA_BF16_DOT_MARGIN times the FMA's multiply-adds or more (the rule
+ * of bf16_gemm = auto below: the products then run on the native units); else fp32 (no AVX512-BF16,
+ * or a CPU whose dot product is slow: oneDNN's bf16 products measured ~0.6x its fp32 ones on one,
+ * docs/PERFORMANCE.md). A multi-rank run takes fp32 if any rank resolved fp32 (tera_trainer_init).
+ * *note receives one line saying why (static storage). */
 tera_precision tera_precision_resolve(const tera_backend *be, const char *name, const char **note);
 
 /* training.bf16_gemm ("auto", "native", "fma") -> the units bf16 products run on. auto = native

@@ -258,8 +258,10 @@ static const config__key config__keys[] = {
     K_CHOICE(training, precision, "fp32", "auto|fp32|bf16|fp16",
              "matrix products of the linear layers: bf16 = bf16 operands, fp32 accumulation; fp16 = "
              "fp16-rounded operands (emulated on CPUs), fp32 products, dynamic loss scaling; master weights, "
-             "optimizer, norms, softmax, router, attention and losses stay fp32; auto = bf16 where oneDNN "
-             "reports AMX, else fp32, so its results depend on the CPU; the default fp32 gives the same "
+             "optimizer, norms, softmax, router, attention and losses stay fp32; auto = bf16 where the CPU's "
+             "bf16 products are faster than fp32 (AMX, or a bf16 dot product that a start-up probe measures at "
+             "1.25x the FMA's multiply-adds or more, as bf16_gemm = auto), else fp32, fp32 on every rank if any "
+             "rank resolves fp32, so its results depend on the CPU; the default fp32 gives the same "
              "numbers on every CPU up to the order of fp32 sums (README, Precision)"),
     K_CHOICE(training, bf16_gemm, "auto", "auto|native|fma",
              "units for bf16 products (same numbers up to the order of fp32 sums): native = oneDNN's bf16 "

@@ -19,11 +19,21 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
     } else if (!strcmp(name, "fp32")) {
         p = TERA_PREC_FP32;
         snprintf(buf, sizeof buf, "fp32 (set; oneDNN ISA %s)", isa);
-    } else { /* auto */
-        p = fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
-        snprintf(buf, sizeof buf, "%s (auto: oneDNN ISA %s, %s)", tera_precision_name(p), isa,
-                 fast ? "AMX bf16 products" : "no AMX, so fp32 (training.precision=bf16 can still be faster where "
-                                              "the CPU's bf16 dot products are: tera bench)");
+    } else { /* auto: bf16 where this CPU's bf16 products are faster than its fp32 ones */
+        double fma = 0.0, dot = 0.0;
+        const int dot_fast = !fast && be->caps.bf16_probe && be->caps.bf16_probe(be, &fma, &dot) &&
+                             dot >= TERA_BF16_DOT_MARGIN * fma;
+        p = fast || dot_fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
+        if (fast)
+            snprintf(buf, sizeof buf, "bf16 (auto: oneDNN ISA %s, AMX bf16 products)", isa);
+        else if (dot_fast)
+            snprintf(buf, sizeof buf, "bf16 (auto: oneDNN ISA %s, no AMX; probe %.1f G bf16 dot product multiply-adds/s, "
+                     "%.1f G FMA)", isa, dot * 1e-9, fma * 1e-9);
+        else if (dot > 0.0)
+            snprintf(buf, sizeof buf, "fp32 (auto: oneDNN ISA %s, no AMX; probe %.1f G bf16 dot product multiply-adds/s, "
+                     "%.1f G FMA: under %.2fx)", isa, dot * 1e-9, fma * 1e-9, TERA_BF16_DOT_MARGIN);
+        else
+            snprintf(buf, sizeof buf, "fp32 (auto: oneDNN ISA %s, no bf16 products faster than fp32)", isa);
     }
     if (note) *note = buf;
     return p;

@@ -305,6 +305,20 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
     int64_t failed = st != TERA_OK;
     tera_comm_allreduce_i64(w, &failed, 1);
     if (failed == 0) {
+        /* precision = auto: every rank trains in the same precision (fp32 if any rank's CPU has no
+         * faster bf16 products); a rank that resolved bf16 drops its bf16 mode and weight shadow */
+        if (!strcmp(cfg->training.precision, "auto")) {
+            int64_t n_fp32 = tr->prec.precision != TERA_PREC_BF16;
+            tera_comm_allreduce_i64(w, &n_fp32, 1);
+            if (n_fp32 > 0 && tr->prec.precision == TERA_PREC_BF16) {
+                tr->prec.precision = TERA_PREC_FP32;
+                tr->prec.precision_note = "fp32 (auto: another rank's CPU has no faster bf16 products)";
+                tr->prec.bf16_gemm = TERA_BF16_NATIVE;
+                tr->prec.bf16_gemm_note = "";
+                tera_backend_weights_register(tr->model.be, NULL, 0);
+                tera_backend_set_precision(tr->model.be, TERA_PREC_FP32, TERA_BF16_NATIVE);
+            }
+        }
         /* bf16 units: every rank runs the same kernels (fma if any rank's probe chose it) */
         if (tr->prec.precision == TERA_PREC_BF16 && !strcmp(cfg->training.bf16_gemm, "auto")) {
             int64_t fma = tr->prec.bf16_gemm == TERA_BF16_FMA;
