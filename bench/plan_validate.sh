@@ -15,7 +15,11 @@
 #   predict    `tera plan --dry-run --hardware $HW --json` for each case: predicted step time against
 #              the median measured one; prints the table and the median absolute error. Alone
 #              (PHASES=predict) it re-predicts an earlier $MEASURED with the current model and $HW.
-# Usage: bench/plan_validate.sh [TERA]   (REPS=3 STEPS=3 WARMUP=1 BENCH_M_REPS=1 PHASES=...)
+# FORCE_BALANCE=1 runs the bench-dist layouts with model.router_force_balance=true (benchmarking only:
+# every expert, so every expert-parallel rank, gets the same rows), the uniform routing the time model
+# prices; without it bench-dist's untrained router collapses onto a few experts and an expert-parallel
+# layout measures that imbalance (tera bench's ep_load_max_over_mean), which the model does not know.
+# Usage: bench/plan_validate.sh [TERA]   (REPS=3 STEPS=3 WARMUP=1 BENCH_M_REPS=1 PHASES=... FORCE_BALANCE=0)
 set -eu
 TERA=${1:-build/tera}
 REPS=${REPS:-3}
@@ -40,8 +44,10 @@ dist_args() { # dp tp ep zero pp
     [ "$pp" -gt 1 ] && accum=4
     echo "-c configs/bench-dist.ini --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum" \
          "--parallel.dp=$dp --parallel.tp=$tp --parallel.ep=$ep --parallel.pp=$pp --parallel.zero=$zero" \
-         "--parallel.ep_overlap=1 --training.threads=1"
+         "--parallel.ep_overlap=1 --training.threads=1$FB"
 }
+FB=""
+[ "${FORCE_BALANCE:-0}" = 1 ] && FB=" --model.router_force_balance=true"
 ranks_of() { echo $(($5 * $1 * $2)); } # dp tp ep zero pp -> pp dp tp
 launch() { # ranks args...
     local n=$1; shift
