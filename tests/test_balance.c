@@ -267,6 +267,21 @@ static void test_force_balance(void **state) {
         double norm = 0.0;
         for (int i = 0; i < FN * FE; i++) norm += (double)dl[i] * dl[i];
         assert_true(norm > 1e-6);
+        /* chosen scores that underflowed to exactly 0 (a logit gap beyond ~88): equal weights 1/k, not 0/0,
+         * and a finite router gradient; rows whose chosen scores are positive keep their weights' bits */
+        static float w0[FN * 2];
+        memcpy(w0, w, sizeof w0);
+        for (int n = 0; n < FT; n++) /* the first sequence: its chosen scores to 0 */
+            for (int j = 0; j < k; j++) s[n * FE + ti[n * k + j]] = 0.0f;
+        tera_moe_route_at(cpu(), ti2, w2, s, NULL, FN, FE, k, &r, NULL, FT, NULL, 0);
+        for (int a = 0; a < FT * k; a++) assert_true(w2[a] == 0.5f);
+        assert_memory_equal(w2 + FT * k, w0 + FT * k, sizeof(float) * (size_t)(FN - FT) * k);
+        tera_moe_router_backward(cpu(), dl, dsc, x, s, lse, ti2, w2, dw, sel, FB, FT, FE, k, &r, 0.0f, 0.0f);
+        for (int i = 0; i < FN * FE; i++) assert_true(isfinite(dl[i]) && isfinite(dsc[i]));
+        const tera_moe_routing rs = {.score = TERA_ROUTER_SIGMOID, .n_groups = 1, .topk_groups = 1, .scale = 1.0f,
+                                     .force_balance = 1};
+        tera_moe_router_backward(cpu(), dl, dsc, x, s, lse, ti2, w2, dw, sel, FB, FT, FE, k, &rs, 0.0f, 0.0f);
+        for (int i = 0; i < FN * FE; i++) assert_true(isfinite(dl[i]) && isfinite(dsc[i]));
     }
     /* the config: off by default; refused with group-limited routing, allowed when every group is open */
     tera_config c;

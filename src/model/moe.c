@@ -95,6 +95,18 @@ typedef struct {
     int T, layer;
 } route_ctx;
 
+/* The chosen scores tw[0..k) renormalised to sum 1. A sum of exactly 0 (every chosen score underflowed:
+ * sigmoid logits below about -88, or forced balanced routing choosing experts a softmax gives 0)
+ * gives equal weights 1/k instead of 0/0; the router backward then passes nothing through the
+ * normalisation (the weights do not depend on the scores there). Otherwise the same bits as before. */
+static inline void renormalise(float *tw, int k, float sum) {
+    if (sum > 0.0f) {
+        for (int j = 0; j < k; j++) tw[j] /= sum;
+    } else {
+        for (int j = 0; j < k; j++) tw[j] = 1.0f / (float)k;
+    }
+}
+
 static void topk_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
     const route_ctx *c = ctx;
     (void)worker;
@@ -112,7 +124,7 @@ static void topk_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
         for (int e = 0; e < E; e++) topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
         float sum = 0.0f;
         for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
-        for (int j = 0; j < k; j++) tw[j] /= sum;
+        renormalise(tw, k, sum);
     }
 }
 
@@ -173,7 +185,7 @@ static void group_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
                 topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
         float sum = 0.0f;
         for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
-        for (int j = 0; j < k; j++) tw[j] /= sum;
+        renormalise(tw, k, sum);
     }
 }
 
@@ -201,7 +213,7 @@ static void forced_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
             const int e = (int)((e0 + j) % E);
             ti[j] = e, tw[j] = p[e], sum += tw[j];
         }
-        for (int j = 0; j < k; j++) tw[j] /= sum;
+        renormalise(tw, k, sum);
     }
 }
 
@@ -272,7 +284,8 @@ static void sigmoid_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
             S += st[topi[t * k + j]];
             dw += dtopw[t * k + j] * topw[t * k + j];
         }
-        for (int j = 0; j < k; j++) dl[topi[t * k + j]] += (scale * dtopw[t * k + j] - dw) / S;
+        if (S > 0.0f) /* S = 0: equal weights, constant (renormalise) */
+            for (int j = 0; j < k; j++) dl[topi[t * k + j]] += (scale * dtopw[t * k + j] - dw) / S;
         /* sigmoid: ds/dx = s (1 - s); z-loss: d(lse^2)/dx = 2 lse softmax(x) */
         if (z_scale != 0.0f) {
             const float l = c->lse[t], zc = z_scale * 2.0f * l;
@@ -378,7 +391,8 @@ static void softmax_back_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
             S += p[topi[t * k + j]];
             dot += dtopw[t * k + j] * topw[t * k + j];
         }
-        for (int j = 0; j < k; j++) dp[topi[t * k + j]] += (scale * dtopw[t * k + j] - dot) / S;
+        if (S > 0.0f) /* S = 0: equal weights, constant (renormalise) */
+            for (int j = 0; j < k; j++) dp[topi[t * k + j]] += (scale * dtopw[t * k + j] - dot) / S;
     }
 }
 
