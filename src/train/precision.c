@@ -5,6 +5,15 @@
 
 #include "tera/precision.h"
 
+/* The start-up probe's rule, shared by precision = auto and bf16_gemm = auto: 1 where be's bf16 dot
+ * product issues at least TERA_BF16_DOT_MARGIN times its FMA's multiply-adds, 0 where it does not,
+ * -1 where there is no probe or no dot-product instruction; *fma, *dot: the probe's figures (0 if none). */
+static int probe_dot_fast(const tera_backend *be, double *fma, double *dot) {
+    *fma = *dot = 0.0;
+    if (!be->caps.bf16_probe || !be->caps.bf16_probe(be, fma, dot)) return -1;
+    return *dot >= TERA_BF16_DOT_MARGIN * *fma;
+}
+
 tera_precision tera_precision_resolve(const tera_backend *be, const char *name, const char **note) {
     static char buf[256];
     const char *isa;
@@ -21,8 +30,7 @@ tera_precision tera_precision_resolve(const tera_backend *be, const char *name, 
         snprintf(buf, sizeof buf, "fp32 (set; oneDNN ISA %s)", isa);
     } else { /* auto: bf16 where this CPU's bf16 products are faster than its fp32 ones */
         double fma = 0.0, dot = 0.0;
-        const int dot_fast = !fast && be->caps.bf16_probe && be->caps.bf16_probe(be, &fma, &dot) &&
-                             dot >= TERA_BF16_DOT_MARGIN * fma;
+        const int dot_fast = !fast && probe_dot_fast(be, &fma, &dot) == 1;
         p = fast || dot_fast ? TERA_PREC_BF16 : TERA_PREC_FP32;
         if (fast)
             snprintf(buf, sizeof buf, "bf16 (auto: oneDNN ISA %s, AMX bf16 products)", isa);
@@ -57,12 +65,13 @@ tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, 
         return TERA_BF16_NATIVE;
     }
     double fma, dot;
-    if (!be->caps.bf16_probe(be, &fma, &dot)) {
+    const int dot_fast = probe_dot_fast(be, &fma, &dot);
+    if (dot_fast < 0) {
         snprintf(buf, sizeof buf, "fma (auto: no bf16 dot-product instruction)");
         if (note) *note = buf;
         return TERA_BF16_FMA;
     }
-    const tera_bf16_gemm g = dot >= TERA_BF16_DOT_MARGIN * fma ? TERA_BF16_NATIVE : TERA_BF16_FMA;
+    const tera_bf16_gemm g = dot_fast ? TERA_BF16_NATIVE : TERA_BF16_FMA;
     snprintf(buf, sizeof buf, "%s (auto: probe %.1f G multiply-adds/s FMA, %.1f G bf16 dot product)",
              g == TERA_BF16_FMA ? "fma" : "native", fma * 1e-9, dot * 1e-9);
     if (note) *note = buf;

@@ -168,8 +168,7 @@ static void forward_tile(float *out, float *lse, const float *q, const float *k,
 
 static void attention_forward_sgemm(float *out, float *lse, const float *q, const float *k, const float *v,
                                    int B, int T, int H, int Hkv, int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
     if (B == 0 || T == 0) return;
     const int nt = n_tiles(T);
     const int64_t ntask = (int64_t)B * H * nt;
@@ -246,8 +245,7 @@ static void backward_group(float *dq, float *dk, float *dv, const float *dout, c
 static void attention_backward_sgemm(float *dq, float *dk, float *dv, const float *dout, const float *q,
                                     const float *k, const float *v, const float *out, const float *lse,
                                     int B, int T, int H, int Hkv, int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
     if (B == 0 || T == 0) return;
     const int nthr = omp_get_max_threads();
     float *D = scratch + (size_t)nthr * attn_thread_floats(hd); /* [B,H,T] */
@@ -662,8 +660,7 @@ static void forward_tile_bf16(float *out, float *lse, const uint16_t *q16, const
 
 void tera_attention_forward_bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                  int T, int H, int Hkv, int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
 #if HAVE_BF16_ATTENTION
     if (B == 0 || T == 0) return;
 #ifdef ATTN_AMX
@@ -771,8 +768,7 @@ static void backward_group_bf16(float *dq, float *dk, float *dv, const uint16_t 
 void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                                   const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
                                   int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
 #if HAVE_BF16_ATTENTION
     if (B == 0 || T == 0) return;
 #ifdef ATTN_AMX
@@ -1195,8 +1191,7 @@ static void attention_d_row(float *D, const float *out, const float *dout, int64
 void tera_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                             int H, int Hkv, int hd, float *scratch) {
 #ifdef ATTN_AVX512
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
     if (!attn_fp32_sgemm()) {
         if (B == 0 || T == 0) return;
         const int nt = (T + FT - 1) / FT;
@@ -1225,8 +1220,7 @@ void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                              const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd,
                              float *scratch) {
 #ifdef ATTN_AVX512
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
     if (!attn_fp32_sgemm()) {
         if (B == 0 || T == 0) return;
         const int nthr = omp_get_max_threads();

@@ -4,6 +4,13 @@
 #define TERA_KERNELS_CPU_ATTENTION_AVX512_H
 
 #include "tera/bf16.h"
+#include "tera/status.h"
+
+/* The shape every attention entry point accepts (B, T >= 0; H a multiple of Hkv; hd > 0); a
+ * macro, so that the abort names the caller's file and line. */
+#define ATTN_CHECK_SHAPE(B, T, H, Hkv, hd)                                                        \
+    TERA_ASSERTF((B) >= 0 && (T) >= 0 && (H) > 0 && (Hkv) > 0 && (hd) > 0 && (H) % (Hkv) == 0,     \
+                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>

@@ -457,8 +457,7 @@ size_t tera_attention_dot_scratch_floats(int B, int T, int H, int Hkv, int hd, i
 
 void tera_attention_forward_dot(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                                 int H, int Hkv, int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
 #ifdef ATTN_DOT
     if (B == 0 || T == 0) return;
     const int nthr = omp_get_max_threads();
@@ -493,8 +492,7 @@ void tera_attention_forward_dot(float *out, float *lse, const float *q, const fl
 void tera_attention_backward_dot(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                                  const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv,
                                  int hd, float *scratch) {
-    TERA_ASSERTF(B >= 0 && T >= 0 && H > 0 && Hkv > 0 && hd > 0 && H % Hkv == 0,
-                 "attention: bad shape B=%d T=%d H=%d Hkv=%d hd=%d", B, T, H, Hkv, hd);
+    ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
 #ifdef ATTN_DOT
     if (B == 0 || T == 0) return;
     const int nthr = omp_get_max_threads();
