@@ -19,6 +19,10 @@
 #     zero_rs_per_step, and that is positive; 0 without ZeRO-2/3), except with TERA_ZERO_RS_OVERLAP=0
 #     (the -rsoff layout: blocking, none overlapped, the same bytes above and the same final loss as
 #     the overlapped dp2-zero3; tests/test_zero.c checks the weights bit for bit);
+#   - the time blocked in communication (exposed_comm_ms) is positive, and its split by the kind of
+#     operation waited for (exposed_comm_ms_by_kind) adds up to it, has no point-to-point time without
+#     a pipeline or expert parallelism and no all-to-all time without expert parallelism, and some
+#     point-to-point time with a pipeline;
 #   - the whole: bytes_sent_per_step equals the minimum plus the overhead (5 bytes), and the
 #     overhead is small (under 5% of the minimum + 1 KiB), except with expert parallelism: the
 #     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
@@ -85,6 +89,17 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
     # layout here communicates every step) and consistent
     e=$(num "$out" exposed_comm_ms) emax=$(num "$out" exposed_comm_ms_max)
     mean_max "$e" "$emax" 1 || { fail "$name: exposed communication ${e:-?} ms per step (max rank ${emax:-?})"; ok=0; }
+    # ... and by the kind of operation waited for: the kinds add up to it; none of a kind the layout does
+    # not use (point-to-point: pipeline or expert parallelism; all-to-all: expert parallelism); the
+    # pipeline's activation receives block in point-to-point waits
+    bk=$(grep -o '"exposed_comm_ms_by_kind": {[^}]*}' "$out")
+    if ! echo "$bk" | sed 's/.*{//; s/}//' | tr ',' '\n' | awk -v e="$e" -v pp="$pp" -v ep="$ep" -F: '{
+            k = $1; gsub(/[ "]/, "", k); v[k] = $2 + 0; s += v[k]; n++ }
+         END { d = s - e; if (d < 0) d = -d
+               exit !(n == 6 && d <= 0.011 && (pp > 1 || ep > 1 || v["p2p"] == 0) && (ep > 1 || v["alltoall"] == 0) && (pp == 1 || v["p2p"] > 0)) }'; then
+        fail "$name: blocked time by kind ${bk:-missing}, total $e ms"
+        ok=0
+    fi
     ov=$(num "$out" tp_overlapped_per_step) want=0
     if [ "$tp" -gt 1 ] && [[ "${extra:-}" != *tp_overlap=0* ]] && { [[ "${extra:-}" != *bf16* ]] || [[ "${extra:-}" = *tp_overlap=2* ]]; }; then
         want=$([ "$pp" = 1 ] && echo $((9 * accum)) || echo some)
@@ -125,6 +140,6 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
         fail "$name: expert-parallel load max/mean ${im:-?} with ep $ep"
         ok=0
     fi
-    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
+    [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax; ${bk#*: }), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
 done
 finish cli_benchdist

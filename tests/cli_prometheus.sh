@@ -77,7 +77,17 @@ T=64
 MODEL=(--model.dim=32 --model.n_layers=4 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.n_shared_experts=1
        --model.first_k_dense=1 --model.z_coef=0.001 --training.seq_len=$T --training.micro_batch=8 --training.warmup_steps=2
        --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1 --training.eval_every=20 --training.eval_batches=2
-       --checkpoint.every=200 --checkpoint.keep=1 --logging.progress=false --training.precision=fp32)
+       --checkpoint.every=200 --checkpoint.keep=1 --logging.progress=false --training.precision=fp32 --logging.peak_tflops=1)
+# its model FLOPs per token from the resolved config, by ../shared/spec/BENCH.md's count: 6 x the matrix
+# parameters a token passes through (attention, router, top_k routed + shared experts or the dense FFN,
+# LM head) + 12 x layers x dim x seq_len (attention scores)
+FPT=$("$TERA" config "${MODEL[@]}" 2> /dev/null | awk -F' = ' -v T=$T '
+    /^\[/ { sec = $0 } sec == "[model]" && NF == 2 { c[$1] = $2 }
+    END { D = c["dim"]; H = c["n_heads"]; K = c["n_kv_heads"] ? c["n_kv_heads"] : H; hd = D / H; L = c["n_layers"]
+          for (l = 0; l < L; l++) { a += 2 * D * H * hd + 2 * D * K * hd
+              if (l < c["first_k_dense"]) a += 3 * D * c["dense_ffn_dim"]
+              else a += c["n_experts"] * D + c["top_k"] * 3 * D * c["ffn_dim"] + 3 * D * c["ffn_dim"] * c["n_shared_experts"] }
+          a += c["vocab_size"] * D; printf "%d", 6 * a + 12 * L * D * T }')
 
 # ------------------------------------------------------------------ one rank
 P=$(free_port 1) || { fail "no free port"; finish cli_prometheus; exit; }
@@ -182,7 +192,7 @@ EOF
 
     # every series with its labels (names with their distinguishing label)
     prom series --data-urlencode 'match[]={job="tera"}' \
-        | jq -r '.data[] | "\(.__name__) \(.part // .group // .layer // .category // .kind // .le // "-") \(.rank)"' \
+        | jq -r '.data[] | "\(.__name__) \(.part // .group // .layer // .category // .kind // .le // .op // "-") \(.rank)"' \
         | sort -u > "$W/series.txt"
     missing=""
     for want in "tera_step - 0" "tera_loss - 0" "tera_loss_part ce 0" "tera_loss_part aux 0" "tera_loss_part z 0" \
@@ -200,7 +210,12 @@ EOF
         "tera_process_cpu_seconds_total - 0" "tera_comm_sent_bytes_total allreduce 0" "tera_comm_sent_bytes_total p2p 0" \
         "tera_checkpoint_saves_total - 0" "tera_checkpoint_last_pause_seconds - 0" "tera_checkpoint_last_write_seconds - 0" \
         "tera_checkpoint_last_step - 0" "tera_checkpoint_every_steps - 0" "tera_info - 0" \
-        "tera_cpu_utilization_ratio - 0" "tera_cpu_cores_used - 0"; do
+        "tera_cpu_utilization_ratio - 0" "tera_cpu_cores_used - 0" "tera_model_flops_per_second - 0" "tera_mfu_ratio - 0" \
+        "tera_peak_flops_per_second - 0" "tera_operation_seconds_total expert ffn fwd 0" \
+        "tera_operation_seconds_total expert ffn bwd 0" "tera_operation_seconds_total attention fwd 0" \
+        "tera_operation_seconds_total optimizer 0" "tera_operation_seconds_total lm head bwd 0" \
+        "tera_comm_blocked_seconds_total allreduce 0" "tera_comm_blocked_seconds_total p2p 0" \
+        "tera_comm_blocked_seconds_total barrier 0"; do
         grep -qxF "$want" "$W/series.txt" || missing="$missing [$want]"
     done
     [ -z "$missing" ] && pass "$(wc -l < "$W/series.txt") series with their labels in Prometheus" || fail "missing series:$missing"
@@ -233,6 +248,26 @@ EOF
     vs=$(awk '$1 == "tera_validation_step" { print $2 }' "$W/val.txt"); vl=$(awk '$1 == "tera_validation_loss" { print $2 }' "$W/val.txt")
     jl=$(jq -r "select(.val_loss != null and .step == ${vs:--1}) | .val_loss" "$W/run/metrics.jsonl" | tail -1)
     [ -n "$jl" ] && within "$jl" "$vl" 1e-6 && pass "validation loss after step $vs: $vl (metrics.jsonl $jl)" || fail "validation loss $vl vs $jl at $vs"
+    # efficiency: model FLOP/s = the spec's FLOPs per token x tokens/s of the same step; MFU = that over peak x 1 rank
+    prom query --data-urlencode 'query={job="tera",__name__=~"tera_model_flops_per_second|tera_tokens_per_second|tera_mfu_ratio|tera_peak_flops_per_second|tera_step"}' \
+        | jq -r '.data.result[] | "\(.metric.__name__) \(.value[1])"' > "$W/eff.txt"
+    awk -v fpt="$FPT" '{ v[$1] = $2 } END { f = v["tera_model_flops_per_second"]; t = v["tera_tokens_per_second"]
+         e = f / (t * fpt) - 1; m = v["tera_mfu_ratio"] / (f / 1e12) - 1
+         printf "step %d: %.4g FLOP/s = %d FLOPs/token x %.1f tokens/s; MFU %.3g%% of 1 TFLOP/s\n", v["tera_step"], f, fpt, t, 100 * v["tera_mfu_ratio"]
+         exit !(fpt > 0 && t > 0 && e < 1e-9 && e > -1e-9 && m < 1e-9 && m > -1e-9 && v["tera_peak_flops_per_second"] == 1e12) }' \
+        "$W/eff.txt" > "$W/eff.out" && pass "model FLOP/s and MFU: $(cat "$W/eff.out")" || { fail "model FLOP/s / MFU"; cat "$W/eff.txt"; }
+    jq -e -s --argjson fpt "$FPT" '[.[] | select(has("loss") and (has("event") | not))] | length > 3 and
+         all(.[]; (.model_tflops * 1e12 / (.tokens_per_s * $fpt) - 1 | fabs) < 1e-4 and ((.mfu - .model_tflops) | fabs) < 1e-5)' \
+        "$W/run/metrics.jsonl" > /dev/null && pass "metrics.jsonl: model_tflops and mfu on every step line" \
+        || fail "metrics.jsonl model_tflops/mfu: $(jq -c 'select(.loss) | {model_tflops, mfu, tokens_per_s}' "$W/run/metrics.jsonl" | tail -2)"
+    # time per operation: counters that grow, most of the step inside them, no operation longer than all steps
+    o1=$(pq 'sum(tera_operation_seconds_total{job="tera"})' | awk '{ print $NF }'); sleep 3
+    prom query --data-urlencode 'query={job="tera",__name__=~"tera_operation_seconds_total|tera_step_seconds_sum"}' \
+        | jq -r '.data.result[] | "\(.metric.__name__) \(.metric.op // "-" | gsub(" "; "_")) \(.value[1])"' > "$W/ops.txt"
+    awk -v o1="$o1" '$1 == "tera_step_seconds_sum" { st = $3; next } { sum += $3; n++; if ($3 > mx) { mx = $3; top = $2 } }
+         END { printf "%d operations, %.3f s inside them over %.3f s of steps (%.0f%%), the largest %s; %.3f s more in 3 s\n", n, sum, st, 100 * sum / st, top, sum - o1
+               exit !(n >= 15 && o1 > 0 && sum > o1 && sum > 0.3 * st && sum < 1.5 * st && mx < st) }' "$W/ops.txt" > "$W/ops.out" \
+        && pass "time per operation: $(cat "$W/ops.out")" || { fail "time per operation"; cat "$W/ops.txt"; }
     sk=$(pq 'tera_skipped_steps_total{job="tera"}' | awk '{ print $2 }')
     [ "$sk" = 1 ] && [ "$(jq -r 'select(.step == 3 and .loss != null) | .skipped' "$W/run/metrics.jsonl")" = 1 ] \
         && pass "the skipped step 3 (NaN gradient) is counted: tera_skipped_steps_total = 1" || fail "skipped steps: $sk"
@@ -295,8 +330,21 @@ EOF
             && pass "rank 0 on port $Q, rank 1 on port $((Q + 1)) (tera_info)" || fail "tera_info: $(pq 'tera_info{job="tera-mpi"}')"
         [ "$(pq 'tera_comm_sent_bytes_total{job="tera-mpi",kind="allreduce"} > 0' | wc -l)" = 2 ] \
             && pass "both ranks count all-reduce bytes" || fail "comm bytes: $(pq 'tera_comm_sent_bytes_total{job="tera-mpi",kind="allreduce"}')"
+        # MFU over the peak of both ranks: half of what one rank's peak gives
+        [ "$(pq 'abs(tera_mfu_ratio{job="tera-mpi"} / (tera_model_flops_per_second{job="tera-mpi"} / 2e12) - 1) < 1e-9' | wc -l)" = 2 ] \
+            && pass "dp2: tera_mfu_ratio = model FLOP/s over 2 ranks x 1 TFLOP/s on both ranks" \
+            || fail "dp2 MFU: $(pq 'tera_mfu_ratio{job="tera-mpi"}') $(pq 'tera_model_flops_per_second{job="tera-mpi"}')"
         [ "$(pq 'tera_comm_wait_seconds_total{job="tera-mpi"} > 0' | wc -l)" = 2 ] \
             && pass "both ranks count time blocked in communication" || fail "comm wait: $(pq 'tera_comm_wait_seconds_total{job="tera-mpi"}')"
+        # blocked time by kind: dp2 ZeRO-0 blocks in all-reduces (and their waits), never in point-to-point
+        # or all-to-all; the kinds add up to at least the steps' blocked time (they also count evaluations)
+        prom query --data-urlencode 'query={job="tera-mpi",__name__=~"tera_comm_blocked_seconds_total|tera_comm_wait_seconds_total"}' \
+            | jq -r '.data.result[] | "\(.metric.rank) \(.metric.__name__) \(.metric.kind // "-") \(.value[1])"' > "$W/blk.txt"
+        awk '$2 == "tera_comm_wait_seconds_total" { w[$1] = $4; next } { b[$1, $3] = $4; s[$1] += $4 }
+             END { for (r = 0; r < 2; r++) { printf "rank %d: all-reduce %.3f s, barrier %.3f s, p2p %s, all-to-all %s; steps %.3f s. ", r, b[r, "allreduce"], b[r, "barrier"], b[r, "p2p"], b[r, "alltoall"], w[r]
+                   if (!(b[r, "allreduce"] > 0 && b[r, "p2p"] == 0 && b[r, "alltoall"] == 0 && s[r] >= 0.999 * w[r] && w[r] > 0)) bad = 1 }
+                   exit bad }' "$W/blk.txt" > "$W/blk.out" \
+            && pass "blocked time by kind: $(cat "$W/blk.out")" || { fail "blocked time by kind: $(cat "$W/blk.out")"; cat "$W/blk.txt"; }
         # the same global loss on both ranks for every step both scraped, equal to rank 0's metrics.jsonl
         prom query --data-urlencode 'query={job="tera-mpi",__name__=~"tera_step|tera_loss"}[1m]' \
             | jq -r '.data.result[] | .metric as $m | .values[] | "\($m.rank) \(.[0]) \($m.__name__) \(.[1])"' > "$W/mpi_samples.txt"

@@ -14,7 +14,7 @@ head -c 60000 "$SRC/data/default_corpus.txt" > "$W/c.txt"
 MODEL=(--model.dim=32 --model.n_layers=3 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.first_k_dense=1
        --model.n_shared_experts=1 --model.z_coef=0.001 --training.seq_len=32 --training.micro_batch=4 --training.warmup_steps=2
        --training.threads=1 --data.path="$W/c.txt" --data.val_fraction=0.1 --training.eval_every=5 --training.eval_batches=2
-       --logging.progress=false --training.precision=fp32 --training.steps=12)
+       --logging.progress=false --training.precision=fp32 --training.steps=12 --logging.peak_tflops=0.5)
 "$TERA" train "${MODEL[@]}" --logging.run_dir="$W/run" --logging.tensorboard="$W/tb" > "$W/run.log" 2>&1 \
     && pass "a run with logging.tensorboard ends normally" || { fail "run"; cat "$W/run.log"; }
 ls "$W"/tb/events.out.tfevents.* > /dev/null 2>&1 && pass "event file $(basename "$W"/tb/events.out.tfevents.*)" || fail "no event file"
@@ -50,6 +50,10 @@ PY
 PY=$(peer_python) || { echo "skip: python peers unavailable (tensorboard)"; finish cli_tensorboard; exit; }
 "$PY" "$(dirname "$0")/tensorboard_check.py" "$W/tb" "$W/run/metrics.jsonl" 1 > "$W/check.txt" 2>&1 \
     && pass "EventAccumulator: $(tail -1 "$W/check.txt")" || { fail "TensorBoard read-back"; tail -5 "$W/check.txt"; }
+# model_tflops and mfu (logging.peak_tflops = 0.5: mfu = model_tflops / 0.5) among the tags checked above
+jq -e -s '[.[] | select(has("loss"))] | length == 12 and all(.[]; .model_tflops > 0 and ((.mfu - .model_tflops / 0.5) | fabs) < 1e-5)' \
+    "$W/run/metrics.jsonl" > /dev/null && grep -q "^tags checked: .* model_tflops mfu" "$W/check.txt" \
+    && pass "model_tflops and mfu in metrics.jsonl and TensorBoard" || { fail "model_tflops/mfu"; tail -3 "$W/check.txt"; }
 "$PY" -c "
 from tensorboard.backend.event_processing import event_accumulator as ea
 a = ea.EventAccumulator('$W/tb'); a.Reload(); t = a.Tags()['scalars']

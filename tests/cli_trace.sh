@@ -57,6 +57,12 @@ rc=$?
     && [ "$(jq '[.traceEvents[] | select(.ph == "X")] | length' "$W/late.json")" = 0 ] \
     && pass "a window after the last step: valid file without events" || fail "late window"
 
+# tera bench writes the timeline too (its warm-up step 0, timed steps 1-2; the window 1:2)
+"$TERA" bench "${MODEL[@]}" --steps 2 --warmup 1 --threads 1 --logging.trace="$W/bench.json" --logging.trace_steps=1:2 \
+    > "$W/bench.out" 2> "$W/bench.log" && python3 "$CHECK" "$W/bench.json" 1 1 2 > "$W/bench.check" \
+    && jq -e '[.traceEvents[] | select(.name == "step")] | length == 2' "$W/bench.json" > /dev/null \
+    && pass "tera bench: $(cat "$W/bench.check")" || { fail "tera bench's trace"; cat "$W/bench.check" "$W/bench.log" 2> /dev/null | tail -5; }
+
 # ------------------------------------------------------------------ two ranks under mpirun
 if command -v mpirun > /dev/null; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1

@@ -35,6 +35,9 @@ r0 = next(iter(steps.values()))
 for k in ("aux_loss_weighted", "z_loss_weighted"):  # newer metrics.jsonl lines carry them
     if k in r0:
         want.append(((k,), k, (1e-6, 0)))
+for k in ("model_tflops", "mfu"):  # %.6g / %.5f; mfu only with logging.peak_tflops
+    if k in r0:
+        want.append(((k,), k, (1e-5, 5.1e-6)))
 for g in r0["grad_norm_by_group"]:
     want.append((("grad_norm_by_group", g), "grad_norm_by_group/" + g, (1e-4, 0)))
 for j in range(len(r0["router_entropy"])):
@@ -91,5 +94,6 @@ if len(steps) == 0:
 if bad:
     print("FAIL: %d mismatches, first: %s" % (len(bad), "; ".join(bad[:5])))
     sys.exit(1)
+print("tags checked: " + " ".join(tag for _, tag, _ in want))
 print("%d scalars of %d tags over %d steps equal metrics.jsonl, %d validation losses, %d histograms" % (
     n, len(want), len(steps), len(vals), nh))

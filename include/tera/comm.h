@@ -62,6 +62,7 @@ typedef struct {
     int active;                         /* read-only: 1 while the operation is in flight */
     const struct tera_comm_backend *be; /* private: the backend that started it */
     void *op;                           /* private: the backend's object for it (its pool's) */
+    int kind;                           /* private: its tera_traffic_kind (the blocked time by kind) */
 } tera_comm_req;
 
 /* Collective, non-blocking in-place sum of n floats (as tera_comm_allreduce_f32). buf must not be
@@ -137,6 +138,7 @@ double tera_comm_timeout_now(void); /* the limit in effect now, seconds (0 = off
  * message, since those ranks would wait for this one. One-rank world: a plain print to stderr. */
 void tera_comm_print_error(const char *msg);
 
+#define TERA_BLOCKED_KINDS 6 /* tera_comm_traffic.blocked_kind_s: the tera_traffic_kind values, then barriers */
 /* Bytes this rank has sent since the last reset, by kind, counted by src/comm/comm.c whatever the
  * backend (a one-rank group sends nothing: its counters stay 0). Point-to-point transfers count exactly;
  * a collective over p ranks counts what a bandwidth-optimal (ring) algorithm sends from each rank
@@ -152,6 +154,9 @@ typedef struct {
      * non-blocking operations and point-to-point transfers (groups of more than one rank); the
      * communication compute did not hide, waiting for slower ranks included */
     double blocked_s;
+    /* blocked_s by the operation's kind: [tera_traffic_kind] (all-reduce, reduce-scatter, all-gather,
+     * all-to-all, point-to-point; a wait counts under its operation's kind), then [TERA_BLOCKED_BARRIER] */
+    double blocked_kind_s[TERA_BLOCKED_KINDS];
     /* seconds inside the calls that start and poll non-blocking operations (tera_comm_i*, tera_comm_poll) of
      * groups of more than one rank: with no progress thread (the MPI backend) the
      * library moves and sums data inside them, on the rank's own cores, so this is communication
@@ -183,6 +188,10 @@ typedef enum {
     TERA_TRAFFIC_ALLTOALL,
     TERA_TRAFFIC_P2P
 } tera_traffic_kind;
+#define TERA_BLOCKED_BARRIER 5 /* tera_comm_traffic.blocked_kind_s: barriers */
+/* "allreduce", "reduce_scatter", "allgather", "alltoall", "p2p" (tera_traffic_kind), "barrier"
+ * (TERA_BLOCKED_BARRIER): the label of a kind in metrics and JSON */
+const char *tera_traffic_kind_name(int kind);
 void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scounts, void *recv,
                             const int64_t *rcounts, tera_traffic_kind kind);
 void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, tera_traffic_kind kind);

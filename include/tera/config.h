@@ -186,6 +186,7 @@ typedef struct {
     int progress;               /* 1: progress line on stderr */
     int profile;                /* 1: per-operation time profile at the end */
     int metrics_port;           /* Prometheus /metrics on this port + world rank (0 = off; docs/MONITORING.md) */
+    float peak_tflops;          /* one rank's peak dense TFLOP/s in the precision in use: MFU (0 = not reported) */
     char trace[TERA_PATH_MAX];  /* Chrome trace-event JSON of a window of steps ("" = off; src/obs/trace.c) */
     char trace_steps[32];       /* that window: "FIRST:COUNT" */
     char tensorboard[TERA_PATH_MAX]; /* TensorBoard event files in this directory ("" = off; src/obs/tensorboard.c) */

@@ -127,6 +127,8 @@ typedef struct {
     int accum;           /* micro-batches per rank this step (the dynamic batch size) */
     int64_t batch_seqs;  /* global batch of this step in sequences: accum * micro_batch * world */
     double loss_scale;   /* the loss scale this step's backward used (1 unless fp16) */
+    double model_flops_s; /* model FLOP/s of the whole job this step: tera_model_flops_per_token x its tokens / seconds */
+    double mfu;           /* model_flops_s / (logging.peak_tflops x world ranks); -1 without logging.peak_tflops */
 } tera_step_result;
 
 /* ---------------------------------------------------------------- dynamic batch size
@@ -229,6 +231,7 @@ typedef struct {
     int64_t samples_consumed;   /* training samples read so far: the data position (the next step
                                    reads global samples samples_consumed, +1, ...) */
     int64_t tokens_per_step;
+    double flops_per_token;     /* model FLOPs per token, forward and backward (tera_model_flops_per_token) */
     int64_t skipped_steps;      /* updates skipped for non-finite loss or gradients */
     tera_batch_state batch;     /* dynamic batch size: growth state (saved in state.json) */
     tera_spike_guard spike;     /* the loss-spike guard (src/train/spike_guard.c) */

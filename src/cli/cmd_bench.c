@@ -11,6 +11,7 @@
 #include "tera/io.h"
 #include "tera/kernels.h"
 #include "tera/profile.h"
+#include "tera/trace.h"
 #include "tera/train.h"
 #include "tera/zero.h"
 
@@ -98,6 +99,12 @@ int tera_cmd_bench(int argc, char **argv) {
         if (s >= warmup) sec[s - warmup] = r.seconds;
     }
     const tera_comm_traffic tx = tera_comm_traffic_get();
+    /* logging.trace: the window's events of every rank, merged by rank 0 (collective; as tera train) */
+    if (tera_trace_finish(tera_comm_world()) != TERA_OK) {
+        free(sec);
+        tera_trainer_free(&tr);
+        return tera_cli_error();
+    }
     const double cpu_ms = 1e3 * (cpu_seconds() - cpu0) / steps;
     const double peak_after = multi ? 0.0 : sgemm_peak_gflops();
     if (!multi) tera_bench_bf16_peak_measure(&cfg, &bf16_peak);
@@ -136,10 +143,14 @@ int tera_cmd_bench(int argc, char **argv) {
         free(node_bytes);
         /* communication not hidden behind compute: each rank's seconds blocked in collectives and waits
          * per step (src/comm/comm.c), the mean and the largest over the ranks */
-        double *blk = tera_calloc((size_t)tr.topo.world * 2, sizeof(double));
+        enum { NB = TERA_BLOCKED_KINDS };
+        double *blk = tera_calloc((size_t)tr.topo.world * 2 + NB, sizeof(double));
         blk[tr.topo.rank] = tx.blocked_s / steps;
         blk[tr.topo.world + tr.topo.rank] = tx.progress_s / steps; /* starting and polling non-blocking ops */
-        tera_comm_allreduce_f64(tera_comm_world(), blk, 2 * tr.topo.world);
+        for (int k = 0; k < NB; k++) blk[2 * tr.topo.world + k] = tx.blocked_kind_s[k] / steps; /* by kind, summed */
+        tera_comm_allreduce_f64(tera_comm_world(), blk, 2 * tr.topo.world + NB);
+        double blk_kind[NB]; /* the mean over the ranks */
+        for (int k = 0; k < NB; k++) blk_kind[k] = blk[2 * tr.topo.world + k] / tr.topo.world;
         double blk_mean = 0.0, blk_max = 0.0, prg_mean = 0.0, prg_max = 0.0;
         for (int q = 0; q < tr.topo.world; q++) {
             const double b = blk[q], p = blk[tr.topo.world + q];
@@ -189,6 +200,11 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"exposed_comm_ms\": %.2f, \"exposed_comm_ms_max\": %.2f, \"comm_progress_ms\": %.3f, "
                    "\"comm_progress_ms_max\": %.3f",
                    1e3 * blk_mean, 1e3 * blk_max, 1e3 * prg_mean, 1e3 * prg_max);
+            /* the exposed time by the kind of operation waited for (tera_comm_traffic.blocked_kind_s) */
+            for (int k = 0; k < NB; k++)
+                printf("%s\"%s\": %.3f", k ? ", " : ", \"exposed_comm_ms_by_kind\": {", tera_traffic_kind_name(k),
+                       1e3 * blk_kind[k]);
+            printf("}");
             printf(", \"ep_load_max_over_mean\": %.4f, \"router_force_balance\": %d", ep_imb,
                    cfg.model.router_force_balance);
             /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
@@ -214,6 +230,11 @@ int tera_cmd_bench(int argc, char **argv) {
     }
     tera_prof_print(stderr, steps);
     const tera_model *m = &tr.model;
+    const double bf16_best = tera_bench_bf16_peak_best(&bf16_peak);
+    char bf16_txt[64] = "";
+    if (bf16_best > 0.0) snprintf(bf16_txt, sizeof bf16_txt, ", bf16 %.3g", bf16_best / 1e3);
+    fprintf(stderr, "tera bench: this process's product peaks for logging.peak_tflops (%d threads): fp32 %.3g%s "
+            "TFLOP/s; this run's model FLOP/s %.3g TFLOP/s\n", tera_get_threads(), peak / 1e3, bf16_txt, gflops / 1e3);
     fprintf(stderr, "tera bench: memory MiB: params %.1f, grads %.1f, activations %.1f (recompute %s), scratch %.1f\n",
             m->bytes_params / 1048576.0, m->bytes_grads / 1048576.0, m->bytes_acts / 1048576.0,
             cfg.training.recompute, m->bytes_scratch / 1048576.0);

@@ -108,6 +108,15 @@ void tera_comm_print_error(const char *msg) { be_of(&g_world)->print_error(msg);
 /* ---- traffic: what a bandwidth-optimal (ring) algorithm sends from each rank */
 static tera_comm_traffic g_traffic;
 tera_comm_traffic tera_comm_traffic_get(void) { return g_traffic; }
+const char *tera_traffic_kind_name(int kind) {
+    static const char *const names[TERA_BLOCKED_KINDS] = {"allreduce", "reduce_scatter", "allgather", "alltoall", "p2p",
+                                                         "barrier"};
+    return kind >= 0 && kind < TERA_BLOCKED_KINDS ? names[kind] : "?";
+}
+static void blocked(int kind, double s) { /* seconds blocked in an operation of this kind */
+    g_traffic.blocked_s += s;
+    g_traffic.blocked_kind_s[kind] += s;
+}
 void tera_comm_traffic_reset(void) { memset(&g_traffic, 0, sizeof g_traffic); }
 static double ring_share(const tera_comm *c) { return (double)(c->size - 1) / (double)c->size; }
 
@@ -193,7 +202,7 @@ static void allreduce(tera_comm *c, void *buf, int64_t n, tera_comm_dtype dt, si
     const double t0 = tera_now(); /* blocked time, and the timeline (include/tera/trace.h) */
     c->be->allreduce(c, buf, n, dt, op);
     const double t1 = tera_now();
-    g_traffic.blocked_s += t1 - t0;
+    blocked(TERA_TRAFFIC_ALLREDUCE, t1 - t0);
     if (tera_trace_active) tera_trace_comm("allreduce", t0, t1, (int64_t)n * (int64_t)es);
 }
 
@@ -214,7 +223,7 @@ void tera_comm_reduce_scatter_f32(tera_comm *c, float *buf, const int64_t *count
     if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
     const double t0 = tera_now();
     be_of(c)->reduce_scatter_f32(c, buf, counts);
-    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
+    if (c->size > 1) blocked(TERA_TRAFFIC_REDUCE_SCATTER, tera_now() - t0);
     if (tera_trace_active && c->size > 1) tera_trace_comm("reduce_scatter", t0, tera_now(), 4 * total_count(c, counts));
 }
 
@@ -222,7 +231,7 @@ void tera_comm_allgather_f32(tera_comm *c, float *buf, const int64_t *counts) {
     if (c->size > 1) count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
     const double t0 = tera_now();
     be_of(c)->allgather_f32(c, buf, counts);
-    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
+    if (c->size > 1) blocked(TERA_TRAFFIC_ALLGATHER, tera_now() - t0);
     if (tera_trace_active && c->size > 1) tera_trace_comm("allgather", t0, tera_now(), 4 * total_count(c, counts));
 }
 
@@ -232,14 +241,14 @@ void tera_comm_alltoall_i32(tera_comm *c, const int32_t *send, int32_t *recv, in
         if (r != c->rank) count_to(c, r, 4.0 * n, TERA_TRAFFIC_ALLTOALL);
     const double t0 = tera_now();
     be_of(c)->alltoall_i32(c, send, recv, n);
-    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
+    if (c->size > 1) blocked(TERA_TRAFFIC_ALLTOALL, tera_now() - t0);
     if (tera_trace_active && c->size > 1) tera_trace_comm("alltoall", t0, tera_now(), 4 * (int64_t)n * c->size);
 }
 
 void tera_comm_barrier(tera_comm *c) {
     const double t0 = tera_now();
     be_of(c)->barrier(c);
-    if (c->size > 1) g_traffic.blocked_s += tera_now() - t0;
+    if (c->size > 1) blocked(TERA_BLOCKED_BARRIER, tera_now() - t0);
 }
 
 void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scounts, void *recv,
@@ -257,7 +266,7 @@ void tera_comm_alltoallv_u8(tera_comm *c, const void *send, const int64_t *scoun
         if (r != c->rank) count_to(c, r, (double)scounts[r], kind);
     const double t0 = tera_now();
     c->be->alltoallv_u8(c, send, scounts, recv, rcounts);
-    g_traffic.blocked_s += tera_now() - t0;
+    blocked(kind, tera_now() - t0);
 }
 
 void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, tera_traffic_kind kind) {
@@ -267,7 +276,7 @@ void tera_comm_allgatherv_u8(tera_comm *c, void *buf, const int64_t *counts, ter
     count_ring(c, ring_share(c) * (double)t, kind);
     const double t0 = tera_now();
     c->be->allgatherv_u8(c, buf, counts);
-    g_traffic.blocked_s += tera_now() - t0;
+    blocked(kind, tera_now() - t0);
 }
 
 /* ---- non-blocking operations: the request's public fields are kept here */
@@ -276,13 +285,17 @@ static void req_set(tera_comm_req *req, const struct tera_comm_backend *be, void
     req->be = op ? be : NULL;
     req->op = op;
 }
+static void req_start(tera_comm_req *req, const struct tera_comm_backend *be, void *op, tera_traffic_kind kind) {
+    req_set(req, be, op);
+    req->kind = (int)kind;
+}
 
 void tera_comm_iallreduce_f32(tera_comm *c, float *buf, int64_t n, tera_comm_req *req) {
     req_set(req, NULL, NULL);
     if (c->size == 1 || n == 0) return;
     count_ring(c, 2.0 * ring_share(c) * 4.0 * (double)n, TERA_TRAFFIC_ALLREDUCE);
     const double t0 = tera_now();
-    req_set(req, c->be, c->be->iallreduce_f32(c, buf, n));
+    req_start(req, c->be, c->be->iallreduce_f32(c, buf, n), TERA_TRAFFIC_ALLREDUCE);
     g_traffic.progress_s += tera_now() - t0;
 }
 
@@ -291,7 +304,7 @@ void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, t
     if (c->size == 1) return;
     count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_ALLGATHER);
     const double t0 = tera_now();
-    req_set(req, c->be, c->be->iallgather_f32(c, buf, counts));
+    req_start(req, c->be, c->be->iallgather_f32(c, buf, counts), TERA_TRAFFIC_ALLGATHER);
     g_traffic.progress_s += tera_now() - t0;
 }
 
@@ -303,7 +316,7 @@ void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *coun
     }
     count_ring(c, ring_share(c) * 4.0 * (double)total_count(c, counts), TERA_TRAFFIC_REDUCE_SCATTER);
     const double t0 = tera_now();
-    req_set(req, c->be, c->be->ireduce_scatter_f32(c, buf, counts));
+    req_start(req, c->be, c->be->ireduce_scatter_f32(c, buf, counts), TERA_TRAFFIC_REDUCE_SCATTER);
     g_traffic.progress_s += tera_now() - t0;
 }
 
@@ -319,7 +332,7 @@ void tera_comm_isend_f32(tera_comm *c, const float *buf, int64_t n, int peer, in
     p2p_check(c, n, peer, 1);
     count_to(c, peer, 4.0 * (double)n, TERA_TRAFFIC_P2P);
     const double t0 = tera_now();
-    req_set(req, c->be, c->be->isend_f32(c, buf, n, peer, tag));
+    req_start(req, c->be, c->be->isend_f32(c, buf, n, peer, tag), TERA_TRAFFIC_P2P);
     g_traffic.progress_s += tera_now() - t0;
 }
 
@@ -328,7 +341,7 @@ void tera_comm_irecv_f32(tera_comm *c, float *buf, int64_t n, int peer, int tag,
     if (n == 0) return;
     p2p_check(c, n, peer, 0);
     const double t0 = tera_now();
-    req_set(req, c->be, c->be->irecv_f32(c, buf, n, peer, tag));
+    req_start(req, c->be, c->be->irecv_f32(c, buf, n, peer, tag), TERA_TRAFFIC_P2P);
     g_traffic.progress_s += tera_now() - t0;
 }
 
@@ -337,7 +350,7 @@ void tera_comm_wait(tera_comm_req *req) {
     const double t0 = tera_now();
     req->be->wait(req->op);
     const double t1 = tera_now();
-    g_traffic.blocked_s += t1 - t0;
+    blocked(req->kind, t1 - t0);
     if (tera_trace_active) tera_trace_comm("wait (non-blocking op)", t0, t1, -1);
     req_set(req, NULL, NULL);
 }

@@ -422,6 +422,11 @@ static const config__key config__keys[] = {
     K_INT(logging, metrics_port, "0", 0, 65535,
           "serve Prometheus metrics at http://HOST:PORT/metrics, one endpoint per rank on port metrics_port + world "
           "rank (a port in use is an error at start; docs/MONITORING.md); 0 = off"),
+    K_FLOAT(logging, peak_tflops, "0", R_GE0,
+            "one rank's peak dense TFLOP/s in the precision in use (its accelerator's, or its CPU cores': `tera bench` "
+            "measures sgemm_peak_gflops and bf16_peak_gflops); with it the progress line, metrics.jsonl (\"mfu\"), "
+            "the Prometheus endpoint (tera_mfu_ratio) and TensorBoard report the model FLOPs utilisation: model "
+            "FLOP/s over peak x ranks; 0 = no MFU (model FLOP/s are reported either way; docs/MONITORING.md)"),
     K_STRING(logging, registry, "runs/registry.db",
              "the SQLite run registry every run records itself in (status, heartbeats, command line, config, layout, "
              "git commit, dataset fingerprint, final metrics, checkpoints; `tera runs`, docs/TRACKING.md); world rank 0 "

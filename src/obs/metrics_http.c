@@ -30,7 +30,8 @@
 #define N_KINDS 5
 #define N_BUCKETS 15
 static const char *const *const group_names = tera_param_group_names;
-static const char *const kind_names[N_KINDS] = {"allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"};
+_Static_assert(TERA_BLOCKED_KINDS == N_KINDS + 1 && TERA_BLOCKED_BARRIER == N_KINDS,
+               "the sent bytes' kinds are tera_traffic_kind's; the blocked time's add the barriers");
 /* upper bounds of the step-time histogram (seconds): from small test models to large steps */
 static const double bucket_le[N_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                             2.5,   5,    10,    30,   60,  120, 300};
@@ -54,11 +55,15 @@ typedef struct {
     int64_t val_step;
     double val_loss;
     double traffic[N_KINDS];       /* bytes sent by kind since start (monotonic) */
+    double blocked[TERA_BLOCKED_KINDS]; /* seconds blocked by kind (and barriers) since start (monotonic) */
     int64_t ckpt_saves;
     double ckpt_pause, ckpt_write; /* the last save's step-loop pause and write time */
     int64_t ckpt_step;             /* step of the newest checkpoint (the starting step before any save) */
     double ckpt_unix;              /* when it was saved (noticed at the next step; start time before any) */
     tera_hw_reading hw;            /* the step's hardware readings (src/obs/hw.c; absent ones not listed) */
+    double model_flops_s, mfu;     /* the last step's model FLOP/s (the job's) and MFU (-1: no logging.peak_tflops) */
+    double op_seconds[TERA_PROF_COUNT]; /* time inside each profiled operation since start (monotonic) */
+    int op_seen[TERA_PROF_COUNT];  /* the operation has run in this process */
 } snap;
 
 struct tera_metrics_http {
@@ -74,6 +79,8 @@ struct tera_metrics_http {
     double *pub_layers;            /* [2 n_moe]: router entropy, expert load max/mean */
     tera_comm_traffic traffic_prev;
     int64_t saves_prev;
+    double prof_prev[TERA_PROF_COUNT]; /* tera_prof_seconds at the last publish */
+    double peak_flops;             /* logging.peak_tflops in FLOP/s (one rank; 0: not given) */
     /* under lock */
     pthread_mutex_t lock;
     snap shared;
@@ -150,6 +157,10 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     const double prev[N_KINDS] = {h->traffic_prev.allreduce, h->traffic_prev.reduce_scatter,
                                   h->traffic_prev.allgather, h->traffic_prev.alltoall, h->traffic_prev.p2p};
     for (int k = 0; k < N_KINDS; k++) p->traffic[k] += now[k] >= prev[k] ? now[k] - prev[k] : now[k];
+    for (int k = 0; k < TERA_BLOCKED_KINDS; k++) {
+        const double b = t.blocked_kind_s[k], b0 = h->traffic_prev.blocked_kind_s[k];
+        p->blocked[k] += b >= b0 ? b - b0 : b;
+    }
     h->traffic_prev = t;
     /* checkpoints: a save between the last step and this one wrote checkpoint step_<r->step> */
     const tera_ckpt_stats cs = tera_ckpt_last_stats();
@@ -159,6 +170,15 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     p->ckpt_pause = cs.last_pause_s;
     p->ckpt_write = cs.last_write_s;
     p->hw = *tera_hw_latest(); /* sampled by the step at most once a second */
+    p->model_flops_s = r->model_flops_s, p->mfu = r->mfu;
+    /* time per operation (include/tera/profile.h; evaluation forwards included): monotonic here even
+     * when the profile is reset (tera train resets it once training starts) */
+    for (int i = 0; i < TERA_PROF_COUNT; i++) {
+        const double now_s = tera_prof_seconds[i];
+        p->op_seconds[i] += now_s >= h->prof_prev[i] ? now_s - h->prof_prev[i] : now_s;
+        h->prof_prev[i] = now_s;
+        p->op_seen[i] |= tera_prof_calls[i] > 0 || p->op_seconds[i] > 0.0;
+    }
     publish_copy(h);
 }
 
@@ -287,6 +307,13 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
                s->update_ratio);
         metric(&o, h, "tera_tokens_per_second", "gauge", "tokens per second of the last step's actual batch",
                s->tokens_per_s);
+        metric(&o, h, "tera_model_flops_per_second", "gauge",
+               "model FLOP/s of the whole job in the last step (forward and backward model FLOPs per token x tokens "
+               "per second; recomputation not counted)", s->model_flops_s);
+        if (s->mfu >= 0.0)
+            metric(&o, h, "tera_mfu_ratio", "gauge",
+                   "model FLOPs utilisation of the last step: tera_model_flops_per_second over tera_peak_flops_per_second "
+                   "x world ranks", s->mfu);
         metric(&o, h, "tera_batch_sequences", "gauge", "global batch of the last step in sequences",
                (double)s->batch_seqs);
         metric(&o, h, "tera_loss_scale", "gauge", "fp16's dynamic loss scale of the last step (1 otherwise)",
@@ -324,6 +351,19 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
            s->comm_wait_total);
     metric(&o, h, "tera_skipped_steps_total", "counter", "updates this process skipped for a non-finite loss or gradient",
            (double)s->skipped_total);
+    if (h->peak_flops > 0.0)
+        metric(&o, h, "tera_peak_flops_per_second", "gauge", "one rank's peak FLOP/s as configured (logging.peak_tflops)",
+               h->peak_flops);
+    int any_op = 0;
+    for (int i = 0; i < TERA_PROF_COUNT; i++) {
+        if (!s->op_seen[i]) continue;
+        if (!any_op)
+            family(&o, "tera_operation_seconds_total", "counter",
+                   "time this rank spent inside each timed operation (the per-operation profile; evaluation included)");
+        any_op = 1;
+        snprintf(lab, sizeof lab, "op=\"%s\"", tera_prof_name(i));
+        sample(&o, h, "tera_operation_seconds_total", lab, s->op_seconds[i]);
+    }
     metric(&o, h, "tera_loss_spike_events_total", "counter",
            "loss spikes this process handled (training.spike_window)", (double)s->spikes_total);
     if (s->have_val) {
@@ -354,8 +394,15 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
     family(&o, "tera_comm_sent_bytes_total", "counter",
            "bytes this rank sent, by kind (collectives at ring-algorithm volume; include/tera/comm.h)");
     for (int k = 0; k < N_KINDS; k++) {
-        snprintf(lab, sizeof lab, "kind=\"%s\"", kind_names[k]);
+        snprintf(lab, sizeof lab, "kind=\"%s\"", tera_traffic_kind_name(k));
         sample(&o, h, "tera_comm_sent_bytes_total", lab, s->traffic[k]);
+    }
+    family(&o, "tera_comm_blocked_seconds_total", "counter",
+           "time this rank was blocked in communication, by the operation's kind (a wait counts under its "
+           "operation's; all steps, evaluations and saves included)");
+    for (int k = 0; k < TERA_BLOCKED_KINDS; k++) {
+        snprintf(lab, sizeof lab, "kind=\"%s\"", tera_traffic_kind_name(k));
+        sample(&o, h, "tera_comm_blocked_seconds_total", lab, s->blocked[k]);
     }
     metric(&o, h, "tera_checkpoint_saves_total", "counter", "checkpoints saved by this process", (double)s->ckpt_saves);
     metric(&o, h, "tera_checkpoint_last_pause_seconds", "gauge", "the step loop's pause for the last save",
@@ -483,9 +530,11 @@ tera_status tera_metrics_http_start(tera_metrics_http **out_h, const tera_traine
     h->pub.ckpt_unix = h->start_unix;
     h->traffic_prev = tera_comm_traffic_get();
     h->saves_prev = tera_ckpt_last_stats().saves;
+    h->peak_flops = 1e12 * (double)cfg->logging.peak_tflops;
+    h->pub.mfu = -1.0;
     h->shared = h->pub;
     /* the text: fixed families plus two lines per MoE layer, with room to spare */
-    h->text_cap = 16384 + 256 * nl + 256 * TERA_HW_MAX;
+    h->text_cap = 16384 + 256 * nl + 256 * TERA_HW_MAX + 128 * TERA_PROF_COUNT;
     h->text = tera_malloc(h->text_cap);
     /* one internal thread answers every request (poll/epoll); a client that stalls is dropped after
      * 10 s; at most 64 connections; 32 KiB per connection for the request */

@@ -218,6 +218,8 @@ void tera_tensorboard_step(tera_tensorboard *tb, const tera_trainer *tr, const t
     scalar(&p, "loss_scale", r->loss_scale);
     scalar(&p, "skipped", r->skipped);
     scalar(&p, "batch", (double)r->batch_seqs);
+    scalar(&p, "model_tflops", 1e-12 * r->model_flops_s);
+    if (r->mfu >= 0.0) scalar(&p, "mfu", r->mfu); /* logging.peak_tflops given */
     double gsq[TERA_PARAM_GROUPS] = {0};
     int present[TERA_PARAM_GROUPS] = {0};
     for (int i = 0; i < m->n_params; i++) {

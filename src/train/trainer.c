@@ -81,6 +81,30 @@ static double pipe_load(void *ctx, int micro, int32_t *tokens, int32_t *targets)
 
 static void pipe_plan(void *ctx, int last, int next) { tera_zero_plan(((tera_trainer *)ctx)->sharding, last, next); }
 
+/* Rank 0's run directory: refused when it holds a run (unless continued or --force), the old run's
+ * metrics and checkpoints removed under --force, config.ini written for a fresh run. */
+static tera_status setup_run_dir(tera_trainer *tr, int overwrite) {
+    if (!tr->run_dir[0] || !tr->root) return TERA_OK;
+    if (dir_nonempty(tr->run_dir) && !overwrite)
+        return tera_fail(TERA_ERR_EXISTS,
+                         "run directory '%s' already exists and is not empty; choose another "
+                         "logging.run_dir, pass --resume to continue it, or --force to overwrite it",
+                         tr->run_dir);
+    char path[TERA_PATH_MAX + 64];
+    if (overwrite == TERA_RUN_FRESH && dir_nonempty(tr->run_dir)) {
+        /* --force: the old run's metrics and checkpoints go, so a later --resume cannot mix runs */
+        snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
+        if (unlink(path) != 0 && errno != ENOENT) return tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+        snprintf(path, sizeof path, "%s/checkpoints", tr->run_dir);
+        if (access(path, F_OK) == 0) TERA_TRY(tera_ckpt_rmtree(path));
+    }
+    TERA_TRY(tera_mkdirs(tr->run_dir));
+    snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
+    /* continuing (--resume, ckpt convert): written once the checkpoint has been accepted */
+    if (overwrite != TERA_RUN_CONTINUE) TERA_TRY(tera_config_write(&tr->cfg, path));
+    return TERA_OK;
+}
+
 static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const char *run_dir, int overwrite) {
     memset(tr, 0, sizeof *tr);
     tr->cfg = *cfg;
@@ -210,6 +234,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tr->tokens = tera_malloc(sizeof(int32_t) * bt);
     tr->targets = tera_malloc(sizeof(int32_t) * bt);
     tr->tokens_per_step = (int64_t)bt * t->grad_accum * tr->topo.dp; /* the global batch */
+    tr->flops_per_token = tera_model_flops_per_token(&cfg->model, t->seq_len);
     if (cfg->data.prefetch > 0 && tr->topo.pp == 1 && /* the pipeline reads its micro-batches as it goes */
         (st = tera_prefetch_start(&tr->prefetch, &tr->loader, t->micro_batch, cfg->data.prefetch + 1)) != TERA_OK)
         goto fail_all;
@@ -218,30 +243,10 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if ((st = tera_metrics_http_start(&tr->log.http, tr)) != TERA_OK) goto fail_all;
     if ((st = tera_trace_start(&cfg->logging, cfg->model.n_layers, tr->topo.rank, tr->topo.world)) != TERA_OK) goto fail_all;
     if (tr->topo.rank == 0 && (st = tera_tensorboard_open(&tr->log.tb, cfg->logging.tensorboard, tr)) != TERA_OK) goto fail_all;
-    if (tr->run_dir[0] && tr->root) {
-        if (dir_nonempty(tr->run_dir) && !overwrite) {
-            st = tera_fail(TERA_ERR_EXISTS,
-                           "run directory '%s' already exists and is not empty; choose another "
-                           "logging.run_dir, pass --resume to continue it, or --force to overwrite it",
-                           tr->run_dir);
-            goto fail_all;
-        }
-        char path[TERA_PATH_MAX + 64];
-        if (overwrite == TERA_RUN_FRESH && dir_nonempty(tr->run_dir)) {
-            /* --force: the old run's metrics and checkpoints go, so a later --resume cannot mix runs */
-            snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
-            if (unlink(path) != 0 && errno != ENOENT) {
-                st = tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
-                goto fail_all;
-            }
-            snprintf(path, sizeof path, "%s/checkpoints", tr->run_dir);
-            if (access(path, F_OK) == 0 && (st = tera_ckpt_rmtree(path)) != TERA_OK) goto fail_all;
-        }
-        if ((st = tera_mkdirs(tr->run_dir)) != TERA_OK) goto fail_all;
-        snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
-        /* continuing (--resume, ckpt convert): written once the checkpoint has been accepted */
-        if (overwrite != TERA_RUN_CONTINUE && (st = tera_config_write(&tr->cfg, path)) != TERA_OK) goto fail_all;
-    }
+    /* several ranks: only once every rank's set-up succeeded (tera_trainer_init), so that a run refused
+     * on another rank (its metrics port, its trace file) neither creates the run directory nor clears
+     * the old run's checkpoints under --force */
+    if (tera_comm_size(tera_comm_world()) == 1 && (st = setup_run_dir(tr, overwrite)) != TERA_OK) goto fail_all;
     /* mixed precision (src/train/precision.c): set the model's backend's precision and size its
      * conversion scratch once */
     tr->prec.precision = tera_precision_resolve(tr->model.be, t->precision, &tr->prec.precision_note);
@@ -330,7 +335,13 @@ tera_status tera_trainer_init(tera_trainer *tr, const tera_config *cfg, const ch
                 reserve_scratch(tr);
             }
         }
-        return TERA_OK;
+        /* the run directory, now that every rank is ready (rank 0's failure stops every rank) */
+        st = setup_run_dir(tr, overwrite);
+        int64_t dir_failed = st != TERA_OK;
+        tera_comm_allreduce_i64(w, &dir_failed, 1);
+        if (dir_failed == 0) return TERA_OK;
+        tera_trainer_free(tr);
+        return st != TERA_OK ? st : tera_fail(TERA_ERR_IO, "set-up failed on another rank (see its message)");
     }
     if (st == TERA_OK) {
         tera_trainer_free(tr);
@@ -425,12 +436,16 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         {"tokens_per_s", "%.1f", (double)(r->batch_seqs * tr->cfg.training.seq_len) / r->seconds},
         {"elapsed_s", "%.3f", tera_now() - tr->log.t_start}, {"step_s", "%.4f", r->seconds},
         {"data_wait_s", "%.6f", r->data_seconds}, {"comm_wait_s", "%.6f", r->comm_seconds},
-        {"dropped_frac", "%.5f", r->dropped_frac},
+        {"dropped_frac", "%.5f", r->dropped_frac}, {"model_tflops", "%.6g", 1e-12 * r->model_flops_s},
     };
     fprintf(f, "{\"step\": %ld", (long)r->step);
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
         fprintf(f, ", \"%s\": ", nums[i].key);
         put_num(f, nums[i].fmt, nums[i].v);
+    }
+    if (r->mfu >= 0.0) {
+        fprintf(f, ", \"mfu\": ");
+        put_num(f, "%.5f", r->mfu);
     }
     fprintf(f, ", \"skipped\": %d, \"skipped_total\": %ld, \"update_ratio\": ", r->skipped, (long)tr->skipped_steps);
     put_num(f, "%.5g", r->update_ratio);
@@ -665,6 +680,9 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tr->step++;
     tr->samples_consumed += seqs;
     r->seconds = tera_now() - t0;
+    /* model FLOPs (tera_model_flops_per_token: no recomputation counted) of the job's tokens this step */
+    r->model_flops_s = tr->flops_per_token * (double)(seqs * T) / r->seconds;
+    r->mfu = cfg->logging.peak_tflops > 0.0f ? r->model_flops_s / (1e12 * cfg->logging.peak_tflops * tr->topo.world) : -1.0;
     r->comm_seconds = tera_comm_traffic_get().blocked_s - blocked0;
     if (r->comm_seconds < 0.0) r->comm_seconds = 0.0; /* the counters were reset during the step */
     tera_comm_step_end(r->seconds);
@@ -852,10 +870,12 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
             const int64_t step_tokens = r.batch_seqs * cfg->training.seq_len > tr->tokens_per_step
                                          ? r.batch_seqs * cfg->training.seq_len : tr->tokens_per_step; /* grown or full */
             fmt_eta(eta, sizeof eta, (double)(S - tr->step) * step_tokens / tok_s_ema);
-            char ls[48] = "";
+            char ls[48] = "", mfu[32] = "";
             if (tr->prec.precision == TERA_PREC_FP16) snprintf(ls, sizeof ls, " | scale %g", r.loss_scale);
-            fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f%s | %8.0f tok/s | ETA %s%s%s",
-                    tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, ls, tok_s_ema,
+            if (r.mfu >= 0.0) /* of the smoothed rate, as tok/s */
+                snprintf(mfu, sizeof mfu, " | MFU %.1f%%", 100.0 * r.mfu * tok_s_ema / tps);
+            fprintf(stderr, "%sstep %6ld/%ld | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f%s | %8.0f tok/s%s | ETA %s%s%s",
+                    tty ? "\r" : "", (long)tr->step, (long)S, r.loss, r.aux_loss, r.lr, r.grad_norm, ls, tok_s_ema, mfu,
                     eta, r.skipped && !r.spike ? " | SKIPPED (non-finite)" : "", (log_now || !tty) ? "\n" : "");
             fflush(stderr);
         }
