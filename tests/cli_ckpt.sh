@@ -46,6 +46,9 @@ else grep -q "model.safetensors: truncated" "$W/v2.txt" && pass "truncated file 
 "$TERA" train "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --logging.run_dir="$W/b" --resume > "$W/b.log" 2>&1
 grep -q "resumed .* at step 4" "$W/b.log" && same "$W/a/checkpoints/step_00000012" "$W/b/checkpoints/step_00000012" \
     && pass "corrupt checkpoints skipped on resume, result identical" || { fail "resume past corrupt"; cat "$W/b.log"; }
+grep -q "warning: skipping checkpoint .*step_00000012: .*step_00000012/model.safetensors: truncated" "$W/b.log" \
+    && grep -q "warning: skipping checkpoint .*step_00000008: .*step_00000008/optimizer.safetensors: contents differ" "$W/b.log" \
+    && pass "each skipped checkpoint's warning names its damaged file" || { fail "skip warnings"; grep warning "$W/b.log"; }
 rm -f "$W/a/checkpoints/step_00000004/COMMIT"
 "$TERA" ckpt ls "$W/a" | grep -q "step_00000004 .* no" && pass "directory without COMMIT listed as not committed" || fail "ls uncommitted"
 "$TERA" ckpt export-hf "$C" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$C/model.safetensors" \

@@ -89,6 +89,13 @@ else
 fi
 "$TERA" eval --from "$W/hf" --data.path="$W/corpus.txt" --training.seq_len=32 --training.micro_batch=4 > "$W/eval.json" 2> "$W/eval.log" \
     && grep -q '"val_loss"' "$W/eval.json" && pass "eval" || { fail "eval"; cat "$W/eval.log"; }
+# eval --from a run directory: its newest checkpoint (step 20 here), the figures of --from that checkpoint
+"$TERA" eval --from "$W/run" --data.path="$W/corpus.txt" --training.seq_len=32 --training.micro_batch=4 > "$W/eval_run.json" 2> "$W/eval_run.log" \
+    && "$TERA" eval --from "$W/run/checkpoints/step_00000020" --data.path="$W/corpus.txt" --training.seq_len=32 --training.micro_batch=4 \
+        > "$W/eval_ck.json" 2> /dev/null \
+    && [ "$(jq -c '{val_loss, val_acc, tokens}' "$W/eval_run.json")" = "$(jq -c '{val_loss, val_acc, tokens}' "$W/eval_ck.json")" ] \
+    && grep -q '"val_loss": [0-9]' "$W/eval_run.json" && pass "eval --from a run directory = its newest checkpoint: $(jq -c '{val_loss}' "$W/eval_run.json")" \
+    || { fail "eval --from a run directory"; cat "$W/eval_run.log" "$W/eval_run.json"; }
 "$TERA" train --training.init_from="$W/hf" --training.seq_len=32 --training.micro_batch=4 --training.steps=3 \
     --training.warmup_steps=1 --data.path="$W/corpus.txt" --logging.run_dir="$W/run2" > "$W/ft.log" 2>&1 \
     && pass "train from exported HF directory" || { fail "train from HF"; cat "$W/ft.log"; }

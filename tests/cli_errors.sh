@@ -331,6 +331,43 @@ expect_error "init_from with a NaN weight" "model.safetensors: tensor 'model.nor
 expect_error "eval --from with a NaN weight" "model.norm.weight" -- "$TERA" eval --from "$W/c12_nan" "${C12E[@]}"
 for d in c12_r1 c12_r2; do [ -e "$W/$d" ] && fail "a refused init_from created $d"; done
 
+# ---- the newer features: trace, runs --where, plan --hardware, eval --task (probe s11) ----
+S11=("${R12[@]}" "${D32[@]}" --training.steps=2 --logging.registry="$W/s11_reg.db")
+# a trace path that is a directory: refused at start (it failed at the end of the run), nothing created
+expect_error "logging.trace is a directory" "logging.trace = \"$W\" is a directory" -- \
+    "$TERA" train "${S11[@]}" --logging.trace="$W" --logging.run_dir="$W/s11_tr"
+[ -e "$W/s11_tr" ] && fail "the refused trace run created its run directory" || pass "refused trace run created nothing"
+# a window past the last step: the run succeeds and says the trace holds no step (it said nothing)
+"$TERA" train "${S11[@]}" --logging.trace="$W/s11.json" --logging.trace_steps=5:2 --logging.run_dir="$W/s11_tw" \
+    > "$W/s11_tw.log" 2>&1 && grep -q "warning: logging.trace_steps: no step of the window \[5, 7) ran" "$W/s11_tw.log" \
+    && pass "trace window past the end: $(grep 'trace_steps' "$W/s11_tw.log")" || { fail "trace window past the end"; cat "$W/s11_tw.log"; }
+# < and > need a number (a word compared as 0 and matched every run)
+expect_error "runs --where with < and a word" "compares numbers; 'abc' is not one" -- \
+    "$TERA" runs ls --registry "$W/s11_reg.db" --where "final_loss<abc"
+expect_error "runs --where with >>" "compares numbers; '>1' is not one" -- \
+    "$TERA" runs ls --registry "$W/s11_reg.db" --where "training.lr>>1"
+# directories as files: named as such (a directory opened and read as an empty file before)
+expect_error "plan --hardware a directory" "hardware description '$W': Is a directory" -- \
+    "$TERA" plan -c "$2/configs/quickstart.ini" --hardware "$W" --devices 2 --global-batch 4
+expect_error "eval --task a directory" "--task $W: Is a directory" -- \
+    "$TERA" eval --from "$W/r12_run/checkpoints/step_00000004" --task "$W" --tokenizer bytes
+# tera bench: its own options as numbers (atoi ran "--warmup abc" as 0 warm-up steps) and a --name that
+# would break its JSON line
+expect_error "bench --warmup abc" "--warmup 'abc' is not an integer in 0..100000" -- "$TERA" bench "${S11[@]}" --warmup abc
+expect_error "bench --threads x" "--threads 'x' is not an integer in 0..4096" -- "$TERA" bench "${S11[@]}" --threads x
+expect_error "bench --name with a quote" "--name 'a\"b': no quotes" -- "$TERA" bench "${S11[@]}" --name 'a"b'
+# tera tune: a bad --trials / --parallel (ignored for the file's value before) and a --dir that is a file
+# (taken as created, every trial then failed naming logs under it)
+printf '[study]\nname = s11\n[space]\ntraining.lr = loguniform 1e-3 1e-2\n' > "$W/s11_search.ini"
+expect_error "tune --trials 0" "--trials '0': expected an integer in \[1, 100000\]" -- \
+    "$TERA" tune -c "$W/s11_search.ini" --trials 0 --registry "$W/s11_tune.db" --dir "$W/s11_tune"
+expect_error "tune --parallel abc" "--parallel 'abc': expected an integer in \[1, 256\]" -- \
+    "$TERA" tune -c "$W/s11_search.ini" --parallel abc --registry "$W/s11_tune.db" --dir "$W/s11_tune"
+expect_error "tune --dir a file" "s11_search.ini: exists and is not a directory" -- \
+    "$TERA" tune -c "$W/s11_search.ini" --trials 1 --registry "$W/s11_tune.db" --dir "$W/s11_search.ini"
+[ -e "$W/s11_tune.db" ] || [ -e "$W/s11_tune" ] && fail "a refused tune created its registry or directory" \
+    || pass "refused tune runs created nothing"
+
 # ---- multi-rank start-up and hangs (issue 12) ----
 # an error every rank finds before the run starts is printed once (by rank 0), not once per rank; a
 # stalled rank is named by the others' watchdog (tests/cli_hang.sh)
@@ -340,6 +377,20 @@ if command -v mpirun > /dev/null; then
         "$TERA" train --model.dim=30 --model.n_heads=4
     [ "$(grep -c 'must be divisible by model.n_heads' "$W/err")" = 1 ] && pass "the message appears once" \
         || fail "the message appears $(grep -c 'must be divisible by model.n_heads' "$W/err") times"
+    # a set-up error on rank 1 only (its metrics port above 65535): one error line, and rank 0 neither
+    # creates the run directory nor, under --force, clears the old run (it removed its checkpoints)
+    MPI2=(env ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" OMPI_ALLOW_RUN_AS_ROOT=1
+          OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun --oversubscribe -np 2 "$TERA" train
+          "${S11[@]}" --parallel.dp=2 --checkpoint.every=2)
+    expect_error "port above 65535 on rank 1 only" "error (rank 1): logging.metrics_port = 65535" -- \
+        "${MPI2[@]}" --logging.metrics_port=65535 --logging.run_dir="$W/s11_mp"
+    [ -e "$W/s11_mp" ] && fail "the refused 2-rank run created its run directory" || pass "refused 2-rank run created nothing"
+    "${MPI2[@]}" --logging.run_dir="$W/s11_mp" > "$W/s11_mp.log" 2>&1 || { fail "2-rank set-up run"; cat "$W/s11_mp.log"; }
+    expect_error "port above 65535 on rank 1 only, --force" "logging.metrics_port = 65535" -- \
+        "${MPI2[@]}" --logging.metrics_port=65535 --logging.run_dir="$W/s11_mp" --force
+    [ -d "$W/s11_mp/checkpoints/step_00000002" ] && [ -s "$W/s11_mp/metrics.jsonl" ] \
+        && pass "a refused --force run left the old run's checkpoints and metrics" \
+        || fail "a refused --force run removed the old run: $(ls -A "$W/s11_mp")"
     # an error on one rank only (mpirun's A : B gives the ranks different arguments) is printed by that
     # rank, naming it, and stops the job at once instead of leaving the others waiting for it; two
     # different errors are printed once each

@@ -372,4 +372,9 @@ P2=$(free_port 1)
     && pass "port 65535 works for one rank" || { fail "port 65535"; tail -3 "$W/hi.log"; }
 "$TERA" config --logging.metrics_port=65536 > "$W/cfg.log" 2>&1 && fail "metrics_port 65536 accepted" \
     || { grep -q "metrics_port" "$W/cfg.log" && pass "metrics_port 65536 refused: $(head -1 "$W/cfg.log")" || fail "refusal message: $(cat "$W/cfg.log")"; }
+for v in -1 abc 1e-9; do
+    "$TERA" config --logging.peak_tflops=$v > "$W/peak.log" 2>&1 && fail "logging.peak_tflops = $v accepted" \
+        || { grep -q "logging.peak_tflops" "$W/peak.log" && [ "$(grep -c error "$W/peak.log")" = 1 ] \
+             && pass "logging.peak_tflops = $v refused: $(head -1 "$W/peak.log" | cut -c1-120)" || fail "peak_tflops $v: $(cat "$W/peak.log")"; }
+done
 finish cli_prometheus

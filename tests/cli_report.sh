@@ -72,7 +72,7 @@ rc=$?
 mkdir -p "$W/empty" && : > "$W/empty/metrics.jsonl" && echo keep > "$W/empty/report.html"
 "$TERA" report "$W/empty" > "$W/e2.log" 2>&1
 rc=$?
-[ $rc != 0 ] && grep -q "no step records" "$W/e2.log" && [ "$(cat "$W/empty/report.html")" = keep ] \
+[ $rc != 0 ] && grep -q "empty/metrics.jsonl has no step records" "$W/e2.log" && [ "$(cat "$W/empty/report.html")" = keep ] \
     && pass "no steps: exit $rc, the existing report untouched" || fail "empty run (exit $rc)"
 "$TERA" report > /dev/null 2>&1 && fail "no argument accepted" || pass "no argument: usage error"
 finish cli_report

@@ -129,12 +129,22 @@ runs show "$K" --json | jqe ".status == \"finished\" and .segments == 2 and .sum
 runs rm "$(id_of c3)" > rm.txt && [ "$(runs ls --json | grep -c "\"$W/c3\"")" = 0 ] && [ -d "$W/c3/checkpoints" ] \
     && pass "rm removes the record and keeps the run directory" || fail "rm"
 
-# 9. the git commit of the working tree the run starts in; logging.registry = "" writes nothing
-if git -C "$SRC" rev-parse HEAD > /dev/null 2>&1; then
-    (cd "$SRC" && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/g" --logging.registry="$REG" 2> "$W/g.log")
-    head=$(git -C "$SRC" rev-parse HEAD)
-    runs show "$(id_of g)" --json | jqe ".git_commit == \"$head\" and (.git_dirty == 0 or .git_dirty == 1)" > /dev/null \
-        && pass "git commit and dirty flag of the source tree" || fail "git: $(runs show "$(id_of g)" --json | jq -c '{git_commit, git_dirty}')"
+# 9. the git commit of the working tree the run starts in; logging.registry = "" writes nothing.
+# A scratch repository of the test's own: the source tree's HEAD moves whenever someone commits while
+# the test runs (a commit between the run's start and our rev-parse failed this check under load),
+# and its dirty flag is whatever the tree is; here both are known, so the flag is checked both ways.
+gitq() { git -C "$W/repo" -c user.name=tera -c user.email=tera@localhost -c commit.gpgsign=false "$@"; }
+if mkdir repo && gitq init -q && echo one > repo/tracked && gitq add tracked && gitq commit -q -m one \
+    && head=$(gitq rev-parse HEAD) && [ -n "$head" ]; then
+    (cd repo && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/g" --logging.registry="$REG" 2> "$W/g.log")
+    echo changed >> repo/tracked
+    (cd repo && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/gd" --logging.registry="$REG" 2> "$W/gd.log")
+    runs show "$(id_of g)" --json | jqe ".git_commit == \"$head\" and .git_dirty == 0" > /dev/null \
+        && runs show "$(id_of gd)" --json | jqe ".git_commit == \"$head\" and .git_dirty == 1" > /dev/null \
+        && pass "git commit and dirty flag of the work tree (clean, then a tracked file changed)" \
+        || fail "git: want $head: clean $(runs show "$(id_of g)" --json | jq -c '{git_commit, git_dirty}'), changed $(runs show "$(id_of gd)" --json | jq -c '{git_commit, git_dirty}')"
+else
+    echo "skip: no git to make a scratch repository (git commit and dirty flag not checked)"
 fi
 [ "$(runs show "$A" --json | jq -r .git_commit)" = null ] && pass "no git commit outside a work tree" || fail "git outside a tree"
 mkdir off && (cd off && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/off/r" --logging.registry= \

@@ -309,6 +309,48 @@ static void test_run_lock(void **state) {
     assert_false(exists(lockfile));
 }
 
+/* A sharded manifest the reader refuses after it has named a file (a piece short of its tensor, or
+ * a coordinate out of range): an error naming the tensor, no crash in the reader's clean-up (it
+ * used to close file descriptors it had not allocated yet). */
+static void test_sharded_manifest_refused(void **state) {
+    (void)state;
+    tera_config c;
+    tiny_cfg(&c, 2, 0);
+    tera_model m;
+    assert_int_equal(tera_model_create(&m, &c.model, 1, 4), TERA_OK);
+    const tera_param *p = &m.params[0];
+    assert_int_equal(p->ndim, 2);
+    char dir[400], path[500], text[1024];
+    snprintf(dir, sizeof dir, "%s/bad_sharded/step_00000002", g_dir);
+    assert_int_equal(tera_mkdirs(dir), TERA_OK);
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    static const char *const lo_len[] = {"[0, 0], \"len\": [1, %lld]", "[-5, 0], \"len\": [1, %lld]",
+                                         "[0, 0], \"len\": [1e300, %lld]"};
+    static const char *const want[] = {"hold", "malformed", "malformed"};
+    for (int k = 0; k < 3; k++) {
+        char piece[128];
+        snprintf(piece, sizeof piece, lo_len[k], (long long)p->shape[1]);
+        snprintf(text, sizeof text,
+                 "{\"format\": \"tera-checkpoint\", \"kind\": \"full\", \"sharded\": true, "
+                 "\"tensors\": [{\"name\": \"%s\", "
+                 "\"global_shape\": [%lld, %lld], \"pieces\": [{\"file\": \"rank-00000.safetensors\", \"lo\": %s}]}]}",
+                 p->name, (long long)p->shape[0], (long long)p->shape[1], piece);
+        /* every other tensor missing: the count check comes first, so pad the list to n_params */
+        char *full = malloc(strlen(text) + 64 * (size_t)m.n_params);
+        strcpy(full, text);
+        full[strlen(full) - 2] = 0; /* drop "]}" */
+        for (int i = 1; i < m.n_params; i++) strcat(full, ", {}");
+        strcat(full, "]}");
+        write_text(path, full);
+        free(full);
+        tera_ckpt_reader *r = NULL;
+        assert_int_not_equal(tera_ckpt_reader_open(&r, dir, &m), TERA_OK);
+        assert_non_null(strstr(tera_last_error(), p->name));
+        assert_non_null(strstr(tera_last_error(), want[k]));
+    }
+    tera_model_destroy(&m);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/tera-test-ckpt-XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -320,6 +362,7 @@ int main(void) {
         cmocka_unit_test(test_jsonl_repair),
         cmocka_unit_test(test_json_num),
         cmocka_unit_test(test_run_lock),
+        cmocka_unit_test(test_sharded_manifest_refused),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char cmd[400];

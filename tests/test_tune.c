@@ -50,6 +50,8 @@ static void test_errors(void **state) {
     expect_error("[space]\ntraining.lr = loguniform 0 0.1\n", "training.lr", "0 < LO");
     expect_error("[space]\nmodel.init_std = choice\n", "model.init_std", "empty range");
     expect_error("[space]\ntraining.warmup_steps = int 0 2.5\n", "training.warmup_steps", "not an integer");
+    /* a bound beyond 2^53 (was cast to int64 out of range: a nonsense value named in the error) */
+    expect_error("[space]\nmodel.n_layers = int 1 1e30\n", "1e30", "at most 2^53");
     expect_error("[space]\ntraining.warmup_steps = int -5 2\n", "training.warmup_steps", "-5");
     expect_error("[space]\nmodel.drop_policy = choice position nearest\n", "model.drop_policy", "nearest");
     expect_error("[study]\nsampler = grid\n[space]\ntraining.lr = uniform 0.001 0.01\n", "sampler", "grid");

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,7 +145,8 @@ static cJSON *read_manifest(const char *dir) {
 
 static int64_t manifest_int(const cJSON *j, const char *key, int64_t dflt) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(j, key);
-    return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
+    /* in range of int64 (a cast of 1e300 is undefined) */
+    return cJSON_IsNumber(it) && fabs(it->valuedouble) < 9.2e18 ? (int64_t)it->valuedouble : dflt;
 }
 
 static int cmp_info(const void *a, const void *b) {
@@ -203,8 +205,9 @@ tera_status tera_ckpt_list(const char *root, tera_ckpt_info **out, int *n_out) {
 
 /* ------------------------------------------------------------------------------ verify */
 
-static tera_status problem(FILE *report, tera_status first, tera_status s) {
+static tera_status problem(FILE *report, char *first_msg, tera_status first, tera_status s) {
     if (report) fprintf(report, "%s\n", tera_last_error());
+    if (first == TERA_OK) snprintf(first_msg, 1024, "%s", tera_last_error());
     return first != TERA_OK ? first : s;
 }
 
@@ -212,6 +215,7 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
     commit_t *c = malloc(sizeof *c);
     char path[4400];
     tera_status first = TERA_OK;
+    char first_msg[1024] = "";
     int64_t step;
     int tmp;
     char name[256];
@@ -219,16 +223,16 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
     if ((name[0] && name[strlen(name) - 1] == '/')) name[strlen(name) - 1] = 0;
     if (!parse_step_name(name, &step, &tmp) || tmp) {
         free(c);
-        return problem(report, first,
+        return problem(report, first_msg, first,
                        tera_fail(TERA_ERR_FORMAT, "%s: not a checkpoint directory name (step_NNNNNNNN)", dir));
     }
     if (!read_commit(dir, c)) {
         free(c);
-        return problem(report, first,
+        return problem(report, first_msg, first,
                        tera_fail(TERA_ERR_FORMAT, "%s/COMMIT: missing or malformed: the checkpoint is not committed", dir));
     }
     if (c->step != step)
-        first = problem(report, first,
+        first = problem(report, first_msg, first,
                         tera_fail(TERA_ERR_FORMAT, "%s/COMMIT: names step %" PRId64 ", the directory step %" PRId64,
                                   dir, c->step, step));
     int has_manifest = 0;
@@ -238,25 +242,26 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
         uint64_t h;
         int64_t sz;
         if (tera_ckpt_hash_file(path, &h, &sz) != TERA_OK) {
-            first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s: missing or unreadable", path));
+            first = problem(report, first_msg, first, tera_fail(TERA_ERR_FORMAT, "%s: missing or unreadable", path));
             continue;
         }
         if (sz != c->size[i])
-            first = problem(report, first,
+            first = problem(report, first_msg, first,
                             tera_fail(TERA_ERR_FORMAT, "%s: %s (%" PRId64 " bytes, COMMIT says %" PRId64 ")", path,
                                       sz < c->size[i] ? "truncated" : "size changed", sz, c->size[i]));
         else if (h != c->hash[i])
-            first = problem(report, first,
+            first = problem(report, first_msg, first,
                             tera_fail(TERA_ERR_FORMAT, "%s: contents differ from the checksum in COMMIT (xxh3 %016" PRIx64
                                       ", expected %016" PRIx64 ")", path, h, c->hash[i]));
     }
     if (!has_manifest) {
-        first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: not listed in COMMIT", dir));
+        first = problem(report, first_msg, first,
+                        tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: not listed in COMMIT", dir));
     } else {
         cJSON *m = read_manifest(dir);
         const cJSON *files = m ? cJSON_GetObjectItemCaseSensitive(m, "files") : NULL;
         if (!cJSON_IsObject(files)) {
-            first = problem(report, first, tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: malformed", dir));
+            first = problem(report, first_msg, first, tera_fail(TERA_ERR_FORMAT, "%s/manifest.json: malformed", dir));
         } else {
             const cJSON *f;
             cJSON_ArrayForEach(f, files) {
@@ -267,7 +272,7 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
                 char want[32] = "";
                 if (found >= 0) snprintf(want, sizeof want, "%016" PRIx64, c->hash[found]);
                 if (found < 0 || !cJSON_IsString(hx) || strcmp(hx->valuestring, want) != 0)
-                    first = problem(report, first,
+                    first = problem(report, first_msg, first,
                                     tera_fail(TERA_ERR_FORMAT, "%s/%s: manifest checksum disagrees with COMMIT", dir,
                                               f->string));
             }
@@ -276,7 +281,7 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
                 int64_t b = manifest_int(m, "base_step", -1);
                 snprintf(path, sizeof path, "%s/../step_%08" PRId64, dir, b);
                 if (b < 0 || !tera_ckpt_committed(path))
-                    first = problem(report, first,
+                    first = problem(report, first_msg, first,
                                     tera_fail(TERA_ERR_FORMAT, "%s: its base checkpoint step_%08" PRId64
                                               " is missing or not committed", dir, b));
             }
@@ -284,7 +289,9 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
         cJSON_Delete(m);
     }
     free(c);
-    if (first != TERA_OK) tera_fail(first, "%s: verification failed (see above)", dir);
+    /* with a report: a summary under its lines; without one: the first problem itself (the file at fault) */
+    if (first != TERA_OK)
+        report ? tera_fail(first, "%s: verification failed (see above)", dir) : tera_fail(first, "%s", first_msg);
     return first;
 }
 
@@ -393,9 +400,11 @@ static tera_status load_full(const char *dir, tera_model *m, float *ea, float *e
  * each piece a block [lo, lo + len) of the tensor, and the router bias from its own file. */
 static int json_dims(const cJSON *a, int ndim, int64_t *out, int64_t fill) {
     if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != ndim) return 0;
+    for (int d = 0; d < ndim; d++) { /* whole numbers in [0, 2^40]: no cast out of range, no product overflow */
+        const cJSON *x = cJSON_GetArrayItem(a, d);
+        if (!cJSON_IsNumber(x) || !(x->valuedouble >= 0 && x->valuedouble <= 1099511627776.0)) return 0;
+    }
     for (int d = 0; d < 3; d++) out[d] = d < ndim ? (int64_t)cJSON_GetArrayItem(a, d)->valuedouble : fill;
-    for (int d = 0; d < ndim; d++)
-        if (!cJSON_IsNumber(cJSON_GetArrayItem(a, d)) || out[d] < 0) return 0;
     return 1;
 }
 
@@ -788,7 +797,7 @@ void tera_ckpt_reader_close(tera_ckpt_reader *r) {
     }
     if (r->has_opt) tera_st_close(&r->opt);
     if (r->opt_fd >= 0) close(r->opt_fd);
-    for (int f = 0; f < r->n_files; f++) {
+    for (int f = 0; r->fds && f < r->n_files; f++) { /* fds and files: NULL when the pieces were refused */
         if (r->fds[f] >= 0) close(r->fds[f]);
         if (r->files[f].path[0]) tera_st_close(&r->files[f]);
     }

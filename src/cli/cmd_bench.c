@@ -1,5 +1,6 @@
 /* tera bench: median tokens/s and MFU of full training steps on a BENCH.md configuration,
  * with the sgemm peak of this machine measured in the same run. */
+#include <errno.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,17 +57,35 @@ static double cpu_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* --NAME S as an integer in [lo, hi] (atoi read "abc" as 0); 0, or 1 with the error set. */
+static int opt_int(const char *name, const char *s, int lo, int hi, int *out) {
+    char *end;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end || errno || v < lo || v > hi) {
+        tera_fail(TERA_ERR_ARG, "--%s '%s' is not an integer in %d..%d", name, s, lo, hi);
+        return 1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
 int tera_cmd_bench(int argc, char **argv) {
     tera_config cfg;
     static const char *const opts[] = {"steps", "warmup", "threads", "name", NULL};
     const char *val[4] = {NULL, NULL, NULL, NULL};
     if (tera_cli_parse(argc, argv, &cfg, NULL, NULL, opts, val)) return 1;
-    int steps = val[0] ? atoi(val[0]) : 10, warmup = val[1] ? atoi(val[1]) : 3;
-    if (val[2]) cfg.training.threads = atoi(val[2]);
-    if (steps < 1 || warmup < 0 || steps > 1000) {
-        tera_fail(TERA_ERR_ARG, "--steps must be in 1..1000 and --warmup >= 0");
+    int steps = 10, warmup = 3;
+    if ((val[0] && opt_int("steps", val[0], 1, 1000, &steps)) ||
+        (val[1] && opt_int("warmup", val[1], 0, 100000, &warmup)) ||
+        (val[2] && opt_int("threads", val[2], 0, 4096, &cfg.training.threads)))
         return tera_cli_error();
-    }
+    for (const char *c = val[3]; c && *c; c++) /* the name goes into the JSON line as it is */
+        if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20) {
+            tera_fail(TERA_ERR_ARG, "--name '%s': no quotes, backslashes or control characters (it is a JSON string)",
+                      val[3]);
+            return tera_cli_error();
+        }
     cfg.training.steps = steps + warmup;
     cfg.training.warmup_steps = 0;
     tera_trainer tr;

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
@@ -54,6 +55,12 @@ int tera_cmd_eval_task(int argc, char **argv) {
         }
     }
     FILE *f = fopen(val[1], "r");
+    struct stat sb; /* a directory opens, then reads as no line */
+    if (f && fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        fclose(f);
+        f = NULL;
+        errno = EISDIR;
+    }
     if (!f) {
         tera_fail(TERA_ERR_IO, "--task %s: %s", val[1], strerror(errno));
         return tera_cli_error();

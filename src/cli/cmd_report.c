@@ -352,11 +352,11 @@ int tera_cmd_report(int argc, char **argv) {
         usage_error("report: RUN_DIR is missing");
         return 2;
     }
-    char path[TERA_PATH_MAX + 64], def_out[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 80];
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+    char path[TERA_PATH_MAX + 64], mpath[TERA_PATH_MAX + 64], def_out[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 80];
+    snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", dir);
     run R;
     memset(&R, 0, sizeof R);
-    if (read_metrics(path, &R) != TERA_OK) return tera_cli_error();
+    if (read_metrics(mpath, &R) != TERA_OK) return tera_cli_error();
     snprintf(path, sizeof path, "%s/config.ini", dir);
     FILE *ci = fopen(path, "r");
     if (ci) { /* the heatmap's layer numbers */
@@ -374,7 +374,7 @@ int tera_cmd_report(int argc, char **argv) {
     int steps = 0;
     for (int i = 0; i < R.n; i++) steps += R.r[i].has_step;
     if (steps == 0) {
-        fprintf(stderr, "tera: error: %s has no step records: nothing to report\n", path);
+        fprintf(stderr, "tera: error: %s has no step records: nothing to report\n", mpath);
         free(R.r);
         free(R.ev);
         return 1;

@@ -183,6 +183,10 @@ static int where_sql(sqlite3 *db, const char *w, char *sql, size_t cap, char key
     char *end;
     (void)strtod(v, &end);
     const int is_num = *v && *end == '\0';
+    if ((o[0] == '<' || o[0] == '>') && !is_num) { /* atof would compare with 0 */
+        tera_fail(TERA_ERR_ARG, "--where '%s': %s compares numbers; '%s' is not one", w, o, v);
+        return tera_cli_error();
+    }
     const int numeric = o[0] == '<' || o[0] == '>' || is_num; /* 2e-3 matches 0.002 */
     numeric_out[i] = numeric;
     const char *k = keys[i];

@@ -2,10 +2,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "tera/ckpt.h"
 #include "tera/comm.h"
 #include "tera/hf.h"
 #include "tera/io.h"
@@ -206,6 +208,22 @@ int tera_cmd_eval(int argc, char **argv) {
     if (!from) {
         tera_fail(TERA_ERR_ARG, "eval needs --from DIR (a Hugging Face directory or a checkpoint)");
         return tera_cli_error();
+    }
+    /* a run directory (RUN/checkpoints, no manifest or config.json of its own): its newest committed
+     * checkpoint that verifies, as tera generate takes it */
+    char latest[TERA_PATH_MAX], probe[TERA_PATH_MAX + 32];
+    struct stat sb;
+    snprintf(probe, sizeof probe, "%s/checkpoints", from);
+    const int run_dir = stat(probe, &sb) == 0 && S_ISDIR(sb.st_mode);
+    snprintf(probe, sizeof probe, "%s/manifest.json", from);
+    const int has_manifest = stat(probe, &sb) == 0;
+    snprintf(probe, sizeof probe, "%s/config.json", from);
+    if (run_dir && !has_manifest && stat(probe, &sb) != 0) {
+        if (tera_ckpt_find_latest(from, latest, sizeof latest) != TERA_OK) {
+            tera_fail(TERA_ERR_IO, "--from %s: the run directory has no committed checkpoint that verifies", from);
+            return tera_cli_error();
+        }
+        from = latest;
     }
     snprintf(cfg.training.init_from, sizeof cfg.training.init_from, "%s", from);
     /* fp32 unless this command line says otherwise (a run's config file may say auto or bf16) */

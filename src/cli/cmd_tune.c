@@ -770,8 +770,17 @@ int tera_cmd_tune(int argc, char **argv) {
         else if (!strcmp(a, "--study") && has) study_name = argv[++i];
         else if (!strcmp(a, "--registry") && has) registry = argv[++i];
         else if (!strcmp(a, "--dir") && has) dir = argv[++i];
-        else if (!strcmp(a, "--trials") && has) trials = atoi(argv[++i]);
-        else if (!strcmp(a, "--parallel") && has) parallel = atoi(argv[++i]);
+        else if ((!strcmp(a, "--trials") || !strcmp(a, "--parallel")) && has) {
+            /* the ranges of [study] trials and parallel (a bad number was ignored for the file's) */
+            const int is_trials = a[2] == 't', hi = is_trials ? 100000 : 256;
+            char *end;
+            const long v = strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end || v < 1 || v > hi) {
+                tera_fail(TERA_ERR_ARG, "tera tune: %s '%s': expected an integer in [1, %d]", a, argv[i], hi);
+                return tera_cli_error();
+            }
+            *(is_trials ? &trials : &parallel) = (int)v;
+        }
         else if (!strcmp(a, "--fresh")) fresh = 1;
         else {
             tera_fail(TERA_ERR_ARG, "tera tune: unexpected argument '%s' (tera tune --help)", a);

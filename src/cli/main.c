@@ -20,8 +20,8 @@ static const usage_row g_usage[] = {
      "train a model; --force overwrites logging.run_dir, --resume continues it from its newest checkpoint;\n"
      "--dry-run prints the memory of every rank of the layout without allocating it (tera plan --dry-run)"},
     {"eval", NULL, "eval --from DIR [-c FILE] [--section.key=value ...]",
-     "validation loss of a Hugging Face directory or checkpoint, as one JSON line; runs in fp32 unless\n"
-     "--training.precision is given on the command line"},
+     "validation loss of a Hugging Face directory, a checkpoint or a run directory (its newest checkpoint),\n"
+     "as one JSON line; runs in fp32 unless --training.precision is given on the command line"},
     {"eval", NULL, "eval --from DIR --task FILE.jsonl [--tokenizer DIR|bytes] [--scores FILE] [--limit N]",
      "multiple-choice / cloze accuracy: each line {context, choices, label}; acc by summed log-likelihood,\n"
      "acc_norm per byte of the choice, as one JSON line; docs/GENERATE.md"},

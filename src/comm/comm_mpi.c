@@ -435,9 +435,13 @@ static void mpi_print_error(const char *msg) {
         return;
     }
     const int n = g_size;
+    /* messages that refer to another rank's own message are left to that rank */
+    const int defers = strstr(msg, "another rank") || strstr(msg, "rank 0's message") || strstr(msg, "on rank 0");
     if (g_rank == 0) {
-        fprintf(stderr, "tera: error: %s\n", msg);
-        fflush(stderr);
+        if (!defers) { /* a deferring one: printed below only if no other rank takes the message (and prints its own) */
+            fprintf(stderr, "tera: error: %s\n", msg);
+            fflush(stderr);
+        }
         const int len = (int)strnlen(msg, 4095) + 1;
         MPI_Request *rq = tera_calloc((size_t)n, sizeof *rq);
         for (int p = 1; p < n; p++) MPI_CHECK(MPI_Issend(msg, len, MPI_CHAR, p, TAG_E, g_side, &rq[p]));
@@ -450,6 +454,7 @@ static void mpi_print_error(const char *msg) {
         }
         free(rq);
         if (alone) { /* a rank without this error waits for rank 0 in a collective */
+            if (defers) fprintf(stderr, "tera: error: %s\n", msg);
             fprintf(stderr, "tera: the other ranks did not fail alike: stopping every rank\n");
             fflush(stderr);
             MPI_Abort(MPI_COMM_WORLD, 1);
@@ -466,8 +471,6 @@ static void mpi_print_error(const char *msg) {
         MPI_Cancel(&rq);
         MPI_Wait(&rq, MPI_STATUS_IGNORE);
     }
-    /* messages that refer to another rank's own message are left to that rank */
-    const int defers = strstr(msg, "another rank") || strstr(msg, "rank 0's message") || strstr(msg, "on rank 0");
     if (!defers && (!done || strncmp(root, msg, 4095) != 0)) {
         fprintf(stderr, "tera: error (rank %d): %s\n", g_rank, msg);
         fflush(stderr);

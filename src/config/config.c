@@ -1054,6 +1054,10 @@ tera_status tera_config_finalize(tera_config *c) {
     tera_model_config_derive(m);
 
     /* Cross-field checks (per-key ranges, e.g. every size >= 1, are in the table). */
+    CONFIG__REQUIRE(c->logging.peak_tflops == 0.0f || c->logging.peak_tflops >= 1e-6f,
+                    "logging.peak_tflops = %g is below 1e-6 TFLOP/s (1 MFLOP/s): give one rank's peak in TFLOP/s "
+                    "(e.g. 0.4 for two CPU cores in fp32, 989 for an H100 SXM in bf16), or 0 for no MFU",
+                    (double)c->logging.peak_tflops);
     CONFIG__REQUIRE(m->dim % m->n_heads == 0,
                     "model.dim (%d) must be divisible by model.n_heads (%d)", m->dim, m->n_heads);
     CONFIG__REQUIRE((m->dim / m->n_heads) % 2 == 0,

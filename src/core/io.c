@@ -26,6 +26,9 @@ tera_status tera_mkdirs(const char *dir) {
         *s = c;
         if (c == '\0') break;
     }
+    struct stat sb; /* EEXIST: a file of that name is no directory */
+    if (stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return tera_fail(TERA_ERR_IO, "%s: exists and is not a directory", p);
     return TERA_OK;
 }
 

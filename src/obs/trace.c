@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <threads.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,6 +45,7 @@ static struct {
     int64_t origin_ns;      /* this rank's CLOCK_MONOTONIC at start */
     double closed_at;       /* tera_now() when the window closed (0: open or not reached) */
     volatile int finished;  /* tera_trace_finish ran: nothing more is recorded (the ring stays until stop) */
+    int entered;            /* a step of the window began */
 } g;
 
 static thread_local int t_is_compute; /* the thread that started the trace: collectives drawn from it only */
@@ -79,6 +81,10 @@ tera_status tera_trace_start(const tera_logging_config *lc, int n_layers, int wo
     int64_t cap = per_step * count * 4;
     if (cap > ((int64_t)1 << 22)) cap = (int64_t)1 << 22; /* 4 Mi events (~250 MiB) at most; then dropped */
     { /* a path that cannot be written is found now, not at the end of the run */
+        struct stat sb;
+        if (stat(lc->trace, &sb) == 0 && S_ISDIR(sb.st_mode))
+            return tera_fail(TERA_ERR_IO, "logging.trace = \"%s\" is a directory; give the trace file's path",
+                             lc->trace);
         char probe[TERA_PATH_MAX + 32];
         snprintf(probe, sizeof probe, "%s.part-%d", lc->trace, world_rank);
         FILE *f = fopen(probe, "w");
@@ -94,6 +100,7 @@ tera_status tera_trace_start(const tera_logging_config *lc, int n_layers, int wo
     atomic_store(&g.next, 0);
     g.origin_ns = to_ns(tera_now());
     g.step = -1;
+    g.entered = 0;
     g.on = 1;
     t_is_compute = 1;
     return TERA_OK;
@@ -104,6 +111,7 @@ void tera_trace_step_begin(int64_t step) {
     g.step = step;
     const int was = tera_trace_active;
     tera_trace_active = step >= g.first && step < g.first + g.count;
+    g.entered |= tera_trace_active;
     if (was && !tera_trace_active) g.closed_at = tera_now();
 }
 
@@ -268,6 +276,10 @@ tera_status tera_trace_finish(tera_comm *world) {
         unlink(part);
         if (st == TERA_OK) st = tera_fail(TERA_ERR_IO, "logging.trace: another rank could not write its part");
     }
+    if (st == TERA_OK && g.rank == 0 && !g.entered)
+        fprintf(stderr, "tera: warning: logging.trace_steps: no step of the window [%" PRId64 ", %" PRId64
+                ") ran (the last step run was %" PRId64 "); '%s' holds no steps\n", g.first, g.first + g.count, g.step,
+                g.path);
     if (dropped > 0 && st == TERA_OK)
         fprintf(stderr, "tera: warning: logging.trace: rank %d dropped %" PRId64 " events (ring of %" PRId64
                 " full); shorten logging.trace_steps\n", g.rank, dropped, g.cap);

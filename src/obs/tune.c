@@ -166,9 +166,9 @@ static tera_status space_key(parse_ctx *c, const char *name, const char *value) 
             double v;
             if (!parse_double(words[i], &v))
                 return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' is not a number", c->path, name, words[i]);
-            if (p->dist == TERA_DIST_INT && v != floor(v))
-                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' of an int range is not an integer", c->path,
-                                 name, words[i]);
+            if (p->dist == TERA_DIST_INT && (v != floor(v) || fabs(v) > 9007199254740992.0)) /* 2^53: exact, castable */
+                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' of an int range is not an integer of at "
+                                 "most 2^53 in magnitude", c->path, name, words[i]);
             *(i == 1 ? &p->lo : &p->hi) = v;
         }
         if (!(p->lo < p->hi))

@@ -28,6 +28,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "plan_internal.h"
 #include "tera/compress.h"
@@ -220,6 +221,11 @@ tera_status tera_hw_load(tera_hw *hw, const char *path) {
     hw_ctx c = {.hw = hw, .path = path};
     FILE *f = fopen(path, "r");
     if (!f) return tera_fail(TERA_ERR_IO, "cannot open hardware description '%s': %s", path, strerror(errno));
+    struct stat sb; /* a directory opens, then reads as an empty file */
+    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        fclose(f);
+        return tera_fail(TERA_ERR_IO, "cannot read hardware description '%s': %s", path, strerror(EISDIR));
+    }
     const int rc = ini_parse_file(f, hw_handler, &c);
     fclose(f);
     if (rc > 0)
