@@ -62,6 +62,10 @@ void tera_registry_tokenizer_fp(const char *data_path, char *fp, size_t cap);
 typedef struct tera_track tera_track;
 tera_track *tera_track_start(const tera_config *cfg, int argc, char **argv, int64_t start_step, int world);
 void tera_track_end(tera_track *t, const char *status, const char *error);
+/* Called by tera train before it starts any thread: SIGINT and SIGTERM are blocked in the caller, so
+ * in every thread it starts, and land on a thread of their own (and the tracker's), never on one
+ * inside a oneDNN kernel (src/obs/registry.c says why). Their actions are unchanged. */
+void tera_track_signals_init(void);
 /* The run id the tracker registered ("" when the registry is off). */
 const char *tera_track_id(const tera_track *t);
 

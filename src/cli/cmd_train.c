@@ -96,6 +96,7 @@ static tera_status lock_run_dir(tera_run_lock *lock, const char *run_dir) {
 static int train_main(int argc, char **argv, tera_run_lock *lock);
 
 int tera_cmd_train(int argc, char **argv) {
+    tera_track_signals_init(); /* before any thread of the run */
     tera_run_lock lock = {.fd = -1};
     const int rc = train_main(argc, argv, &lock);
     tera_run_lock_release(&lock);

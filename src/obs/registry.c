@@ -302,6 +302,42 @@ static struct sigaction g_old_int, g_old_term;
 
 static void on_signal(int sig) { g_track_signal = sig; }
 
+/* SIGINT and SIGTERM of tera train land on a thread that only waits for them. A handled signal is
+ * delivered on any thread that does not block it, and the kernel pushes its frame (~3 KiB with the
+ * AVX-512 state) below that thread's stack pointer; oneDNN's JIT sgemm kernels (libdnnl before 3.11,
+ * uxlfoundation/oneDNN#4845) run with rsp pointing into a heap workspace, so a frame pushed there
+ * overwrites the heap ("corrupted size vs. prev_size", a segfault later). Every thread the run starts
+ * inherits the block; this one and the tracker's unblock them. */
+static void signal_set(sigset_t *s) {
+    sigemptyset(s);
+    sigaddset(s, SIGINT);
+    sigaddset(s, SIGTERM);
+}
+
+static void *signal_pad(void *arg) {
+    (void)arg;
+    sigset_t s;
+    signal_set(&s);
+    pthread_sigmask(SIG_UNBLOCK, &s, NULL);
+    for (;;) pause(); /* the handler (or the default action) runs here */
+    return NULL;
+}
+
+void tera_track_signals_init(void) {
+    static int done;
+    if (done) return;
+    done = 1;
+    sigset_t s, old;
+    signal_set(&s);
+    pthread_sigmask(SIG_BLOCK, &s, &old);
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &at, signal_pad, NULL) != 0) pthread_sigmask(SIG_SETMASK, &old, NULL); /* as before */
+    pthread_attr_destroy(&at);
+}
+
 /* Streams the complete new lines of metrics.jsonl to MLflow (every number but "step"). */
 static void stream_metrics(tera_track *t) {
     int64_t size;
@@ -350,6 +386,9 @@ static void mark_killed(tera_track *t, int sig) {
 
 static void *track_thread(void *arg) {
     tera_track *t = arg;
+    sigset_t sigs;
+    signal_set(&sigs);
+    pthread_sigmask(SIG_UNBLOCK, &sigs, NULL); /* a landing place too, and raise() below reaches this thread */
     double last_hb = tera_registry_now(), last_ml = last_hb;
     pthread_mutex_lock(&t->mu);
     while (!t->stop) {
@@ -388,7 +427,11 @@ static void *track_thread(void *arg) {
 /* Output of a shell command's first line (""/0 when it fails). */
 static int first_line(const char *cmd, char *out, size_t cap) {
     out[0] = '\0';
+    sigset_t s, old; /* the shell and git do not inherit tera train's blocked SIGINT/SIGTERM */
+    signal_set(&s);
+    pthread_sigmask(SIG_UNBLOCK, &s, &old);
     FILE *p = popen(cmd, "r");
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (!p) return 0;
     if (!fgets(out, (int)cap, p)) out[0] = '\0';
     while (fgetc(p) != EOF) {}
@@ -610,10 +653,18 @@ tera_track *tera_track_start(const tera_config *cfg, int argc, char **argv, int6
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &g_old_int);
-    sigaction(SIGTERM, &sa, &g_old_term);
+    /* a signal ignored when the run started (nohup, SIGINT of a background job) stays ignored */
+    sigaction(SIGINT, NULL, &g_old_int);
+    sigaction(SIGTERM, NULL, &g_old_term);
+    if (g_old_int.sa_handler != SIG_IGN) sigaction(SIGINT, &sa, NULL);
+    if (g_old_term.sa_handler != SIG_IGN) sigaction(SIGTERM, &sa, NULL);
     t->thread_on = pthread_create(&t->thread, NULL, track_thread, t) == 0;
+    if (!t->thread_on) { /* nobody would act on a caught signal */
+        sigaction(SIGINT, &g_old_int, NULL);
+        sigaction(SIGTERM, &g_old_term, NULL);
+    }
     if (t->reg) fprintf(stderr, "tera: registry %s: run %s\n", lg->registry, t->id);
     if (t->ml) fprintf(stderr, "tera: MLflow %s: run %s\n", lg->mlflow_uri, tera_mlflow_run_id(t->ml));
     return t;
@@ -628,9 +679,13 @@ void tera_track_end(tera_track *t, const char *status, const char *error) {
         pthread_mutex_unlock(&t->mu);
         pthread_join(t->thread, NULL);
     }
-    sigaction(SIGINT, &g_old_int, NULL);
-    sigaction(SIGTERM, &g_old_term, NULL);
-    if (!t->ended) {
+    /* a signal caught after the tracker's last look (or during the final write below) is recorded,
+     * and the process ends by it at the end: as without a tracker */
+    const int caught = t->thread_on && !t->ended; /* our handler is installed and nobody acted on it */
+    int sig = caught ? g_track_signal : 0;
+    if (sig) {
+        mark_killed(t, sig);
+    } else if (!t->ended) {
         char *summary = tera_metrics_summary(t->metrics);
         char *ckpts = list_checkpoints(t->run_dir);
         if (t->reg &&
@@ -649,8 +704,18 @@ void tera_track_end(tera_track *t, const char *status, const char *error) {
         free(summary);
         free(ckpts);
     }
+    sigaction(SIGINT, &g_old_int, NULL);
+    sigaction(SIGTERM, &g_old_term, NULL);
+    if (caught && !sig && (sig = g_track_signal) != 0) mark_killed(t, sig);
     tera_registry_close(t->reg);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     free(t);
+    if (sig) {
+        sigset_t s;
+        sigemptyset(&s);
+        sigaddset(&s, sig);
+        pthread_sigmask(SIG_UNBLOCK, &s, NULL);
+        raise(sig); /* the action the process had before the tracker */
+    }
 }
