@@ -326,6 +326,7 @@ static void test_mpi_backend(void **state) {
     if (!tu_mpirun_ready()) return;
     tu_mpirun_self(3, "");
     tu_mpirun_self(3, "TERA_COMM_SHM=0 "); /* MPI's collectives for the large sums too */
+    tu_mpirun_self(3, "TERA_COMM_SHM_FLOATS=12288 "); /* slots of 4 Ki floats a rank: every large op in many chunks */
     tu_mpirun_self(2, "");
     tu_mpirun_self(4, ""); /* rank order shows from three terms on */
 }

@@ -7,6 +7,7 @@
 #include "tera/status.h"
 
 #define CTRL_BYTES 128 /* per rank: arrive (offset 0) and done (offset 64) counters, own cache lines */
+#define SET_FLOATS ((int64_t)1 << 21) /* floats in one set of slots, all ranks together (comm_shm.h) */
 
 struct tera_shm {
     MPI_Win win;
@@ -55,9 +56,10 @@ tera_shm *tera_shm_create(MPI_Comm comm) {
     int ok = nsize == size;
     MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm);
     if (!ok) return NULL;
-    /* slots of 1 MiB per set in all (128 Ki floats a rank on two ranks): a chunk's copies and sums
-     * stay in cache; at least 4 Ki floats a rank */
-    int64_t ch = ((int64_t)1 << 18) / size;
+    /* slots of 8 MiB per set in all (1 Mi floats a rank on two ranks; TERA_COMM_SHM_FLOATS=N floats
+     * instead, the same on every rank), at least 4 Ki floats a rank */
+    const char *fe = getenv("TERA_COMM_SHM_FLOATS");
+    int64_t ch = (fe && atoll(fe) > 0 ? atoll(fe) : SET_FLOATS) / size;
     ch = ch < 4096 ? 4096 : ch & ~(int64_t)63;
     const MPI_Aint bytes = rank == 0 ? (MPI_Aint)((size_t)size * CTRL_BYTES + sizeof(float) * 2 * (size_t)size * (size_t)ch) : 0;
     void *base = NULL;
