@@ -78,7 +78,7 @@ static void ops_bench(const tera_config *cfg, int rounds) {
             default:
                 tera_cpu_producer_bf16(hb->impl, k == HDP);
                 hb->ops.ce_fused(hb, d, lse, tl, logits, tg, N, V, 0.5f);
-                hb->ops.linear_backward(hb, hdx, hdw, d, hx, hw, N, D, V, 0.0f);
+                hb->ops.linear_backward(hb, hdx, hdw, d, hx, hw, N, D, V, 0.0f, 1.0f);
             }
             if (r >= 0) t[k][r] = 1e3 * (tera_now() - t0);
         }

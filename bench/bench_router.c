@@ -133,7 +133,7 @@ int main(int argc, char **argv) {
             tera_moe_router_backward(be, dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel, B, T, E, K, &r[v],
                                      1e-2f / (float)B, 1e-3f / (float)N);
             ph[PH_BWD] = tera_now() - t0, t0 = tera_now();
-            tera_linear_backward_fp32(dx, dgate, dlogits, x, gate, N, D, E, 0.0f);
+            tera_linear_backward_fp32(dx, dgate, dlogits, x, gate, N, D, E, 0.0f, 1.0f);
             ph[PH_GATE_BWD] = tera_now() - t0;
             if (!(st.aux > 0.0) || !isfinite(st.z)) {
                 fprintf(stderr, "bench_router: bad statistics\n");

@@ -58,9 +58,9 @@ static void test_multi_same_bits(void **state) {
                 memcpy(dw2[i], dw1[i], sizeof(float) * (size_t)(out[i] * in));
             }
             for (int i = 0; i < NP; i++)
-                be->ops.linear_backward(be, dx1, dw1[i], dy[i], x, w[i], N, in, out[i], i == 0 ? (float)beta : 1.0f);
+                be->ops.linear_backward(be, dx1, dw1[i], dy[i], x, w[i], N, in, out[i], i == 0 ? (float)beta : 1.0f, 1.0f);
             tera_linear_backward_multi(be, NP, dx2, dw2, (const float *const *)dy, x, (const float *const *)w, out, N,
-                                       in, (float)beta);
+                                       in, (float)beta, 1.0f);
             assert_same("backward multi dx", dx2, dx1, N * in);
             for (int i = 0; i < NP; i++) assert_same("backward multi dw", dw2[i], dw1[i], out[i] * in);
         }
@@ -107,10 +107,10 @@ static void test_shadow_window(void **state) {
         const float *w = buf + (t == 0 ? off1 : off2);
         tera_backend_weights_begin(sb, 1);
         sb->ops.linear_forward(sb, ya, x, w, N, in, out, 0.0f);
-        sb->ops.linear_backward(sb, dxa, dwa, dy, x, w, N, in, out, 0.0f);
+        sb->ops.linear_backward(sb, dxa, dwa, dy, x, w, N, in, out, 0.0f, 1.0f);
         tera_backend_weights_end(sb);
         ref->ops.linear_forward(ref, yb, x, w, N, in, out, 0.0f);
-        ref->ops.linear_backward(ref, dxb, dwb, dy, x, w, N, in, out, 0.0f);
+        ref->ops.linear_backward(ref, dxb, dwb, dy, x, w, N, in, out, 0.0f, 1.0f);
         assert_same("shadow forward", ya, yb, N * out);
         assert_same("shadow backward dx", dxa, dxb, N * in);
         assert_same("shadow backward dw", dwa, dwb, out * in);

@@ -109,12 +109,12 @@ static void linear_case(tera_precision p, double tol) {
             float *DX = i ? dx.d : dx.h, *DW = i ? dw.d : dw.h;
             if (fp32) {
                 be->ops.linear_forward_fp32(be, Y, X, W, N, in, out, 1.0f);
-                be->ops.linear_backward_fp32(be, DX, DW, DY, X, W, N, in, out, 1.0f);
+                be->ops.linear_backward_fp32(be, DX, DW, DY, X, W, N, in, out, 1.0f, 1.0f);
             } else {
                 be->ops.linear_forward(be, Y, X, W, N, in, out, 0.0f);
-                be->ops.linear_backward(be, DX, DW, DY, X, W, N, in, out, 0.0f);
-                be->ops.linear_backward(be, NULL, DW, DY, X, W, N, in, out, 0.0f);
-                be->ops.linear_backward(be, DX, NULL, DY, X, W, N, in, out, 1.0f);
+                be->ops.linear_backward(be, DX, DW, DY, X, W, N, in, out, 0.0f, 1.0f);
+                be->ops.linear_backward(be, NULL, DW, DY, X, W, N, in, out, 0.0f, 1.0f);
+                be->ops.linear_backward(be, DX, NULL, DY, X, W, N, in, out, 1.0f, 1.0f);
             }
         }
         char name[96];
@@ -124,6 +124,22 @@ static void linear_case(tera_precision p, double tol) {
         check(name, &dx, fp32 ? TOL : tol);
         snprintf(name, sizeof name, "linear %s%s dw", tera_precision_name(p), fp32 ? " (fp32 op)" : "");
         check(name, &dw, fp32 ? TOL : tol);
+        /* dw_beta 0: dw stored without reading the NaN there (a step's first micro-batch), also for an
+         * empty product (N = 0: zeros) */
+        for (int n0 = 0; n0 < 2; n0++) {
+            for (int i = 0; i < 2; i++) {
+                tera_backend *be = bs[i];
+                float *X = i ? x.d : x.h, *W = i ? w.d : w.h, *DY = i ? dy.d : dy.h, *DW = i ? dw.d : dw.h;
+                for (int64_t k = 0; k < dw.n; k++) dw.h[k] = NAN;
+                if (i) tera_cuda_copy(dw.d, dw.h, sizeof(float) * (size_t)dw.n);
+                const int64_t rows = n0 ? 0 : N;
+                if (fp32) be->ops.linear_backward_fp32(be, NULL, DW, DY, X, W, rows, in, out, 0.0f, 0.0f);
+                else be->ops.linear_backward(be, NULL, DW, DY, X, W, rows, in, out, 0.0f, 0.0f);
+            }
+            snprintf(name, sizeof name, "linear %s%s dw stored%s", tera_precision_name(p), fp32 ? " (fp32 op)" : "",
+                     n0 ? " (no rows)" : "");
+            check(name, &dw, fp32 ? TOL : tol);
+        }
     }
     rel(&x), rel(&w), rel(&y), rel(&dy), rel(&dx), rel(&dw);
     tera_backend_set_precision(g_cpu, TERA_PREC_FP32, TERA_BF16_NATIVE);

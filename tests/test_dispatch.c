@@ -237,7 +237,7 @@ static int64_t run_chain(fixture *f, const float *x, const float *res, const int
     tera_dispatch_combine_forward(f->d, o->out, &f->t, topw);
     memcpy(o->ye, f->t.ye, sizeof(float) * (size_t)(f->t.exp_off[E] * D));
     tera_dispatch_combine_backward(f->d, o->dtopw, dy, &f->t, topw);
-    tera_dispatch_experts_backward(f->d, &f->t, &f->W, &f->G, 0, f->da1, f->da3, f->dg);
+    tera_dispatch_experts_backward(f->d, &f->t, &f->W, &f->G, 0, f->da1, f->da3, f->dg, 1.0f);
     memset(o->dx, 0, sizeof(float) * (size_t)(N * D));
     tera_dispatch_permute_backward(f->d, o->dx, &f->t);
     memcpy(o->g1, f->g1, sizeof(float) * (size_t)(E * F * D));

@@ -114,7 +114,8 @@ static void run_layer(layer *f, int threads, result *r) {
     memcpy(r->ye, f->t.ye, sizeof(float) * (size_t)(f->t.exp_off[f->E] * D));
     tera_dispatch_combine_backward(f->d, r->dtopw, f->dy, &f->t, f->topw);
     tera_dispatch_experts_backward(f->d, &f->t, &(tera_layer_view){.w1 = f->w1, .w3 = f->w3, .w2 = f->w2},
-                                   &(tera_layer_view){.w1 = f->g1, .w3 = f->g3, .w2 = f->g2}, 0, f->da1, f->da3, f->dg);
+                                   &(tera_layer_view){.w1 = f->g1, .w3 = f->g3, .w2 = f->g2}, 0, f->da1, f->da3, f->dg,
+                                   1.0f);
     memset(r->dx, 0, sizeof(float) * (size_t)(N * D));
     tera_dispatch_permute_backward(f->d, r->dx, &f->t);
     memcpy(r->g1, f->g1, sizeof(float) * (size_t)W), memcpy(r->g3, f->g3, sizeof(float) * (size_t)W);
@@ -144,10 +145,10 @@ static void check_by_hand(layer *f, const result *r) {
         BE->ops.linear_forward(BE, a3 + r0 * F, x, w3, n, D, F, 0.0f);
         BE->ops.swiglu_forward(BE, g + r0 * F, a1 + r0 * F, a3 + r0 * F, n * F);
         BE->ops.linear_forward(BE, ye + r0 * D, g + r0 * F, w2, n, F, D, 0.0f);
-        BE->ops.linear_backward(BE, dg + r0 * F, g2 + e * D * F, dye + r0 * D, g + r0 * F, w2, n, F, D, 0.0f);
+        BE->ops.linear_backward(BE, dg + r0 * F, g2 + e * D * F, dye + r0 * D, g + r0 * F, w2, n, F, D, 0.0f, 1.0f);
         BE->ops.swiglu_backward(BE, da1 + r0 * F, da3 + r0 * F, dg + r0 * F, a1 + r0 * F, a3 + r0 * F, n * F);
-        BE->ops.linear_backward(BE, dxg + r0 * D, g1 + e * F * D, da1 + r0 * F, x, w1, n, D, F, 0.0f);
-        BE->ops.linear_backward(BE, dxg + r0 * D, g3 + e * F * D, da3 + r0 * F, x, w3, n, D, F, 1.0f);
+        BE->ops.linear_backward(BE, dxg + r0 * D, g1 + e * F * D, da1 + r0 * F, x, w1, n, D, F, 0.0f, 1.0f);
+        BE->ops.linear_backward(BE, dxg + r0 * D, g3 + e * F * D, da3 + r0 * F, x, w3, n, D, F, 1.0f, 1.0f);
     }
     tera_set_threads(2);
     assert_same("ye: the experts one by one", r->ye, ye, R * D);

@@ -135,7 +135,7 @@ static void test_linear(void **state) {
             for (int i = 0; i < IN; i++) s += (double)x[n * IN + i] * w[o * IN + i];
             assert_true(fabs(y[n * OUT + o] - s) < 1e-5);
         }
-    tera_linear_backward_fp32(dx, dw, R, x, w, N, IN, OUT, 0.0f);
+    tera_linear_backward_fp32(dx, dw, R, x, w, N, IN, OUT, 0.0f, 1.0f);
     fd_check("linear dx", x, N * IN, dx, lin_loss, &c);
     fd_check("linear dw", w, OUT * IN, dw, lin_loss, &c);
 }

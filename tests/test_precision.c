@@ -144,11 +144,11 @@ static void test_bf16_fma_is_rounded_fp32(void **state) {
     tera_backend_set_precision(be, be->precision, TERA_BF16_FMA);
     tera_backend_reserve(be, 1 << 16, 1 << 16);
     be->ops.linear_forward(be, y, x, w, N, IN, OUT, 0.0f);
-    be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+    be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f, 1.0f);
     tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
     tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
     be->ops.linear_forward(be, y2, xr, wr, N, IN, OUT, 0.0f);
-    be->ops.linear_backward(be, dx2, dw2, dyr, xr, wr, N, IN, OUT, 0.0f);
+    be->ops.linear_backward(be, dx2, dw2, dyr, xr, wr, N, IN, OUT, 0.0f, 1.0f);
     assert_memory_equal(y, y2, sizeof(float) * N * OUT);
     assert_memory_equal(dx, dx2, sizeof(float) * N * IN);
     assert_memory_equal(dw, dw2, sizeof(float) * OUT * IN);
@@ -173,7 +173,7 @@ static void test_backward_bounds(void **state) {
         tera_backend_reserve(be, 1 << 16, 1 << 16);
         for (int i = 0; i < OUT * IN; i++) dw[i] = 1.0f;
         tera_backend_set_precision(be, p, be->bf16_gemm);
-        be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f);
+        be->ops.linear_backward(be, dx, dw, dy, x, w, N, IN, OUT, 0.0f, 1.0f);
         tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
         /* dx[n,i] = sum_o dy[n,o] w[o,i]: as a forward of dy against w^T */
         float wt[IN * OUT], dyt[OUT * N], xt[IN * N];
@@ -189,6 +189,56 @@ static void test_backward_bounds(void **state) {
         for (int i = 0; i < N * IN; i++) assert_true(fabs(dx[i] - rdx[i]) <= OUT * ldexp(1.0, -23) * 20 + 1e-6);
         for (int i = 0; i < OUT * IN; i++) assert_true(fabs(dw[i] - (1.0 + rdw[i])) <= N * ldexp(1.0, -23) * 20 + 1e-6);
         be_fresh();
+    }
+    tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
+}
+
+/* dw_beta 0 stores the weight gradient without reading what was there (NaN here): bit for bit what
+ * adding into zeros gives (the first micro-batch of a step, tera_model_grads_stale), in fp32 and every
+ * low-precision mode, for one product, the fused products of one input (with and without dx) and the
+ * router's fp32 variant; a small shape, one that takes fp32's primitive pieces (K = 1024 >= 512,
+ * 512 x 1024 outputs; tiles where oneDNN has no brgemm), and no rows (stored: zeros). */
+static void test_dw_store(void **state) {
+    (void)state;
+    const int64_t shapes[3][3] = {{50, 24, 36}, {1024, 1024, 512}, {0, 24, 36}}; /* N, in, out; no rows: zeros */
+    for (int s = 0; s < 3; s++) {
+        const int64_t N = shapes[s][0], IN = shapes[s][1], OUT = shapes[s][2];
+        float *x = malloc(sizeof(float) * (size_t)(N * IN + 1)), *w = malloc(sizeof(float) * (size_t)(2 * OUT * IN));
+        float *dy = malloc(sizeof(float) * (size_t)(2 * N * OUT + 1)), *dx = malloc(sizeof(float) * (size_t)(N * IN + 1));
+        float *ga = malloc(sizeof(float) * (size_t)(2 * OUT * IN)), *gb = malloc(sizeof(float) * (size_t)(2 * OUT * IN));
+        tu_fill(x, N * IN, 21, 1.0f);
+        tu_fill(w, 2 * OUT * IN, 22, 0.5f);
+        tu_fill(dy, 2 * N * OUT, 23, 1.0f);
+        for (int m = -1; m < N_MODES; m++) { /* -1: fp32 */
+            if (m >= 0 && !mode_runs(m)) continue;
+            tera_backend_set_precision(be, be->precision, m >= 0 ? MODES[m].g : TERA_BF16_NATIVE);
+            tera_backend_reserve(be, 4 * (N * IN + 2 * N * OUT + 2 * OUT * IN), 1 << 16);
+            const tera_precision p = m >= 0 ? MODES[m].p : TERA_PREC_FP32;
+            for (int call = 0; call < 4; call++) { /* single, single without dx, multi, the fp32 variant */
+                for (int b = 0; b < 2; b++) {
+                    float *g = b ? gb : ga;
+                    for (int64_t i = 0; i < 2 * OUT * IN; i++) g[i] = b ? 0.0f : NAN;
+                    const float beta = b ? 1.0f : 0.0f;
+                    tera_backend_set_precision(be, p, be->bf16_gemm);
+                    float *const dws[2] = {g, g + OUT * IN};
+                    const float *const dys[2] = {dy, dy + N * OUT}, *const ws[2] = {w, w + OUT * IN};
+                    const int64_t outs[2] = {OUT, OUT};
+                    if (call == 0) be->ops.linear_backward(be, dx, g, dy, x, w, N, IN, OUT, 0.0f, beta);
+                    if (call == 1) be->ops.linear_backward(be, NULL, g, dy, x, w, N, IN, OUT, 0.0f, beta);
+                    if (call == 2) tera_linear_backward_multi(be, 2, dx, dws, dys, x, ws, outs, N, IN, 0.0f, beta);
+                    if (call == 3) be->ops.linear_backward_fp32(be, dx, g, dy, x, w, N, IN, OUT, 0.0f, beta);
+                    tera_backend_set_precision(be, TERA_PREC_FP32, be->bf16_gemm);
+                }
+                const int64_t n = (call == 2 ? 2 : 1) * OUT * IN;
+                if (memcmp(ga, gb, sizeof(float) * (size_t)n)) {
+                    fprintf(stderr, "%s %ldx%ldx%ld call %d: the stored weight gradient differs from adding into zeros\n",
+                            tera_precision_name(p), (long)N, (long)IN, (long)OUT, call);
+                    fail();
+                }
+            }
+            be_fresh();
+        }
+        free(x), free(w), free(dy), free(dx), free(ga), free(gb);
     }
     tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
 }
@@ -403,7 +453,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_fma_is_rounded_fp32), cmocka_unit_test(test_bf16_gemm_resolve),
         cmocka_unit_test(test_fp32_variant),   cmocka_unit_test(test_roundings),
         cmocka_unit_test(test_scaler),         cmocka_unit_test(test_trainer_modes),
-        cmocka_unit_test(test_fp16_overflow_skip),
+        cmocka_unit_test(test_fp16_overflow_skip), cmocka_unit_test(test_dw_store),
     };
     const int failed = cmocka_run_group_tests(tests, NULL, NULL);
     tera_backend_destroy(be);

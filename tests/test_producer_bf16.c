@@ -106,9 +106,9 @@ static void test_swiglu_backward(void **state) {
     for (int beta = 0; beta < 2; beta++) {
         const int64_t u0 = used(be);
         be->ops.swiglu_backward(be, da1, da3, dg, a1, a3, N * F);
-        tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, (float)beta);
+        tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, (float)beta, 1.0f);
         ref->ops.swiglu_backward(ref, ra1, ra3, dg, a1, a3, N * F);
-        tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, (float)beta);
+        tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, (float)beta, 1.0f);
         assert_same("swiglu da1", da1, ra1, N * F);
         assert_same("swiglu da3", da3, ra3, N * F);
         assert_same("dx from the producer's copies", dx, rdx, N * D);
@@ -118,9 +118,9 @@ static void test_swiglu_backward(void **state) {
         /* an op writing da3 in place in between: rounded again, the new values */
         be->ops.swiglu_backward(be, da1, da3, dg, a1, a3, N * F);
         be->ops.add_forward(be, da3, a1, N * F);
-        tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, (float)beta);
+        tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, (float)beta, 1.0f);
         ref->ops.add_forward(ref, ra3, a1, N * F);
-        tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, (float)beta);
+        tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, (float)beta, 1.0f);
         assert_same("dx after an in-place op", dx, rdx, N * D);
         assert_same("dw3 after an in-place op", dw[1], rdw[1], F * D);
         assert_int_equal(used(be) - u0, 2);
@@ -133,9 +133,9 @@ static void test_swiglu_backward(void **state) {
     tera_backend_reserve(be, N * (F + D) + F * D + 2, N * (F + D) + F * D + 2);
     const int64_t u0 = used(be);
     be->ops.swiglu_backward(be, da1, da3, dg, a1, a3, N * F);
-    tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, 0.0f);
+    tera_linear_backward_multi(be, 2, dx, dw, dyp, x, w, out, N, D, 0.0f, 1.0f);
     ref->ops.swiglu_backward(ref, ra1, ra3, dg, a1, a3, N * F);
-    tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, 0.0f);
+    tera_linear_backward_multi(ref, 2, rdx, rdw, ryp, x, w, out, N, D, 0.0f, 1.0f);
     assert_same("dx, small scratch", dx, rdx, N * D);
     assert_int_equal(used(be) - u0, 0);
     assert_int_equal(be->ctl.scratch_grows(be), 0);
@@ -173,7 +173,7 @@ static void test_ce(void **state) {
                 b[k]->ops.ce_slice_sums(b[k], se, se + N, d[k], d[k], mx, tg, N, V, 0);
                 b[k]->ops.ce_backward_range(b[k], d[k], d[k], se, tg, N, V, 0, 0.5f);
             }
-            b[k]->ops.linear_backward(b[k], gx[k], gw[k], d[k], x, w, N, D, V, 0.0f);
+            b[k]->ops.linear_backward(b[k], gx[k], gw[k], d[k], x, w, N, D, V, 0.0f, 1.0f);
         }
         assert_same("dlogits", lg, rl, N * V);
         assert_same("head dx from the producer's copy", dx, rdx, N * D);

@@ -248,8 +248,7 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
     const tera_loss_scales s = scales(cfg, ranks);
     int32_t tok[B * T], tgt[B * T];
     for (int st = 0; st < NS; st++) {
-        if (!z->grads_zero) tera_zero_zero_grads(z);
-        z->grads_zero = 0;
+        tera_zero_grads_begin(z, 0);
         double ce = 0.0;
         for (int a = 0; a < A; a++) {
             sample(cfg, st, q.topo.dp_rank, a, tok, tgt);
@@ -260,11 +259,11 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
             tera_model_backward(m, &s);
             m->grad_ready = NULL;
         }
+        tera_zero_grads_end(z);
         if (ranks > 1) tera_zero_reduce_grads(z);
         const double gn = sqrt(tera_zero_grad_sq(z));
         double sums[2];
         tera_zero_adamw_step(z, lr, 1.0f, &oc, sums);
-        z->grads_zero = !z->stage;
         CHECK(sums[1] > 0.0 && sums[0] > 0.0);
         tera_comm_allreduce_f64(tera_comm_world(), &ce, 1);
         CHECK(fabs(ce - R->ce[st]) <= LAYOUT_TOL * fabs(R->ce[st]));

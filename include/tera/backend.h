@@ -49,26 +49,30 @@ typedef struct {
     /* C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T; always fp32. */
     void (*gemm)(tera_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
-    /* linear layers in the backend's precision; the _fp32 ones always in fp32 (the router) */
+    /* linear layers in the backend's precision; the _fp32 ones always in fp32 (the router).
+     * Backward: dx[N,in] = dx_beta dx + dy[N,out] w[out,in], dw[out,in] = dw_beta dw + dy^T x, each
+     * skipped where NULL; a beta of 0 stores without reading the old contents (which may be anything,
+     * NaN included): the first micro-batch's weight gradients are stored rather than added to cleared
+     * buffers (tera_model_grads_stale, include/tera/model.h). */
     void (*linear_forward)(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in,
                            int64_t out, float beta);
     void (*linear_backward)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
-                            int64_t N, int64_t in, int64_t out, float dx_beta);
+                            int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
     void (*linear_forward_fp32)(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in,
                                 int64_t out, float beta);
     void (*linear_backward_fp32)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x,
-                                 const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+                                 const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
     /* Several products of one input x[N,in] (q, k and v of the same normed rows; an FFN's gate and
      * up projections), in the backend's precision: forward y[i][N,out[i]] = x w[i][out[i],in]^T for
      * i < n (written); backward, for i = 0..n-1 in turn, dx[N,in] = (i == 0 ? dx_beta : 1) * dx +
-     * dy[i][N,out[i]] w[i] and dw[i][out[i],in] += dy[i]^T x. The same bits as n calls of
+     * dy[i][N,out[i]] w[i] and dw[i][out[i],in] = dw_beta dw[i] + dy[i]^T x. The same bits as n calls of
      * linear_forward (beta 0) / linear_backward; x is converted once. NULL where a backend has none:
      * tera_linear_forward_multi / tera_linear_backward_multi below then make the n calls. */
     void (*linear_forward_multi)(tera_backend *be, int n, float *const *y, const float *x, const float *const *w,
                                  const int64_t *out, int64_t N, int64_t in);
     void (*linear_backward_multi)(tera_backend *be, int n, float *dx, float *const *dw, const float *const *dy,
                                   const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
-                                  float dx_beta);
+                                  float dx_beta, float dw_beta);
     void (*rmsnorm_forward)(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N,
                             int64_t D, float eps);
     void (*rmsnorm_backward)(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
@@ -271,13 +275,14 @@ static inline void tera_linear_forward_multi(tera_backend *be, int n, float *con
 }
 static inline void tera_linear_backward_multi(tera_backend *be, int n, float *dx, float *const *dw,
                                               const float *const *dy, const float *x, const float *const *w,
-                                              const int64_t *out, int64_t N, int64_t in, float dx_beta) {
+                                              const int64_t *out, int64_t N, int64_t in, float dx_beta,
+                                              float dw_beta) {
     if (be->ops.linear_backward_multi) {
-        be->ops.linear_backward_multi(be, n, dx, dw, dy, x, w, out, N, in, dx_beta);
+        be->ops.linear_backward_multi(be, n, dx, dw, dy, x, w, out, N, in, dx_beta, dw_beta);
         return;
     }
     for (int i = 0; i < n; i++)
-        be->ops.linear_backward(be, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f);
+        be->ops.linear_backward(be, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f, dw_beta);
 }
 
 #endif

@@ -27,13 +27,14 @@ void tera_round_bf16f(float *dst, const float *src, int64_t n); /* bf16 rounding
 float tera_bf16_to_float(uint16_t h);
 
 /* Linear layers: y[N,out] = x[N,in] w[out,in]^T  (beta = 0 writes, 1 accumulates into y).
- * Backward: dx[N,in] = (or += when dx_beta = 1) dy[N,out] w[out,in];  dw[out,in] += dy^T x; dx or
+ * Backward: dx[N,in] = (or += when dx_beta = 1) dy[N,out] w[out,in];  dw[out,in] = (or += when
+ * dw_beta = 1) dy^T x (beta 0 does not read the old contents); dx or
  * dw may be NULL to skip that product. These are fp32; the products in the precision of a backend's
  * context are its ops.linear_forward / linear_backward (include/tera/backend.h). */
 void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
                               float beta);
 void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                               int64_t N, int64_t in, int64_t out, float dx_beta);
+                               int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
 
 /* y[N,D] = w[D] * x / sqrt(mean(x^2) + eps); rstd[N] saved for backward. */
 void tera_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D,

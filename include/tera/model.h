@@ -160,6 +160,8 @@ typedef struct {
     int64_t Vl, v0;       /* vocabulary rows on this rank: [v0, v0 + Vl) */
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
+    unsigned char *g_stale; /* [L + 2] per group (layer l; L: the embedding, L + 1: the head): its gradients
+                               hold old values, its next backward stores them (tera_model_grads_stale) */
     tera_weights_view W, G;
     int n_moe_layers;
     float *router_bias;   /* [L, E] aux-loss-free selection bias (state, not a parameter) */
@@ -265,6 +267,20 @@ tera_status tera_model_count_acts(const tera_model_config *cfg, int B, int T, co
  * values do not depend on how parameters are laid out or sharded. */
 void tera_model_init_weights(tera_model *m, uint64_t seed);
 void tera_model_zero_grad(tera_model *m);
+/* Instead of clearing the gradients between steps (4 bytes written per parameter, then read again
+ * by the first micro-batch's products, which add into them): the next backward of each group stores
+ * its weight gradients (products with dw_beta 0, which do not read the old values, NaN included) and
+ * zeroes first only what it adds into (the 1-D norm weights, the embedding table, the experts no row
+ * reaches). group: a TERA_GROUP_* or a layer, or TERA_GROUP_ALL. The same numbers as clearing. */
+enum { TERA_GROUP_ALL = -3 };
+void tera_model_grads_stale(tera_model *m, int group);
+/* Zeroes the gradients of every group still stale (no backward wrote it since): call after the
+ * step's micro-batches, before anything reads the gradients. */
+void tera_model_grads_settle(tera_model *m);
+/* The floats of group's range [lo, hi) of one region (experts 0: non-expert tensors, 1: routed experts;
+ * tera_model_group_range) that belong to no tensor (each starts 64-byte aligned), zeroed in base, a
+ * buffer holding that range (ZeRO-2/3's staging slots, whose sums read the whole range). */
+void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, float *base);
 void tera_model_reset_load(tera_model *m);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */

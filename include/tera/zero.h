@@ -59,6 +59,12 @@ typedef struct tera_zero {
     double *grad_sq;               /* [4 n_params]: the last step's squared gradient norm per tensor, then
                                       the step's scratch (per-tensor update and parameter squares) */
     int grads_zero;                /* the gradients are known to be zero (cleared by the optimizer) */
+    int grads_lazy;                /* gradients marked stale, not cleared (tera_model_grads_stale: a group's
+                                      first backward stores them): stages 0/1 the model's buffer between
+                                      steps, ZeRO-2/3 each staging slot when a group binds it;
+                                      TERA_GRADS_CLEARED=1 clears them as before (A/B) */
+    int stale_nan;                 /* test hook (TERA_TEST_STALE_NAN=1): stale gradients are set to NaN first,
+                                      which no backward may read (tests/cli_grads.sh) */
     int64_t bytes_staging;         /* ZeRO-2/3 staging slots: one group's gradients (and parameters) at a time,
                                       and a second layer gradient buffer (its sums in flight) */
     tera_comm_req *buckets;        /* [n_buckets] stage 0: gradient sums in flight during the last backward */
@@ -85,6 +91,13 @@ void tera_zero_destroy(tera_zero *z);
 /* Clears the gradients this rank accumulates into (the model's buffer, or the ZeRO-2/3 shards);
  * disarms the test hook. */
 void tera_zero_zero_grads(tera_zero *z);
+/* Before a step's first backward: the gradients ready to be written. Stages 0/1 (z->grads_lazy):
+ * marked stale, nothing written (each group's first backward stores its gradients); clear (a test
+ * hook about to put a NaN into them), or otherwise: cleared unless the optimizer left them so. */
+void tera_zero_grads_begin(tera_zero *z, int clear);
+/* After the step's last backward, before the gradients are summed or read: zeroes what no backward
+ * wrote (tera_model_grads_settle). */
+void tera_zero_grads_end(tera_zero *z);
 /* The model's gradient callback (model.grad_ready, ctx z) for a micro-batch's backward: stage 2/3
  * every micro-batch (the group's pieces reduce-scattered into the shards); stage 0 with several
  * ranks and no hierarchical/compressed reducer the last micro-batch (`last`: the buckets' all-reduce
@@ -98,7 +111,7 @@ void tera_zero_reduce_grads(tera_zero *z);
 double tera_zero_grad_sq(tera_zero *z);
 /* The AdamW step on this rank's ranges with gradients times grad_scale, then the parameters every
  * rank needs (stage 1/2: all-gather). sums[2]: update and parameter squares over the whole model
- * (collective over the world). Stage 0 clears the gradients as it goes (z->grads_zero). */
+ * (collective over the world). Stage 0 without grads_lazy clears the gradients as it goes (z->grads_zero). */
 void tera_zero_adamw_step(tera_zero *z, float lr, float grad_scale, const tera_optim_config *oc, double *sums);
 /* After an optimizer step on this rank's parameter ranges (the model's buffer; ZeRO-3: the shards
  * opt.w / opt_x.w): stages 1/2 all-gather every shard's new parameters, stage 3 marks the gathered

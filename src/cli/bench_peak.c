@@ -91,7 +91,7 @@ void tera_bench_bf16_peak_measure(const tera_config *cfg, tera_bf16_peak *p) {
             be->ops.linear_forward(be, y, x, w, s->N, s->in, s->out, 0.0f);
             const double f = flops / (tera_now() - t0) * 1e-9;
             t0 = tera_now();
-            be->ops.linear_backward(be, dx, dw, dy, x, w, s->N, s->in, s->out, 0.0f);
+            be->ops.linear_backward(be, dx, dw, dy, x, w, s->N, s->in, s->out, 0.0f, 1.0f);
             const double b = 2.0 * flops / (tera_now() - t0) * 1e-9;
             if (r < 0) continue;
             s->fwd = f > s->fwd ? f : s->fwd;

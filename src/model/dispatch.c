@@ -45,6 +45,8 @@ struct tera_dispatcher {
     float *dxg, *dye;        /* [N*k, D] input and output gradients of the routed rows */
     float *dyr, *dxr;        /* [R, D] all-to-all: received output gradients, input gradients sent back */
     int *order;              /* [2E] experts by descending load (the upper half: the sort's) */
+    uint8_t *dw_fresh;       /* [E] a weight-gradient call with dw_beta 0: this expert's gradients not yet
+                                written (its first block with rows stores them; none: zeroed at the end) */
     int32_t *cnt;            /* [E] rows bound for each expert (the counts exchange) */
     int64_t *off;            /* [E+1] rows of each expert in the buffers the experts run over */
     float *da1, *da3, *dg;   /* [R, F] the backward's scratch of the call in progress (the caller's) */
@@ -115,14 +117,17 @@ static void expert_run(const expert_rows *b, int e) {
     case EXPERTS_BWD_DW: { /* _DX: the products' input-gradient halves only, _DW: their weight-gradient halves */
         const int want_dx = b->op != EXPERTS_BWD_DW, want_dw = b->op != EXPERTS_BWD_DX;
         float *da1 = d->da1 + r * F, *da3 = d->da3 + r * F, *dg = d->dg + r * F;
+        /* the first rows of expert e in a call that stores: its gradients are written, not added to */
+        const float dw_beta = want_dw && d->dw_fresh[e] ? 0.0f : 1.0f;
+        if (want_dw) d->dw_fresh[e] = 0;
         d->be->ops.linear_backward(d->be, want_dx ? dg : NULL, want_dw ? b->G->w2 + e * D * F : NULL, b->dy + r * D, g,
-                                   w2, n, F, D, 0.0f);
+                                   w2, n, F, D, 0.0f, dw_beta);
         if (want_dx) d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
         float *const dw[2] = {want_dw ? b->G->w1 + e * F * D : NULL, want_dw ? b->G->w3 + e * F * D : NULL};
         const float *const dyi[2] = {da1, da3}, *const w[2] = {w1, w3};
         const int64_t out[2] = {F, F};
-        tera_linear_backward_multi(d->be, 2, want_dx ? b->dx + r * D : NULL, dw, dyi, x, w, out, n, D,
-                                   0.0f); /* x converted once */
+        tera_linear_backward_multi(d->be, 2, want_dx ? b->dx + r * D : NULL, dw, dyi, x, w, out, n, D, 0.0f,
+                                   dw_beta); /* x converted once */
         break;
     }
     default:
@@ -439,6 +444,7 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
         d->hrc = take(base, &off, sizeof(int64_t) * (size_t)d->ep);
     }
     d->order = take(base, &off, sizeof(int) * 2 * (size_t)E);
+    d->dw_fresh = take(base, &off, (size_t)E);
     d->cnt = take(base, &off, sizeof(int32_t) * (size_t)E);
     d->off = take(base, &off, sizeof(int64_t) * (size_t)(E + 1));
     d->bytes = off;
@@ -545,11 +551,29 @@ void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const floa
     TERA_PROF(COMBINE_BWD, d->be->ops.moe_combine_backward(d->be, d->dye, dtopw, dy, t->ye, topw, t->slot_row, d->N, d->K, d->D));
 }
 
+/* Before a call that writes the weight gradients: with dw_beta 0 every local expert is fresh (see
+ * dw_fresh); after it, the experts no rows reached are zeroed. */
+static void dw_fresh_begin(tera_dispatcher *d, float dw_beta) {
+    memset(d->dw_fresh, dw_beta == 0.0f, (size_t)d->El);
+}
+static void dw_fresh_end(tera_dispatcher *d, const tera_layer_view *G) {
+    const int64_t DF = d->D * d->F;
+    for (int e = 0; e < d->El; e++) {
+        if (!d->dw_fresh[e]) continue;
+        memset(G->w1 + e * DF, 0, sizeof(float) * (size_t)DF);
+        memset(G->w3 + e * DF, 0, sizeof(float) * (size_t)DF);
+        memset(G->w2 + e * DF, 0, sizeof(float) * (size_t)DF);
+        d->dw_fresh[e] = 0;
+    }
+}
+
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
-                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg) {
+                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta) {
     TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg;
+    dw_fresh_begin(d, dw_beta);
     d->impl->experts(d, t, W, G, l, EXPERTS_BWD);
+    dw_fresh_end(d, G);
     d->da1 = d->da3 = d->dg = NULL;
     TERA_PROF_END(EXPERT_BWD);
 }
@@ -558,10 +582,12 @@ void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, c
  * backward runs the same blocks in the same order: every G sum rounds as in one pass). */
 static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                 const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
-                                tera_comm_req *poll, int op) {
+                                tera_comm_req *poll, int op, float dw_beta) {
     TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg, d->poll = poll;
+    dw_fresh_begin(d, op == EXPERTS_BWD_DW ? dw_beta : 1.0f);
     d->impl->experts(d, t, W, G, l, op);
+    if (op == EXPERTS_BWD_DW) dw_fresh_end(d, G);
     d->da1 = d->da3 = d->dg = NULL, d->poll = NULL;
     TERA_PROF_END(EXPERT_BWD);
 }
@@ -569,13 +595,13 @@ static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const
 void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
                                        tera_comm_req *poll) {
-    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DX);
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DX, 1.0f);
 }
 
 void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
-                                       tera_comm_req *poll) {
-    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DW);
+                                       tera_comm_req *poll, float dw_beta) {
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DW, dw_beta);
 }
 
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t) {

@@ -299,6 +299,38 @@ static void set_view(tera_weights_view *v, const tera_param *p, float *ptr) {
     }
 }
 
+/* the view's pointer to parameter p (NULL: not bound) */
+static float *view_of(const tera_weights_view *v, const tera_param *p) {
+    const tera_layer_view *lv = p->layer >= 0 && v->layers ? &v->layers[p->layer] : NULL;
+    switch (p->kind) {
+    case TERA_P_EMBED: return v->embed;
+    case TERA_P_FINAL_NORM: return v->final_norm;
+    case TERA_P_LM_HEAD: return v->lm_head;
+    case TERA_P_COUNT: return NULL;
+    default: break;
+    }
+    if (!lv) return NULL;
+    switch (p->kind) {
+    case TERA_P_ATTN_NORM: return lv->attn_norm;
+    case TERA_P_WQ: return lv->wq;
+    case TERA_P_WK: return lv->wk;
+    case TERA_P_WV: return lv->wv;
+    case TERA_P_WO: return lv->wo;
+    case TERA_P_FFN_NORM: return lv->ffn_norm;
+    case TERA_P_ROUTER: return lv->router;
+    case TERA_P_EXP_W1: return lv->w1;
+    case TERA_P_EXP_W3: return lv->w3;
+    case TERA_P_EXP_W2: return lv->w2;
+    case TERA_P_SHARED_W1: return lv->sw1;
+    case TERA_P_SHARED_W3: return lv->sw3;
+    case TERA_P_SHARED_W2: return lv->sw2;
+    case TERA_P_DENSE_W1: return lv->dw1;
+    case TERA_P_DENSE_W3: return lv->dw3;
+    case TERA_P_DENSE_W2: return lv->dw2;
+    default: return NULL;
+    }
+}
+
 static void make_views(tera_weights_view *v, float *base, const tera_model *m) {
     if (!v->layers) v->layers = tera_calloc((size_t)m->cfg.n_layers, sizeof(tera_layer_view));
     for (int i = 0; i < m->n_params; i++) set_view(v, &m->params[i], base ? base + m->params[i].offset : NULL);
@@ -492,6 +524,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
      * (tera_model_bind_group) when the use_params / use_grads callbacks ask for them */
     if (!m->par.shard_params) m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
     if (!m->par.shard_grads) m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
+    m->g_stale = tera_calloc((size_t)cfg->n_layers + 2, 1);
     m->bytes_params = m->w ? m->n_floats * (int64_t)sizeof(float) : 0;
     m->bytes_grads = m->g ? m->n_floats * (int64_t)sizeof(float) : 0;
     make_views(&m->W, m->w, m);
@@ -574,6 +607,7 @@ void tera_model_destroy(tera_model *m) {
     free(m->params);
     free(m->w);
     free(m->g);
+    free(m->g_stale);
     free(m->W.layers);
     free(m->G.layers);
     free(m->router_bias);
@@ -618,6 +652,63 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
 
 void tera_model_zero_grad(tera_model *m) {
     if (m->g) memset(m->g, 0, sizeof(float) * (size_t)m->n_floats);
+    memset(m->g_stale, 0, (size_t)m->cfg.n_layers + 2);
+}
+
+/* a group's index into g_stale */
+static int stale_index(const tera_model *m, int group) {
+    return group >= 0 ? group : group == TERA_GROUP_EMBED ? m->cfg.n_layers : m->cfg.n_layers + 1;
+}
+
+void tera_model_grads_stale(tera_model *m, int group) {
+    if (group == TERA_GROUP_ALL) memset(m->g_stale, 1, (size_t)m->cfg.n_layers + 2);
+    else m->g_stale[stale_index(m, group)] = 1;
+}
+
+void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, float *base) {
+    int64_t lo, hi;
+    tera_model_group_range(m, group, experts, &lo, &hi);
+    int64_t at = lo; /* the table's order is the offsets' order within a region (params.c) */
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        if (!in_group(p, group) || p->expert_stacked != experts || p->numel == 0) continue;
+        TERA_ASSERTF(p->offset >= at, "%s: parameter offsets out of table order", p->name);
+        if (p->offset > at) memset(base + (at - lo), 0, sizeof(float) * (size_t)(p->offset - at));
+        at = p->offset + p->numel;
+    }
+}
+
+void tera_model_grads_settle(tera_model *m) {
+    const int L = m->cfg.n_layers;
+    for (int i = 0; i < L + 2; i++) {
+        if (!m->g_stale[i]) continue;
+        const int group = i < L ? i : i == L ? TERA_GROUP_EMBED : TERA_GROUP_HEAD;
+        for (int p = 0; p < m->n_params; p++) {
+            const tera_param *q = &m->params[p];
+            float *gp = view_of(&m->G, q);
+            if (in_group(q, group) && q->numel > 0 && gp) memset(gp, 0, sizeof(float) * (size_t)q->numel);
+        }
+        m->g_stale[i] = 0;
+    }
+}
+
+/* Before group's backward writes its gradients: the beta of its weight-gradient products. 0 (store)
+ * where the group is stale, after zeroing the tensors the backward adds into (1-D weights: the norms'
+ * sums over rows; the embedding table: a scatter; the experts: the dispatcher zeroes those no row
+ * reaches); the group is current from then on. 1 (add) otherwise. The tied LM head is the embedding
+ * table, stored by the head's product: see tera_model_backward_range. */
+static float grads_begin(tera_model *m, int group) {
+    unsigned char *st = &m->g_stale[stale_index(m, group)];
+    if (!*st) return 1.0f;
+    *st = 0;
+    for (int p = 0; p < m->n_params; p++) {
+        const tera_param *q = &m->params[p];
+        if (!in_group(q, group) || q->numel == 0 || (q->ndim >= 2 && q->kind != TERA_P_EMBED)) continue;
+        float *gp = view_of(&m->G, q);
+        TERA_ASSERTF(gp, "gradients of %s written before they are bound", q->name);
+        memset(gp, 0, sizeof(float) * (size_t)q->numel);
+    }
+    return 0.0f;
 }
 
 void tera_model_reset_load(tera_model *m) {
@@ -816,16 +907,16 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
 
 /* ------------------------------------------------------------------------------ backward */
 
-/* Backward of y += w2(silu(x w1^T) * (x w3^T)): dx += ..., weight grads +=. */
+/* Backward of y += w2(silu(x w1^T) * (x w3^T)): dx += ..., weight grads = dw_beta grads + .... */
 static void ffn_backward(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
                          const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
-                         float *gw1, float *gw3, float *gw2, int64_t N, int64_t D, int64_t F) {
-    be->ops.linear_backward(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f);
+                         float *gw1, float *gw3, float *gw2, int64_t N, int64_t D, int64_t F, float dw_beta) {
+    be->ops.linear_backward(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f, dw_beta);
     be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
     float *const dw[2] = {gw1, gw3};
     const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
     const int64_t out[2] = {F, F};
-    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f); /* x converted once for both */
+    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f, dw_beta); /* x converted once for both */
 }
 
 /* parallel.tp_overlap: whether this model splits the backward's column-parallel products into their
@@ -837,31 +928,32 @@ static int tp_split(const tera_acts *a) { return tera_tp_overlapping(a->tp); }
 static void ffn_backward_dx(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
                             const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
                             int64_t N, int64_t D, int64_t F) {
-    be->ops.linear_backward(be, a->dgact, NULL, dy, g, w2, N, F, D, 0.0f);
+    be->ops.linear_backward(be, a->dgact, NULL, dy, g, w2, N, F, D, 0.0f, 1.0f);
     be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
     float *const dw[2] = {NULL, NULL};
     const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
     const int64_t out[2] = {F, F};
-    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f);
+    tera_linear_backward_multi(be, 2, dx, dw, dyi, x, w, out, N, D, 1.0f, 1.0f);
 }
 
-/* ... and its weight-gradient half from them (gw2, gw1, gw3 +=), polling the sum in flight between products */
+/* ... and its weight-gradient half from them (gw2, gw1, gw3 = dw_beta gw + ...), polling the sum in flight
+ * between products */
 static void ffn_backward_dw(tera_acts *a, const float *dy, const float *x, const float *g, const float *w1,
                             const float *w3, const float *w2, float *gw1, float *gw3, float *gw2, int64_t N, int64_t D,
-                            int64_t F, int prof, tera_comm_req *req) {
+                            int64_t F, int prof, tera_comm_req *req, float dw_beta) {
     tera_backend *be = a->tp->be;
     const float *const dyi[3] = {dy, a->da1, a->da3}, *const xi[3] = {g, x, x}, *const w[3] = {w2, w1, w3};
     float *const dw[3] = {gw2, gw1, gw3};
     const int64_t in[3] = {F, D, D}, out[3] = {D, F, F};
     for (int i = 0; i < 3; i++) {
         const double t0 = tera_now();
-        be->ops.linear_backward(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f);
+        be->ops.linear_backward(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f, dw_beta);
         tera_prof_add(prof, t0);
         tera_tp_poll(a->tp, req);
     }
 }
 
-static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
+static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float dw_beta) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
     layer_acts *la = &a->layer[l];
@@ -874,7 +966,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
     memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
-                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl));
+                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl, dw_beta));
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
      * are the combine-weight gradients: sum them before the router sees them */
@@ -885,7 +977,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_dispatch_experts_backward_dx(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_w);
     } else {
         tera_tp_copy_backward(a->tp, a->dtopw, N * K);
-        tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact);
+        tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, dw_beta);
     }
     tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
     /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
@@ -906,14 +998,14 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
                                    a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
         m->be->ops.linear_backward_fp32(m->be, split ? NULL : a->dln, G->router, a->drlogits, la->ln2, W->router, N, D,
-                                        E, 1.0f);
+                                        E, 1.0f, dw_beta);
         TERA_PROF_END(ROUTER_BWD);
     }
     if (split) {
-        tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x);
+        tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta);
         tera_tp_copy_backward_wait(a->tp, &rq_x);
         TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln, NULL, a->drlogits, la->ln2, W->router, N, D,
-                                                              E, 1.0f));
+                                                              E, 1.0f, 1.0f));
     }
 }
 
@@ -924,29 +1016,30 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const tera_layer_view *W = &m->W.layers[l], *G = &m->G.layers[l];
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
+    const float bw = grads_begin(m, l); /* every weight gradient of the layer: stored (0) or added (1) */
 
     /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward. */
     const int split = tp_split(a);
     tera_comm_req rq; /* parallel.tp_overlap: the input gradient's sum in flight */
     if (is_moe(c, l)) {
-        moe_backward(m, l, s); /* sums the tensor-parallel partial input gradients itself */
+        moe_backward(m, l, s, bw); /* sums the tensor-parallel partial input gradients itself */
     } else if (split) { /* the weight gradients while the input gradient is summed */
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                              W->dw3, W->dw2, N, D, m->Fdl));
         tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
         ffn_backward_dw(a, a->dres, la->ln2, la->fg, W->dw1, W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl,
-                        TERA_PROF_DENSE_BWD, &rq);
+                        TERA_PROF_DENSE_BWD, &rq, bw);
         tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
         memset(a->dln, 0, sizeof(float) * (size_t)(N * D));
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
-                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl));
+                                          W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl, bw));
         tera_tp_copy_backward(a->tp, a->dln, N * D);
     }
     TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
     /* attention */
-    TERA_PROF(OPROJ_BWD, m->be->ops.linear_backward(m->be, a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f));
+    TERA_PROF(OPROJ_BWD, m->be->ops.linear_backward(m->be, a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f, bw));
     TERA_PROF(ATTN_BWD, m->be->ops.attention_backward(m->be, a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
                                                 la->att_lse, B, T, H, Hkv, (int)hd, a->attn_scratch));
     TERA_PROF(ROPE_BWD, {
@@ -962,16 +1055,16 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
     if (split) { /* the heads' partial input gradients summed while the weight gradients are computed */
         float *const no_dw[3] = {NULL, NULL, NULL};
-        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, la->ln1, w, widths, N, D, 0.0f));
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, la->ln1, w, widths, N, D, 0.0f, 1.0f));
         tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
         for (int i = 0; i < 3; i++) {
-            TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], la->ln1, w[i], N, D, widths[i], 0.0f));
+            TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], la->ln1, w[i], N, D, widths[i], 0.0f, bw));
             tera_tp_poll(a->tp, &rq);
         }
         tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
-        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D,
-                                                      0.0f)); /* ln1 converted once */
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D, 0.0f,
+                                                      bw)); /* ln1 converted once */
         tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
     }
     TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
@@ -1051,6 +1144,14 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
             need_params(m, TERA_GROUP_EMBED);
             need_grads(m, TERA_GROUP_EMBED);
         }
+        /* the head's weight gradient: stored or added (tied: the embedding table's, which the embedding's
+         * scatter below then adds into) */
+        float hb = grads_begin(m, TERA_GROUP_HEAD);
+        if (c->tie_embeddings) {
+            unsigned char *st = &m->g_stale[stale_index(m, TERA_GROUP_EMBED)];
+            hb = *st ? 0.0f : 1.0f;
+            *st = 0;
+        }
         /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice), unless the
          * forward wrote them already (tera_model_arm_fused_loss) */
         if (a->ce_fused) {
@@ -1062,14 +1163,14 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         }
         if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
             tera_comm_req rq;
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
             tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
-                                                           V, 0.0f));
+                                                           V, 0.0f, hb));
             memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
             tera_tp_copy_backward_wait(a->tp, &rq);
         } else {
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
             tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
             memset(a->dres, 0, sizeof(float) * (size_t)(N * D));
         }
@@ -1090,6 +1191,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         return;
     }
     need_grads(m, TERA_GROUP_EMBED);
+    (void)grads_begin(m, TERA_GROUP_EMBED); /* stale (untied, or the head elsewhere): zeroed for the scatter */
     tera_tp_embedding_backward(a->tp, m->G.embed, a->dres, a->tokens, N, D);
     notify_grads(m, TERA_GROUP_EMBED);
     if (c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD);

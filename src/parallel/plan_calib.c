@@ -63,13 +63,13 @@ typedef struct {
 static void gemm_call(void *p) {
     gemm_ctx *g = p;
     g->be->ops.linear_forward(g->be, g->y, g->x, g->w, g->m, g->k, g->n, 0.0f);
-    g->be->ops.linear_backward(g->be, g->dx, g->dw, g->dy, g->x, g->w, g->m, g->k, g->n, 0.0f);
+    g->be->ops.linear_backward(g->be, g->dx, g->dw, g->dy, g->x, g->w, g->m, g->k, g->n, 0.0f, 1.0f);
 }
 
 static void gemm_call_fp32(void *p) {
     gemm_ctx *g = p;
     g->be->ops.linear_forward_fp32(g->be, g->y, g->x, g->w, g->m, g->k, g->n, 0.0f);
-    g->be->ops.linear_backward_fp32(g->be, g->dx, g->dw, g->dy, g->x, g->w, g->m, g->k, g->n, 0.0f);
+    g->be->ops.linear_backward_fp32(g->be, g->dx, g->dw, g->dy, g->x, g->w, g->m, g->k, g->n, 0.0f, 1.0f);
 }
 
 static float *filled(int64_t n, float scale) {

@@ -836,7 +836,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     free(s_mm), free(s_mem), free(s_x), free(ep_hidden);
     if (rc != TERA_OK) return rc;
     /* the optimizer on the busiest stage's rank: Adam reads parameter, gradient and both moments and
-     * writes three (its shard under ZeRO); zeroing and the norm pass touch every gradient once each;
+     * writes three (its shard under ZeRO); the norm pass reads every gradient once, and ZeRO-2/3 also
+     * clear theirs (ZeRO-0/1 store them in the next step's first backward instead: tera_model_grads_stale);
      * 1-bit Adam after its warm-up also updates the whole momentum from the rank's own gradient and
      * its error feedback (read m, g, e; write m, e: 20 bytes a float held) */
     const tera_plan_stage *w = &st[worst];
@@ -844,7 +845,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     /* optimizer.moments = bf16: 4 bytes of moments a parameter held instead of 8, Adam's pass 20 bytes instead of 28 */
     const int m16 = cfg->optimizer.moments;
     const double opt_floats = (double)w->mem.bytes[TERA_PM_OPTIMIZER] / (m16 ? 4.0 : 8.0);
-    const double opt_bytes = (m16 ? 20.0 : 28.0) * opt_floats + 8.0 * (double)w->n_floats +
+    const double opt_bytes = (m16 ? 20.0 : 28.0) * opt_floats + (zero >= 2 ? 8.0 : 4.0) * (double)w->n_floats +
                              (onebit ? 20.0 * (double)w->n_floats : 0.0);
     const double t_opt = bw_mem > 0 ? opt_bytes / bw_mem / fm_all : 0.0;
     out->optimizer_s = t_opt;

@@ -374,10 +374,21 @@ static void zero_use_grads(void *ctx, int group) {
     for (int x = 0; x < 2; x++) {
         int64_t lo, hi;
         tera_model_group_range(zr->model, group, x, &lo, &hi);
-        if (hi > lo) memset(sl->g[x], 0, sizeof(float) * (size_t)(hi - lo)), sl->pending++;
+        if (hi == lo) continue;
+        sl->pending++;
+        if (!zr->grads_lazy) {
+            memset(sl->g[x], 0, sizeof(float) * (size_t)(hi - lo));
+            continue;
+        }
+        /* stored by the group's backward (below); only the alignment gaps between its tensors, which
+         * no backward writes and the sums read, are zeroed (test hook: the tensors' old values NaN) */
+        if (zr->stale_nan)
+            for (int64_t i = 0; i < hi - lo; i++) sl->g[x][i] = NAN;
+        tera_model_group_zero_gaps(zr->model, group, x, sl->g[x]);
     }
     sl->group = group;
     tera_model_bind_group(zr->model, group, NULL, NULL, sl->g[0], sl->g[1]);
+    if (zr->grads_lazy) tera_model_grads_stale(zr->model, group);
 }
 
 /* A group range's gradients are final for this micro-batch: sum them into the owners' shards. */
@@ -480,6 +491,24 @@ void tera_zero_zero_grads(tera_zero *zr) {
     memset(zr->opt.g, 0, sizeof(float) * (size_t)zr->opt.n);
     memset(zr->opt_x.g, 0, sizeof(float) * (size_t)zr->opt_x.n);
     if (zr->local_g) memset(zr->local_g, 0, sizeof(float) * (size_t)zr->model->n_floats);
+}
+
+void tera_zero_grads_begin(tera_zero *zr, int clear) {
+    if (zr->stage < 2 && zr->grads_lazy && !clear) {
+        zr->poison = 0;
+        tera_model *m = zr->model;
+        if (zr->stale_nan) /* test hook: a value no backward may read, in every tensor (the padding stays 0) */
+            for (int i = 0; i < m->n_params; i++)
+                for (int64_t j = 0; j < m->params[i].numel; j++) m->g[m->params[i].offset + j] = NAN;
+        tera_model_grads_stale(m, TERA_GROUP_ALL);
+    } else if (!zr->grads_zero) {
+        tera_zero_zero_grads(zr);
+    }
+    zr->grads_zero = 0;
+}
+
+void tera_zero_grads_end(tera_zero *zr) {
+    if (zr->stage < 2) tera_model_grads_settle(zr->model);
 }
 
 void tera_zero_local_grads(tera_zero *zr, float *g) {
@@ -806,6 +835,12 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     zr->dp = env->dp;
     zr->edp = env->edp ? env->edp : env->dp;
     zr->stage = tera_zero_stage_in_effect(env->topo, env->stage);
+    const char *cleared = getenv("TERA_GRADS_CLEARED");
+    zr->grads_lazy = !(cleared && !strcmp(cleared, "1"));
+    const char *nan = getenv("TERA_TEST_STALE_NAN");
+    zr->stale_nan = zr->grads_lazy && nan && !strcmp(nan, "1");
+    if (zr->stale_nan && zr->topo.rank == 0)
+        fprintf(stderr, "tera: TERA_TEST_STALE_NAN=1: the stale gradients are set to NaN before every step\n");
     tera_model *m = zr->model;
     TERA_ASSERTF(m->par.shard_grads == (zr->stage >= 2) && m->par.shard_params == (zr->stage >= 3),
                  "ZeRO-%d on a model created with shard_grads %d, shard_params %d", zr->stage, m->par.shard_grads,
@@ -997,8 +1032,10 @@ void tera_zero_adamw_step(tera_zero *zr, float lr, float clip_scale, const tera_
      * after it, ZeRO-3 holds none: the products round lazily there) */
     uint16_t *w16 = !zr->stage && m->w ? tera_backend_weights_shadow_out(m->be, m->w, m->n_floats) : NULL;
     zr->opt.w16 = w16, zr->opt_x.w16 = w16 ? w16 + m->n_dense_floats : NULL;
-    tera_adamw_step_by_param(&zr->opt, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
-    tera_adamw_step_by_param(&zr->opt_x, m, lr, clip_scale, oc, !zr->stage, NULL, NULL, usq, psq);
+    const int clear = !zr->stage && !zr->grads_lazy; /* grads_lazy: the next step's backward stores them */
+    tera_adamw_step_by_param(&zr->opt, m, lr, clip_scale, oc, clear, NULL, NULL, usq, psq);
+    tera_adamw_step_by_param(&zr->opt_x, m, lr, clip_scale, oc, clear, NULL, NULL, usq, psq);
+    zr->grads_zero = clear; /* ZeRO-1 cleared only its shard */
     zr->opt.w16 = zr->opt_x.w16 = NULL;
     if (w16) tera_backend_weights_filled(m->be);
     tera_zero_params_updated(zr);

@@ -574,9 +574,9 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tr->samples_consumed = tera_spike_next_clean(&tr->spike, tr->samples_consumed, seqs);
     const int64_t step_sample = tr->samples_consumed;
     tera_zero *zr = tr->sharding;
-    if (!zr->grads_zero) tera_zero_zero_grads(zr);
-    zr->grads_zero = 0;
-    if (tera_elastic_fault_nan(tr)) { /* test hook (ZeRO-2/3: armed for the first gradient piece summed) */
+    const int poison = tera_elastic_fault_nan(tr);
+    tera_zero_grads_begin(zr, poison); /* the hook's NaN goes into cleared gradients */
+    if (poison) { /* test hook (ZeRO-2/3: armed for the first gradient piece summed) */
         tera_zero_poison_grad(zr);
         tr->faults.nan_step = -1;
     }
@@ -625,6 +625,7 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         assign += m->stats.n_assign;
         dropped += m->stats.n_dropped;
     }
+    tera_zero_grads_end(zr); /* what no backward wrote: zeroed */
     /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
     if (tr->topo.dp > 1 && !frozen) tera_zero_reduce_grads(zr); /* 1-bit Adam: momentum instead */
     if (tera_comm_size(tr->groups.sg) > 1) {
@@ -671,7 +672,6 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
         if (tr->onebit) tera_onebit_step(tr, r->lr, scale / ls, sums); /* optimizer.name = onebit_adam */
         else tera_zero_adamw_step(zr, r->lr, scale / ls, &cfg->optimizer, sums);
         r->update_ratio = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : 0.0;
-        zr->grads_zero = !zr->stage; /* ZeRO-1 cleared only its shard */
         tera_model_update_router_bias(m);
     }
     tera_prof_seconds[TERA_PROF_OPTIM] += tera_now() - t_opt;

@@ -29,8 +29,8 @@ static void cpu_linear_forward(tera_backend *be, float *y, const float *x, const
     tera_cpu_linear_forward(&cpu_of(be)->mm, y, x, w, N, in, out, beta);
 }
 
-static void cpu_linear_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
-    tera_cpu_linear_backward(&cpu_of(be)->mm, dx, dw, dy, x, w, N, in, out, dx_beta);
+static void cpu_linear_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    tera_cpu_linear_backward(&cpu_of(be)->mm, dx, dw, dy, x, w, N, in, out, dx_beta, dw_beta);
 }
 
 static void cpu_linear_forward_multi(tera_backend *be, int n, float *const *y, const float *x, const float *const *w,
@@ -40,8 +40,8 @@ static void cpu_linear_forward_multi(tera_backend *be, int n, float *const *y, c
 
 static void cpu_linear_backward_multi(tera_backend *be, int n, float *dx, float *const *dw, const float *const *dy,
                                       const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
-                                      float dx_beta) {
-    tera_cpu_linear_backward_multi(&cpu_of(be)->mm, n, dx, dw, dy, x, w, out, N, in, dx_beta);
+                                      float dx_beta, float dw_beta) {
+    tera_cpu_linear_backward_multi(&cpu_of(be)->mm, n, dx, dw, dy, x, w, out, N, in, dx_beta, dw_beta);
 }
 
 static void cpu_linear_forward_fp32(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float beta) {
@@ -49,9 +49,9 @@ static void cpu_linear_forward_fp32(tera_backend *be, float *y, const float *x, 
     tera_linear_forward_fp32(y, x, w, N, in, out, beta);
 }
 
-static void cpu_linear_backward_fp32(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
+static void cpu_linear_backward_fp32(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
     take(be);
-    tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
+    tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta, dw_beta);
 }
 
 /* The start of a producer op with one output y[n] (tera_cpu_prod, cpu.h): the thread's record taken,

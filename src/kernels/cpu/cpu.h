@@ -72,13 +72,13 @@ typedef struct {
 void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in,
                              int64_t out, float beta);
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x,
-                              const float *w, int64_t N, int64_t in, int64_t out, float dx_beta);
+                              const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
 /* ops.linear_forward_multi / linear_backward_multi (include/tera/backend.h): x converted once. */
 void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, const float *x,
                                    const float *const *w, const int64_t *out, int64_t N, int64_t in);
 void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float *const *dw, const float *const *dy,
                                     const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
-                                    float dx_beta);
+                                    float dx_beta, float dw_beta);
 /* Set the precision and units first. */
 void tera_cpu_matmul_reserve(tera_cpu_matmul *mm, int64_t main_elems, int64_t thread_elems);
 void tera_cpu_matmul_release(tera_cpu_matmul *mm); /* the scratch and the shadow */

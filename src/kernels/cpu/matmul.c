@@ -1075,11 +1075,11 @@ void tera_linear_forward_fp32(float *y, const float *x, const float *w, int64_t 
 }
 
 void tera_linear_backward_fp32(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                               int64_t N, int64_t in, int64_t out, float dx_beta) {
+                               int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
     /* dx[N,in] = dy[N,out] w[out,in] */
     if (dx) tera_gemm(0, 0, N, in, out, 1.0f, dy, out, w, in, dx_beta, dx, in);
-    /* dw[out,in] += dy^T[out,N] x[N,in] */
-    if (dw) tera_gemm(1, 0, out, in, N, 1.0f, dy, out, x, in, 1.0f, dw, in);
+    /* dw[out,in] = dw_beta dw + dy^T[out,N] x[N,in] */
+    if (dw) tera_gemm(1, 0, out, in, N, 1.0f, dy, out, x, in, dw_beta, dw, in);
 }
 
 void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, const float *w, int64_t N, int64_t in, int64_t out,
@@ -1094,11 +1094,11 @@ void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, cons
 }
 
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x, const float *w,
-                          int64_t N, int64_t in, int64_t out, float dx_beta) {
+                          int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
     tera_cpu_prod rec;
     tera_cpu_prod_take(mm, &rec);
     if (mm->prec == TERA_PREC_FP32) {
-        tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta);
+        tera_linear_backward_fp32(dx, dw, dy, x, w, N, in, out, dx_beta, dw_beta);
         return;
     }
     /* activation and weight gradients: low-precision operands, fp32 accumulation into fp32 arrays;
@@ -1111,7 +1111,7 @@ void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const f
             round_fp32_operand(mm, wr, w, out * in);
             round_fp32_operand(mm, xr, x, N * in);
             tera_gemm(0, 0, N, in, out, 1.0f, dyr, out, wr, in, dx_beta, dx, in);
-            tera_gemm(1, 0, out, in, N, 1.0f, dyr, out, xr, in, 1.0f, dw, in);
+            tera_gemm(1, 0, out, in, N, 1.0f, dyr, out, xr, in, dw_beta, dw, in);
             return;
         }
         /* bf16 arrays: each copy starts at an even element; w is the weights' shadow when it has one */
@@ -1126,11 +1126,11 @@ void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const f
         if (!ws) tera_round_bf16(w16, w, out * in);
         tera_round_bf16(x16, x, N * in);
         gemm_bf16(0, 0, N, in, out, dy16, out, wop, in, dx_beta, dx, in);
-        gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
+        gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, dw_beta, dw, in);
         return;
     }
     if (dx) gemm_lowp(mm, &rec, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
-    if (dw) gemm_lowp(mm, dx ? NULL : &rec, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, 1.0f, dw, in);
+    if (dw) gemm_lowp(mm, dx ? NULL : &rec, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, dw_beta, dw, in);
 }
 
 /* ------------------------------------------------------------------ several products of one input */
@@ -1181,13 +1181,13 @@ void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, 
 
 void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float *const *dw, const float *const *dy,
                                     const float *x, const float *const *w, const int64_t *out, int64_t N, int64_t in,
-                                    float dx_beta) {
+                                    float dx_beta, float dw_beta) {
     int64_t wmax;
     int both = dx != NULL;
     for (int i = 0; i < n; i++) both = both && dw[i];
     if (mm->prec == TERA_PREC_FP32 || !both || !multi_ok(n, out, N, in, &wmax)) {
         for (int i = 0; i < n; i++)
-            tera_cpu_linear_backward(mm, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f);
+            tera_cpu_linear_backward(mm, dx, dw[i], dy[i], x, w[i], N, in, out[i], i == 0 ? dx_beta : 1.0f, dw_beta);
         return;
     }
     tera_cpu_prod rec;
@@ -1204,7 +1204,7 @@ void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float
             round_fp32_operand(mm, dyr, dy[i], N * out[i]);
             round_fp32_operand(mm, wr, w[i], out[i] * in);
             tera_gemm(0, 0, N, in, out[i], 1.0f, dyr, out[i], wr, in, i == 0 ? dx_beta : 1.0f, dx, in);
-            tera_gemm(1, 0, out[i], in, N, 1.0f, dyr, out[i], xr, in, 1.0f, dw[i], in);
+            tera_gemm(1, 0, out[i], in, N, 1.0f, dyr, out[i], xr, in, dw_beta, dw[i], in);
         }
         return;
     }
@@ -1233,7 +1233,7 @@ void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float
             const uint16_t *ws = shadow_get(mm, w[i], out[i] * in);
             if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
             gemm_bf16(0, 0, N, in, out[i], dyp[i], out[i], ws ? ws : w16, in, i == 0 ? dx_beta : 1.0f, dx, in);
-            gemm_bf16(1, 0, out[i], in, N, dyp[i], out[i], x16, in, 1.0f, dw[i], in);
+            gemm_bf16(1, 0, out[i], in, N, dyp[i], out[i], x16, in, dw_beta, dw[i], in);
         }
         return;
     }
@@ -1245,6 +1245,6 @@ void tera_cpu_linear_backward_multi(tera_cpu_matmul *mm, int n, float *dx, float
         tera_round_bf16(dy16, dy[i], N * out[i]);
         if (!ws) tera_round_bf16(w16, w[i], out[i] * in);
         gemm_bf16(0, 0, N, in, out[i], dy16, out[i], ws ? ws : w16, in, i == 0 ? dx_beta : 1.0f, dx, in);
-        gemm_bf16(1, 0, out[i], in, N, dy16, out[i], x16, in, 1.0f, dw[i], in);
+        gemm_bf16(1, 0, out[i], in, N, dy16, out[i], x16, in, dw_beta, dw[i], in);
     }
 }

@@ -347,8 +347,13 @@ void linear_fwd(CudaBackend *c, bool fp32, float *y, const float *x, const float
 }
 
 void linear_bwd(CudaBackend *c, bool fp32, float *dx, float *dw, const float *dy, const float *x, const float *w,
-                int64_t N, int64_t in, int64_t out, float dx_beta) {
-    if (N == 0 || in == 0) return; /* dx and dw are empty or unchanged (dw += nothing when N = 0) */
+                int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    if (in == 0 || out == 0) return; /* dx and dw are empty */
+    if (N == 0) { /* dx is empty; dw += nothing, or (dw_beta 0) stored as zeros */
+        if (dw && dw_beta == 0.0f && is_device(dw)) CUDA_CHECK(cudaMemsetAsync(dw, 0, fbytes(out * in), c->stream));
+        else if (dw && dw_beta == 0.0f) memset(dw, 0, fbytes(out * in));
+        return;
+    }
     Staging s(c);
     s.in(dy, fbytes(N * out));
     if (dx) {
@@ -357,12 +362,12 @@ void linear_bwd(CudaBackend *c, bool fp32, float *dx, float *dw, const float *dy
     }
     if (dw) {
         s.in(x, fbytes(N * in));
-        s.inout(dw, fbytes(out * in));
+        s.io(dw, fbytes(out * in), dw_beta != 0.0f);
     }
     s.go();
     if (fp32 || c->be.precision == TERA_PREC_FP32 || out == 0) {
         if (dx) sgemm(c, 0, 0, N, in, out, 1.0f, dy, out, w, in, dx_beta, dx, in);
-        if (dw) sgemm(c, 1, 0, out, in, N, 1.0f, dy, out, x, in, 1.0f, dw, in);
+        if (dw) sgemm(c, 1, 0, out, in, N, 1.0f, dy, out, x, in, dw_beta, dw, in);
         return;
     }
     /* dy is rounded once for both products */
@@ -375,7 +380,7 @@ void linear_bwd(CudaBackend *c, bool fp32, float *dx, float *dw, const float *dy
     }
     if (dw) {
         round_lowp(c, x16, x, N * in);
-        gemm_lowp(c, 1, 0, out, in, N, dy16, out, x16, in, 1.0f, dw, in);
+        gemm_lowp(c, 1, 0, out, in, N, dy16, out, x16, in, dw_beta, dw, in);
     }
 }
 
@@ -384,16 +389,16 @@ void cu_linear_forward(tera_backend *be, float *y, const float *x, const float *
     linear_fwd(cb(be), false, y, x, w, N, in, out, beta);
 }
 void cu_linear_backward(tera_backend *be, float *dx, float *dw, const float *dy, const float *x, const float *w,
-                        int64_t N, int64_t in, int64_t out, float dx_beta) {
-    linear_bwd(cb(be), false, dx, dw, dy, x, w, N, in, out, dx_beta);
+                        int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    linear_bwd(cb(be), false, dx, dw, dy, x, w, N, in, out, dx_beta, dw_beta);
 }
 void cu_linear_forward_fp32(tera_backend *be, float *y, const float *x, const float *w, int64_t N, int64_t in,
                             int64_t out, float beta) {
     linear_fwd(cb(be), true, y, x, w, N, in, out, beta);
 }
 void cu_linear_backward_fp32(tera_backend *be, float *dx, float *dw, const float *dy, const float *x,
-                             const float *w, int64_t N, int64_t in, int64_t out, float dx_beta) {
-    linear_bwd(cb(be), true, dx, dw, dy, x, w, N, in, out, dx_beta);
+                             const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    linear_bwd(cb(be), true, dx, dw, dy, x, w, N, in, out, dx_beta, dw_beta);
 }
 
 void cu_rmsnorm_forward(tera_backend *be, float *y, float *rstd, const float *x, const float *w, int64_t N,
