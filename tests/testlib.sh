@@ -2,6 +2,9 @@
 # pass/fail counters. Each script ends with `finish NAME`.
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
+# Open MPI's session directories away from the shared /tmp/ompi.HOST.UID, whose clean-up by one job can
+# fail another starting beside it (tests/CMakeLists.txt sets one per test; this covers a script run by hand)
+export OMPI_MCA_orte_tmpdir_base="${OMPI_MCA_orte_tmpdir_base:-$W/ompi}"
 fails=0
 pass() { echo "ok: $1"; }
 fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
