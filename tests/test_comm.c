@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "testutil.h"
+#include "comm/comm_shm.h"
 #include "tera/comm.h"
 
 static void near(double got, double want) {
@@ -315,6 +316,53 @@ static int mpi_contracts(int argc, char **argv) {
     tera_comm_free(lo2);
     for (int k = 0; k < 4; k++) free(L[k]), free(want4[k]);
 
+    /* the progress thread (comm_shm.h): an all-reduce and an all-gather of many chunks started, then
+     * no rank polls or waits: with the thread both complete by themselves (their flags read without
+     * advancing anything), in rank order; with TERA_COMM_SHM_THREAD=0 they stay where the starts left
+     * them (more chunks than a start advances) until the ranks poll */
+    if (shm) {
+        const char *te = getenv("TERA_COMM_SHM_THREAD");
+        const int thread = !(te && !strcmp(te, "0"));
+        tera_shm *seg = tera_shm_create(MPI_COMM_WORLD);
+        CHECK(seg != NULL);
+        CHECK(tera_shm_thread_running() == thread);
+        const int64_t n = 5000003; /* at least 3 chunks with the default sets, hundreds with small ones */
+        float *a = malloc(sizeof(float) * (size_t)n), *gth = malloc(sizeof(float) * (size_t)n);
+        int gcnt[64], gdisp[64];
+        for (int r = 0, at = 0; r < p; r++) gcnt[r] = (int)(n / p) + (r < n % p), gdisp[r] = at, at += gcnt[r];
+        for (int64_t i = 0; i < n; i++) a[i] = 1.0f + (float)((i * 3 + me * 17) % 89) * 1.7e-3f + (float)me * 4.1e-8f;
+        for (int64_t i = 0; i < n; i++) gth[i] = i >= gdisp[me] && i < gdisp[me] + gcnt[me] ? (float)i : -1.0f;
+        MPI_Barrier(MPI_COMM_WORLD);
+        tera_shm_op op, gop;
+        tera_shm_start(seg, &op, a, n);
+        tera_shm_start_ranges(seg, &gop, TERA_SHM_ALLGATHER, gth, gcnt, gdisp);
+        int done = 0;
+        for (int i = 0; i < (thread ? 500 : 5) && !done; i++) { /* up to 5 s (50 ms without the thread), flags only */
+            usleep(10000);
+            done = tera_shm_done(&op) && tera_shm_done(&gop);
+        }
+        if (done != thread)
+            fprintf(stderr, "rank %d: progress thread %s: after %s without polls the operations are %s\n", me,
+                    thread ? "on" : "off", thread ? "5 s" : "50 ms", done ? "done" : "not done");
+        CHECK(done == thread);
+        while (!tera_shm_done(&op) || !tera_shm_done(&gop)) tera_shm_progress();
+        int64_t bad = 0, gbad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float acc = 0.0f;
+            for (int r = 0; r < p; r++) {
+                const float val = 1.0f + (float)((i * 3 + r * 17) % 89) * 1.7e-3f + (float)r * 4.1e-8f;
+                acc = r == 0 ? val : acc + val;
+            }
+            bad += memcmp(&a[i], &acc, sizeof acc) != 0;
+            gbad += gth[i] != (float)i;
+        }
+        if (bad || gbad) fprintf(stderr, "rank %d: progress thread: %ld sums not in rank order, %ld gathered wrong\n", me, (long)bad, (long)gbad);
+        CHECK(bad == 0 && gbad == 0);
+        tera_shm_free(seg); /* the world's segment remains: the thread with it */
+        CHECK(tera_shm_thread_running() == thread);
+        free(a), free(gth);
+    }
+
     free(buf), free(many), free(rq), free(g2[0]), free(g2[1]);
     tera_comm_finalize();
     if (me == 0) printf("mpi backend contracts: ok on %d ranks (large sums %s)\n", p, shm ? "through the shared segment" : "through MPI");
@@ -327,6 +375,8 @@ static void test_mpi_backend(void **state) {
     tu_mpirun_self(3, "");
     tu_mpirun_self(3, "TERA_COMM_SHM=0 "); /* MPI's collectives for the large sums too */
     tu_mpirun_self(3, "TERA_COMM_SHM_FLOATS=12288 "); /* slots of 4 Ki floats a rank: every large op in many chunks */
+    tu_mpirun_self(3, "TERA_COMM_SHM_THREAD=0 "); /* no progress thread: the polls and waits advance the segment */
+    tu_mpirun_self(2, "TERA_COMM_SHM_THREAD=0 TERA_COMM_SHM_FLOATS=12288 ");
     tu_mpirun_self(2, "");
     tu_mpirun_self(4, ""); /* rank order shows from three terms on */
 }

@@ -150,7 +150,7 @@ static int poll_req(void *arg) {
     MPI_CHECK(MPI_Test((MPI_Request *)arg, &done, MPI_STATUS_IGNORE));
     return done;
 }
-static int poll_shm(void *arg) { return ((const tera_shm_op *)arg)->done; }
+static int poll_shm(void *arg) { return tera_shm_done((const tera_shm_op *)arg); }
 
 /* The operation this rank waits for (poll(arg)) made no progress for `limit` seconds: ask every
  * other rank what it is doing; the ones that do not answer within the grace period are named.
@@ -660,7 +660,7 @@ static int mpi_test(void *op) {
     mpi_op *o = op;
     int done = 0;
     tera_shm_progress();
-    if (o->kind == OP_WAIT_SHM) done = o->shm.done;
+    if (o->kind == OP_WAIT_SHM) done = tera_shm_done(&o->shm);
     else MPI_CHECK(MPI_Test(&o->r, &done, MPI_STATUS_IGNORE));
     if (done) op_done(o);
     return done;

@@ -1,7 +1,14 @@
 /* Shared-memory all-reduce of the MPI backend: see comm_shm.h. */
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "comm_shm.h"
 #include "tera/status.h"
@@ -21,6 +28,23 @@ struct tera_shm {
 };
 
 static tera_shm *g_groups = NULL;
+
+/* Every group's queue, chunk counter and operations' fields are guarded by g_lock: the rank's own
+ * thread (starts, polls, waits) and the progress thread (below) both advance them. g_moves counts
+ * every advance, so a caller that found the lock taken still learns that something moved (the
+ * backend's watchdog restarts on progress). */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_work = PTHREAD_COND_INITIALIZER; /* an operation was queued, or stop */
+static _Atomic uint64_t g_moves = 0;
+static _Thread_local uint64_t t_moves_seen = 0;
+static pthread_t g_thread;
+static int g_thread_on = 0, g_thread_stop = 0; /* under g_lock */
+/* under g_lock: the counter the last advance found behind (its low 32 bits and their value then): the
+ * progress thread sleeps on it (futex) until the rank behind posts, instead of polling */
+static _Atomic uint64_t *g_wait_ctr = NULL;
+static uint32_t g_wait_val = 0;
+static void thread_start(void);
+static void thread_stop(void);
 
 int64_t tera_shm_min_floats(void) {
     static int64_t v = -1;
@@ -81,19 +105,26 @@ tera_shm *tera_shm_create(MPI_Comm comm) {
     atomic_store_explicit(arrive_of(s, rank), 0, memory_order_relaxed);
     atomic_store_explicit(done_of(s, rank), 0, memory_order_relaxed);
     MPI_Barrier(comm); /* every counter zeroed before any rank starts */
+    pthread_mutex_lock(&g_lock);
     s->next = g_groups;
     g_groups = s;
+    pthread_mutex_unlock(&g_lock);
+    thread_start();
     return s;
 }
 
 void tera_shm_free(tera_shm *s) {
     if (!s) return;
+    pthread_mutex_lock(&g_lock);
     TERA_ASSERTF(!s->head, "shared-memory all-reduce still in flight when its group is freed");
     for (tera_shm **p = &g_groups; *p; p = &(*p)->next)
         if (*p == s) {
             *p = s->next;
             break;
         }
+    const int last = g_groups == NULL;
+    pthread_mutex_unlock(&g_lock);
+    if (last) thread_stop(); /* started again by the next group made */
     MPI_Win_free(&s->win);
     free(s);
 }
@@ -113,16 +144,35 @@ static void sum_slots(const tera_shm *s, uint64_t set, int64_t at, int64_t n, fl
 /* The head operation is done when its last chunk is: off the queue. */
 static void dequeue_if_done(tera_shm *s, tera_shm_op *op) {
     if (op->off < op->n) return;
-    op->done = 1;
     s->head = op->next;
     if (!s->head) s->tail = NULL;
     op->next = NULL;
+    /* the last touch of op: its owner may reuse it once it sees the flag (its buffer's writes before) */
+    atomic_store_explicit(&op->done, 1, memory_order_release);
 }
 
 static int all_reached(const tera_shm *s, _Atomic uint64_t *(*ctr)(const tera_shm *, int), uint64_t k) {
-    for (int r = 0; r < s->size; r++)
-        if (atomic_load_explicit(ctr(s, r), memory_order_acquire) < k) return 0;
+    for (int r = 0; r < s->size; r++) {
+        const uint64_t v = atomic_load_explicit(ctr(s, r), memory_order_acquire);
+        if (v < k) {
+            g_wait_ctr = ctr(s, r), g_wait_val = (uint32_t)v;
+            return 0;
+        }
+    }
     return 1;
+}
+
+/* The futex word of a counter: its low 32 bits (x86-64 is little-endian; the counters only grow, so a
+ * changed counter has changed low bits until 2^32 chunks) */
+static uint32_t *futex_word(_Atomic uint64_t *c) { return (uint32_t *)(void *)c; }
+
+static int thread_wanted(void);
+
+/* A counter of this rank set to k, and the progress threads sleeping on it (any rank's) woken. The
+ * segment is a shared mapping, so the futex is a shared one (no FUTEX_PRIVATE_FLAG). */
+static void post(_Atomic uint64_t *c, uint64_t k) {
+    atomic_store_explicit(c, k, memory_order_release);
+    if (thread_wanted()) syscall(SYS_futex, futex_word(c), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 static int64_t clamp0(int64_t x, int64_t hi) { return x < 0 ? 0 : x < hi ? x : hi; }
@@ -147,7 +197,7 @@ static int advance_ranges(tera_shm *s, tera_shm_op *op, uint64_t k, int *moved) 
             const int64_t len = clamp0(op->cnt[me] - op->off, piece);
             if (len) memcpy(mine, op->buf + op->disp[me] + op->off, sizeof(float) * (size_t)len);
         }
-        atomic_store_explicit(arrive_of(s, me), k, memory_order_release);
+        post(arrive_of(s, me), k);
         op->phase = 1, *moved = 1;
     }
     if (!all_reached(s, arrive_of, k)) return 0;
@@ -184,7 +234,7 @@ static int advance(tera_shm *s) {
         const uint64_t k = s->seq + 1; /* this chunk's number; its set of slots: k & 1 */
         if (op->phase == 0) {
             memcpy(slot(s, k, s->rank), op->buf + op->off, sizeof(float) * (size_t)m);
-            atomic_store_explicit(arrive_of(s, s->rank), k, memory_order_release);
+            post(arrive_of(s, s->rank), k);
             op->phase = 1, moved = 1;
         }
         if (op->phase == 1) {
@@ -194,7 +244,7 @@ static int advance(tera_shm *s) {
             const int64_t lo = (int64_t)s->rank * per < m ? (int64_t)s->rank * per : m;
             const int64_t hi = lo + per < m ? lo + per : m;
             if (hi > lo) sum_slots(s, k, lo, hi - lo, slot(s, k, 0) + lo);
-            atomic_store_explicit(done_of(s, s->rank), k, memory_order_release);
+            post(done_of(s, s->rank), k);
             op->phase = 2, moved = 1;
         }
         if (!all_reached(s, done_of, k)) return moved;
@@ -207,15 +257,19 @@ static int advance(tera_shm *s) {
 }
 
 static void enqueue(tera_shm *s, tera_shm_op *op) {
-    if (op->done) return;
+    if (atomic_load_explicit(&op->done, memory_order_relaxed)) return;
+    pthread_mutex_lock(&g_lock);
     if (s->tail) s->tail->next = op;
     else s->head = op;
     s->tail = op;
-    advance(s);
+    if (advance(s)) atomic_fetch_add_explicit(&g_moves, 1, memory_order_relaxed);
+    if (g_thread_on) pthread_cond_signal(&g_work);
+    pthread_mutex_unlock(&g_lock);
 }
 
 void tera_shm_start(tera_shm *s, tera_shm_op *op, float *buf, int64_t n) {
-    *op = (tera_shm_op){.kind = TERA_SHM_ALLREDUCE, .buf = buf, .n = n, .done = n <= 0};
+    *op = (tera_shm_op){.kind = TERA_SHM_ALLREDUCE, .buf = buf, .n = n};
+    atomic_init(&op->done, n <= 0);
     enqueue(s, op);
 }
 
@@ -223,13 +277,112 @@ void tera_shm_start_ranges(tera_shm *s, tera_shm_op *op, tera_shm_kind kind, flo
                            const int *disp) {
     int64_t longest = 0;
     for (int r = 0; r < s->size; r++) longest = cnt[r] > longest ? cnt[r] : longest;
-    *op = (tera_shm_op){.kind = kind, .buf = buf, .n = longest, .cnt = cnt, .disp = disp, .done = longest <= 0};
+    *op = (tera_shm_op){.kind = kind, .buf = buf, .n = longest, .cnt = cnt, .disp = disp};
+    atomic_init(&op->done, longest <= 0);
     enqueue(s, op);
 }
 
-int tera_shm_progress(void) {
-    int moved = 0;
+/* under g_lock: advances every group's queue; 1 when anything moved, *pending: 1 when anything is
+ * still queued */
+static int progress_locked(int *pending) {
+    int moved = 0, left = 0;
     for (tera_shm *s = g_groups; s; s = s->next)
-        if (s->head) moved |= advance(s);
+        if (s->head) {
+            moved |= advance(s);
+            left |= s->head != NULL;
+        }
+    if (moved) atomic_fetch_add_explicit(&g_moves, 1, memory_order_relaxed);
+    if (pending) *pending = left;
     return moved;
+}
+
+int tera_shm_progress(void) {
+    /* the progress thread holding the lock is advancing the queues itself: no need to wait for it */
+    if (pthread_mutex_trylock(&g_lock) == 0) {
+        progress_locked(NULL);
+        pthread_mutex_unlock(&g_lock);
+    }
+    const uint64_t now = atomic_load_explicit(&g_moves, memory_order_relaxed);
+    const int moved = now != t_moves_seen;
+    t_moves_seen = now;
+    return moved;
+}
+
+int tera_shm_done(const tera_shm_op *op) { return atomic_load_explicit(&op->done, memory_order_acquire); }
+
+/* ---- the progress thread: advances the queues while the rank's own thread computes, so that a chunk
+ * waits for the other ranks' progress threads, not for their next poll. Idle (nothing queued) it sleeps
+ * on g_work; with operations queued that wait for another rank it sleeps on that rank's counter (a
+ * futex the rank wakes when it posts, at most 1 ms, which also covers a new operation of another
+ * group queued meanwhile). It never spins: a spinning thread would take the core from the rank's own
+ * computation where ranks share cores, and waking on a timer (tried first: naps of 20-200 us) cost
+ * ep2 on bench-dist about 4% of its step in the context switches alone. */
+static void *progress_main(void *arg) {
+    (void)arg;
+    sigset_t all; /* asynchronous signals are for the run's own threads (src/obs/registry.c); a fault here
+                   * still reaches its handler (ASan's report, the crash message) */
+    sigfillset(&all);
+    const int sync_sigs[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS};
+    for (size_t i = 0; i < sizeof sync_sigs / sizeof sync_sigs[0]; i++) sigdelset(&all, sync_sigs[i]);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    pthread_mutex_lock(&g_lock);
+    while (!g_thread_stop) {
+        int pending = 0;
+        g_wait_ctr = NULL;
+        const int moved = progress_locked(&pending);
+        if (!pending) {
+            pthread_cond_wait(&g_work, &g_lock);
+            continue;
+        }
+        _Atomic uint64_t *const ctr = g_wait_ctr;
+        const uint32_t val = g_wait_val;
+        pthread_mutex_unlock(&g_lock);
+        if (!moved && ctr) { /* returns at once when the counter moved since the advance read it */
+            const struct timespec ms = {.tv_sec = 0, .tv_nsec = 1000000L};
+            syscall(SYS_futex, futex_word(ctr), FUTEX_WAIT, val, &ms, NULL, 0);
+        }
+        pthread_mutex_lock(&g_lock);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return NULL;
+}
+
+/* TERA_COMM_SHM_THREAD=0: no progress thread (A/B timing): the queues advance in the polls and waits */
+static int thread_wanted(void) {
+    static int v = -1; /* the same environment on every rank */
+    if (v < 0) {
+        const char *e = getenv("TERA_COMM_SHM_THREAD");
+        v = !(e && !strcmp(e, "0"));
+    }
+    return v;
+}
+
+static void thread_start(void) {
+    pthread_mutex_lock(&g_lock);
+    const int start = !g_thread_on && thread_wanted();
+    if (start) g_thread_stop = 0;
+    pthread_mutex_unlock(&g_lock);
+    if (!start) return;
+    if (pthread_create(&g_thread, NULL, progress_main, NULL) == 0) {
+        pthread_mutex_lock(&g_lock);
+        g_thread_on = 1;
+        pthread_mutex_unlock(&g_lock);
+    }
+}
+
+static void thread_stop(void) {
+    pthread_mutex_lock(&g_lock);
+    const int on = g_thread_on;
+    g_thread_stop = 1;
+    g_thread_on = 0;
+    pthread_cond_signal(&g_work);
+    pthread_mutex_unlock(&g_lock);
+    if (on) pthread_join(g_thread, NULL);
+}
+
+int tera_shm_thread_running(void) {
+    pthread_mutex_lock(&g_lock);
+    const int on = g_thread_on;
+    pthread_mutex_unlock(&g_lock);
+    return on;
 }

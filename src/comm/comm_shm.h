@@ -15,6 +15,7 @@
 #define TERA_COMM_SHM_H
 
 #include <mpi.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 typedef struct tera_shm tera_shm;
@@ -28,7 +29,7 @@ typedef struct tera_shm_op {
                                * (in the buffer; in every range for the others) */
     const int *cnt, *disp;    /* reduce-scatter, all-gather: rank r's range [disp[r], disp[r] + cnt[r]) */
     int phase;                /* 0 copy in, 1 wait for every rank's copy, 2 wait for every rank's share */
-    int done;                 /* set when the whole buffer holds the sum */
+    _Atomic int done;         /* set when the whole buffer holds the sum (read it with tera_shm_done) */
     struct tera_shm_op *next; /* the group's queue */
 } tera_shm_op;
 
@@ -50,7 +51,13 @@ void tera_shm_start(tera_shm *s, tera_shm_op *op, float *buf, int64_t n);
  * each rank sums (copies) its own pieces only. */
 void tera_shm_start_ranges(tera_shm *s, tera_shm_op *op, tera_shm_kind kind, float *buf, const int *cnt,
                            const int *disp);
-/* Advances every group's queue without waiting; returns 1 when anything moved. */
+/* Advances every group's queue without waiting (unless the progress thread is at it); returns 1 when
+ * anything moved since this thread's previous call, by whichever thread. */
 int tera_shm_progress(void);
+/* 1 once op is done: its buffer holds the result and op may be reused (acquire) */
+int tera_shm_done(const tera_shm_op *op);
+/* 1 while the progress thread runs (every group made starts it unless TERA_COMM_SHM_THREAD=0; the last
+ * group freed stops it) */
+int tera_shm_thread_running(void);
 
 #endif
