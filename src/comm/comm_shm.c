@@ -162,9 +162,11 @@ static int all_reached(const tera_shm *s, _Atomic uint64_t *(*ctr)(const tera_sh
     return 1;
 }
 
-/* The futex word of a counter: its low 32 bits (x86-64 is little-endian; the counters only grow, so a
- * changed counter has changed low bits until 2^32 chunks) */
-static uint32_t *futex_word(_Atomic uint64_t *c) { return (uint32_t *)(void *)c; }
+/* The futex word of a counter: its low 32 bits (the counters only grow, so a changed counter has
+ * changed low bits until 2^32 chunks) */
+static uint32_t *futex_word(_Atomic uint64_t *c) {
+    return (uint32_t *)(void *)c + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
+}
 
 static int thread_wanted(void);
 
@@ -315,8 +317,8 @@ int tera_shm_done(const tera_shm_op *op) { return atomic_load_explicit(&op->done
  * on g_work; with operations queued that wait for another rank it sleeps on that rank's counter (a
  * futex the rank wakes when it posts, at most 1 ms, which also covers a new operation of another
  * group queued meanwhile). It never spins: a spinning thread would take the core from the rank's own
- * computation where ranks share cores, and waking on a timer (tried first: naps of 20-200 us) cost
- * ep2 on bench-dist about 4% of its step in the context switches alone. */
+ * computation where ranks share cores; waking on a timer (tried first: naps of 20-200 us) cost ep2 on
+ * bench-dist about 4% of its tokens/s (docs/PERFORMANCE.md, "Wave 14"), likely its context switches. */
 static void *progress_main(void *arg) {
     (void)arg;
     sigset_t all; /* asynchronous signals are for the run's own threads (src/obs/registry.c); a fault here
@@ -357,17 +359,14 @@ static int thread_wanted(void) {
     return v;
 }
 
+/* under the lock throughout: the new thread waits for it before its first look at the queues */
 static void thread_start(void) {
     pthread_mutex_lock(&g_lock);
-    const int start = !g_thread_on && thread_wanted();
-    if (start) g_thread_stop = 0;
-    pthread_mutex_unlock(&g_lock);
-    if (!start) return;
-    if (pthread_create(&g_thread, NULL, progress_main, NULL) == 0) {
-        pthread_mutex_lock(&g_lock);
-        g_thread_on = 1;
-        pthread_mutex_unlock(&g_lock);
+    if (!g_thread_on && thread_wanted()) {
+        g_thread_stop = 0;
+        g_thread_on = pthread_create(&g_thread, NULL, progress_main, NULL) == 0;
     }
+    pthread_mutex_unlock(&g_lock);
 }
 
 static void thread_stop(void) {
