@@ -55,6 +55,8 @@ typedef struct {
     layout_t base;            /* its layout */
     char run_dir[TERA_PATH_MAX];
     char edir[TERA_PATH_MAX + 16];
+    char mpi_sess[TERA_PATH_MAX + 64]; /* Open MPI's session directory base on this host, when ours ("" if the
+                                        * caller set OMPI_MCA_orte_tmpdir_base) */
     FILE *events;
     double t0;                /* supervisor start (monotonic) */
 } sup_t;
@@ -436,6 +438,7 @@ static tera_status launch(sup_t *s, attempt_t *a, int resume) {
         int fd = open(a->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd >= 0) dup2(fd, 1), dup2(fd, 2);
         setenv("TERA_HEARTBEAT_DIR", a->hb, 1);
+        if (s->mpi_sess[0]) setenv("OMPI_MCA_orte_tmpdir_base", s->mpi_sess, 1);
         execvp(argv[0], argv);
         fprintf(stderr, "tera launch: cannot run %s: %s\n", argv[0], strerror(errno));
         _exit(127);
@@ -854,6 +857,17 @@ int tera_cmd_launch(int argc, char **argv) {
         tera_fail(TERA_ERR_IO, "cannot open %s: %s", path, strerror(errno));
         return tera_cli_error();
     }
+    /* A session directory of the job's own on this host: under the shared /tmp/ompi.HOST.UID one job's
+     * clean-up removes the emptied top directory while another job started beside it is creating its
+     * own inside, which fails that job at start ('orte_session_dir failed'; docs/PARALLELISM.md,
+     * Launch). Kept when the caller chose one. */
+    const char *base = getenv("OMPI_MCA_orte_tmpdir_base");
+    if (!base || !base[0]) {
+        const char *tmp = getenv("TMPDIR");
+        const int len = snprintf(s.mpi_sess, sizeof s.mpi_sess, "%s/tera-launch.%u.%ld", tmp && tmp[0] ? tmp : "/tmp",
+                                 (unsigned)getuid(), (long)getpid());
+        if (len < 0 || len >= (int)sizeof s.mpi_sess) s.mpi_sess[0] = '\0'; /* too long: Open MPI's default */
+    }
     s.t0 = mono();
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa;
@@ -861,11 +875,14 @@ int tera_cmd_launch(int argc, char **argv) {
     sa.sa_handler = on_stop;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    static char ebuf[2 * TERA_PATH_MAX + 16];
+    static char ebuf[2 * TERA_PATH_MAX + 16], sbuf[2 * TERA_PATH_MAX + 160];
     event(&s, "start", ", \"hosts\": %d, \"slots\": %d, \"np\": %d, \"max_restarts\": %d, \"hang_timeout_s\": %.1f, "
-          "\"hang_factor\": %.1f, \"run_dir\": \"%s\"", s.n_hosts, slots, s.np, s.max_restarts, s.hang_floor,
-          s.hang_factor, esc(s.run_dir, ebuf, sizeof ebuf));
+          "\"hang_factor\": %.1f, \"run_dir\": \"%s\", \"mpi_session_base\": \"%s\"", s.n_hosts, slots, s.np,
+          s.max_restarts, s.hang_floor, s.hang_factor, esc(s.run_dir, ebuf, sizeof ebuf),
+          esc(s.mpi_sess[0] ? s.mpi_sess : base ? base : "", sbuf, sizeof sbuf));
     const int rc = supervise(&s);
+    /* mpirun removes its own directories inside; what a killed job left goes with the base */
+    if (s.mpi_sess[0] && access(s.mpi_sess, F_OK) == 0) (void)tera_ckpt_rmtree(s.mpi_sess);
     fclose(s.events);
     return rc;
 }
