@@ -40,8 +40,8 @@ case "$got" in
                                      || fail "mpirun got $got, the start event says $ev" ;;
 *) fail "mpirun's OMPI_MCA_orte_tmpdir_base: '$got', expected $W/tmp/tera-launch.$(id -u).PID" ;;
 esac
-[ -n "$got" ] && [ ! -e "$got" ] && pass "own session base removed at the end, with what was left inside" \
-    || fail "own session base still there: $(find "$got" 2> /dev/null | head -3 | tr '\n' ' ')"
+[ -n "$ev" ] && [ "$got" = "$ev" ] && [ ! -e "$ev" ] && pass "own session base removed at the end, with what was left inside" \
+    || fail "own session base '$ev' (mpirun got '$got') not removed or not used: $(find "$ev" 2> /dev/null | head -3 | tr '\n' ' ')"
 
 # 2. the caller's base: passed on, left alone
 OMPI_MCA_orte_tmpdir_base="$W/mine" FAKE_OUT="$W/fake2" "$TERA" launch --hosts localhost:1 --mpirun "$W/fake-mpirun" \

@@ -882,7 +882,8 @@ int tera_cmd_launch(int argc, char **argv) {
           esc(s.mpi_sess[0] ? s.mpi_sess : base ? base : "", sbuf, sizeof sbuf));
     const int rc = supervise(&s);
     /* mpirun removes its own directories inside; what a killed job left goes with the base */
-    if (s.mpi_sess[0] && access(s.mpi_sess, F_OK) == 0) (void)tera_ckpt_rmtree(s.mpi_sess);
+    if (s.mpi_sess[0] && access(s.mpi_sess, F_OK) == 0 && tera_ckpt_rmtree(s.mpi_sess) != TERA_OK)
+        fprintf(stderr, "tera launch: note: Open MPI's session directory is left behind: %s\n", tera_last_error());
     fclose(s.events);
     return rc;
 }
