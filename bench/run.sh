@@ -7,6 +7,14 @@
 # Usage: bench/run.sh [TERA] [configs...]   (STEPS=10 WARMUP=3 THREADS="1 2" PRECISIONS="fp32 bf16")
 # A precision may name the bf16 units (training.bf16_gemm): PRECISIONS="fp32 bf16:native bf16:fma";
 # plain bf16 leaves them to auto. The prec column shows the units in effect (bf16/fma, bf16/native).
+# OpenMP wait policy (docs/PERFORMANCE.md, "Wave 16"; bench/wait_policy.sh compares them): tera runs
+# under the runtime's default (TERA_OMP_WAIT="", what a `tera train` gets unless its caller sets
+# OMP_WAIT_POLICY; PASSIVE cost it 4-11% at 2 threads). The PyTorch peer's best policy depends on the
+# precision and the run (fp32: its OpenBLAS threads and OpenMP's spinning share 2 cores badly, bench-s
+# 1273 tokens/s against PASSIVE's 2596; bf16: autocast's oneDNN products 2109 against PASSIVE's
+# 1833), so by default (PEER_OMP_WAIT=best) each peer row is run under PASSIVE and under the default
+# and the faster one is kept; its JSON line names it (omp_wait_policy) and the other's tokens/s
+# (other_policy_tokens_per_s). TERA_OMP_WAIT and PEER_OMP_WAIT also take PASSIVE, ACTIVE or "" (unset).
 set -euo pipefail
 TERA=${1:-build/tera}
 shift || true
@@ -15,7 +23,25 @@ STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 THREADS=${THREADS:-1 2}
 PRECISIONS=${PRECISIONS:-fp32 bf16}
+TERA_OMP_WAIT=${TERA_OMP_WAIT-}
+PEER_OMP_WAIT=${PEER_OMP_WAIT-best}
 cd "$(dirname "$0")/.."
+# env(1) arguments giving a side its wait policy ("" unsets the variable: the runtime's default)
+wait_env() { if [ -n "$1" ]; then echo "OMP_WAIT_POLICY=$1"; else echo "-u OMP_WAIT_POLICY"; fi; }
+# the peer's JSON line for config $1, threads $2, precision $3 under wait policy $4, naming the policy
+peer_run() {
+    env $(wait_env "$4") OMP_NUM_THREADS=$2 /usr/bin/python3 bench/torch_peer.py --config $1 --threads $2 \
+        --precision $3 --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM \
+        | /usr/bin/python3 -c 'import json, sys; a = json.loads(sys.stdin.read()); a["omp_wait_policy"] = sys.argv[1]; print(json.dumps(a))' "${4:-default}"
+}
+# the faster of two peer lines, with the other's tokens/s
+faster() {
+    /usr/bin/python3 -c 'import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+if b["tokens_per_s"] > a["tokens_per_s"]: a, b = b, a
+a["other_policy_tokens_per_s"] = b["tokens_per_s"]
+print(json.dumps(a))' "$1" "$2"
+}
 mkdir -p bench/results
 OUT=bench/results/latest.jsonl
 : > "$OUT"
@@ -26,19 +52,25 @@ PEER_GEMM=${PEER_GEMM:-blas}
 have_torch=1
 /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
 
-printf "%-8s %3s %11s | %12s %7s %7s | %12s %7s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" ratio
+echo "OpenMP wait policy: tera ${TERA_OMP_WAIT:-default (unset)}; PyTorch peer ${PEER_OMP_WAIT:-default (unset)}"
+printf "%-8s %3s %11s | %12s %7s %7s | %12s %7s %8s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" "policy" ratio
 for cfg in $CONFIGS; do
     for t in $THREADS; do
         for p in $PRECISIONS; do
             prec=${p%%:*}
             units=(); [ "$prec" != "$p" ] && units=(--training.bf16_gemm=${p#*:})
-            tj=$(OMP_WAIT_POLICY=PASSIVE "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
+            tj=$(env $(wait_env "$TERA_OMP_WAIT") "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
                  --warmup $WARMUP --training.precision=$prec "${units[@]}" 2> bench/results/profile-$cfg-t$t-${p/:/-}.txt)
             echo "$tj" >> "$OUT"
             pj='{}'
             if [ $have_torch = 1 ]; then
-                pj=$(OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_peer.py --config $cfg \
-                     --threads $t --precision $prec --steps $STEPS --warmup $WARMUP --fp32-gemm $PEER_GEMM)
+                if [ "$PEER_OMP_WAIT" = best ] && [ "$t" -gt 1 ]; then # one thread: no team waits
+                    pj=$(faster "$(peer_run $cfg $t $prec PASSIVE)" "$(peer_run $cfg $t $prec "")")
+                else
+                    pw=$PEER_OMP_WAIT
+                    [ "$pw" = best ] && pw=PASSIVE
+                    pj=$(peer_run $cfg $t $prec "$pw")
+                fi
                 echo "$pj" >> "$OUT"
             fi
             /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
@@ -46,9 +78,9 @@ import json, sys
 a = json.loads(sys.argv[1]); b = json.loads(sys.argv[2])
 pt = b.get("tokens_per_s"); pg = b.get("tflops", 0) * 1e3 if b else None
 prec = a["precision"] + ("/" + a["bf16_gemm"] if a.get("bf16_gemm", "-") != "-" else "")
-print("%-8s %3d %11s | %12.0f %7.1f %6.1f%% | %12s %7s | %6s" % (
+print("%-8s %3d %11s | %12.0f %7.1f %6.1f%% | %12s %7s %8s | %6s" % (
     a["config"], a["threads"], prec, a["tokens_per_s"], a["gflops"], 100 * a["mfu"],
-    "%.0f" % pt if pt else "-", "%.1f" % pg if pt else "-",
+    "%.0f" % pt if pt else "-", "%.1f" % pg if pt else "-", b.get("omp_wait_policy", "-"),
     "%.2fx" % (a["tokens_per_s"] / pt) if pt else "-"))
 PY
         done

@@ -63,4 +63,38 @@ for isa in AVX512_CORE default; do
     done
     [ $ok = 1 ] && pass "wide head, $isa: 1, 2 and 3 threads give byte-identical step records, weights and moments"
 done
+# The OpenMP wait policy changes when threads sleep, never what they compute: 2 threads under
+# OMP_WAIT_POLICY=PASSIVE and ACTIVE give the bytes of the default policy's run above; and tera bench
+# names the policy it ran under (omp_wait_policy: the variable's word, "default" unset, "other" for a
+# value that is not one word), which bench/run.sh relies on (docs/PERFORMANCE.md, "Wave 16")
+ok=1
+for pol in PASSIVE ACTIVE; do
+    env -u ONEDNN_MAX_CPU_ISA OMP_WAIT_POLICY=$pol "$TERA" train "${A[@]}" --training.threads=2 --logging.run_dir="$W/p$pol" \
+        > "$W/p$pol.log" 2>&1 || { fail "OMP_WAIT_POLICY=$pol: $(grep error "$W/p$pol.log" | head -2)"; ok=0; continue; }
+    if cmp -s <(untimed "$W/default-2/metrics.jsonl") <(untimed "$W/p$pol/metrics.jsonl") \
+        && cmp -s "$(ck default-2)/model.safetensors" "$(ck p$pol)/model.safetensors" \
+        && cmp -s "$(ck default-2)/optimizer.safetensors" "$(ck p$pol)/optimizer.safetensors"; then :
+    else
+        fail "OMP_WAIT_POLICY=$pol: 2 threads differ from the default policy's run"
+        ok=0
+    fi
+done
+[ $ok = 1 ] && pass "OMP_WAIT_POLICY PASSIVE and ACTIVE: byte-identical step records, weights and moments at 2 threads"
+S=(--model.dim=32 --model.n_layers=1 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --training.seq_len=32
+   --training.micro_batch=2 --data.path="$W/c.txt" --logging.progress=false)
+for pol in PASSIVE default 'x"y'; do
+    want=$pol
+    [ "$pol" = 'x"y' ] && want=other
+    if [ "$pol" = default ]; then
+        env -u OMP_WAIT_POLICY "$TERA" bench "${S[@]}" --steps 1 --warmup 0 --threads 2 > "$W/b.json" 2> "$W/b.log"
+    else
+        OMP_WAIT_POLICY=$pol "$TERA" bench "${S[@]}" --steps 1 --warmup 0 --threads 2 > "$W/b.json" 2> "$W/b.log"
+    fi
+    got=$(jq -r .omp_wait_policy "$W/b.json" 2> /dev/null)
+    if [ "$got" = "$want" ]; then
+        pass "tera bench under OMP_WAIT_POLICY=$pol: omp_wait_policy \"$got\""
+    else
+        fail "tera bench under OMP_WAIT_POLICY=$pol: omp_wait_policy '$got', expected '$want' ($(tail -2 "$W/b.log"))"
+    fi
+done
 finish cli_threads

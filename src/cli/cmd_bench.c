@@ -49,12 +49,25 @@ static double sgemm_peak_gflops(void) {
     return best;
 }
 
-/* CPU seconds of this process (all threads): with passive OpenMP waits, the compute done, which
- * other work on the machine slows down far less than it slows wall time. */
+/* CPU seconds of this process (all threads): with passive OpenMP waits (OMP_WAIT_POLICY=PASSIVE), the
+ * compute done, which other work on the machine slows down far less than it slows wall time; under
+ * the runtime's default policy it also counts the threads' spinning between parallel regions. */
 static double cpu_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The OpenMP wait policy this process runs under, for the JSON line: OMP_WAIT_POLICY as set (a word of
+ * letters, as the runtime accepts), "default" when unset (libgomp then spins a while before sleeping),
+ * "other" for anything else. It moves multi-threaded steps by 4-11% on 2 cores (PERFORMANCE.md,
+ * "Wave 16"), so a benchmark line says which one it measured. */
+static const char *omp_wait_policy(void) {
+    const char *v = getenv("OMP_WAIT_POLICY");
+    if (!v || !*v) return "default";
+    for (const char *p = v; *p; p++)
+        if (!((*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z')) || p - v > 16) return "other";
+    return v;
 }
 
 /* --NAME S as an integer in [lo, hi] (atoi read "abc" as 0); 0, or 1 with the error set. */
@@ -224,8 +237,8 @@ int tera_cmd_bench(int argc, char **argv) {
                 printf("%s\"%s\": %.3f", k ? ", " : ", \"exposed_comm_ms_by_kind\": {", tera_traffic_kind_name(k),
                        1e3 * blk_kind[k]);
             printf("}");
-            printf(", \"ep_load_max_over_mean\": %.4f, \"router_force_balance\": %d", ep_imb,
-                   cfg.model.router_force_balance);
+            printf(", \"ep_load_max_over_mean\": %.4f, \"router_force_balance\": %d, \"omp_wait_policy\": \"%s\"",
+                   ep_imb, cfg.model.router_force_balance, omp_wait_policy());
             /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
              * of those the ones already complete at their wait (rank 0's) */
             int64_t tp_early = 0;
@@ -260,11 +273,12 @@ int tera_cmd_bench(int argc, char **argv) {
     printf("{\"impl\": \"tera\", \"config\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"bf16_gemm\": \"%s\", "
            "\"tokens_per_s\": %.1f, \"step_ms_median\": %.2f, \"flops_per_token\": %.0f, \"gflops\": %.1f, "
            "\"sgemm_peak_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %s, \"recompute\": \"%s\", "
-           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f, \"router_force_balance\": %d",
+           "\"act_bytes\": %lld, \"cpu_ms_per_step\": %.2f, \"router_force_balance\": %d, "
+           "\"omp_wait_policy\": \"%s\"",
            val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.prec.precision),
            tr.prec.precision != TERA_PREC_BF16 ? "-" : tr.prec.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
-           (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance);
+           (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance, omp_wait_policy());
     tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);
     printf("}\n");
     free(sec);
