@@ -15,6 +15,11 @@
 # 1833), so by default (PEER_OMP_WAIT=best) each peer row is run under PASSIVE and under the default
 # and the faster one is kept; its JSON line names it (omp_wait_policy) and the other's tokens/s
 # (other_policy_tokens_per_s). TERA_OMP_WAIT and PEER_OMP_WAIT also take PASSIVE, ACTIVE or "" (unset).
+# ROUNDS=N (default 1) runs the whole grid N times, round after round (every row sees the same drift of
+# a shared machine), and ends with a table of medians: per row the median tokens/s with its range, the
+# median of each round's MFU (each against its own round's sgemm peak) and the ratio of the medians.
+# Single runs here move by up to 19% (docs/PERFORMANCE.md, "Wave 15"): judge targets by ROUNDS=3.
+# PEER=0 leaves the PyTorch peer out.
 set -euo pipefail
 TERA=${1:-build/tera}
 shift || true
@@ -25,6 +30,9 @@ THREADS=${THREADS:-1 2}
 PRECISIONS=${PRECISIONS:-fp32 bf16}
 TERA_OMP_WAIT=${TERA_OMP_WAIT-}
 PEER_OMP_WAIT=${PEER_OMP_WAIT-best}
+ROUNDS=${ROUNDS:-1}
+PEER=${PEER:-1}
+case "$ROUNDS" in ''|*[!0-9]*|0) echo "bench/run.sh: ROUNDS='$ROUNDS' is not a positive integer" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 # env(1) arguments giving a side its wait policy ("" unsets the variable: the runtime's default)
 wait_env() { if [ -n "$1" ]; then echo "OMP_WAIT_POLICY=$1"; else echo "-u OMP_WAIT_POLICY"; fi; }
@@ -50,9 +58,15 @@ OUT=bench/results/latest.jsonl
 if grep -q avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}; fi
 PEER_GEMM=${PEER_GEMM:-blas}
 have_torch=1
-/usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
+if [ "$PEER" = 0 ]; then have_torch=0
+else /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
+fi
+# a JSON line with "round": $2 added
+with_round() { /usr/bin/python3 -c 'import json, sys; a = json.loads(sys.argv[1]); a["round"] = int(sys.argv[2]); print(json.dumps(a))' "$1" "$2"; }
 
 echo "OpenMP wait policy: tera ${TERA_OMP_WAIT:-default (unset)}; PyTorch peer ${PEER_OMP_WAIT:-default (unset)}"
+for round in $(seq 1 "$ROUNDS"); do
+[ "$ROUNDS" -gt 1 ] && echo "round $round of $ROUNDS ($(date -u +%H:%M:%S) UTC)"
 printf "%-8s %3s %11s | %12s %7s %7s | %12s %7s %8s | %6s\n" config thr prec "tera tok/s" "GF/s" MFU "torch tok/s" "GF/s" "policy" ratio
 for cfg in $CONFIGS; do
     for t in $THREADS; do
@@ -61,6 +75,7 @@ for cfg in $CONFIGS; do
             units=(); [ "$prec" != "$p" ] && units=(--training.bf16_gemm=${p#*:})
             tj=$(env $(wait_env "$TERA_OMP_WAIT") "$TERA" bench -c configs/$cfg.ini --name $cfg --threads $t --steps $STEPS \
                  --warmup $WARMUP --training.precision=$prec "${units[@]}" 2> bench/results/profile-$cfg-t$t-${p/:/-}.txt)
+            tj=$(with_round "$tj" "$round")
             echo "$tj" >> "$OUT"
             pj='{}'
             if [ $have_torch = 1 ]; then
@@ -71,6 +86,7 @@ for cfg in $CONFIGS; do
                     [ "$pw" = best ] && pw=PASSIVE
                     pj=$(peer_run $cfg $t $prec "$pw")
                 fi
+                pj=$(with_round "$pj" "$round")
                 echo "$pj" >> "$OUT"
             fi
             /usr/bin/python3 - "$tj" "$pj" <<'PY' 2>/dev/null || echo "$tj"
@@ -86,6 +102,34 @@ PY
         done
     done
 done
+done
+if [ "$ROUNDS" -gt 1 ]; then
+    echo
+    echo "medians over $ROUNDS rounds (tokens/s: median [min-max]; MFU: median of the rounds' own; ratio of the medians):"
+    /usr/bin/python3 - "$OUT" <<'PY'
+import json, statistics, sys
+rows, order, last = {}, [], None
+for l in open(sys.argv[1]):
+    a = json.loads(l)
+    if a.get("impl", "tera") != "tera":  # the peer's line follows the tera line of its row
+        if last: rows[last]["peer"].append(a["tokens_per_s"])
+        continue
+    prec = a["precision"] + ("/" + a["bf16_gemm"] if a.get("bf16_gemm", "-") != "-" else "")
+    last = (a["config"], a["threads"], prec)
+    if last not in rows:
+        rows[last] = {"tera": [], "mfu": [], "peer": []}
+        order.append(last)
+    rows[last]["tera"].append(a["tokens_per_s"])
+    rows[last]["mfu"].append(a["mfu"])
+print("%-8s %3s %11s | %22s %7s | %22s | %6s" % ("config", "thr", "prec", "tera tok/s", "MFU", "torch tok/s", "ratio"))
+for key in order:
+    r = rows[key]
+    t, p = r["tera"], r["peer"]
+    rng = lambda v: "%.0f [%.0f-%.0f]" % (statistics.median(v), min(v), max(v))
+    print("%-8s %3d %11s | %22s %6.1f%% | %22s | %6s" % (key[0], key[1], key[2], rng(t), 100 * statistics.median(r["mfu"]),
+          rng(p) if p else "-", "%.2fx" % (statistics.median(t) / statistics.median(p)) if p else "-"))
+PY
+fi
 echo
 echo "fp32 GEMM peak (best of 2048^3 products before and after the steps, same run):"
 grep -o '"threads": [0-9]*, .*"sgemm_peak_gflops": [0-9.]*' "$OUT" | sed 's/"precision.*"sgemm/ sgemm/' | sort -u

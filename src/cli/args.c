@@ -1,4 +1,7 @@
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "cli.h"
 #include "tera/comm.h"
@@ -6,6 +9,23 @@
 int tera_cli_error(void) {
     tera_comm_print_error(tera_last_error()); /* once for the job (src/comm: rank 0 prints what all share) */
     return 1;
+}
+
+const char *tera_cli_wait_policy(void) {
+    const char *v = getenv("OMP_WAIT_POLICY");
+    if (!v || !*v) return "default";
+    for (const char *p = v; *p; p++)
+        if (!((*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z')) || p - v > 16) return "other";
+    return v;
+}
+
+void tera_cli_wait_policy_note(const char *who, int threads) {
+    if (threads < 2 || strcasecmp(tera_cli_wait_policy(), "passive")) return;
+    fprintf(stderr,
+            "%s: note: OMP_WAIT_POLICY=%s puts the %d threads to sleep after each of the step's parallel regions "
+            "(hundreds a step), which cost 4-11%% of tokens/s at 2 threads on 2 cores (docs/PERFORMANCE.md, "
+            "\"Wave 16\"); leave it unset unless other processes need these cores\n",
+            who, getenv("OMP_WAIT_POLICY"), threads);
 }
 
 /* The section.key names set by --section.key=value on the last parsed command line (the blanks

@@ -36,5 +36,13 @@ tera_status tera_cli_ckpt_source(const char *arg, char *dir, size_t cap);
  * (not through -c FILE). A key or an option given twice on one command line is an error there, and
  * so are --resume with --force. */
 int tera_cli_given(const char *key);
+/* The OpenMP wait policy this process runs under: OMP_WAIT_POLICY as set when it is one word of
+ * letters (as the runtime reads it), "default" when unset (libgomp then spins a while before a thread
+ * sleeps), "other" for anything else, so that it can go into a JSON string as it is. */
+const char *tera_cli_wait_policy(void);
+/* Under OMP_WAIT_POLICY=PASSIVE (any case, as libgomp reads it) with threads > 1: one note on stderr,
+ * prefixed by `who`, that sleeping between the step's parallel regions costs tokens/s (4-11% at 2
+ * threads, docs/PERFORMANCE.md "Wave 16"). Nothing otherwise. */
+void tera_cli_wait_policy_note(const char *who, int threads);
 
 #endif

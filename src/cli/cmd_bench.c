@@ -58,18 +58,6 @@ static double cpu_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The OpenMP wait policy this process runs under, for the JSON line: OMP_WAIT_POLICY as set (a word of
- * letters, as the runtime accepts), "default" when unset (libgomp then spins a while before sleeping),
- * "other" for anything else. It moves multi-threaded steps by 4-11% on 2 cores (PERFORMANCE.md,
- * "Wave 16"), so a benchmark line says which one it measured. */
-static const char *omp_wait_policy(void) {
-    const char *v = getenv("OMP_WAIT_POLICY");
-    if (!v || !*v) return "default";
-    for (const char *p = v; *p; p++)
-        if (!((*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z')) || p - v > 16) return "other";
-    return v;
-}
-
 /* --NAME S as an integer in [lo, hi] (atoi read "abc" as 0); 0, or 1 with the error set. */
 static int opt_int(const char *name, const char *s, int lo, int hi, int *out) {
     char *end;
@@ -105,6 +93,7 @@ int tera_cmd_bench(int argc, char **argv) {
     if (tera_trainer_init(&tr, &cfg, "", 0) != TERA_OK) return tera_cli_error();
     fprintf(stderr, "tera bench: precision %s%s%s\n", tr.prec.precision_note,
             tr.prec.bf16_gemm_note[0] ? " | bf16 products: " : "", tr.prec.bf16_gemm_note);
+    if (tr.root) tera_cli_wait_policy_note("tera bench", tera_get_threads());
     /* several ranks share this machine's cores: a peak measured by all at once means nothing */
     const int multi = tr.topo.world > 1;
     double peak = multi ? 0.0 : sgemm_peak_gflops();
@@ -238,7 +227,7 @@ int tera_cmd_bench(int argc, char **argv) {
                        1e3 * blk_kind[k]);
             printf("}");
             printf(", \"ep_load_max_over_mean\": %.4f, \"router_force_balance\": %d, \"omp_wait_policy\": \"%s\"",
-                   ep_imb, cfg.model.router_force_balance, omp_wait_policy());
+                   ep_imb, cfg.model.router_force_balance, tera_cli_wait_policy());
             /* parallel.tp_overlap: the tensor-parallel sums waited for after work that overlapped them, and
              * of those the ones already complete at their wait (rank 0's) */
             int64_t tp_early = 0;
@@ -278,7 +267,7 @@ int tera_cmd_bench(int argc, char **argv) {
            val[3] ? val[3] : "custom", tera_get_threads(), tera_precision_name(tr.prec.precision),
            tr.prec.precision != TERA_PREC_BF16 ? "-" : tr.prec.bf16_gemm == TERA_BF16_FMA ? "fma" : "native", tps, 1e3 * med, fpt,
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
-           (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance, omp_wait_policy());
+           (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance, tera_cli_wait_policy());
     tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);
     printf("}\n");
     free(sec);

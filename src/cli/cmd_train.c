@@ -41,6 +41,7 @@ static void print_summary(const tera_trainer *tr) {
             m->bytes_params / MiB, m->bytes_grads / MiB, (double)tera_zero_optimizer_bytes(tr->sharding) / MiB, m->bytes_acts / MiB,
             c->training.recompute, m->bytes_scratch / MiB, tr->prec.precision_note,
             tr->prec.bf16_gemm_note[0] ? " | bf16 products: " : "", tr->prec.bf16_gemm_note);
+    tera_cli_wait_policy_note("tera", tera_get_threads());
     tera_data_report(&tr->loader, stderr); /* a blend's datasets, online tokenization's throughput */
     const tera_train_config *t = &c->training;
     static const char *const rules[] = {"sqrt", "linear", "none"};
