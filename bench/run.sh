@@ -108,7 +108,7 @@ if [ "$ROUNDS" -gt 1 ]; then
     echo "medians over $ROUNDS rounds (tokens/s: median [min-max]; MFU: median of the rounds' own; ratio of the medians):"
     /usr/bin/python3 - "$OUT" <<'PY'
 import json, statistics, sys
-rows, order, last = {}, [], None
+rows, last = {}, None  # rows in first-seen order (dicts keep insertion order)
 for l in open(sys.argv[1]):
     a = json.loads(l)
     if a.get("impl", "tera") != "tera":  # the peer's line follows the tera line of its row
@@ -116,18 +116,17 @@ for l in open(sys.argv[1]):
         continue
     prec = a["precision"] + ("/" + a["bf16_gemm"] if a.get("bf16_gemm", "-") != "-" else "")
     last = (a["config"], a["threads"], prec)
-    if last not in rows:
-        rows[last] = {"tera": [], "mfu": [], "peer": []}
-        order.append(last)
-    rows[last]["tera"].append(a["tokens_per_s"])
-    rows[last]["mfu"].append(a["mfu"])
+    r = rows.setdefault(last, {"tera": [], "mfu": [], "peer": []})
+    r["tera"].append(a["tokens_per_s"])
+    r["mfu"].append(a["mfu"])
 print("%-8s %3s %11s | %22s %7s | %22s | %6s" % ("config", "thr", "prec", "tera tok/s", "MFU", "torch tok/s", "ratio"))
-for key in order:
-    r = rows[key]
+rng = lambda v, m: "%.0f [%.0f-%.0f]" % (m, min(v), max(v))
+for key, r in rows.items():
     t, p = r["tera"], r["peer"]
-    rng = lambda v: "%.0f [%.0f-%.0f]" % (statistics.median(v), min(v), max(v))
-    print("%-8s %3d %11s | %22s %6.1f%% | %22s | %6s" % (key[0], key[1], key[2], rng(t), 100 * statistics.median(r["mfu"]),
-          rng(p) if p else "-", "%.2fx" % (statistics.median(t) / statistics.median(p)) if p else "-"))
+    mt = statistics.median(t)
+    mp = statistics.median(p) if p else None
+    print("%-8s %3d %11s | %22s %6.1f%% | %22s | %6s" % (key[0], key[1], key[2], rng(t, mt), 100 * statistics.median(r["mfu"]),
+          rng(p, mp) if p else "-", "%.2fx" % (mt / mp) if p else "-"))
 PY
 fi
 echo

@@ -57,6 +57,13 @@ fi
 expect_error "empty input" "empty.txt" "$TERA" data prepare --input "$W/empty.txt" --output "$W/e"
 expect_error "missing input" "nope.txt" "$TERA" data prepare --input "$W/nope.txt" --output "$W/e"
 expect_error "existing dataset" "already exists" "$TERA" data prepare --input "$W/corpus.txt" --tokenizer "$W/tok" --output "$W/ds"
+# a lone .bin (another file, or the input itself) and a lone vocab.bpe are refused too, and kept
+echo precious > "$W/lone.bin"
+expect_error "existing .bin" "lone.bin' already exists" "$TERA" data prepare --input "$W/corpus.txt" --output "$W/lone"
+mkdir -p "$W/lonetok" && echo precious > "$W/lonetok/vocab.bpe"
+expect_error "existing vocab.bpe" "vocab.bpe' already exists" "$TERA" tokenizer train --input "$W/corpus.txt" --vocab-size 300 --output "$W/lonetok"
+[ "$(cat "$W/lone.bin")" = precious ] && [ "$(cat "$W/lonetok/vocab.bpe")" = precious ] && [ ! -e "$W/lone.idx" ] \
+    && pass "a refused prepare or tokenizer train leaves the existing files as they were" || fail "existing files changed"
 expect_error "missing tokenizer" "notok" "$TERA" data prepare --input "$W/corpus.txt" --tokenizer "$W/notok" --output "$W/x"
 
 # 3. several files after one --input (as the usage line says) = one --input per file; the

@@ -10,9 +10,12 @@
 #   - a run starting from a Hugging Face directory (training.init_from, exported from dp1's checkpoint)
 # stays within P + MARGIN, with MARGIN (16 MiB) far below one copy of the weights (27.6 MiB; the
 # code this replaced held 3 whole copies on every rank while saving: +170 MiB at dp4). One rank
-# (dp = 1) snapshots its own storage for the background writer (3 x its floats, the rank's double
-# buffer), which is the whole model there: its bound is P + that snapshot + MARGIN. Also checked:
-# `tera train` prints the peak (field names peak_rss_mib, peak_rss_rank, peak_rss_mib_by_rank).
+# (dp = 1) snapshots its own storage only for a save in the background (3 x its floats, the rank's
+# double buffer, which is the whole model there; checkpoint.async with checkpoint.every): its bound
+# is P + the snapshot `tera train` announces + MARGIN. Its synchronous saves (the final one, and every
+# save under checkpoint.async=false) write the state itself: a run saving every step synchronously
+# stays within P + MARGIN, and announces no snapshot. Also checked: `tera train` prints the peak
+# (field names peak_rss_mib, peak_rss_rank, peak_rss_mib_by_rank).
 # Usage: cli_memory.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -77,7 +80,23 @@ for dp in 1 2 4 8; do
     [ $ok = 1 ] && pass "dp$dp: peak RSS (MiB, largest rank) step loop $p, whole save $w, sharded save $s, resume $r, convert $c, init from HF $h: all <= $bound"
     table="$table
 $dp | $p | $w | $s | $r | $c | $h | $bound"
+    [ "$dp" = 1 ] && p1=$p
 done
+
+# one rank, a synchronous save at every step: no snapshot (announced as 0 bytes), within P + MARGIN;
+# the same run with the saves in the background announces the snapshot (3 x the floats + router bias)
+y=$(run sync1 1 train "${BIG[@]}" --training.steps=3 --checkpoint.every=1 --checkpoint.async=false --logging.run_dir="$W/sync1")
+a=$(run async1 1 train "${BIG[@]}" --training.steps=3 --checkpoint.every=1 --checkpoint.async=true --logging.run_dir="$W/async1")
+ys=$(grep -o "checkpoint memory per rank: snapshot [0-9]*" "$W/sync1.log" | grep -o "[0-9]*$")
+as=$(grep -o "checkpoint memory per rank: snapshot [0-9]*" "$W/async1.log" | grep -o "[0-9]*$")
+nf=$(grep -o "params [0-9]* (non-expert" "$W/async1.log" | grep -o "[0-9]*") # bytes of the rank's floats
+bound=$(awk -v p="${p1:-0}" -v m="$MARGIN_MIB" 'BEGIN { printf "%.1f", p + m }')
+if le "$y" "$bound" && [ "$ys" = 0 ] && [ -n "$nf" ] && [ "${as:-0}" -ge $((3 * nf)) ] \
+    && [ "$(ls -d "$W"/sync1/checkpoints/step_0000000[123] | wc -l)" = 3 ]; then
+    pass "dp1, a synchronous save every step: peak RSS $y MiB <= $bound (step loop ${p1:-?}), no snapshot; in the background it announces $as bytes"
+else
+    fail "dp1 synchronous saves: peak RSS $y MiB (bound $bound), snapshot announced '$ys' (want 0), background '$as' (want >= 3 x $nf), async peak $a MiB"
+fi
 
 # the end-of-run line: the largest rank's peak, which rank, every rank's (dp4's whole-save run)
 line=$(grep "tera: memory: peak_rss_mib" "$W/save4.log")

@@ -4,9 +4,12 @@
  * logits, under softmax and sigmoid scores. Also: the default (switch) path gives the gradient of the
  * plain tera_moe_router_backward bit for bit, and an extra combine-weight gradient adds linearly.
  * And model.router_force_balance's fixed balanced selection (test_force_balance). */
+#include <math.h>
+
 #include "testutil.h"
 
 #include "model/moe.h"
+#include "tera/kernels.h"
 
 #ifndef TERA_SOURCE_DIR
 #define TERA_SOURCE_DIR "."
@@ -299,6 +302,48 @@ static void test_force_balance(void **state) {
     assert_int_equal(tera_config_finalize(&c), TERA_OK);
 }
 
+/* The router entropy of tera_moe_route_stats against the entropy of the fixture's logits computed here
+ * in double precision (softmax probabilities, or sigmoid scores normalised per token), and the same
+ * bits on 1, 2 and 3 threads (its fixed blocks of tokens); also a token count that is not a multiple
+ * of the 64 blocks, and one below it. */
+static void check_entropy(const char *name) {
+    static fixture f;
+    load_fixture(&f, name);
+    const int E = f.E, sig = !strcmp(f.score, "sigmoid");
+    const tera_router_score sc = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
+    static float s[MAXN * MAXE], lse[MAXN], rsum[MAXN];
+    int32_t cnt[MAXN * MAXE] = {0};
+    double psum[MAXE];
+    for (int N = f.B * f.T; N >= 1; N = N > 100 ? 100 - 1 : (N > 7 ? 7 : 0)) { /* 256 (or the fixture's), 99, 7 */
+        double ref = 0.0;
+        for (int n = 0; n < N; n++) {
+            const float *x = f.logits + (size_t)n * E;
+            double mx = x[0], z = 0.0, q[MAXE];
+            for (int e = 1; e < E; e++) mx = x[e] > mx ? x[e] : mx;
+            for (int e = 0; e < E; e++) z += q[e] = sig ? 1.0 / (1.0 + exp(-(double)x[e])) : exp((double)x[e] - mx);
+            for (int e = 0; e < E; e++) ref -= q[e] / z * log(q[e] / z);
+        }
+        double got[3];
+        for (int t = 1; t <= 3; t++) {
+            tera_set_threads(t);
+            int64_t load[MAXE] = {0};
+            tera_moe_score_forward(cpu(), s, lse, f.logits, N, E, sc);
+            got[t - 1] = tera_moe_route_stats(cpu(), load, sig ? rsum : NULL, psum, s, lse, cnt, 1, N, E, f.k, sc).entropy;
+        }
+        tera_set_threads(2);
+        if (fabs(got[0] - ref) > 1e-5 * fabs(ref) || memcmp(&got[0], &got[1], sizeof(double)) ||
+            memcmp(&got[0], &got[2], sizeof(double)))
+            fail_msg("%s, %d tokens: entropy %.17g (1 thread) %.17g (2) %.17g (3), reference %.17g", name, N, got[0],
+                     got[1], got[2], ref);
+    }
+}
+
+static void test_entropy(void **state) {
+    (void)state;
+    check_entropy("switch_softmax");
+    check_entropy("switch_sigmoid");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_switch_softmax),     cmocka_unit_test(test_switch_sigmoid),
@@ -306,6 +351,7 @@ int main(void) {
         cmocka_unit_test(test_dp_softmax),         cmocka_unit_test(test_dp_sigmoid),
         cmocka_unit_test(test_importance_softmax), cmocka_unit_test(test_importance_sigmoid),
         cmocka_unit_test(test_default_unchanged), cmocka_unit_test(test_force_balance),
+        cmocka_unit_test(test_entropy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -207,6 +207,8 @@ typedef struct {
     struct tera_ckpt_ctx *whole;   /* whole checkpoints: the writer (NULL until the first save) */
     struct tera_shard_ckpt *shard; /* the same for sharded checkpoints */
     int force_full;                /* the next save is full (set by the elastic hooks) */
+    int last;                      /* the next save is the run's last: synchronous (nothing would run beside
+                                      a background write), so one process writes its state without a snapshot */
 } tera_ckpt_engine;
 
 /* The step loop's state; each part is owned by its module. */
@@ -298,14 +300,20 @@ int64_t tera_count_correct(const float *logits, const int32_t *targets, int64_t 
  * optimizer.safetensors (moments), state.json (step, data position, seed, batch-growth, loss-scale
  * and spike-guard state), config.ini, manifest.json and COMMIT (docs/CHECKPOINTS.md). */
 tera_status tera_trainer_save(tera_trainer *tr);
-/* One process: snapshot of its storage (the whole model and its moments) and the (background)
- * write (src/train/checkpoint.c). */
+/* One process: snapshot of its storage (the whole model and its moments) and the background write
+ * (src/train/checkpoint.c); a synchronous save (checkpoint.async off, the final or the run's last)
+ * writes the storage itself. */
 tera_status tera_trainer_save_whole(tera_trainer *tr);
 /* Several ranks, whole checkpoint: streamed window by window to world rank 0, which writes the
  * files as tera_trainer_save_whole would (collective, synchronous; no rank holds the whole model). */
 tera_status tera_trainer_save_streamed(tera_trainer *tr);
 /* The transfer window every rank of a streamed save holds (checkpoint.writer_buffer_mb), bytes. */
 int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c);
+/* The snapshot a whole save from one rank's storage allocates (at its first save that needs one), bytes,
+ * for n_floats parameters: 3 x n_floats + the router bias where a save may run in the background
+ * (checkpoint.async with checkpoint.every, every_s or full_every_s) or the moments are bf16
+ * (optimizer.moments, widened into it); else 0 (synchronous saves write the state itself). */
+int64_t tera_ckpt_snapshot_bytes(const tera_config *c, int64_t n_floats);
 /* checkpoint.sharded with several ranks: every rank writes its own blocks (collective). */
 tera_status tera_trainer_save_sharded(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data

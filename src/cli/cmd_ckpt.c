@@ -281,8 +281,9 @@ static int cmd_convert(int argc, char **argv) {
             }
             st = agree(rs);
         }
+        tr.ckpt.last = 1; /* synchronous: nothing runs beside it */
         if (st == TERA_OK) st = tera_trainer_save(&tr); /* collective; every rank learns the outcome */
-        if (st == TERA_OK) st = agree(tera_trainer_ckpt_close(&tr)); /* a background write finishes */
+        if (st == TERA_OK) st = agree(tera_trainer_ckpt_close(&tr));
         if (st == TERA_OK) st = agree(root ? tera_ckpt_write_run_config(&tr.cfg, out) : TERA_OK);
         step = (long)tr.step;
         tera_trainer_free(&tr);

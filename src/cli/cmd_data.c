@@ -119,9 +119,13 @@ static int data_prepare(int argc, char **argv) {
         tera_fail(TERA_ERR_ARG, "data prepare needs --input FILE... and --output PREFIX");
         return tera_cli_error();
     }
-    char idx[1100];
-    snprintf(idx, sizeof idx, "%s.idx", a.output);
-    if (refuse_existing("dataset", idx, a.force)) return 1;
+    /* every file the dataset writes (an existing .bin may be another dataset, or this command's input) */
+    static const char *const ext[] = {"idx", "bin", "xxh3"};
+    for (int i = 0; i < 3; i++) {
+        char out[1100];
+        snprintf(out, sizeof out, "%s.%s", a.output, ext[i]);
+        if (refuse_existing("dataset file", out, a.force)) return 1;
+    }
     tera_tokenizer *tok;
     if (load_tokenizer(a.tokenizer, &tok) != TERA_OK) return tera_cli_error();
     tera_prepare_opts o = {.inputs = a.inputs, .n_inputs = a.n_inputs, .output = a.output, .field = a.field,
@@ -178,9 +182,12 @@ static int tokenizer_train(int argc, char **argv) {
         tera_fail(TERA_ERR_ARG, "tokenizer train needs --input FILE..., --vocab-size N and --output DIR");
         return tera_cli_error();
     }
-    char enc[1100];
-    snprintf(enc, sizeof enc, "%s/encoder.json", a.output);
-    if (refuse_existing("tokenizer", enc, a.force)) return 1;
+    static const char *const files[] = {"encoder.json", "vocab.bpe"}; /* both files the tokenizer writes */
+    for (int i = 0; i < 2; i++) {
+        char out[1100];
+        snprintf(out, sizeof out, "%s/%s", a.output, files[i]);
+        if (refuse_existing("tokenizer file", out, a.force)) return 1;
+    }
     char **texts = tera_calloc((size_t)a.n_inputs, sizeof(char *));
     size_t *lens = tera_calloc((size_t)a.n_inputs, sizeof(size_t));
     tera_status st = TERA_OK;

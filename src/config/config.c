@@ -397,7 +397,8 @@ static const config__key config__keys[] = {
     K_INT(checkpoint, keep_every, "0", 0, INT_MAX,
           "also keep every checkpoint whose step is a multiple of N (milestones); 0 = none"),
     K_BOOL(checkpoint, async, "true",
-           "snapshot state into host buffers and write in a background thread (the final save is synchronous)"),
+           "snapshot state into host buffers and write in a background thread (one process; the final save is "
+           "synchronous); synchronous saves write the state itself, without the snapshot's memory"),
     K_INT(checkpoint, full_every, "0", 0, INT_MAX,
           "every N-th save is full and the others differential (changed chunks, zstd); 0 = always full"),
     K_FLOAT(checkpoint, every_s, "0", R_GE0,

@@ -318,6 +318,47 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
                      z_scale);
 }
 
+/* The router entropy -sum p log p over fixed blocks of tokens (ENTROPY_BLOCKS, bounds set by the token
+ * count alone), each block summed in token and expert order by whichever thread takes it, the blocks
+ * then added in order: the same bits on any thread count, and the double log per expert and token
+ * (the costly part at thousands of experts) spread over the threads. */
+enum { ENTROPY_BLOCKS = 64 };
+typedef struct {
+    const float *scores, *rsum; /* rsum: sigmoid normalisers (NULL: softmax) */
+    int64_t N, per;             /* tokens, tokens per block */
+    int E;
+    double part[ENTROPY_BLOCKS];
+} entropy_ctx;
+
+static void entropy_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
+    entropy_ctx *c = ctx;
+    (void)worker;
+    const int E = c->E;
+    for (int64_t i = b0; i < b1; i++) {
+        const int64_t lo = i * c->per, hi = lo + c->per < c->N ? lo + c->per : c->N;
+        double h = 0.0;
+        for (int64_t n = lo; n < hi; n++) {
+            const float *p = c->scores + n * E;
+            const float inv = c->rsum ? 1.0f / c->rsum[n] : 1.0f;
+            for (int e = 0; e < E; e++) {
+                const float q = c->rsum ? p[e] * inv : p[e];
+                if (q > 0.0f) h -= (double)q * log((double)q);
+            }
+        }
+        c->part[i] = h;
+    }
+}
+
+static double router_entropy(tera_backend *be, const float *scores, const float *rsum, int64_t N, int E) {
+    entropy_ctx c = {.scores = scores, .rsum = rsum, .N = N, .per = (N + ENTROPY_BLOCKS - 1) / ENTROPY_BLOCKS, .E = E};
+    const int nb = c.per ? (int)((N + c.per - 1) / c.per) : 0;
+    if (be) be->ops.for_ranges(be, nb, entropy_blocks, &c);
+    else entropy_blocks(&c, 0, nb, 0);
+    double h = 0.0;
+    for (int i = 0; i < nb; i++) h += c.part[i];
+    return h;
+}
+
 tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores,
                                     const float *lse, const int32_t *sel_count, int B, int T, int E, int k,
                                     tera_router_score score) {
@@ -344,21 +385,8 @@ tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum
         }
         st.aux += E * s;
     }
-    for (int64_t n = 0; n < N; n++) {
-        st.z += (double)lse[n] * lse[n];
-        if (sig) {
-            const float inv = 1.0f / rsum[n];
-            for (int e = 0; e < E; e++) {
-                const float p = scores[n * E + e] * inv;
-                if (p > 0.0f) st.entropy -= (double)p * log((double)p);
-            }
-        } else {
-            for (int e = 0; e < E; e++) {
-                const float p = scores[n * E + e];
-                if (p > 0.0f) st.entropy -= (double)p * log((double)p);
-            }
-        }
-    }
+    for (int64_t n = 0; n < N; n++) st.z += (double)lse[n] * lse[n];
+    st.entropy = router_entropy(be, scores, sig ? rsum : NULL, N, E);
     return st;
 }
 

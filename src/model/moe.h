@@ -77,7 +77,8 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
  *   aux     = sum_b E sum_e f_{b,e} P_{b,e}, f = sel_count / (T k), P_{b,e} = mean_t p[t,e] where p is
  *             the softmax probability, or (sigmoid) the score normalised per token, s / sum_e' s;
  *   z       = sum_t lse[t]^2;   entropy = sum_t of the entropy (nats) of p[t, :].
- * Adds sel_count to load[E]. Sums run in a fixed order (no threads).
+ * Adds sel_count to load[E]. Sums run in a fixed order: aux and z on the calling thread, the entropy
+ * over fixed blocks of tokens on the backend's threads (the same bits on any thread count).
  * scores: [B*T, E]  lse: [B*T]  sel_count: [B, E]  rsum: [B*T] scratch (sigmoid; NULL otherwise)
  * psum: [E] scratch */
 typedef struct {

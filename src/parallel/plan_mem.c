@@ -234,8 +234,13 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     if (pp > 1) /* tera_pipe_create: send/receive buffers per slot and chunk, tokens and targets */
         out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
     const int world = t->pp * t->dp * t->tp;
-    out->bytes[TERA_PM_CKPT] = world == 1 ? 4 * (3 * n + (int64_t)L * mc->n_experts)
-                                          : tera_ckpt_writer_buffer_bytes(cfg) + TERA_CKPT_CHUNK_BYTES;
+    /* a whole save from the rank's own storage (one process; data-parallel replicas without ZeRO, whose
+     * world rank 0 writes and the others hold nothing): its snapshot where one is needed
+     * (tera_trainer_save_whole); else streamed, every rank holding the window and a chunk */
+    const int whole = world == 1 || (t->tp == 1 && t->pp == 1 && t->ep == 1 && !zero && !cfg->checkpoint.sharded);
+    out->bytes[TERA_PM_CKPT] = !whole        ? tera_ckpt_writer_buffer_bytes(cfg) + TERA_CKPT_CHUNK_BYTES
+                               : t->rank == 0 ? tera_ckpt_snapshot_bytes(cfg, n)
+                                              : 0;
     /* router bias, expert load, router entropy; per-tensor squared norms (grad_sq); tokens and targets */
     out->bytes[TERA_PM_OTHER] = (int64_t)L * mc->n_experts * (4 + 8) + 8 * (int64_t)L + 8 * 4 * (int64_t)ts->n_params +
                                 2 * 4 * N;

@@ -109,20 +109,33 @@ static tera_ckpt_ctx *ctx_create(const tera_trainer *tr) {
     const tera_model *m = &tr->model;
     c->params = tera_malloc(sizeof(tera_param) * (size_t)m->n_params);
     memcpy(c->params, m->params, sizeof(tera_param) * (size_t)m->n_params);
-    int64_t total = 0;
-    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) total += c->reg_n[r] = tera_ckpt_region_floats(m, r);
-    c->snap = tera_calloc((size_t)total + 1, sizeof(float));
-    float *p = c->snap;
-    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
-        c->reg[r] = p;
-        p += c->reg_n[r];
-    }
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) c->reg_n[r] = tera_ckpt_region_floats(m, r);
     c->shadow = *m;
     c->shadow.params = c->params;
-    c->shadow.w = c->reg[0];
     c->shadow.g = NULL;
-    c->shadow.router_bias = c->reg_n[3] ? c->reg[3] : NULL;
-    return c;
+    return c; /* the regions are pointed at by each save (regions_at): the snapshot or the state itself */
+}
+
+/* The four regions the writer reads, from base[r] (read only: the writer never writes through
+ * c->reg), and the shadow model's weights and router bias with them. */
+static void regions_at(tera_ckpt_ctx *c, float *const base[TERA_CKPT_N_REGIONS]) {
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) c->reg[r] = c->reg_n[r] ? base[r] : NULL;
+    c->shadow.w = c->reg[0];
+    c->shadow.router_bias = c->reg[3];
+}
+
+/* The snapshot's one allocation (the four regions), made at the first save that needs it: a save in
+ * the background, or one whose moments are bf16 (widened into it). */
+static void snapshot_regions(tera_ckpt_ctx *c) {
+    int64_t total = 0;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) total += c->reg_n[r];
+    if (!c->snap) c->snap = tera_calloc((size_t)total + 1, sizeof(float));
+    float *base[TERA_CKPT_N_REGIONS], *p = c->snap;
+    for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
+        base[r] = p;
+        p += c->reg_n[r];
+    }
+    regions_at(c, base);
 }
 
 static tera_status ctx_wait(tera_ckpt_ctx *c) {
@@ -652,7 +665,15 @@ static void snapshot_range(void *arg, int64_t lo, int64_t hi, int worker) {
         for (int64_t i = lo; i < hi; i++) k->dst[i] = tera_bf16_widen(k->src16[i]);
 }
 
+/* The save's scalar state (step, state.json's text). */
+static void snapshot_scalars(tera_ckpt_ctx *c, const tera_trainer *tr) {
+    c->step = tr->step;
+    free(c->state_json);
+    c->state_json = state_text(tr);
+}
+
 static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *const src[TERA_CKPT_N_REGIONS]) {
+    snapshot_regions(c);
     tera_backend *be = tr->model.be;
     for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) {
         const int64_t n = c->reg_n[r];
@@ -662,9 +683,7 @@ static void snapshot(tera_ckpt_ctx *c, const tera_trainer *tr, const float *cons
         if (be) be->ops.for_ranges(be, n, snapshot_range, &k);
         else snapshot_range(&k, 0, n, 0);
     }
-    c->step = tr->step;
-    free(c->state_json);
-    c->state_json = state_text(tr);
+    snapshot_scalars(c, tr);
 }
 
 
@@ -728,6 +747,13 @@ static int64_t window_floats(const tera_config *c) {
     const int64_t chunk = TERA_CKPT_CHUNK_BYTES / (int64_t)sizeof(float);
     int64_t w = ((mb << 20) / (int64_t)sizeof(float)) / chunk * chunk;
     return w < chunk ? chunk : w;
+}
+
+int64_t tera_ckpt_snapshot_bytes(const tera_config *c, int64_t n_floats) {
+    const tera_ckpt_options o = tera_ckpt_options_from_config(c);
+    const int background = o.async && (c->checkpoint.every > 0 || c->checkpoint.every_s > 0 || c->checkpoint.full_every_s > 0);
+    if (!background && !c->optimizer.moments) return 0;
+    return (int64_t)sizeof(float) * (3 * n_floats + (int64_t)c->model.n_layers * c->model.n_experts);
 }
 
 int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c) { return (int64_t)sizeof(float) * (window_floats(c) + 2); }
@@ -1225,16 +1251,26 @@ tera_status tera_trainer_save_whole(tera_trainer *tr) {
         /* the final save is always full, so a finished run ends with a Hugging Face directory */
         c->full = save_is_full(final || tr->ckpt.force_full, c->has_base, c->opt.full_every, c->since_full);
         const double t1 = tera_now();
-        snapshot(c, tr, src);
-        record_pause(tera_now() - t1 + t_wait, c->full);
-        if (c->opt.async && !final) {
-            c->running = 1;
-            if (pthread_create(&c->th, NULL, writer_main, c) != 0) {
-                c->running = 0;
-                s = write_checkpoint(c);
-            }
-        } else {
+        /* A synchronous save (checkpoint.async off, the final one, the run's last) writes the training
+         * state itself: the step loop waits for the write either way, and the snapshot (3 x the
+         * rank's floats) is never allocated. A snapshot only for a save in the background, or to
+         * widen bf16 moments (optimizer.moments). */
+        const int background = c->opt.async && !final && !tr->ckpt.last;
+        int direct = !background;
+        for (int r = 0; r < TERA_CKPT_N_REGIONS; r++) direct &= !c->reg_n[r] || src[r] != NULL;
+        if (direct) {
+            float *base[TERA_CKPT_N_REGIONS];
+            memcpy(base, src, sizeof base); /* read only (regions_at) */
+            regions_at(c, base);
+            snapshot_scalars(c, tr);
             s = write_checkpoint(c);
+            regions_at(c, (float *[TERA_CKPT_N_REGIONS]){NULL}); /* no pointer into the state outlives the save */
+            record_pause(tera_now() - t1 + t_wait, c->full);
+        } else {
+            snapshot(c, tr, src);
+            record_pause(tera_now() - t1 + t_wait, c->full);
+            c->running = background && pthread_create(&c->th, NULL, writer_main, c) == 0;
+            if (!c->running) s = write_checkpoint(c); /* synchronous (or no thread could start) */
         }
     }
     if (final && g_stats.saves > 0 && tr->cfg.logging.progress)

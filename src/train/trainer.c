@@ -268,10 +268,13 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
-        if (tr->topo.world == 1)
-            fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (the rank's weights, moments and "
-                    "router bias, allocated at the first save; checkpoint.async)\n",
-                    (long)(sizeof(float) * (size_t)(3 * tr->model.n_floats + (int64_t)cfg->model.n_layers * cfg->model.n_experts)));
+        const tera_topology *topo = &tr->topo;
+        const int64_t snap = tera_ckpt_snapshot_bytes(cfg, tr->model.n_floats);
+        if (topo->world == 1 || (topo->tp == 1 && topo->pp == 1 && topo->ep == 1 && !tr->sharding->stage && !cfg->checkpoint.sharded))
+            fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (%s)\n", (long)snap,
+                    snap ? "world rank 0's weights, moments and router bias, allocated at the first save that runs in "
+                           "the background (checkpoint.async) or widens bf16 moments"
+                         : "none: saves are synchronous and write the training state itself");
         else
             fprintf(stderr, "tera: checkpoint memory per rank: writer window %ld bytes (checkpoint.writer_buffer_mb) + "
                     "one %d-byte chunk; saves are streamed, no rank holds the whole model\n",
@@ -915,7 +918,12 @@ tera_status tera_trainer_run(tera_trainer *tr, tera_step_result *last) {
         return tera_fail(TERA_ERR_NUMERIC, "all %ld steps were skipped because the loss or the gradient was not finite: "
                          "nothing was trained (check training.init_from's weights, training.lr and the data)",
                          (long)n_steps);
-    if (tr->run_dir[0]) TERA_TRY(tera_trainer_save(tr));
+    if (tr->run_dir[0]) {
+        tr->ckpt.last = 1;
+        const tera_status sv = tera_trainer_save(tr);
+        tr->ckpt.last = 0;
+        TERA_TRY(sv);
+    }
     tera_heartbeat_beat(tr->topo.rank, tr->step, "done");
     report_peak_rss(tr);
     TERA_TRY(tera_trace_finish(tera_comm_world())); /* logging.trace: every rank's part, merged by rank 0 */
