@@ -314,6 +314,10 @@ int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c);
  * (checkpoint.async with checkpoint.every, every_s or full_every_s) or the moments are bf16
  * (optimizer.moments, widened into it); else 0 (synchronous saves write the state itself). */
 int64_t tera_ckpt_snapshot_bytes(const tera_config *c, int64_t n_floats);
+/* Whether a save of this layout is whole from world rank 0's own storage (tera_trainer_save_whole):
+ * one process, or data-parallel replicas without ZeRO, tensor, pipeline or expert parallelism and
+ * without checkpoint.sharded; else it is streamed (or sharded). */
+int tera_ckpt_save_is_whole(const tera_config *c, const tera_topology *t);
 /* checkpoint.sharded with several ranks: every rank writes its own blocks (collective). */
 tera_status tera_trainer_save_sharded(tera_trainer *tr);
 /* Restores the newest complete checkpoint of run_dir (weights, moments, step, router bias, data

@@ -339,9 +339,9 @@ static void entropy_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
         double h = 0.0;
         for (int64_t n = lo; n < hi; n++) {
             const float *p = c->scores + n * E;
-            const float inv = c->rsum ? 1.0f / c->rsum[n] : 1.0f;
+            const float inv = c->rsum ? 1.0f / c->rsum[n] : 1.0f; /* x 1.0f: exact */
             for (int e = 0; e < E; e++) {
-                const float q = c->rsum ? p[e] * inv : p[e];
+                const float q = p[e] * inv;
                 if (q > 0.0f) h -= (double)q * log((double)q);
             }
         }

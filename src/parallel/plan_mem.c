@@ -233,12 +233,10 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     out->bytes[TERA_PM_COMM] = comm + staging;
     if (pp > 1) /* tera_pipe_create: send/receive buffers per slot and chunk, tokens and targets */
         out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
-    const int world = t->pp * t->dp * t->tp;
-    /* a whole save from the rank's own storage (one process; data-parallel replicas without ZeRO, whose
-     * world rank 0 writes and the others hold nothing): its snapshot where one is needed
-     * (tera_trainer_save_whole); else streamed, every rank holding the window and a chunk */
-    const int whole = world == 1 || (t->tp == 1 && t->pp == 1 && t->ep == 1 && !zero && !cfg->checkpoint.sharded);
-    out->bytes[TERA_PM_CKPT] = !whole        ? tera_ckpt_writer_buffer_bytes(cfg) + TERA_CKPT_CHUNK_BYTES
+    /* a whole save from the rank's own storage (world rank 0 writes, the others hold nothing): its
+     * snapshot where one is needed (tera_trainer_save_whole); else streamed, every rank holding the
+     * window and a chunk */
+    out->bytes[TERA_PM_CKPT] = !tera_ckpt_save_is_whole(cfg, t) ? tera_ckpt_writer_buffer_bytes(cfg) + TERA_CKPT_CHUNK_BYTES
                                : t->rank == 0 ? tera_ckpt_snapshot_bytes(cfg, n)
                                               : 0;
     /* router bias, expert load, router entropy; per-tensor squared norms (grad_sq); tokens and targets */

@@ -756,6 +756,11 @@ int64_t tera_ckpt_snapshot_bytes(const tera_config *c, int64_t n_floats) {
     return (int64_t)sizeof(float) * (3 * n_floats + (int64_t)c->model.n_layers * c->model.n_experts);
 }
 
+int tera_ckpt_save_is_whole(const tera_config *c, const tera_topology *t) {
+    return t->world == 1 || (!c->checkpoint.sharded && t->tp == 1 && t->pp == 1 && t->ep == 1 &&
+                             !tera_zero_stage_in_effect(t, c->parallel.zero));
+}
+
 int64_t tera_ckpt_writer_buffer_bytes(const tera_config *c) { return (int64_t)sizeof(float) * (window_floats(c) + 2); }
 
 /* A differential file written as records arrive: "TERADIF1", the record count (patched at the

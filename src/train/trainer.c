@@ -268,9 +268,8 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     tera_scaler_init(&tr->prec.scaler, tr->prec.precision == TERA_PREC_FP16 ? t->loss_scale : 1.0f,
                      t->loss_scaling ? 0 : t->loss_scale_window); /* 0: fixed (training.loss_scaling) */
     if (tr->root && tr->run_dir[0] && cfg->logging.progress) { /* what a save adds to each rank */
-        const tera_topology *topo = &tr->topo;
         const int64_t snap = tera_ckpt_snapshot_bytes(cfg, tr->model.n_floats);
-        if (topo->world == 1 || (topo->tp == 1 && topo->pp == 1 && topo->ep == 1 && !tr->sharding->stage && !cfg->checkpoint.sharded))
+        if (tera_ckpt_save_is_whole(cfg, &tr->topo))
             fprintf(stderr, "tera: checkpoint memory per rank: snapshot %ld bytes (%s)\n", (long)snap,
                     snap ? "world rank 0's weights, moments and router bias, allocated at the first save that runs in "
                            "the background (checkpoint.async) or widens bf16 moments"
@@ -801,7 +800,7 @@ tera_status tera_trainer_save(tera_trainer *tr) {
     TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
     if (tr->cfg.checkpoint.sharded && tr->topo.world > 1) return tera_trainer_save_sharded(tr);
     if (tr->topo.world == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
-    if (tr->topo.tp == 1 && tr->topo.pp == 1 && tr->topo.ep == 1 && !tr->sharding->stage) {
+    if (tera_ckpt_save_is_whole(&tr->cfg, &tr->topo)) {
         /* data-parallel replicas without ZeRO: world rank 0's own storage is the whole model, so it
          * snapshots and writes as one process does (its double buffer, in the background); the
          * others only learn whether it worked */
