@@ -6,12 +6,10 @@
 set -u
 TERA=$1
 SRC=$2
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
+# (testlib.sh: the scratch directory, pass/fail and last_fields, which `losses` needs: without it
+# the SIGKILL trials below compared two empty loss lists)
+. "$(dirname "$0")/testlib.sh"
 ulimit -c 0
-fails=0
-pass() { echo "ok: $1"; }
-fail() { echo "FAIL: $1"; fails=$((fails + 1)); }
 
 head -c 60000 "$SRC/data/default_corpus.txt" > "$W/corpus.txt"
 TINY=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32
@@ -49,6 +47,15 @@ grep -q "resumed .* at step 4" "$W/b.log" && same "$W/a/checkpoints/step_0000001
 grep -q "warning: skipping checkpoint .*step_00000012: .*step_00000012/model.safetensors: truncated" "$W/b.log" \
     && grep -q "warning: skipping checkpoint .*step_00000008: .*step_00000008/optimizer.safetensors: contents differ" "$W/b.log" \
     && pass "each skipped checkpoint's warning names its damaged file" || { fail "skip warnings"; grep warning "$W/b.log"; }
+# a file COMMIT names gone (removed by hand, or a retention cut short): skipped with a warning that
+# names the file (it used to be skipped silently, as if it were a save in progress)
+cp -r "$W/a" "$W/bm"
+rm "$W/bm/checkpoints/step_00000012/optimizer.safetensors"
+"$TERA" train "${TINY[@]}" --training.steps=12 --checkpoint.every=4 --logging.run_dir="$W/bm" --resume > "$W/bm.log" 2>&1
+grep -q "resumed .* at step 8" "$W/bm.log" \
+    && grep -q "warning: skipping checkpoint .*step_00000012: .*step_00000012/optimizer.safetensors: missing" "$W/bm.log" \
+    && same "$W/a/checkpoints/step_00000012" "$W/bm/checkpoints/step_00000012" \
+    && pass "a checkpoint missing a file COMMIT names: skipped, the warning names the file" || { fail "missing file"; grep -v "^step" "$W/bm.log"; }
 rm -f "$W/a/checkpoints/step_00000004/COMMIT"
 "$TERA" ckpt ls "$W/a" | grep -q "step_00000004 .* no" && pass "directory without COMMIT listed as not committed" || fail "ls uncommitted"
 "$TERA" ckpt export-hf "$C" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$C/model.safetensors" \
@@ -68,6 +75,26 @@ grep -q "at step 8" "$W/d.log" && same "$W/d/checkpoints/step_00000012" "$W/a/ch
 "$TERA" ckpt export-hf "$W/d/checkpoints/step_00000008" --out "$W/hf8" > /dev/null 2>&1 \
     && cmp -s "$W/hf8/model.safetensors" "$W/a/checkpoints/step_00000008/model.safetensors" \
     && pass "export-hf of a differential checkpoint" || fail "export-hf diff"
+# every command that takes --from or training.init_from reads a differential checkpoint as its full
+# twin (run a's step 8): the model from manifest.json's model_config (no config.json of its own),
+# the weights from the base + diff. Before: "step_00000008/config.json: cannot open".
+DF="$W/d/checkpoints/step_00000008"; AF="$W/a/checkpoints/step_00000008"
+EV=(--data.path="$W/corpus.txt" --training.seq_len=32 --training.micro_batch=4)
+"$TERA" eval --from "$DF" "${EV[@]}" > "$W/ev_d.json" 2> "$W/ev_d.err" && "$TERA" eval --from "$AF" "${EV[@]}" > "$W/ev_a.json" 2> /dev/null \
+    && [ "$(jq -r .val_loss "$W/ev_d.json")" = "$(jq -r .val_loss "$W/ev_a.json")" ] \
+    && pass "eval --from a differential checkpoint = its full twin ($(jq -r .val_loss "$W/ev_d.json"))" \
+    || { fail "eval --from a differential checkpoint"; cat "$W/ev_d.err"; }
+"$TERA" generate --from "$DF" --tokenizer bytes --prompt "To be" --max-new-tokens 12 > "$W/gen_d.txt" 2> "$W/gen_d.err" \
+    && "$TERA" generate --from "$AF" --tokenizer bytes --prompt "To be" --max-new-tokens 12 > "$W/gen_a.txt" 2> /dev/null \
+    && cmp -s "$W/gen_d.txt" "$W/gen_a.txt" && pass "generate --from a differential checkpoint = its full twin" \
+    || { fail "generate --from a differential checkpoint"; cat "$W/gen_d.err"; }
+"$TERA" export-hf --from "$DF" --out "$W/hfd8" > /dev/null 2> "$W/hfd8.err" \
+    && cmp -s "$W/hfd8/model.safetensors" "$AF/model.safetensors" && cmp -s "$W/hfd8/config.json" "$AF/config.json" \
+    && pass "export-hf --from a differential checkpoint" || { fail "export-hf --from a differential checkpoint"; cat "$W/hfd8.err"; }
+"$TERA" train "${TINY[@]}" --training.steps=2 --training.init_from="$DF" --logging.run_dir="$W/id" > "$W/id.log" 2>&1 \
+    && "$TERA" train "${TINY[@]}" --training.steps=2 --training.init_from="$AF" --logging.run_dir="$W/ia" > /dev/null 2>&1 \
+    && same "$W/id/checkpoints/step_00000002" "$W/ia/checkpoints/step_00000002" \
+    && pass "training.init_from a differential checkpoint = from its full twin" || { fail "init_from a differential checkpoint"; tail -2 "$W/id.log"; }
 
 # 3. SIGKILL at a random moment (steps or saves), resume, compare with an uninterrupted run
 S=200
@@ -86,7 +113,7 @@ for trial in 1 2 3; do
              --logging.run_dir="$R" --force > "$R.log" 2>&1; }; then
         losses "$R/metrics.jsonl" > "$R.loss"
         f=$(printf 'step_%08d' $S)
-        same "$W/ref/checkpoints/$f" "$R/checkpoints/$f" && cmp -s "$W/ref.loss" "$R.loss" \
+        same "$W/ref/checkpoints/$f" "$R/checkpoints/$f" && [ "$(wc -l < "$R.loss")" = $S ] && cmp -s "$W/ref.loss" "$R.loss" \
             && pass "killed ($at, $(grep -o 'resumed.*' "$R.log" || echo restarted)), resumed: weights and losses identical" \
             || fail "trial $trial differs"
     else

@@ -47,9 +47,13 @@ if [ -f "$GPT2/encoder.json" ]; then
     expect_error "missing field" "docs.jsonl:1: no string field \"body\"" "$TERA" data prepare --input "$W/docs.jsonl" --tokenizer "$GPT2" --output "$W/j2" --field body
     printf '{"text": "fine"}\n{"text": oops}\n' > "$W/bad.jsonl"
     expect_error "invalid JSON" "bad.jsonl:2" "$TERA" data prepare --input "$W/bad.jsonl" --tokenizer "$GPT2" --output "$W/j3"
+    printf '{"text": "a"} {"text": "b"}\n' > "$W/two.jsonl" # cJSON alone stopped after the first object
+    expect_error "two objects on a line" "two.jsonl:1: not a valid JSON object: more than one JSON value" "$TERA" data prepare --input "$W/two.jsonl" --tokenizer "$GPT2" --output "$W/j5"
+    printf '{"text": "a"} \r\n' > "$W/crlf.jsonl"
+    "$TERA" data prepare --input "$W/crlf.jsonl" --tokenizer "$GPT2" --output "$W/j6" > /dev/null 2>&1 && pass "jsonl: trailing blanks and CR accepted" || fail "jsonl with CRLF refused"
     printf '{"text": "ok"}\n{"text": "bad \xff byte"}\n' > "$W/utf.jsonl"
     expect_error "invalid UTF-8" "utf.jsonl:2.*offset" "$TERA" data prepare --input "$W/utf.jsonl" --tokenizer "$GPT2" --output "$W/j4"
-    [ ! -e "$W/j2.idx" ] && [ ! -e "$W/j3.bin" ] && [ ! -e "$W/j4.bin.tmp" ] && pass "failed prepares leave nothing" || fail "leftovers: $(ls "$W")"
+    [ ! -e "$W/j2.idx" ] && [ ! -e "$W/j3.bin" ] && [ ! -e "$W/j4.bin.tmp" ] && [ ! -e "$W/j5.bin" ] && pass "failed prepares leave nothing" || fail "leftovers: $(ls "$W")"
 else
     echo "skip: ../shared/data/gpt2 absent"
 fi

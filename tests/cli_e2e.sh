@@ -37,6 +37,17 @@ cp -r "$W/run" "$W/forced"
 [ "$(steps_of "$W/forced/metrics.jsonl" | wc -l)" = 5 ] && [ "$(ls "$W/forced/checkpoints" | tr '\n' ' ')" = "step_00000005 " ] \
     && pass "--force replaces the old run's metrics and checkpoints" \
     || fail "--force left old files: $(wc -l < "$W/forced/metrics.jsonl") metrics lines, $(ls "$W/forced/checkpoints" | tr '\n' ' ')"
+# ... and only tera's: what else checkpoints/ holds stays (a step_N.tmp leftover goes); with
+# nothing else left, checkpoints/ itself goes before the new run makes it again
+cp -r "$W/run" "$W/forced2"
+mkdir -p "$W/forced2/checkpoints/step_00000030.tmp" "$W/forced2/checkpoints/mine"
+echo keep > "$W/forced2/checkpoints/notes.txt"; echo keep > "$W/forced2/checkpoints/mine/a.pt"
+"$TERA" train "${TINY[@]}" --training.steps=5 --data.path="$W/corpus.txt" --logging.run_dir="$W/forced2" --force \
+    > /dev/null 2>&1 || fail "train --force (other files in checkpoints/)"
+[ "$(ls "$W/forced2/checkpoints" | tr '\n' ' ')" = "mine notes.txt step_00000005 " ] \
+    && [ "$(cat "$W/forced2/checkpoints/mine/a.pt" "$W/forced2/checkpoints/notes.txt")" = "keep
+keep" ] && pass "--force removes only tera's checkpoints, other files in checkpoints/ stay" \
+    || fail "--force with other files: $(ls "$W/forced2/checkpoints" | tr '\n' ' ')"
 
 # retention: checkpoint.keep=2 with a save every 5 steps keeps the newest two
 "$TERA" train "${TINY[@]}" --training.steps=20 --data.path="$W/corpus.txt" --logging.run_dir="$W/keep" \

@@ -150,6 +150,52 @@ expect_error "metrics.jsonl past a file-size limit" "metrics.jsonl: write failed
     r12_limit "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=60 --logging.run_dir="$W/r12_efbig"
 jsonl_ok "$W/r12_efbig/metrics.jsonl" && r12_ok "metrics.jsonl cut back to complete lines ($(wc -l < "$W/r12_efbig/metrics.jsonl") lines)" \
     || r12_fail "torn metrics.jsonl: $(tail -c 100 "$W/r12_efbig/metrics.jsonl")"
+# state.json read back on --resume: every count must be one a run could have written. Each case edits
+# the step-4 checkpoint's state.json with jq and commits it again (state.json's size and XXH3 in
+# manifest.json, then both in COMMIT), so that only the range check can refuse it. Before the
+# check: step 1e300 ran an endless run, samples_consumed -5 aborted in the loader (loader.c),
+# adam_t -1 trained on NaN and exited 0, step 2.5 was taken as 2.
+XXH="$(dirname "$TERA")/tests/tera_xxh3sum"
+recommit_state() { # DIR JQ-FILTER
+    local d=$1 sz hx msz mhx
+    jq "$2" "$d/state.json" > "$d/state.json.new" && mv "$d/state.json.new" "$d/state.json"
+    read -r sz hx < <("$XXH" "$d/state.json")
+    jq --argjson b "$sz" --arg h "$hx" '.files["state.json"] = {bytes: $b, xxh3: $h}' "$d/manifest.json" > "$d/m.new" \
+        && mv "$d/m.new" "$d/manifest.json"
+    read -r msz mhx < <("$XXH" "$d/manifest.json")
+    sed -i -e "s/^file state.json .*/file state.json $sz $hx/" -e "s/^file manifest.json .*/file manifest.json $msz $mhx/" "$d/COMMIT"
+}
+if [ -x "$XXH" ]; then
+    st_case() { # NAME JQ-FILTER PATTERN
+        rm -rf "$W/r12_st"; cp -r "$W/r12_run" "$W/r12_st"; rm -rf "$W/r12_st/checkpoints/step_00000002"
+        recommit_state "$W/r12_st/checkpoints/step_00000004" "$2"
+        "$TERA" ckpt verify "$W/r12_st/checkpoints/step_00000004" > /dev/null 2>&1 || r12_fail "$1: the edited checkpoint does not verify"
+        cp "$W/r12_st/metrics.jsonl" "$W/r12_st.metrics"
+        expect_error "--resume with state.json $1" "$3" -- \
+            timeout 60 "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=8 --logging.run_dir="$W/r12_st" --resume
+        cmp -s "$W/r12_st.metrics" "$W/r12_st/metrics.jsonl" && [ "$(ls "$W/r12_st/checkpoints")" = step_00000004 ] \
+            || r12_fail "$1: the refused --resume changed the run"
+    }
+    st_case "step 1e300" '.step = 1e300' 'state.json: "step" = 1.0000000000000001e+300 is not a whole number in \[0, 9007199254740992\]'
+    st_case "step -1" '.step = -1' '"step" = -1 is not a whole number'
+    st_case "step 2.5" '.step = 2.5' '"step" = 2.5 is not a whole number'
+    st_case "step 2 (the directory is step 4)" '.step = 2' '"step" = 2, but the checkpoint is step 4'
+    st_case "adam_t -1" '.adam_t = -1' '"adam_t" = -1 is not a whole number in \[0, 4\]'
+    st_case "adam_t 5 > step" '.adam_t = 5' '"adam_t" = 5 is not a whole number in \[0, 4\]'
+    st_case "skipped_steps 9" '.skipped_steps = 9' '"skipped_steps" = 9 is not a whole number in \[0, 4\]'
+    st_case "samples_consumed -5" '.data.samples_consumed = -5' '"data.samples_consumed" = -5 is not a whole number'
+    st_case "samples_consumed 1.5" '.data.samples_consumed = 1.5' '"data.samples_consumed" = 1.5 is not a whole number'
+    st_case "seq_len 1e12" '.data.seq_len = 1e12' '"data.seq_len" = 1000000000000 is not a whole number in \[0, 2147483647\]'
+    st_case "format_version 9" '.format_version = 9' '"format_version" = 9 is not a whole number in \[1, 2\]'
+    st_case "seed -3" '.seed = -3' '"seed" is missing or not a whole number'
+    # the edit itself is sound: an unchanged value committed again resumes
+    rm -rf "$W/r12_st"; cp -r "$W/r12_run" "$W/r12_st"
+    recommit_state "$W/r12_st/checkpoints/step_00000004" '.'
+    "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=5 --logging.run_dir="$W/r12_st" --resume > "$W/r12_st.log" 2>&1 \
+        && r12_ok "state.json rewritten unchanged and committed again resumes" || { r12_fail "recommitted state.json"; cat "$W/r12_st.log"; }
+else
+    echo "skip: state.json range checks ($XXH not built)"
+fi
 # --resume cuts a torn last line (a crash or a full disk in an older run) before appending
 cp -r "$W/r12_run" "$W/r12_torn"
 printf '{"step": 3, "loss": 5.4' >> "$W/r12_torn/metrics.jsonl"

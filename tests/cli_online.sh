@@ -96,6 +96,8 @@ bad() { # bad MESSAGE-PART ARGS...
 mkdir -p "$W/broken"
 printf '{"text": "fine"}\n{"text": broken\n' > "$W/broken/b.jsonl"
 bad "b.jsonl:2: invalid JSON" --data.path="$W/broken/b.jsonl" --data.tokenizer="$W/tok"
+printf '{"text": "one"}\n{"text": "two"} {"text": "dropped"}\n' > "$W/broken/t.jsonl"
+bad "t.jsonl:2: more than one JSON value on the line" --data.path="$W/broken/t.jsonl" --data.tokenizer="$W/tok"
 printf '{"body": "no text"}\n' > "$W/broken/c.jsonl"
 bad "c.jsonl:1: no string field" --data.path="$W/broken/c.jsonl" --data.tokenizer="$W/tok"
 bad "matches no file" --data.path="$W/nothing/*.jsonl" --data.tokenizer="$W/tok"

@@ -134,4 +134,7 @@ else grep -q "1 shard(s) for parallel.dp = 2" "$W/bad2.log" && pass "dp 2 on one
 mkdir -p "$W/broken"
 { head -n 40 "$W/s1.jsonl"; printf '{"text": broken\n'; } > "$W/broken/b.jsonl"
 bad "b.jsonl:41: invalid JSON" --data.path="$W/broken" --data.tokenizer="$W/tok" --training.steps=40
+rm -rf "$W/bad" # (the refusal above came after the run directory was set up)
+{ head -n 40 "$W/s1.jsonl"; printf '{"text": "a"}{"text": "b"}\n'; } > "$W/broken/b.jsonl"
+bad "b.jsonl:41: more than one JSON value on the line" --data.path="$W/broken" --data.tokenizer="$W/tok" --training.steps=40
 finish cli_stream

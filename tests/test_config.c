@@ -353,6 +353,10 @@ static void test_overrides(void **state) {
                         "probability");
     assert_int_equal(tera_config_set(&c, "model.dim=-3"), TERA_ERR_CONFIG);
     assert_msg_has("model.dim = \"-3\" is out of range; valid range: >= 1");
+    /* a layer count the parameter table could not hold is refused at once, not after minutes of
+     * building the table (10 million layers took 114 s and 16.8 GB before running out of memory) */
+    assert_int_equal(tera_config_set(&c, "model.n_layers=10000000"), TERA_ERR_CONFIG);
+    assert_msg_has("model.n_layers = \"10000000\" is out of range; valid range: [1, 65536]");
     assert_int_equal(tera_config_set(&c, "parallel.zero=4"), TERA_ERR_CONFIG);
     assert_msg_has("[0, 3]");
     assert_int_equal(tera_config_set(&c, "data.path=a\nb"), TERA_ERR_CONFIG);
@@ -369,6 +373,10 @@ static void test_overrides(void **state) {
     assert_msg_has("too long (2048 characters; at most 1023)");
     free(big);
     assert_memory_equal(&c, &before, sizeof c); /* failed overrides change nothing */
+    tera_config most;
+    tera_config_defaults(&most);
+    assert_int_equal(tera_config_set(&most, "model.n_layers=65536"), TERA_OK);
+    assert_int_equal(most.model.n_layers, 65536);
 }
 
 static void test_load_errors(void **state) {
@@ -413,6 +421,21 @@ static void test_load_errors(void **state) {
     expect_load("[training]\nlr = inf\n", TERA_ERR_CONFIG, 2, "training.lr", "finite", NULL);
     expect_load("[training]\nlr = 1e40\n", TERA_ERR_CONFIG, 2, "training.lr", "finite", NULL);
     expect_load("[training]\nlr = 0\n", TERA_ERR_CONFIG, 2, "training.lr", "out of range", NULL);
+    { /* a NUL byte inside a value: refused naming the line (it used to cut "3\0" "0" to steps = 3) */
+        tera_config c, before;
+        tera_config_defaults(&c);
+        before = c;
+        const char *path = tmp_path("nul.ini");
+        FILE *f = fopen(path, "wb");
+        assert_non_null(f);
+        static const char text[] = "[training]\nsteps = 3\0" "0\n";
+        assert_int_equal(fwrite(text, 1, sizeof text - 1, f), sizeof text - 1);
+        assert_int_equal(fclose(f), 0);
+        assert_int_equal(tera_config_load(&c, path), TERA_ERR_CONFIG);
+        assert_msg_has(":2: a NUL byte in the line");
+        assert_memory_equal(&c, &before, sizeof c);
+        assert_int_equal(unlink(path), 0);
+    }
     expect_load("[optimizer]\nbeta2 = 1\n", TERA_ERR_CONFIG, 2, "optimizer.beta2",
                 "valid range: [0, 1)", NULL);
     expect_load("[data]\nval_fraction = 0.6\n", TERA_ERR_CONFIG, 2, "data.val_fraction",
@@ -785,6 +808,18 @@ static void test_from_hf(void **state) {
     unlink(tmp_path("m.ini"));
 }
 
+/* An error wrapped in context (tera_fail(st, "...: %s", tera_last_error()), 35 callers) reads as
+ * the context once, then the inner message: the message is formatted aside before it replaces the
+ * last one (formatting into the buffer it reads printed "prompt 1: prompt 1: ..."). */
+static void test_fail_wraps(void **state) {
+    (void)state;
+    assert_int_equal(tera_fail(TERA_ERR_IO, "inner %d: %s", 7, "cannot open"), TERA_ERR_IO);
+    assert_int_equal(tera_fail(TERA_ERR_ARG, "prompt %d: %s", 2, tera_last_error()), TERA_ERR_ARG);
+    assert_string_equal(tera_last_error(), "prompt 2: inner 7: cannot open");
+    assert_int_equal(tera_fail(TERA_ERR_ARG, "%s (and more)", tera_last_error()), TERA_ERR_ARG);
+    assert_string_equal(tera_last_error(), "prompt 2: inner 7: cannot open (and more)");
+}
+
 static void test_doc(void **state) {
     (void)state;
     char *buf = NULL;
@@ -819,6 +854,7 @@ int main(void) {
         cmocka_unit_test(test_overrides), cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_finalize),  cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_doc),       cmocka_unit_test(test_from_hf),
+        cmocka_unit_test(test_fail_wraps),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -431,6 +431,11 @@ static void test_idx_corrupt(void **state) {
         FRESH(); put_u64le(c + 26, k == 0 ? b.Dc + 1 : big[k]);
         expect_corrupt(c, b.idx_len, b.bin, b.bin_len, "idx", "offset 26:");
     }
+    /* a count whose byte size overflows is reported as such, not as "needs 0 bytes" */
+    FRESH(); put_u64le(c + 18, UINT64_MAX);
+    expect_corrupt(c, b.idx_len, b.bin, b.bin_len, "idx", "needs 18446744073709551615 x 12 (over 2^64) bytes");
+    FRESH(); put_u64le(c + 26, UINT64_MAX);
+    expect_corrupt(c, b.idx_len, b.bin, b.bin_len, "idx", "needs 18446744073709551615 x 8 (over 2^64) bytes");
     FRESH(); put_u64le(c + 26, 0);
     expect_corrupt(c, b.idx_len, b.bin, b.bin_len, "idx", "offset 26:");
     /* sizes inconsistent with pointers or the .bin */

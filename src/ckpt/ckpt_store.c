@@ -302,8 +302,15 @@ tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap) {
     int n;
     TERA_TRY(tera_ckpt_list(root, &v, &n));
     for (int i = n - 1; i >= 0; i--) {
-        if (!v[i].committed) continue;
         snprintf(dir, sizeof dir, "%s/%s", root, v[i].name);
+        if (!v[i].committed) {
+            /* step_N with a COMMIT whose files are not all there (damaged, or half removed): not a
+             * save in progress, so the skip is worth a warning naming what is missing */
+            snprintf(base, sizeof base, "%s/COMMIT", dir);
+            if (!strchr(v[i].name, '.') && access(base, F_OK) == 0 && tera_ckpt_verify(dir, NULL) != TERA_OK)
+                fprintf(stderr, "tera: warning: skipping checkpoint %s: %s\n", dir, tera_last_error());
+            continue;
+        }
         int ok = tera_ckpt_verify(dir, NULL) == TERA_OK;
         if (ok && !v[i].full) {
             snprintf(base, sizeof base, "%s/step_%08" PRId64, root, v[i].base_step);

@@ -328,16 +328,30 @@ static tera_status apply_config(const char *path, const cJSON *root, tera_model_
 }
 
 tera_status tera_hf_read_config(const char *dir, tera_model_config *cfg) {
-    char path[TERA_PATH_MAX + 16];
+    char path[TERA_PATH_MAX + 64];
     TERA_TRY(join(path, sizeof path, dir, "config.json"));
+    /* a tera checkpoint without config.json of its own (a differential one: its base holds the
+     * weights' files) carries the same object as manifest.json's "model_config" */
+    char man[TERA_PATH_MAX + 32];
+    TERA_TRY(join(man, sizeof man, dir, "manifest.json"));
+    const int from_manifest = access(path, F_OK) != 0 && access(man, F_OK) == 0;
     char *text;
-    TERA_TRY(tera_read_text_file(path, &text));
-    cJSON *root = cJSON_Parse(text);
+    TERA_TRY(tera_read_text_file(from_manifest ? man : path, &text));
+    cJSON *doc = cJSON_Parse(text);
     free(text);
-    if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);
+    if (!doc) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", from_manifest ? man : path);
+    cJSON *root = doc;
+    if (from_manifest) {
+        root = cJSON_GetObjectItemCaseSensitive(doc, "model_config");
+        snprintf(path, sizeof path, "%s (model_config)", man);
+        if (!cJSON_IsObject(root)) {
+            cJSON_Delete(doc);
+            return tera_fail(TERA_ERR_FORMAT, "%s/config.json is missing and %s: no \"model_config\" object", dir, man);
+        }
+    }
     tera_model_config c = *cfg; /* all or nothing: cfg changes only on success */
     tera_status s = apply_config(path, root, &c);
-    cJSON_Delete(root);
+    cJSON_Delete(doc);
     if (s == TERA_OK) *cfg = c;
     return s;
 }

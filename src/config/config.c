@@ -125,7 +125,8 @@ static const config__key config__keys[] = {
     /* [model] ---------------------------------------------------------------------------------- */
     K_INT(model, vocab_size, "256", 2, INT_MAX, "vocabulary size V (token ids 0 .. V-1)"),
     K_INT(model, dim, "128", 1, INT_MAX, "model width D"),
-    K_INT(model, n_layers, "4", 1, INT_MAX, "transformer layers L"),
+    K_INT(model, n_layers, "4", 1, 65536,
+          "transformer layers L (at most 65536: the parameter table holds ~10 tensors a layer)"),
     K_INT(model, n_heads, "4", 1, INT_MAX,
           "query heads H; must divide dim, and head width dim/n_heads must be even (RoPE)"),
     K_INT(model, n_kv_heads, "0", 0, INT_MAX,
@@ -859,9 +860,23 @@ typedef struct {
  * (an unknown but empty section would otherwise pass unnoticed). */
 static char *config__read_line(char *str, int num, void *stream) {
     config__load_state *st = stream;
-    if (st->failed || !fgets(str, num, st->file)) return NULL;
+    if (st->failed) return NULL;
+    /* fgets by hand: a NUL byte would end the line for strlen and cut the value silently */
+    size_t len = 0;
+    int c = EOF;
+    while (len + 1 < (size_t)num && (c = getc(st->file)) != EOF) {
+        if (c == 0) {
+            st->failed = true;
+            st->status = tera_fail(TERA_ERR_CONFIG, "%s:%d: a NUL byte in the line (not a text file?)", st->path,
+                                   st->line + 1);
+            return NULL;
+        }
+        str[len++] = (char)c;
+        if (c == '\n') break;
+    }
+    str[len] = '\0';
+    if (len == 0) return NULL; /* end of file */
     st->line++;
-    size_t len = strlen(str);
     if (len == (size_t)num - 1 && str[len - 1] != '\n') {
         int ch = getc(st->file);
         if (ch != EOF) {

@@ -65,7 +65,36 @@ const char *tera_json_num(char *buf, size_t cap, const char *fmt, double v) {
     return buf;
 }
 
+tera_status tera_json_whole(const cJSON *obj, const char *key, const char *path, const char *where, int64_t lo,
+                            int64_t hi, int64_t *out) {
+    const cJSON *it = cJSON_IsObject(obj) ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    if (!cJSON_IsNumber(it)) return tera_fail(TERA_ERR_FORMAT, "%s: \"%s%s\" is missing or not a number", path, where, key);
+    const double v = it->valuedouble;
+    /* lo and hi within +-2^53, so that the doubles compare exactly */
+    if (!(v >= (double)lo && v <= (double)hi) || v != floor(v))
+        return tera_fail(TERA_ERR_FORMAT, "%s: \"%s%s\" = %.17g is not a whole number in [%lld, %lld]", path, where, key,
+                         v, (long long)lo, (long long)hi);
+    *out = (int64_t)v;
+    return TERA_OK;
+}
+
 /* ------------------------------------------------------------------ JSON lines */
+
+cJSON *tera_jsonl_parse(const char *p, size_t n, const char **why) {
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithLengthOpts(p, n, &end, 0);
+    if (!j) {
+        *why = "invalid JSON";
+        return NULL;
+    }
+    for (const char *e = p + n; end && end < e; end++) {
+        if (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\f' || *end == '\v' || *end == 0) continue;
+        cJSON_Delete(j);
+        *why = "more than one JSON value on the line (one object a line)";
+        return NULL;
+    }
+    return j;
+}
 
 /* 1 when text[0, n) (no newline inside) parses as JSON. */
 static int json_line_ok(const char *text, size_t n) {

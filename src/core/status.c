@@ -6,10 +6,15 @@
 static _Thread_local char g_msg[2048];
 
 tera_status tera_fail(tera_status s, const char *fmt, ...) {
+    /* formatted aside, then copied: callers wrap the last message (tera_fail(st, "prompt %d: %s", p,
+     * tera_last_error())), and vsnprintf into the buffer it reads from is undefined (glibc wrote
+     * the prefix twice) */
+    char msg[sizeof g_msg];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_msg, sizeof g_msg, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(g_msg, msg, sizeof g_msg);
     return s;
 }
 

@@ -6,6 +6,7 @@
  * rank: where the rank's next sample begins. n_tokens and n_train are 0 there (the stream has no
  * fixed length). */
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 
 #include "data/stream.h"
 #include "tera/data.h"
+#include "tera/io.h"
 
 void tera_data_save(const tera_loader *l, const char *data_path, int64_t consumed, cJSON *root) {
     const tera_token_source *src = l->src;
@@ -55,21 +57,17 @@ void tera_data_save(const tera_loader *l, const char *data_path, int64_t consume
     }
 }
 
-static tera_status num(const cJSON *o, const char *key, const char *path, const char *where, double *v) {
-    const cJSON *it = cJSON_IsObject(o) ? cJSON_GetObjectItemCaseSensitive(o, key) : NULL;
-    if (!cJSON_IsNumber(it)) return tera_fail(TERA_ERR_FORMAT, "%s: \"%s%s\" is missing or not a number", path, where, key);
-    *v = it->valuedouble;
-    return TERA_OK;
-}
-
 tera_status tera_data_load(tera_loader *l, const cJSON *root, const char *path, uint64_t ckpt_seed, uint64_t run_seed,
                            int64_t *consumed) {
     const tera_token_source *src = l->src;
     struct tera_stream *st = src ? src->stream : NULL;
     const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
+    /* whole numbers in range: a damaged or hand-edited position is refused naming the key, never
+     * cast into a negative sample index (an abort in the loader) or an endless epoch count */
     const char *dfields[] = {"n_tokens", "seq_len", "n_train", "samples_consumed"};
-    double d[4] = {0, 0, 0, 0};
-    for (int i = 0; i < 4; i++) TERA_TRY(num(data, dfields[i], path, "data.", &d[i]));
+    const int64_t dmax[] = {TERA_JSON_MAX_WHOLE, INT_MAX, TERA_JSON_MAX_WHOLE, TERA_JSON_MAX_WHOLE};
+    int64_t d[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++) TERA_TRY(tera_json_whole(data, dfields[i], path, "data.", 0, dmax[i], &d[i]));
     const int shuffle = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(data, "shuffle"));
     const cJSON *sj = cJSON_GetObjectItemCaseSensitive(data, "stream");
     if (!st && sj)
@@ -91,9 +89,9 @@ tera_status tera_data_load(tera_loader *l, const cJSON *root, const char *path, 
         return TERA_OK;
     }
     /* streaming: the same shards, sequence length and dp degree (each dp rank continues its own stream) */
-    double dp = 0, ns = 0;
-    TERA_TRY(num(sj, "dp", path, "data.stream.", &dp));
-    TERA_TRY(num(sj, "shards", path, "data.stream.", &ns));
+    int64_t dp = 0, ns = 0;
+    TERA_TRY(tera_json_whole(sj, "dp", path, "data.stream.", 1, INT_MAX, &dp));
+    TERA_TRY(tera_json_whole(sj, "shards", path, "data.stream.", 1, INT_MAX, &ns));
     const cJSON *fp = cJSON_GetObjectItemCaseSensitive(sj, "fingerprint");
     char mine[32];
     snprintf(mine, sizeof mine, "%016" PRIx64, tera_stream_fingerprint(st));
@@ -116,9 +114,9 @@ tera_status tera_data_load(tera_loader *l, const cJSON *root, const char *path, 
     const cJSON *o = cJSON_IsArray(ranks) && cJSON_GetArraySize(ranks) == (int)dp ? cJSON_GetArrayItem(ranks, r) : NULL;
     if (!o) return tera_fail(TERA_ERR_FORMAT, "%s: \"data.stream.ranks\" is missing or has not %d entries", path, (int)dp);
     const char *keys[] = {"epoch", "shard", "offset", "token", "sample"};
-    double v[5] = {0, 0, 0, 0, 0};
-    for (int i = 0; i < 5; i++) TERA_TRY(num(o, keys[i], path, "data.stream.ranks[].", &v[i]));
-    const tera_stream_pos p = {(int64_t)v[0], (int64_t)v[1], (int64_t)v[2], (int64_t)v[3], (int64_t)v[4]};
+    int64_t v[5] = {0, 0, 0, 0, 0};
+    for (int i = 0; i < 5; i++) TERA_TRY(tera_json_whole(o, keys[i], path, "data.stream.ranks[].", 0, TERA_JSON_MAX_WHOLE, &v[i]));
+    const tera_stream_pos p = {v[0], v[1], v[2], v[3], v[4]};
     TERA_TRY(tera_stream_restart(st, (int64_t)d[3], &p));
     *consumed = (int64_t)d[3];
     return TERA_OK;

@@ -23,6 +23,7 @@
 
 #include "data/online.h"
 #include "tera/comm.h"
+#include "tera/io.h"
 #include "tera/profile.h"
 #include "tera/tokenizer.h"
 
@@ -216,12 +217,13 @@ static tera_status split_docs(const char *path, char *data, size_t len, int json
             size_t a = at;
             while (a < end && isspace((unsigned char)data[a])) a++;
             if (a < end) {
-                cJSON *j = cJSON_ParseWithLength(data + at, end - at);
+                const char *why = NULL;
+                cJSON *j = tera_jsonl_parse(data + at, end - at, &why);
                 const cJSON *f = j ? cJSON_GetObjectItemCaseSensitive(j, "text") : NULL;
                 if (!j || !cJSON_IsString(f)) {
                     cJSON_Delete(j);
                     st = tera_fail(TERA_ERR_FORMAT, "%s:%ld: %s", path, (long)lineno,
-                                   j ? "no string field \"text\"" : "invalid JSON");
+                                   j ? "no string field \"text\"" : why);
                     break;
                 }
                 const size_t l = strlen(f->valuestring);

@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "tera/data.h"
+#include "tera/io.h"
 #include "tera/profile.h"
 
 #define BATCH_DOCS 512                 /* documents encoded in parallel per round */
@@ -156,12 +157,9 @@ static tera_status map_input(const char *path, char **data, size_t *len) {
 /* One JSON line -> slot (the field's string, decoded). */
 static tera_status parse_line(const char *path, int64_t lineno, const char *line, size_t n, const char *field,
                               doc_slot *d) {
-    char *copy = tera_malloc(n + 1);
-    memcpy(copy, line, n);
-    copy[n] = 0;
-    cJSON *root = cJSON_Parse(copy);
-    free(copy);
-    if (!root) return tera_fail(TERA_ERR_FORMAT, "%s:%ld: not a valid JSON object", path, (long)lineno);
+    const char *why = NULL;
+    cJSON *root = tera_jsonl_parse(line, n, &why);
+    if (!root) return tera_fail(TERA_ERR_FORMAT, "%s:%ld: not a valid JSON object: %s", path, (long)lineno, why);
     const cJSON *f = cJSON_IsObject(root) ? cJSON_GetObjectItemCaseSensitive(root, field) : NULL;
     if (!cJSON_IsString(f)) {
         cJSON_Delete(root);

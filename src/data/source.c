@@ -166,6 +166,14 @@ static tera_status check_tokens(const unsigned char *p, int code, int64_t n, int
 #define IDX_MAGIC "MMIDIDX\x00\x00"
 #define IDX_HEADER 34 /* magic 9 + version 8 + dtype 1 + sequence count 8 + document count 8 */
 
+/* count x per as a decimal string, or "over 2^64" when the product does not fit (an .idx whose
+ * count field is damaged: the message must not say it needs 0 bytes) */
+static const char *bytes_for(char *buf, size_t cap, uint64_t count, unsigned per) {
+    if (count > UINT64_MAX / per) snprintf(buf, cap, "%llu x %u (over 2^64)", (unsigned long long)count, per);
+    else snprintf(buf, cap, "%llu", (unsigned long long)(count * per));
+    return buf;
+}
+
 /* Validates the index p[0, len) against a .bin of bin_len bytes. */
 static tera_status parse_idx(const char *idx, const char *bin, const unsigned char *p, size_t len,
                              uint64_t bin_len, int *dtype, int64_t *n_docs) {
@@ -187,18 +195,18 @@ static tera_status parse_idx(const char *idx, const char *bin, const unsigned ch
                          idx, code, dtype_name(code));
     uint64_t S = rd_u64(p + 18), Dc = rd_u64(p + 26);
     uint64_t room = len - IDX_HEADER;
+    char need[64];
     if (S > room / 12)
-        return tera_fail(TERA_ERR_FORMAT, "%s: offset 18: sequence count %llu needs %llu bytes of sizes and "
+        return tera_fail(TERA_ERR_FORMAT, "%s: offset 18: sequence count %llu needs %s bytes of sizes and "
                          "pointers, but only %llu bytes follow the header (truncated?)", idx,
-                         (unsigned long long)S, S > UINT64_MAX / 12 ? 0ull : (unsigned long long)(S * 12),
-                         (unsigned long long)room);
+                         (unsigned long long)S, bytes_for(need, sizeof need, S, 12), (unsigned long long)room);
     room -= S * 12;
     if (Dc == 0)
         return tera_fail(TERA_ERR_FORMAT, "%s: offset 26: document count 0 (doc_idx holds at least [0])", idx);
     if (Dc > room / 8)
-        return tera_fail(TERA_ERR_FORMAT, "%s: offset 26: document count %llu needs %llu bytes of doc_idx, "
+        return tera_fail(TERA_ERR_FORMAT, "%s: offset 26: document count %llu needs %s bytes of doc_idx, "
                          "but only %llu bytes remain (truncated?)", idx, (unsigned long long)Dc,
-                         Dc > UINT64_MAX / 8 ? 0ull : (unsigned long long)(Dc * 8), (unsigned long long)room);
+                         bytes_for(need, sizeof need, Dc, 8), (unsigned long long)room);
     uint64_t end = IDX_HEADER + 12 * S + 8 * Dc;
     if (end != len)
         return tera_fail(TERA_ERR_FORMAT, "%s: offset %llu: %llu trailing bytes after the declared arrays", idx,

@@ -29,6 +29,7 @@
 #include "data/online.h"
 #include "data/stream.h"
 #include "tera/comm.h"
+#include "tera/io.h"
 #include "tera/profile.h"
 #include "tera/tokenizer.h"
 
@@ -276,12 +277,13 @@ static tera_status next_doc(reader *q, sdoc *d) {
                 size_t a = 0;
                 while (a < n && (p[a] == ' ' || p[a] == '\t' || p[a] == '\r' || p[a] == '\f' || p[a] == '\v')) a++;
                 if (a == n) continue; /* blank */
-                cJSON *j = cJSON_ParseWithLength(p, n);
+                const char *why = NULL;
+                cJSON *j = tera_jsonl_parse(p, n, &why);
                 const cJSON *f = j ? cJSON_GetObjectItemCaseSensitive(j, "text") : NULL;
                 if (!j || !cJSON_IsString(f)) {
                     cJSON_Delete(j);
                     return tera_fail(TERA_ERR_FORMAT, "%s:%lld: %s", r->path, (long long)r->line,
-                                     j ? "no string field \"text\"" : "invalid JSON");
+                                     j ? "no string field \"text\"" : why);
                 }
                 const size_t l = strlen(f->valuestring);
                 if (l > 0) {

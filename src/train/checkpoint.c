@@ -198,45 +198,51 @@ static char *state_text(const tera_trainer *tr) {
     return text;
 }
 
-/* Reads state.json and checks that the current data is the stream the checkpoint was reading. */
-static tera_status read_state(tera_trainer *tr, const char *path) {
+/* Reads state.json and checks that the current data is the stream the checkpoint was reading.
+ * Every count must be one a run could have written (a whole number in range: the step the
+ * checkpoint's directory names, 0 <= adam_t, skipped_steps <= step), or the resume is refused
+ * naming the key: a hand-edited or damaged file must not start an endless or NaN run. dir_step:
+ * the step of the directory's name (step_N), -1 when it has another name. */
+static tera_status read_state(tera_trainer *tr, const char *path, int64_t dir_step) {
     char *text;
     TERA_TRY(tera_read_text_file(path, &text));
     cJSON *root = cJSON_Parse(text);
     free(text);
     if (!root) return tera_fail(TERA_ERR_FORMAT, "%s: not valid JSON", path);
-    const char *fields[] = {"step", "adam_t", "seed"};
-    double v[3];
-    for (int i = 0; i < 3; i++) {
-        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, fields[i]);
-        if (!cJSON_IsNumber(it)) {
-            cJSON_Delete(root);
-            return tera_fail(TERA_ERR_FORMAT, "%s: \"%s\" is missing or not a number", path, fields[i]);
-        }
-        v[i] = it->valuedouble;
+    int64_t step = 0, adam_t = 0, skipped = 0, version;
+    tera_status st = TERA_OK;
+    if (cJSON_GetObjectItemCaseSensitive(root, "format_version")) /* a later format: refused, not misread */
+        st = tera_json_whole(root, "format_version", path, "", 1, TERA_CKPT_FORMAT_VERSION, &version);
+    if (st == TERA_OK) st = tera_json_whole(root, "step", path, "", 0, TERA_JSON_MAX_WHOLE, &step);
+    if (st == TERA_OK && dir_step >= 0 && step != dir_step)
+        st = tera_fail(TERA_ERR_FORMAT, "%s: \"step\" = %" PRId64 ", but the checkpoint is step %" PRId64
+                       " (its directory and COMMIT)", path, step, dir_step);
+    if (st == TERA_OK) st = tera_json_whole(root, "adam_t", path, "", 0, step, &adam_t);
+    if (st == TERA_OK && cJSON_GetObjectItemCaseSensitive(root, "skipped_steps"))
+        st = tera_json_whole(root, "skipped_steps", path, "", 0, step, &skipped);
+    /* the seed: any uint64 (written as a double, so compared as one) */
+    const cJSON *sd = cJSON_GetObjectItemCaseSensitive(root, "seed");
+    uint64_t seed = 0;
+    if (st == TERA_OK) {
+        const double v = cJSON_IsNumber(sd) ? sd->valuedouble : -1;
+        if (!(v >= 0 && v < 18446744073709551616.0) || v != floor(v))
+            st = tera_fail(TERA_ERR_FORMAT, "%s: \"seed\" is missing or not a whole number in [0, 2^64)", path);
+        else
+            seed = (double)tr->cfg.training.seed == v ? tr->cfg.training.seed : (uint64_t)v;
     }
-    const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_steps");
-    const int64_t skipped = cJSON_IsNumber(sk) ? (int64_t)sk->valuedouble : 0;
     /* fp16: the scaler's state when the checkpoint has one (else the configured initial scale) */
     tera_loss_scaler scaler = tr->prec.scaler;
-    if (tr->prec.precision == TERA_PREC_FP16) {
-        const tera_status sst = tera_scaler_load(&scaler, root, path);
-        if (sst != TERA_OK) {
-            cJSON_Delete(root);
-            return sst;
-        }
-    }
+    if (st == TERA_OK && tr->prec.precision == TERA_PREC_FP16) st = tera_scaler_load(&scaler, root, path);
     /* the data position, read and checked by the data module (src/data/data_state.c: the same data, and a
      * streamed source restarted at this rank's position), after every other part could be read */
-    tera_status st = tera_batch_load(&tr->batch, root, path);
+    if (st == TERA_OK) st = tera_batch_load(&tr->batch, root, path);
     if (st == TERA_OK) st = tera_spike_load(&tr->spike, root, path);
     int64_t consumed = 0;
-    if (st == TERA_OK)
-        st = tera_data_load(&tr->loader, root, path, (uint64_t)v[2], (uint64_t)tr->cfg.training.seed, &consumed);
+    if (st == TERA_OK) st = tera_data_load(&tr->loader, root, path, seed, (uint64_t)tr->cfg.training.seed, &consumed);
     cJSON_Delete(root);
     TERA_TRY(st);
-    tr->step = (int64_t)v[0];
-    tr->sharding->opt.t = (int64_t)v[1];
+    tr->step = step;
+    tr->sharding->opt.t = adam_t;
     tr->samples_consumed = consumed;
     tr->skipped_steps = skipped;
     tr->prec.scaler = scaler;
@@ -1368,7 +1374,17 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
     char path[TERA_PATH_MAX + 128];
     TERA_TRY(tera_trainer_load_dir(tr, dir, 1));
     snprintf(path, sizeof path, "%s/state.json", dir);
-    TERA_TRY(read_state(tr, path));
+    /* the step the directory's name gives (tera_ckpt_find_latest and ckpt verify check that COMMIT
+     * names the same); under another name (a copied checkpoint) state.json's step is range-checked
+     * only */
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    const char *base = dir + n;
+    while (base > dir && base[-1] != '/') base--;
+    long long ds = -1;
+    int used = 0;
+    if (sscanf(base, "step_%lld%n", &ds, &used) != 1 || (size_t)(base + used - dir) != n || ds < 0) ds = -1;
+    TERA_TRY(read_state(tr, path, (int64_t)ds));
     tr->sharding->opt_x.t = tr->sharding->opt.t;
     return TERA_OK;
 }
