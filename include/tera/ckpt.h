@@ -73,6 +73,9 @@ typedef struct {
 /* Entries of `ckpt_root` (a run's checkpoints/ directory) that look like checkpoints, sorted by
  * step; *out is malloc'd (free it). A missing directory gives 0 entries. */
 tera_status tera_ckpt_list(const char *ckpt_root, tera_ckpt_info **out, int *n);
+/* Removes the entries tera_ckpt_list gives (step_N, step_N.tmp, step_N.deleting) from ckpt_root,
+ * only the uncommitted ones when uncommitted_only; nothing else there is touched. */
+tera_status tera_ckpt_remove_listed(const char *ckpt_root, int uncommitted_only);
 /* 1 when dir holds a COMMIT that parses and names the directory's step, and every file it names. */
 int tera_ckpt_committed(const char *dir);
 /* Re-hashes every file named by COMMIT (size and XXH3) and checks the manifest's checksums, and

@@ -295,6 +295,21 @@ tera_status tera_ckpt_verify(const char *dir, FILE *report) {
     return first;
 }
 
+tera_status tera_ckpt_remove_listed(const char *root, int uncommitted_only) {
+    tera_ckpt_info *v;
+    int n;
+    TERA_TRY(tera_ckpt_list(root, &v, &n));
+    char path[4400];
+    tera_status s = TERA_OK;
+    for (int i = 0; i < n && s == TERA_OK; i++) {
+        if (uncommitted_only && v[i].committed) continue;
+        snprintf(path, sizeof path, "%s/%s", root, v[i].name);
+        s = tera_ckpt_rmtree(path);
+    }
+    free(v);
+    return s;
+}
+
 tera_status tera_ckpt_find_latest(const char *run_dir, char *out, size_t cap) {
     char root[4200], dir[4400], base[4400];
     snprintf(root, sizeof root, "%s/checkpoints", run_dir);

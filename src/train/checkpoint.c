@@ -423,20 +423,7 @@ static tera_status chunk_pass(tera_ckpt_ctx *c, int full, strbuf *out, int64_t *
 static tera_status prune(tera_ckpt_ctx *c);
 
 /* Removes leftovers of interrupted saves: *.tmp and step directories without a valid COMMIT. */
-static tera_status clean_uncommitted(const char *root) {
-    tera_ckpt_info *v;
-    int n;
-    TERA_TRY(tera_ckpt_list(root, &v, &n));
-    char path[TERA_PATH_MAX + 128];
-    tera_status s = TERA_OK;
-    for (int i = 0; i < n && s == TERA_OK; i++) {
-        if (v[i].committed) continue;
-        snprintf(path, sizeof path, "%s/%s", root, v[i].name);
-        s = tera_ckpt_rmtree(path);
-    }
-    free(v);
-    return s;
-}
+static tera_status clean_uncommitted(const char *root) { return tera_ckpt_remove_listed(root, 1); }
 
 /* The end of every save: the data files' checksums into the manifest, manifest.json, then COMMIT
  * (step, and size + XXH3 of every other file) last, the directory renamed into place and the

@@ -81,24 +81,6 @@ static double pipe_load(void *ctx, int micro, int32_t *tokens, int32_t *targets)
 
 static void pipe_plan(void *ctx, int last, int next) { tera_zero_plan(((tera_trainer *)ctx)->sharding, last, next); }
 
-/* --force: the old run's checkpoints (step_N, step_N.tmp, step_N.deleting: tera_ckpt_list's
- * entries) removed from root, and root itself once empty. Anything else there is not tera's and is
- * left as it was (--force on a directory that was never a tera run must not take its files). */
-static tera_status remove_checkpoints(const char *root) {
-    tera_ckpt_info *v;
-    int n;
-    TERA_TRY(tera_ckpt_list(root, &v, &n));
-    char path[TERA_PATH_MAX + 128];
-    tera_status st = TERA_OK;
-    for (int i = 0; i < n && st == TERA_OK; i++) {
-        snprintf(path, sizeof path, "%s/%s", root, v[i].name);
-        st = tera_ckpt_rmtree(path);
-    }
-    free(v);
-    if (st == TERA_OK && n > 0) (void)rmdir(root); /* fails, harmlessly, when other files remain */
-    return st;
-}
-
 /* Rank 0's run directory: refused when it holds a run (unless continued or --force), the old run's
  * metrics and checkpoints removed under --force, config.ini written for a fresh run. */
 static tera_status setup_run_dir(tera_trainer *tr, int overwrite) {
@@ -113,8 +95,11 @@ static tera_status setup_run_dir(tera_trainer *tr, int overwrite) {
         /* --force: the old run's metrics and checkpoints go, so a later --resume cannot mix runs */
         snprintf(path, sizeof path, "%s/metrics.jsonl", tr->run_dir);
         if (unlink(path) != 0 && errno != ENOENT) return tera_fail(TERA_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+        /* only tera's entries (step_N, .tmp, .deleting), then checkpoints/ once empty: anything else
+         * there stays (--force on a directory that was not a tera run must not take its files) */
         snprintf(path, sizeof path, "%s/checkpoints", tr->run_dir);
-        TERA_TRY(remove_checkpoints(path));
+        TERA_TRY(tera_ckpt_remove_listed(path, 0));
+        (void)rmdir(path); /* fails, harmlessly, when other files remain or it is not there */
     }
     TERA_TRY(tera_mkdirs(tr->run_dir));
     snprintf(path, sizeof path, "%s/config.ini", tr->run_dir);
