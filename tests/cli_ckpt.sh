@@ -56,6 +56,13 @@ grep -q "resumed .* at step 8" "$W/bm.log" \
     && grep -q "warning: skipping checkpoint .*step_00000012: .*step_00000012/optimizer.safetensors: missing" "$W/bm.log" \
     && same "$W/a/checkpoints/step_00000012" "$W/bm/checkpoints/step_00000012" \
     && pass "a checkpoint missing a file COMMIT names: skipped, the warning names the file" || { fail "missing file"; grep -v "^step" "$W/bm.log"; }
+# ... and a FIFO in a file's place is not opened for reading (which would block until a writer comes)
+cp -r "$W/a" "$W/bf"
+rm "$W/bf/checkpoints/step_00000012/model.safetensors"; mkfifo "$W/bf/checkpoints/step_00000012/model.safetensors"
+timeout 60 "$TERA" eval --from "$W/bf" --data.path="$W/corpus.txt" --training.seq_len=32 --training.micro_batch=4 > /dev/null 2> "$W/bf.err"
+rc=$?
+[ $rc = 0 ] && grep -q "skipping checkpoint .*step_00000012/model.safetensors" "$W/bf.err" \
+    && pass "a FIFO in place of a checkpoint file: skipped with a warning, no hang" || { fail "FIFO in a checkpoint: rc $rc"; cat "$W/bf.err"; }
 rm -f "$W/a/checkpoints/step_00000004/COMMIT"
 "$TERA" ckpt ls "$W/a" | grep -q "step_00000004 .* no" && pass "directory without COMMIT listed as not committed" || fail "ls uncommitted"
 "$TERA" ckpt export-hf "$C" --out "$W/hf" > /dev/null 2>&1 && cmp -s "$W/hf/model.safetensors" "$C/model.safetensors" \

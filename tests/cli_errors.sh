@@ -196,6 +196,13 @@ if [ -x "$XXH" ]; then
 else
     echo "skip: state.json range checks ($XXH not built)"
 fi
+# a seed above 2^53 (state.json holds it as a double, rounded): the resume compares it as a double
+# (it used to compare the rounded value with the exact seed and refuse the run's own checkpoint)
+"$TERA" train "${R12[@]}" "${D32[@]}" --training.seed=1152921504606846977 --training.steps=2 --checkpoint.every=1 \
+    --logging.run_dir="$W/r12_seed" > /dev/null 2>&1 \
+    && "$TERA" train "${R12[@]}" "${D32[@]}" --training.seed=1152921504606846977 --training.steps=3 \
+        --logging.run_dir="$W/r12_seed" --resume > "$W/r12_seed.log" 2>&1 && grep -q "resumed .* at step 2" "$W/r12_seed.log" \
+    && r12_ok "--resume with training.seed = 2^60 + 1" || { r12_fail "resume with a seed above 2^53"; grep error "$W/r12_seed.log"; }
 # --resume cuts a torn last line (a crash or a full disk in an older run) before appending
 cp -r "$W/r12_run" "$W/r12_torn"
 printf '{"step": 3, "loss": 5.4' >> "$W/r12_torn/metrics.jsonl"
@@ -456,6 +463,24 @@ if command -v mpirun > /dev/null; then
         else pass "error on $what: $(grep -F -- "$pat" "$W/err")"; fi
     done
 fi
+
+# ---- bounds on tools whose options were each in range (probe, session 19) ----
+# tera schedule: 4096 x 4096 x 4096 asked for 1.6 TB and aborted (schedule.c:97)
+expect_error "schedule too large" "is more than 1048576" -- timeout 60 "$TERA" schedule --kind interleaved --pp 4096 --micro 4096 --chunks 4096
+# tera sim-failures: a recovery long against the MTBF, or a huge cluster or horizon, ran for days
+expect_error "sim-failures: recovery restarts" "would start over about" -- timeout 60 "$TERA" sim-failures --recovery 200000
+expect_error "sim-failures: too many failures" "more than 2e8 draws" -- timeout 60 "$TERA" sim-failures --devices 1e9
+expect_error "sim-failures: trials" "at most 100000" -- timeout 60 "$TERA" sim-failures --trials 1e9
+# no failures: finite figures, valid JSON (mtbf_s and young_s null, not inf; no NaN)
+timeout 60 "$TERA" sim-failures --failures 0 --json > "$W/sf0.json" 2>&1 \
+    && jq -e '.mtbf_s == null and .young_s == null and .effective_at_daly == 1 and .model_at_daly >= 0.9999' "$W/sf0.json" > /dev/null \
+    && echo "ok: sim-failures --failures 0: valid JSON, finite figures" || { echo "FAIL: sim-failures --failures 0: $(cat "$W/sf0.json")"; fails=$((fails + 1)); }
+
+# tera launch: a slot count past int (99999999999 became 1215752191 slots)
+expect_error "launch --hosts slots" "SLOTS in 1..65536" -- "$TERA" launch --hosts a:99999999999 -- "$TERA" train
+printf 'a slots=99999999999\n' > "$W/hosts.txt"
+expect_error "launch --hostfile slots" "hosts.txt:1: host 'a': slots= must be an integer in 1..65536" -- \
+    "$TERA" launch --hostfile "$W/hosts.txt" -- "$TERA" train
 
 echo "cli_errors: $fails failed"
 [ "$fails" = 0 ]

@@ -116,6 +116,19 @@ within "$(jq '.acc + 1' "$W/task.json")" "$(echo "$acc + 1" | bc -l)" 1e-9 && pa
 "$TERA" eval "${G[@]}" --from "$W/hf" --task "$T" > "$W/task_hf.json" 2> /dev/null
 [ -s "$W/task_hf.json" ] && [ "$(jq -c '[.acc, .acc_norm]' "$W/task.json")" = "$(jq -c '[.acc, .acc_norm]' "$W/task_hf.json")" ] \
     && pass "eval --task: run == HF export" || fail "eval --task sources differ"
+# --scores: an existing file is refused without --force; the task file itself even with --force (it
+# used to be truncated before it was read); a failed evaluation leaves an existing file as it was
+cp "$T" "$W/self.jsonl"
+expect_error "--scores onto an existing file" "scores.jsonl' already exists; pass --force" -- \
+    "$TERA" eval "${G[@]}" --from "$W/run" --task "$T" --scores "$W/scores.jsonl"
+expect_error "--scores onto the task file" "is the input" -- \
+    "$TERA" eval "${G[@]}" --from "$W/run" --task "$W/self.jsonl" --scores "$W/self.jsonl" --force
+cmp -s "$T" "$W/self.jsonl" && pass "the task file is intact" || fail "--scores destroyed the task file"
+cp "$W/scores.jsonl" "$W/scores.before"
+printf '{"context": "A", "choices": ["b"], "label": 0}\n{"context": "A", "choices": ["b"], "label": 3}\n' > "$W/bad2.jsonl"
+"$TERA" eval "${G[@]}" --from "$W/run" --task "$W/bad2.jsonl" --scores "$W/scores.jsonl" --force > /dev/null 2>&1 \
+    && fail "a bad task item accepted" || { cmp -s "$W/scores.before" "$W/scores.jsonl" && [ ! -e "$W/scores.jsonl.tmp" ] \
+    && pass "a failed eval --task --force keeps the existing --scores file" || fail "failed eval changed --scores"; }
 printf '{"context": "A", "choices": ["b"], "label": 3}\n' > "$W/bad.jsonl"
 expect_error "task label out of range" "bad.jsonl:1: \"label\"" -- "$TERA" eval --from "$W/run" --task "$W/bad.jsonl"
 

@@ -143,12 +143,25 @@ H=$SRC/hardware
     && pass "search on 8 x H100: $(jq '.valid_layouts' "$W/search.json") valid layouts, best pp $(jq '.best[0].pp' "$W/search.json") x dp $(jq '.best[0].dp' "$W/search.json") x tp $(jq '.best[0].tp' "$W/search.json"), written and resolved by tera config" \
     || fail "search / --write-config: $(cat "$W/search.err" "$W/best.err" 2> /dev/null | head -3)"
 
+# --write-config onto an existing file: refused without --force (the file kept), and never onto the
+# hardware file the plan reads, even with --force (it used to replace it with a training config)
+cp "$H/h100.ini" "$W/hw.ini"
+printf '# mine\n' > "$W/mine.ini"
+if "$TERA" plan "${MODEL[@]}" --hardware "$W/hw.ini" --devices 8 --global-batch 16 --training.precision=bf16 \
+        --write-config "$W/mine.ini" > /dev/null 2> "$W/mine.err"; then fail "--write-config onto an existing file without --force"
+else [ "$(cat "$W/mine.ini")" = "# mine" ] && grep -q "mine.ini' already exists; pass --force" "$W/mine.err" \
+    && pass "--write-config onto an existing file: refused without --force, kept" || fail "existing --write-config: $(cat "$W/mine.err")"; fi
+if "$TERA" plan "${MODEL[@]}" --hardware "$W/hw.ini" --devices 8 --global-batch 16 --training.precision=bf16 \
+        --write-config "$W/hw.ini" --force > /dev/null 2> "$W/hwself.err"; then fail "--write-config onto the --hardware file"
+else cmp -s "$H/h100.ini" "$W/hw.ini" && grep -q "is the input" "$W/hwself.err" \
+    && pass "--write-config onto the --hardware file: refused even with --force" || fail "--write-config onto its input: $(cat "$W/hwself.err")"; fi
+
 # --write-config onto an existing file that cannot be written whole (a file-size limit, SIGXFSZ
 # ignored: the write fails with EFBIG) fails and leaves the old file as it was (written under a
 # temporary name and renamed), and leaves no temporary file behind
 printf '# precious\n' > "$W/keep.ini"
 if (trap '' XFSZ; ulimit -f 4; exec "$TERA" plan "${MODEL[@]}" --hardware "$H/h100.ini" --devices 8 --global-batch 16 \
-        --training.precision=bf16 --write-config "$W/keep.ini") > /dev/null 2> "$W/keep.err"; then
+        --training.precision=bf16 --write-config "$W/keep.ini" --force) > /dev/null 2> "$W/keep.err"; then
     fail "--write-config under a 4 KiB file-size limit succeeded"
 elif [ "$(cat "$W/keep.ini")" = "# precious" ] && [ -z "$(ls "$W" | grep 'keep.ini.tmp')" ] && grep -q "keep.ini" "$W/keep.err"; then
     pass "a failed --write-config keeps the existing file: $(grep -o 'cannot write.*' "$W/keep.err" | head -1)"

@@ -24,6 +24,15 @@ grep -q '"event": "loss_spike"' "$W/run/metrics.jsonl" && pass "the run has a lo
     || { fail "tera report"; cat "$W/report.log"; }
 "$TERA" report "$W/run" --out "$W/r.html" > /dev/null 2>&1 && cmp -s "$W/r.html" "$W/run/report.html" \
     && pass "--out FILE writes the same page" || fail "--out"
+"$TERA" report "$W/run" > /dev/null 2>&1 && pass "the default page is replaced on a second report" || fail "second report"
+# --out onto an existing file: refused without --force; never the run's metrics.jsonl (it used to
+# become the HTML page)
+cp "$W/run/metrics.jsonl" "$W/metrics.before"
+if "$TERA" report "$W/run" --out "$W/r.html" > /dev/null 2> "$W/rep.err"; then fail "--out onto an existing file without --force"
+else grep -q "already exists; pass --force" "$W/rep.err" && pass "--out onto an existing file: refused without --force" || fail "$(cat "$W/rep.err")"; fi
+if "$TERA" report "$W/run" --out "$W/run/metrics.jsonl" --force > /dev/null 2> "$W/rep.err"; then fail "--out onto metrics.jsonl"
+else cmp -s "$W/metrics.before" "$W/run/metrics.jsonl" && grep -q "is the input" "$W/rep.err" \
+    && pass "--out onto the run's metrics.jsonl: refused even with --force" || fail "--out metrics.jsonl: $(cat "$W/rep.err")"; fi
 H="$W/r.html"
 grep -qi '<script' "$H" && fail "the page has a script" || pass "no script"
 grep -Eo '(src|href)="[^"]*"' "$H" | grep -v '^href="#' > "$W/ext.txt"; grep -Eo 'url\(' "$H" >> "$W/ext.txt"

@@ -42,6 +42,8 @@ grep -q "tera: registry $REG: run " a.log && pass "the run prints its registry i
     && pass "--where training.lr=0.002 finds run b" || fail "--where training.lr=0.002"
 [ "$(runs ls --json --where training.lr=2e-3 | wc -l)" = 1 ] && pass "--where compares numbers as numbers (2e-3)" \
     || fail "--where training.lr=2e-3"
+runs ls --where 'final_loss<nan' > /dev/null 2> nan.err && fail "--where final_loss<nan accepted" \
+    || { grep -q "'nan' is not a number to compare with" nan.err && pass "--where final_loss<nan refused" || fail "nan: $(cat nan.err)"; }
 [ "$(runs ls --json --where 'last_step<10' | wc -l)" = 3 ] && pass "--where on a summary field (last_step<10)" \
     || fail "--where last_step<10: $(runs ls --json --where 'last_step<10' | wc -l)"
 [ "$(runs ls --json --where data.path=corpus2.txt --where training.seed=2 | jq -r .run_dir)" = "$W/c2" ] \
@@ -75,6 +77,12 @@ out=$(runs show nosuchrun 2>&1) && fail "show of a missing run" \
 
 # 4. compare: the differing keys, the final metrics, a plot
 runs compare "$A" "$(id_of b)" --plot loss,lr --out cmp.html > cmp.txt 2> cmp.err || fail "compare: $(cat cmp.err)"
+printf 'keep\n' > keep.txt
+runs compare "$A" "$(id_of b)" --plot loss --out keep.txt > /dev/null 2> keep.err && fail "compare --out onto an existing file" \
+    || { [ "$(cat keep.txt)" = keep ] && grep -q "already exists; pass --force" keep.err \
+        && pass "compare --out onto an existing file: refused without --force, kept" || fail "compare --out: $(cat keep.err)"; }
+runs compare "$A" "$(id_of b)" --plot loss --out keep.txt --force > /dev/null 2>&1 && grep -q "<svg" keep.txt \
+    && pass "compare --out --force replaces it" || fail "compare --out --force"
 grep -q "^training.lr *| 0.003 *| 0.002" cmp.txt && pass "compare shows training.lr side by side" || { fail "compare"; cat cmp.txt; }
 grep -q "^training.steps" cmp.txt && fail "compare shows an equal key" || pass "compare hides equal keys"
 grep -q "^final_loss" cmp.txt && pass "compare shows final metrics" || fail "no final metrics"
@@ -209,4 +217,14 @@ out=$("$TERA" runs ls --registry "$W/none/reg.db" 2>&1) && fail "ls of a missing
 mkdir def && (cd def && "$TERA" train "${TINY[@]}" --training.steps=2 --logging.run_dir="$W/def/r" 2> ../def.log) \
     && [ "$("$TERA" runs ls --registry def/runs/registry.db --json | wc -l)" = 1 ] && pass "default registry runs/registry.db" \
     || fail "default registry"
+# a registry whose tables lack a column tera writes (an older or edited file): refused at open with
+# one message, exit 1 (tera tune used to read its study as empty, warn at every write and exit 0)
+python3 -c "
+import sqlite3, sys
+c = sqlite3.connect(sys.argv[1])
+c.execute('CREATE TABLE trials(study TEXT NOT NULL, number INTEGER NOT NULL, state TEXT NOT NULL, PRIMARY KEY(study, number))')
+c.commit()" "$W/old.db"
+"$TERA" runs ls --registry "$W/old.db" > /dev/null 2> old.err && fail "a registry with an old schema accepted" \
+    || { grep -q "old.db: no such column: .*not the schema this tera writes" old.err && [ "$(grep -c 'tera: error' old.err)" = 1 ] \
+        && pass "a registry lacking a column: refused at open ($(head -c 120 old.err))" || fail "old schema: $(cat old.err)"; }
 finish cli_runs

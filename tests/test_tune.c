@@ -45,6 +45,8 @@ static void test_errors(void **state) {
     expect_error("[space]\nlr = uniform 0.001 0.01\n", "'lr'", "config key");
     expect_error("[space]\ntraining.lr = uniform 0.01 0.001\n", "training.lr", "empty range");
     expect_error("[space]\ntraining.lr = uniform 0.01 0.01\n", "training.lr", "empty range");
+    /* a range whose width overflows (it sampled 1e308 every time) */
+    expect_error("[space]\ntraining.lr = uniform -1e308 1e308\n", "training.lr", "HI - LO overflows");
     expect_error("[space]\ntraining.lr = uniform 1e-4 high\n", "training.lr", "bound 'high' is not a number");
     expect_error("[space]\ntraining.lr = normal 0 1\n", "training.lr", "unknown distribution 'normal'");
     expect_error("[space]\ntraining.lr = loguniform 0 0.1\n", "training.lr", "0 < LO");

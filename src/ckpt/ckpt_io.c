@@ -98,12 +98,17 @@ tera_status tera_ckpt_rmtree(const char *path) {
 }
 
 tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO in a file's place must not block the open until a writer comes */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return tera_fail(TERA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         close(fd);
         return tera_fail(TERA_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return tera_fail(TERA_ERR_FORMAT, "%s: not a regular file", path);
     }
     *size = (int64_t)sb.st_size;
     if (sb.st_size == 0) {

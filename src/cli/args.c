@@ -1,6 +1,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <strings.h>
 
 #include "cli.h"
@@ -138,4 +139,20 @@ int tera_cli_parse(int argc, char **argv, tera_config *cfg, const char *const *f
     }
     if (tera_config_finalize(cfg) != TERA_OK) return tera_cli_error();
     return 0;
+}
+
+int tera_cli_refuse_output(const char *what, const char *path, int force, const char *const *inputs) {
+    struct stat out;
+    if (stat(path, &out) != 0) return 0; /* a new file */
+    for (int i = 0; inputs && inputs[i]; i++) {
+        struct stat in;
+        if (stat(inputs[i], &in) == 0 && in.st_dev == out.st_dev && in.st_ino == out.st_ino) {
+            tera_fail(TERA_ERR_ARG, "%s '%s' is the input '%s': writing it would destroy what the command reads; "
+                      "choose another file", what, path, inputs[i]);
+            return tera_cli_error();
+        }
+    }
+    if (force) return 0;
+    tera_fail(TERA_ERR_EXISTS, "%s '%s' already exists; pass --force to replace it", what, path);
+    return tera_cli_error();
 }

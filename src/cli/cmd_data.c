@@ -107,9 +107,7 @@ static tera_status load_tokenizer(const char *spec, tera_tokenizer **t) {
 
 /* Refuses to replace an existing output unless --force (prints the message; returns non-zero). */
 static int refuse_existing(const char *what, const char *path, int force) {
-    if (force || access(path, F_OK) != 0) return 0;
-    tera_fail(TERA_ERR_EXISTS, "%s '%s' already exists; pass --force to replace it", what, path);
-    return tera_cli_error();
+    return tera_cli_refuse_output(what, path, force, NULL);
 }
 
 static int data_prepare(int argc, char **argv) {

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <cjson/cJSON.h>
@@ -36,13 +37,24 @@ int tera_cmd_eval_task(int argc, char **argv) {
     tera_config cfg;
     static const char *const opts[] = {"from", "task", "tokenizer", "scores", "limit", NULL};
     const char *val[5] = {NULL};
-    if (tera_cli_parse(argc, argv, &cfg, NULL, NULL, opts, val)) return 1;
+    static const char *const flags[] = {"force", NULL};
+    int force = 0;
+    if (tera_cli_parse(argc, argv, &cfg, flags, &force, opts, val)) return 1;
     if (tera_comm_size(tera_comm_world()) > 1) {
         tera_fail(TERA_ERR_ARG, "eval --task runs in one process: run it without mpirun (or with -np 1)");
         return tera_cli_error();
     }
     if (!val[0] || !val[1]) {
         tera_fail(TERA_ERR_ARG, "eval --task needs --from DIR and --task FILE.jsonl");
+        return tera_cli_error();
+    }
+    /* --scores: not an existing file unless --force, never the task; written under FILE.tmp and
+     * renamed at the end, so a failed evaluation leaves an existing file as it was */
+    const char *inputs[] = {val[1], NULL};
+    if (val[3] && tera_cli_refuse_output("--scores", val[3], force, inputs)) return 1;
+    char scores_tmp[TERA_PATH_MAX + 8] = "";
+    if (val[3] && (size_t)snprintf(scores_tmp, sizeof scores_tmp, "%s.tmp", val[3]) >= sizeof scores_tmp) {
+        tera_fail(TERA_ERR_ARG, "--scores %s: path too long", val[3]);
         return tera_cli_error();
     }
     long limit = 0;
@@ -72,7 +84,7 @@ int tera_cmd_eval_task(int argc, char **argv) {
     }
     FILE *fs = NULL;
     tera_status st = TERA_OK;
-    if (val[3] && !(fs = fopen(val[3], "w"))) st = tera_fail(TERA_ERR_IO, "--scores %s: %s", val[3], strerror(errno));
+    if (val[3] && !(fs = fopen(scores_tmp, "w"))) st = tera_fail(TERA_ERR_IO, "--scores %s: %s", scores_tmp, strerror(errno));
     const int V = g.cfg.model.vocab_size, T_max = g.cfg.model.max_seq_len;
     tera_decoder *d = NULL; /* created for the first item, grown for a longer one */
     int d_cap = 0;
@@ -193,7 +205,10 @@ int tera_cmd_eval_task(int argc, char **argv) {
     free(line);
     fclose(f);
     if (st == TERA_OK && items == 0) st = tera_fail(TERA_ERR_FORMAT, "%s: no item (one JSON object a line)", val[1]);
-    if (fs && fclose(fs) != 0 && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--scores %s: %s", val[3], strerror(errno));
+    if (fs && fclose(fs) != 0 && st == TERA_OK) st = tera_fail(TERA_ERR_IO, "--scores %s: %s", scores_tmp, strerror(errno));
+    if (fs && st == TERA_OK && rename(scores_tmp, val[3]) != 0)
+        st = tera_fail(TERA_ERR_IO, "--scores: cannot rename %s to %s: %s", scores_tmp, val[3], strerror(errno));
+    if (fs && st != TERA_OK) unlink(scores_tmp);
     if (st == TERA_OK) {
         cJSON *r = cJSON_CreateObject();
         cJSON_AddStringToObject(r, "from", val[0]);

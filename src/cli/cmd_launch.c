@@ -130,8 +130,10 @@ static tera_status parse_hosts(sup_t *s, const char *list) {
         int slots = 1;
         if (colon) {
             char *end;
-            slots = (int)strtol(colon + 1, &end, 10);
-            if (end == colon + 1 || *end) return tera_fail(TERA_ERR_ARG, "--hosts: '%s': expected HOST:SLOTS", tok);
+            const long v = strtol(colon + 1, &end, 10);
+            if (end == colon + 1 || *end || v < 1 || v > 65536) /* 99999999999 became 1215752191 */
+                return tera_fail(TERA_ERR_ARG, "--hosts: '%s': expected HOST:SLOTS with SLOTS in 1..65536", tok);
+            slots = (int)v;
             *colon = 0;
         }
         TERA_TRY(add_host(s, tok, slots, "--hosts"));
@@ -154,9 +156,17 @@ static tera_status parse_hostfile(sup_t *s, const char *path) {
         if (sscanf(line, "%255s", name) != 1) continue;
         int slots = 1;
         const char *sl = strstr(line, "slots=");
-        if (sl) slots = atoi(sl + 6);
         char where[TERA_PATH_MAX + 32];
         snprintf(where, sizeof where, "%s:%d", path, ln);
+        if (sl) {
+            char *end;
+            const long v = strtol(sl + 6, &end, 10);
+            if (end == sl + 6 || v < 1 || v > 65536 || (*end && *end != ' ' && *end != '\t' && *end != '\r' && *end != '\n')) {
+                st = tera_fail(TERA_ERR_ARG, "%s: host '%s': slots= must be an integer in 1..65536", where, name);
+                break;
+            }
+            slots = (int)v;
+        }
         st = add_host(s, name, slots, where);
     }
     fclose(f);

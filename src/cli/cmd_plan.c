@@ -89,8 +89,8 @@ static void print_json(cJSON *root) {
 
 int tera_cmd_plan(int argc, char **argv) {
     tera_config cfg;
-    static const char *const flags[] = {"dry-run", "json", "calibrate", "shared-only", NULL};
-    int set[4] = {0, 0, 0, 0};
+    static const char *const flags[] = {"dry-run", "json", "calibrate", "shared-only", "force", NULL};
+    int set[5] = {0, 0, 0, 0, 0};
     enum { O_HW, O_DEV, O_GB, O_T, O_TOP, O_WRITE, O_EFF, O_RES, O_MAXTP, O_THREADS, O_OUT, O_XB, O_XO, O_PROD, O_CO, O_N };
     static const char *const opts[] = {"hardware", "devices", "global-batch", "seq-len", "top", "write-config",
                                        "efficiency", "reserve", "max-tp", "threads", "out", "exchange-bytes",
@@ -123,6 +123,12 @@ int tera_cmd_plan(int argc, char **argv) {
     /* under mpirun (tera train --dry-run in a launch script): one rank answers, nothing is allocated */
     if (tera_comm_rank(tera_comm_world()) != 0) return 0;
     const int dry = set[0], json = set[1];
+    if (val[O_WRITE]) { /* checked before the search: never the hardware or config file it reads */
+        const char *inputs[3] = {val[O_HW], NULL, NULL};
+        for (int i = 0; i + 1 < argc; i++)
+            if (!strcmp(argv[i], "-c") || !strcmp(argv[i], "--config")) inputs[1] = argv[i + 1];
+        if (tera_cli_refuse_output("--write-config", val[O_WRITE], set[4], inputs)) return 1;
+    }
     tera_plan_opts po = {.efficiency = 0.40, .reserve = 0.10, .threads = 0, .products_prec = -1};
     double x;
     if (val[O_EFF]) {

@@ -334,8 +334,10 @@ static void usage_error(const char *msg) { fprintf(stderr, "tera: error: %s\nusa
 
 int tera_cmd_report(int argc, char **argv) {
     const char *dir = NULL, *out = NULL;
+    int force = 0;
     for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
+        if (!strcmp(argv[i], "--force")) force = 1;
+        else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else if (!strncmp(argv[i], "--out=", 6)) out = argv[i] + 6;
         else if (argv[i][0] == '-') {
             char m[256];
@@ -354,6 +356,11 @@ int tera_cmd_report(int argc, char **argv) {
     }
     char path[TERA_PATH_MAX + 64], mpath[TERA_PATH_MAX + 64], def_out[TERA_PATH_MAX + 64], tmp[TERA_PATH_MAX + 80];
     snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", dir);
+    snprintf(path, sizeof path, "%s/config.ini", dir);
+    /* --out FILE: not an existing file unless --force, never the run's own files (the default,
+     * RUN_DIR/report.html, is this command's page and is replaced) */
+    const char *inputs[] = {mpath, path, NULL};
+    if (out && tera_cli_refuse_output("--out", out, force, inputs)) return 1;
     run R;
     memset(&R, 0, sizeof R);
     if (read_metrics(mpath, &R) != TERA_OK) return tera_cli_error();

@@ -89,7 +89,7 @@ typedef struct {
     const char *ids[MAX_IDS];
     int n_ids;
     const char *plot, *out;
-    int json, all;
+    int json, all, force;
 } runs_args;
 
 static int parse_args(int argc, char **argv, runs_args *a) {
@@ -114,6 +114,9 @@ static int parse_args(int argc, char **argv, runs_args *a) {
             continue;
         } else if (!strcmp(x, "--all")) {
             a->all = 1;
+            continue;
+        } else if (!strcmp(x, "--force")) {
+            a->force = 1;
             continue;
         } else if (x[0] == '-') {
             tera_fail(TERA_ERR_ARG, "tera runs: unknown option '%s' (tera runs --help)", x);
@@ -181,7 +184,11 @@ static int where_sql(sqlite3 *db, const char *w, char *sql, size_t cap, char key
     snprintf(keys[i], 256, "%.*s", (int)(op - w), w);
     snprintf(vals[i], 512, "%s", v);
     char *end;
-    (void)strtod(v, &end);
+    const double x = strtod(v, &end);
+    if (*v && *end == '\0' && isnan(x)) { /* "final_loss<nan" was accepted and matched nothing */
+        tera_fail(TERA_ERR_ARG, "--where '%s': '%s' is not a number to compare with", w, v);
+        return tera_cli_error();
+    }
     const int is_num = *v && *end == '\0';
     if ((o[0] == '<' || o[0] == '>') && !is_num) { /* atof would compare with 0 */
         tera_fail(TERA_ERR_ARG, "--where '%s': %s compares numbers; '%s' is not one", w, o, v);
@@ -490,6 +497,8 @@ static int cmd_compare(const runs_args *a) {
         tera_fail(TERA_ERR_ARG, "--plot needs --out FILE.html");
         return tera_cli_error();
     }
+    const char *inputs[] = {a->registry, NULL};
+    if (a->out && tera_cli_refuse_output("--out", a->out, a->force, inputs)) return 1;
     tera_registry *r;
     if (open_registry(a->registry, &r)) return 1;
     sqlite3 *db = tera_registry_db(r);

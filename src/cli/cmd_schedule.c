@@ -1,4 +1,5 @@
 /* tera schedule: print a pipeline schedule and its simulated bubble and activation footprint. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,6 +31,13 @@ int tera_cmd_schedule(int argc, char **argv) {
     }
     if (argc % 2) {
         tera_fail(TERA_ERR_ARG, "option '%s' needs a value", argv[argc - 1]);
+        return tera_cli_error();
+    }
+    /* the grid printed holds about 2 x pp x micro x chunks operations (24 bytes each, a line per
+     * rank): bounded, so that options each within 1..4096 cannot ask for terabytes */
+    if ((int64_t)pp * m * v > (1 << 20)) {
+        tera_fail(TERA_ERR_ARG, "--pp %d x --micro %d x --chunks %d = %lld is more than 1048576 (the schedule printed "
+                  "would be too large to read)", pp, m, v, (long long)pp * m * v);
         return tera_cli_error();
     }
     tera_sched_kind kind;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "tera/io.h"
 #include "tera/status.h"
 
 /* tera's figures measured here (docs/ELASTIC.md, "Measured figures"): the largest mean step-loop pause
@@ -138,8 +139,27 @@ int tera_cmd_simfail(int argc, char **argv) {
     const double mtbf = rate > 0 ? 1.0 / rate : INFINITY;
     /* Young: sqrt(2 delta M); Daly's refinement sqrt(2 delta (M + R)) - delta (delta: save pause, R: down time) */
     const double down = c.detect_s + c.recovery_s;
+    /* the work the simulation would do, bounded before it starts (at most 2e8 draws): each of the
+     * ~122 cadences runs `trials` runs of horizon / MTBF failures, and a recovery starts over
+     * e^(down / MTBF) times on average (values the options allow ran for days) */
+    const double events = 122.0 * c.trials * (c.horizon_days * 86400.0 / mtbf);
+    const char *why = NULL;
+    char buf[512];
+    if (c.trials > 100000) why = "--trials: at most 100000";
+    else if (events * exp(fmin(down / mtbf, 50.0)) > 2e8)
+        snprintf(buf, sizeof buf, "the simulation would draw about %.3g failures (%.3g a run, %d runs, 122 cadences) "
+                 "and a recovery (%.3g s against a mean time between failures of %.3g s) would start over about %.3g "
+                 "times each: more than 2e8 draws; fewer --devices, --horizon-days, --trials or a shorter recovery",
+                 events, events / 122.0 / c.trials, c.trials, down, mtbf, exp(fmin(down / mtbf, 700.0))), why = buf;
+    if (why) {
+        tera_fail(TERA_ERR_ARG, "sim-failures: %s", why);
+        return tera_cli_error();
+    }
     const double young = sqrt(2.0 * c.save_pause_s * mtbf);
-    const double daly = c.save_pause_s < 2.0 * mtbf ? sqrt(2.0 * c.save_pause_s * (mtbf + down)) - c.save_pause_s : mtbf;
+    double daly = c.save_pause_s < 2.0 * mtbf ? sqrt(2.0 * c.save_pause_s * (mtbf + down)) - c.save_pause_s : mtbf;
+    /* no failures (MTBF infinite): the cadence is the whole run (one save, at the end); a cadence
+     * of inf s would make the simulated and the modelled fractions NaN */
+    if (!(daly <= c.horizon_days * 86400.0)) daly = c.horizon_days * 86400.0;
     /* the simulation over a grid of cadences (1 s .. 1 day, 24 a decade), around the formulas' */
     double best = 0.0, best_every = 0.0;
     for (int k = 0; k <= 24 * 5; k++) {
@@ -153,11 +173,13 @@ int tera_cmd_simfail(int argc, char **argv) {
     const double rec = at_daly >= best - 0.002 ? daly : best_every; /* Daly's unless the grid finds clearly better */
     const double rec_eff = rec == daly ? at_daly : best;
     if (json) {
-        printf("{\"devices\": %.0f, \"failures_per_day\": %.4f, \"mtbf_s\": %.1f, \"save_pause_s\": %.4g, \"detect_s\": %.4g, "
-               "\"recovery_s\": %.4g, \"young_s\": %.1f, \"daly_s\": %.1f, \"effective_at_daly\": %.4f, "
+        char mj[64], yj[64]; /* null when infinite (no failures): JSON has no inf */
+        printf("{\"devices\": %.0f, \"failures_per_day\": %.4f, \"mtbf_s\": %s, \"save_pause_s\": %.4g, \"detect_s\": %.4g, "
+               "\"recovery_s\": %.4g, \"young_s\": %s, \"daly_s\": %.1f, \"effective_at_daly\": %.4f, "
                "\"model_at_daly\": %.4f, \"best_grid_s\": %.1f, \"effective_best_grid\": %.4f, \"recommended_every_s\": %.0f, "
                "\"effective_recommended\": %.4f",
-               c.devices, rate * 86400.0, mtbf, c.save_pause_s, c.detect_s, c.recovery_s, young, daly, at_daly,
+               c.devices, rate * 86400.0, tera_json_num(mj, sizeof mj, "%.1f", mtbf), c.save_pause_s, c.detect_s,
+               c.recovery_s, tera_json_num(yj, sizeof yj, "%.1f", young), daly, at_daly,
                model_effective(&c, daly, mtbf), best_every, best, rec, rec_eff);
         if (every > 0) printf(", \"every_s\": %.4g, \"effective_at_every\": %.4f", every, given);
         printf(", \"goal\": %.3f, \"meets_goal\": %s, \"trials\": %d}\n", goal, rec_eff >= goal ? "true" : "false", c.trials);

@@ -22,7 +22,7 @@ static const usage_row g_usage[] = {
     {"eval", NULL, "eval --from DIR [-c FILE] [--section.key=value ...]",
      "validation loss of a Hugging Face directory, a checkpoint or a run directory (its newest checkpoint),\n"
      "as one JSON line; runs in fp32 unless --training.precision is given on the command line"},
-    {"eval", NULL, "eval --from DIR --task FILE.jsonl [--tokenizer DIR|bytes] [--scores FILE] [--limit N]",
+    {"eval", NULL, "eval --from DIR --task FILE.jsonl [--tokenizer DIR|bytes] [--scores FILE [--force]] [--limit N]",
      "multiple-choice / cloze accuracy: each line {context, choices, label}; acc by summed log-likelihood,\n"
      "acc_norm per byte of the choice, as one JSON line; docs/GENERATE.md"},
     {"generate", NULL,
@@ -59,7 +59,7 @@ static const usage_row g_usage[] = {
      "print a pipeline schedule, its simulated bubble and activation footprint"},
     {"plan", NULL,
      "plan -c MODEL.ini --hardware FILE --devices N --global-batch B [--seq-len T] [--top K]\n"
-     "                  [--write-config FILE] [--efficiency F] [--reserve F] [--max-tp N] [--threads N] [--json]\n"
+     "                  [--write-config FILE [--force]] [--efficiency F] [--reserve F] [--max-tp N] [--threads N] [--json]\n"
      "  tera plan --dry-run [-c FILE] [--section.key=value ...] [--hardware FILE] [--json]   (= tera train --dry-run)\n"
      "  [mpirun -np N] tera plan --calibrate -c MODEL.ini [--out hardware/this-machine.ini] [--shared-only]\n"
      "  (also --products fp8|bf16|... --exchange-bytes B --exchange-overlap F --comm-overlap F: how the planned\n"
@@ -71,7 +71,7 @@ static const usage_row g_usage[] = {
      "--calibrate measures this machine (product and attention rates for the model's shapes, memory bandwidth,\n"
      "collectives and what ranks computing at once each get under mpirun; --shared-only: only that) into a\n"
      "hardware file; docs/PLAN.md"},
-    {"report", NULL, "report RUN_DIR [--out FILE]",
+    {"report", NULL, "report RUN_DIR [--out FILE [--force]]",
      "one self-contained HTML page of a run: SVG plots of loss and validation loss, LR, grad norm, throughput,\n"
      "memory, expert load per layer over time (heatmap), skipped steps and loss spikes, and its config.ini\n"
      "(default RUN_DIR/report.html); docs/MONITORING.md"},
@@ -94,7 +94,7 @@ static const usage_row g_usage[] = {
     {"runs", "show", "runs show ID [--registry DB] [--json]",
      "everything recorded about one run (an id prefix is enough): status, command, layout, git commit, dataset and\n"
      "tokenizer fingerprints, final metrics, checkpoints, the resolved configuration; docs/TRACKING.md"},
-    {"runs", "compare", "runs compare ID ID... [--registry DB] [--all] [--plot METRIC[,METRIC...] --out FILE.html]",
+    {"runs", "compare", "runs compare ID ID... [--registry DB] [--all] [--plot METRIC[,METRIC...] --out FILE.html [--force]]",
      "side by side: the config keys that differ (--all: every key) and the final metrics; --plot draws the\n"
      "metrics' curves of every run (SVG in one HTML page)"},
     {"runs", "rm", "runs rm ID... [--registry DB]", "remove runs from the registry (their run directories stay)"},

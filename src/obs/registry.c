@@ -45,6 +45,31 @@ static const char *const SCHEMA =
     " params TEXT, bracket INTEGER, rung INTEGER, step INTEGER, value REAL, rung_values TEXT, run_dir TEXT,"
     " steps_used INTEGER DEFAULT 0, started REAL, updated REAL, PRIMARY KEY(study, number));";
 
+/* Every column SCHEMA gives, per table: an existing file whose tables lack one (an older or a
+ * hand-edited registry; CREATE TABLE IF NOT EXISTS keeps its tables as they are) is refused at open,
+ * instead of every later write failing with a warning and its data read as empty. */
+static const char *const SCHEMA_CHECK[] = {
+    "SELECT id, status, start_time, end_time, heartbeat, hosts, command, run_dir, config, layout, git_commit, "
+    "git_dirty, version, dataset_path, dataset_bytes, dataset_fp, tokenizer_fp, metrics_path, summary, checkpoints, "
+    "error, study, trial, segments, mlflow_run FROM runs LIMIT 0",
+    "SELECT run_id, key, value FROM params LIMIT 0",
+    "SELECT name, spec, created, updated, status, best_trial, best_value, budget_used FROM studies LIMIT 0",
+    "SELECT study, number, state, params, bracket, rung, step, value, rung_values, run_dir, steps_used, started, "
+    "updated FROM trials LIMIT 0",
+    NULL};
+
+static tera_status check_schema(tera_registry *r) {
+    for (int i = 0; SCHEMA_CHECK[i]; i++) {
+        sqlite3_stmt *s = NULL;
+        const int rc = sqlite3_prepare_v2(r->db, SCHEMA_CHECK[i], -1, &s, NULL);
+        sqlite3_finalize(s);
+        if (rc != SQLITE_OK)
+            return tera_fail(TERA_ERR_FORMAT, "registry %s: %s: not the schema this tera writes (an older or edited "
+                             "registry? use another logging.registry)", r->path, sqlite3_errmsg(r->db));
+    }
+    return TERA_OK;
+}
+
 double tera_registry_now(void) {
     struct timeval tv;
     gettimeofday(&tv, NULL);
@@ -109,6 +134,12 @@ tera_status tera_registry_open(tera_registry **out, const char *path) {
         sqlite3_close(r->db);
         free(r);
         return st;
+    }
+    const tera_status cs = check_schema(r);
+    if (cs != TERA_OK) {
+        sqlite3_close(r->db);
+        free(r);
+        return cs;
     }
     *out = r;
     return TERA_OK;

@@ -174,6 +174,8 @@ static tera_status space_key(parse_ctx *c, const char *name, const char *value) 
         if (!(p->lo < p->hi))
             return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': empty range (LO must be below HI)", c->path, name,
                              value);
+        if (!isfinite(p->hi - p->lo)) /* uniform -1e308 1e308 sampled 1e308 every time */
+            return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': HI - LO overflows a double", c->path, name, value);
         if (p->dist == TERA_DIST_LOGUNIFORM && p->lo <= 0)
             return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': loguniform needs 0 < LO", c->path, name, value);
     }

@@ -51,7 +51,13 @@ enum { HW_NAME = 1, HW_MEM = 2, HW_FP32 = 4, HW_BF16 = 8, HW_DEV = 16, HW_IBW = 
 
 /* n numbers of a measured point's value ("2 fp32 512 256 1024 123.4": the precision word allowed at
  * index prec_at, -1 for none); 0 when malformed */
-static int parse_point(const char *value, double *x, int n, int prec_at, tera_hw_prec *prec) {
+/* Fields of a point line: n numbers (field prec_at a precision name instead, -1: none), each finite
+ * and >= 0; the fields in the bit mask `counts` (threads, ranks, shapes) whole and at most
+ * HW_MAX_COUNT, so that they convert to int and their products stay far from overflow (a thread
+ * count of 2^32 became INT_MIN and indexed before an array). */
+#define HW_MAX_COUNT 16777216.0
+#define HW_COUNTS_NOTE " (counts whole, at most 16777216)"
+static int parse_point(const char *value, double *x, int n, int prec_at, tera_hw_prec *prec, unsigned counts) {
     const char *q = value;
     for (int i = 0; i < n; i++) {
         while (*q == ' ' || *q == '\t') q++;
@@ -70,6 +76,7 @@ static int parse_point(const char *value, double *x, int n, int prec_at, tera_hw
         char *end;
         x[i] = strtod(q, &end);
         if (end == q || !isfinite(x[i]) || x[i] < 0) return 0;
+        if ((counts >> i & 1u) && (x[i] != floor(x[i]) || x[i] > HW_MAX_COUNT)) return 0;
         q = end;
     }
     while (*q == ' ' || *q == '\t') q++;
@@ -122,8 +129,8 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     if (!strcmp(section, "gemm") && !strcmp(name, "point")) {
         double x[6];
         tera_hw_prec p = TERA_HW_FP32;
-        if (!parse_point(value, x, 6, 1, &p) || x[0] < 1 || x[2] < 1 || x[3] < 1 || x[4] < 1 || x[5] <= 0) {
-            snprintf(c->err, sizeof c->err, "[gemm] point = '%.200s' is not THREADS PREC M K N GFLOP/S", value);
+        if (!parse_point(value, x, 6, 1, &p, 0x1du) || x[0] < 1 || x[2] < 1 || x[3] < 1 || x[4] < 1 || x[5] <= 0) {
+            snprintf(c->err, sizeof c->err, "[gemm] point = '%.200s' is not THREADS PREC M K N GFLOP/S" HW_COUNTS_NOTE, value);
             return 0;
         }
         if (h->n_gemm == TERA_HW_MAX_GEMM) {
@@ -136,9 +143,9 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     }
     if (!strcmp(section, "attention") && !strcmp(name, "point")) {
         double x[7];
-        if (!parse_point(value, x, 7, -1, NULL) || x[0] < 1 || x[1] < 1 || x[2] < 1 || x[3] < 1 || x[4] < 1 ||
+        if (!parse_point(value, x, 7, -1, NULL, 0x3fu) || x[0] < 1 || x[1] < 1 || x[2] < 1 || x[3] < 1 || x[4] < 1 ||
             x[5] < 1 || x[6] <= 0) {
-            snprintf(c->err, sizeof c->err, "[attention] point = '%.200s' is not THREADS B T H HKV HD GFLOP/S", value);
+            snprintf(c->err, sizeof c->err, "[attention] point = '%.200s' is not THREADS B T H HKV HD GFLOP/S" HW_COUNTS_NOTE, value);
             return 0;
         }
         if (h->n_attn == TERA_HW_MAX_ATTN) {
@@ -151,8 +158,8 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     }
     if (!strcmp(section, "memory") && !strcmp(name, "point")) { /* THREADS GBYTES/S: streaming bandwidth */
         double x[2];
-        if (!parse_point(value, x, 2, -1, NULL) || x[0] < 1 || x[1] <= 0) {
-            snprintf(c->err, sizeof c->err, "[memory] point = '%.200s' is not THREADS GBYTES/S", value);
+        if (!parse_point(value, x, 2, -1, NULL, 0x1u) || x[0] < 1 || x[1] <= 0) {
+            snprintf(c->err, sizeof c->err, "[memory] point = '%.200s' is not THREADS GBYTES/S" HW_COUNTS_NOTE, value);
             return 0;
         }
         const int t = (int)x[0];
@@ -161,10 +168,10 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     }
     if (!strcmp(section, "shared") && !strcmp(name, "point")) { /* RANKS THREADS COMPUTE MEMORY */
         double x[4];
-        if (!parse_point(value, x, 4, -1, NULL) || x[0] < 2 || x[1] < 1 || x[2] <= 0 || x[2] > 1.5 || x[3] <= 0 ||
+        if (!parse_point(value, x, 4, -1, NULL, 0x3u) || x[0] < 2 || x[1] < 1 || x[2] <= 0 || x[2] > 1.5 || x[3] <= 0 ||
             x[3] > 1.5) {
             snprintf(c->err, sizeof c->err, "[shared] point = '%.200s' is not RANKS (>= 2) THREADS COMPUTE MEMORY "
-                     "(fractions of the rate alone, in (0, 1.5])", value);
+                     "(fractions of the rate alone, in (0, 1.5])" HW_COUNTS_NOTE, value);
             return 0;
         }
         int at = -1;
@@ -184,8 +191,8 @@ static int hw_handler(void *user, const char *section, const char *name, const c
         for (int k = 0; k < TERA_HW_NCOLL; k++)
             if (!strcmp(name, tera_hw_coll_name[k])) {
                 double x[3];
-                if (!parse_point(value, x, 3, -1, NULL) || x[0] < 2 || x[2] <= 0) {
-                    snprintf(c->err, sizeof c->err, "[collective] %s = '%.200s' is not RANKS LATENCY_US GBYTES/S",
+                if (!parse_point(value, x, 3, -1, NULL, 0x1u) || x[0] < 2 || x[2] <= 0) {
+                    snprintf(c->err, sizeof c->err, "[collective] %s = '%.200s' is not RANKS LATENCY_US GBYTES/S" HW_COUNTS_NOTE,
                              name, value);
                     return 0;
                 }
@@ -203,6 +210,14 @@ static int hw_handler(void *user, const char *section, const char *name, const c
             if (!numeric) {
                 snprintf(c->err, sizeof c->err, "[%.64s] %.64s = '%.200s' is not a non-negative number", section, name,
                          value);
+                return 0;
+            }
+            /* 0 (unknown) or within what a device can be: 1e308 GiB made every layout fit, 1e-300 TFLOP/s
+             * an infinite time */
+            const double most = !strcmp(name, "gemm_efficiency") ? 1.0 : 1e6;
+            if (v != 0.0 && !(v >= 1e-6 && v <= most)) {
+                snprintf(c->err, sizeof c->err, "[%.64s] %.64s = '%.200s' is outside [1e-06, %g] (0: unknown)", section,
+                         name, value, most);
                 return 0;
             }
             *keys[i].dst = v * keys[i].scale;
