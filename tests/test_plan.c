@@ -153,31 +153,30 @@ static void test_calibrated_file(void **state) {
     remove(path);
     /* counts (threads, ranks, shapes) must be whole and at most 2^24: a thread count of 2^32 + 1
      * became INT_MIN and wrote before mem_bw_threads (a crash in the Release build), 2^31 overflowed
-     * the nearest-thread search */
-    const char *bad[] = {"[memory]\npoint = 4294967297 5", "[memory]\npoint = 1.5 5",
-                         "[gemm]\npoint = 2147483648 fp32 256 256 256 100", "[gemm]\npoint = 1 fp32 1e30 256 256 100",
-                         "[attention]\npoint = 2147483648 1 256 8 8 32 5", "[attention]\npoint = 1 1 1e12 8 8 32 5",
-                         "[shared]\npoint = 2 1e12 1 1", "[collective]\nallreduce = 4294967298 1 1", NULL};
-    for (int i = 0; bad[i]; i++) {
+     * the nearest-thread search. Device figures: 0 (unknown) or within [1e-6, 1e6] (gemm_efficiency
+     * at most 1): 1e308 GiB made every layout fit, 1e-300 TFLOP/s gave infinite device-hours. Each
+     * is refused naming its line (the file's line 3 or 4) and the bound. */
+    static const struct { const char *text, *line, *says; } bad[] = {
+        {"[memory]\npoint = 4294967297 5", ":4:", "at most 16777216"},
+        {"[memory]\npoint = 1.5 5", ":4:", "at most 16777216"},
+        {"[gemm]\npoint = 2147483648 fp32 256 256 256 100", ":4:", "at most 16777216"},
+        {"[gemm]\npoint = 1 fp32 1e30 256 256 100", ":4:", "at most 16777216"},
+        {"[attention]\npoint = 2147483648 1 256 8 8 32 5", ":4:", "at most 16777216"},
+        {"[attention]\npoint = 1 1 1e12 8 8 32 5", ":4:", "at most 16777216"},
+        {"[shared]\npoint = 2 1e12 1 1", ":4:", "at most 16777216"},
+        {"[collective]\nallreduce = 4294967298 1 1", ":4:", "at most 16777216"},
+        {"memory_gib = 1e308", ":3:", "is outside"},
+        {"peak_tflops_bf16 = 1e-300", ":3:", "is outside"},
+        {"memory_bandwidth_gbytes_s = 1e-300", ":3:", "is outside"},
+        {"gemm_efficiency = 1.5", ":3:", "is outside"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         f = fopen(path, "w");
-        fprintf(f, "[device]\nname = x\n%s\n", bad[i]);
+        fprintf(f, "[device]\nname = x\n%s\n", bad[i].text);
         fclose(f);
-        if (tera_hw_load(&r, path) != TERA_ERR_CONFIG || !strstr(tera_last_error(), ":4:") ||
-            !strstr(tera_last_error(), "at most 16777216"))
-            fail_msg("'%s' not refused naming the line and the bound: %s", bad[i], tera_last_error());
-        remove(path);
-    }
-    /* device figures: 0 (unknown) or within [1e-6, 1e6] (gemm_efficiency at most 1): 1e308 GiB made
-     * every layout fit, 1e-300 TFLOP/s gave infinite device-hours */
-    const char *badk[] = {"memory_gib = 1e308", "peak_tflops_bf16 = 1e-300", "memory_bandwidth_gbytes_s = 1e-300",
-                          "gemm_efficiency = 1.5", NULL};
-    for (int i = 0; badk[i]; i++) {
-        f = fopen(path, "w");
-        fprintf(f, "[device]\nname = x\n%s\n", badk[i]);
-        fclose(f);
-        if (tera_hw_load(&r, path) != TERA_ERR_CONFIG || !strstr(tera_last_error(), ":3:") ||
-            !strstr(tera_last_error(), "is outside"))
-            fail_msg("'%s' not refused naming the line: %s", badk[i], tera_last_error());
+        if (tera_hw_load(&r, path) != TERA_ERR_CONFIG || !strstr(tera_last_error(), bad[i].line) ||
+            !strstr(tera_last_error(), bad[i].says))
+            fail_msg("'%s' not refused naming the line and the bound: %s", bad[i].text, tera_last_error());
         remove(path);
     }
 }

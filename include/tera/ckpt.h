@@ -76,6 +76,9 @@ tera_status tera_ckpt_list(const char *ckpt_root, tera_ckpt_info **out, int *n);
 /* Removes the entries tera_ckpt_list gives (step_N, step_N.tmp, step_N.deleting) from ckpt_root,
  * only the uncommitted ones when uncommitted_only; nothing else there is touched. */
 tera_status tera_ckpt_remove_listed(const char *ckpt_root, int uncommitted_only);
+/* The step of a checkpoint directory's name (step_N, trailing slashes allowed); -1 for any other
+ * name (step_N.tmp and step_N.deleting included). */
+int64_t tera_ckpt_dir_step(const char *dir);
 /* 1 when dir holds a COMMIT that parses and names the directory's step, and every file it names. */
 int tera_ckpt_committed(const char *dir);
 /* Re-hashes every file named by COMMIT (size and XXH3) and checks the manifest's checksums, and

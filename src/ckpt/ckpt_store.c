@@ -119,16 +119,20 @@ static const char *base_name(const char *dir) {
     return p;
 }
 
-int tera_ckpt_committed(const char *dir) {
-    commit_t *c = malloc(sizeof *c);
-    int64_t step;
-    int tmp;
+int64_t tera_ckpt_dir_step(const char *dir) {
     char name[256];
     snprintf(name, sizeof name, "%s", base_name(dir));
     char *slash = strchr(name, '/');
     if (slash) *slash = 0;
-    int ok = c && parse_step_name(name, &step, &tmp) && !tmp && read_commit(dir, c) && c->step == step &&
-             commit_files_present(dir, c);
+    int64_t step;
+    int tmp;
+    return parse_step_name(name, &step, &tmp) && !tmp ? step : -1;
+}
+
+int tera_ckpt_committed(const char *dir) {
+    commit_t *c = malloc(sizeof *c);
+    const int64_t step = tera_ckpt_dir_step(dir);
+    int ok = c && step >= 0 && read_commit(dir, c) && c->step == step && commit_files_present(dir, c);
     free(c);
     return ok;
 }

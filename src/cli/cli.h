@@ -30,8 +30,8 @@ int tera_cli_parse(int argc, char **argv, tera_config *cfg, const char *const *f
 int tera_cli_error(void); /* prints tera_last_error() as "tera: error: ..." and returns 1 */
 /* An output file a command is about to write: refused (one message, returns non-zero) when it
  * already exists and force is 0 ("WHAT 'PATH' already exists; pass --force to replace it"), and,
- * even with force, when it is the same file as one of `inputs` (NULL-terminated; NULL entries
- * skipped): a command must not replace what it reads. */
+ * even with force, when it is the same file as one of `inputs` (NULL-terminated, may be NULL): a
+ * command must not replace what it reads. */
 int tera_cli_refuse_output(const char *what, const char *path, int force, const char *const *inputs);
 /* --from of a command that reads a tera checkpoint: a step directory, or a run directory's newest
  * committed one (into dir); it must be committed and verify (every file re-hashed against COMMIT and

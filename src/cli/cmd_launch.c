@@ -121,6 +121,12 @@ static tera_status add_host(sup_t *s, const char *name, int slots, const char *w
     return TERA_OK;
 }
 
+/* A slot count at p: 1..65536, else 0 (99999999999 used to become 1215752191); *end after it. */
+static int parse_slots(const char *p, char **end) {
+    const long v = strtol(p, end, 10);
+    return *end == p || v < 1 || v > 65536 ? 0 : (int)v;
+}
+
 /* "h1:2,h2:2" (no ":N": 1 slot) */
 static tera_status parse_hosts(sup_t *s, const char *list) {
     char buf[8192];
@@ -130,10 +136,8 @@ static tera_status parse_hosts(sup_t *s, const char *list) {
         int slots = 1;
         if (colon) {
             char *end;
-            const long v = strtol(colon + 1, &end, 10);
-            if (end == colon + 1 || *end || v < 1 || v > 65536) /* 99999999999 became 1215752191 */
+            if ((slots = parse_slots(colon + 1, &end)) == 0 || *end)
                 return tera_fail(TERA_ERR_ARG, "--hosts: '%s': expected HOST:SLOTS with SLOTS in 1..65536", tok);
-            slots = (int)v;
             *colon = 0;
         }
         TERA_TRY(add_host(s, tok, slots, "--hosts"));
@@ -160,12 +164,10 @@ static tera_status parse_hostfile(sup_t *s, const char *path) {
         snprintf(where, sizeof where, "%s:%d", path, ln);
         if (sl) {
             char *end;
-            const long v = strtol(sl + 6, &end, 10);
-            if (end == sl + 6 || v < 1 || v > 65536 || (*end && *end != ' ' && *end != '\t' && *end != '\r' && *end != '\n')) {
+            if ((slots = parse_slots(sl + 6, &end)) == 0 || (*end && !isspace((unsigned char)*end))) {
                 st = tera_fail(TERA_ERR_ARG, "%s: host '%s': slots= must be an integer in 1..65536", where, name);
                 break;
             }
-            slots = (int)v;
         }
         st = add_host(s, name, slots, where);
     }

@@ -123,11 +123,15 @@ int tera_cmd_plan(int argc, char **argv) {
     /* under mpirun (tera train --dry-run in a launch script): one rank answers, nothing is allocated */
     if (tera_comm_rank(tera_comm_world()) != 0) return 0;
     const int dry = set[0], json = set[1];
-    if (val[O_WRITE]) { /* checked before the search: never the hardware or config file it reads */
-        const char *inputs[3] = {val[O_HW], NULL, NULL};
+    if (val[O_WRITE]) { /* checked before the search: never the hardware file or a -c file it reads */
+        const char **inputs = tera_calloc((size_t)argc + 2, sizeof(char *));
+        int k = 0;
+        if (val[O_HW]) inputs[k++] = val[O_HW];
         for (int i = 0; i + 1 < argc; i++)
-            if (!strcmp(argv[i], "-c") || !strcmp(argv[i], "--config")) inputs[1] = argv[i + 1];
-        if (tera_cli_refuse_output("--write-config", val[O_WRITE], set[4], inputs)) return 1;
+            if (!strcmp(argv[i], "-c") || !strcmp(argv[i], "--config")) inputs[k++] = argv[i + 1];
+        const int refused = tera_cli_refuse_output("--write-config", val[O_WRITE], set[4], inputs);
+        free(inputs);
+        if (refused) return 1;
     }
     tera_plan_opts po = {.efficiency = 0.40, .reserve = 0.10, .threads = 0, .products_prec = -1};
     double x;

@@ -1364,14 +1364,7 @@ tera_status tera_trainer_resume_dir(tera_trainer *tr, const char *dir) {
     /* the step the directory's name gives (tera_ckpt_find_latest and ckpt verify check that COMMIT
      * names the same); under another name (a copied checkpoint) state.json's step is range-checked
      * only */
-    size_t n = strlen(dir);
-    while (n > 1 && dir[n - 1] == '/') n--;
-    const char *base = dir + n;
-    while (base > dir && base[-1] != '/') base--;
-    long long ds = -1;
-    int used = 0;
-    if (sscanf(base, "step_%lld%n", &ds, &used) != 1 || (size_t)(base + used - dir) != n || ds < 0) ds = -1;
-    TERA_TRY(read_state(tr, path, (int64_t)ds));
+    TERA_TRY(read_state(tr, path, tera_ckpt_dir_step(dir)));
     tr->sharding->opt_x.t = tr->sharding->opt.t;
     return TERA_OK;
 }
