@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     float *bias = xmalloc(sizeof(float) * (size_t)E);
     int32_t *topi = xmalloc(sizeof(int32_t) * (size_t)(N * K)), *sel = xmalloc(sizeof(int32_t) * (size_t)B * E);
     int64_t *load = xmalloc(sizeof(int64_t) * (size_t)E);
-    double *psum = xmalloc(sizeof(double) * (size_t)E);
+    double *psum = xmalloc(sizeof(double) * (size_t)B * E);
     fill(x, N * D, 1, 1.7f); /* about unit RMS, like the RMSNorm output the router sees */
     fill(gate, (int64_t)E * D, 2, 0.02f * 1.7f);
     fill(dtopw, N * K, 3, 1e-3f);
@@ -128,7 +128,7 @@ int main(int argc, char **argv) {
             memset(sel, 0, sizeof(int32_t) * (size_t)B * E); /* the dispatch plan's count (not timed) */
             for (int64_t a = 0; a < N * K; a++) sel[(a / ((int64_t)T * K)) * E + topi[a]]++;
             t0 = tera_now();
-            const tera_moe_stats st = tera_moe_route_stats(be, load, rsum, psum, scores, lse, sel, B, T, E, K, r[v].score);
+            const tera_moe_stats st = tera_moe_route_stats(be, load, rsum, psum, scores, logits, lse, sel, B, T, E, K, r[v].score);
             ph[PH_STATS] = tera_now() - t0, t0 = tera_now();
             tera_moe_router_backward(be, dlogits, dscores, logits, scores, lse, topi, topw, dtopw, sel, B, T, E, K, &r[v],
                                      1e-2f / (float)B, 1e-3f / (float)N);

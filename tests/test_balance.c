@@ -70,15 +70,15 @@ static double run_case_g(const fixture *f, tera_balance_loss kind, const float *
     static float s[MAXN * MAXE], lse[MAXN], topw[MAXN * MAXK], dtopw[MAXN * MAXK], rsum[MAXN], dsc[MAXN * MAXE];
     int32_t cnt[MAXN * MAXE];
     int64_t load[MAXE] = {0};
-    double psum[MAXE];
+    static double psum[MAXN * MAXE];
     tera_backend *be = tera_backend_cpu_create(-1);
     tera_moe_score_forward(be, s, lse, f->logits, N, E, sc);
     const tera_moe_routing r = {.score = sc, .n_groups = 1, .topk_groups = 1, .scale = f->scale};
     tera_moe_route(cpu(), topi, topw, s, NULL, N, E, k, &r, NULL);
     memset(cnt, 0, sizeof cnt);
     for (int a = 0; a < N * k; a++) cnt[(a / (T * k)) * E + topi[a]]++;
-    const tera_moe_stats st = tera_moe_route_stats(cpu(), load, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, psum, s, lse, cnt, B,
-                                                   T, E, k, sc);
+    const tera_moe_stats st = tera_moe_route_stats(cpu(), load, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, psum, s, f->logits,
+                                                   lse, cnt, B, T, E, k, sc);
     const double v = tera_moe_balance_value(kind, st.aux, psum, s, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, topi,
                                             topw, cnt, gcnt, B, T, E, k);
     for (int i = 0; i < N * k; i++) dtopw[i] = dtopw0 ? dtopw0[i] : 0.0f;
@@ -302,39 +302,74 @@ static void test_force_balance(void **state) {
     assert_int_equal(tera_config_finalize(&c), TERA_OK);
 }
 
-/* The router entropy of tera_moe_route_stats against the entropy of the fixture's logits computed here
- * in double precision (softmax probabilities, or sigmoid scores normalised per token), and the same
- * bits on 1, 2 and 3 threads (its fixed blocks of tokens); also a token count that is not a multiple
- * of the 64 blocks, and one below it. */
+/* The statistics of tera_moe_route_stats on the fixture's logits (width 6) and on logits drawn here at
+ * widths 37 and 64 (eight-lane sums with and without a tail), for 1 to 4 sequences of 7 to 256 tokens:
+ * - the entropy against the entropy computed here in double precision from the logits (softmax
+ *   probabilities, or sigmoid scores normalised per token);
+ * - aux against sum_b E sum_e f_{b,e} P_{b,e} summed here over the scores in token order, as the
+ *   reference order (the same bits: the sums per expert are split over threads, not reordered);
+ * - the same bits on 1, 2 and 3 threads (fixed blocks of tokens, ranges of experts). */
 static void check_entropy(const char *name) {
     static fixture f;
     load_fixture(&f, name);
-    const int E = f.E, sig = !strcmp(f.score, "sigmoid");
+    const int sig = !strcmp(f.score, "sigmoid");
     const tera_router_score sc = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
-    static float s[MAXN * MAXE], lse[MAXN], rsum[MAXN];
-    int32_t cnt[MAXN * MAXE] = {0};
-    double psum[MAXE];
-    for (int N = f.B * f.T; N >= 1; N = N > 100 ? 100 - 1 : (N > 7 ? 7 : 0)) { /* 256 (or the fixture's), 99, 7 */
-        double ref = 0.0;
-        for (int n = 0; n < N; n++) {
-            const float *x = f.logits + (size_t)n * E;
-            double mx = x[0], z = 0.0, q[MAXE];
-            for (int e = 1; e < E; e++) mx = x[e] > mx ? x[e] : mx;
-            for (int e = 0; e < E; e++) z += q[e] = sig ? 1.0 / (1.0 + exp(-(double)x[e])) : exp((double)x[e] - mx);
-            for (int e = 0; e < E; e++) ref -= q[e] / z * log(q[e] / z);
+    static float x[MAXN * MAXE], s[MAXN * MAXE], lse[MAXN], rsum[MAXN];
+    static int32_t cnt[MAXN * MAXE];
+    static double psum[MAXN * MAXE];
+    const int widths[] = {f.E, 37, MAXE};
+    const int shapes[][2] = {{f.B, f.T}, {4, 64}, {1, 99}, {1, 7}}; /* B, T */
+    for (int w = 0; w < 3; w++) {
+        const int E = widths[w];
+        for (int i = 0; i < MAXN * E; i++) /* the fixture's logits, or uniform in [-3, 3] */
+            x[i] = E == f.E ? f.logits[i % (f.B * f.T * f.E)] : (float)(6.0 * ((i * 2654435761u) % 10007) / 10007.0 - 3.0);
+        for (int sh = 0; sh < 4; sh++) {
+            const int B = shapes[sh][0], T = shapes[sh][1], N = B * T;
+            for (int b = 0; b < B; b++)
+                for (int e = 0; e < E; e++) cnt[b * E + e] = (b + 2 * e) % 3;
+            double ref = 0.0;
+            for (int n = 0; n < N; n++) {
+                const float *xn = x + (size_t)n * E;
+                double mx = xn[0], z = 0.0, q[MAXE];
+                for (int e = 1; e < E; e++) mx = xn[e] > mx ? xn[e] : mx;
+                for (int e = 0; e < E; e++)
+                    z += q[e] = sig ? 1.0 / (1.0 + exp(-(double)xn[e])) : exp((double)xn[e] - mx);
+                for (int e = 0; e < E; e++) ref -= q[e] / z * log(q[e] / z);
+            }
+            tera_moe_stats got[3];
+            for (int t = 1; t <= 3; t++) {
+                tera_set_threads(t);
+                int64_t load[MAXE] = {0};
+                tera_moe_score_forward(cpu(), s, lse, x, N, E, sc);
+                got[t - 1] = tera_moe_route_stats(cpu(), load, sig ? rsum : NULL, psum, s, x, lse, cnt, B, T, E, f.k, sc);
+                for (int e = 0; e < E; e++) {
+                    int64_t c = 0;
+                    for (int b = 0; b < B; b++) c += cnt[b * E + e];
+                    if (load[e] != c) fail_msg("%s, width %d, %d tokens: load[%d] = %lld, not %lld", name, E, N, e,
+                                               (long long)load[e], (long long)c);
+                }
+            }
+            tera_set_threads(2);
+            double aux = 0.0;
+            for (int b = 0; b < B; b++) {
+                double sb = 0.0;
+                for (int e = 0; e < E; e++) {
+                    double P = 0.0;
+                    for (int t = 0; t < T; t++) {
+                        const int64_t n = (int64_t)b * T + t;
+                        P += sig ? s[n * E + e] * (1.0f / rsum[n]) : s[n * E + e];
+                    }
+                    sb += (double)cnt[b * E + e] / ((double)T * f.k) * (P / T);
+                }
+                aux += E * sb;
+            }
+            if (fabs(got[0].entropy - ref) > 1e-5 * fabs(ref) || got[0].aux != aux ||
+                memcmp(&got[0], &got[1], sizeof got[0]) || memcmp(&got[0], &got[2], sizeof got[0]))
+                fail_msg("%s, width %d, %d x %d tokens: entropy %.17g (1 thread) %.17g (2) %.17g (3), reference "
+                         "%.17g; aux %.17g %.17g %.17g, reference %.17g",
+                         name, E, B, T, got[0].entropy, got[1].entropy, got[2].entropy, ref, got[0].aux, got[1].aux,
+                         got[2].aux, aux);
         }
-        double got[3];
-        for (int t = 1; t <= 3; t++) {
-            tera_set_threads(t);
-            int64_t load[MAXE] = {0};
-            tera_moe_score_forward(cpu(), s, lse, f.logits, N, E, sc);
-            got[t - 1] = tera_moe_route_stats(cpu(), load, sig ? rsum : NULL, psum, s, lse, cnt, 1, N, E, f.k, sc).entropy;
-        }
-        tera_set_threads(2);
-        if (fabs(got[0] - ref) > 1e-5 * fabs(ref) || memcmp(&got[0], &got[1], sizeof(double)) ||
-            memcmp(&got[0], &got[2], sizeof(double)))
-            fail_msg("%s, %d tokens: entropy %.17g (1 thread) %.17g (2) %.17g (3), reference %.17g", name, N, got[0],
-                     got[1], got[2], ref);
     }
 }
 

@@ -1,6 +1,9 @@
 /* Every operation's backward against central finite differences of L = sum(out * R). */
 #include "testutil.h"
 #include "tera/kernels.h"
+#include "kernels/cpu/vmath.h"
+
+#include <float.h>
 
 #define EPS 1e-3f
 
@@ -200,10 +203,42 @@ static void test_softmax_ce(void **state) {
     fd_check("cross-entropy dlogits", l, N * E, dl, ce_loss, &c);
 }
 
+/* tera_vlogf against double log over every 61st float from FLT_MIN to FLT_MAX (about 35 million), and
+ * every float in [0.5, 2) (where log is near 0): at most 2 ulp of the float result (measured: see the
+ * message). */
+static double vlogf_ulps(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    const double ref = log((double)x), got = tera_vlogf(x);
+    const float rf = (float)ref;
+    const double ulp = fabs((double)nextafterf(rf, INFINITY) - (double)rf);
+    return fabs(got - ref) / ulp;
+}
+
+static void test_vlogf(void **state) {
+    (void)state;
+    double worst = 0.0;
+    uint32_t at = 0;
+    const uint32_t lo = 0x00800000u, hi = 0x7F7FFFFFu; /* FLT_MIN, FLT_MAX */
+    for (uint32_t u = lo; u <= hi - 61; u += 61) {
+        const double d = vlogf_ulps(u);
+        if (d > worst) worst = d, at = u;
+    }
+    for (uint32_t u = 0x3F000000u; u < 0x40000000u; u++) { /* [0.5, 2) */
+        const double d = vlogf_ulps(u);
+        if (d > worst) worst = d, at = u;
+    }
+    float x;
+    memcpy(&x, &at, 4);
+    print_message("tera_vlogf: worst %.3f ulp at %.9g\n", worst, (double)x);
+    if (!(worst <= 2.0)) fail_msg("tera_vlogf: %.3f ulp at %.9g (bits 0x%08x)", worst, (double)x, at);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),  cmocka_unit_test(test_rope),      cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_linear),   cmocka_unit_test(test_embedding), cmocka_unit_test(test_softmax_ce),
+        cmocka_unit_test(test_vlogf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

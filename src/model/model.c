@@ -68,7 +68,7 @@ struct tera_acts {
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
-    double *route_p;     /* [E] per-sequence sums of the balancing loss's P */
+    double *route_p;     /* [B, E] per-sequence sums of the balancing loss's P */
     float *rsum;         /* [N] sigmoid scoring: each token's sum of scores (balancing loss), else NULL */
     void *route_scratch; /* group-limited routing: tera_moe_route's per-thread scratch, else NULL */
     float *logits;       /* [N, Vl] (in the scratch block, or per slot with pipeline parallelism) */
@@ -264,7 +264,7 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->dprobs = CARVE_F(c, N * E);
     a->drlogits = CARVE_F(c, N * E);
     a->dtopw = CARVE_F(c, N * K);
-    a->route_p = (double *)carve(c, sizeof(double) * (size_t)E);
+    a->route_p = (double *)carve(c, sizeof(double) * (size_t)B * (size_t)E);
     if (cfg->router_score == TERA_ROUTER_SIGMOID) a->rsum = CARVE_F(c, N);
     const tera_moe_routing route = tera_moe_routing_of(cfg);
     if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, m->be->ops.max_threads(m->be)));
@@ -762,7 +762,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
     {
         TERA_PROF_BEGIN(ROUTER_FWD);
         const tera_moe_stats st = tera_moe_route_stats(m->be, m->expert_load + (int64_t)l * E, a->rsum, a->route_p,
-                                                       la->probs, la->rlse, la->moe.sel_count, B, T, E, K,
+                                                       la->probs, la->rlogits, la->rlse, la->moe.sel_count, B, T, E, K,
                                                        c->router_score);
         TERA_PROF_END(ROUTER_FWD);
         m->router_entropy[l] += st.entropy;

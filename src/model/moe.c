@@ -2,6 +2,7 @@
  * router's backward, and the dispatch plan (grouping assignments by expert). */
 #include "moe.h"
 
+#include <float.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,75 +319,119 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
                      z_scale);
 }
 
-/* The router entropy -sum p log p over fixed blocks of tokens (ENTROPY_BLOCKS, bounds set by the token
- * count alone), each block summed in token and expert order by whichever thread takes it, the blocks
- * then added in order: the same bits on any thread count, and the double log per expert and token
- * (the costly part at thousands of experts) spread over the threads. */
-enum { ENTROPY_BLOCKS = 64 };
+/* The routing statistics on the backend's threads, in one pass of fixed work items: items of even
+ * index are blocks of tokens for the router entropy (STATS_BLOCKS blocks, bounds set by the token
+ * count alone; each summed in token and expert order by whichever thread takes it, the blocks then
+ * added in order), items of odd index are ranges of experts for the per-sequence sums P_{b,e} (each
+ * summed in token order, whatever thread and range it falls in). The same bits on any thread count.
+ *
+ * The entropy of a softmax row needs no logarithm: log p_e = x_e - lse, so H = -sum_e p_e (x_e - lse).
+ * Sigmoid scores normalised per token take a vectorised float logarithm (tera_vlogf). Both sum each
+ * row in eight fixed lanes, in double. */
+enum { STATS_BLOCKS = 64 };
 typedef struct {
-    const float *scores, *rsum; /* rsum: sigmoid normalisers (NULL: softmax) */
-    int64_t N, per;             /* tokens, tokens per block */
-    int E;
-    double part[ENTROPY_BLOCKS];
-} entropy_ctx;
+    const float *scores, *logits, *lse, *rsum; /* logits, lse: softmax; rsum: sigmoid normalisers */
+    double *psum;                              /* [B, E] */
+    int64_t N, per;                            /* tokens, tokens per entropy block */
+    int B, T, E, nb, eper;                     /* entropy blocks, experts per range */
+    double part[STATS_BLOCKS];
+} stats_ctx;
 
-static void entropy_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
-    entropy_ctx *c = ctx;
-    (void)worker;
-    const int E = c->E;
-    for (int64_t i = b0; i < b1; i++) {
-        const int64_t lo = i * c->per, hi = lo + c->per < c->N ? lo + c->per : c->N;
-        double h = 0.0;
-        for (int64_t n = lo; n < hi; n++) {
-            const float *p = c->scores + n * E;
-            const float inv = c->rsum ? 1.0f / c->rsum[n] : 1.0f; /* x 1.0f: exact */
-            for (int e = 0; e < E; e++) {
-                const float q = p[e] * inv;
-                if (q > 0.0f) h -= (double)q * log((double)q);
-            }
+static double softmax_row_entropy(const float *restrict p, const float *restrict x, float l, int E) {
+    double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int e = 0;
+    for (; e + 8 <= E; e += 8)
+        for (int j = 0; j < 8; j++) acc[j] += (double)p[e + j] * (double)(x[e + j] - l);
+    for (int j = 0; e < E; e++, j++) acc[j] += (double)p[e] * (double)(x[e] - l);
+    return -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+}
+
+/* -sum_e q_e log q_e of the sigmoid scores s normalised by their sum r (a q below FLT_MIN takes the log
+ * of q + FLT_MIN: q log q under 1e-36; written without a branch, which would stop the vectoriser) */
+static double sigmoid_row_entropy(const float *restrict s, float r, int E) {
+    const float inv = 1.0f / r;
+    double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int e = 0;
+    for (; e + 8 <= E; e += 8)
+        for (int j = 0; j < 8; j++) {
+            const float q = s[e + j] * inv;
+            acc[j] += (double)q * (double)tera_vlogf(q + (float)(q < FLT_MIN) * FLT_MIN);
         }
-        c->part[i] = h;
+    for (int j = 0; e < E; e++, j++) {
+        const float q = s[e] * inv;
+        acc[j] += (double)q * (double)tera_vlogf(q + (float)(q < FLT_MIN) * FLT_MIN);
+    }
+    return -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+}
+
+static void entropy_block(stats_ctx *c, int64_t i) {
+    const int E = c->E;
+    const int64_t lo = i * c->per, hi = lo + c->per < c->N ? lo + c->per : c->N;
+    double h = 0.0;
+    for (int64_t n = lo; n < hi; n++)
+        h += c->rsum ? sigmoid_row_entropy(c->scores + n * E, c->rsum[n], E)
+                     : softmax_row_entropy(c->scores + n * E, c->logits + n * E, c->lse[n], E);
+    c->part[i] = h;
+}
+
+/* psum[b, e0..e1) = sum over the sequence's tokens, in token order, of p[t, e] */
+static void psum_range(const stats_ctx *c, int e0, int e1) {
+    const int E = c->E, T = c->T;
+    for (int b = 0; b < c->B; b++) {
+        double *ps = c->psum + (int64_t)b * E;
+        for (int e = e0; e < e1; e++) ps[e] = 0.0;
+        for (int t = 0; t < T; t++) {
+            const int64_t n = (int64_t)b * T + t;
+            const float *p = c->scores + n * E;
+            if (c->rsum) {
+                const float inv = 1.0f / c->rsum[n];
+                for (int e = e0; e < e1; e++) ps[e] += p[e] * inv;
+            } else
+                for (int e = e0; e < e1; e++) ps[e] += p[e];
+        }
     }
 }
 
-static double router_entropy(tera_backend *be, const float *scores, const float *rsum, int64_t N, int E) {
-    entropy_ctx c = {.scores = scores, .rsum = rsum, .N = N, .per = (N + ENTROPY_BLOCKS - 1) / ENTROPY_BLOCKS, .E = E};
-    const int nb = c.per ? (int)((N + c.per - 1) / c.per) : 0;
-    if (be) be->ops.for_ranges(be, nb, entropy_blocks, &c);
-    else entropy_blocks(&c, 0, nb, 0);
-    double h = 0.0;
-    for (int i = 0; i < nb; i++) h += c.part[i];
-    return h;
+static void stats_items(void *ctx, int64_t i0, int64_t i1, int worker) {
+    stats_ctx *c = ctx;
+    (void)worker;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t j = i / 2;
+        if (i % 2 == 0) {
+            if (j < c->nb) entropy_block(c, j);
+        } else {
+            const int64_t e0 = j * c->eper;
+            if (e0 < c->E) psum_range(c, (int)e0, (int)(e0 + c->eper < c->E ? e0 + c->eper : c->E));
+        }
+    }
 }
 
 tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores,
-                                    const float *lse, const int32_t *sel_count, int B, int T, int E, int k,
-                                    tera_router_score score) {
+                                    const float *logits, const float *lse, const int32_t *sel_count, int B, int T,
+                                    int E, int k, tera_router_score score) {
     const int64_t N = (int64_t)B * T;
     const int sig = score == TERA_ROUTER_SIGMOID;
     if (sig) tera_moe_score_sums(be, rsum, scores, N, E);
+    stats_ctx c = {.scores = scores, .logits = logits, .lse = lse, .rsum = sig ? rsum : NULL, .psum = psum, .N = N,
+                   .per = (N + STATS_BLOCKS - 1) / STATS_BLOCKS, .B = B, .T = T, .E = E,
+                   .eper = (E + STATS_BLOCKS - 1) / STATS_BLOCKS};
+    c.nb = c.per ? (int)((N + c.per - 1) / c.per) : 0;
+    const int ne = (E + c.eper - 1) / c.eper;
+    const int64_t items = 2 * (int64_t)(c.nb > ne ? c.nb : ne);
+    if (be) be->ops.for_ranges(be, items, stats_items, &c);
+    else stats_items(&c, 0, items, 0);
     tera_moe_stats st = {0.0, 0.0, 0.0};
+    for (int i = 0; i < c.nb; i++) st.entropy += c.part[i];
     for (int b = 0; b < B; b++) {
-        /* P_e summed over the sequence's tokens in token order, row by row */
-        for (int e = 0; e < E; e++) psum[e] = 0.0;
-        for (int t = 0; t < T; t++) {
-            const int64_t n = (int64_t)b * T + t;
-            const float *p = scores + n * E;
-            if (sig) {
-                const float inv = 1.0f / rsum[n];
-                for (int e = 0; e < E; e++) psum[e] += p[e] * inv;
-            } else
-                for (int e = 0; e < E; e++) psum[e] += p[e];
-        }
+        const double *ps = psum + (int64_t)b * E;
         double s = 0.0;
         for (int e = 0; e < E; e++) {
-            s += (double)sel_count[b * E + e] / ((double)T * k) * (psum[e] / T);
+            s += (double)sel_count[b * E + e] / ((double)T * k) * (ps[e] / T);
             load[e] += sel_count[b * E + e];
         }
         st.aux += E * s;
     }
     for (int64_t n = 0; n < N; n++) st.z += (double)lse[n] * lse[n];
-    st.entropy = router_entropy(be, scores, sig ? rsum : NULL, N, E);
     return st;
 }
 

@@ -76,16 +76,19 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
 /* Statistics of one layer's routing over B sequences of T tokens:
  *   aux     = sum_b E sum_e f_{b,e} P_{b,e}, f = sel_count / (T k), P_{b,e} = mean_t p[t,e] where p is
  *             the softmax probability, or (sigmoid) the score normalised per token, s / sum_e' s;
- *   z       = sum_t lse[t]^2;   entropy = sum_t of the entropy (nats) of p[t, :].
- * Adds sel_count to load[E]. Sums run in a fixed order: aux and z on the calling thread, the entropy
- * over fixed blocks of tokens on the backend's threads (the same bits on any thread count).
- * scores: [B*T, E]  lse: [B*T]  sel_count: [B, E]  rsum: [B*T] scratch (sigmoid; NULL otherwise)
- * psum: [E] scratch */
+ *   z       = sum_t lse[t]^2;   entropy = sum_t of the entropy (nats) of p[t, :] (softmax: from the
+ *             logits, -sum_e p (x - lse), without a logarithm).
+ * Adds sel_count to load[E]. Sums run in a fixed order, on the backend's threads: P_{b,e} in token
+ * order per expert, the entropy over fixed blocks of tokens; aux and z on the calling thread (the same
+ * bits on any thread count). psum keeps P_{b,e} summed (not yet divided by T) for the caller.
+ * scores, logits: [B*T, E]  lse: [B*T]  sel_count: [B, E]  rsum: [B*T] scratch (sigmoid; NULL
+ * otherwise)  psum: [B, E] */
 typedef struct {
     double aux, z, entropy;
 } tera_moe_stats;
-tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores, const float *lse,
-                                    const int32_t *sel_count, int B, int T, int E, int k, tera_router_score score);
+tera_moe_stats tera_moe_route_stats(tera_backend *be, int64_t *load, float *rsum, double *psum, const float *scores,
+                                    const float *logits, const float *lse, const int32_t *sel_count, int B, int T,
+                                    int E, int k, tera_router_score score);
 
 /* Router backward under either scoring: dlogits = d/dlogits of
  *   sum_{t,j} dtopw[t,j] w[t,j] + aux_scale * aux + z_scale * z     (aux, z as tera_moe_route_stats)

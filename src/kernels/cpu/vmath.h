@@ -31,6 +31,35 @@ static inline float tera_vexpf(float x) {
     return x < -87.0f ? 0.0f : p;
 }
 
+/* log(x) for normal x > 0 (FLT_MIN and up; finite), vectorisable. Cephes logf: the exponent and a
+ * mantissa m in [sqrt(1/2), sqrt(2)) from the bits, a degree-9 polynomial in m - 1. Zero, subnormals,
+ * negatives, inf and NaN are the caller's to keep out. */
+static inline float tera_vlogf(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    float e = (float)((int32_t)(u >> 23) - 126);
+    const uint32_t mu = (u & 0x007FFFFFu) | 0x3F000000u; /* m in [0.5, 1) */
+    float m;
+    memcpy(&m, &mu, 4);
+    const float lo = (float)(m < 0.707106781186547524f); /* then m -> 2m: the exponent one less */
+    e -= lo;
+    const float f = (m - 1.0f) + lo * m; /* exact: m - 1 or 2m - 1 */
+    const float z = f * f;
+    float y = 7.0376836292e-2f;
+    y = y * f - 1.1514610310e-1f;
+    y = y * f + 1.1676998740e-1f;
+    y = y * f - 1.2420140846e-1f;
+    y = y * f + 1.4249322787e-1f;
+    y = y * f - 1.6668057665e-1f;
+    y = y * f + 2.0000714765e-1f;
+    y = y * f - 2.4999993993e-1f;
+    y = y * f + 3.3333331174e-1f;
+    y = y * f * z;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return (f + y) + 0.693359375f * e;
+}
+
 static inline float tera_silu(float x) { return x / (1.0f + tera_vexpf(-x)); }
 static inline float tera_sigmoid(float x) { return 1.0f / (1.0f + tera_vexpf(-x)); }
 
