@@ -105,6 +105,17 @@ expect_error "ckpt convert --force to another model shape" "shape \[256,32\], ex
     "$TERA" ckpt convert --from "$W/r12_run" --out "$W/r12_cv2" --force --model.dim=64
 [ "$(ls -A "$W/r12_cv2")" = metrics.jsonl ] && [ "$(cat "$W/r12_cv2/metrics.jsonl")" = '{"step": 0}' ] \
     && r12_ok "refused convert --force kept the old --out" || r12_fail "refused convert --force changed --out: $(ls -A "$W/r12_cv2")"
+# ckpt ls / verify of a run whose checkpoints is a file or a dangling link: an error naming it (ls
+# printed an empty table); a run without checkpoints at all: ls prints the empty table, as before
+mkdir -p "$W/r12_cf" "$W/r12_cl" "$W/r12_cn"
+: > "$W/r12_cf/checkpoints"
+ln -s "$W/r12_nowhere" "$W/r12_cl/checkpoints"
+expect_error "ckpt ls: checkpoints is a file" "r12_cf/checkpoints: not a directory" -- "$TERA" ckpt ls "$W/r12_cf"
+expect_error "ckpt ls: checkpoints is a dangling link" "r12_cl/checkpoints: cannot follow the link" -- \
+    "$TERA" ckpt ls "$W/r12_cl"
+expect_error "ckpt verify: checkpoints is a file" "r12_cf/checkpoints: not a directory" -- "$TERA" ckpt verify "$W/r12_cf"
+"$TERA" ckpt ls "$W/r12_cn" > "$W/out" 2> "$W/err" && [ "$(wc -l < "$W/out")" = 1 ] && [ ! -s "$W/err" ] \
+    && r12_ok "ckpt ls of a run without checkpoints: the empty table" || r12_fail "ckpt ls without checkpoints: $(cat "$W/err")"
 # a resumed run that had already finished says so (no "final loss 0.0000")
 "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_run" --resume > "$W/r12_done.log" 2>&1 \
     && grep -q "nothing to train: .* already at step 4 and training.steps = 4" "$W/r12_done.log" \
@@ -282,6 +293,14 @@ expect_error "decode --allow-special" "applies to encode" -- "$TERA" tokenizer d
 printf '7 300\n' > "$W/ids300.txt"
 expect_error "decode: a byte id past 255" "token id 300 is not in 0..255" -- \
     bash -c '"$1" tokenizer decode --tokenizer bytes < "$2"' _ "$TERA" "$W/ids300.txt"
+# the first bad id in order is named: one past the vocabulary before a huge or a negative one (the
+# later one was named: the vocabulary was checked only after every id was read)
+printf '5 1000 99999999999\n' > "$W/ids_bad.txt"
+expect_error "decode: an id past the vocabulary, then a huge one" "byte 2: token id 1000 is not in 0..999" -- \
+    bash -c '"$1" tokenizer decode --tokenizer "$3" < "$2"' _ "$TERA" "$W/ids_bad.txt" "$W/d12_tok"
+printf '5 1000 -3\n' > "$W/ids_bad.txt"
+expect_error "decode: an id past the vocabulary, then a negative one" "byte 2: token id 1000 is not in 0..999" -- \
+    bash -c '"$1" tokenizer decode --tokenizer "$3" < "$2"' _ "$TERA" "$W/ids_bad.txt" "$W/d12_tok"
 
 # ---- configuration, command line, Hugging Face interchange (issue 12) ----
 # (scratch files c12_*: a tiny model with one dense layer, trained 2 steps on the embedded corpus)

@@ -28,12 +28,23 @@ bad() { # NAME SPACE_LINE WANT...
 bad "unknown key" "training.lrr = loguniform 1e-4 1e-2" "training.lrr" "unknown key"
 bad "empty range" "training.lr = uniform 0.01 0.001" "training.lr" "empty range"
 bad "non-numeric bound" "model.aux_coef = uniform 0 lots" "model.aux_coef" "'lots' is not a number"
+bad "subnormal bound" "training.lr = loguniform 1e-320 1" "training.lr" "'1e-320' is out of range"
 bad "unknown distribution" "model.aux_coef = gaussian 0 1" "model.aux_coef" "unknown distribution"
 bad "value the key refuses" "model.drop_policy = choice position random" "model.drop_policy" "random"
 printf '[study]\nname = own\nargs = --training.stop_at_step=3\ndir = %s/own\nregistry = %s\n[space]\ntraining.lr = uniform 0.001 0.01\n' \
     "$W" "$REG" > own.ini
 out=$("$TERA" tune -c own.ini 2>&1) && fail "training.stop_at_step in args accepted" \
     || { echo "$out" | grep -q "training.stop_at_step is set by tera tune" && pass "a key tera tune sets itself: $out" || fail "$out"; }
+# an unknown objective placeholder, an empty study name: refused before any trial runs, nothing created
+printf '[study]\nname = ph\nobjective = true {x} {bogus}\ndir = %s/ph\nregistry = %s\n[space]\nx = uniform 0 1\n' "$W" "$REG" > ph.ini
+out=$("$TERA" tune -c ph.ini 2>&1) && fail "unknown placeholder accepted" \
+    || { echo "$out" | grep -qF "objective: unknown placeholder {bogus}" && [ ! -e "$W/ph" ] && [ ! -e "$REG" ] \
+         && pass "unknown objective placeholder: $out" || fail "unknown placeholder: $(tail -1 <<< "$out")"; }
+sed -e 's/^name = ph$/name =/' ph.ini > noname.ini
+out=$("$TERA" tune -c noname.ini 2>&1) && fail "empty study name accepted" \
+    || { echo "$out" | grep -qF "[study] name is empty" && pass "empty study name: $out" || fail "empty name: $(tail -1 <<< "$out")"; }
+out=$("$TERA" tune -c own.ini --study '' 2>&1) && fail "empty --study accepted" \
+    || { echo "$out" | grep -qF -- "--study ''" && pass "empty --study: $out" || fail "empty --study: $out"; }
 out=$("$TERA" tune -c "$W/none.ini" 2>&1) && fail "missing search file accepted" \
     || { echo "$out" | grep -q "none.ini" && pass "missing search file: named" || fail "$out"; }
 

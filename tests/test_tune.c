@@ -37,6 +37,9 @@ static void test_parse(void **state) {
     assert_string_equal(g_s.dir, "runs/tune-s1");
     /* objective commands take any parameter names */
     assert_string_equal(parse_error("[study]\nobjective = ./f.sh {x}\n[space]\nx = uniform -5 5\n"), "");
+    /* every placeholder tera tune fills in; a shell's ${NAME} and awk's braces are not placeholders */
+    assert_string_equal(parse_error("[study]\nobjective = sh -c 'f ${HOME} {x} {steps} {prev_steps} {trial} {dir}' | "
+                                    "awk '{ print $1 }'\n[space]\nx = uniform -5 5\n"), "");
 }
 
 static void test_errors(void **state) {
@@ -48,6 +51,9 @@ static void test_errors(void **state) {
     /* a range whose width overflows (it sampled 1e308 every time) */
     expect_error("[space]\ntraining.lr = uniform -1e308 1e308\n", "training.lr", "HI - LO overflows");
     expect_error("[space]\ntraining.lr = uniform 1e-4 high\n", "training.lr", "bound 'high' is not a number");
+    /* a number out of a double's range is not "not a number" */
+    expect_error("[space]\ntraining.lr = loguniform 1e-320 1\n", "training.lr", "bound '1e-320' is out of range: below");
+    expect_error("[space]\ntraining.lr = uniform 0 1e400\n", "training.lr", "bound '1e400' is out of range: beyond");
     expect_error("[space]\ntraining.lr = normal 0 1\n", "training.lr", "unknown distribution 'normal'");
     expect_error("[space]\ntraining.lr = loguniform 0 0.1\n", "training.lr", "0 < LO");
     expect_error("[space]\nmodel.init_std = choice\n", "model.init_std", "empty range");
@@ -61,6 +67,10 @@ static void test_errors(void **state) {
     expect_error("[study]\nmin_steps = 50\nmax_steps = 10\n[space]\ntraining.lr = uniform 0.001 0.01\n", "min_steps",
                  "empty range");
     expect_error("[study]\nname = x\n", "[space]", "no parameter");
+    expect_error("[study]\nname =\n[space]\ntraining.lr = uniform 0.001 0.01\n", "[study] name", "empty");
+    /* an unknown objective placeholder: refused before any trial runs (each trial's command had it as it was) */
+    expect_error("[study]\nobjective = ./f.sh {x} {y}\n[space]\nx = uniform 0 1\n", "objective",
+                 "unknown placeholder {y}");
     expect_error("[grid]\na = 1\n", "unknown section [grid]", "search.ini");
 }
 

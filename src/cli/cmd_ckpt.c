@@ -30,16 +30,25 @@ static void ckpt_usage(FILE *f) {
                "           from which `[mpirun -np N] tera train -c RUN_DIR/config.ini --resume` continues\n");
 }
 
-/* RUN_DIR/checkpoints when it exists, else the argument itself. */
-static void ckpt_root(const char *arg, char *out, size_t cap) {
+/* RUN_DIR/checkpoints when it exists, else the argument itself; a RUN_DIR/checkpoints that is there
+ * but no directory (a file, a dangling link) is an error naming it (1), not an empty list. */
+static int ckpt_root(const char *arg, char *out, size_t cap) {
     struct stat sb;
     snprintf(out, cap, "%s/checkpoints", arg);
-    if (stat(out, &sb) != 0 || !S_ISDIR(sb.st_mode)) snprintf(out, cap, "%s", arg);
+    const int found = stat(out, &sb) == 0, err = errno;
+    if (found && S_ISDIR(sb.st_mode)) return 0;
+    if (found || lstat(out, &sb) == 0) {
+        if (found) tera_fail(TERA_ERR_IO, "%s: not a directory", out);
+        else tera_fail(TERA_ERR_IO, "%s: cannot follow the link: %s", out, strerror(err));
+        return 1;
+    }
+    snprintf(out, cap, "%s", arg);
+    return 0;
 }
 
 static int cmd_ls(const char *arg) {
     char root[4200];
-    ckpt_root(arg, root, sizeof root);
+    if (ckpt_root(arg, root, sizeof root)) return tera_cli_error();
     tera_ckpt_info *v;
     int n;
     if (tera_ckpt_list(root, &v, &n) != TERA_OK) return tera_cli_error();
@@ -68,7 +77,7 @@ static int cmd_verify(const char *arg) {
         printf("ok: %s\n", arg);
         return 0;
     }
-    ckpt_root(arg, root, sizeof root);
+    if (ckpt_root(arg, root, sizeof root)) return tera_cli_error();
     tera_ckpt_info *v;
     int n, bad = 0, checked = 0;
     if (tera_ckpt_list(root, &v, &n) != TERA_OK) return tera_cli_error();

@@ -285,12 +285,13 @@ static int tokenizer_codec(int argc, char **argv, int encode) {
                 ids = g;
                 mcap *= 2;
             }
-            if (v < 0 || v > (t ? INT32_MAX : 255)) {
+            /* the vocabulary's bound here, not only in tera_tokenizer_decode: the first bad id in order is named */
+            if (v < 0 || v > (t ? tera_tokenizer_vocab_size(t) - 1L : 255L)) {
                 const char *s0 = p; /* strtol skipped the blanks before the number */
                 while (s0 < q && (*s0 == ' ' || *s0 == '\n' || *s0 == '\t' || *s0 == '\r')) s0++;
                 st = tera_fail(TERA_ERR_FORMAT, "stdin: byte %ld: token id %.*s is not in 0..%ld%s", (long)(s0 - in),
-                               (int)(q - s0 < 40 ? q - s0 : 40), s0, t ? (long)INT32_MAX : 255L,
-                               t ? "" : " (--tokenizer bytes)");
+                               (int)(q - s0 < 40 ? q - s0 : 40), s0, t ? tera_tokenizer_vocab_size(t) - 1L : 255L,
+                               t ? " (the tokenizer's vocabulary)" : " (--tokenizer bytes)");
                 break;
             }
             ids[m++] = (int32_t)v;

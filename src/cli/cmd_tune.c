@@ -787,6 +787,10 @@ int tera_cmd_tune(int argc, char **argv) {
             return tera_cli_error();
         }
     }
+    if (study_name && !study_name[0]) {
+        tera_fail(TERA_ERR_ARG, "tera tune: --study '': a study needs a name (its key in the registry)");
+        return tera_cli_error();
+    }
     if (!file) {
         tera_fail(TERA_ERR_ARG, "tera tune needs -c SEARCH.ini (docs/TRACKING.md)");
         return tera_cli_error();

@@ -59,6 +59,9 @@ static tera_status study_key(parse_ctx *c, const char *name, const char *value) 
                 return tera_fail(TERA_ERR_CONFIG, "%s: [study] %s: the value is too long (at most %zu characters)",
                                  c->path, name, strs[i].cap - 1);
             snprintf(strs[i].dst, strs[i].cap, "%s", value);
+            if (!strcmp(name, "name") && !value[0])
+                return tera_fail(TERA_ERR_CONFIG, "%s: [study] name is empty: a study needs a name (its key in the "
+                                 "registry)", c->path);
             if (!strcmp(name, "metric") && strcmp(value, "loss") != 0 && strcmp(value, "val_loss") != 0)
                 return tera_fail(TERA_ERR_CONFIG, "%s: [study] metric = '%s': expected loss or val_loss", c->path, value);
             return TERA_OK;
@@ -164,8 +167,16 @@ static tera_status space_key(parse_ctx *c, const char *name, const char *value) 
         if (n != 3) return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s = '%s': expected %s LO HI", c->path, name, value, d);
         for (int i = 1; i < 3; i++) {
             double v;
-            if (!parse_double(words[i], &v))
-                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' is not a number", c->path, name, words[i]);
+            if (!parse_double(words[i], &v)) {
+                char *end;
+                const double x = strtod(words[i], &end); /* a number strtod reads whole but out of range */
+                if (end == words[i] || *end || isnan(x))
+                    return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' is not a number", c->path, name,
+                                     words[i]);
+                return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' is out of range: %s", c->path, name,
+                                 words[i], fabs(x) <= 1.0 ? "below 2.2e-308 in magnitude and not 0 (subnormal or "
+                                 "underflowing)" : "beyond the largest double, 1.8e308 in magnitude");
+            }
             if (p->dist == TERA_DIST_INT && (v != floor(v) || fabs(v) > 9007199254740992.0)) /* 2^53: exact, castable */
                 return tera_fail(TERA_ERR_CONFIG, "%s: [space] %s: bound '%s' of an int range is not an integer of at "
                                  "most 2^53 in magnitude", c->path, name, words[i]);
@@ -255,6 +266,25 @@ static tera_status check_config_key(const char *path, const tera_config *base, c
     return TERA_OK;
 }
 
+/* The objective's {NAME} placeholders (NAME of letters, digits, _ . -; a shell's ${NAME} is left
+ * alone) are the parameters and steps, prev_steps, trial, dir: an unknown one is refused here, not
+ * passed to every trial's command as it is. */
+static tera_status check_placeholders(const tera_search *s, const char *path) {
+    static const char *const own[] = {"steps", "prev_steps", "trial", "dir"};
+    for (const char *p = strchr(s->objective, '{'); p; p = strchr(p + 1, '{')) {
+        size_t n = 0;
+        while (p[1 + n] && (isalnum((unsigned char)p[1 + n]) || strchr("_.-", p[1 + n]))) n++;
+        if (n == 0 || p[1 + n] != '}' || (p > s->objective && p[-1] == '$')) continue;
+        int known = 0;
+        for (size_t k = 0; k < sizeof own / sizeof own[0]; k++) known |= strlen(own[k]) == n && !strncmp(own[k], p + 1, n);
+        for (int i = 0; i < s->n_params; i++) known |= strlen(s->params[i].key) == n && !strncmp(s->params[i].key, p + 1, n);
+        if (!known)
+            return tera_fail(TERA_ERR_CONFIG, "%s: [study] objective: unknown placeholder {%.*s} (a [space] parameter, "
+                             "{steps}, {prev_steps}, {trial} or {dir})", path, (int)n, p + 1);
+    }
+    return TERA_OK;
+}
+
 tera_status tera_search_parse(tera_search *s, const char *text, const char *path) {
     memset(s, 0, sizeof *s);
     snprintf(s->name, sizeof s->name, "study");
@@ -315,7 +345,7 @@ tera_status tera_search_parse(tera_search *s, const char *text, const char *path
         free(base);
         return st;
     }
-    return TERA_OK;
+    return check_placeholders(s, path);
 }
 
 tera_status tera_search_load(tera_search *s, const char *path) {
