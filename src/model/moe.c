@@ -84,6 +84,29 @@ static inline void topk_offer(int32_t *ti, float *tw, int *cnt, int k, int e, fl
     ti[pos] = e, tw[pos] = u;
 }
 
+/* Offers experts e0..e1-1 in ascending order, with scores u = p (+ bias), to the best-k list. Once the
+ * list is full, a block of SCAN_BLOCK experts none of whose scores beats the list's last is skipped
+ * (one vectorised compare per block): the list's last only rises, so topk_offer would have refused
+ * each of them. The same list as offering every expert, ties and NaN (never above) included. */
+enum { SCAN_BLOCK = 32 };
+static inline void topk_scan(int32_t *ti, float *tw, int *cnt, int k, const float *restrict p,
+                             const float *restrict bias, int e0, int e1) {
+    int e = e0;
+    for (; e < e1 && *cnt < k; e++) topk_offer(ti, tw, cnt, k, e, bias ? p[e] + bias[e] : p[e]);
+    while (e < e1) {
+        const int end = e1 - e > SCAN_BLOCK ? e + SCAN_BLOCK : e1;
+        const float thr = tw[k - 1];
+        int hit = 0;
+        if (bias)
+            for (int i = e; i < end; i++) hit |= p[i] + bias[i] > thr;
+        else
+            for (int i = e; i < end; i++) hit |= p[i] > thr;
+        if (hit)
+            for (int i = e; i < end; i++) topk_offer(ti, tw, cnt, k, i, bias ? p[i] + bias[i] : p[i]);
+        e = end;
+    }
+}
+
 typedef struct {
     int32_t *topi;
     float *topw;
@@ -122,7 +145,7 @@ static void topk_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
         /* one pass over the experts, keeping the best k so far sorted by score: O(E k) at worst,
          * about O(E) */
         int cnt = 0;
-        for (int e = 0; e < E; e++) topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
+        topk_scan(ti, tw, &cnt, k, p, bias, 0, E);
         float sum = 0.0f;
         for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
         renormalise(tw, k, sum);
@@ -181,9 +204,7 @@ static void group_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
             }
         /* top-k of the experts of those groups, offered in ascending expert order */
         cnt = 0;
-        for (int i = 0; i < Gk; i++)
-            for (int e = gi[i] * gsz; e < (gi[i] + 1) * gsz; e++)
-                topk_offer(ti, tw, &cnt, k, e, bias ? p[e] + bias[e] : p[e]);
+        for (int i = 0; i < Gk; i++) topk_scan(ti, tw, &cnt, k, p, bias, gi[i] * gsz, (gi[i] + 1) * gsz);
         float sum = 0.0f;
         for (int j = 0; j < k; j++) tw[j] = p[ti[j]], sum += tw[j];
         renormalise(tw, k, sum);
