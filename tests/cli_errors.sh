@@ -116,6 +116,10 @@ expect_error "ckpt ls: checkpoints is a dangling link" "r12_cl/checkpoints: cann
 expect_error "ckpt verify: checkpoints is a file" "r12_cf/checkpoints: not a directory" -- "$TERA" ckpt verify "$W/r12_cf"
 "$TERA" ckpt ls "$W/r12_cn" > "$W/out" 2> "$W/err" && [ "$(wc -l < "$W/out")" = 1 ] && [ ! -s "$W/err" ] \
     && r12_ok "ckpt ls of a run without checkpoints: the empty table" || r12_fail "ckpt ls without checkpoints: $(cat "$W/err")"
+# a directory that is not there: an error naming it (ls printed an empty table, verify "no committed
+# checkpoint")
+expect_error "ckpt ls: no such directory" "r12_absent: No such file or directory" -- "$TERA" ckpt ls "$W/r12_absent"
+expect_error "ckpt verify: no such directory" "r12_absent: No such file or directory" -- "$TERA" ckpt verify "$W/r12_absent"
 # a resumed run that had already finished says so (no "final loss 0.0000")
 "$TERA" train "${R12[@]}" "${D32[@]}" --training.steps=4 --checkpoint.every=2 --logging.run_dir="$W/r12_run" --resume > "$W/r12_done.log" 2>&1 \
     && grep -q "nothing to train: .* already at step 4 and training.steps = 4" "$W/r12_done.log" \

@@ -31,7 +31,8 @@ static void ckpt_usage(FILE *f) {
 }
 
 /* RUN_DIR/checkpoints when it exists, else the argument itself; a RUN_DIR/checkpoints that is there
- * but no directory (a file, a dangling link) is an error naming it (1), not an empty list. */
+ * but no directory (a file, a dangling link), or an argument that is not there at all, is an error
+ * naming it (1), not an empty list. */
 static int ckpt_root(const char *arg, char *out, size_t cap) {
     struct stat sb;
     snprintf(out, cap, "%s/checkpoints", arg);
@@ -40,6 +41,10 @@ static int ckpt_root(const char *arg, char *out, size_t cap) {
     if (found || lstat(out, &sb) == 0) {
         if (found) tera_fail(TERA_ERR_IO, "%s: not a directory", out);
         else tera_fail(TERA_ERR_IO, "%s: cannot follow the link: %s", out, strerror(err));
+        return 1;
+    }
+    if (stat(arg, &sb) != 0) {
+        tera_fail(TERA_ERR_IO, "%s: %s", arg, strerror(errno));
         return 1;
     }
     snprintf(out, cap, "%s", arg);

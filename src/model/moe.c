@@ -169,6 +169,35 @@ size_t tera_moe_route_scratch_bytes(const tera_moe_routing *r, int threads) {
     return r->n_groups > 1 ? route_thread_bytes(r) * (size_t)(threads > 0 ? threads : 1) : 0;
 }
 
+/* (u1, u2) <- the best two of (u1, u2) and u (NaN never enters) */
+static inline void top2_offer(float *u1, float *u2, float u) {
+    if (u > *u1) *u2 = *u1, *u1 = u;
+    else if (u > *u2) *u2 = u;
+}
+
+/* The two largest scores u = p (+ bias) of experts [e0, e1) (-inf where fewer): the values depend on
+ * the set alone, so groups of 32 or more keep a best two per lane of 16 (compares and blends, which
+ * GCC vectorises), then merge the lanes and the tail. */
+static void group_top2(const float *restrict p, const float *restrict bias, int e0, int e1, float *m1, float *m2) {
+    enum { L = 16 };
+    float u1 = -INFINITY, u2 = -INFINITY;
+    int e = e0;
+    if (e1 - e0 >= 2 * L) {
+        float a1[L], a2[L];
+        for (int j = 0; j < L; j++) a1[j] = a2[j] = -INFINITY;
+        for (; e + L <= e1; e += L)
+            for (int j = 0; j < L; j++) {
+                const float u = bias ? p[e + j] + bias[e + j] : p[e + j];
+                const float lo = u > a1[j] ? a1[j] : u;
+                a1[j] = u > a1[j] ? u : a1[j];
+                a2[j] = lo > a2[j] ? lo : a2[j];
+            }
+        for (int j = 0; j < L; j++) top2_offer(&u1, &u2, a1[j]), top2_offer(&u1, &u2, a2[j]);
+    }
+    for (; e < e1; e++) top2_offer(&u1, &u2, bias ? p[e] + bias[e] : p[e]);
+    *m1 = u1, *m2 = u2;
+}
+
 /* Group-limited top-k of rows [lo, hi); worker picks the thread's scratch. */
 static void group_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
     const route_ctx *c = ctx;
@@ -186,12 +215,8 @@ static void group_rows(void *ctx, int64_t lo, int64_t hi, int worker) {
         /* group scores: max u (softmax, DeepSeek-V2) or the sum of the two largest u (sigmoid,
          * DeepSeek-V3) */
         for (int g = 0; g < G; g++) {
-            float m1 = -INFINITY, m2 = -INFINITY;
-            for (int e = g * gsz; e < (g + 1) * gsz; e++) {
-                const float u = bias ? p[e] + bias[e] : p[e];
-                if (u > m1) m2 = m1, m1 = u;
-                else if (u > m2) m2 = u;
-            }
+            float m1, m2;
+            group_top2(p, bias, g * gsz, (g + 1) * gsz, &m1, &m2);
             gs[g] = sig && gsz > 1 ? m1 + m2 : m1;
         }
         /* the topk_groups best groups (ties: lower index), then in ascending group order */
