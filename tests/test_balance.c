@@ -70,7 +70,7 @@ static double run_case_g(const fixture *f, tera_balance_loss kind, const float *
     static float s[MAXN * MAXE], lse[MAXN], topw[MAXN * MAXK], dtopw[MAXN * MAXK], rsum[MAXN], dsc[MAXN * MAXE];
     int32_t cnt[MAXN * MAXE];
     int64_t load[MAXE] = {0};
-    static double psum[MAXN * MAXE];
+    static double psum[(MAXN + 1) * MAXE];
     tera_backend *be = tera_backend_cpu_create(-1);
     tera_moe_score_forward(be, s, lse, f->logits, N, E, sc);
     const tera_moe_routing r = {.score = sc, .n_groups = 1, .topk_groups = 1, .scale = f->scale};
@@ -79,8 +79,7 @@ static double run_case_g(const fixture *f, tera_balance_loss kind, const float *
     for (int a = 0; a < N * k; a++) cnt[(a / (T * k)) * E + topi[a]]++;
     const tera_moe_stats st = tera_moe_route_stats(cpu(), load, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, psum, s, f->logits,
                                                    lse, cnt, B, T, E, k, sc);
-    const double v = tera_moe_balance_value(kind, st.aux, psum, s, sc == TERA_ROUTER_SIGMOID ? rsum : NULL, topi,
-                                            topw, cnt, gcnt, B, T, E, k);
+    const double v = tera_moe_balance_value(kind, st.aux, psum, topi, topw, cnt, gcnt, B, T, E, k);
     for (int i = 0; i < N * k; i++) dtopw[i] = dtopw0 ? dtopw0[i] : 0.0f;
     float aux_scale = 1.0f;
     const float *g = tera_moe_balance_backward_prep(cpu(), kind, psum, dtopw, topi, topw, cnt, gcnt, B, T, E, k, &aux_scale);
@@ -307,7 +306,8 @@ static void test_force_balance(void **state) {
  * - the entropy against the entropy computed here in double precision from the logits (softmax
  *   probabilities, or sigmoid scores normalised per token);
  * - aux against sum_b E sum_e f_{b,e} P_{b,e} summed here over the scores in token order, as the
- *   reference order (the same bits: the sums per expert are split over threads, not reordered);
+ *   reference order (the same bits: the sums per expert are split over threads, not reordered), and
+ *   psum's rows: per sequence, and (row B) over all tokens in token order;
  * - the same bits on 1, 2 and 3 threads (fixed blocks of tokens, ranges of experts). */
 static void check_entropy(const char *name) {
     static fixture f;
@@ -316,7 +316,7 @@ static void check_entropy(const char *name) {
     const tera_router_score sc = sig ? TERA_ROUTER_SIGMOID : TERA_ROUTER_SOFTMAX;
     static float x[MAXN * MAXE], s[MAXN * MAXE], lse[MAXN], rsum[MAXN];
     static int32_t cnt[MAXN * MAXE];
-    static double psum[MAXN * MAXE];
+    static double psum[(MAXN + 1) * MAXE];
     const int widths[] = {f.E, 37, MAXE};
     const int shapes[][2] = {{f.B, f.T}, {4, 64}, {1, 99}, {1, 7}}; /* B, T */
     for (int w = 0; w < 3; w++) {
@@ -360,8 +360,16 @@ static void check_entropy(const char *name) {
                         P += sig ? s[n * E + e] * (1.0f / rsum[n]) : s[n * E + e];
                     }
                     sb += (double)cnt[b * E + e] / ((double)T * f.k) * (P / T);
+                    if (psum[b * E + e] != P)
+                        fail_msg("%s, width %d: psum[%d, %d] = %.17g, not %.17g", name, E, b, e, psum[b * E + e], P);
                 }
                 aux += E * sb;
+            }
+            for (int e = 0; e < E; e++) { /* row B: over all tokens, in token order */
+                double G = 0.0;
+                for (int n = 0; n < N; n++) G += sig ? s[n * E + e] * (1.0f / rsum[n]) : s[n * E + e];
+                if (psum[B * E + e] != G)
+                    fail_msg("%s, width %d: psum[B, %d] = %.17g, not %.17g", name, E, e, psum[B * E + e], G);
             }
             if (fabs(got[0].entropy - ref) > 1e-5 * fabs(ref) || got[0].aux != aux ||
                 memcmp(&got[0], &got[1], sizeof got[0]) || memcmp(&got[0], &got[2], sizeof got[0]))

@@ -68,7 +68,7 @@ struct tera_acts {
     float *dprobs;       /* [N, E] */
     float *drlogits;     /* [N, E] */
     float *dtopw;        /* [N, k] */
-    double *route_p;     /* [B, E] per-sequence sums of the balancing loss's P */
+    double *route_p;     /* [B + 1, E] sums of the balancing loss's P: per sequence, then over all */
     float *rsum;         /* [N] sigmoid scoring: each token's sum of scores (balancing loss), else NULL */
     void *route_scratch; /* group-limited routing: tera_moe_route's per-thread scratch, else NULL */
     float *logits;       /* [N, Vl] (in the scratch block, or per slot with pipeline parallelism) */
@@ -264,7 +264,7 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     a->dprobs = CARVE_F(c, N * E);
     a->drlogits = CARVE_F(c, N * E);
     a->dtopw = CARVE_F(c, N * K);
-    a->route_p = (double *)carve(c, sizeof(double) * (size_t)B * (size_t)E);
+    a->route_p = (double *)carve(c, sizeof(double) * (size_t)(B + 1) * (size_t)E);
     if (cfg->router_score == TERA_ROUTER_SIGMOID) a->rsum = CARVE_F(c, N);
     const tera_moe_routing route = tera_moe_routing_of(cfg);
     if (route.n_groups > 1) a->route_scratch = carve(c, tera_moe_route_scratch_bytes(&route, m->be->ops.max_threads(m->be)));
@@ -768,7 +768,7 @@ static void moe_forward(tera_model *m, int l, float *out) {
         m->router_entropy[l] += st.entropy;
         if (l == c->first_k_dense) m->routed_tokens += N;
         if (c->balance_loss == TERA_BALANCE_SWITCH_DP) { /* the counts of every data-parallel rank's micro-batch */
-            double *cnt = a->route_p;
+            double *cnt = a->route_p; /* row 0 of route_p: row B, the sums the value needs, stays */
             for (int e = 0; e < E; e++) {
                 int64_t n = 0;
                 for (int b = 0; b < B; b++) n += la->moe.sel_count[b * E + e];
@@ -778,8 +778,8 @@ static void moe_forward(tera_model *m, int l, float *out) {
             if (dp > 1) tera_comm_allreduce_f64(m->par.dp_group, cnt, E);
             for (int e = 0; e < E; e++) la->gcnt[e] = (float)(cnt[e] / dp);
         }
-        m->stats.aux_sum += tera_moe_balance_value(c->balance_loss, st.aux, a->route_p, la->probs, a->rsum, la->topi,
-                                                   la->topw, la->moe.sel_count, la->gcnt, B, T, E, K); /* model.balance_loss */
+        m->stats.aux_sum += tera_moe_balance_value(c->balance_loss, st.aux, a->route_p, la->topi, la->topw,
+                                                   la->moe.sel_count, la->gcnt, B, T, E, K); /* model.balance_loss */
         m->stats.z_sum += st.z;
     }
 

@@ -377,7 +377,7 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
 enum { STATS_BLOCKS = 64 };
 typedef struct {
     const float *scores, *logits, *lse, *rsum; /* logits, lse: softmax; rsum: sigmoid normalisers */
-    double *psum;                              /* [B, E] */
+    double *psum;                              /* [B + 1, E] */
     int64_t N, per;                            /* tokens, tokens per entropy block */
     int B, T, E, nb, eper;                     /* entropy blocks, experts per range */
     double part[STATS_BLOCKS];
@@ -420,9 +420,12 @@ static void entropy_block(stats_ctx *c, int64_t i) {
     c->part[i] = h;
 }
 
-/* psum[b, e0..e1) = sum over the sequence's tokens, in token order, of p[t, e] */
+/* psum[b, e0..e1) = sum over the sequence's tokens, in token order, of p[t, e]; psum[B, e0..e1) = the
+ * sum over all B T tokens in token order (the global balancing losses' P) */
 static void psum_range(const stats_ctx *c, int e0, int e1) {
     const int E = c->E, T = c->T;
+    double *pg = c->psum + (int64_t)c->B * E;
+    for (int e = e0; e < e1; e++) pg[e] = 0.0;
     for (int b = 0; b < c->B; b++) {
         double *ps = c->psum + (int64_t)b * E;
         for (int e = e0; e < e1; e++) ps[e] = 0.0;
@@ -431,9 +434,12 @@ static void psum_range(const stats_ctx *c, int e0, int e1) {
             const float *p = c->scores + n * E;
             if (c->rsum) {
                 const float inv = 1.0f / c->rsum[n];
-                for (int e = e0; e < e1; e++) ps[e] += p[e] * inv;
+                for (int e = e0; e < e1; e++) {
+                    const float v = p[e] * inv;
+                    ps[e] += v, pg[e] += v;
+                }
             } else
-                for (int e = e0; e < e1; e++) ps[e] += p[e];
+                for (int e = e0; e < e1; e++) ps[e] += p[e], pg[e] += p[e];
         }
     }
 }
@@ -560,23 +566,16 @@ static double cv_squared(const double *x, int E) {
     return v / (E - 1) / (mu * mu + BALANCE_CV_EPS);
 }
 
-double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
-                              const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
-                              const float *gcnt, int B, int T, int E, int k) {
+double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *psum, const int32_t *topi,
+                              const float *topw, const int32_t *sel_count, const float *gcnt, int B, int T, int E,
+                              int k) {
     const int64_t N = (int64_t)B * T;
+    double *scratch = psum + (int64_t)B * E; /* [E]: the global sums of tera_moe_route_stats, then scratch */
     if (kind == TERA_BALANCE_SWITCH) return aux_switch;
     if (kind == TERA_BALANCE_SWITCH_GLOBAL || kind == TERA_BALANCE_SWITCH_DP) {
-        /* B E sum_e f_e P_e, f_e = C_e / (B T k), P_e = mean over the B T tokens of p */
-        double *P = scratch; /* [E] */
-        for (int e = 0; e < E; e++) P[e] = 0.0;
-        for (int64_t n = 0; n < N; n++) {
-            const float *p = scores + n * E;
-            if (rsum) {
-                const float inv = 1.0f / rsum[n];
-                for (int e = 0; e < E; e++) P[e] += p[e] * inv;
-            } else
-                for (int e = 0; e < E; e++) P[e] += p[e];
-        }
+        /* B E sum_e f_e P_e, f_e = C_e / (B T k), P_e = mean over the B T tokens of p (summed in token
+         * order by tera_moe_route_stats) */
+        const double *P = scratch;
         double s = 0.0;
         for (int e = 0; e < E; e++) {
             int64_t C = 0;

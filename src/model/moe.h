@@ -80,9 +80,10 @@ void tera_moe_sigmoid_backward(tera_backend *be, float *dlogits, const float *lo
  *             logits, -sum_e p (x - lse), without a logarithm).
  * Adds sel_count to load[E]. Sums run in a fixed order, on the backend's threads: P_{b,e} in token
  * order per expert, the entropy over fixed blocks of tokens; aux and z on the calling thread (the same
- * bits on any thread count). psum keeps P_{b,e} summed (not yet divided by T) for the caller.
+ * bits on any thread count). psum keeps, for tera_moe_balance_value, the sums of p (not yet divided):
+ * row b < B over sequence b's tokens, row B over all B T tokens, each in token order.
  * scores, logits: [B*T, E]  lse: [B*T]  sel_count: [B, E]  rsum: [B*T] scratch (sigmoid; NULL
- * otherwise)  psum: [B, E] */
+ * otherwise)  psum: [B + 1, E] */
 typedef struct {
     double aux, z, entropy;
 } tera_moe_stats;
@@ -115,14 +116,14 @@ void tera_moe_router_backward_g(tera_backend *be, float *dlogits, float *dscores
  *   switch_dp       the same with C_e = gcnt[e]: the counts summed over the data-parallel ranks divided
  *                   by their number (the model computes it; NULL: this rank's, as switch_global)
  *   importance_load B (CV^2(I) + CV^2(L)),  I_e = sum of topw[t,j] over assignments to e,  L_e = C_e
- * with C_e = sum_b sel_count[b,e], p as tera_moe_route_stats (rsum: the sigmoid normalisers it
- * computed, NULL under softmax), CV^2(x) = var(x) / (mean(x)^2 + 1e-10), var with E - 1 in the
- * denominator (0 when E = 1). Sums in a fixed order (no threads).
- * scores: [B*T, E]  rsum: [B*T] or NULL  topi, topw: [B*T, k]  sel_count: [B, E]  scratch: [E]
- * gcnt: [E] or NULL */
-double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *scratch, const float *scores,
-                              const float *rsum, const int32_t *topi, const float *topw, const int32_t *sel_count,
-                              const float *gcnt, int B, int T, int E, int k);
+ * with C_e = sum_b sel_count[b,e], p as tera_moe_route_stats, CV^2(x) = var(x) / (mean(x)^2 + 1e-10),
+ * var with E - 1 in the denominator (0 when E = 1). Sums in a fixed order (no threads). psum is
+ * tera_moe_route_stats' of the same micro-batch: its row B (the sums of p over all B T tokens) gives
+ * P, and is scratch for importance_load.
+ * psum: [B + 1, E]  topi, topw: [B*T, k]  sel_count: [B, E]  gcnt: [E] or NULL */
+double tera_moe_balance_value(tera_balance_loss kind, double aux_switch, double *psum, const int32_t *topi,
+                              const float *topw, const int32_t *sel_count, const float *gcnt, int B, int T, int E,
+                              int k);
 
 /* Prepares the router backward for model.balance_loss (call it after the combine weights' gradient
  * dtopw is complete, then tera_moe_router_backward_g with the returned gcount and *aux_scale):
