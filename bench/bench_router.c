@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     float *bias = xmalloc(sizeof(float) * (size_t)E);
     int32_t *topi = xmalloc(sizeof(int32_t) * (size_t)(N * K)), *sel = xmalloc(sizeof(int32_t) * (size_t)B * E);
     int64_t *load = xmalloc(sizeof(int64_t) * (size_t)E);
-    double *psum = xmalloc(sizeof(double) * (size_t)B * E);
+    double *psum = xmalloc(sizeof(double) * (size_t)(B + 1) * E); /* tera_moe_route_stats: [B + 1, E] */
     fill(x, N * D, 1, 1.7f); /* about unit RMS, like the RMSNorm output the router sees */
     fill(gate, (int64_t)E * D, 2, 0.02f * 1.7f);
     fill(dtopw, N * K, 3, 1e-3f);
