@@ -7,7 +7,7 @@
  *
  * Build and run (from the repository root):
  *   gcc -std=c11 -D_GNU_SOURCE -O3 -march=native -fopenmp -Iinclude -Isrc src/core/status.c \
- *       src/kernels/cpu/matmul.c src/kernels/cpu/attention.c src/kernels/cpu/attention_dot.c \
+ *       src/obs/prof_products.c src/kernels/cpu/matmul.c src/kernels/cpu/attention.c src/kernels/cpu/attention_dot.c \
  *       bench/bench_attention.c -o /tmp/bench_attention -ldnnl -lm && /tmp/bench_attention [reps]
  * (add -DATTN_TILE=64 or -DATTN_BF16_TILE=256 to re-measure the tile sizes.)
  *

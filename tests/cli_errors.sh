@@ -432,6 +432,7 @@ expect_error "eval --task a directory" "--task $W: Is a directory" -- \
 expect_error "bench --warmup abc" "--warmup 'abc' is not an integer in 0..100000" -- "$TERA" bench "${S11[@]}" --warmup abc
 expect_error "bench --threads x" "--threads 'x' is not an integer in 0..4096" -- "$TERA" bench "${S11[@]}" --threads x
 expect_error "bench --name with a quote" "--name 'a\"b': no quotes" -- "$TERA" bench "${S11[@]}" --name 'a"b'
+expect_error "bench --products -1" "--products '-1' is not an integer in 0..1024" -- "$TERA" bench "${S11[@]}" --products -1
 # tera tune: a bad --trials / --parallel (ignored for the file's value before) and a --dir that is a file
 # (taken as created, every trial then failed naming logs under it)
 printf '[study]\nname = s11\n[space]\ntraining.lr = loguniform 1e-3 1e-2\n' > "$W/s11_search.ini"

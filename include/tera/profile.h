@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 #define TERA_PROF_OPS(X)                                                                            \
     X(EMBED_FWD, "embedding fwd") X(EMBED_BWD, "embedding bwd")                                     \
@@ -56,5 +57,54 @@ static inline void tera_prof_add(int op, double t0) {
     } while (0)
 #define TERA_PROF_BEGIN(op) const double _tp_##op = tera_now()
 #define TERA_PROF_END(op) tera_prof_add(TERA_PROF_##op, _tp_##op)
+
+/* Matrix products by shape (`tera bench --products N`): while tera_prof_products_on is set, a
+ * backend reports every product it runs, C[M,N] = op(A)[M,K] op(B)[K,N] (ta, tb: A or B
+ * transposed), with its operands' precision, whether it ran on one thread beside others ("side":
+ * inside a parallel region, e.g. experts side by side) or on every thread ("whole"), and its wall
+ * seconds on the calling thread. The table holds TERA_PROF_PRODUCT_SHAPES distinct shapes; products
+ * of further shapes are summed into one "rest" row. Thread-safe; no allocation (src/obs/prof_products.c). */
+#define TERA_PROF_PRODUCT_SHAPES 1024
+typedef enum { TERA_PROF_PROD_FP32 = 0, TERA_PROF_PROD_BF16 = 1 } tera_prof_prod_prec;
+typedef struct {
+    int64_t M, N, K;
+    int prec, ta, tb, side;
+    int64_t calls;
+    double seconds; /* summed over calls (side: thread-seconds) */
+    double flops;   /* 2 M N K per call, summed */
+} tera_prof_product_row;
+extern volatile int tera_prof_products_on;
+void tera_prof_product(int prec, int ta, int tb, int64_t M, int64_t N, int64_t K, int side, double seconds);
+void tera_prof_products_reset(void);
+/* Copies up to max rows sorted by time (largest first) into rows; *rest (optional) gets the sum of
+ * the rows not copied and of the shapes that did not fit in the table (M = N = K = 0). Returns the
+ * number of rows copied. */
+int tera_prof_products(tera_prof_product_row *rows, int max, tera_prof_product_row *rest);
+/* The table's rows by kind, sorted by time: a linear layer's rows dimension (M, or K when A is
+ * transposed: a weight gradient's reduction) summed over the shapes that differ only in it (the
+ * experts' products, one shape per row count), then divided by the calls (rows per call, rounded).
+ * Returns the number of kinds (at most max). */
+int tera_prof_products_by_kind(tera_prof_product_row *kinds, int max);
+/* Totals of the whole and side-by-side products: seconds and flops (either pointer may be NULL). */
+void tera_prof_products_totals(double *whole_s, double *whole_flops, double *side_s, double *side_flops);
+/* The top rows as a table, per step, with each class's total and rate. */
+void tera_prof_products_print(FILE *f, int steps, int top);
+/* Monotonic seconds, inline: the products' timer needs nothing of profile.c. */
+static inline double tera_prof_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+/* Times one product when the table is on: TERA_PROF_PRODUCT(prec, ta, tb, M, N, K, side, call;) */
+#define TERA_PROF_PRODUCT(prec, ta, tb, M, N, K, side, ...)                                        \
+    do {                                                                                           \
+        if (tera_prof_products_on) {                                                               \
+            const double _pt0 = tera_prof_clock();                                                 \
+            __VA_ARGS__;                                                                           \
+            tera_prof_product(prec, ta, tb, M, N, K, side, tera_prof_clock() - _pt0);              \
+        } else {                                                                                   \
+            __VA_ARGS__;                                                                           \
+        }                                                                                          \
+    } while (0)
 
 #endif

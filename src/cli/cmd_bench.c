@@ -73,12 +73,13 @@ static int opt_int(const char *name, const char *s, int lo, int hi, int *out) {
 
 int tera_cmd_bench(int argc, char **argv) {
     tera_config cfg;
-    static const char *const opts[] = {"steps", "warmup", "threads", "name", NULL};
-    const char *val[4] = {NULL, NULL, NULL, NULL};
+    static const char *const opts[] = {"steps", "warmup", "threads", "name", "products", NULL};
+    const char *val[5] = {NULL, NULL, NULL, NULL, NULL};
     if (tera_cli_parse(argc, argv, &cfg, NULL, NULL, opts, val)) return 1;
-    int steps = 10, warmup = 3;
+    int steps = 10, warmup = 3, products = 0;
     if ((val[0] && opt_int("steps", val[0], 1, 1000, &steps)) ||
         (val[1] && opt_int("warmup", val[1], 0, 100000, &warmup)) ||
+        (val[4] && opt_int("products", val[4], 0, TERA_PROF_PRODUCT_SHAPES, &products)) ||
         (val[2] && opt_int("threads", val[2], 0, 4096, &cfg.training.threads)))
         return tera_cli_error();
     for (const char *c = val[3]; c && *c; c++) /* the name goes into the JSON line as it is */
@@ -109,6 +110,8 @@ int tera_cmd_bench(int argc, char **argv) {
             tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
             tera_zero_rs_counts(tr.sharding, &rs0[0], &rs0[1], &rs0[2]);
             tera_prof_reset();
+            tera_prof_products_reset(); /* --products: the timed steps' products by shape */
+            tera_prof_products_on = products > 0;
             tera_comm_barrier(tera_comm_world());
             tera_comm_traffic_reset();
             cpu0 = cpu_seconds();
@@ -119,6 +122,7 @@ int tera_cmd_bench(int argc, char **argv) {
         }
         if (s >= warmup) sec[s - warmup] = r.seconds;
     }
+    tera_prof_products_on = 0;
     const tera_comm_traffic tx = tera_comm_traffic_get();
     /* logging.trace: the window's events of every rank, merged by rank 0 (collective; as tera train) */
     if (tera_trace_finish(tera_comm_world()) != TERA_OK) {
@@ -205,6 +209,7 @@ int tera_cmd_bench(int argc, char **argv) {
         }
         if (tr.root) {
             tera_prof_print(stderr, steps);
+            if (products) tera_prof_products_print(stderr, steps, products);
             printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"pp\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, "
                    "\"zero\": %d, "
                    "\"ep_overlap\": %d, \"threads_per_rank\": %d, \"accum\": %d, \"tokens_per_s\": %.1f, "
@@ -250,6 +255,7 @@ int tera_cmd_bench(int argc, char **argv) {
         return 0;
     }
     tera_prof_print(stderr, steps);
+    if (products) tera_prof_products_print(stderr, steps, products);
     const tera_model *m = &tr.model;
     const double bf16_best = tera_bench_bf16_peak_best(&bf16_peak);
     char bf16_txt[64] = "";
@@ -269,6 +275,13 @@ int tera_cmd_bench(int argc, char **argv) {
            gflops, peak, gflops / peak, tera_json_num(fl, sizeof fl, "%.4f", r.loss), cfg.training.recompute,
            (long long)m->bytes_acts, cpu_ms, cfg.model.router_force_balance, tera_cli_wait_policy());
     tera_bench_bf16_peak_json(stdout, &bf16_peak, gflops);
+    if (products) { /* the products' totals per step: on every thread, and side by side (per thread) */
+        double ws, wf, ss, sf;
+        tera_prof_products_totals(&ws, &wf, &ss, &sf);
+        printf(", \"products_whole_ms\": %.3f, \"products_whole_gflops\": %.1f, \"products_side_thread_ms\": %.3f, "
+               "\"products_side_gflops_per_thread\": %.1f",
+               1e3 * ws / steps, ws > 0 ? wf / ws * 1e-9 : 0.0, 1e3 * ss / steps, ss > 0 ? sf / ss * 1e-9 : 0.0);
+    }
     printf("}\n");
     free(sec);
     tera_trainer_free(&tr);

@@ -37,8 +37,9 @@ static const usage_row g_usage[] = {
      "is refused unless --tera-moe (model_type tera_moe: read by tera only); README, Hugging Face interchange"},
     {"config", NULL, "config [-c FILE] [--section.key=value ...] | config --doc",
      "print the resolved configuration, or with --doc every key documented (docs/CONFIG.md)"},
-    {"bench", NULL, "bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N] [--name NAME]",
-     "time training steps: one JSON line (tokens/s, MFU, memory) and the profile"},
+    {"bench", NULL, "bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N] [--name NAME] [--products N]",
+     "time training steps: one JSON line (tokens/s, MFU, memory) and the profile; --products N adds\n"
+     "the N costliest matrix product shapes of the timed steps (docs/PERFORMANCE.md, \"Products by shape\")"},
     {"data", "prepare",
      "data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME] [--threads N]\n"
      "                  [--allow-special] [--force]",

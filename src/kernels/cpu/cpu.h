@@ -130,6 +130,13 @@ void tera_ce_backward_range_bf16(float *dlogits, uint16_t *d16, const float *e, 
 void tera_cpu_gemm_pieces(int on);
 int64_t tera_cpu_gemm_pieces_taken(void); /* how many products ran in pieces so far (tests) */
 
+/* bf16 products on AMX with a short reduction and a fresh output, run on one thread, in row chunks
+ * whose output lines are prefetched for writing first (matmul.c, "bf16 outputs written in row
+ * chunks"): 1 on (the default where oneDNN has AMX, unless TERA_GEMM_OUT_CHUNK=0), 0 off; the same
+ * bits either way (tests/test_gemm_chunks.c). */
+void tera_cpu_gemm_out_chunk(int on);
+int64_t tera_cpu_gemm_out_chunked(void); /* how many products ran in chunks so far (tests) */
+
 /* Capability probes (behind tera_backend caps). */
 int tera_cpu_bf16_fast(const char **isa_name);
 int tera_cpu_bf16_has_dot(void);

@@ -27,6 +27,7 @@
 #include "tera/bf16.h"
 #include "tera/kernels.h"
 #include "tera/precision.h"
+#include "tera/profile.h"
 #include "tera/status.h"
 
 static int g_threads = 0;
@@ -494,9 +495,8 @@ void tera_cpu_gemm_pieces(int on) {
     g_pieces = on;
 }
 
-void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
-               int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    if (M == 0 || N == 0) return;
+static void gemm_fp32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                      int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (K == 0) {
         /* oneDNN rejects K = 0; the product is empty, so C = beta * C */
         for (int64_t i = 0; i < M; i++)
@@ -518,6 +518,14 @@ void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float 
         sgemm_tiled(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else
         DNNL_CHECK(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
+}
+
+void tera_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+               int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M == 0 || N == 0) return;
+    /* `tera bench --products`: every fp32 product by shape (include/tera/profile.h) */
+    TERA_PROF_PRODUCT(TERA_PROF_PROD_FP32, trans_a, trans_b, M, N, K, omp_in_parallel(),
+                      gemm_fp32(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
 
 /* ------------------------------------------------------------------ mixed precision */
@@ -1021,14 +1029,101 @@ static const uint16_t *prod_find(tera_cpu_matmul *mm, const tera_cpu_prod *rec, 
 }
 
 /* C[M,N] = op(A) op(B) + beta C from bf16 operands, fp32 accumulation and output. */
-static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
-                      const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
+static void gemm_bf16_run(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
+                          const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
 #if HAVE_MATMUL_PRIMITIVE
     if (use_primitive() && M * N * K >= g_primitive_min_macs && !omp_in_parallel() &&
         matmul_primitive(dnnl_bf16, ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc))
         return;
 #endif
     DNNL_CHECK(dnnl_gemm_bf16bf16f32(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, a16, lda, b16, ldb, beta, C, ldc));
+}
+
+/* ---- bf16 outputs written in row chunks, each prefetched for writing first (AMX; docs/PERFORMANCE.md,
+ * "Wave 20"). On the matrix units a product with a short reduction (K <= OUT_CHUNK_MAX_K) and a fresh
+ * fp32 output (the experts' hidden activations [rows, F]: memory not in any cache) spends much of its
+ * time in its output's stores: `tera bench --products` measured the experts' x w1^T at 318 GFLOP/s per
+ * thread in bench-s against 600+ for the same shape with its output in cache. A product with at least
+ * two chunks of rows therefore runs chunk by chunk, each chunk on one thread: the chunk's output lines
+ * are prefetched for writing (every line's ownership requested at once, not store by store), then the
+ * chunk's product writes them in L2. A loop of oneDNN's bf16 GEMM with outputs cycling through 8
+ * buffers: 2036x512x256 673-688 against 453-496 GFLOP/s per thread, 1071x1024x512 620-670 against
+ * 473-511, 512x512x256 675 against 580. A product on every thread (outside the experts' side-by-side
+ * region) shares its chunks out among the threads, each chunk single-threaded, instead of one call
+ * that oneDNN splits (TERA_GEMM_OUT_CHUNK_WHOLE=0 keeps the one call: bench-s's q/k/v forward 5.1-5.2
+ * -> 3.6 ms per step at 2 threads). The chunks give the bits of the whole product: rows of A and C are independent and
+ * oneDNN's reduction order over K <= 2048 did not depend on M for 256 rows or more (a one-row product
+ * takes other kernels: chunks are 256-511 rows, none shorter; tests/test_gemm_chunks.c checks it on
+ * the shapes it applies to, which is also what keeps an expert's numbers the same side by side and
+ * alone). TERA_GEMM_OUT_CHUNK=0 turns it off (A/B). */
+#define OUT_CHUNK_ROWS 256
+#define OUT_CHUNK_MAX_K 512
+#define OUT_CHUNK_MAX_N 1024
+static int g_out_chunk = -1; /* -1: not read yet */
+static int64_t g_out_chunked = 0; /* products run in chunks (tests) */
+
+void tera_cpu_gemm_out_chunk(int on) { g_out_chunk = on != 0; }
+int64_t tera_cpu_gemm_out_chunked(void) { return __atomic_load_n(&g_out_chunked, __ATOMIC_RELAXED); }
+
+static int out_chunk_on(void) {
+    int on = __atomic_load_n(&g_out_chunk, __ATOMIC_RELAXED);
+    if (on < 0) { /* first use: AMX (the kernels the figures are for), unless the environment says 0 */
+        const char *e = getenv("TERA_GEMM_OUT_CHUNK");
+        on = tera_cpu_bf16_fast(NULL) && !(e && strcmp(e, "0") == 0);
+        __atomic_store_n(&g_out_chunk, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+
+/* Every 64-byte line of rows [0, m) of C (n floats each, ldc apart), prefetched for writing. */
+static void prefetch_rows_w(float *C, int64_t m, int64_t n, int64_t ldc) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(C + i * ldc + j, 1, 3);
+}
+
+/* gemm_bf16_run, in row chunks where the rule above applies; reported by shape to `tera bench
+ * --products` (include/tera/profile.h) as one product */
+static int g_out_whole = -1; /* the chunks of a product on every thread shared out (TERA_GEMM_OUT_CHUNK_WHOLE=0: no) */
+
+/* Chunk c of nc: rows [c M / nc, (c + 1) M / nc), its output prefetched, then its product on this thread. */
+static void out_chunk(int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda, const uint16_t *b16,
+                      int64_t ldb, float *C, int64_t ldc, int64_t c, int64_t nc) {
+    const int64_t r = c * M / nc, m = (c + 1) * M / nc - r;
+    prefetch_rows_w(C + r * ldc, m, N, ldc);
+    gemm_bf16_run(0, tb, m, N, K, a16 + r * lda, lda, b16, ldb, 0.0f, C + r * ldc, ldc);
+}
+
+static void gemm_bf16_out(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
+                          const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (ta || beta != 0.0f || M < 2 * OUT_CHUNK_ROWS || K > OUT_CHUNK_MAX_K || N > OUT_CHUNK_MAX_N || !out_chunk_on()) {
+        gemm_bf16_run(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
+        return;
+    }
+    /* chunks of 256-511 rows: no short last one (oneDNN takes other kernels, and another sum order, for
+     * a few rows) */
+    const int64_t nc = M / OUT_CHUNK_ROWS;
+    const int threads = omp_in_parallel() ? 1 : tera_get_threads();
+    if (threads > 1) { /* a product on every thread: its chunks shared out, each on one thread */
+        if (g_out_whole < 0) {
+            const char *e = getenv("TERA_GEMM_OUT_CHUNK_WHOLE");
+            g_out_whole = !(e && strcmp(e, "0") == 0);
+        }
+        if (!g_out_whole) {
+            gemm_bf16_run(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
+            return;
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t c = 0; c < nc; c++) out_chunk(tb, M, N, K, a16, lda, b16, ldb, C, ldc, c, nc);
+    } else {
+        for (int64_t c = 0; c < nc; c++) out_chunk(tb, M, N, K, a16, lda, b16, ldb, C, ldc, c, nc);
+    }
+    __atomic_add_fetch(&g_out_chunked, 1, __ATOMIC_RELAXED);
+}
+
+static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
+                      const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
+    TERA_PROF_PRODUCT(TERA_PROF_PROD_BF16, ta, tb, M, N, K, omp_in_parallel(),
+                      gemm_bf16_out(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc));
 }
 
 /* An operand rounded to the current low precision, kept as fp32 (lowp_in_fp32 modes). */
