@@ -39,7 +39,8 @@ static const usage_row g_usage[] = {
      "print the resolved configuration, or with --doc every key documented (docs/CONFIG.md)"},
     {"bench", NULL, "bench -c configs/bench-s.ini [--steps N] [--warmup N] [--threads N] [--name NAME] [--products N]",
      "time training steps: one JSON line (tokens/s, MFU, memory) and the profile; --products N adds\n"
-     "the N costliest matrix product shapes of the timed steps (docs/PERFORMANCE.md, \"Products by shape\")"},
+     "the N costliest matrix product kinds and shapes of the timed steps (docs/PERFORMANCE.md,\n"
+     "\"Matrix products by kind and shape\")"},
     {"data", "prepare",
      "data prepare --input FILE... --output PREFIX [--tokenizer DIR|bytes] [--field NAME] [--threads N]\n"
      "                  [--allow-special] [--force]",
