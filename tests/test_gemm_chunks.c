@@ -5,7 +5,8 @@
  * same numbers as the rule off, on one thread (beside another: the experts side by side) and on every
  * thread (oneDNN's own split: an expert that runs alone), and the same chunked either way. The rule's
  * bounds: accumulating products, long reductions, wide outputs and fewer than two chunks stay one call.
- * Skipped where oneDNN has no AMX (the rule is off there). */
+ * The bit checks are skipped where oneDNN has no AMX: the rule is off there, which the first test checks
+ * wherever the CPU has native bf16 products. */
 #include <omp.h>
 
 #include "testutil.h"
@@ -67,6 +68,22 @@ static void one(int bwd, int64_t N, int64_t in, int64_t o, int chunked) {
     for (int v = 0; v < 4; v++) free(y[v]);
 }
 
+/* The default, before any test sets it: on exactly where oneDNN has AMX (and TERA_GEMM_OUT_CHUNK is
+ * not 0), so an eligible product chunks there and nowhere else. Runs first; needs native bf16 units. */
+static void default_only_on_amx(void **state) {
+    (void)state;
+    if (!be->caps.bf16_native(be)) skip();
+    const char *e = getenv("TERA_GEMM_OUT_CHUNK");
+    const int want = tera_cpu_bf16_fast(NULL) && !(e && strcmp(e, "0") == 0);
+    const int64_t N = 762, in = 256, o = 512;
+    float *x = calloc((size_t)(N * in), sizeof(float)), *w = calloc((size_t)(o * in), sizeof(float)),
+          *y = malloc(sizeof(float) * (size_t)(N * o));
+    const int64_t c0 = tera_cpu_gemm_out_chunked();
+    product(0, 1, y, x, w, N, in, o);
+    assert_int_equal(tera_cpu_gemm_out_chunked() - c0, want);
+    free(x), free(w), free(y);
+}
+
 static void chunks_same_bits(void **state) {
     (void)state;
     if (!amx()) skip();
@@ -93,7 +110,8 @@ int main(void) {
     be = tera_backend_cpu_create(-1);
     tera_backend_set_precision(be, TERA_PREC_BF16, TERA_BF16_NATIVE);
     tera_backend_reserve(be, 1 << 22, 1 << 22);
-    const struct CMUnitTest tests[] = {cmocka_unit_test(chunks_same_bits), cmocka_unit_test(rule_bounds)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(default_only_on_amx), cmocka_unit_test(chunks_same_bits),
+                                       cmocka_unit_test(rule_bounds)};
     const int r = cmocka_run_group_tests(tests, NULL, NULL);
     tera_backend_destroy(be);
     return r;

@@ -32,7 +32,12 @@ typedef enum {
 
 extern double tera_prof_seconds[TERA_PROF_COUNT];
 extern int64_t tera_prof_calls[TERA_PROF_COUNT];
-double tera_now(void); /* monotonic seconds */
+/* Monotonic seconds (inline: the backends' product timer, TERA_PROF_PRODUCT, needs nothing of profile.c) */
+static inline double tera_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 void tera_prof_reset(void);
 /* Table of ops sorted by time with share of the total and GFLOP-free ms per step. */
 void tera_prof_print(FILE *f, int steps);
@@ -89,19 +94,13 @@ int tera_prof_products_by_kind(tera_prof_product_row *kinds, int max);
 void tera_prof_products_totals(double *whole_s, double *whole_flops, double *side_s, double *side_flops);
 /* The top rows as a table, per step, with each class's total and rate. */
 void tera_prof_products_print(FILE *f, int steps, int top);
-/* Monotonic seconds, inline: the products' timer needs nothing of profile.c. */
-static inline double tera_prof_clock(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 /* Times one product when the table is on: TERA_PROF_PRODUCT(prec, ta, tb, M, N, K, side, call;) */
 #define TERA_PROF_PRODUCT(prec, ta, tb, M, N, K, side, ...)                                        \
     do {                                                                                           \
         if (tera_prof_products_on) {                                                               \
-            const double _pt0 = tera_prof_clock();                                                 \
+            const double _pt0 = tera_now();                                                 \
             __VA_ARGS__;                                                                           \
-            tera_prof_product(prec, ta, tb, M, N, K, side, tera_prof_clock() - _pt0);              \
+            tera_prof_product(prec, ta, tb, M, N, K, side, tera_now() - _pt0);              \
         } else {                                                                                   \
             __VA_ARGS__;                                                                           \
         }                                                                                          \

@@ -8,7 +8,6 @@
 
 #include "tera/profile.h"
 
-
 volatile int tera_prof_products_on;
 static tera_prof_product_row g_prod[TERA_PROF_PRODUCT_SHAPES];
 static int g_nprod;

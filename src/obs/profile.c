@@ -15,12 +15,6 @@ static const char *const g_names[TERA_PROF_COUNT] = {
 #undef TERA_PROF_NAME
 };
 
-double tera_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void tera_prof_reset(void) {
     memset(tera_prof_seconds, 0, sizeof tera_prof_seconds);
     memset(tera_prof_calls, 0, sizeof tera_prof_calls);

@@ -1051,8 +1051,8 @@ static void gemm_bf16_run(int ta, int tb, int64_t M, int64_t N, int64_t K, const
  * 473-511, 512x512x256 675 against 580. A product on every thread (outside the experts' side-by-side
  * region) shares its chunks out among the threads, each chunk single-threaded, instead of one call
  * that oneDNN splits (TERA_GEMM_OUT_CHUNK_WHOLE=0 keeps the one call: bench-s's q/k/v forward 5.1-5.2
- * -> 3.6 ms per step at 2 threads). The chunks give the bits of the whole product: rows of A and C are independent and
- * oneDNN's reduction order over K <= 2048 did not depend on M for 256 rows or more (a one-row product
+ * -> 3.6 ms per step at 2 threads). The chunks give the bits of the whole product: rows of A and C are
+ * independent and oneDNN's reduction order over K <= 2048 did not depend on M for 256 rows or more (a one-row product
  * takes other kernels: chunks are 256-511 rows, none shorter; tests/test_gemm_chunks.c checks it on
  * the shapes it applies to, which is also what keeps an expert's numbers the same side by side and
  * alone). TERA_GEMM_OUT_CHUNK=0 turns it off (A/B). */
@@ -1060,16 +1060,22 @@ static void gemm_bf16_run(int ta, int tb, int64_t M, int64_t N, int64_t K, const
 #define OUT_CHUNK_MAX_K 512
 #define OUT_CHUNK_MAX_N 1024
 static int g_out_chunk = -1; /* -1: not read yet */
+static int g_out_whole = 1;   /* a product on every thread: its chunks shared out (TERA_GEMM_OUT_CHUNK_WHOLE=0: no) */
 static int64_t g_out_chunked = 0; /* products run in chunks (tests) */
 
 void tera_cpu_gemm_out_chunk(int on) { g_out_chunk = on != 0; }
 int64_t tera_cpu_gemm_out_chunked(void) { return __atomic_load_n(&g_out_chunked, __ATOMIC_RELAXED); }
 
+static int env_off(const char *name) {
+    const char *e = getenv(name);
+    return e && strcmp(e, "0") == 0;
+}
+
 static int out_chunk_on(void) {
     int on = __atomic_load_n(&g_out_chunk, __ATOMIC_RELAXED);
     if (on < 0) { /* first use: AMX (the kernels the figures are for), unless the environment says 0 */
-        const char *e = getenv("TERA_GEMM_OUT_CHUNK");
-        on = tera_cpu_bf16_fast(NULL) && !(e && strcmp(e, "0") == 0);
+        g_out_whole = !env_off("TERA_GEMM_OUT_CHUNK_WHOLE");
+        on = tera_cpu_bf16_fast(NULL) && !env_off("TERA_GEMM_OUT_CHUNK");
         __atomic_store_n(&g_out_chunk, on, __ATOMIC_RELAXED);
     }
     return on;
@@ -1081,10 +1087,6 @@ static void prefetch_rows_w(float *C, int64_t m, int64_t n, int64_t ldc) {
         for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(C + i * ldc + j, 1, 3);
 }
 
-/* gemm_bf16_run, in row chunks where the rule above applies; reported by shape to `tera bench
- * --products` (include/tera/profile.h) as one product */
-static int g_out_whole = -1; /* the chunks of a product on every thread shared out (TERA_GEMM_OUT_CHUNK_WHOLE=0: no) */
-
 /* Chunk c of nc: rows [c M / nc, (c + 1) M / nc), its output prefetched, then its product on this thread. */
 static void out_chunk(int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda, const uint16_t *b16,
                       int64_t ldb, float *C, int64_t ldc, int64_t c, int64_t nc) {
@@ -1093,33 +1095,28 @@ static void out_chunk(int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a
     gemm_bf16_run(0, tb, m, N, K, a16 + r * lda, lda, b16, ldb, 0.0f, C + r * ldc, ldc);
 }
 
+/* gemm_bf16_run, in row chunks where the rule above applies */
 static void gemm_bf16_out(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
                           const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
-    if (ta || beta != 0.0f || M < 2 * OUT_CHUNK_ROWS || K > OUT_CHUNK_MAX_K || N > OUT_CHUNK_MAX_N || !out_chunk_on()) {
+    const int threads = omp_in_parallel() ? 1 : tera_get_threads();
+    if (ta || beta != 0.0f || M < 2 * OUT_CHUNK_ROWS || K > OUT_CHUNK_MAX_K || N > OUT_CHUNK_MAX_N ||
+        !out_chunk_on() || (threads > 1 && !g_out_whole)) {
         gemm_bf16_run(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
         return;
     }
     /* chunks of 256-511 rows: no short last one (oneDNN takes other kernels, and another sum order, for
-     * a few rows) */
+     * a few rows); a product on every thread shares its chunks out, each on one thread */
     const int64_t nc = M / OUT_CHUNK_ROWS;
-    const int threads = omp_in_parallel() ? 1 : tera_get_threads();
-    if (threads > 1) { /* a product on every thread: its chunks shared out, each on one thread */
-        if (g_out_whole < 0) {
-            const char *e = getenv("TERA_GEMM_OUT_CHUNK_WHOLE");
-            g_out_whole = !(e && strcmp(e, "0") == 0);
-        }
-        if (!g_out_whole) {
-            gemm_bf16_run(ta, tb, M, N, K, a16, lda, b16, ldb, beta, C, ldc);
-            return;
-        }
+    if (threads > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int64_t c = 0; c < nc; c++) out_chunk(tb, M, N, K, a16, lda, b16, ldb, C, ldc, c, nc);
-    } else {
+    } else { /* no nested region: on this thread, in order */
         for (int64_t c = 0; c < nc; c++) out_chunk(tb, M, N, K, a16, lda, b16, ldb, C, ldc, c, nc);
     }
     __atomic_add_fetch(&g_out_chunked, 1, __ATOMIC_RELAXED);
 }
 
+/* gemm_bf16_out, reported by shape to `tera bench --products` (include/tera/profile.h) as one product */
 static void gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, const uint16_t *a16, int64_t lda,
                       const uint16_t *b16, int64_t ldb, float beta, float *C, int64_t ldc) {
     TERA_PROF_PRODUCT(TERA_PROF_PROD_BF16, ta, tb, M, N, K, omp_in_parallel(),
