@@ -346,6 +346,37 @@ grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$C12CK/config.json" && pass "the
 "$TERA" export-hf --from "$C12CK" --out "$W/c12_hf" --tera-moe > "$W/c12_exp.log" 2>&1 \
     && grep -Eq '"model_type":[[:space:]]*"tera_moe"' "$W/c12_hf/config.json" \
     && pass "export-hf --tera-moe writes model_type tera_moe" || { fail "export-hf --tera-moe"; cat "$W/c12_exp.log"; }
+# never into tera's own directories, --force or not: the checkpoint, the run directory and the run's
+# checkpoints/ keep their files as they were (an export there would read as the checkpoint's own)
+ls -l "$C12CK" > "$W/c12_ck_before"
+expect_error "export-hf --force into a checkpoint" "inside the tera checkpoint" -- \
+    "$TERA" export-hf --from "$C12CK" --out "$C12CK" --force --tera-moe --max-shard-bytes 4096
+expect_error "export-hf into a directory under a checkpoint" "inside the tera checkpoint" -- \
+    "$TERA" export-hf --from "$C12CK" --out "$C12CK/sub/hf" --tera-moe
+expect_error "ckpt export-hf --force into a run directory" "is a tera run directory" -- \
+    "$TERA" ckpt export-hf "$C12CK" --out "$W/c12_run" --force --tera-moe
+expect_error "export-hf into a run's checkpoints/" "inside the run's checkpoint directory" -- \
+    "$TERA" export-hf --from "$C12CK" --out "$W/c12_run/checkpoints/hf" --tera-moe
+expect_error "ckpt convert into a run's checkpoints/" "inside the run's checkpoint directory" -- \
+    "$TERA" ckpt convert --from "$C12CK" --out "$W/c12_run/checkpoints/conv"
+ls -l "$C12CK" > "$W/c12_ck_after"
+if cmp -s "$W/c12_ck_before" "$W/c12_ck_after" && [ ! -e "$C12CK/sub" ] && [ ! -e "$W/c12_run/model.safetensors" ] \
+    && [ "$(ls "$W/c12_run/checkpoints")" = step_00000002 ] && "$TERA" ckpt verify "$C12CK" > /dev/null 2>&1; then
+    pass "refused exports and conversions left the checkpoint and the run as they were"
+else fail "a refused export or conversion changed $W/c12_run: $(ls "$C12CK" "$W/c12_run" "$W/c12_run/checkpoints")"; fi
+# --force over a previous export replaces it whole: no shards of the earlier export stay beside the new files
+"$TERA" export-hf --from "$C12CK" --out "$W/c12_hfs" --tera-moe --max-shard-bytes 4096 > /dev/null 2>&1
+n_before=$(ls "$W/c12_hfs" | grep -c '^model-.*-of-.*\.safetensors$')
+: > "$W/c12_hfs/README.md"
+"$TERA" export-hf --from "$C12CK" --out "$W/c12_hfs" --tera-moe --force > /dev/null 2>&1
+left=$(ls "$W/c12_hfs" | tr '\n' ' ')
+[ "$n_before" -gt 1 ] && [ "$left" = "README.md config.json model.safetensors " ] \
+    && pass "--force over a sharded export: $n_before old shards and their index gone, other files kept" \
+    || fail "--force over a sharded export left: $left (shards before: $n_before)"
+"$TERA" export-hf --from "$C12CK" --out "$W/c12_hfs" --tera-moe --force --max-shard-bytes 4096 > /dev/null 2>&1
+[ ! -e "$W/c12_hfs/model.safetensors" ] && [ -e "$W/c12_hfs/model.safetensors.index.json" ] \
+    && pass "--force with shards over a single-file export: the old model.safetensors gone" \
+    || fail "sharded --force over a single file: $(ls "$W/c12_hfs" | tr '\n' ' ')"
 # --from a run directory: its newest committed checkpoint; a checkpoint that does not verify (one
 # weight byte changed, the header intact) is refused by export-hf, generate and eval, naming the file
 "$TERA" export-hf --from "$W/c12_run" --out "$W/c12_hfr" --tera-moe > "$W/c12_expr.log" 2>&1 \

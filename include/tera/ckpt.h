@@ -59,6 +59,17 @@ tera_status tera_ckpt_write_run_config(const tera_config *cfg, const char *run_d
 /* XXH3-64 and size of a file's contents. */
 tera_status tera_ckpt_hash_file(const char *path, uint64_t *hash, int64_t *size);
 
+/* What a directory an output is about to go to already belongs to. `path` need not exist: its
+ * nearest existing ancestor is resolved (symbolic links and "..") and it and every directory above
+ * it are looked at. TERA_OWNER_CHECKPOINT: path is or lies inside a tera checkpoint directory
+ * (manifest.json or COMMIT in it); TERA_OWNER_CHECKPOINTS: inside a run's checkpoints/ directory (a
+ * directory of that name beside the run's config.ini or metrics.jsonl); TERA_OWNER_RUN: path itself
+ * is a run directory (a checkpoints/ directory in it); TERA_OWNER_NONE: none of these. owner (cap
+ * bytes, may be NULL) gets the directory that decided. Exports and conversions refuse such places
+ * even with --force: what they would write there, a reader of that directory would take for its own. */
+typedef enum { TERA_OWNER_NONE = 0, TERA_OWNER_CHECKPOINT, TERA_OWNER_CHECKPOINTS, TERA_OWNER_RUN } tera_dir_owner;
+tera_dir_owner tera_ckpt_dir_owner(const char *path, char *owner, size_t cap);
+
 /* ---------------------------------------------------------------- reading */
 typedef struct {
     char name[64];       /* directory name: step_NNNNNNNN, step_NNNNNNNN.tmp or .deleting */

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -145,6 +146,63 @@ static cJSON *read_manifest(const char *dir) {
     cJSON *j = cJSON_Parse(text);
     free(text);
     return j;
+}
+
+/* ------------------------------------------------------------------ whose directory (ckpt.h) */
+
+static int file_in(const char *dir, const char *name) {
+    char p[PATH_MAX + 64];
+    if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, name) >= sizeof p) return 0;
+    return access(p, F_OK) == 0;
+}
+
+static int dir_in(const char *dir, const char *name) {
+    char p[PATH_MAX + 64];
+    struct stat sb;
+    if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, name) >= sizeof p) return 0;
+    return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+tera_dir_owner tera_ckpt_dir_owner(const char *path, char *owner, size_t cap) {
+    char p[PATH_MAX], r[PATH_MAX];
+    if (!path || !*path || strlen(path) >= sizeof p) return TERA_OWNER_NONE;
+    snprintf(p, sizeof p, "%s", path);
+    /* the nearest existing ancestor, resolved (a relative path with no existing part: ".") */
+    const int exists = realpath(p, r) != NULL;
+    while (!exists && !realpath(p, r)) {
+        size_t n = strlen(p);
+        while (n > 1 && p[n - 1] == '/') p[--n] = 0;
+        char *slash = strrchr(p, '/');
+        if (!slash) snprintf(p, sizeof p, ".");
+        else if (slash == p) p[1] = 0;
+        else *slash = 0;
+        if (!strcmp(p, ".") && !realpath(p, r)) return TERA_OWNER_NONE;
+    }
+    tera_dir_owner kind = TERA_OWNER_NONE;
+    struct stat sb;
+    if (exists && stat(r, &sb) == 0 && S_ISDIR(sb.st_mode) && dir_in(r, "checkpoints") &&
+        (file_in(r, "config.ini") || file_in(r, "metrics.jsonl")))
+        kind = TERA_OWNER_RUN;
+    while (kind == TERA_OWNER_NONE) {
+        if (file_in(r, "manifest.json") || file_in(r, "COMMIT")) {
+            kind = TERA_OWNER_CHECKPOINT;
+            break;
+        }
+        char *slash = strrchr(r, '/');
+        const int top = !slash || slash == r;
+        if (slash && !strcmp(slash + 1, "checkpoints")) {
+            char parent[PATH_MAX];
+            snprintf(parent, sizeof parent, "%.*s", top ? 1 : (int)(slash - r), r);
+            if (file_in(parent, "config.ini") || file_in(parent, "metrics.jsonl")) {
+                kind = TERA_OWNER_CHECKPOINTS;
+                break;
+            }
+        }
+        if (top) break;
+        *slash = 0;
+    }
+    if (kind != TERA_OWNER_NONE && owner && cap) snprintf(owner, cap, "%s", r);
+    return kind;
 }
 
 static int64_t manifest_int(const cJSON *j, const char *key, int64_t dflt) {

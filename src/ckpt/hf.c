@@ -8,6 +8,7 @@
  * and drives both export and import, so the two cannot drift apart. Weights are written as F32
  * under the names of the parameter table; expert-stacked parameters ([E, out, in] in memory) become
  * E tensors [out, in] that reference slices of the flat buffer (no copy). */
+#include "tera/ckpt.h"
 #include "tera/hf.h"
 #include "tera/io.h"
 
@@ -411,6 +412,22 @@ tera_status tera_hf_export(const tera_model *m, const char *dir, int64_t max_sha
 /* An export labelled for transformers only when a transformers class computes the model (or
  * --tera-moe asks for model_type "tera_moe"). */
 static tera_status export_allowed(const tera_model_config *c, const char *dir, int allow_tera_moe) {
+    /* never into tera's own directories, --force or not: a checkpoint there (its config.json and
+     * model files replaced or joined by shards) or a run's checkpoints/ would read the export as its own */
+    char owner[PATH_MAX];
+    switch (tera_ckpt_dir_owner(dir, owner, sizeof owner)) {
+    case TERA_OWNER_CHECKPOINT:
+        return tera_fail(TERA_ERR_ARG, "--out '%s' is or lies inside the tera checkpoint %s; an export goes to a "
+                         "directory of its own (--force replaces only a previous export)", dir, owner);
+    case TERA_OWNER_CHECKPOINTS:
+        return tera_fail(TERA_ERR_ARG, "--out '%s' lies inside the run's checkpoint directory %s, which holds "
+                         "checkpoints only; choose a directory outside it", dir, owner);
+    case TERA_OWNER_RUN:
+        return tera_fail(TERA_ERR_ARG, "--out '%s' is a tera run directory (checkpoints/ and its configuration); "
+                         "an export goes to a directory of its own (--force replaces only a previous export)", dir);
+    default:
+        break;
+    }
     char gaps[512];
     if (!allow_tera_moe && tera_hf_transformers_gaps(c, gaps, sizeof gaps) > 0)
         return tera_fail(TERA_ERR_CONFIG,

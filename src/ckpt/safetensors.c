@@ -9,6 +9,7 @@
 #include "tera/safetensors.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -680,9 +681,11 @@ static int assign_shards(const tera_st_entry **s, int n, int64_t max_bytes, int 
     return shard;
 }
 
-static tera_status save_shards(const tera_st_writer *w, const tera_st_entry **s, const char *dir, int64_t max_bytes) {
+static tera_status save_shards(const tera_st_writer *w, const tera_st_entry **s, const char *dir, int64_t max_bytes,
+                               int *n_out) {
     int *shard_of = tera_malloc(sizeof(int) * (size_t)(w->n ? w->n : 1));
-    int n_shards = assign_shards(s, w->n, max_bytes, shard_of);
+    const int n_shards = assign_shards(s, w->n, max_bytes, shard_of);
+    *n_out = n_shards;
     tera_status st = TERA_OK;
     if (n_shards > 99999) st = tera_fail(TERA_ERR_ARG, "%s: %d shards exceed 99999", dir, n_shards);
     for (int i = 0, sh = 1; st == TERA_OK && sh <= n_shards; sh++) {
@@ -700,6 +703,28 @@ static tera_status save_shards(const tera_st_writer *w, const tera_st_entry **s,
     return st;
 }
 
+/* After a save of n_shards shards (0: the single model.safetensors), the model files of an earlier
+ * save into the same directory that the new one does not name (a directory replaced by an export
+ * with --force): shards of another count, and model.safetensors beside shards. Only names of this
+ * writer's pattern are touched. */
+static tera_status remove_stale(const char *dir, int n_shards) {
+    DIR *d = opendir(dir);
+    if (!d) return tera_fail(TERA_ERR_IO, "%s: cannot open directory: %s", dir, strerror(errno));
+    tera_status st = TERA_OK;
+    for (struct dirent *e; st == TERA_OK && (e = readdir(d));) {
+        int sh = 0, of = 0, len = 0;
+        const int shard = sscanf(e->d_name, "model-%5d-of-%5d.safetensors%n", &sh, &of, &len) == 2 &&
+                          e->d_name[len] == 0 && strlen(e->d_name) == 32; /* model-NNNNN-of-NNNNN.safetensors */
+        const int stale = shard ? of != n_shards : n_shards > 0 && !strcmp(e->d_name, "model.safetensors");
+        char path[1100];
+        if (!stale || join_path(path, sizeof path, dir, e->d_name) != TERA_OK) continue;
+        if (unlink(path) != 0 && errno != ENOENT)
+            st = tera_fail(TERA_ERR_IO, "%s: cannot remove the earlier save's file: %s", path, strerror(errno));
+    }
+    closedir(d);
+    return st;
+}
+
 tera_status tera_st_writer_save_dir(const tera_st_writer *w, const char *dir, int64_t max_shard_bytes) {
     const tera_st_entry **s = sorted_entries(w->entries, w->n, dir);
     if (!s) return TERA_ERR_ARG;
@@ -708,7 +733,9 @@ tera_status tera_st_writer_save_dir(const tera_st_writer *w, const char *dir, in
     tera_status st;
     char path[1100];
     if (max_shard_bytes > 0 && total > (uint64_t)max_shard_bytes) {
-        st = save_shards(w, s, dir, max_shard_bytes);
+        int n_shards = 0;
+        st = save_shards(w, s, dir, max_shard_bytes, &n_shards);
+        if (st == TERA_OK) st = remove_stale(dir, n_shards);
     } else {
         st = join_path(path, sizeof path, dir, "model.safetensors");
         if (st == TERA_OK) st = save_sorted(w, s, w->n, path);
@@ -716,6 +743,7 @@ tera_status tera_st_writer_save_dir(const tera_st_writer *w, const char *dir, in
         if (st == TERA_OK && join_path(path, sizeof path, dir, ST_INDEX_NAME) == TERA_OK && unlink(path) != 0 &&
             errno != ENOENT)
             st = tera_fail(TERA_ERR_IO, "%s: cannot remove stale index: %s", path, strerror(errno));
+        if (st == TERA_OK) st = remove_stale(dir, 0);
     }
     free(s);
     return st;
@@ -1000,6 +1028,7 @@ tera_status tera_st_stream_finish(tera_st_stream *s) {
     else if (st == TERA_OK && s->is_dir && join_path(path, sizeof path, s->dir, ST_INDEX_NAME) == TERA_OK &&
              unlink(path) != 0 && errno != ENOENT)
         st = tera_fail(TERA_ERR_IO, "%s: cannot remove stale index: %s", path, strerror(errno));
+    if (st == TERA_OK && s->is_dir) st = remove_stale(s->dir, s->indexed ? s->n_files : 0);
     tera_st_stream_abort(s); /* frees (the renamed files are no longer .tmp) */
     return st;
 }

@@ -261,10 +261,17 @@ static int cmd_convert(int argc, char **argv) {
     free(av);
     if (bad) return 1;
     const char *out = val[1];
+    char owner[PATH_MAX];
+    tera_dir_owner kind = TERA_OWNER_NONE;
     if (!out || !*out) st = tera_fail(TERA_ERR_ARG, "ckpt convert needs --out RUN_DIR (the run directory to write)");
     else if (path_within(dir, out) || path_within(out, dir))
         st = tera_fail(TERA_ERR_ARG, "ckpt convert: --out '%s' holds or lies inside the checkpoint '%s'; choose "
                        "another run directory", out, dir);
+    else if ((kind = tera_ckpt_dir_owner(out, owner, sizeof owner)) == TERA_OWNER_CHECKPOINT ||
+             kind == TERA_OWNER_CHECKPOINTS) /* a run directory there: deleted with the run's checkpoints */
+        st = tera_fail(TERA_ERR_ARG, "ckpt convert: --out '%s' lies inside %s %s; a converted run goes to a run "
+                       "directory of its own", out, kind == TERA_OWNER_CHECKPOINT ? "the tera checkpoint" :
+                       "the run's checkpoint directory", owner);
     else if (dir_nonempty(out) && !set[0])
         st = tera_fail(TERA_ERR_EXISTS, "ckpt convert: run directory '%s' already exists and is not empty; choose "
                        "another --out or pass --force to replace its checkpoints and metrics", out);
