@@ -705,6 +705,54 @@ static void test_tp_ranks_by_hand(void **state) {
         free(w), free(res), free(y), free(ysum);
 }
 
+/* A backward that stores (dw_beta 0) over stale gradients (NaN here): the experts no row reached get
+ * zeros in every element of their three gradients (dispatch.c's dw_fresh_end, which clears them in
+ * blocks of 65536 floats shared out among the threads: D x F = 81920 is a whole and a part block),
+ * and the others the same bits as a backward adding into zeros, on 1, 2 and 4 threads. */
+static void test_empty_experts_zeroed(void **state) {
+    (void)state;
+    const int E = 6, K = 1;
+    const int64_t D = 128, F = 640;
+    fixture f;
+    fixture_init(&f, 1, 16, E, K, D, F, 0.0f, TERA_DROP_PROBABILITY);
+    const int64_t N = f.N, EFD = E * F * D;
+    float *x = fnew(N * D), *res = fnew(N * D), *topw = fnew(N * K), *probs = fnew(N * E), *dy = fnew(N * D);
+    float *out = fnew(N * D), *dtopw = fnew(N * K), *ref1 = fnew(EFD), *ref3 = fnew(EFD), *ref2 = fnew(EFD);
+    int32_t *topi = malloc(sizeof(int32_t) * (size_t)(N * K));
+    tu_fill(x, N * D, 21, 1.0f), tu_fill(res, N * D, 22, 1.0f), tu_fill(dy, N * D, 23, 1.0f);
+    random_routing_n(&f, topi, topw, probs, 24, 2); /* experts 0 and 1 only */
+    const int threads[] = {1, 2, 4};
+    for (int i = 0; i < 3; i++) {
+        tera_set_threads(threads[i]);
+        for (int stale = 0; stale < 2; stale++) {
+            for (int64_t j = 0; j < EFD; j++) f.g1[j] = f.g3[j] = f.g2[j] = stale ? NAN : 0.0f;
+            tera_dispatch_permute(f.d, &f.t, x, topi, probs, 0);
+            tera_dispatch_experts_forward(f.d, &f.t, &f.W, 0);
+            memcpy(out, res, sizeof(float) * (size_t)(N * D));
+            tera_dispatch_combine_forward(f.d, out, &f.t, topw);
+            tera_dispatch_combine_backward(f.d, dtopw, dy, &f.t, topw);
+            tera_dispatch_experts_backward(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, stale ? 0.0f : 1.0f);
+            if (!stale) {
+                memcpy(ref1, f.g1, sizeof(float) * (size_t)EFD), memcpy(ref3, f.g3, sizeof(float) * (size_t)EFD);
+                memcpy(ref2, f.g2, sizeof(float) * (size_t)EFD);
+                continue;
+            }
+            for (int e = 2; e < E; e++) /* no rows: zeros, also over the NaN */
+                for (int64_t j = e * F * D; j < (e + 1) * F * D; j++)
+                    if (f.g1[j] != 0.0f || f.g3[j] != 0.0f || f.g2[j] != 0.0f || signbit(f.g1[j]))
+                        fail_msg("%d threads: expert %d without rows: gradient element %lld is %g / %g / %g", threads[i],
+                                 e, (long long)(j - e * F * D), (double)f.g1[j], (double)f.g3[j], (double)f.g2[j]);
+            assert_same("dw1 stored over stale values = added into zeros", f.g1, ref1, EFD);
+            assert_same("dw3 stored over stale values = added into zeros", f.g3, ref3, EFD);
+            assert_same("dw2 stored over stale values = added into zeros", f.g2, ref2, EFD);
+        }
+    }
+    tera_set_threads(2);
+    free(x), free(res), free(topw), free(probs), free(dy), free(out), free(dtopw), free(ref1), free(ref3), free(ref2);
+    free(topi);
+    fixture_free(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_permute_hand_routing),
@@ -715,6 +763,7 @@ int main(void) {
         cmocka_unit_test(test_chain_k1),
         cmocka_unit_test(test_chain_k8),
         cmocka_unit_test(test_recompute_hidden),
+        cmocka_unit_test(test_empty_experts_zeroed),
         cmocka_unit_test(test_tp1_is_plain),
         cmocka_unit_test(test_vocab_slices),
         cmocka_unit_test(test_tp_ranks_by_hand),
