@@ -12,6 +12,7 @@
 
 #include "carve.h"
 #include "dispatch.h"
+#include "host_fill.h"
 #include "moe.h"
 #include "tp_layers.h"
 #include "tera/backend.h"
@@ -660,19 +661,6 @@ static int stale_index(const tera_model *m, int group) {
     return group >= 0 ? group : group == TERA_GROUP_EMBED ? m->cfg.n_layers : m->cfg.n_layers + 1;
 }
 
-/* Zeroing of the step's larger host buffers (gradients the backward adds into, the input gradients
- * the paths sum into) on every thread: one thread clearing bench-m's 32 MiB embedding gradient or a
- * layer's [N, D] while the others wait was measurable beside the step (the dispatcher's experts
- * without rows: 6 MiB each, dispatch.c). */
-static void zero_range(void *ctx, int64_t lo, int64_t hi, int worker) {
-    (void)worker;
-    memset((float *)ctx + lo, 0, sizeof(float) * (size_t)(hi - lo));
-}
-static void zero_floats(tera_backend *be, float *p, int64_t n) {
-    if (n < ((int64_t)1 << 16)) memset(p, 0, sizeof(float) * (size_t)n);
-    else be->ops.for_ranges(be, n, zero_range, p);
-}
-
 void tera_model_grads_stale(tera_model *m, int group) {
     if (group == TERA_GROUP_ALL) memset(m->g_stale, 1, (size_t)m->cfg.n_layers + 2);
     else m->g_stale[stale_index(m, group)] = 1;
@@ -699,7 +687,7 @@ void tera_model_grads_settle(tera_model *m) {
         for (int p = 0; p < m->n_params; p++) {
             const tera_param *q = &m->params[p];
             float *gp = view_of(&m->G, q);
-            if (in_group(q, group) && q->numel > 0 && gp) zero_floats(m->be, gp, q->numel);
+            if (in_group(q, group) && q->numel > 0 && gp) tera_host_fill(m->be, gp, NULL, q->numel);
         }
         m->g_stale[i] = 0;
     }
@@ -719,7 +707,7 @@ static float grads_begin(tera_model *m, int group) {
         if (!in_group(q, group) || q->numel == 0 || (q->ndim >= 2 && q->kind != TERA_P_EMBED)) continue;
         float *gp = view_of(&m->G, q);
         TERA_ASSERTF(gp, "gradients of %s written before they are bound", q->name);
-        zero_floats(m->be, gp, q->numel);
+        tera_host_fill(m->be, gp, NULL, q->numel);
     }
     return 0.0f;
 }
@@ -976,7 +964,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
     const float *dy = a->dres; /* gradient of the layer output */
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
-    zero_floats(m->be, a->dln, N * D);
+    tera_host_fill(m->be, a->dln, NULL, N * D);
     if (c->n_shared_experts > 0)
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
                                           W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl, dw_beta));
@@ -1037,7 +1025,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     if (is_moe(c, l)) {
         moe_backward(m, l, s, bw); /* sums the tensor-parallel partial input gradients itself */
     } else if (split) { /* the weight gradients while the input gradient is summed */
-        zero_floats(m->be, a->dln, N * D);
+        tera_host_fill(m->be, a->dln, NULL, N * D);
         TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                              W->dw3, W->dw2, N, D, m->Fdl));
         tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
@@ -1045,7 +1033,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
                         TERA_PROF_DENSE_BWD, &rq, bw);
         tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
-        zero_floats(m->be, a->dln, N * D);
+        tera_host_fill(m->be, a->dln, NULL, N * D);
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                           W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl, bw));
         tera_tp_copy_backward(a->tp, a->dln, N * D);
@@ -1180,12 +1168,12 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
             tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
                                                            V, 0.0f, hb));
-            zero_floats(m->be, a->dres, N * D);
+            tera_host_fill(m->be, a->dres, NULL, N * D);
             tera_tp_copy_backward_wait(a->tp, &rq);
         } else {
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
             tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
-            zero_floats(m->be, a->dres, N * D);
+            tera_host_fill(m->be, a->dres, NULL, N * D);
         }
         TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
                                                   a->rstdf, N, D));

@@ -1,6 +1,8 @@
 /* Tensor-parallel layers: see tp_layers.h. */
 #include "tp_layers.h"
 
+#include "host_fill.h"
+
 #include <math.h>
 #include <string.h>
 
@@ -85,23 +87,6 @@ void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *d
         TERA_PROF(EMBED_BWD, tp->be->ops.embedding_backward(tp->be, dtable, dx, tokens, N, D));
 }
 
-/* dst[0, n) = src[0, n) on every thread (the residual [N, D] under the output projection: one thread
- * copying it while the others waited). */
-typedef struct {
-    float *dst;
-    const float *src;
-} copy_job;
-static void copy_range(void *ctx, int64_t lo, int64_t hi, int worker) {
-    (void)worker;
-    const copy_job *j = ctx;
-    memcpy(j->dst + lo, j->src + lo, sizeof(float) * (size_t)(hi - lo));
-}
-static void copy_floats(tera_backend *be, float *dst, const float *src, int64_t n) {
-    copy_job j = {dst, src};
-    if (n < ((int64_t)1 << 16)) memcpy(dst, src, sizeof(float) * (size_t)n);
-    else be->ops.for_ranges(be, n, copy_range, &j);
-}
-
 void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
                                          const float *res, int64_t N, int64_t in, int64_t out) {
     if (tp->tp > 1) { /* the partial outputs are summed, then the residual added once */
@@ -110,7 +95,7 @@ void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const floa
         tp->be->ops.add_forward(tp->be, y, res, N * out);
     } else { /* the product accumulates onto the residual */
         TERA_PROF(OPROJ_FWD, {
-            copy_floats(tp->be, y, res, N * out);
+            tera_host_fill(tp->be, y, res, N * out);
             tp->be->ops.linear_forward(tp->be, y, x, w, N, in, out, 1.0f);
         });
     }
