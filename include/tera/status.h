@@ -46,7 +46,11 @@ void tera_abort_at(const char *file, int line, const char *fmt, ...)
         if (_s != TERA_OK) return _s;                                                              \
     } while (0)
 
-/* Checked allocation: aborts with file:line on failure (used only at set-up, never in the step). */
+/* Checked allocation: aborts with file:line on failure (used only at set-up, never in the step).
+ * 64-byte aligned; blocks of TERA_HUGE_MIN bytes or more 2 MiB aligned and advised for transparent
+ * huge pages (src/core/status.c; TERA_HUGEPAGES=0 in the environment: not). Freed with free(). */
+#define TERA_HUGE_MIN ((size_t)4 << 20)
+#define TERA_HUGE_ALIGN ((size_t)2 << 20)
 void *tera_malloc_at(size_t n, const char *file, int line);
 void *tera_calloc_at(size_t n, size_t size, const char *file, int line);
 #define tera_malloc(n) tera_malloc_at((n), __FILE__, __LINE__)
