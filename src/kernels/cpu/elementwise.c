@@ -311,11 +311,17 @@ void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs
  * forward's bit for bit), then that memory alone is scaled by scale / sum (scale_row, in cache):
  * dlogits = e * (scale / sum) - scale * onehot, from the very exponentials the loss summed. */
 
-/* out[i] = exp(x[i] - mx) (out may be x); returns their sum in tera_sum_exp's order */
-static float exp_row(float *out, const float *x, int64_t n, float mx) {
+/* out[i] = exp(x[i] - mx) (out may be x); returns their sum in tera_sum_exp's order. next (NULL:
+ * none): the row the caller takes after this one, n floats, fetched into the cache a line per 16
+ * exponentials, so that its max pass reads from the cache instead of waiting on memory (the rows are
+ * consecutive, but the hardware prefetcher runs only a few lines ahead of the max pass and idles
+ * during this one): bench_fused's fused pass 6.5 -> 5.2 ms (bench-s) and 27.2 -> 21.6 ms (bench-m)
+ * at 2 threads (docs/PERFORMANCE.md, wave 22). The same bits. */
+static float exp_row(float *out, const float *x, int64_t n, float mx, const float *next) {
     float acc[TERA_LANES] = {0};
     int64_t i = 0;
     for (; i + TERA_LANES <= n; i += TERA_LANES) {
+        if (next) __builtin_prefetch(next + i, 0, 3);
         float e[TERA_LANES];
         for (int l = 0; l < TERA_LANES; l++) e[l] = tera_vexpf(x[i + l] - mx);
         for (int l = 0; l < TERA_LANES; l++) acc[l] += e[l];
@@ -344,10 +350,10 @@ static void scale_row(float *d, const float *e, int64_t n, float k) {
 }
 
 /* one row of the whole vocabulary: d[V] = scale * (softmax(r) - onehot(t)) (d may be r); returns the
- * row's lse (= row_lse(r, V), the same bits) */
-static float ce_row(float *d, const float *r, int64_t V, int64_t t, float scale) {
+ * row's lse (= row_lse(r, V), the same bits); next: the following row of logits (exp_row), or NULL */
+static float ce_row(float *d, const float *r, int64_t V, int64_t t, float scale, const float *next) {
     const float mx = tera_max(r, V);
-    const float s = exp_row(d, r, V, mx);
+    const float s = exp_row(d, r, V, mx, next);
     scale_row(d, d, V, scale / s);
     d[t] -= scale;
     return mx + logf(s);
@@ -407,7 +413,7 @@ void tera_ce_slice_sums(float *sumexp, float *tlogit, float *e, const float *log
         const float *r = logits + n * Vl;
         const int64_t t = (int64_t)targets[n] - v0;
         tlogit[n] = t >= 0 && t < Vl ? r[t] : 0.0f; /* before e (may be logits) is written */
-        sumexp[n] = e ? exp_row(e + n * Vl, r, Vl, rowmax[n]) : tera_sum_exp(r, Vl, rowmax[n]);
+        sumexp[n] = e ? exp_row(e + n * Vl, r, Vl, rowmax[n], n + 1 < N ? r + Vl : NULL) : tera_sum_exp(r, Vl, rowmax[n]);
     }
 }
 
@@ -436,7 +442,7 @@ double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlog
         const float *r = logits + n * V;
         const int64_t t = targets[n];
         tlogit[n] = r[t]; /* before dlogits (may be logits) is written */
-        lse[n] = ce_row(dlogits + n * V, r, V, t, scale);
+        lse[n] = ce_row(dlogits + n * V, r, V, t, scale, n + 1 < N ? r + V : NULL);
         if (d16) rne_row(d16 + n * V, dlogits + n * V, V);
     }
     double sum = 0.0; /* fixed order, as tera_ce_forward */
@@ -448,7 +454,7 @@ void tera_ce_backward_bf16(float *dlogits, uint16_t *d16, const float *logits, c
                            int64_t V, float scale) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale);
+        ce_row(dlogits + n * V, logits + n * V, V, targets[n], scale, n + 1 < N ? logits + (n + 1) * V : NULL);
         if (d16) rne_row(d16 + n * V, dlogits + n * V, V);
     }
 }
