@@ -21,8 +21,7 @@ void tera_rmsnorm_forward(float *restrict y, float *restrict rstd, const float *
 
 /* The next row's lines of p[D] fetched into the cache (a row's second pass runs from the cache while
  * the first, a sum over the row, waited on memory: this keeps the next first pass fed). The same
- * bits; bench_fused (2 threads): the backward 0.26-0.29 -> 0.22-0.23 ms (bench-s), 0.55-0.59 ->
- * 0.49-0.51 ms (bench-m). */
+ * bits; measured in docs/PERFORMANCE.md, wave 22. */
 static inline void row_prefetch(const float *p, int64_t D, int write) {
     for (int64_t d = 0; d < D; d += 16) {
         if (write)
@@ -335,8 +334,7 @@ void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs
  * none): the row the caller takes after this one, n floats, fetched into the cache a line per 16
  * exponentials, so that its max pass reads from the cache instead of waiting on memory (the rows are
  * consecutive, but the hardware prefetcher runs only a few lines ahead of the max pass and idles
- * during this one): bench_fused's fused pass 6.5 -> 5.2 ms (bench-s) and 27.2 -> 21.6 ms (bench-m)
- * at 2 threads (docs/PERFORMANCE.md, wave 22). The same bits. */
+ * during this one; measured in docs/PERFORMANCE.md, wave 22). The same bits. */
 static float exp_row(float *out, const float *x, int64_t n, float mx, const float *next) {
     float acc[TERA_LANES] = {0};
     int64_t i = 0;
