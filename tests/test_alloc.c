@@ -1,6 +1,7 @@
 /* tera_malloc's large blocks (src/core/status.c): 2 MiB aligned and advised for transparent huge
  * pages, small ones 64-byte aligned and not advised; TERA_HUGEPAGES=0 turns the advice off. The
- * advice is read back from the kernel: the "hg" flag of the block's mapping in /proc/self/smaps. */
+ * advice is read back from the kernel: the "hg" flag of the block's mapping in /proc/self/smaps.
+ * tera_zero_stream zeroes exactly its bytes at any start and length (head, whole lines, tail). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -79,10 +80,32 @@ static void test_small_blocks_and_off(void **state) {
     free(o);
 }
 
+/* Every start within a line and lengths around the line size and larger: the bytes in range are
+ * zero, the guard bytes on either side untouched. */
+static void test_zero_stream(void **state) {
+    (void)state;
+    enum { GUARD = 128, MAXLEN = 4 * 64 * 1024 + 200 };
+    unsigned char *buf = tera_malloc(GUARD + 64 + MAXLEN + GUARD);
+    const size_t lens[] = {0, 1, 3, 63, 64, 65, 127, 128, 1000, 4096 + 17, MAXLEN};
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+        for (size_t start = 0; start < 64; start += (lens[li] > 4096 ? 7 : 1)) {
+            const size_t len = lens[li], total = GUARD + 64 + MAXLEN + GUARD;
+            memset(buf, 0xA5, total);
+            tera_zero_stream(buf + GUARD + start, len);
+            for (size_t i = 0; i < total; i++) {
+                const int in = i >= GUARD + start && i < GUARD + start + len;
+                if (buf[i] != (in ? 0 : 0xA5))
+                    fail_msg("start %zu, length %zu: byte %zu is 0x%02x", start, len, i, buf[i]);
+            }
+        }
+    free(buf);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_large_blocks_advised),
         cmocka_unit_test(test_small_blocks_and_off),
+        cmocka_unit_test(test_zero_stream),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

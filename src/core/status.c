@@ -1,6 +1,10 @@
 #include "tera/status.h"
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -81,4 +85,26 @@ void *tera_calloc_at(size_t n, size_t size, const char *file, int line) {
     void *p = tera_malloc_at(n * size, file, line);
     memset(p, 0, n * size);
     return p;
+}
+
+void tera_zero_stream(void *dst, size_t bytes) {
+#if defined(__SSE2__)
+    char *p = dst;
+    size_t head = (64 - ((uintptr_t)p & 63)) & 63; /* to the first whole line */
+    if (head > bytes) head = bytes;
+    memset(p, 0, head);
+    p += head, bytes -= head;
+#if defined(__AVX512F__)
+    const __m512i z = _mm512_setzero_si512();
+    for (; bytes >= 64; p += 64, bytes -= 64) _mm512_stream_si512((void *)p, z);
+#else
+    const __m128i z = _mm_setzero_si128();
+    for (; bytes >= 64; p += 64, bytes -= 64)
+        for (int i = 0; i < 4; i++) _mm_stream_si128((__m128i *)(void *)(p + 16 * i), z);
+#endif
+    memset(p, 0, bytes);
+    _mm_sfence();
+#else
+    memset(dst, 0, bytes);
+#endif
 }

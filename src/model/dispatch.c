@@ -575,7 +575,7 @@ static void zero_grads_range(void *ctx, int64_t lo, int64_t hi, int worker) {
         const int64_t b = i % z->per, t = (i / z->per) % 3, e = z->d->order[i / z->per / 3];
         float *g = (t == 0 ? z->G->w1 : t == 1 ? z->G->w3 : z->G->w2) + e * DF + b * ZERO_BLOCK;
         const int64_t n = DF - b * ZERO_BLOCK < ZERO_BLOCK ? DF - b * ZERO_BLOCK : ZERO_BLOCK;
-        memset(g, 0, sizeof(float) * (size_t)n);
+        tera_zero_stream(g, sizeof(float) * (size_t)n); /* read next by the optimizer: around the caches */
     }
 }
 
