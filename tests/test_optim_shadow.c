@@ -75,6 +75,9 @@ static const tera_optim_config oc = {.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f
  * same weights, moments and sums, and after each step the shadow holds the rounding of every weight. */
 static void test_update_writes_the_rounding(void **state) {
     (void)state;
+    /* the shadow at every residue of 16 elements from a 64-byte boundary: each tensor's item starts
+     * once 32-byte aligned (non-temporal stores where AVX-512 exists) and otherwise (plain stores) */
+    for (int shift = 0; shift < 16; shift++)
     for (int bf16m = 0; bf16m < 2; bf16m++)
         for (int zg = 0; zg < 2; zg++) {
             tera_model a, b;
@@ -84,9 +87,12 @@ static void test_update_writes_the_rounding(void **state) {
             tera_adamw oa, ob;
             if (bf16m) tera_adamw_init_range_bf16(&oa, 0, n, 99), tera_adamw_init_range_bf16(&ob, 0, n, 99);
             else tera_adamw_init(&oa, n), tera_adamw_init(&ob, n);
-            uint16_t *w16 = malloc(sizeof(uint16_t) * (size_t)n), *ref = malloc(sizeof(uint16_t) * (size_t)n);
+            uint16_t *w16_block = NULL;
+            assert_int_equal(posix_memalign((void **)&w16_block, 64, sizeof(uint16_t) * (size_t)(n + 32)), 0);
+            uint16_t *w16 = w16_block + shift;
+            uint16_t *ref = malloc(sizeof(uint16_t) * (size_t)n);
             for (int s = 0; s < 3; s++) {
-                for (int64_t i = 0; i < n; i++) w16[i] = 0xAAAA; /* nothing left from before */
+                for (int64_t i = 0; i < n + 32; i++) w16_block[i] = 0xAAAA; /* nothing left from before */
                 tu_fill(a.g, n, 50 + (uint64_t)s, 0.01f);
                 memcpy(b.g, a.g, sizeof(float) * (size_t)n);
                 double ua, pa2, ub, pb2;
@@ -102,11 +108,14 @@ static void test_update_writes_the_rounding(void **state) {
                 assert_memory_equal(&pa2, &pb2, sizeof pa2);
                 tera_round_bf16(ref, a.w, n);
                 for (int64_t i = 0; i < n; i++)
-                    if (w16[i] != ref[i]) fail_msg("moments %s, clear %d, step %d: element %ld 0x%04x, want 0x%04x",
-                                                   bf16m ? "bf16" : "fp32", zg, s, (long)i, w16[i], ref[i]);
+                    if (w16[i] != ref[i])
+                        fail_msg("shift %d, moments %s, clear %d, step %d: element %ld 0x%04x, want 0x%04x", shift,
+                                 bf16m ? "bf16" : "fp32", zg, s, (long)i, w16[i], ref[i]);
+                if (shift) assert_int_equal(w16_block[0], 0xAAAA); /* nothing written before the shadow */
+                assert_int_equal(w16[n], 0xAAAA);                  /* nor after it */
             }
             assert_true(a.w[3] != a.w[3] && isinf(a.w[40])); /* the special values were there */
-            free(w16), free(ref);
+            free(w16_block), free(ref);
             tera_adamw_free(&oa), tera_adamw_free(&ob);
             free(a.w), free(a.g), free(b.w), free(b.g);
         }

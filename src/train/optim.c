@@ -319,6 +319,27 @@ typedef struct {
  * tests/test_optim_shadow.c checks it against tera_round_bf16 over every high half. */
 uint16_t tera_adamw_shadow_round(float x) { return tera_bf16_rne(x); }
 
+/* The shadow's blocks of 16 (32 bytes): with AVX-512 and a 32-byte aligned start, non-temporal
+ * stores, which do not read the line first (the shadow is write-only here: 2 of its 4 bytes of traffic
+ * per parameter were that read; docs/PERFORMANCE.md, wave 23); a store fence after the chunk orders
+ * them before the pass's end. Else plain stores. The same bits either way. */
+#ifdef OPTIM_AVX512
+#define SHADOW_STREAMS(p) (((uintptr_t)(p) & 31) == 0)
+static inline void shadow_store(uint16_t *restrict dst, const uint16_t *restrict s16, int stream) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)s16);
+    if (stream) _mm256_stream_si256((__m256i *)(void *)dst, v);
+    else _mm256_storeu_si256((__m256i *)(void *)dst, v);
+}
+static inline void shadow_fence(void) { _mm_sfence(); }
+#else
+#define SHADOW_STREAMS(p) 0
+static inline void shadow_store(uint16_t *restrict dst, const uint16_t *restrict s16, int stream) {
+    (void)stream;
+    memcpy(dst, s16, 16 * sizeof *s16);
+}
+static inline void shadow_fence(void) {}
+#endif
+
 /* One item of the fused pass: w, g, mm, vv [n] (the same element range). */
 static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w, float *restrict g,
                                                               float *restrict mm, float *restrict vv,
@@ -329,23 +350,30 @@ static inline __attribute__((always_inline)) void adamw_chunk(float *restrict w,
                 eps = k->eps, gs = k->gs;
     float ua[LANES] = {0}, pa[LANES] = {0};
     int64_t j = 0;
-#define ADAMW_ELEM(J, L)                                                                           \
+    /* the shadow of a whole block of LANES, 32 bytes, stored around the caches where aligned
+     * (shadow_store: nothing reads it before the next step's products, so a store through the cache
+     * would first read each line for nothing) */
+    const int stream = shadow && SHADOW_STREAMS(w16);
+#define ADAMW_ELEM(J, L, SH)                                                                       \
     do {                                                                                           \
         const float gj = g[J] * gs, w0 = w[J];                                                     \
         const float mj = b1 * mm[J] + omb1 * gj, vj = b2 * vv[J] + omb2 * gj * gj;                 \
         const float wj = w0 * decay - ss * mj / (sqrtf(vj) * ib + eps);                            \
         mm[J] = mj, vv[J] = vj, w[J] = wj;                                                         \
-        if (shadow) w16[J] = tera_bf16_rne(wj);                                                     \
+        if (shadow) SH = tera_bf16_rne(wj);                                                         \
         ua[L] += (wj - w0) * (wj - w0);                                                            \
         pa[L] += w0 * w0;                                                                          \
         if (zero_grad) g[J] = 0.0f;                                                                \
     } while (0)
     for (; j + LANES <= n; j += LANES) { /* LANES floats: one line a stream */
         PF(g + j), PF(w + j), PF(mm + j), PF(vv + j);
-        for (int l = 0; l < LANES; l++) ADAMW_ELEM(j + l, l);
+        uint16_t s16[LANES];
+        for (int l = 0; l < LANES; l++) ADAMW_ELEM(j + l, l, s16[l]);
+        if (shadow) shadow_store(w16 + j, s16, stream);
     }
-    for (; j < n; j++) ADAMW_ELEM(j, j % LANES);
+    for (; j < n; j++) ADAMW_ELEM(j, j % LANES, w16[j]);
 #undef ADAMW_ELEM
+    if (stream) shadow_fence();
     float us = 0.0f, ps = 0.0f;
     for (int l = 0; l < LANES; l++) us += ua[l], ps += pa[l];
     *usq = us, *psq = ps;
@@ -402,6 +430,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
      * contraction; lane l of the sums takes elements j = l mod 16, as ua[j % LANES] does), so the
      * same bits; GCC vectorised the scalar form only 8 wide here, at a third more CPU time */
     if (n >= 16) {
+        const int stream = shadow && SHADOW_STREAMS(w16);
         _Static_assert(LANES == 16, "one vector of sums");
         const __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2), vomb1 = _mm512_set1_ps(omb1),
                      vomb2 = _mm512_set1_ps(omb2), vss = _mm512_set1_ps(ss), vib = _mm512_set1_ps(ib),
@@ -467,9 +496,11 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
             _mm256_storeu_si256((__m256i *)(mm + j), _mm512_castsi512_si256(hv));
             _mm256_storeu_si256((__m256i *)(vv + j), _mm512_extracti64x4_epi64(hv, 1));
             _mm512_storeu_ps(w + j, wj);
-            if (shadow) /* tera_bf16_rne on 16 lanes */
-                _mm256_storeu_si256((__m256i *)(w16 + j),
-                                    _mm512_castsi512_si256(_mm512_permutexvar_epi16(hi, tera_bf16_rne16(_mm512_castps_si512(wj)))));
+            if (shadow) { /* tera_bf16_rne on 16 lanes; non-temporal where aligned (shadow_store) */
+                const __m256i s16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(hi, tera_bf16_rne16(_mm512_castps_si512(wj))));
+                if (stream) _mm256_stream_si256((__m256i *)(void *)(w16 + j), s16);
+                else _mm256_storeu_si256((__m256i *)(void *)(w16 + j), s16);
+            }
             const __m512 d = _mm512_sub_ps(wj, w0);
             vua = _mm512_add_ps(vua, _mm512_mul_ps(d, d));
             vpa = _mm512_add_ps(vpa, _mm512_mul_ps(w0, w0));
@@ -477,6 +508,7 @@ static inline __attribute__((always_inline)) void adamw_chunk_bf16(float *restri
         }
 #undef SR_SPECIAL16
 #undef SR_MIX16
+        if (stream) shadow_fence();
         _mm512_storeu_ps(ua, vua);
         _mm512_storeu_ps(pa, vpa);
     }
