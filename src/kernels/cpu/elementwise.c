@@ -338,6 +338,18 @@ void tera_softmax_backward(float *restrict dlogits, const float *restrict dprobs
 static float exp_row(float *out, const float *x, int64_t n, float mx, const float *next) {
     float acc[TERA_LANES] = {0};
     int64_t i = 0;
+#ifdef TERA_VEXPF16
+    _Static_assert(TERA_LANES == 16, "one vector of lane sums");
+    __m512 vacc = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (; i + TERA_LANES <= n; i += TERA_LANES) {
+        if (next) __builtin_prefetch(next + i, 0, 3);
+        const __m512 e = tera_vexpf16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmx));
+        vacc = _mm512_add_ps(vacc, e);
+        _mm512_storeu_ps(out + i, e); /* after the load: out may be x */
+    }
+    _mm512_storeu_ps(acc, vacc);
+#else
     for (; i + TERA_LANES <= n; i += TERA_LANES) {
         if (next) __builtin_prefetch(next + i, 0, 3);
         float e[TERA_LANES];
@@ -345,6 +357,7 @@ static float exp_row(float *out, const float *x, int64_t n, float mx, const floa
         for (int l = 0; l < TERA_LANES; l++) acc[l] += e[l];
         memcpy(out + i, e, sizeof e); /* after the loads: out may be x */
     }
+#endif
     for (; i < n; i++) {
         const float e = tera_vexpf(x[i] - mx);
         acc[i % TERA_LANES] += e;

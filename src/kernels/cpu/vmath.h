@@ -60,6 +60,35 @@ static inline float tera_vlogf(float x) {
     return (f + y) + 0.693359375f * e;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TERA_VEXPF16 1
+/* tera_vexpf on 16 lanes, bit for bit: the same operations in the same order (separate multiplies
+ * and adds, as the scalar form compiles without contraction; NaN propagates as there). GCC turned
+ * the 16-lane loops over the scalar form into 8-wide code with the lane sums partly scalar, at about
+ * twice the time (docs/PERFORMANCE.md, wave 23); tests/test_vmath.c holds the bits equal. */
+static inline __m512 tera_vexpf16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f), magic = _mm512_set1_ps(12582912.0f);
+    const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    __m512 xc = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), hi);
+    xc = _mm512_mask_mov_ps(xc, below, lo);
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), magic);
+    const __m512 fi = _mm512_sub_ps(t, magic);
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(fi, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(fi, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
+    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_mask_mov_ps(p, below, _mm512_setzero_ps());
+}
+#endif
+
 static inline float tera_silu(float x) { return x / (1.0f + tera_vexpf(-x)); }
 static inline float tera_sigmoid(float x) { return 1.0f / (1.0f + tera_vexpf(-x)); }
 
@@ -105,6 +134,13 @@ static inline float tera_max(const float *restrict x, int64_t n) {
 static inline float tera_sum_exp(const float *restrict x, int64_t n, float shift) {
     float acc[TERA_LANES] = {0};
     int64_t i = 0;
+#ifdef TERA_VEXPF16
+    __m512 vacc = _mm512_setzero_ps();
+    const __m512 vs = _mm512_set1_ps(shift);
+    for (; i + TERA_LANES <= n; i += TERA_LANES)
+        vacc = _mm512_add_ps(vacc, tera_vexpf16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs)));
+    _mm512_storeu_ps(acc, vacc);
+#endif
     for (; i + TERA_LANES <= n; i += TERA_LANES)
         for (int l = 0; l < TERA_LANES; l++) acc[l] += tera_vexpf(x[i + l] - shift);
     for (; i < n; i++) acc[i % TERA_LANES] += tera_vexpf(x[i] - shift);
