@@ -19,18 +19,6 @@
 
 static tera_backend *g_be;
 
-static uint32_t bits_of(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u;
-}
-
-static float float_of(uint32_t u) {
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
 /* ---- the rounding */
 static void test_rounding_exact_and_unbiased(void **state) {
     (void)state;
@@ -41,23 +29,23 @@ static void test_rounding_exact_and_unbiased(void **state) {
     const uint32_t rs[] = {0u, 1u, 0x7FFFu, 0x8000u, 0xFFFFu};
     for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++) {
         for (size_t r = 0; r < sizeof rs / sizeof rs[0]; r++)
-            assert_int_equal(tera_bf16_stochastic(float_of(exact[i]), rs[r]), exact[i] >> 16);
-        assert_int_equal(tera_bf16_nearest(float_of(exact[i])), exact[i] >> 16);
-        assert_true(bits_of(tera_bf16_widen((uint16_t)(exact[i] >> 16))) == exact[i]);
+            assert_int_equal(tera_bf16_stochastic(tu_float(exact[i]), rs[r]), exact[i] >> 16);
+        assert_int_equal(tera_bf16_nearest(tu_float(exact[i])), exact[i] >> 16);
+        assert_true(tu_bits(tera_bf16_widen((uint16_t)(exact[i] >> 16))) == exact[i]);
     }
     /* NaN stays NaN, also one whose payload is in the low 16 bits only */
     const uint32_t nans[] = {0x7FC00000u, 0x7F800001u, 0xFF80FFFFu};
     for (size_t i = 0; i < 3; i++) {
-        assert_true(isnan(tera_bf16_widen(tera_bf16_stochastic(float_of(nans[i]), 0xFFFFu))));
-        assert_true(isnan(tera_bf16_widen(tera_bf16_nearest(float_of(nans[i])))));
+        assert_true(isnan(tera_bf16_widen(tera_bf16_stochastic(tu_float(nans[i]), 0xFFFFu))));
+        assert_true(isnan(tera_bf16_widen(tera_bf16_nearest(tu_float(nans[i])))));
     }
     /* unbiased: over all 2^16 random inputs, the rounded values add up to 2^16 x exactly, and each
      * value is one of the two bf16 neighbours of x */
     const float xs[] = {0.1f, -0.1f, 1.0f + 0x1p-9f, 3.14159265f, -2.7182818e-5f, 1.2345e-30f, 6.1e-39f /* subnormal */,
                         123456.789f};
     for (size_t i = 0; i < sizeof xs / sizeof xs[0]; i++) {
-        const uint32_t u = bits_of(xs[i]);
-        const float lo = float_of(u & 0xFFFF0000u), hi = float_of((u & 0xFFFF0000u) + 0x10000u);
+        const uint32_t u = tu_bits(xs[i]);
+        const float lo = tu_float(u & 0xFFFF0000u), hi = tu_float((u & 0xFFFF0000u) + 0x10000u);
         double sum = 0.0;
         for (uint32_t r = 0; r < 65536u; r++) {
             const float y = tera_bf16_widen(tera_bf16_stochastic(xs[i], r));
@@ -67,11 +55,11 @@ static void test_rounding_exact_and_unbiased(void **state) {
         assert_true(sum == 65536.0 * (double)xs[i]);
     }
     /* nearest: below half an ulp down, above up, a tie to the even neighbour */
-    assert_int_equal(tera_bf16_nearest(float_of(0x3F807FFFu)), 0x3F80u);
-    assert_int_equal(tera_bf16_nearest(float_of(0x3F808001u)), 0x3F81u);
-    assert_int_equal(tera_bf16_nearest(float_of(0x3F808000u)), 0x3F80u); /* tie, 0x3F80 even */
-    assert_int_equal(tera_bf16_nearest(float_of(0x3F818000u)), 0x3F82u); /* tie, 0x3F82 even */
-    assert_int_equal(tera_bf16_nearest(float_of(0xBF808001u)), 0xBF81u);
+    assert_int_equal(tera_bf16_nearest(tu_float(0x3F807FFFu)), 0x3F80u);
+    assert_int_equal(tera_bf16_nearest(tu_float(0x3F808001u)), 0x3F81u);
+    assert_int_equal(tera_bf16_nearest(tu_float(0x3F808000u)), 0x3F80u); /* tie, 0x3F80 even */
+    assert_int_equal(tera_bf16_nearest(tu_float(0x3F818000u)), 0x3F82u); /* tie, 0x3F82 even */
+    assert_int_equal(tera_bf16_nearest(tu_float(0xBF808001u)), 0xBF81u);
 }
 
 /* ---- the random bits */
@@ -110,8 +98,8 @@ static void test_random_bits(void **state) {
     const float xs[] = {0.1f, -0.3f, 1.0f + 0x1p-12f, 7.7e-7f};
     for (size_t i = 0; i < 4; i++)
         for (int half = 0; half < 2; half++) {
-            const uint32_t u = bits_of(xs[i]);
-            const double ulp = (double)float_of((u & 0xFFFF0000u) + 0x10000u) - (double)float_of(u & 0xFFFF0000u);
+            const uint32_t u = tu_bits(xs[i]);
+            const double ulp = (double)tu_float((u & 0xFFFF0000u) + 0x10000u) - (double)tu_float(u & 0xFFFF0000u);
             const double p = (double)(u & 0xFFFFu) / 65536.0;
             double sum = 0.0;
             for (int64_t e = 0; e < N; e++) {
@@ -149,9 +137,9 @@ static float val(int i, int64_t e, int s) {
         static const uint32_t sp0[] = {0x7F800000u, 0xFF800000u, 0x7FFFFFFFu, 0xFFFFFFFFu, 0x7F800001u,
                                        0x60AD78ECu /* 1e20: its square overflows */, 0xE0AD78ECu, 0x00011C3Au /* subnormal */};
         const int64_t r = e % 61;
-        if (s == 0 && r < 8) x = float_of(sp0[r]);
-        if (s == 1 && r == 9) x = float_of(0x7FC0FFFFu);
-        if (s == 2 && r == 10) x = float_of(0x60AD78ECu);
+        if (s == 0 && r < 8) x = tu_float(sp0[r]);
+        if (s == 1 && r == 9) x = tu_float(0x7FC0FFFFu);
+        if (s == 2 && r == 10) x = tu_float(0x60AD78ECu);
     }
     return x;
 }
@@ -368,7 +356,7 @@ static void test_layouts(void **state) {
             for (int i = 0; i < NT; i++)
                 for (int64_t j = 0; j < p[i].numel; j++) {
                     const int64_t e = global_of(&b[i], j), a = p[i].offset + j, z = pw[i].offset + e;
-                    if (bits_of(m.w[a]) != bits_of(whole.w[z]) || o.mh[a] != ow.mh[z] || o.vh[a] != ow.vh[z])
+                    if (tu_bits(m.w[a]) != tu_bits(whole.w[z]) || o.mh[a] != ow.mh[z] || o.vh[a] != ow.vh[z])
                         fail_msg("split %d rank %d: tensor %d element %ld differs from the whole model's", split, r, i,
                                  (long)e);
                 }
@@ -391,7 +379,7 @@ static void test_moments_io(void **state) {
     tu_fill(x, N, 3, 2.0f);
     tera_adamw_moments_set(&o, 2, 0, N, x);
     tera_adamw_moments_get(&o, 2, 0, N, y);
-    for (int i = 0; i < N; i++) assert_true(bits_of(y[i]) == (uint32_t)tera_bf16_nearest(x[i]) << 16);
+    for (int i = 0; i < N; i++) assert_true(tu_bits(y[i]) == (uint32_t)tera_bf16_nearest(x[i]) << 16);
     float z[N];
     tera_adamw_moments_set(&o, 1, 0, N, y); /* bf16 values: exact */
     tera_adamw_moments_get(&o, 1, 0, N, z);

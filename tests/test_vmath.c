@@ -3,29 +3,8 @@
  * subnormals, the clamps at -87 and 88, infinities and NaNs) and the values around the edges; and
  * tera_sum_exp (vectorised where AVX-512 exists) against the scalar 16-lane sum it replaces, on rows
  * of every length from 0 to 70 and a vocabulary's length. Without AVX-512 the vector checks skip. */
-#include <math.h>
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <cmocka.h>
-
+#include "testutil.h"
 #include "kernels/cpu/vmath.h"
-
-static uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 #ifdef TERA_VEXPF16
 /* the 16 inputs at x through tera_vexpf16 against tera_vexpf one by one; returns the mismatches */
@@ -34,9 +13,9 @@ static int check16(const float *x) {
     _mm512_storeu_ps(v, tera_vexpf16(_mm512_loadu_ps(x)));
     int bad = 0;
     for (int l = 0; l < 16; l++) {
-        const uint32_t want = bits_of(tera_vexpf(x[l])), got = bits_of(v[l]);
+        const uint32_t want = tu_bits(tera_vexpf(x[l])), got = tu_bits(v[l]);
         if (want != got && bad++ < 5)
-            print_error("exp(%a) [0x%08x]: 0x%08x, scalar 0x%08x\n", (double)x[l], bits_of(x[l]), got, want);
+            print_error("exp(%a) [0x%08x]: 0x%08x, scalar 0x%08x\n", (double)x[l], tu_bits(x[l]), got, want);
     }
     return bad;
 }
@@ -51,7 +30,7 @@ static void test_vexpf16_is_the_scalar(void **state) {
     float x[16];
     int k = 0;
     for (uint64_t u = 0; u < ((uint64_t)1 << 32); u += 509) {
-        x[k++] = float_of((uint32_t)u);
+        x[k++] = tu_float((uint32_t)u);
         if (k == 16) bad += check16(x), k = 0;
     }
     const float edge[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, -87.0f, nextafterf(-87.0f, 0.0f),
@@ -84,7 +63,7 @@ static void test_sum_exp_order(void **state) {
     for (int64_t n = 0; n <= MAXN; n = n < 70 ? n + 1 : (n == 70 ? 4096 : n + 3)) {
         const float shift = n ? tera_max(x, n) : 0.0f;
         const float got = tera_sum_exp(x, n, shift), want = sum_exp_scalar(x, n, shift);
-        if (bits_of(got) != bits_of(want)) fail_msg("n %ld: sum %a, scalar order %a", (long)n, (double)got, (double)want);
+        if (tu_bits(got) != tu_bits(want)) fail_msg("n %ld: sum %a, scalar order %a", (long)n, (double)got, (double)want);
     }
     free(x);
 }

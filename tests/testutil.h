@@ -17,6 +17,18 @@
 #include "tera/config.h"
 #include "tera/model.h"
 
+/* A float's bit pattern and back (bit-for-bit comparisons, special values by their bits). */
+static inline uint32_t tu_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float tu_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* Deterministic test data: xorshift-based uniform in [-a, a]. */
 static inline void tu_fill(float *x, int64_t n, uint64_t seed, float a) {
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
