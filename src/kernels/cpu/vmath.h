@@ -66,7 +66,8 @@ static inline float tera_vlogf(float x) {
 /* tera_vexpf on 16 lanes, bit for bit: the same operations in the same order (separate multiplies
  * and adds, as the scalar form compiles without contraction; NaN propagates as there). GCC turned
  * the 16-lane loops over the scalar form into 8-wide code with the lane sums partly scalar, at about
- * twice the time (docs/PERFORMANCE.md, wave 23); tests/test_vmath.c holds the bits equal. */
+ * twice the time (docs/PERFORMANCE.md, wave 23); tests/test_vmath.c holds the bits equal. Not the
+ * attention kernels' vexp16 (attention_avx512.h): that one takes FMA steps, so other bits. */
 static inline __m512 tera_vexpf16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f), magic = _mm512_set1_ps(12582912.0f);
     const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
@@ -140,9 +141,10 @@ static inline float tera_sum_exp(const float *restrict x, int64_t n, float shift
     for (; i + TERA_LANES <= n; i += TERA_LANES)
         vacc = _mm512_add_ps(vacc, tera_vexpf16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs)));
     _mm512_storeu_ps(acc, vacc);
-#endif
+#else
     for (; i + TERA_LANES <= n; i += TERA_LANES)
         for (int l = 0; l < TERA_LANES; l++) acc[l] += tera_vexpf(x[i + l] - shift);
+#endif
     for (; i < n; i++) acc[i % TERA_LANES] += tera_vexpf(x[i] - shift);
     float s = 0.0f;
     for (int l = 0; l < TERA_LANES; l++) s += acc[l];
