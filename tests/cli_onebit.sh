@@ -13,7 +13,9 @@
 #   warm-up's gradients micro-batch by micro-batch (another order than ZeRO-0's one sum), so there the
 #   losses and gradient norms agree within LAYOUT_TOL (mpilib.sh) instead; resume after the freeze is
 #   bit-identical under ZeRO-2 (dp 2) and ZeRO-3 (dp 4 x ep 2);
-# - parallel.grad_compression = int8: resume is bit-identical too (its residuals are in comm_state);
+# - parallel.grad_compression = int8: resume is bit-identical too (its residuals are in comm_state), also
+#   when a save in the background is slow (TERA_CKPT_DELAY_MS); with checkpoint.keep the state of
+#   exactly the kept checkpoints remains;
 # - bytes (tera bench, the mean over the ranks per step, 1-bit from the second step on): at most
 #   1/16 of the AdamW run's (dp 2), the gradient/momentum all-reduce at most 1/16 with dp 4 x ep 2
 #   (ZeRO-1's fp32 parameter all-gather stays: docs/COMMUNICATION.md has its figures); ZeRO-2/3 (dp 2): no
@@ -107,9 +109,24 @@ grep -q "warning: --resume at step 6: 2 rank(s) have no communication state" "$D
     && ! cmp -s <(steps_of "$W/ob-dp/metrics.jsonl") <(steps_of "$D/metrics.jsonl") \
     && pass "resume without the communication state: warned, and not bit-identical (the state is what makes it exact)" \
     || fail "resume without the communication state: $(grep warning "$D.log")"
-# parallel.grad_compression's residuals are saved too
-run int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6 \
-    && resumed int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
+# parallel.grad_compression's residuals are saved too. On a slow disk (TERA_CKPT_DELAY_MS: every
+# checkpoint I/O 50 ms late) the step-6 save is still in the background, its directory not yet made,
+# when step 12's save removes the state of checkpoints retention removed: step 6's must stay.
+SAVED=$MPIRUN
+MPIRUN="$MPIRUN -x TERA_CKPT_DELAY_MS=50"
+run int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
+MPIRUN=$SAVED
+[ -f "$W/int8/checkpoints/comm_state/step_00000006/rank-00001.bin" ] \
+    && pass "int8: a slow background save's communication state kept" \
+    || fail "int8: step 6's communication state removed while its checkpoint was being written"
+resumed int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
+# retention (checkpoint.keep = 2, a save every 2 steps): the state of exactly the kept checkpoints remains
+run keep 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=2 --checkpoint.keep=2
+kept=$(cd "$W/keep/checkpoints" && echo step_*)
+states=$(cd "$W/keep/checkpoints/comm_state" && echo step_*)
+[ "$kept" = "step_00000010 step_00000012" ] && [ "$states" = "$kept" ] \
+    && pass "retention: communication state of the kept checkpoints only ($states)" \
+    || fail "retention: checkpoints $kept, communication state $states"
 
 # bytes per rank per step (tera bench's comm line: the mean over the ranks; the first step is the warm-up)
 bench() { # NAME NP ARGS...

@@ -38,7 +38,8 @@ tera_ckpt_options tera_ckpt_options_from_config(const tera_config *c);
 /* ---------------------------------------------------------------- fault injection (tests) */
 /* Every I/O operation of the checkpoint writer (mkdir, open, write, fsync, rename, remove) calls
  * this first. With TERA_CKPT_FAULT=N in the environment the N-th call (1-based, counted over the
- * process) prints the operation to stderr and abort()s. */
+ * process) prints the operation to stderr and abort()s; with TERA_CKPT_DELAY_MS=M (0 to 60000) each
+ * call first sleeps M ms (a slow disk: a save in the background still in flight steps later). */
 void tera_ckpt_io_point(const char *op, const char *path);
 int64_t tera_ckpt_io_count(void);  /* calls so far */
 

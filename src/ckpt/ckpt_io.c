@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <xxhash.h>
@@ -24,6 +25,16 @@ void tera_ckpt_io_point(const char *op, const char *path) {
     if (fault == -2) {
         const char *e = getenv("TERA_CKPT_FAULT");
         fault = e && *e ? atoll(e) : -1;
+    }
+    static long delay_ms = -2;
+    if (delay_ms == -2) {
+        const char *e = getenv("TERA_CKPT_DELAY_MS");
+        delay_ms = e && *e ? atol(e) : 0;
+        if (delay_ms < 0 || delay_ms > 60000) delay_ms = 0;
+    }
+    if (delay_ms > 0) { /* a slow disk: a background save still in flight several steps later */
+        const struct timespec ts = {delay_ms / 1000, (delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
     }
     if (fault > 0 && n == fault) {
         fprintf(stderr, "tera: TERA_CKPT_FAULT=%lld: aborting at checkpoint I/O #%lld (%s %s)\n", fault, n, op,

@@ -15,6 +15,7 @@
 
 #include <xxhash.h>
 
+#include "tera/ckpt.h"
 #include "tera/comm_hier.h"
 #include "tera/compress.h"
 #include "tera/io.h"
@@ -363,9 +364,21 @@ static tera_status save_local(tera_trainer *tr) {
 }
 
 /* This rank's files of steps before the current one whose checkpoint is gone (retention) and not
- * being written: removed (with their directory once it is empty). */
-static void prune_local(tera_trainer *tr) {
+ * being written: removed (with their directory once it is empty). A save in the background may not
+ * have created even its step_N.tmp yet (its thread starts late on a busy machine), so a step counts as
+ * gone only below the newest committed checkpoint: saves complete in step order, and retention only
+ * removes checkpoints older than one it just committed. */
+void tera_comm_state_prune(tera_trainer *tr) {
+    if (!tr->run_dir[0] || !state_on(tr)) return;
     char root[TERA_PATH_MAX + 64], path[TERA_PATH_MAX + 160];
+    snprintf(root, sizeof root, "%s/checkpoints", tr->run_dir);
+    tera_ckpt_info *ck = NULL;
+    int nck = 0;
+    if (tera_ckpt_list(root, &ck, &nck) != TERA_OK) return; /* nothing removed: the files stay until a later save */
+    int64_t newest = -1;
+    for (int i = 0; i < nck; i++)
+        if (ck[i].committed && ck[i].step > newest) newest = ck[i].step;
+    free(ck);
     snprintf(root, sizeof root, "%s/checkpoints/comm_state", tr->run_dir);
     DIR *d = opendir(root);
     if (!d) return;
@@ -373,7 +386,7 @@ static void prune_local(tera_trainer *tr) {
     while ((e = readdir(d))) {
         long long s;
         int len = 0;
-        if (sscanf(e->d_name, "step_%lld%n", &s, &len) != 1 || e->d_name[len] || s >= tr->step) continue;
+        if (sscanf(e->d_name, "step_%lld%n", &s, &len) != 1 || e->d_name[len] || s >= tr->step || s >= newest) continue;
         struct stat sb;
         snprintf(path, sizeof path, "%s/checkpoints/step_%08lld", tr->run_dir, s);
         if (stat(path, &sb) == 0) continue;
@@ -397,7 +410,6 @@ tera_status tera_comm_state_save(tera_trainer *tr) {
             st = tera_fail(TERA_ERR_IO, "checkpoint step %ld: writing another rank's communication state failed",
                            (long)tr->step);
     }
-    if (st == TERA_OK) prune_local(tr);
     return st;
 }
 

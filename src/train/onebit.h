@@ -42,6 +42,10 @@ void tera_onebit_step(tera_trainer *tr, float lr, float grad_scale, double *sums
  * Written (collective: every rank learns whether all could) before the checkpoint itself when 1-bit
  * Adam or a lossy grad_compression is on; a no-op otherwise. */
 tera_status tera_comm_state_save(tera_trainer *tr);
+/* After a save of step tr->step returned: removes this rank's files of older steps whose checkpoint
+ * retention removed, those below the newest committed checkpoint only (a save in the background may
+ * not have created its directory yet). Not collective; a no-op where tera_comm_state_save is one. */
+void tera_comm_state_prune(tera_trainer *tr);
 /* After a checkpoint of step tr->step was restored (collective): reads this rank's file. Missing or
  * from another layout: an error for 1-bit Adam past its warm-up (its state cannot be rebuilt), a
  * warning and zero residuals for grad_compression (as before the file existed). */

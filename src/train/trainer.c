@@ -795,12 +795,21 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     return st;
 }
 
-/* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
- * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
+static tera_status save_checkpoint(tera_trainer *tr);
+
+/* The communication state, the checkpoint, then the communication state of removed checkpoints. */
 tera_status tera_trainer_save(tera_trainer *tr) {
     if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
     tera_loader_sync(&tr->loader, tr->groups.dp, tr->samples_consumed); /* streamed data: every dp rank's position */
     TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
+    const tera_status st = save_checkpoint(tr);
+    if (st == TERA_OK) tera_comm_state_prune(tr); /* the files of checkpoints retention removed */
+    return st;
+}
+
+/* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
+ * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
+static tera_status save_checkpoint(tera_trainer *tr) {
     if (tr->cfg.checkpoint.sharded && tr->topo.world > 1) return tera_trainer_save_sharded(tr);
     if (tr->topo.world == 1) return tera_trainer_save_whole(tr); /* its storage is the whole model */
     if (tera_ckpt_save_is_whole(&tr->cfg, &tr->topo)) {
