@@ -2,7 +2,8 @@
  * scalar tera_vexpf bit for bit: one input in every 509 of the 2^32 float bit patterns (both signs,
  * subnormals, the clamps at -87 and 88, infinities and NaNs) and the values around the edges; and
  * tera_sum_exp (vectorised where AVX-512 exists) against the scalar 16-lane sum it replaces, on rows
- * of every length from 0 to 70 and a vocabulary's length. Without AVX-512 the vector checks skip. */
+ * of every length from 0 to 70 and a vocabulary's length; tera_max against the plain maximum. Without
+ * AVX-512 the vector checks skip. */
 #include "testutil.h"
 #include "kernels/cpu/vmath.h"
 
@@ -68,10 +69,50 @@ static void test_sum_exp_order(void **state) {
     free(x);
 }
 
+/* the largest non-NaN value, element by element (-inf when none) */
+static float max_scalar(const float *x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* tera_max (four vectors of lanes where AVX-512 exists) against the plain maximum, on every length
+ * from 0 to 200 and a vocabulary's, with the maximum at every position of a row of negative values
+ * (a tail lane padded with 0 instead of -inf would win), NaNs (skipped) and rows of -inf */
+static void test_max_exact(void **state) {
+    (void)state;
+    enum { MAXN = 4100 };
+    float *x = calloc(MAXN, sizeof(float));
+    uint64_t r = 0x243F6A8885A308D3ull;
+    for (int64_t n = 0; n <= MAXN; n = n < 200 ? n + 1 : (n == 200 ? 4096 : n + 1)) {
+        for (int64_t i = 0; i < n; i++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            x[i] = -1.0f - (float)(r >> 40) / (float)(1 << 20); /* about [-17, -1) */
+        }
+        if (tu_bits(tera_max(x, n)) != tu_bits(max_scalar(x, n)))
+            fail_msg("n %ld: %a, plain %a", (long)n, (double)tera_max(x, n), (double)max_scalar(x, n));
+        for (int64_t at = 0; at < n && n <= 200; at++) { /* the maximum at every position */
+            const float keep = x[at];
+            x[at] = -0.5f;
+            if (tera_max(x, n) != -0.5f) fail_msg("n %ld, maximum at %ld: %a", (long)n, (long)at, (double)tera_max(x, n));
+            x[at] = NAN; /* skipped */
+            if (tu_bits(tera_max(x, n)) != tu_bits(max_scalar(x, n)))
+                fail_msg("n %ld, NaN at %ld: %a, plain %a", (long)n, (long)at, (double)tera_max(x, n), (double)max_scalar(x, n));
+            x[at] = keep;
+        }
+    }
+    for (int64_t i = 0; i < 100; i++) x[i] = -INFINITY;
+    assert_true(isinf(tera_max(x, 100)) && tera_max(x, 100) < 0);
+    x[99] = NAN;
+    assert_true(isinf(tera_max(x, 100)) && tera_max(x, 100) < 0);
+    free(x);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vexpf16_is_the_scalar),
         cmocka_unit_test(test_sum_exp_order),
+        cmocka_unit_test(test_max_exact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
