@@ -112,10 +112,7 @@ grep -q "warning: --resume at step 6: 2 rank(s) have no communication state" "$D
 # parallel.grad_compression's residuals are saved too. On a slow disk (TERA_CKPT_DELAY_MS: every
 # checkpoint I/O 50 ms late) the step-6 save is still in the background, its directory not yet made,
 # when step 12's save removes the state of checkpoints retention removed: step 6's must stay.
-SAVED=$MPIRUN
-MPIRUN="$MPIRUN -x TERA_CKPT_DELAY_MS=50"
-run int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
-MPIRUN=$SAVED
+MPIRUN="$MPIRUN -x TERA_CKPT_DELAY_MS=50" run int8 2 "${DP[@]}" --parallel.grad_compression=int8 --checkpoint.every=6
 [ -f "$W/int8/checkpoints/comm_state/step_00000006/rank-00001.bin" ] \
     && pass "int8: a slow background save's communication state kept" \
     || fail "int8: step 6's communication state removed while its checkpoint was being written"

@@ -795,18 +795,6 @@ tera_status tera_trainer_resume(tera_trainer *tr) {
     return st;
 }
 
-static tera_status save_checkpoint(tera_trainer *tr);
-
-/* The communication state, the checkpoint, then the communication state of removed checkpoints. */
-tera_status tera_trainer_save(tera_trainer *tr) {
-    if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
-    tera_loader_sync(&tr->loader, tr->groups.dp, tr->samples_consumed); /* streamed data: every dp rank's position */
-    TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
-    const tera_status st = save_checkpoint(tr);
-    if (st == TERA_OK) tera_comm_state_prune(tr); /* the files of checkpoints retention removed */
-    return st;
-}
-
 /* Rank 0 writes the checkpoint (data-parallel ranks hold the same state); every rank learns
  * whether it worked, so a failure stops all of them instead of leaving some in a collective. */
 static tera_status save_checkpoint(tera_trainer *tr) {
@@ -825,6 +813,16 @@ static tera_status save_checkpoint(tera_trainer *tr) {
     /* several ranks: the whole model is streamed window by window to world rank 0, which writes
      * it; every rank learns whether it worked (no rank holds the whole model) */
     return tera_trainer_save_streamed(tr);
+}
+
+/* The communication state, the checkpoint, then the communication state of removed checkpoints. */
+tera_status tera_trainer_save(tera_trainer *tr) {
+    if (!tr->run_dir[0]) return TERA_OK; /* the same on every rank */
+    tera_loader_sync(&tr->loader, tr->groups.dp, tr->samples_consumed); /* streamed data: every dp rank's position */
+    TERA_TRY(tera_comm_state_save(tr)); /* per-rank error feedback, 1-bit Adam's freeze (src/train/onebit.c) */
+    const tera_status st = save_checkpoint(tr);
+    if (st == TERA_OK) tera_comm_state_prune(tr); /* the files of checkpoints retention removed */
+    return st;
 }
 
 /* Each rank's peak resident memory so far (getrusage), gathered to world rank 0, which prints the

@@ -125,7 +125,7 @@ static inline float tera_dot(const float *restrict x, const float *restrict y, i
  * which of two equal zeros is returned can differ from the scalar order, and nothing here tells
  * +0 from -0 after a subtraction or an addition of it. */
 static inline float tera_max(const float *restrict x, int64_t n) {
-#ifdef TERA_VEXPF16
+#if defined(__AVX512F__)
     if (n >= 4 * TERA_LANES) {
         __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0;
         int64_t i = 0;
