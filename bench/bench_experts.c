@@ -172,7 +172,7 @@ int main(int argc, char **argv) {
     /* warm-up: every primitive and scratch once */
     tera_dispatch_experts_forward(d, &t, &W, 0);
     tera_dispatch_combine_backward(d, dtopw, x, &t, topw); /* the dispatcher's dye from some dy */
-    tera_dispatch_experts_backward(d, &t, &W, &G, 0, da1, da3, dg, 1.0f);
+    tera_dispatch_experts_backward(d, &t, &W, &G, 0, da1, da3, dg, 1.0f, NULL);
     double ofwd[MAX_REPS], obwd[MAX_REPS];
     for (int r = 0; r < reps; r++) {
         for (int v = 0; v < 2; v++) { /* the order alternates rep by rep */
@@ -181,7 +181,7 @@ int main(int argc, char **argv) {
             double t0 = tera_now();
             tera_dispatch_experts_forward(d, &t, &W, 0);
             double t1 = tera_now();
-            tera_dispatch_experts_backward(d, &t, &W, &G, 0, da1, da3, dg, 1.0f);
+            tera_dispatch_experts_backward(d, &t, &W, &G, 0, da1, da3, dg, 1.0f, NULL);
             double t2 = tera_now();
             unsetenv("TERA_EXPERTS_ALONE");
             (old ? ofwd : fwd)[r] = 1e3 * (t1 - t0), (old ? obwd : bwd)[r] = 1e3 * (t2 - t1);

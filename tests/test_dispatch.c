@@ -237,7 +237,7 @@ static int64_t run_chain(fixture *f, const float *x, const float *res, const int
     tera_dispatch_combine_forward(f->d, o->out, &f->t, topw);
     memcpy(o->ye, f->t.ye, sizeof(float) * (size_t)(f->t.exp_off[E] * D));
     tera_dispatch_combine_backward(f->d, o->dtopw, dy, &f->t, topw);
-    tera_dispatch_experts_backward(f->d, &f->t, &f->W, &f->G, 0, f->da1, f->da3, f->dg, 1.0f);
+    tera_dispatch_experts_backward(f->d, &f->t, &f->W, &f->G, 0, f->da1, f->da3, f->dg, 1.0f, NULL);
     memset(o->dx, 0, sizeof(float) * (size_t)(N * D));
     tera_dispatch_permute_backward(f->d, o->dx, &f->t);
     memcpy(o->g1, f->g1, sizeof(float) * (size_t)(E * F * D));
@@ -731,7 +731,7 @@ static void test_empty_experts_zeroed(void **state) {
             memcpy(out, res, sizeof(float) * (size_t)(N * D));
             tera_dispatch_combine_forward(f.d, out, &f.t, topw);
             tera_dispatch_combine_backward(f.d, dtopw, dy, &f.t, topw);
-            tera_dispatch_experts_backward(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, stale ? 0.0f : 1.0f);
+            tera_dispatch_experts_backward(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, stale ? 0.0f : 1.0f, NULL);
             if (!stale) {
                 memcpy(ref1, f.g1, sizeof(float) * (size_t)EFD), memcpy(ref3, f.g3, sizeof(float) * (size_t)EFD);
                 memcpy(ref2, f.g2, sizeof(float) * (size_t)EFD);
@@ -753,6 +753,76 @@ static void test_empty_experts_zeroed(void **state) {
     fixture_free(&f);
 }
 
+/* Marks instead of zeros (tera_model_grads_sparse): two micro-batches, the first stores (dw_beta 0)
+ * over NaN and reaches experts 0 and 1, the second adds (dw_beta 1) and reaches experts 1 and 2.
+ * After the first, experts 2-5 are marked and their NaN untouched; the second stores expert 2 (its
+ * mark cleared, its NaN never read) and adds into expert 1; 3-5 stay marked and untouched. Every
+ * expert not marked holds the bits of the same two micro-batches added into zeros, on 1 and 2
+ * threads; split into its two halves (_dx then _dw, parallel.tp_overlap) the same. */
+static void test_empty_experts_marked(void **state) {
+    (void)state;
+    const int E = 6, K = 1;
+    const int64_t D = 64, F = 96;
+    fixture f;
+    fixture_init(&f, 1, 16, E, K, D, F, 0.0f, TERA_DROP_PROBABILITY);
+    const int64_t N = f.N, EFD = E * F * D, FD = F * D;
+    float *x = fnew(N * D), *res = fnew(N * D), *topw = fnew(N * K), *probs = fnew(N * E), *dy = fnew(N * D);
+    float *out = fnew(N * D), *dtopw = fnew(N * K), *ref[3] = {fnew(EFD), fnew(EFD), fnew(EFD)};
+    int32_t *topi[2] = {malloc(sizeof(int32_t) * (size_t)(N * K)), malloc(sizeof(int32_t) * (size_t)(N * K))};
+    tu_fill(x, N * D, 31, 1.0f), tu_fill(res, N * D, 32, 1.0f), tu_fill(dy, N * D, 33, 1.0f);
+    random_routing_n(&f, topi[0], topw, probs, 34, 2); /* experts 0 and 1 */
+    random_routing_n(&f, topi[1], topw, probs, 35, 2);
+    for (int64_t i = 0; i < N * K; i++) topi[1][i] += 1; /* experts 1 and 2 */
+    for (int th = 1; th <= 2; th++) {
+        tera_set_threads(th);
+        for (int mode = 0; mode < 3; mode++) { /* 0: zeros, beta 0 then 1 (the reference); 1: marks; 2: marks, split */
+            uint8_t absent[6] = {0};
+            for (int64_t j = 0; j < EFD; j++) f.g1[j] = f.g3[j] = f.g2[j] = mode ? NAN : 0.0f;
+            for (int mb = 0; mb < 2; mb++) {
+                const float beta = mode && mb == 0 ? 0.0f : 1.0f;
+                tera_dispatch_permute(f.d, &f.t, x, topi[mb], probs, 0);
+                tera_dispatch_experts_forward(f.d, &f.t, &f.W, 0);
+                memcpy(out, res, sizeof(float) * (size_t)(N * D));
+                tera_dispatch_combine_forward(f.d, out, &f.t, topw);
+                tera_dispatch_combine_backward(f.d, dtopw, dy, &f.t, topw);
+                if (mode == 2) {
+                    tera_dispatch_experts_backward_dx(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, NULL);
+                    tera_dispatch_experts_backward_dw(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, NULL, beta, absent);
+                } else {
+                    tera_dispatch_experts_backward(f.d, &f.t, &f.W, &f.G, 0, f.da1, f.da3, f.dg, beta,
+                                                   mode ? absent : NULL);
+                }
+                if (mode && mb == 0)
+                    for (int e = 0; e < E; e++)
+                        if (absent[e] != (e >= 2)) fail_msg("after the first micro-batch: expert %d marked %d", e, absent[e]);
+            }
+            if (mode == 0) {
+                memcpy(ref[0], f.g1, sizeof(float) * (size_t)EFD), memcpy(ref[1], f.g3, sizeof(float) * (size_t)EFD);
+                memcpy(ref[2], f.g2, sizeof(float) * (size_t)EFD);
+                continue;
+            }
+            for (int e = 0; e < E; e++) {
+                if (absent[e] != (e >= 3)) fail_msg("mode %d: expert %d marked %d at the end", mode, e, absent[e]);
+                const float *g[3] = {f.g1, f.g3, f.g2};
+                for (int k = 0; k < 3; k++)
+                    for (int64_t j = e * FD; j < (e + 1) * FD; j++) {
+                        const int same = e >= 3 ? isnan(g[k][j]) : memcmp(&g[k][j], &ref[k][j], sizeof(float)) == 0;
+                        if (!same)
+                            fail_msg("%d threads, mode %d: expert %d tensor %d element %lld: %g, want %g", th, mode, e, k,
+                                     (long long)(j - e * FD), (double)g[k][j], e >= 3 ? NAN : (double)ref[k][j]);
+                    }
+            }
+            for (int e = 3; e < E; e++) /* the reference's experts without rows: zeros */
+                for (int64_t j = e * FD; j < (e + 1) * FD; j++)
+                    if (ref[0][j] != 0.0f || ref[1][j] != 0.0f || ref[2][j] != 0.0f) fail_msg("reference not zero");
+        }
+    }
+    tera_set_threads(2);
+    free(x), free(res), free(topw), free(probs), free(dy), free(out), free(dtopw), free(ref[0]), free(ref[1]), free(ref[2]);
+    free(topi[0]), free(topi[1]);
+    fixture_free(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_permute_hand_routing),
@@ -764,6 +834,7 @@ int main(void) {
         cmocka_unit_test(test_chain_k8),
         cmocka_unit_test(test_recompute_hidden),
         cmocka_unit_test(test_empty_experts_zeroed),
+        cmocka_unit_test(test_empty_experts_marked),
         cmocka_unit_test(test_tp1_is_plain),
         cmocka_unit_test(test_vocab_slices),
         cmocka_unit_test(test_tp_ranks_by_hand),

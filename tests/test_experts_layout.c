@@ -115,7 +115,7 @@ static void run_layer(layer *f, int threads, result *r) {
     tera_dispatch_combine_backward(f->d, r->dtopw, f->dy, &f->t, f->topw);
     tera_dispatch_experts_backward(f->d, &f->t, &(tera_layer_view){.w1 = f->w1, .w3 = f->w3, .w2 = f->w2},
                                    &(tera_layer_view){.w1 = f->g1, .w3 = f->g3, .w2 = f->g2}, 0, f->da1, f->da3, f->dg,
-                                   1.0f);
+                                   1.0f, NULL);
     memset(r->dx, 0, sizeof(float) * (size_t)(N * D));
     tera_dispatch_permute_backward(f->d, r->dx, &f->t);
     memcpy(r->g1, f->g1, sizeof(float) * (size_t)W), memcpy(r->g3, f->g3, sizeof(float) * (size_t)W);

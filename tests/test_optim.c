@@ -365,6 +365,83 @@ static void test_backend_schedules(void **state) {
     free(g);
 }
 
+/* Experts marked absent (tera_model_grads_sparse: their gradients are zero but never written): two
+ * expert-stacked tensors of three local experts each, one whose expert slab is not a multiple of the
+ * chunk (C + 5: the items split at each expert's start, so none spans two experts) and one of 2 C,
+ * between dense tensors. Experts (0, 1) and (1, 0), (1, 2) are marked and their gradient memory holds
+ * NaN; three steps of the norm and the update (fp32 moments and bf16 moments with stochastic
+ * rounding; 1 and 2 threads) give every weight, moment, norm and sum bit for bit as the same steps
+ * with those slabs zeroed and no marks, and leave the NaN where it was (never read, never written).
+ * Marks on a buffer other than the model's (ZeRO-2/3's shard) are not applied. */
+static void test_absent_experts(void **state) {
+    (void)state;
+    const int64_t S0 = C + 5, S1 = 2 * C, ex[] = {7, 3 * S0, 1000, 3 * S1, 33};
+    const int ne = 5;
+    for (int bf = 0; bf < 2; bf++)
+        for (int th = 1; th <= 2; th++) {
+            tera_param p[2][5];
+            tera_model m[2];
+            tera_adamw o[2];
+            uint8_t marks[6] = {0, 1, 0, 1, 0, 1}; /* [layer * 3 + expert] */
+            float *gsrc = make_grads(ex[0] + ex[1] + ex[2] + ex[3] + ex[4], 3);
+            for (int k = 0; k < 2; k++) { /* 0: zeros, no marks (the reference); 1: NaN, marked */
+                tu_fake_model(&m[k], p[k], ex, ne, g_be, 11);
+                p[k][1].expert_stacked = p[k][3].expert_stacked = 1;
+                p[k][1].layer = 0, p[k][3].layer = 1;
+                p[k][1].len[0] = p[k][3].len[0] = 3;
+                p[k][1].decay = p[k][3].decay = 1;
+                m[k].g_absent = marks;
+                m[k].g_sparse = k;
+                if (bf) tera_adamw_init_range_bf16(&o[k], 0, m[k].n_floats, 99);
+                else tera_adamw_init(&o[k], m[k].n_floats);
+            }
+            const int64_t n = m[0].n_floats;
+            const int64_t mark_lo[3] = {p[0][1].offset + S0, p[0][3].offset, p[0][3].offset + 2 * S1};
+            const int64_t mark_n[3] = {S0, S1, S1};
+            tera_set_threads(th);
+            for (int st = 0; st < 3; st++) {
+                double gsq[2], sq[2][5], usq[2], psq[2], u[2][5] = {{0}}, pp[2][5] = {{0}};
+                for (int k = 0; k < 2; k++) {
+                    memcpy(m[k].g, gsrc + st * n, sizeof(float) * (size_t)n);
+                    for (int r = 0; r < 3; r++)
+                        for (int64_t j = mark_lo[r]; j < mark_lo[r] + mark_n[r]; j++) m[k].g[j] = k ? NAN : 0.0f;
+                    gsq[k] = tera_adamw_grad_sq(&o[k], &m[k], sq[k]);
+                    tera_adamw_step_by_param(&o[k], &m[k], lrs[st], gss[st], &oc, 0, &usq[k], &psq[k], u[k], pp[k]);
+                }
+                assert_true(isfinite(gsq[1]) && gsq[1] == gsq[0] && usq[1] == usq[0] && psq[1] == psq[0]);
+                assert_memory_equal(sq[1], sq[0], sizeof sq[0]);
+                assert_memory_equal(u[1], u[0], sizeof u[0]);
+                assert_memory_equal(pp[1], pp[0], sizeof pp[0]);
+                assert_same("w", m[1].w, m[0].w, n);
+                if (bf) {
+                    assert_memory_equal(o[1].mh, o[0].mh, sizeof(uint16_t) * (size_t)n);
+                    assert_memory_equal(o[1].vh, o[0].vh, sizeof(uint16_t) * (size_t)n);
+                } else {
+                    assert_same("m", o[1].m, o[0].m, n);
+                    assert_same("v", o[1].v, o[0].v, n);
+                }
+                for (int r = 0; r < 3; r++)
+                    for (int64_t j = mark_lo[r]; j < mark_lo[r] + mark_n[r]; j++) assert_true(isnan(m[1].g[j]));
+                /* the model's buffer through the public norm: the marks apply */
+                assert_true(tera_grad_sq_by_param(&m[1], NULL) == gsq[0]);
+                /* a buffer of its own (a ZeRO shard, a copy): the marks are the model buffer's, not applied */
+                float *copy = malloc(sizeof(float) * (size_t)n);
+                memcpy(copy, m[1].g, sizeof(float) * (size_t)n);
+                assert_true(isnan(tera_grad_sq_by_param_at(&m[1], 0, n, copy, NULL)));
+                free(copy);
+                /* the other experts' gradients are read: a NaN there shows in the norm */
+                const int64_t at = p[1][1].offset + 2 * S0 + 3;
+                const float keep = m[1].g[at];
+                m[1].g[at] = NAN;
+                assert_true(isnan(tera_adamw_grad_sq(&o[1], &m[1], NULL)));
+                m[1].g[at] = keep;
+            }
+            tera_set_threads(2);
+            for (int k = 0; k < 2; k++) tera_adamw_free(&o[k]), free_model(&m[k]);
+            free(gsrc);
+        }
+}
+
 int main(void) {
     tera_set_threads(2);
     g_be = tera_backend_cpu_create(-1); /* the process's threads: run() sets them per case */
@@ -372,7 +449,7 @@ int main(void) {
         cmocka_unit_test(test_against_reference), cmocka_unit_test(test_threads_bit_identical),
         cmocka_unit_test(test_ranges), cmocka_unit_test(test_scale_and_keep),
         cmocka_unit_test(test_plan_rebuilt), cmocka_unit_test(test_backend_schedules),
-        cmocka_unit_test(test_norm_order),
+        cmocka_unit_test(test_norm_order), cmocka_unit_test(test_absent_experts),
     };
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);
     tera_backend_destroy(g_be);

@@ -162,6 +162,9 @@ typedef struct {
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
     unsigned char *g_stale; /* [L + 2] per group (layer l; L: the embedding, L + 1: the head): its gradients
                                hold old values, its next backward stores them (tera_model_grads_stale) */
+    uint8_t *g_absent;    /* [L, El] routed expert (layer l, local expert e) whose three weight gradients are
+                             zero but were not written (no row reached it this step; tera_model_grads_sparse) */
+    int g_sparse;         /* 1: the dispatcher marks such experts in g_absent instead of zeroing them */
     tera_weights_view W, G;
     int n_moe_layers;
     float *router_bias;   /* [L, E] aux-loss-free selection bias (state, not a parameter) */
@@ -281,6 +284,23 @@ void tera_model_grads_settle(tera_model *m);
  * tera_model_group_range) that belong to no tensor (each starts 64-byte aligned), zeroed in base, a
  * buffer holding that range (ZeRO-2/3's staging slots, whose sums read the whole range). */
 void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, float *base);
+/* Experts without rows: their weight gradients are exactly zero. With sparse on, the backward leaves
+ * their memory as it was and sets their mark in m->g_absent ([layer * El + local expert], El the
+ * experts per rank) instead of writing 3 D F zeros per expert; every reader of m->g must then treat a
+ * marked expert's three slabs (w1, w3, w2 of the expert-stacked tensors) as zero without reading
+ * them. The optimizer's passes do (src/train/optim.c: the norm skips them, the update reads zeros);
+ * so the ZeRO module turns it on only where nothing else reads the expert gradients (stage 0, one
+ * expert-data-parallel replica, src/parallel/zero.c). A later micro-batch whose rows reach a marked
+ * expert stores its gradients (dw_beta 0) and clears the mark. Marks are cleared with the group's
+ * staleness (tera_model_grads_stale), by tera_model_zero_grad and by tera_model_grads_settle. Turning
+ * it off materialises the marks first. The same numbers as zeroing (a zero adds nothing to a sum of
+ * squares, and the update reads a zero either way). */
+void tera_model_grads_sparse(tera_model *m, int on);
+/* Zeroes the gradient slabs of every marked expert and clears the marks (a reader of m->g that does
+ * not know the marks calls it first). */
+void tera_model_grads_materialize(tera_model *m);
+/* The marks of layer l's local experts ([El]), NULL when sparse is off or l has no experts here. */
+uint8_t *tera_model_grads_absent(const tera_model *m, int l);
 void tera_model_reset_load(tera_model *m);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */

@@ -552,9 +552,12 @@ void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const floa
 }
 
 /* Before a call that writes the weight gradients: with dw_beta 0 every local expert is fresh (see
- * dw_fresh); after it, the experts no rows reached are zeroed. */
-static void dw_fresh_begin(tera_dispatcher *d, float dw_beta) {
+ * dw_fresh), and so is one marked absent (no value yet: tera_model_grads_sparse); after it, the
+ * experts still fresh are zeroed, or marked where the caller keeps marks. */
+static void dw_fresh_begin(tera_dispatcher *d, float dw_beta, const uint8_t *absent) {
     memset(d->dw_fresh, dw_beta == 0.0f, (size_t)d->El);
+    if (absent)
+        for (int e = 0; e < d->El; e++) d->dw_fresh[e] |= absent[e];
 }
 /* The zeroing of dw_fresh_end: the three gradients of the experts no rows reached, in blocks of
  * ZERO_BLOCK floats shared out among the threads (bench-m's collapsed routing leaves 14 of 16
@@ -579,10 +582,11 @@ static void zero_grads_range(void *ctx, int64_t lo, int64_t hi, int worker) {
     }
 }
 
-static void dw_fresh_end(tera_dispatcher *d, const tera_layer_view *G) {
+static void dw_fresh_end(tera_dispatcher *d, const tera_layer_view *G, uint8_t *absent) {
     int nz = 0;
     for (int e = 0; e < d->El; e++) {
-        if (d->dw_fresh[e]) d->order[nz++] = e;
+        if (absent) absent[e] = d->dw_fresh[e]; /* marked: nothing written, read as zero */
+        else if (d->dw_fresh[e]) d->order[nz++] = e;
         d->dw_fresh[e] = 0;
     }
     if (nz == 0) return;
@@ -591,12 +595,13 @@ static void dw_fresh_end(tera_dispatcher *d, const tera_layer_view *G) {
 }
 
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
-                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta) {
+                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta,
+                                    uint8_t *absent) {
     TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg;
-    dw_fresh_begin(d, dw_beta);
+    dw_fresh_begin(d, dw_beta, absent);
     d->impl->experts(d, t, W, G, l, EXPERTS_BWD);
-    dw_fresh_end(d, G);
+    dw_fresh_end(d, G, absent);
     d->da1 = d->da3 = d->dg = NULL;
     TERA_PROF_END(EXPERT_BWD);
 }
@@ -605,12 +610,13 @@ void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, c
  * backward runs the same blocks in the same order: every G sum rounds as in one pass). */
 static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                 const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
-                                tera_comm_req *poll, int op, float dw_beta) {
+                                tera_comm_req *poll, int op, float dw_beta, uint8_t *absent) {
     TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg, d->poll = poll;
-    dw_fresh_begin(d, op == EXPERTS_BWD_DW ? dw_beta : 1.0f);
+    if (op == EXPERTS_BWD_DW) dw_fresh_begin(d, dw_beta, absent);
+    else dw_fresh_begin(d, 1.0f, NULL); /* (the input-gradient half writes no weight gradient) */
     d->impl->experts(d, t, W, G, l, op);
-    if (op == EXPERTS_BWD_DW) dw_fresh_end(d, G);
+    if (op == EXPERTS_BWD_DW) dw_fresh_end(d, G, absent);
     d->da1 = d->da3 = d->dg = NULL, d->poll = NULL;
     TERA_PROF_END(EXPERT_BWD);
 }
@@ -618,13 +624,13 @@ static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const
 void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
                                        tera_comm_req *poll) {
-    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DX, 1.0f);
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DX, 1.0f, NULL);
 }
 
 void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
-                                       tera_comm_req *poll, float dw_beta) {
-    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DW, dw_beta);
+                                       tera_comm_req *poll, float dw_beta, uint8_t *absent) {
+    experts_backward_op(d, t, W, G, l, da1, da3, dg, poll, EXPERTS_BWD_DW, dw_beta, absent);
 }
 
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t) {

@@ -100,12 +100,16 @@ void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, 
 /* Backward of layer l, in this order. combine: from dy [N, D], the experts' output gradients (the
  * dispatcher's) and dtopw [N, k] (written). experts: their input gradients (through the exchange),
  * weight gradients += into G (dw_beta 1), or stored there (dw_beta 0: the old contents are not read;
- * an expert no row reached gets zeros); da1, da3, dg: [R, F] scratch. permute: dx [N, D] += the input
- * gradients of token t's kept rows. */
+ * an expert no row reached gets zeros); da1, da3, dg: [R, F] scratch. absent: NULL, or layer l's marks
+ * of its local experts ([El], tera_model_grads_sparse): an expert marked on entry holds no gradient
+ * yet, so its first rows store it whatever dw_beta; on return exactly the experts whose gradients
+ * hold no value are marked (those no row reached in a storing call, or marked before and reached by
+ * none now), and nothing is zeroed. permute: dx [N, D] += the input gradients of token t's kept rows. */
 void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const float *dy, const tera_dispatch_acts *t,
                                     const float *topw);
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
-                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta);
+                                    const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta,
+                                    uint8_t *absent);
 /* The same backward in two parts, for work to overlap (parallel.tp_overlap): _dx the exchange and
  * the input gradients (dxg, as tera_dispatch_experts_backward leaves them; da1, da3, dg [R, F]
  * written and kept), then _dw the weight gradients from what _dx kept (G +=; no exchange), with the
@@ -116,7 +120,7 @@ void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t
                                        tera_comm_req *poll);
 void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
-                                       tera_comm_req *poll, float dw_beta);
+                                       tera_comm_req *poll, float dw_beta, uint8_t *absent);
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t);
 
 #endif

@@ -526,6 +526,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     if (!m->par.shard_params) m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
     if (!m->par.shard_grads) m->g = tera_calloc((size_t)m->n_floats, sizeof(float));
     m->g_stale = tera_calloc((size_t)cfg->n_layers + 2, 1);
+    m->g_absent = tera_calloc((size_t)cfg->n_layers * (size_t)(cfg->n_experts / ep) + 1, 1);
     m->bytes_params = m->w ? m->n_floats * (int64_t)sizeof(float) : 0;
     m->bytes_grads = m->g ? m->n_floats * (int64_t)sizeof(float) : 0;
     make_views(&m->W, m->w, m);
@@ -609,6 +610,7 @@ void tera_model_destroy(tera_model *m) {
     free(m->w);
     free(m->g);
     free(m->g_stale);
+    free(m->g_absent);
     free(m->W.layers);
     free(m->G.layers);
     free(m->router_bias);
@@ -651,9 +653,42 @@ void tera_model_init_weights(tera_model *m, uint64_t seed) {
     memset(m->router_bias, 0, sizeof(float) * (size_t)m->cfg.n_layers * (size_t)m->cfg.n_experts);
 }
 
+/* local experts per rank: the rows of g_absent */
+static int64_t local_experts(const tera_model *m) { return m->cfg.n_experts / (m->par.ep > 1 ? m->par.ep : 1); }
+
+/* clears the marks of group (layers only: the others have no routed experts) */
+static void absent_clear(tera_model *m, int group) {
+    const int64_t El = local_experts(m);
+    if (group == TERA_GROUP_ALL) memset(m->g_absent, 0, (size_t)(m->cfg.n_layers * El));
+    else if (group >= 0) memset(m->g_absent + group * El, 0, (size_t)El);
+}
+
 void tera_model_zero_grad(tera_model *m) {
     if (m->g) memset(m->g, 0, sizeof(float) * (size_t)m->n_floats);
     memset(m->g_stale, 0, (size_t)m->cfg.n_layers + 2);
+    absent_clear(m, TERA_GROUP_ALL);
+}
+
+void tera_model_grads_materialize(tera_model *m) {
+    const int64_t El = local_experts(m);
+    for (int p = 0; p < m->n_params; p++) {
+        const tera_param *q = &m->params[p];
+        float *gp = q->expert_stacked && q->numel > 0 ? view_of(&m->G, q) : NULL;
+        if (!gp) continue;
+        const int64_t slab = q->numel / q->len[0];
+        for (int64_t e = 0; e < q->len[0]; e++)
+            if (m->g_absent[q->layer * El + e]) tera_host_fill(m->be, gp + e * slab, NULL, slab);
+    }
+    absent_clear(m, TERA_GROUP_ALL);
+}
+
+void tera_model_grads_sparse(tera_model *m, int on) {
+    if (!on && m->g_sparse) tera_model_grads_materialize(m);
+    m->g_sparse = on && m->g && m->cfg.n_experts > 0;
+}
+
+uint8_t *tera_model_grads_absent(const tera_model *m, int l) {
+    return m->g_sparse && l >= 0 && l < m->cfg.n_layers ? m->g_absent + l * local_experts(m) : NULL;
 }
 
 /* a group's index into g_stale */
@@ -664,6 +699,7 @@ static int stale_index(const tera_model *m, int group) {
 void tera_model_grads_stale(tera_model *m, int group) {
     if (group == TERA_GROUP_ALL) memset(m->g_stale, 1, (size_t)m->cfg.n_layers + 2);
     else m->g_stale[stale_index(m, group)] = 1;
+    absent_clear(m, group); /* the group's next backward decides its marks again */
 }
 
 void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, float *base) {
@@ -690,6 +726,7 @@ void tera_model_grads_settle(tera_model *m) {
             if (in_group(q, group) && q->numel > 0 && gp) tera_host_fill(m->be, gp, NULL, q->numel);
         }
         m->g_stale[i] = 0;
+        absent_clear(m, group);
     }
 }
 
@@ -978,7 +1015,8 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
         tera_dispatch_experts_backward_dx(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_w);
     } else {
         tera_tp_copy_backward(a->tp, a->dtopw, N * K);
-        tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, dw_beta);
+        tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, dw_beta,
+                                       tera_model_grads_absent(m, l));
     }
     tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
     /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
@@ -1003,7 +1041,8 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
         TERA_PROF_END(ROUTER_BWD);
     }
     if (split) {
-        tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta);
+        tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta,
+                                          tera_model_grads_absent(m, l));
         tera_tp_copy_backward_wait(a->tp, &rq_x);
         TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln, NULL, a->drlogits, la->ln2, W->router, N, D,
                                                               E, 1.0f, 1.0f));

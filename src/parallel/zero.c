@@ -842,6 +842,11 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     if (zr->stale_nan && zr->topo.rank == 0)
         fprintf(stderr, "tera: TERA_TEST_STALE_NAN=1: the stale gradients are set to NaN before every step\n");
     tera_model *m = zr->model;
+    /* experts no row reached: marked, not zeroed (tera_model_grads_sparse), where the only readers of
+     * their gradients are this module's norm and update on the model's own buffer: ZeRO-0, stored
+     * gradients, and one replica of each expert (no sum over expert-data-parallel ranks reads them;
+     * the dense tensors are never marked). 1-bit Adam turns it off (src/train/onebit.c). */
+    tera_model_grads_sparse(m, zr->grads_lazy && zr->stage == 0 && zr->topo.edp == 1);
     TERA_ASSERTF(m->par.shard_grads == (zr->stage >= 2) && m->par.shard_params == (zr->stage >= 3),
                  "ZeRO-%d on a model created with shard_grads %d, shard_params %d", zr->stage, m->par.shard_grads,
                  m->par.shard_params);

@@ -51,6 +51,7 @@ tera_status tera_onebit_init(tera_trainer *tr) {
     if (strcmp(oc->name, "onebit_adam") != 0) return TERA_OK;
     if (oc->moments) return tera_fail(TERA_ERR_CONFIG, "optimizer.moments = bf16: not with optimizer.name = onebit_adam (its momentum exchange and frozen variance work on fp32 moments)");
     const int64_t nd = tr->model.n_dense_floats, n = tr->model.n_floats;
+    tera_model_grads_sparse(&tr->model, 0); /* its momentum and sums read every gradient (model.h) */
     tera_onebit *ob = tera_calloc(1, sizeof *ob);
     ob->warmup = oc->onebit_warmup_steps;
     ob->q[0] = tr->topo.dp;

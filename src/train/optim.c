@@ -35,6 +35,8 @@
  * weights (docs/PERFORMANCE.md, "The optimizer writes the bf16 shadow"). */
 typedef struct {
     int32_t p;    /* tensor index */
+    int32_t slab; /* routed experts: the item's expert, layer * El + local expert (an index into the
+                     model's g_absent marks); -1 for other tensors */
     int64_t a, b; /* flat element range [a, b) */
 } optim_item;
 
@@ -56,19 +58,30 @@ static uint64_t table_key(const tera_model *m) {
     return h;
 }
 
-/* Items of tensor p inside [lo, hi): chunk k covers [offset + k C, offset + (k + 1) C). Writes them
- * to it (when not NULL); returns their count. */
+/* Items of tensor p inside [lo, hi): chunk k covers [s0 + k C, s0 + (k + 1) C) of each slab
+ * [s0, s0 + S) (a routed-expert tensor: one slab per local expert, so an item never spans two
+ * experts and an expert's gradient marked absent is whole items, tera_model_grads_sparse; any other
+ * tensor: one slab, the whole tensor). Where S is a multiple of C (every shape whose D F is a multiple
+ * of 16384) the items are the plain chunks of the tensor. Writes them to it (when not NULL); returns
+ * their count. */
 static int tensor_items(const tera_param *tp, int p, int64_t lo, int64_t hi, optim_item *it) {
-    const int64_t a0 = tp->offset > lo ? tp->offset : lo;
-    const int64_t b0 = tp->offset + tp->numel < hi ? tp->offset + tp->numel : hi;
-    if (b0 <= a0) return 0;
-    const int64_t C = TERA_OPTIM_CHUNK, k0 = (a0 - tp->offset) / C, k1 = (b0 - tp->offset + C - 1) / C;
-    if (it)
-        for (int64_t k = k0; k < k1; k++) {
-            const int64_t a = tp->offset + k * C, b = a + C;
-            it[k - k0] = (optim_item){.p = p, .a = a > a0 ? a : a0, .b = b < b0 ? b : b0};
-        }
-    return (int)(k1 - k0);
+    const int experts = tp->expert_stacked && tp->layer >= 0 && tp->len[0] > 0 && tp->numel % tp->len[0] == 0;
+    const int64_t nslab = experts ? tp->len[0] : 1, S = tp->numel / (nslab > 0 ? nslab : 1), C = TERA_OPTIM_CHUNK;
+    int n = 0;
+    for (int64_t e = 0; e < nslab; e++) {
+        const int64_t s0 = tp->offset + e * S;
+        const int64_t a0 = s0 > lo ? s0 : lo, b0 = s0 + S < hi ? s0 + S : hi;
+        if (b0 <= a0) continue;
+        const int64_t k0 = (a0 - s0) / C, k1 = (b0 - s0 + C - 1) / C;
+        if (it)
+            for (int64_t k = k0; k < k1; k++) {
+                const int64_t a = s0 + k * C, b = a + C;
+                it[n + k - k0] = (optim_item){.p = p, .slab = experts ? (int32_t)(tp->layer * tp->len[0] + e) : -1,
+                                              .a = a > a0 ? a : a0, .b = b < b0 ? b : b0};
+            }
+        n += (int)(k1 - k0);
+    }
+    return n;
 }
 
 /* ---- scheduling: items [0, n) in blocks of ITEM_GRAIN, handed out dynamically */
@@ -273,9 +286,25 @@ static void sq_sum2(const float *restrict x, int64_t nx, const float *restrict y
     *rx = sq_total(ax), *ry = sq_total(ay);
 }
 
+/* ---- experts whose gradients were not written (tera_model_grads_sparse): the marks apply to the
+ * model's own gradient buffer only; an item of a marked expert is read as zeros: the norm adds
+ * nothing for it (a zero square adds nothing to a non-negative sum: the same bits), the update reads
+ * its gradient from optim_zeros (the same arithmetic on the same zeros the dispatcher would have
+ * written) and never from the buffer. */
+static float optim_zeros[TERA_OPTIM_CHUNK]; /* read only: the update clears no gradient when marks apply */
+
+static const uint8_t *marks_of(const tera_model *m, const float *glo, int64_t lo) {
+    return m->g_sparse && m->g && glo == m->g + lo ? m->g_absent : NULL;
+}
+
+static inline int item_absent(const uint8_t *absent, const optim_item *it) {
+    return absent && it->slab >= 0 && absent[it->slab];
+}
+
 typedef struct {
     const float *glo; /* the gradients of [lo, hi) */
     const optim_item *it;
+    const uint8_t *absent; /* the model's marks (NULL: none apply) */
     double *part;
     int64_t lo;
 } sq_ctx;
@@ -283,11 +312,18 @@ typedef struct {
 static void sq_items(void *arg, int64_t a, int64_t b) {
     const sq_ctx *c = arg;
     const optim_item *it = c->it;
-    int64_t k = a;
-    for (; k + 1 < b; k += 2)
-        sq_sum2(c->glo + (it[k].a - c->lo), it[k].b - it[k].a, c->glo + (it[k + 1].a - c->lo),
-                it[k + 1].b - it[k + 1].a, &c->part[k], &c->part[k + 1]);
-    if (k < b) c->part[k] = sq_sum(c->glo + (it[k].a - c->lo), it[k].b - it[k].a);
+    for (int64_t k = a; k < b;) {
+        if (item_absent(c->absent, &it[k])) {
+            c->part[k++] = 0.0;
+        } else if (k + 1 < b && !item_absent(c->absent, &it[k + 1])) {
+            sq_sum2(c->glo + (it[k].a - c->lo), it[k].b - it[k].a, c->glo + (it[k + 1].a - c->lo),
+                    it[k + 1].b - it[k + 1].a, &c->part[k], &c->part[k + 1]);
+            k += 2;
+        } else {
+            c->part[k] = sq_sum(c->glo + (it[k].a - c->lo), it[k].b - it[k].a);
+            k++;
+        }
+    }
 }
 
 double tera_adamw_grad_sq(tera_adamw *o, const tera_model *m, double *sq) {
@@ -295,7 +331,8 @@ double tera_adamw_grad_sq(tera_adamw *o, const tera_model *m, double *sq) {
     const struct tera_adamw_plan *P = o->plan;
     const optim_item *it = P->items;
     double *part = P->part;
-    sq_ctx ctx = {.glo = o->g ? o->g : m->g + o->lo, .it = it, .part = part, .lo = o->lo};
+    const float *glo = o->g ? o->g : m->g + o->lo;
+    sq_ctx ctx = {.glo = glo, .it = it, .absent = marks_of(m, glo, o->lo), .part = part, .lo = o->lo};
     for_items(m->be, P->n_items, sq_items, &ctx);
     if (sq)
         for (int i = 0; i < m->n_params; i++) sq[i] = 0.0;
@@ -383,6 +420,7 @@ typedef struct {
     float *w, *g, *m, *v; /* the range [lo, hi)'s parameters, gradients and moments */
     uint16_t *w16;        /* the range's bf16 weight shadow, NULL: none */
     const optim_item *it;
+    const uint8_t *absent; /* the model's marks (NULL: none apply) */
     const tera_param *params;
     double *part;
     int64_t lo;
@@ -399,15 +437,16 @@ static void step_items(void *arg, int64_t a, int64_t b) {
         const float decay = c->params[it->p].decay ? c->wdecay : 1.0f;
         double *part = c->part + 3 * q;
         uint16_t *w16 = c->w16 ? c->w16 + r : NULL;
+        float *g = item_absent(c->absent, it) ? optim_zeros : c->g + r; /* (n <= TERA_OPTIM_CHUNK) */
         /* four copies of the loop: clearing the gradient and writing the shadow decided outside it */
         if (c->zero_grad && w16)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 1, 1, &part[1], &part[2]);
+            adamw_chunk(c->w + r, g, c->m + r, c->v + r, w16, n, &c->k, decay, 1, 1, &part[1], &part[2]);
         else if (c->zero_grad)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 1, 0, &part[1], &part[2]);
+            adamw_chunk(c->w + r, g, c->m + r, c->v + r, NULL, n, &c->k, decay, 1, 0, &part[1], &part[2]);
         else if (w16)
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, w16, n, &c->k, decay, 0, 1, &part[1], &part[2]);
+            adamw_chunk(c->w + r, g, c->m + r, c->v + r, w16, n, &c->k, decay, 0, 1, &part[1], &part[2]);
         else
-            adamw_chunk(c->w + r, c->g + r, c->m + r, c->v + r, NULL, n, &c->k, decay, 0, 0, &part[1], &part[2]);
+            adamw_chunk(c->w + r, g, c->m + r, c->v + r, NULL, n, &c->k, decay, 0, 0, &part[1], &part[2]);
     }
 }
 
@@ -541,6 +580,7 @@ typedef struct {
     uint16_t *m, *v; /* the range [lo, hi)'s bf16 moments */
     uint16_t *w16;   /* the range's bf16 weight shadow, NULL: none */
     const optim_item *it;
+    const uint8_t *absent; /* the model's marks (NULL: none apply) */
     const tera_param *params;
     double *part;
     int64_t lo;
@@ -561,6 +601,7 @@ static void step_items_bf16(void *arg, int64_t a, int64_t b) {
         const float decay = tp->decay ? c->wdecay : 1.0f;
         double *part = c->part + 3 * q;
         part[1] = part[2] = 0.0;
+        const int absent = item_absent(c->absent, it);
         /* a hand-built table without a block description: the local order is the global one */
         const int blocked = tp->len[0] * tp->len[1] * tp->len[2] == tp->numel && tp->shape[1] > 0 && tp->shape[2] > 0;
         int64_t run_len = tp->numel, g0, l0;
@@ -579,8 +620,9 @@ static void step_items_bf16(void *arg, int64_t a, int64_t b) {
             const uint64_t kk = sr_run_key(c->key, it->p, e);
             const int64_t r0 = tp->offset + j - c->lo;
             uint16_t *w16 = c->w16 ? c->w16 + r0 : NULL;
+            float *g = absent ? optim_zeros + (tp->offset + j - it->a) : c->g + r0;
 #define CHUNK16(ZG, SH)                                                                            \
-    adamw_chunk_bf16(c->w + r0, c->g + r0, c->m + r0, c->v + r0, w16, n, &c->k, decay, ZG, SH, (uint32_t)e, \
+    adamw_chunk_bf16(c->w + r0, g, c->m + r0, c->v + r0, w16, n, &c->k, decay, ZG, SH, (uint32_t)e, \
                      (uint32_t)kk, (uint32_t)(kk >> 32), &part[1], &part[2])
             if (c->zero_grad && w16) CHUNK16(1, 1);
             else if (c->zero_grad) CHUNK16(1, 0);
@@ -608,15 +650,19 @@ void tera_adamw_step_by_param(tera_adamw *o, tera_model *m, float lr, float grad
                       .inv_bc2_sqrt = 1.0f / sqrtf(bc2), .eps = c->eps, .gs = grad_scale};
     const optim_item *it = P->items;
     double *part = P->part;
+    float *const glo = o->g ? o->g : m->g + o->lo;
+    const uint8_t *absent = marks_of(m, glo, o->lo);
+    TERA_ASSERTF(!(absent && zero_grad), "the update would clear gradients some experts never wrote (marks and "
+                 "zero_grad together)");
     if (o->mh) {
-        step16_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->mh, .v = o->vh,
-                          .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
+        step16_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = glo, .m = o->mh, .v = o->vh,
+                          .w16 = o->w16, .it = it, .absent = absent, .params = m->params, .part = part, .lo = o->lo, .k = k,
                           .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad,
                           .key = tera_moment_key(o->sr_seed, o->t)};
         for_items(m->be, P->n_items, step_items_bf16, &ctx);
     } else {
-        step_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = o->g ? o->g : m->g + o->lo, .m = o->m, .v = o->v,
-                        .w16 = o->w16, .it = it, .params = m->params, .part = part, .lo = o->lo, .k = k,
+        step_ctx ctx = {.w = o->w ? o->w : m->w + o->lo, .g = glo, .m = o->m, .v = o->v,
+                        .w16 = o->w16, .it = it, .absent = absent, .params = m->params, .part = part, .lo = o->lo, .k = k,
                         .wdecay = 1.0f - lr * c->weight_decay, .zero_grad = zero_grad};
         for_items(m->be, P->n_items, step_items, &ctx);
     }
