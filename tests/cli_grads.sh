@@ -14,6 +14,9 @@
 # embedding's slot bound at the head), tp2 (the backward's split products), ep2 (expert blocks from each
 # rank: an expert's gradient written by several blocks) and ep2 under ZeRO-3, a 2-stage pipeline, and
 # ZeRO-2 with int8-compressed sums on a model whose tensors leave alignment gaps in the slots.
+# Where one replica holds each expert under ZeRO-0 (one rank, bf16, tied, tp2, ep2, pp2) the experts no
+# row reaches are marked, not zeroed (include/tera/model.h tera_model_grads_sparse): their NaN stays in
+# the buffer for the whole step, so these cases also check that the optimizer never reads them.
 # Usage: cli_grads.sh TERA SOURCE_DIR
 set -u
 TERA=$1
