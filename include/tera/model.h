@@ -296,11 +296,6 @@ void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, flo
  * it off materialises the marks first. The same numbers as zeroing (a zero adds nothing to a sum of
  * squares, and the update reads a zero either way). */
 void tera_model_grads_sparse(tera_model *m, int on);
-/* Zeroes the gradient slabs of every marked expert and clears the marks (a reader of m->g that does
- * not know the marks calls it first). */
-void tera_model_grads_materialize(tera_model *m);
-/* The marks of layer l's local experts ([El]), NULL when sparse is off or l has no experts here. */
-uint8_t *tera_model_grads_absent(const tera_model *m, int l);
 void tera_model_reset_load(tera_model *m);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */

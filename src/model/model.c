@@ -669,7 +669,8 @@ void tera_model_zero_grad(tera_model *m) {
     absent_clear(m, TERA_GROUP_ALL);
 }
 
-void tera_model_grads_materialize(tera_model *m) {
+/* the gradient slabs of every marked expert zeroed, the marks cleared (sparse turned off) */
+static void grads_materialize(tera_model *m) {
     const int64_t El = local_experts(m);
     for (int p = 0; p < m->n_params; p++) {
         const tera_param *q = &m->params[p];
@@ -683,11 +684,12 @@ void tera_model_grads_materialize(tera_model *m) {
 }
 
 void tera_model_grads_sparse(tera_model *m, int on) {
-    if (!on && m->g_sparse) tera_model_grads_materialize(m);
+    if (!on && m->g_sparse) grads_materialize(m);
     m->g_sparse = on && m->g && m->cfg.n_experts > 0;
 }
 
-uint8_t *tera_model_grads_absent(const tera_model *m, int l) {
+/* the marks of layer l's local experts ([El]) for the dispatcher; NULL when sparse is off */
+static uint8_t *grads_absent(const tera_model *m, int l) {
     return m->g_sparse && l >= 0 && l < m->cfg.n_layers ? m->g_absent + l * local_experts(m) : NULL;
 }
 
@@ -1016,7 +1018,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
     } else {
         tera_tp_copy_backward(a->tp, a->dtopw, N * K);
         tera_dispatch_experts_backward(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, dw_beta,
-                                       tera_model_grads_absent(m, l));
+                                       grads_absent(m, l));
     }
     tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
     /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
@@ -1042,7 +1044,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
     }
     if (split) {
         tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta,
-                                          tera_model_grads_absent(m, l));
+                                          grads_absent(m, l));
         tera_tp_copy_backward_wait(a->tp, &rq_x);
         TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln, NULL, a->drlogits, la->ln2, W->router, N, D,
                                                               E, 1.0f, 1.0f));
