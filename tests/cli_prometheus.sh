@@ -40,12 +40,17 @@ else
 fi
 
 # ------------------------------------------------------------------ helpers
-# free_port N: a base port P with P .. P+N-1 all free on 127.0.0.1 (nothing accepts a connection there)
+# free_port N [TAKEN...]: a base port P with P .. P+N-1 all free on 127.0.0.1 (nothing accepts a connection
+# there) and none of them one of TAKEN: ports handed out earlier whose server may not listen yet (drawn
+# independently, Prometheus's port and the mpirun job's once coincided, and the job's rank 0 found it in use)
 free_port() {
-    local n=$1 p i busy
+    local n=$1 p i t busy
+    shift
     for _ in $(seq 200); do
         p=$((20000 + RANDOM % 12000)); busy=0 # below the ephemeral range (32768-60999)
         for ((i = 0; i < n; i++)); do
+            for t in "$@"; do [ $((p + i)) = "$t" ] && busy=1; done
+            [ $busy = 1 ] && break
             (exec 3<> "/dev/tcp/127.0.0.1/$((p + i))") 2> /dev/null && { busy=1; break; }
         done
         [ $busy = 0 ] && { echo $p; return 0; }
@@ -160,8 +165,8 @@ fi
 if ! command -v prometheus > /dev/null; then
     echo "skip: prometheus not installed (scripts/install-deps.sh installs it)"
 else
-    PP=$(free_port 1)
-    Q=$(free_port 2) # the mpirun job's ranks: Q and Q + 1
+    PP=$(free_port 1 "$P")
+    Q=$(free_port 2 "$P" "$PP") # the mpirun job's ranks: Q and Q + 1
     cat > "$W/prom.yml" << EOF
 global:
   scrape_interval: 1s
@@ -364,7 +369,7 @@ fi
 kill $TPID 2> /dev/null; wait $TPID 2> /dev/null
 
 # ------------------------------------------------------------------ a run that ends: the endpoint stops with it
-P2=$(free_port 1)
+P2=$(free_port 1 "$P" "${PP:-}") # Prometheus still listens on PP
 "$TERA" train "${MODEL[@]}" --training.steps=30 --logging.metrics_port=$P2 --logging.run_dir="$W/short" > "$W/short.log" 2>&1 \
     && pass "a run with metrics_port ends normally (exit 0)" || { fail "short run"; tail -5 "$W/short.log"; }
 (exec 3<> "/dev/tcp/127.0.0.1/$P2") 2> /dev/null && fail "port $P2 still open after the run" || pass "port $P2 closed after the run"
