@@ -107,6 +107,21 @@ for p in bf16n bf16f fp16; do
     cmp -s "$W/d_${p}_1/checkpoints/step_00000012/model.safetensors" "$W/d_${p}_2/checkpoints/step_00000012/model.safetensors" \
         && pass "$p: two runs bit-identical" || fail "$p runs differ"
 done
+# 5b. the FFNs' g kept as bf16 between the forward and the backward (bf16 on the native units, the
+#     default) trains bit for bit as the fp32 g (TERA_ACT_BF16=0): routed and shared experts and a
+#     dense first layer, with and without full recomputation and with two micro-batches
+G=("${TINY[@]}" --model.n_layers=3 --model.first_k_dense=1 --model.dense_ffn_dim=96 --model.n_shared_experts=1
+   --training.steps=6 --training.warmup_steps=2 $(prec bf16n))
+for v in "plain" "recompute:--training.recompute=full" "accum:--training.grad_accum=2"; do
+    name=${v%%:*}; extra=(); [ "$v" != "$name" ] && extra=(${v#*:})
+    "$TERA" train "${G[@]}" "${extra[@]}" --logging.run_dir="$W/g_${name}_1" > "$W/g_${name}_1.log" 2>&1
+    TERA_ACT_BF16=0 "$TERA" train "${G[@]}" "${extra[@]}" --logging.run_dir="$W/g_${name}_0" > "$W/g_${name}_0.log" 2>&1
+    if cmp -s "$W/g_${name}_1/checkpoints/step_00000006/model.safetensors" "$W/g_${name}_0/checkpoints/step_00000006/model.safetensors"         && cmp -s "$W/g_${name}_1/checkpoints/step_00000006/optimizer.safetensors" "$W/g_${name}_0/checkpoints/step_00000006/optimizer.safetensors"; then
+        pass "bf16 native, $name: the g kept in bf16 = the fp32 g, weights and moments bit for bit"
+    else
+        fail "bf16 native, $name: the g kept in bf16 differs from the fp32 g"; tail -3 "$W/g_${name}_1.log" "$W/g_${name}_0.log"
+    fi
+done
 # 6. two ranks (dp2) in bf16 with the units left to auto: both ranks print the same units, and the
 #    run matches one process on those units (loss and grad norm of every step within 1e-4 relative).
 #    The one-rank run is given the units the ranks settled on: where the probe decides (no AMX), two

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include "testutil.h"
+#include "tera/bf16.h"
 #include "tera/kernels.h"
 #include "tera/precision.h"
 #include "tera/train.h"
@@ -243,6 +244,82 @@ static void test_dw_store(void **state) {
     tera_backend_set_precision(be, be->precision, TERA_BF16_NATIVE);
 }
 
+/* An FFN's g kept in the backend's product format (ops.swiglu_forward_act, linear_forward_act,
+ * linear_backward_act): in every mode, y, dx and dw bit-identical to swiglu_forward, linear_forward
+ * and linear_backward on the fp32 g (forward with beta 0 and 1; backward with dx and dw, dx only, dw
+ * only, betas 0 and 1); with bf16 on the native units g holds the bf16 roundings of the fp32 g in its
+ * first 2n bytes and the rest of its buffer untouched, elsewhere the fp32 g itself; and the helpers
+ * on a backend without the ops (NULL) make the fp32 calls. Shapes: odd sizes, the experts' */
+static void test_act_format(void **state) {
+    (void)state;
+    const int64_t shapes[3][3] = {{37, 24, 19}, {512, 512, 256}, {1, 8, 4}}; /* N, in (g's width), out */
+    for (int sh = 0; sh < 3; sh++) {
+        const int64_t N = shapes[sh][0], IN = shapes[sh][1], OUT = shapes[sh][2], n = N * IN;
+        float *a1 = malloc(sizeof(float) * (size_t)n), *a3 = malloc(sizeof(float) * (size_t)n);
+        float *g = malloc(sizeof(float) * (size_t)n), *ga = malloc(sizeof(float) * (size_t)n);
+        float *w = malloc(sizeof(float) * (size_t)(OUT * IN)), *dy = malloc(sizeof(float) * (size_t)(N * OUT));
+        float *y[2], *dx[2], *dw[2];
+        for (int k = 0; k < 2; k++) {
+            y[k] = malloc(sizeof(float) * (size_t)(N * OUT));
+            dx[k] = malloc(sizeof(float) * (size_t)n);
+            dw[k] = malloc(sizeof(float) * (size_t)(OUT * IN));
+        }
+        tu_fill(a1, n, 31 + (uint64_t)sh, 4.0f);
+        tu_fill(a3, n, 32 + (uint64_t)sh, 1.0f);
+        tu_fill(w, OUT * IN, 33, 0.5f);
+        tu_fill(dy, N * OUT, 34, 1.0f);
+        for (int m = -1; m < N_MODES; m++) { /* -1: fp32 */
+            if (m >= 0 && !mode_runs(m)) continue;
+            const tera_precision p = m >= 0 ? MODES[m].p : TERA_PREC_FP32;
+            tera_backend_set_precision(be, p, m >= 0 ? MODES[m].g : TERA_BF16_NATIVE);
+            const int bf16_act = p == TERA_PREC_BF16 && MODES[m].g == TERA_BF16_NATIVE;
+            be->ops.swiglu_forward(be, g, a1, a3, n);
+            for (int64_t i = 0; i < n; i++) ga[i] = NAN; /* the untouched half stays NaN */
+            tera_swiglu_forward_act(be, ga, a1, a3, n);
+            const uint16_t *g16 = (const uint16_t *)ga;
+            int64_t bad = -1;
+            for (int64_t i = 0; i < n && bad < 0; i++)
+                if (bf16_act ? g16[i] != tera_bf16_rne(g[i]) : memcmp(&ga[i], &g[i], sizeof(float)) != 0) bad = i;
+            for (int64_t i = (n + 1) / 2; bf16_act && i < n && bad < 0; i++)
+                if (!isnan(ga[i])) bad = i;
+            if (bad >= 0) fail_msg("%s %ldx%ld: g in the product format at element %ld", tera_precision_name(p), (long)N, (long)IN, (long)bad);
+            for (int beta = 0; beta < 2; beta++) {
+                for (int k = 0; k < 2; k++) tu_fill(y[k], N * OUT, 35, 1.0f);
+                be->ops.linear_forward(be, y[0], g, w, N, IN, OUT, (float)beta);
+                tera_linear_forward_act(be, y[1], ga, w, N, IN, OUT, (float)beta);
+                if (memcmp(y[0], y[1], sizeof(float) * (size_t)(N * OUT)))
+                    fail_msg("%s %ldx%ldx%ld beta %d: linear_forward_act differs", tera_precision_name(p), (long)N, (long)IN, (long)OUT, beta);
+                for (int call = 0; call < 3; call++) { /* dx and dw, dx only, dw only */
+                    for (int k = 0; k < 2; k++) tu_fill(dx[k], n, 36, 1.0f), tu_fill(dw[k], OUT * IN, 37, 1.0f);
+                    float *dx0 = call == 2 ? NULL : dx[0], *dx1 = call == 2 ? NULL : dx[1];
+                    float *dw0 = call == 1 ? NULL : dw[0], *dw1 = call == 1 ? NULL : dw[1];
+                    be->ops.linear_backward(be, dx0, dw0, dy, g, w, N, IN, OUT, (float)beta, (float)beta);
+                    tera_linear_backward_act(be, dx1, dw1, dy, ga, w, N, IN, OUT, (float)beta, (float)beta);
+                    if (memcmp(dx[0], dx[1], sizeof(float) * (size_t)n) || memcmp(dw[0], dw[1], sizeof(float) * (size_t)(OUT * IN)))
+                        fail_msg("%s %ldx%ldx%ld beta %d call %d: linear_backward_act differs", tera_precision_name(p), (long)N,
+                                 (long)IN, (long)OUT, beta, call);
+                }
+            }
+            /* a backend without the ops (taken out for the while): the helpers call the fp32 ones */
+            const tera_backend_ops keep = be->ops;
+            be->ops.swiglu_forward_act = NULL, be->ops.linear_forward_act = NULL, be->ops.linear_backward_act = NULL;
+            tera_swiglu_forward_act(be, ga, a1, a3, n);
+            assert_memory_equal(ga, g, sizeof(float) * (size_t)n);
+            tera_linear_forward_act(be, y[1], ga, w, N, IN, OUT, 0.0f);
+            be->ops.linear_forward(be, y[0], g, w, N, IN, OUT, 0.0f);
+            assert_memory_equal(y[0], y[1], sizeof(float) * (size_t)(N * OUT));
+            tera_linear_backward_act(be, dx[1], dw[1], dy, ga, w, N, IN, OUT, 0.0f, 0.0f);
+            be->ops.linear_backward(be, dx[0], dw[0], dy, g, w, N, IN, OUT, 0.0f, 0.0f);
+            assert_memory_equal(dx[0], dx[1], sizeof(float) * (size_t)n);
+            assert_memory_equal(dw[0], dw[1], sizeof(float) * (size_t)(OUT * IN));
+            be->ops = keep;
+            tera_backend_set_precision(be, TERA_PREC_FP32, TERA_BF16_NATIVE);
+        }
+        free(a1), free(a3), free(g), free(ga), free(w), free(dy);
+        for (int k = 0; k < 2; k++) free(y[k]), free(dx[k]), free(dw[k]);
+    }
+}
+
 /* The router's fp32 variant ignores the mode: bit-identical to the fp32 product. */
 static void test_fp32_variant(void **state) {
     (void)state;
@@ -453,7 +530,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_fma_is_rounded_fp32), cmocka_unit_test(test_bf16_gemm_resolve),
         cmocka_unit_test(test_fp32_variant),   cmocka_unit_test(test_roundings),
         cmocka_unit_test(test_scaler),         cmocka_unit_test(test_trainer_modes),
-        cmocka_unit_test(test_fp16_overflow_skip), cmocka_unit_test(test_dw_store),
+        cmocka_unit_test(test_fp16_overflow_skip), cmocka_unit_test(test_dw_store), cmocka_unit_test(test_act_format),
     };
     const int failed = cmocka_run_group_tests(tests, NULL, NULL);
     tera_backend_destroy(be);

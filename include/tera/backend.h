@@ -89,6 +89,20 @@ typedef struct {
                                const float *k, const float *v, const float *out, const float *lse, int B, int T,
                                int H, int Hkv, int hd, float *scratch);
     void (*swiglu_forward)(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n);
+    /* An FFN's hidden activations g[n] kept for products only (the down projection's input, and in
+     * the backward its weight gradient's): swiglu_forward_act writes g in the backend's product
+     * format, which linear_forward_act / linear_backward_act read as their x [N,in]. The CPU backend's
+     * format is bf16 where its products are bf16 on the native units (each value the rounding of
+     * swiglu_forward's fp32 g, in the first 2n bytes of g; the rest of g untouched), else fp32: the
+     * same numbers as swiglu_forward, linear_forward and linear_backward on the fp32 g, without the
+     * fp32 g written in the forward and rounded again in the backward. The format holds while the
+     * precision does (from a forward to its backward). NULL where a backend has none:
+     * tera_swiglu_forward_act etc. below then call those three. */
+    void (*swiglu_forward_act)(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n);
+    void (*linear_forward_act)(tera_backend *be, float *y, const float *g, const float *w, int64_t N, int64_t in,
+                               int64_t out, float beta);
+    void (*linear_backward_act)(tera_backend *be, float *dx, float *dw, const float *dy, const float *g,
+                                const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
     void (*swiglu_backward)(tera_backend *be, float *da1, float *da3, const float *dg, const float *a1,
                             const float *a3, int64_t n);
     void (*embedding_forward)(tera_backend *be, float *x, const float *table, const int32_t *tokens, int64_t N,
@@ -261,6 +275,30 @@ static inline uint16_t *tera_backend_weights_shadow_out(tera_backend *be, const 
 }
 static inline void tera_backend_weights_filled(tera_backend *be) {
     if (be && be->ctl.weights_filled) be->ctl.weights_filled(be);
+}
+/* ops.swiglu_forward_act / linear_forward_act / linear_backward_act (g [N*in] in the backend's
+ * product format), or swiglu_forward / linear_forward / linear_backward on the fp32 g where a backend
+ * has none */
+static inline void tera_swiglu_forward_act(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n) {
+    if (be->ops.swiglu_forward_act)
+        be->ops.swiglu_forward_act(be, g, a1, a3, n);
+    else
+        be->ops.swiglu_forward(be, g, a1, a3, n);
+}
+static inline void tera_linear_forward_act(tera_backend *be, float *y, const float *g, const float *w, int64_t N,
+                                           int64_t in, int64_t out, float beta) {
+    if (be->ops.linear_forward_act)
+        be->ops.linear_forward_act(be, y, g, w, N, in, out, beta);
+    else
+        be->ops.linear_forward(be, y, g, w, N, in, out, beta);
+}
+static inline void tera_linear_backward_act(tera_backend *be, float *dx, float *dw, const float *dy, const float *g,
+                                            const float *w, int64_t N, int64_t in, int64_t out, float dx_beta,
+                                            float dw_beta) {
+    if (be->ops.linear_backward_act)
+        be->ops.linear_backward_act(be, dx, dw, dy, g, w, N, in, out, dx_beta, dw_beta);
+    else
+        be->ops.linear_backward(be, dx, dw, dy, g, w, N, in, out, dx_beta, dw_beta);
 }
 /* ops.linear_forward_multi / linear_backward_multi, or the n single products where a backend has
  * none. y: n outputs [N,out[i]]; w: n weights [out[i],in]; dy: n gradients [N,out[i]]; dw: n

@@ -95,7 +95,7 @@ static void expert_hidden(tera_backend *be, float *a1, float *a3, float *g, cons
     const float *const w[2] = {w1, w3};
     const int64_t out[2] = {F, F};
     tera_linear_forward_multi(be, 2, y, x, w, out, n, D); /* x converted once for both */
-    be->ops.swiglu_forward(be, g, a1, a3, n * F);
+    tera_swiglu_forward_act(be, g, a1, a3, n * F); /* g: read by the w2 products only */
 }
 
 /* Expert e over its rows: y = w2(silu(x w1^T) * (x w3^T)) (forward), its backward (dx written,
@@ -110,7 +110,7 @@ static void expert_run(const expert_rows *b, int e) {
     switch (b->op) {
     case EXPERTS_FWD:
         expert_hidden(d->be, a1, a3, g, x, w1, w3, n, D, F);
-        d->be->ops.linear_forward(d->be, b->y + r * D, g, w2, n, F, D, 0.0f);
+        tera_linear_forward_act(d->be, b->y + r * D, g, w2, n, F, D, 0.0f);
         break;
     case EXPERTS_BWD:
     case EXPERTS_BWD_DX:
@@ -120,8 +120,8 @@ static void expert_run(const expert_rows *b, int e) {
         /* the first rows of expert e in a call that stores: its gradients are written, not added to */
         const float dw_beta = want_dw && d->dw_fresh[e] ? 0.0f : 1.0f;
         if (want_dw) d->dw_fresh[e] = 0;
-        d->be->ops.linear_backward(d->be, want_dx ? dg : NULL, want_dw ? b->G->w2 + e * D * F : NULL, b->dy + r * D, g,
-                                   w2, n, F, D, 0.0f, dw_beta);
+        tera_linear_backward_act(d->be, want_dx ? dg : NULL, want_dw ? b->G->w2 + e * D * F : NULL, b->dy + r * D, g,
+                                 w2, n, F, D, 0.0f, dw_beta);
         if (want_dx) d->be->ops.swiglu_backward(d->be, da1, da3, dg, a1, a3, n * F);
         float *const dw[2] = {want_dw ? b->G->w1 + e * F * D : NULL, want_dw ? b->G->w3 + e * F * D : NULL};
         const float *const dyi[2] = {da1, da3}, *const w[2] = {w1, w3};

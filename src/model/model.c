@@ -766,14 +766,14 @@ static void ffn_hidden(tera_backend *be, float *a1, float *a3, float *g, const f
     const float *const w[2] = {w1, w3};
     const int64_t out[2] = {F, F};
     tera_linear_forward_multi(be, 2, y, x, w, out, N, D); /* x converted once for both */
-    be->ops.swiglu_forward(be, g, a1, a3, N * F);
+    tera_swiglu_forward_act(be, g, a1, a3, N * F); /* g: read by the w2 products only */
 }
 
 /* SwiGLU FFN on all N rows: y[N,D] += w2(silu(x w1^T) * (x w3^T)). */
 static void ffn_forward(tera_backend *be, float *y, float *a1, float *a3, float *g, const float *x, const float *w1,
                         const float *w3, const float *w2, int64_t N, int64_t D, int64_t F) {
     ffn_hidden(be, a1, a3, g, x, w1, w3, N, D, F);
-    be->ops.linear_forward(be, y, g, w2, N, F, D, 1.0f);
+    tera_linear_forward_act(be, y, g, w2, N, F, D, 1.0f);
 }
 
 /* The MoE block: the router (moe.c), then the token dispatcher (dispatch.c: local or all-to-all)
@@ -951,7 +951,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
 static void ffn_backward(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
                          const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
                          float *gw1, float *gw3, float *gw2, int64_t N, int64_t D, int64_t F, float dw_beta) {
-    be->ops.linear_backward(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f, dw_beta);
+    tera_linear_backward_act(be, a->dgact, gw2, dy, g, w2, N, F, D, 0.0f, dw_beta);
     be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
     float *const dw[2] = {gw1, gw3};
     const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
@@ -968,7 +968,7 @@ static int tp_split(const tera_acts *a) { return tera_tp_overlapping(a->tp); }
 static void ffn_backward_dx(tera_backend *be, tera_acts *a, float *dx, const float *dy, const float *x, const float *a1,
                             const float *a3, const float *g, const float *w1, const float *w3, const float *w2,
                             int64_t N, int64_t D, int64_t F) {
-    be->ops.linear_backward(be, a->dgact, NULL, dy, g, w2, N, F, D, 0.0f, 1.0f);
+    tera_linear_backward_act(be, a->dgact, NULL, dy, g, w2, N, F, D, 0.0f, 1.0f);
     be->ops.swiglu_backward(be, a->da1, a->da3, a->dgact, a1, a3, N * F);
     float *const dw[2] = {NULL, NULL};
     const float *const dyi[2] = {a->da1, a->da3}, *const w[2] = {w1, w3};
@@ -987,7 +987,10 @@ static void ffn_backward_dw(tera_acts *a, const float *dy, const float *x, const
     const int64_t in[3] = {F, D, D}, out[3] = {D, F, F};
     for (int i = 0; i < 3; i++) {
         const double t0 = tera_now();
-        be->ops.linear_backward(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f, dw_beta);
+        if (i == 0) /* g: in the backend's product format (tera_swiglu_forward_act) */
+            tera_linear_backward_act(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f, dw_beta);
+        else
+            be->ops.linear_backward(be, NULL, dw[i], dyi[i], xi[i], w[i], N, in[i], out[i], 0.0f, dw_beta);
         tera_prof_add(prof, t0);
         tera_tp_poll(a->tp, req);
     }

@@ -142,6 +142,35 @@ static void cpu_swiglu_forward(tera_backend *be, float *g, const float *a1, cons
     tera_swiglu_forward_bf16(g, s ? s + off[0] : NULL, a1, a3, n);
 }
 
+/* The FFNs' g for products only (include/tera/backend.h): its bf16 rounding in place where the
+ * products are bf16 on the native units (tera_cpu_act_bf16), else the fp32 ops */
+static void cpu_swiglu_forward_act(tera_backend *be, float *g, const float *a1, const float *a3, int64_t n) {
+    if (!tera_cpu_act_bf16(&cpu_of(be)->mm)) {
+        cpu_swiglu_forward(be, g, a1, a3, n);
+        return;
+    }
+    take(be);
+    tera_swiglu_forward_to_bf16((uint16_t *)g, a1, a3, n);
+}
+
+static void cpu_linear_forward_act(tera_backend *be, float *y, const float *g, const float *w, int64_t N, int64_t in,
+                                   int64_t out, float beta) {
+    tera_cpu_matmul *mm = &cpu_of(be)->mm;
+    if (tera_cpu_act_bf16(mm))
+        tera_cpu_linear_forward_x16(mm, y, (const uint16_t *)g, w, N, in, out, beta);
+    else
+        tera_cpu_linear_forward(mm, y, g, w, N, in, out, beta);
+}
+
+static void cpu_linear_backward_act(tera_backend *be, float *dx, float *dw, const float *dy, const float *g, const float *w,
+                                    int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    tera_cpu_matmul *mm = &cpu_of(be)->mm;
+    if (tera_cpu_act_bf16(mm))
+        tera_cpu_linear_backward_x16(mm, dx, dw, dy, (const uint16_t *)g, w, N, in, out, dx_beta, dw_beta);
+    else
+        tera_cpu_linear_backward(mm, dx, dw, dy, g, w, N, in, out, dx_beta, dw_beta);
+}
+
 static void cpu_swiglu_backward(tera_backend *be, float *da1, float *da3, const float *dg, const float *a1, const float *a3, int64_t n) {
     tera_cpu_matmul *mm = &cpu_of(be)->mm;
     tera_cpu_prod_take(mm, NULL);
@@ -394,6 +423,9 @@ tera_backend *tera_backend_cpu_create(int threads) {
         .attention_backward = cpu_attention_backward,
         .swiglu_forward = cpu_swiglu_forward,
         .swiglu_backward = cpu_swiglu_backward,
+        .swiglu_forward_act = cpu_swiglu_forward_act,
+        .linear_forward_act = cpu_linear_forward_act,
+        .linear_backward_act = cpu_linear_backward_act,
         .embedding_forward = cpu_embedding_forward,
         .embedding_backward = cpu_embedding_backward,
         .embedding_forward_range = cpu_embedding_forward_range,

@@ -65,6 +65,7 @@ typedef struct {
     int prod_check;    /* verify every copy a product uses, element by element (ASan builds,
                         * TERA_PRODUCER_BF16_CHECK=1); else a few elements of each */
     int64_t prod_used; /* operands products took from their producers (tests) */
+    int act_off;       /* the FFNs' g kept as fp32 even with bf16 products (TERA_ACT_BF16=0 at creation, A/B) */
 } tera_cpu_matmul;
 
 /* The CPU backend's ops.linear_forward / linear_backward (include/tera/backend.h): the products of
@@ -73,6 +74,15 @@ void tera_cpu_linear_forward(tera_cpu_matmul *mm, float *y, const float *x, cons
                              int64_t out, float beta);
 void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const float *x,
                               const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
+/* The format of the FFNs' g between ops.swiglu_forward_act and the products that read it
+ * (include/tera/backend.h): 1 for bf16 (bf16 products on the native units, unless act_off), 0 fp32.
+ * tera_cpu_linear_forward_x16 / backward_x16: ops.linear_forward_act / backward_act with x [N,in]
+ * given as its bf16 rounding (the same products as tera_cpu_linear_forward / backward on x). */
+int tera_cpu_act_bf16(const tera_cpu_matmul *mm);
+void tera_cpu_linear_forward_x16(tera_cpu_matmul *mm, float *y, const uint16_t *x16, const float *w, int64_t N,
+                                 int64_t in, int64_t out, float beta);
+void tera_cpu_linear_backward_x16(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const uint16_t *x16,
+                                  const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta);
 /* ops.linear_forward_multi / linear_backward_multi (include/tera/backend.h): x converted once. */
 void tera_cpu_linear_forward_multi(tera_cpu_matmul *mm, int n, float *const *y, const float *x,
                                    const float *const *w, const int64_t *out, int64_t N, int64_t in);
@@ -115,6 +125,8 @@ void tera_cpu_producer_bf16(tera_cpu_matmul *mm, int on);
 void tera_rmsnorm_forward_bf16(float *y, uint16_t *y16, float *rstd, const float *x, const float *w, int64_t N,
                                int64_t D, float eps);
 void tera_swiglu_forward_bf16(float *g, uint16_t *g16, const float *a1, const float *a3, int64_t n);
+/* g16[i] = the bf16 rounding of tera_swiglu_forward's g[i], no fp32 g written (swiglu_forward_act) */
+void tera_swiglu_forward_to_bf16(uint16_t *g16, const float *a1, const float *a3, int64_t n);
 void tera_swiglu_backward_bf16(float *da1, float *da3, uint16_t *da1_16, uint16_t *da3_16, const float *dg,
                                const float *a1, const float *a3, int64_t n);
 double tera_ce_fused_bf16(float *dlogits, uint16_t *d16, float *lse, float *tlogit, const float *logits,

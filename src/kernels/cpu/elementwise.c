@@ -256,6 +256,17 @@ void tera_swiglu_forward_bf16(float *restrict g, uint16_t *restrict g16, const f
     }
 }
 
+void tera_swiglu_forward_to_bf16(uint16_t *restrict g16, const float *restrict a1, const float *restrict a3, int64_t n) {
+    const int64_t nb = (n + PROD_BLOCK - 1) / PROD_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = b * PROD_BLOCK, i1 = i0 + PROD_BLOCK < n ? i0 + PROD_BLOCK : n;
+        float g[PROD_BLOCK]; /* the block's fp32 g, in L1 only */
+        for (int64_t i = i0; i < i1; i++) g[i - i0] = tera_silu(a1[i]) * a3[i];
+        rne_row(g16 + i0, g, i1 - i0);
+    }
+}
+
 void tera_swiglu_backward_bf16(float *restrict da1, float *restrict da3, uint16_t *restrict da1_16,
                                uint16_t *restrict da3_16, const float *restrict dg, const float *restrict a1,
                                const float *restrict a3, int64_t n) {

@@ -927,8 +927,9 @@ void tera_cpu_prod_sync(tera_cpu_matmul *mm) {
 }
 
 void tera_cpu_prod_init(tera_cpu_matmul *mm) {
-    const char *e = getenv("TERA_PRODUCER_BF16"), *c = getenv("TERA_PRODUCER_BF16_CHECK");
+    const char *e = getenv("TERA_PRODUCER_BF16"), *c = getenv("TERA_PRODUCER_BF16_CHECK"), *a = getenv("TERA_ACT_BF16");
     mm->prod_off = e && strcmp(e, "0") == 0;
+    mm->act_off = a && strcmp(a, "0") == 0;
 #if defined(__SANITIZE_ADDRESS__)
     mm->prod_check = !(c && strcmp(c, "0") == 0); /* on in the sanitizer builds unless turned off */
 #else
@@ -1223,6 +1224,54 @@ void tera_cpu_linear_backward(tera_cpu_matmul *mm, float *dx, float *dw, const f
     }
     if (dx) gemm_lowp(mm, &rec, 0, 0, N, in, out, dy, out, N * out, w, in, out * in, dx_beta, dx, in);
     if (dw) gemm_lowp(mm, dx ? NULL : &rec, 1, 0, out, in, N, dy, out, N * out, x, in, N * in, dw_beta, dw, in);
+}
+
+/* ------------------------------------------------------------------ an FFN's g kept in bf16 */
+
+int tera_cpu_act_bf16(const tera_cpu_matmul *mm) {
+    return mm->prec == TERA_PREC_BF16 && !lowp_in_fp32(mm) && !mm->act_off;
+}
+
+/* gemm_lowp's bf16 products of tera_cpu_linear_forward with x's rounding given */
+void tera_cpu_linear_forward_x16(tera_cpu_matmul *mm, float *y, const uint16_t *x16, const float *w, int64_t N,
+                                 int64_t in, int64_t out, float beta) {
+    TERA_ASSERT(tera_cpu_act_bf16(mm));
+    tera_cpu_prod_take(mm, NULL);
+    if (N == 0 || out == 0) return;
+    if (in == 0) { /* no terms: y = beta y, as the fp32 product does it */
+        tera_gemm(0, 1, N, out, 0, 1.0f, NULL, 1, NULL, 1, beta, y, out);
+        return;
+    }
+    const uint16_t *ws = shadow_get(mm, w, out * in);
+    uint16_t *w16 = NULL;
+    if (!ws) {
+        w16 = scratch_get(mm, sizeof(uint16_t) * (size_t)(out * in));
+        tera_round_bf16(w16, w, out * in);
+    }
+    gemm_bf16(0, 1, N, out, in, x16, in, ws ? ws : w16, in, beta, y, out);
+}
+
+/* tera_cpu_linear_backward's bf16 products with x's rounding given: dy rounded once (or its
+ * producer's copy), dx = dy w, dw = dw_beta dw + dy^T x */
+void tera_cpu_linear_backward_x16(tera_cpu_matmul *mm, float *dx, float *dw, const float *dy, const uint16_t *x16,
+                                  const float *w, int64_t N, int64_t in, int64_t out, float dx_beta, float dw_beta) {
+    TERA_ASSERT(tera_cpu_act_bf16(mm));
+    tera_cpu_prod rec;
+    tera_cpu_prod_take(mm, &rec);
+    if (N == 0 || in == 0 || out == 0) { /* no terms somewhere: the fp32 products' scaling by beta */
+        if (dx) tera_gemm(0, 0, N, in, 0, 1.0f, NULL, 1, NULL, 1, dx_beta, dx, in);
+        if (dw) tera_gemm(1, 0, out, in, 0, 1.0f, NULL, 1, NULL, 1, dw_beta, dw, in);
+        return;
+    }
+    const uint16_t *ws = dx ? shadow_get(mm, w, out * in) : NULL;
+    const int64_t ny = N * out + ((N * out) & 1), nw = dx && !ws ? out * in : 0;
+    const size_t need = sizeof(uint16_t) * (size_t)(ny + nw);
+    const int have_dy = prod_find(mm, &rec, dy, N * out, need) != NULL; /* by its producer, in place */
+    uint16_t *dy16 = scratch_get(mm, need), *w16 = dy16 + ny;
+    if (!have_dy) tera_round_bf16(dy16, dy, N * out);
+    if (nw) tera_round_bf16(w16, w, out * in);
+    if (dx) gemm_bf16(0, 0, N, in, out, dy16, out, ws ? ws : w16, in, dx_beta, dx, in);
+    if (dw) gemm_bf16(1, 0, out, in, N, dy16, out, x16, in, dw_beta, dw, in);
 }
 
 /* ------------------------------------------------------------------ several products of one input */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "tera/kernels.h"
+#include "vmath.h"
 
 void tera_moe_gather_forward(float *xg, const float *x, const int32_t *row_tok, int64_t R, int64_t D) {
 #pragma omp parallel for schedule(static)
@@ -49,12 +50,9 @@ void tera_moe_combine_backward(float *dye, float *dtopw, const float *dy, const 
             float dw = 0.0f;
             if (r >= 0) {
                 const float wgt = topw[t * k + j];
-                const float *y = ye + (int64_t)r * D;
                 float *dyr = dye + (int64_t)r * D;
-                for (int64_t d = 0; d < D; d++) {
-                    dyr[d] = wgt * g[d];
-                    dw += g[d] * y[d];
-                }
+                for (int64_t d = 0; d < D; d++) dyr[d] = wgt * g[d];
+                dw = tera_dot(g, ye + (int64_t)r * D, D); /* 16 lanes: not one chain of D dependent adds */
             }
             dtopw[t * k + j] = dw;
         }
