@@ -272,7 +272,7 @@ static void test_act_format(void **state) {
             if (m >= 0 && !mode_runs(m)) continue;
             const tera_precision p = m >= 0 ? MODES[m].p : TERA_PREC_FP32;
             tera_backend_set_precision(be, p, m >= 0 ? MODES[m].g : TERA_BF16_NATIVE);
-            const int bf16_act = p == TERA_PREC_BF16 && MODES[m].g == TERA_BF16_NATIVE;
+            const int bf16_act = m >= 0 && p == TERA_PREC_BF16 && MODES[m].g == TERA_BF16_NATIVE;
             be->ops.swiglu_forward(be, g, a1, a3, n);
             for (int64_t i = 0; i < n; i++) ga[i] = NAN; /* the untouched half stays NaN */
             tera_swiglu_forward_act(be, ga, a1, a3, n);
