@@ -57,6 +57,14 @@ OUT=bench/results/latest.jsonl
 # CPU's kernel family (it does not recognise it and falls back to SSE3 otherwise).
 if grep -q avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}; fi
 PEER_GEMM=${PEER_GEMM:-blas}
+# "blas" is the peer's best fp32 only where the system BLAS is OpenBLAS (`make bench` installs it:
+# scripts/install-deps.sh --with-torch); with netlib's reference BLAS a torch.mm runs at ~6 GFLOP/s
+# (bench-s 183 tokens/s), so the peer then takes oneDNN's convolutions instead and says so
+if [ "$PEER_GEMM" = blas ] && ! readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null | grep -q openblas; then
+    echo "bench: the system BLAS is not OpenBLAS (scripts/install-deps.sh --with-torch installs it);" \
+        "the PyTorch peer's fp32 products go through oneDNN (PEER_GEMM=onednn)" >&2
+    PEER_GEMM=onednn
+fi
 have_torch=1
 if [ "$PEER" = 0 ]; then have_torch=0
 else /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }

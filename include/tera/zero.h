@@ -67,8 +67,15 @@ typedef struct tera_zero {
                                       which no backward may read (tests/cli_grads.sh) */
     int64_t bytes_staging;         /* ZeRO-2/3 staging slots: one group's gradients (and parameters) at a time,
                                       and a second layer gradient buffer (its sums in flight) */
-    tera_comm_req *buckets;        /* [n_buckets] stage 0: gradient sums in flight during the last backward */
+    tera_comm_req *buckets;        /* [n_buckets] stages 0 and 1: gradient sums in flight during the last
+                                      backward (all-reduces; ZeRO-1: reduce-scatters) */
     int n_buckets;
+    int rs1_overlap;               /* ZeRO-1: the buckets reduce-scattered non-blocking (TERA_ZERO_RS_OVERLAP != 0) */
+    int rs1_started;               /* ZeRO-1: this step's buckets were started (tera_zero_reduce_grads waits) */
+    unsigned char *rs1_nb;         /* [n_buckets] ZeRO-1: the bucket's sum started non-blocking over several ranks */
+    int64_t rs1[3];                /* ZeRO-1: reduce-scatters over several ranks, started non-blocking, done
+                                      before their wait (tera_zero_rs_counts) */
+    int64_t *rs_cnt;               /* [max(dp, edp)] ZeRO-1: one bucket's counts per rank */
     int poison;                    /* test hook armed (ZeRO-2/3): a NaN into the first gradient piece summed */
     struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
     float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
@@ -136,10 +143,12 @@ void tera_zero_plan(tera_zero *z, int last, int next);
 /* ZeRO-3, since creation: layer parameter gathers, how many of them a prefetch had started, and
  * prefetches discarded unused (0 otherwise). */
 void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused);
-/* ZeRO-2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
+/* ZeRO-1/2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
  * of them started non-blocking (overlapping the backward that follows them; none with
  * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of
- * those were complete before they were waited for (0 each otherwise). */
+ * those were complete before they were waited for (0 each otherwise). ZeRO-1 counts one per bucket
+ * (a layer's non-expert or expert tensors, the embedding, the head) when overlapped, and none when its
+ * regions are reduce-scattered blocking after the backward. */
 void tera_zero_rs_counts(const tera_zero *z, int64_t *total, int64_t *nonblocking, int64_t *early);
 /* The seeded init of this rank's part (ZeRO-3: of its parameter shards only; the same values as the
  * one-process init's, element by element). */

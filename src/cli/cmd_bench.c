@@ -104,7 +104,7 @@ int tera_cmd_bench(int argc, char **argv) {
     tera_step_result r;
     double cpu0 = 0.0;
     int64_t tp_ov0 = 0, tp_early0 = 0; /* parallel.tp_overlap: overlapped sums before the timed steps */
-    int64_t rs0[3] = {0, 0, 0};        /* ZeRO-2/3's gradient reduce-scatters before them (tera_zero_rs_counts) */
+    int64_t rs0[3] = {0, 0, 0};        /* ZeRO-1/2/3's gradient reduce-scatters before them (tera_zero_rs_counts) */
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
@@ -239,7 +239,7 @@ int tera_cmd_bench(int argc, char **argv) {
             const int64_t tp_ov = tera_model_tp_overlapped(&tr.model, &tp_early);
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
-            /* ZeRO-2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
+            /* ZeRO-1/2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
              * of those the ones already complete when waited for (rank 0's) */
             int64_t rs[3];
             tera_zero_rs_counts(tr.sharding, &rs[0], &rs[1], &rs[2]);

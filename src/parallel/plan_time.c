@@ -15,7 +15,8 @@
  *   operations (not overlapped, unless the planned run is another implementation: exchange_overlap,
  *   comm_overlap); data-parallel reductions overlap backward where tera overlaps them (ZeRO 0:
  *   buckets during the last micro-batch's backward; ZeRO-2: reduce-scatters during each backward;
- *   ZeRO-3: prefetched gathers during compute); ZeRO-1's reduce-scatter and all-gather are exposed;
+ *   ZeRO-1: reduce-scatters of the same buckets; ZeRO-3: prefetched gathers during compute); the
+ *   parameter all-gather of ZeRO-1/2 after the update is exposed;
  * - the expert exchange flat or in two stages (parallel.ep_hierarchical), parallel.ep_overlap's
  *   hidden part of the flat one (tera_plan_ep_overlap_hidden); 1-bit Adam's momentum all-reduce;
  * - a host with [node] cores (a CPU machine): ranks computing at once there each get the measured
@@ -901,10 +902,13 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             out->bytes_dp = 2.0 * pass;
             t_dp = dp_comm_s(hw, TERA_HW_ALLREDUCE, dp, tp, devices, out->bytes_dp, 2.0 * groups, hier);
             exposed = t_dp > t_bwd ? t_dp - t_bwd : 0.0;
-        } else if (zero == 1) { /* one reduce-scatter and one all-gather after the last backward */
+        } else if (zero == 1) { /* buckets, one reduce-scatter per group, during the last micro-batch's
+                                   backward; one all-gather of the updated parameters after the step */
             out->bytes_dp = 2.0 * pass;
-            t_dp = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, out->bytes_dp, 4.0, hier);
-            exposed = t_dp;
+            const double t_rs = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0 * groups, hier);
+            const double t_ag = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0, hier);
+            t_dp = t_rs + t_ag;
+            exposed = (t_rs > t_bwd ? t_rs - t_bwd : 0.0) + t_ag;
         } else {
             const double rs = A * pass, ag = zero < 3 ? pass : 0.0;
             double n_gathers = 0.0;

@@ -439,9 +439,9 @@ void tera_zero_plan(tera_zero *zr, int last, int next) {
 
 void tera_zero_rs_counts(const tera_zero *zr, int64_t *total, int64_t *nonblocking, int64_t *early) {
     const tera_zero_staging *z = zr ? zr->zs : NULL;
-    *total = z ? z->n_rs : 0;
-    *nonblocking = z ? z->n_rs_nb : 0;
-    *early = z ? z->n_rs_early : 0;
+    *total = z ? z->n_rs : zr ? zr->rs1[0] : 0;
+    *nonblocking = z ? z->n_rs_nb : zr ? zr->rs1[1] : 0;
+    *early = z ? z->n_rs_early : zr ? zr->rs1[2] : 0;
 }
 
 void tera_zero_counts(const tera_zero *zr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
@@ -473,12 +473,37 @@ static void bucket_ready(void *ctx, int64_t offset, int64_t count) {
     tera_comm_poll(zr->buckets, i);
 }
 
+/* Stage 1: a gradient bucket is ready (last micro-batch of a step): start its reduce-scatter now, in
+ * place in the model's gradient, each rank's shard's piece of the bucket summed into its place (as
+ * the whole region's blocking reduce-scatter leaves it), while backward continues. */
+static void bucket_ready_rs(void *ctx, int64_t offset, int64_t count) {
+    tera_zero *zr = ctx;
+    int i = 0;
+    while (i < zr->n_buckets && zr->buckets[i].active) i++;
+    TERA_ASSERTF(i < zr->n_buckets, "more gradient buckets than the %d expected", zr->n_buckets);
+    const int x = offset >= zr->model->n_dense_floats;
+    tera_comm *c = x ? zr->edp : zr->dp;
+    const int64_t base = x ? zr->model->n_dense_floats : 0;
+    int64_t soff;
+    piece_counts(x ? zr->shard_counts_x : zr->shard_counts, x ? zr->topo.edp : zr->topo.dp,
+                 x ? zr->topo.edp_rank : zr->topo.dp_rank, offset - base, offset - base + count, zr->rs_cnt, &soff);
+    const int comm = tera_comm_size(c) > 1;
+    zr->rs1[0] += comm;
+    tera_comm_ireduce_scatter_f32(c, zr->model->g + offset, zr->rs_cnt, &zr->buckets[i]); /* counts copied */
+    zr->rs1_nb[i] = comm && zr->buckets[i].active;
+    zr->rs1[1] += zr->rs1_nb[i];
+    zr->rs1_started = 1;
+    tera_comm_poll(zr->buckets, i + 1);
+}
+
 void (*tera_zero_grad_ready(tera_zero *zr, int last))(void *, int64_t, int64_t) {
     if (zr->local_g) return NULL; /* 1-bit Adam past its freeze: nothing is summed */
     if (zr->stage >= 2) return zero_grad_ready; /* every micro-batch, group by group */
-    /* hierarchical / compressed: summed in tera_zero_reduce_grads; ZeRO-1: reduce-scattered there */
-    if (last && zr->topo.dp > 1 && !zr->stage && !zr->gred[0] && !zr->gred[1]) return bucket_ready;
-    return NULL;
+    /* hierarchical / compressed: summed in tera_zero_reduce_grads (so is ZeRO-1 with
+     * TERA_ZERO_RS_OVERLAP=0) */
+    if (!last || zr->topo.dp == 1 || zr->gred[0] || zr->gred[1]) return NULL;
+    if (!zr->stage) return bucket_ready;
+    return zr->rs1_overlap ? bucket_ready_rs : NULL;
 }
 
 void tera_zero_zero_grads(tera_zero *zr) {
@@ -882,6 +907,12 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
     zr->n_buckets = 2 * (m->cfg.n_layers + 2); /* per layer: non-expert and expert tensors */
     zr->buckets = tera_calloc((size_t)zr->n_buckets, sizeof(tera_comm_req));
+    /* ZeRO-1: the buckets reduce-scattered during the last backward (TERA_ZERO_RS_OVERLAP=0: one
+     * blocking reduce-scatter per region after it, as before; the same bits) */
+    const char *ov = getenv("TERA_ZERO_RS_OVERLAP");
+    zr->rs1_overlap = zr->stage == 1 && !(ov && strcmp(ov, "0") == 0);
+    zr->rs1_nb = tera_calloc((size_t)zr->n_buckets, 1);
+    zr->rs_cnt = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
     bind_hooks(zr);
     *out = zr;
     return TERA_OK;
@@ -896,6 +927,8 @@ void tera_zero_destroy(tera_zero *zr) {
     free(zr->shard_counts_x);
     free(zr->grad_sq);
     free(zr->buckets);
+    free(zr->rs1_nb);
+    free(zr->rs_cnt);
     tera_adamw_free(&zr->opt_x);
     tera_adamw_free(&zr->opt);
     free(zr);
@@ -983,7 +1016,14 @@ void tera_zero_reduce_grads(tera_zero *zr) {
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
     rs_drain(zr->zs); /* ZeRO-2/3: the last sums still in flight */
     if (zr->topo.dp == 1 || zr->stage >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
-    if (zr->stage) { /* each rank sums only its own shard of each region */
+    if (zr->stage && zr->rs1_started) { /* ZeRO-1: the buckets' reduce-scatters started during the last backward */
+        for (int i = 0; i < zr->n_buckets; i++) {
+            zr->rs1[2] += zr->rs1_nb[i] && !zr->buckets[i].active; /* done while compute ran (a poll saw it) */
+            zr->rs1_nb[i] = 0;
+            tera_comm_wait(&zr->buckets[i]);
+        }
+        zr->rs1_started = 0;
+    } else if (zr->stage) { /* each rank sums only its own shard of each region */
         if (zr->gred[0]) tera_greducer_reduce_scatter(zr->gred[0], m->g, 0, zr->shard_counts);
         else tera_comm_reduce_scatter_f32(zr->dp, m->g, zr->shard_counts);
         if (n > nd && zr->gred[1]) tera_greducer_reduce_scatter(zr->gred[1], m->g + nd, 0, zr->shard_counts_x);

@@ -31,7 +31,8 @@ static double sharded_pass(const tera_trainer *tr) {
 }
 
 /* Data-parallel gradient sums. ZeRO 0: one all-reduce per step (buckets, last micro-batch);
- * ZeRO-1: one reduce-scatter, then an all-gather of the updated parameters; ZeRO-2: a
+ * ZeRO-1: one reduce-scatter (buckets, last micro-batch), then an all-gather of the updated
+ * parameters; ZeRO-2: a
  * reduce-scatter per micro-batch (group by group: the groups partition each region), then the
  * all-gather; ZeRO-3: the reduce-scatters, no final all-gather (parameters stay sharded). */
 static void grad_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
