@@ -38,7 +38,7 @@ FB=()
 # parallel.tp = T, parallel.ep = E; "ppP" adds P pipeline stages (pp x dp x tp ranks) and runs the
 # global batch as 4 micro-batches through them.   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp]
 LAYOUTS=${LAYOUTS-"one:1:1:1:0:1
-    dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
+    dp2:2:1:1:0:1 dp2-zero1:2:1:1:1:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
     dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 dp2xtp2:2:2:1:0:1
     ep4:4:1:4:0:1 ep4-no-overlap:4:1:4:0:0 dp2xep2-zero1:4:1:2:1:1 tp2xep2-zero3:2:2:2:3:1
     dp8:8:1:1:0:1 dp2xep4-zero1:8:1:4:1:1 ep8:8:1:8:0:1 ep8-no-overlap:8:1:8:0:0 dp2xtp2xep2-zero2:4:2:2:2:1
