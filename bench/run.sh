@@ -57,17 +57,25 @@ OUT=bench/results/latest.jsonl
 # CPU's kernel family (it does not recognise it and falls back to SSE3 otherwise).
 if grep -q avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}; fi
 PEER_GEMM=${PEER_GEMM:-blas}
-# "blas" is the peer's best fp32 only where the system BLAS is OpenBLAS (`make bench` installs it:
-# scripts/install-deps.sh --with-torch); with netlib's reference BLAS a torch.mm runs at ~6 GFLOP/s
-# (bench-s 183 tokens/s), so the peer then takes oneDNN's convolutions instead and says so
-if [ "$PEER_GEMM" = blas ] && ! readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null | grep -q openblas; then
-    echo "bench: the system BLAS is not OpenBLAS (scripts/install-deps.sh --with-torch installs it);" \
-        "the PyTorch peer's fp32 products go through oneDNN (PEER_GEMM=onednn)" >&2
-    PEER_GEMM=onednn
-fi
 have_torch=1
 if [ "$PEER" = 0 ]; then have_torch=0
 else /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "bench: python3-torch missing, PyTorch peer skipped" >&2; }
+fi
+# "blas" is the peer's best fp32 only where the system BLAS is OpenBLAS (`make bench` installs it
+# before this script). With netlib's reference BLAS a torch.mm runs at ~6 GFLOP/s (bench-s 183
+# tokens/s on the AMD machine of docs/PERFORMANCE.md wave 27, against 2409 with OpenBLAS), so the
+# script installs it (scripts/install-deps.sh --with-torch); where that leaves another BLAS in place
+# (no root, or the alternative set by hand) the peer's fp32 products go through oneDNN's convolutions
+# (PEER_GEMM=onednn: 342 tokens/s there, still far from OpenBLAS) and the script says so.
+is_openblas() { readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null | grep -q openblas; }
+if [ "$have_torch" = 1 ] && [ "$PEER_GEMM" = blas ] && ! is_openblas; then
+    echo "bench: the system BLAS is not OpenBLAS: scripts/install-deps.sh --with-torch" >&2
+    scripts/install-deps.sh --with-torch >&2 || true
+    if ! is_openblas; then
+        echo "bench: the system BLAS is still not OpenBLAS; the PyTorch peer's fp32 products go through" \
+            "oneDNN (PEER_GEMM=onednn), a slower peer than OpenBLAS's" >&2
+        PEER_GEMM=onednn
+    fi
 fi
 # a JSON line with "round": $2 added
 with_round() { /usr/bin/python3 -c 'import json, sys; a = json.loads(sys.argv[1]); a["round"] = int(sys.argv[2]); print(json.dumps(a))' "$1" "$2"; }
