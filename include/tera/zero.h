@@ -70,7 +70,9 @@ typedef struct tera_zero {
     tera_comm_req *buckets;        /* [n_buckets] stages 0 and 1: gradient sums in flight during the last
                                       backward (all-reduces; ZeRO-1: reduce-scatters) */
     int n_buckets;
-    int rs1_overlap;               /* ZeRO-1: the buckets reduce-scattered non-blocking (TERA_ZERO_RS_OVERLAP != 0) */
+    int rs_overlap;                /* gradient reduce-scatters non-blocking (TERA_ZERO_RS_OVERLAP != 0): ZeRO-1's
+                                      buckets, ZeRO-2/3's groups (their staging also turns it off for the
+                                      hierarchical / compressed reducers) */
     int rs1_started;               /* ZeRO-1: this step's buckets were started (tera_zero_reduce_grads waits) */
     unsigned char *rs1_nb;         /* [n_buckets] ZeRO-1: the bucket's sum started non-blocking over several ranks */
     int64_t rs1[3];                /* ZeRO-1: reduce-scatters over several ranks, started non-blocking, done

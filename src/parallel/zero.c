@@ -209,8 +209,7 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
         for (int x = 0; x < 2; x++) z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
     }
     for (int x = 0; x < 2; x++) z->gspare[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
-    const char *ov = getenv("TERA_ZERO_RS_OVERLAP"); /* A/B switch: 0 = blocking sums */
-    z->rs_overlap = !(ov && strcmp(ov, "0") == 0);
+    z->rs_overlap = zr->rs_overlap;
     z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
     tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
@@ -459,13 +458,19 @@ static void bind_hooks(tera_zero *zr) {
     if (zr->stage >= 3) m->use_params = zero_use_params;
 }
 
+/* The first bucket request not in flight (stages 0 and 1 start one per bucket, in backward order). */
+static int bucket_free(const tera_zero *zr) {
+    int i = 0;
+    while (i < zr->n_buckets && zr->buckets[i].active) i++;
+    TERA_ASSERTF(i < zr->n_buckets, "more gradient buckets than the %d expected", zr->n_buckets);
+    return i;
+}
+
 /* Stage 0: a gradient bucket is ready (last micro-batch of a step): start its data-parallel sum now,
  * while backward continues, and let earlier ones progress. Buckets are numbered in backward order. */
 static void bucket_ready(void *ctx, int64_t offset, int64_t count) {
     tera_zero *zr = ctx;
-    int i = 0;
-    while (i < zr->n_buckets && zr->buckets[i].active) i++;
-    TERA_ASSERTF(i < zr->n_buckets, "more gradient buckets than the %d expected", zr->n_buckets);
+    const int i = bucket_free(zr);
     /* non-expert tensors: summed over every data-parallel rank; this rank's experts: over the
      * ranks holding the same experts */
     tera_comm *g = offset >= zr->model->n_dense_floats ? zr->edp : zr->dp;
@@ -478,13 +483,11 @@ static void bucket_ready(void *ctx, int64_t offset, int64_t count) {
  * the whole region's blocking reduce-scatter leaves it), while backward continues. */
 static void bucket_ready_rs(void *ctx, int64_t offset, int64_t count) {
     tera_zero *zr = ctx;
-    int i = 0;
-    while (i < zr->n_buckets && zr->buckets[i].active) i++;
-    TERA_ASSERTF(i < zr->n_buckets, "more gradient buckets than the %d expected", zr->n_buckets);
+    const int i = bucket_free(zr);
     const int x = offset >= zr->model->n_dense_floats;
     tera_comm *c = x ? zr->edp : zr->dp;
     const int64_t base = x ? zr->model->n_dense_floats : 0;
-    int64_t soff;
+    int64_t soff; /* (the piece's place in the shard: the optimizer reads the shard in the gradient buffer) */
     piece_counts(x ? zr->shard_counts_x : zr->shard_counts, x ? zr->topo.edp : zr->topo.dp,
                  x ? zr->topo.edp_rank : zr->topo.dp_rank, offset - base, offset - base + count, zr->rs_cnt, &soff);
     const int comm = tera_comm_size(c) > 1;
@@ -503,7 +506,7 @@ void (*tera_zero_grad_ready(tera_zero *zr, int last))(void *, int64_t, int64_t) 
      * TERA_ZERO_RS_OVERLAP=0) */
     if (!last || zr->topo.dp == 1 || zr->gred[0] || zr->gred[1]) return NULL;
     if (!zr->stage) return bucket_ready;
-    return zr->rs1_overlap ? bucket_ready_rs : NULL;
+    return zr->rs_overlap ? bucket_ready_rs : NULL;
 }
 
 void tera_zero_zero_grads(tera_zero *zr) {
@@ -896,6 +899,10 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
             zr->opt_x = (tera_adamw){.m = zr->opt.m + nd, .v = zr->opt.v + nd, .lo = nd, .hi = n, .n = n - nd, .view = 1};
         zr->opt.hi = zr->opt.n = nd;
     }
+    /* A/B switch, TERA_ZERO_RS_OVERLAP=0: blocking gradient reduce-scatters (ZeRO-1: one per region
+     * after the backward; ZeRO-2/3: each group's as it is ready); the same bits */
+    const char *ov = getenv("TERA_ZERO_RS_OVERLAP");
+    zr->rs_overlap = !(ov && strcmp(ov, "0") == 0);
     if (zr->stage >= 2) zero23_init(zr, env);
     tera_adamw_plan(&zr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
     tera_adamw_plan(&zr->opt_x, m);
@@ -907,10 +914,6 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
     zr->n_buckets = 2 * (m->cfg.n_layers + 2); /* per layer: non-expert and expert tensors */
     zr->buckets = tera_calloc((size_t)zr->n_buckets, sizeof(tera_comm_req));
-    /* ZeRO-1: the buckets reduce-scattered during the last backward (TERA_ZERO_RS_OVERLAP=0: one
-     * blocking reduce-scatter per region after it, as before; the same bits) */
-    const char *ov = getenv("TERA_ZERO_RS_OVERLAP");
-    zr->rs1_overlap = zr->stage == 1 && !(ov && strcmp(ov, "0") == 0);
     zr->rs1_nb = tera_calloc((size_t)zr->n_buckets, 1);
     zr->rs_cnt = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
     bind_hooks(zr);
