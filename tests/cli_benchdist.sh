@@ -20,6 +20,9 @@
 #     backward; 0 without ZeRO), except with TERA_ZERO_RS_OVERLAP=0 (the -rsoff layouts: blocking,
 #     none overlapped (ZeRO-1: none counted), the same bytes above and the same final loss as the overlapped dp2-zero3 /
 #     dp2-zero1; tests/test_zero.c checks the weights bit for bit);
+#   - ZeRO-3 gathers every layer's parameters in host-shared memory (zero3_shared_gathers_per_step equals
+#     zero3_gathers_per_step, positive), none with TERA_ZERO_SHARED=0 (dp2-zero3-noshared: the same
+#     bytes and final loss as dp2-zero3);
 #   - the time blocked in communication (exposed_comm_ms) is positive, and its split by the kind of
 #     operation waited for (exposed_comm_ms_by_kind) adds up to it, has no point-to-point time without
 #     a pipeline or expert parallelism and no all-to-all time without expert parallelism, and some
@@ -48,7 +51,8 @@ mean_max() { awk -v m="$1" -v x="$2" -v pos="$3" 'BEGIN { exit !(m != "" && (pos
 # name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp] [extra option]
 # (dp2-switchdp: model.balance_loss = switch_dp's count all-reduces, rerun by the full recomputation
 # of layers 0-1, not by layer 2's: the work set still holds it)
-for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 dp2-zero2:2:1:1:2:2 \
+for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 \
+         dp2-zero3-noshared:2:1:1:3:2 dp2-zero2:2:1:1:2:2 \
          dp2-zero1:2:1:1:1:2 dp2-zero1-rsoff:2:1:1:1:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
@@ -59,6 +63,7 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
     out="$W/$name.json"
     envs=()
     [[ "$name" = *-rsoff ]] && envs=(env TERA_ZERO_RS_OVERLAP=0)
+    [[ "$name" = *-noshared ]] && envs=(env TERA_ZERO_SHARED=0)
     if ! mpirun --oversubscribe -np $((pp * dp * tp)) ${envs[@]+"${envs[@]}"} "$TERA" bench "${TINY[@]}" --parallel.dp="$dp" --parallel.tp="$tp" \
         --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" --training.grad_accum="$accum" ${extra:-} \
         > "$out" 2> "$W/$name.err"; then
@@ -127,6 +132,19 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
     elif [ "${rs:-0}" != 0.0 ] || [ "${rso:-0}" != 0.0 ]; then
         fail "$name: ${rs:-?} ZeRO gradient reduce-scatters per step (${rso:-?} non-blocking) without ZeRO"
         ok=0
+    fi
+    # ZeRO-3's layer gathers: every one in host-shared memory (the ranks share this host), none with
+    # TERA_ZERO_SHARED=0 (dp2-zero3-noshared: all-gathers, the same bytes above and the same final loss)
+    zg=$(num "$out" zero3_gathers_per_step) zs=$(num "$out" zero3_shared_gathers_per_step)
+    zwant=$([ "$zero" = 3 ] && [[ "$name" != *-noshared ]] && echo all || echo 0)
+    if ! awk -v g="$zg" -v s="$zs" -v w="$zwant" -v z="$zero" \
+        'BEGIN { exit !(g != "" && s != "" && (z == 3 ? g > 0 : g == 0) && (w == "all" ? s == g : s == 0)) }'; then
+        fail "$name: ${zs:-?} of ${zg:-?} ZeRO-3 layer gathers per step in host-shared memory, expected $zwant"
+        ok=0
+    fi
+    if [[ "$name" = *-noshared ]]; then
+        l0=$(num "$W/${name%-noshared}.json" final_loss) l1=$(num "$out" final_loss)
+        [ -n "$l1" ] && [ "$l0" = "$l1" ] || { fail "$name: final loss $l1, in host-shared memory: $l0"; ok=0; }
     fi
     # the time spent starting and polling non-blocking operations: reported, mean and busiest rank
     # (microseconds here, where the shared segment sums this tiny model's buffers)

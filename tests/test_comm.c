@@ -363,6 +363,44 @@ static int mpi_contracts(int argc, char **argv) {
         free(a), free(gth);
     }
 
+    /* host-shared memory (tera_comm_shared): a block where the segment exists (every rank on this host),
+     * none with TERA_COMM_SHM=0; each rank writes its own part, posts a flag, and reads every rank's part in
+     * place once every flag is up; a second round reuses the block after the readers posted their second
+     * flag; the counts go under the kind named; a one-rank group has none */
+    {
+        tera_comm_traffic_reset();
+        const int64_t per = 1000;
+        tera_comm_shared *sb = tera_comm_shared_create(w, (int64_t)sizeof(float) * per * p, 2);
+        CHECK((sb != NULL) == shm);
+        if (sb) {
+            float *mem = tera_comm_shared_mem(sb);
+            CHECK(((uintptr_t)mem & 63) == 0);
+            CHECK(tera_comm_shared_reached(sb, 0, 0) && !tera_comm_shared_reached(sb, 0, 1)); /* flags start at 0 */
+            int64_t pcnt[64];
+            for (int r = 0; r < p; r++) pcnt[r] = per;
+            for (uint64_t round = 1; round <= 2; round++) {
+                if (round > 1) tera_comm_shared_wait(sb, 1, round - 1, TERA_TRAFFIC_ALLGATHER); /* every reader done */
+                for (int64_t i = 0; i < per; i++) mem[me * per + i] = (float)(1000 * round + 10 * me) + (float)i;
+                if (me == 0) usleep(20000); /* the others wait: blocked time */
+                tera_comm_shared_post(sb, 0, round);
+                tera_comm_shared_count(sb, TERA_TRAFFIC_ALLGATHER, pcnt);
+                tera_comm_shared_wait(sb, 0, round, TERA_TRAFFIC_ALLGATHER);
+                int64_t bad = 0;
+                for (int r = 0; r < p; r++)
+                    for (int64_t i = 0; i < per; i++) bad += mem[r * per + i] != (float)(1000 * round + 10 * r) + (float)i;
+                CHECK(bad == 0);
+                tera_comm_shared_post(sb, 1, round);
+            }
+            const tera_comm_traffic t = tera_comm_traffic_get();
+            CHECK(traffic_is(0, 0, 2.0 * share * 4.0 * (double)(per * p), 0, 0));
+            CHECK(me == 0 || t.blocked_kind_s[TERA_TRAFFIC_ALLGATHER] >= 0.015); /* rank 0 slept 20 ms before posting */
+            tera_comm_shared_free(sb);
+        }
+        tera_comm *solo = tera_comm_split(w, me, 0); /* one rank each */
+        CHECK(tera_comm_shared_create(solo, 64, 1) == NULL);
+        tera_comm_free(solo);
+    }
+
     free(buf), free(many), free(rq), free(g2[0]), free(g2[1]);
     tera_comm_finalize();
     if (me == 0) printf("mpi backend contracts: ok on %d ranks (large sums %s)\n", p, shm ? "through the shared segment" : "through MPI");

@@ -28,7 +28,11 @@
  *     several ranks; ZeRO-1's one per bucket of the last backward), and stages 1-3 run again with
  *     them blocking (TERA_ZERO_RS_OVERLAP=0; ZeRO-1: one reduce-scatter per region after the
  *     backward, none counted) give the weights of stage 0 (stage 1) and of the overlapped stage 2
- *     (stages 2 and 3) bit for bit after every step.
+ *     (stages 2 and 3) bit for bit after every step;
+ *   - ZeRO-3 gathers every layer in host-shared memory (tera_zero_counts; the ranks run on one host),
+ *     and ZeRO-2/3 sum the layers' gradients there; stages 2 and 3 again with reduce-scatters and
+ *     all-gathers (TERA_ZERO_SHARED=0, no gather shared): the weights of the overlapped ZeRO-2 in
+ *     host-shared memory bit for bit after every step either way.
  * On one process (no mpirun) the module runs as one rank: stage 0, checked against the reference. */
 #include <sys/wait.h>
 #include <unistd.h>
@@ -42,6 +46,7 @@
 
 static int me;
 static int rs_blocking; /* TERA_ZERO_RS_OVERLAP=0: the second pass of stages 1-3 */
+static int no_shared;   /* TERA_ZERO_SHARED=0: the third pass of stage 3 (all-gathers) */
 enum { B = 2, T = 8, A = 2, NS = 3 };
 static const double LAYOUT_TOL = 2e-6; /* tests/mpilib.sh */
 
@@ -279,7 +284,7 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
          * after every micro-batch, then over the micro-batches): the same sums in the same order, so
          * bit-identical; between the two pairs the order differs (ranks first or micro-batches first),
          * measured 6e-8 relative after one step, and both are within LAYOUT_TOL of one process above */
-        if ((stage == 0 || stage == 2) && !rs_blocking) {
+        if ((stage == 0 || stage == 2) && !rs_blocking && !no_shared) {
             snap->w[stage / 2][st] = w;
         } else { /* (blocking reduce-scatters: against the overlapped ZeRO-2) */
             const float *base = snap->w[stage / 2][st];
@@ -313,10 +318,14 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
         CHECK(memcmp(all, refk[k], sizeof(float) * (size_t)shell.n_floats) == 0);
         free(all);
     }
-    int64_t gathered, prefetched, unused;
-    tera_zero_counts(z, &gathered, &prefetched, &unused);
+    int64_t gathered, prefetched, unused, shared;
+    tera_zero_counts(z, &gathered, &prefetched, &unused, &shared);
     if (z->stage >= 3) CHECK(gathered > 0 && prefetched > 0);
-    else CHECK(gathered == 0);
+    else CHECK(gathered == 0 && shared == 0);
+    /* ranks on one host gather ZeRO-3's layers in host-shared memory, every one of them (TERA_ZERO_SHARED=0:
+     * none; the same bits, checked above against ZeRO-2) */
+    const char *shm = getenv("TERA_COMM_SHM");
+    if (z->stage >= 3) CHECK(shared == (no_shared || (shm && !strcmp(shm, "0")) ? 0 : gathered));
     int64_t rs, rs_nb, rs_early;
     tera_zero_rs_counts(z, &rs, &rs_nb, &rs_early);
     if (z->stage >= 2 || (z->stage == 1 && !rs_blocking)) CHECK(rs > 0 && rs_nb == (rs_blocking ? 0 : rs) && rs_early <= rs_nb);
@@ -337,6 +346,13 @@ static void run_layout(const tera_model_config *cfg, int ep) {
     for (int stage = 1; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
     rs_blocking = 0;
     unsetenv("TERA_ZERO_RS_OVERLAP");
+    /* ZeRO-2/3's layer gradient sums and ZeRO-3's layer gathers by reduce-scatters and all-gathers
+     * instead of in host-shared memory: the same bits */
+    setenv("TERA_ZERO_SHARED", "0", 1);
+    no_shared = 1;
+    for (int stage = 2; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
+    no_shared = 0;
+    unsetenv("TERA_ZERO_SHARED");
     for (int st = 0; st < NS; st++) free(snap.w[0][st]), free(snap.w[1][st]);
     ref_free(&R);
     if (me == 0) fprintf(stderr, "test_zero: %d ranks, ep %d: ZeRO 0-3 checked over %d steps\n", ranks, ep, NS);

@@ -177,6 +177,33 @@ int tera_comm_node_of(int world_rank);     /* the node of a world rank */
 int tera_comm_world_rank_of(const tera_comm *c, int r); /* member r of c's world rank */
 int tera_comm_member_node(const tera_comm *c, int r);   /* member r of c's node */
 
+/* ---- host-shared memory: a block every member of a group maps, where they all run on one host
+ * (the MPI backend; docs/COMMUNICATION.md, "Host-shared memory"). Members write their own parts and
+ * read the others' in place, ordered by flags: each member has `nflags` counters (64-bit, monotonic,
+ * each on its own cache line) that it posts and every member reads. ZeRO-3 gathers a layer's
+ * parameters this way (src/parallel/zero.c): each rank writes its piece once and every rank's
+ * products read the one gathered copy, with no copy out.
+ * tera_comm_shared_create: collective over c; `bytes` bytes (64-byte aligned, not initialised: pages
+ * no member touches stay out of resident memory) and the flags (zero), or NULL on every rank alike
+ * where there are none: one-rank groups, a backend without them
+ * (NCCL), members on several hosts, TERA_COMM_SHM=0. tera_comm_shared_free is collective too. */
+typedef struct tera_comm_shared tera_comm_shared;
+tera_comm_shared *tera_comm_shared_create(tera_comm *c, int64_t bytes, int nflags);
+void tera_comm_shared_free(tera_comm_shared *s);
+void *tera_comm_shared_mem(const tera_comm_shared *s);
+/* this member's counter `flag` := v (a release: its writes before the call are seen by a member
+ * that then reads v or more) */
+void tera_comm_shared_post(tera_comm_shared *s, int flag, uint64_t v);
+/* 1 when every member's counter `flag` is >= v (an acquire); never blocks */
+int tera_comm_shared_reached(const tera_comm_shared *s, int flag, uint64_t v);
+/* blocks until tera_comm_shared_reached, under the watchdog; the time counts as blocked in an
+ * operation of `kind` (tera_comm_traffic.blocked_kind_s) */
+void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind);
+/* counts an all-gather or reduce-scatter (kind: TERA_TRAFFIC_ALLGATHER, _REDUCE_SCATTER) of counts[r]
+ * floats per member done through the block (its ring volume, as the collectives count it), so that
+ * layouts report the same bytes either way */
+void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts);
+
 /* ---- byte collectives for compressed data (src/comm/compress.c). Counted under `kind` (its
  * tera_comm_traffic field). All-to-all: scounts[r] bytes from send (consecutive, in rank order) to
  * rank r, rcounts[r] bytes from rank r into recv (consecutive); exact bytes counted. All-gather in

@@ -142,9 +142,10 @@ void tera_zero_poison_grad(tera_zero *z);
  * layer in the order of use (forward: the chunk's last, backward: its first) and the first layer the
  * next operation uses (-1: none); no-op otherwise. */
 void tera_zero_plan(tera_zero *z, int last, int next);
-/* ZeRO-3, since creation: layer parameter gathers, how many of them a prefetch had started, and
- * prefetches discarded unused (0 otherwise). */
-void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused);
+/* ZeRO-3, since creation: layer parameter gathers, how many of them a prefetch had started,
+ * prefetches discarded unused, and gathers through host-shared memory (every rank sharing a region on
+ * one host; zero.c, "ZeRO-3 on one host"; 0 with TERA_ZERO_SHARED=0) (0 each otherwise). */
+void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused, int64_t *shared);
 /* ZeRO-1/2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
  * of them started non-blocking (overlapping the backward that follows them; none with
  * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of

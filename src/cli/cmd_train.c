@@ -183,11 +183,11 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
                 step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
     }
     if (tr.sharding->stage >= 3 && tr.root) {
-        int64_t g, pf, un;
-        tera_zero_counts(tr.sharding, &g, &pf, &un);
+        int64_t g, pf, un, sh;
+        tera_zero_counts(tr.sharding, &g, &pf, &un, &sh);
         fprintf(stderr, "tera: ZeRO-3 layer gathers: %ld, %ld of them prefetched while the previous layer computed "
-                "(parallel.zero_prefetch = %d), %ld prefetches unused\n", (long)g, (long)pf, cfg.parallel.zero_prefetch,
-                (long)un);
+                "(parallel.zero_prefetch = %d), %ld prefetches unused, %ld in host-shared memory\n", (long)g, (long)pf,
+                cfg.parallel.zero_prefetch, (long)un, (long)sh);
     }
     if (tr.root && cfg.logging.run_dir[0])
         fprintf(stderr, "tera: done: %ld steps, final loss %.4f, checkpoint in %s/checkpoints/step_%08ld\n",

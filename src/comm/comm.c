@@ -366,6 +366,80 @@ void tera_comm_poll(tera_comm_req *reqs, int n) {
     if (any) g_traffic.progress_s += tera_now() - t0;
 }
 
+/* ---- host-shared memory */
+struct tera_comm_shared {
+    tera_comm *c;
+    void *handle;          /* the backend's */
+    unsigned char *flags;  /* [size][nflags] counters, 64 bytes apart */
+    void *mem;
+    int nflags;
+};
+
+static _Atomic uint64_t *flag_of(const tera_comm_shared *s, int r, int flag) {
+    TERA_ASSERTF(flag >= 0 && flag < s->nflags, "shared block flag %d of %d", flag, s->nflags);
+    return (_Atomic uint64_t *)(void *)(s->flags + ((size_t)r * (size_t)s->nflags + (size_t)flag) * 64);
+}
+
+tera_comm_shared *tera_comm_shared_create(tera_comm *c, int64_t bytes, int nflags) {
+    TERA_ASSERTF(bytes >= 0 && nflags >= 0, "shared block of %ld bytes, %d flags", (long)bytes, nflags);
+    if (c->size == 1 || !c->be->shared_alloc) return NULL; /* the same answer on every member */
+    const size_t fb = (size_t)c->size * (size_t)nflags * 64;
+    void *base = NULL;
+    void *h = c->be->shared_alloc(c, fb + (size_t)bytes, &base);
+    if (!h) return NULL;
+    tera_comm_shared *s = tera_calloc(1, sizeof *s);
+    *s = (tera_comm_shared){.c = c, .handle = h, .flags = base, .mem = (unsigned char *)base + fb, .nflags = nflags};
+    for (int f = 0; f < nflags; f++) /* each member zeroes its own counters; every one before any is read */
+        atomic_store_explicit(flag_of(s, c->rank, f), 0, memory_order_relaxed);
+    c->be->barrier(c);
+    return s;
+}
+
+void tera_comm_shared_free(tera_comm_shared *s) {
+    if (!s) return;
+    s->c->be->shared_free(s->handle);
+    free(s);
+}
+
+void *tera_comm_shared_mem(const tera_comm_shared *s) { return s->mem; }
+
+
+void tera_comm_shared_post(tera_comm_shared *s, int flag, uint64_t v) {
+    atomic_store_explicit(flag_of(s, s->c->rank, flag), v, memory_order_release);
+}
+
+int tera_comm_shared_reached(const tera_comm_shared *s, int flag, uint64_t v) {
+    for (int r = 0; r < s->c->size; r++)
+        if (atomic_load_explicit(flag_of(s, r, flag), memory_order_acquire) < v) return 0;
+    return 1;
+}
+
+typedef struct {
+    const tera_comm_shared *s;
+    int flag;
+    uint64_t v;
+} shared_cond;
+static int shared_cond_done(void *arg) {
+    const shared_cond *q = arg;
+    return tera_comm_shared_reached(q->s, q->flag, q->v);
+}
+
+void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind) {
+    if (tera_comm_shared_reached(s, flag, v)) return;
+    TERA_ASSERTF(kind >= 0 && kind < TERA_BLOCKED_KINDS, "blocked-time kind %d", kind);
+    shared_cond q = {s, flag, v};
+    const double t0 = tera_now();
+    s->c->be->wait_for(shared_cond_done, &q);
+    const double t1 = tera_now();
+    blocked(kind, t1 - t0);
+    if (tera_trace_active) tera_trace_comm("wait (shared-memory flags)", t0, t1, -1);
+}
+
+void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts) {
+    TERA_ASSERTF(kind == TERA_TRAFFIC_ALLGATHER || kind == TERA_TRAFFIC_REDUCE_SCATTER, "shared block count of kind %d", kind);
+    count_ring(s->c, ring_share(s->c) * 4.0 * (double)total_count(s->c, counts), (tera_traffic_kind)kind);
+}
+
 /* ---- groups */
 tera_comm *tera_comm_split(tera_comm *c, int color, int key) {
     tera_comm *g = tera_calloc(1, sizeof *g);

@@ -72,6 +72,14 @@ struct tera_comm_backend {
      * operation completes, in wait or test), summing exactly as reduce_scatter_f32 does; NULL: comm.c
      * runs the blocking one */
     void *(*ireduce_scatter_f32)(tera_comm *c, float *buf, const int64_t *counts);
+    /* Host-shared memory (tera_comm_shared_create; NULL: none, as in the NCCL backend): collective
+     * over c, `bytes` bytes every member maps, not initialised, 64-byte aligned at *mem; returns the handle
+     * shared_free (collective) takes, or NULL on every rank alike where there is none (members on
+     * several hosts). wait_for blocks until done(arg) returns 1, polling under the watchdog as every
+     * wait does. */
+    void *(*shared_alloc)(tera_comm *c, size_t bytes, void **mem);
+    void (*shared_free)(void *handle);
+    void (*wait_for)(int (*done)(void *), void *arg);
 };
 
 extern const struct tera_comm_backend tera__comm_single; /* comm_single.c: the one-rank world */

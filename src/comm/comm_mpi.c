@@ -81,12 +81,13 @@ static double grace_s(double limit) { return fmin(fmax(0.25 * limit, 1.0), 10.0)
 /* ---- what this rank is doing, for the other ranks' questions */
 enum {
     OP_NONE, OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_ALLTOALL, OP_BARRIER, OP_WAIT_ALLREDUCE,
-    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_WAIT_REDUCE_SCATTER, OP_WAIT_SHM, OP_COUNT
+    OP_WAIT_ALLGATHER, OP_SEND, OP_RECV, OP_SPLIT, OP_WAIT_REDUCE_SCATTER, OP_WAIT_SHM, OP_WAIT_SHARED, OP_COUNT
 };
 static const char *const g_op_names[OP_COUNT] = {
     "no operation", "MPI_Allreduce", "MPI_Reduce_scatter", "MPI_Allgatherv", "MPI_Alltoall", "MPI_Barrier",
     "MPI_Wait (non-blocking all-reduce)", "MPI_Wait (non-blocking all-gather)", "MPI_Wait (send)", "MPI_Wait (receive)",
-    "MPI_Comm_split", "MPI_Wait (non-blocking reduce-scatter)", "shared-memory all-reduce"};
+    "MPI_Comm_split", "MPI_Wait (non-blocking reduce-scatter)", "shared-memory all-reduce",
+    "shared-memory flags (ZeRO-3 parameters in host-shared memory)"};
 static _Atomic int g_op = OP_NONE;          /* the operation being waited for */
 static _Atomic double g_op_start = 0.0;     /* monotonic start of that wait, 0 = none */
 static _Atomic int g_op_blocking = 0;       /* a blocking MPI call (only the backup thread can time it out) */
@@ -729,6 +730,16 @@ static void mpi_free(tera_comm *g) {
     free(m);
 }
 
+static void *mpi_shared_alloc(tera_comm *c, size_t bytes, void **mem) {
+    *mem = NULL;
+    if (!shm_of(c)) return NULL; /* not on one host, or TERA_COMM_SHM=0: the same answer on every rank */
+    return tera_shm_mem_create(comm_of(c), bytes, mem);
+}
+static void mpi_shared_free(void *h) {
+    if (g_mpi) tera_shm_mem_free(h);
+}
+static void mpi_wait_for(int (*done)(void *), void *arg) { wait_until(done, arg, OP_WAIT_SHARED); }
+
 const struct tera_comm_backend tera__comm_mpi = {
     .name = "mpi",
     .launched = mpi_launched,
@@ -752,4 +763,7 @@ const struct tera_comm_backend tera__comm_mpi = {
     .allgatherv_u8 = mpi_allgatherv_u8,
     .host_leader = mpi_host_leader,
     .ireduce_scatter_f32 = mpi_ireduce_scatter_f32,
+    .shared_alloc = mpi_shared_alloc,
+    .shared_free = mpi_shared_free,
+    .wait_for = mpi_wait_for,
 };

@@ -65,21 +65,32 @@ static float *slot(const tera_shm *s, uint64_t set, int r) {
     return s->data + ((int64_t)(set & 1) * s->size + r) * s->ch;
 }
 
+/* Collective over comm: 1 on every rank when all of comm's ranks run on one host (the shared-memory
+ * split of the group keeps all of it). */
+static int on_one_host(MPI_Comm comm) {
+    int size, rank;
+    MPI_Comm_size(comm, &size);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm node;
+    int ok = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS;
+    if (ok) {
+        int nsize = 0;
+        MPI_Comm_size(node, &nsize);
+        MPI_Comm_free(&node);
+        ok = nsize == size;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm);
+    return ok;
+}
+
 tera_shm *tera_shm_create(MPI_Comm comm) {
     int size, rank;
     MPI_Comm_size(comm, &size);
     MPI_Comm_rank(comm, &rank);
     const char *e = getenv("TERA_COMM_SHM");
     if (size < 2 || (e && !strcmp(e, "0"))) return NULL; /* the same environment on every rank */
-    /* every rank on one host: the shared-memory split of the group keeps all of it */
-    MPI_Comm node;
-    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) != MPI_SUCCESS) return NULL;
-    int nsize = 0;
-    MPI_Comm_size(node, &nsize);
-    MPI_Comm_free(&node);
-    int ok = nsize == size;
-    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm);
-    if (!ok) return NULL;
+    if (!on_one_host(comm)) return NULL;
+    int ok = 1;
     /* slots of 8 MiB per set in all (1 Mi floats a rank on two ranks; TERA_COMM_SHM_FLOATS=N floats
      * instead, the same on every rank), at least 4 Ki floats a rank */
     const char *fe = getenv("TERA_COMM_SHM_FLOATS");
@@ -127,6 +138,45 @@ void tera_shm_free(tera_shm *s) {
     if (last) thread_stop(); /* started again by the next group made */
     MPI_Win_free(&s->win);
     free(s);
+}
+
+struct tera_shm_mem {
+    MPI_Win win;
+};
+
+tera_shm_mem *tera_shm_mem_create(MPI_Comm comm, size_t bytes, void **base) {
+    *base = NULL;
+    int size, rank;
+    MPI_Comm_size(comm, &size);
+    MPI_Comm_rank(comm, &rank);
+    const char *e = getenv("TERA_COMM_SHM");
+    if (size < 2 || (e && !strcmp(e, "0")) || !on_one_host(comm)) return NULL;
+    /* one allocation, rank 0's: every rank maps the same contiguous bytes */
+    void *mine = NULL;
+    MPI_Win win = MPI_WIN_NULL;
+    int ok = MPI_Win_allocate_shared(rank == 0 ? (MPI_Aint)(bytes + 64) : 0, 1, MPI_INFO_NULL, comm, &mine, &win) ==
+             MPI_SUCCESS;
+    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm);
+    if (!ok) {
+        if (win != MPI_WIN_NULL) MPI_Win_free(&win);
+        return NULL;
+    }
+    MPI_Aint qsize = 0;
+    int disp = 0;
+    unsigned char *seg = NULL;
+    MPI_Win_shared_query(win, 0, &qsize, &disp, &seg);
+    TERA_ASSERTF(seg && qsize >= (MPI_Aint)(bytes + 64), "shared window of %ld bytes, %zu asked", (long)qsize, bytes);
+    unsigned char *b = seg + ((64 - (uintptr_t)seg % 64) % 64); /* the same on every rank: each maps the window from a page boundary */
+    tera_shm_mem *m = tera_calloc(1, sizeof *m);
+    m->win = win;
+    *base = b;
+    return m;
+}
+
+void tera_shm_mem_free(tera_shm_mem *m) {
+    if (!m) return;
+    MPI_Win_free(&m->win);
+    free(m);
 }
 
 /* out[i] = slot_0[at + i] + slot_1[at + i] + ... + slot_{p-1}[at + i] for i in [0, n): in rank order

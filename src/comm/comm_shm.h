@@ -56,6 +56,15 @@ void tera_shm_start_ranges(tera_shm *s, tera_shm_op *op, tera_shm_kind kind, flo
 int tera_shm_progress(void);
 /* 1 once op is done: its buffer holds the result and op may be reused (acquire) */
 int tera_shm_done(const tera_shm_op *op);
+/* Host-shared memory for tera_comm_shared_create (src/comm/comm.c, through the MPI backend's
+ * shared_alloc): `bytes` bytes that every rank of comm maps (not initialised: a page nobody
+ * touches stays out of every rank's resident memory), 64-byte aligned; NULL on every
+ * rank alike where the ranks are not all on one host or the window cannot be made. Collective over
+ * comm, as tera_shm_mem_free is. */
+typedef struct tera_shm_mem tera_shm_mem;
+tera_shm_mem *tera_shm_mem_create(MPI_Comm comm, size_t bytes, void **base);
+void tera_shm_mem_free(tera_shm_mem *m);
+
 /* 1 while the progress thread runs (every group made starts it unless TERA_COMM_SHM_THREAD=0; the last
  * group freed stops it) */
 int tera_shm_thread_running(void);

@@ -83,13 +83,72 @@ typedef struct {
     int64_t n;        /* floats of the piece */
     int x;            /* the range: 0 non-expert, 1 expert (buf is a slot's g[x]) */
     int comm;         /* over more than one rank */
+    /* summed straight from the ranks' buffers in host-shared memory (zshgrad, below): */
+    int shared;       /* 1: req unused; complete once every rank has posted gradient k */
+    int ready;        /* a poll saw it complete */
+    int b;            /* the ranks' buffer holding it */
+    uint64_t k;       /* its number in the region's sequence */
+    int64_t mine;     /* this rank's piece: offset in the buffer */
 } zrs;
 /* in flight at most: one sum on each range (non-expert, expert) of each gradient buffer (embedding,
  * head, layer, the layer's spare) */
 enum { MAX_RS = 2 * (N_SLOTS + 1) };
 
+/* ZeRO-3 on one host: a region's (non-expert or expert) layer parameters gathered in host-shared
+ * memory (tera_comm_shared) where every rank sharing the region runs on one host. Two buffers of the
+ * layer slot's size: the layer slot reads one (`bound`), the next gather writes the other (the
+ * prefetch slot's). A gather is a publication: each rank copies its piece from its shard into the
+ * buffer and posts its SH_PUB counter (publications are numbered alike on every rank: the ranks gather
+ * the same layers in the same order, as their collectives already must); a rank using the layer waits
+ * for every rank's SH_PUB, then reads the buffer in place (no copy out) and posts SH_CUR, the
+ * publication it now reads. Before writing into the other buffer a rank waits until every rank's
+ * SH_CUR has reached its own: none still reads that buffer's older contents. A prefetch finding a
+ * rank not there yet leaves its piece to be written at the layer's use (`pending`). Copies only: the
+ * same bits as the all-gather. Per rank and layer this moves its piece twice (read from the shard,
+ * written once) instead of six times through the segment's slots (written in, copied out, and the
+ * piece into its own slot), and the host holds the two buffers once instead of once per rank.
+ * TERA_ZERO_SHARED=0 in the environment: the all-gathers (A/B; the same on every rank). */
+enum { SH_PUB, SH_CUR, SH_FLAGS };
+
+typedef struct {
+    tera_comm_shared *s;    /* NULL: the region gathers by all-gather */
+    float *buf[2];          /* in the block: [2][layer slot size] */
+    int bound;              /* the buffer the layer slot reads */
+    uint64_t pub;           /* publications started by this rank (the same count on every rank) */
+    uint64_t cur;           /* the publication the layer slot reads (0: none yet) */
+    uint64_t pending;       /* a started publication whose piece is not written yet (0: none) */
+    int64_t pend_mine, pend_soff, pend_n; /* its piece: offset in the buffer, in the shard, floats */
+} zshared;
+
+/* ZeRO-2/3 on one host: the layer slot's gradient buffers of a region in host-shared memory, two per
+ * rank ([rank][2][layer slot size]), where every rank sharing the region runs on one host. The
+ * backward writes this rank's own buffer; when the region is final (grad_ready) the rank posts
+ * SG_GRD = k (the region's k-th gradient, numbered alike on every rank), and once every rank has
+ * posted k it adds its piece's sum straight from the ranks' buffers into its shard's gradient,
+ * t = g_0 + g_1 + ... in rank order, then dst += t (the segment's reduce-scatter adds in the same
+ * order: the same bits), and posts SG_SUMD = k. The layer slot alternates between the two buffers
+ * use by use (the same buffer on every rank), and takes one back only once every rank has posted
+ * SG_SUMD for the gradient it held. Per rank and layer this reads the piece from each rank's buffer
+ * and adds it into the shard (about 4 floats of memory traffic per float of the piece on two ranks)
+ * instead of copying the whole buffer in, summing, and copying the sum back out (about 11). The same
+ * switch as the gathers: TERA_ZERO_SHARED=0. */
+enum { SG_GRD, SG_SUMD, SG_FLAGS };
+typedef struct {
+    tera_comm_shared *s;    /* NULL: the region sums by reduce-scatter */
+    float *base;            /* [ranks][2][n] */
+    int64_t n;              /* floats of one buffer */
+    int ranks, me;
+    uint64_t k;             /* gradients posted by this rank */
+    uint64_t k_of[2];       /* the gradient each of this rank's buffers held last (0: none) */
+} zshgrad;
+
 typedef struct tera_zero_staging tera_zero_staging;
 struct tera_zero_staging {
+    zshared sh[2];          /* ZeRO-3 on one host: [non-expert, expert] (see above) */
+    zshgrad shg[2];         /* ZeRO-2/3 on one host: [non-expert, expert] gradients (see above) */
+    int gl_b;               /* with shg: the buffer the layer slot's gradients use (alternating) */
+    float *gpriv[2][2];     /* with shg: [x][buffer] the layer slot's two gradient buffers */
+    int64_t n_shared;       /* layer gathers through host-shared memory */
     zslot slot[N_SLOTS];
     int64_t version;
     float *block;
@@ -114,23 +173,45 @@ static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : 
 static void rs_finish_oldest(tera_zero_staging *z) {
     TERA_ASSERT(z->rs_len > 0);
     zrs *e = &z->rs[z->rs_head];
-    if (e->comm && !e->req.active) z->n_rs_early++; /* done while compute ran (a poll saw it) */
-    tera_comm_wait(&e->req);
-    float *dst = e->dst;
-    const float *src = e->src;
-    for (int64_t i = 0; i < e->n; i++) dst[i] += src[i];
+    if (e->shared) {
+        zshgrad *h = &z->shg[e->x];
+        if (e->ready) z->n_rs_early++;
+        tera_comm_shared_wait(h->s, SG_GRD, e->k, TERA_TRAFFIC_REDUCE_SCATTER);
+        const int64_t stride = 2 * h->n, off = (int64_t)e->b * h->n + e->mine;
+        float *restrict dst = e->dst;
+        for (int64_t i0 = 0; i0 < e->n; i0 += 1024) { /* blocks: t stays in L1 between the ranks' passes */
+            const int64_t nb = e->n - i0 < 1024 ? e->n - i0 : 1024;
+            float t[1024];
+            memcpy(t, h->base + off + i0, sizeof(float) * (size_t)nb);
+            for (int r = 1; r < h->ranks; r++) {
+                const float *restrict g = h->base + r * stride + off + i0;
+                for (int64_t i = 0; i < nb; i++) t[i] += g[i];
+            }
+            for (int64_t i = 0; i < nb; i++) dst[i0 + i] += t[i];
+        }
+        tera_comm_shared_post(h->s, SG_SUMD, e->k);
+    } else {
+        if (e->comm && !e->req.active) z->n_rs_early++; /* done while compute ran (a poll saw it) */
+        tera_comm_wait(&e->req);
+        float *dst = e->dst;
+        const float *src = e->src;
+        for (int64_t i = 0; i < e->n; i++) dst[i] += src[i];
+    }
     z->rs_head = (z->rs_head + 1) % MAX_RS;
     z->rs_len--;
 }
+
+static int rs_done(const zrs *e) { return e->shared ? e->ready : !e->req.active; }
 
 /* Lets the sums in flight progress (the MPI backend has no progress thread) and adds the pieces of
  * those complete, oldest first, stopping at the first still in flight. */
 static void rs_progress(tera_zero_staging *z) {
     for (int i = 0; i < z->rs_len; i++) {
         zrs *e = &z->rs[(z->rs_head + i) % MAX_RS];
-        if (e->req.active) tera_comm_poll(&e->req, 1);
+        if (e->shared && !e->ready) e->ready = tera_comm_shared_reached(z->shg[e->x].s, SG_GRD, e->k);
+        else if (e->req.active) tera_comm_poll(&e->req, 1);
     }
-    while (z->rs_len > 0 && !z->rs[z->rs_head].req.active) rs_finish_oldest(z);
+    while (z->rs_len > 0 && rs_done(&z->rs[z->rs_head])) rs_finish_oldest(z);
 }
 
 /* Whether a sum in flight reads one of a slot's buffers g[0], g[1] (compared range by range: an
@@ -183,32 +264,84 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
             int64_t *sz = &size[slot_of(g)][x];
             if (hi - lo > *sz) *sz = hi - lo;
         }
-    int64_t total = 0;
+    int64_t total = 0, shared = 0;
     const int nb = zr->stage >= 3 ? 2 : 1; /* gradient staging, and parameter staging for stage 3 */
     z->prefetch = zr->stage >= 3 && env->prefetch;
     z->plan = env->planned;
     z->plan_last = z->plan_next = -1;
+    /* the layer slots in host-shared memory, region by region (zshared, zshgrad; collective over the
+     * region's ranks: every rank creates them in the same order; none with the hierarchical or
+     * compressed reducers, whose sums and gathers stay theirs) */
+    const char *she = getenv("TERA_ZERO_SHARED");
+    const int shared_on = !(she && !strcmp(she, "0")) && !env->hierarchical &&
+                          !(env->grad_compression && strcmp(env->grad_compression, "none"));
+    for (int x = 0; x < 2 && shared_on; x++) { /* the layer slot's gradients (stages 2 and 3) */
+        const int64_t n = (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+        tera_comm *c = x ? zr->edp : zr->dp;
+        if (n == 0 || tera_comm_size(c) < 2) continue;
+        zshgrad *h = &z->shg[x];
+        h->ranks = tera_comm_size(c);
+        h->me = tera_comm_rank(c);
+        h->n = n;
+        h->s = tera_comm_shared_create(c, (int64_t)sizeof(float) * 2 * n * h->ranks, SG_FLAGS);
+        if (!h->s) continue;
+        h->base = tera_comm_shared_mem(h->s);
+        shared += 2 * n; /* this rank's two buffers: what its private slot and spare would hold */
+    }
+    for (int x = 0; x < 2 && shared_on && zr->stage >= 3; x++) { /* the layer slot's parameters (stage 3) */
+        const int64_t n = (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+        tera_comm *c = x ? zr->edp : zr->dp;
+        if (n == 0 || tera_comm_size(c) < 2) continue;
+        zshared *h = &z->sh[x];
+        h->s = tera_comm_shared_create(c, (int64_t)sizeof(float) * 2 * n, SH_FLAGS);
+        if (!h->s) continue;
+        h->buf[0] = tera_comm_shared_mem(h->s);
+        h->buf[1] = h->buf[0] + n;
+        shared += (1 + z->prefetch) * n; /* what the private slots would hold (the accounting counts it) */
+    }
     for (int k = 0; k < N_SLOTS; k++)
         for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
     for (int x = 0; x < 2 && z->prefetch; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
     for (int x = 0; x < 2; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15; /* the spare gradient buffer */
-    z->block = tera_calloc((size_t)total + 1, sizeof(float));
+    z->block = tera_calloc((size_t)(total - shared) + 1, sizeof(float));
     float *p = z->block;
     for (int k = 0; k < N_SLOTS; k++) {
         z->slot[k].group = INT32_MIN;
         for (int x = 0; x < 2; x++) {
             const int64_t n = (size[k][x] + 15) & ~(int64_t)15;
-            z->slot[k].g[x] = p, p += n;
-            if (nb == 2) z->slot[k].w[x] = p, p += n;
+            if (k == SLOT_LAYER && z->shg[x].s)
+                z->slot[k].g[x] = z->shg[x].base + (int64_t)z->shg[x].me * 2 * n;
+            else
+                z->slot[k].g[x] = p, p += n;
+            if (nb == 2 && k == SLOT_LAYER && z->sh[x].s)
+                z->slot[k].w[x] = z->sh[x].buf[0];
+            else if (nb == 2)
+                z->slot[k].w[x] = p, p += n;
         }
     }
     const int ranks = zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp;
     z->pf.group = z->last_layer = INT32_MIN;
     z->dir = 1;
     if (z->prefetch) {
-        for (int x = 0; x < 2; x++) z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+        for (int x = 0; x < 2; x++) {
+            if (z->sh[x].s)
+                z->pf.w[x] = z->sh[x].buf[1];
+            else
+                z->pf.w[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+        }
     }
-    for (int x = 0; x < 2; x++) z->gspare[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+    for (int x = 0; x < 2; x++) {
+        if (z->shg[x].s)
+            z->gspare[x] = z->slot[SLOT_LAYER].g[x] + z->shg[x].n;
+        else
+            z->gspare[x] = p, p += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
+    }
+    for (int x = 0; x < 2; x++) { /* with shared gradients the layer slot alternates buffers strictly */
+        z->gpriv[x][0] = z->slot[SLOT_LAYER].g[x];
+        z->gpriv[x][1] = z->gspare[x];
+    }
+    TERA_ASSERTF(p - z->block == total - shared, "ZeRO staging: %ld floats carved, %ld allocated", (long)(p - z->block),
+                 (long)(total - shared));
     z->rs_overlap = zr->rs_overlap;
     z->cnt = tera_calloc((size_t)ranks, sizeof(int64_t));
     /* the shards' gradients (and parameters for stage 3) */
@@ -231,6 +364,10 @@ static void zero23_free(tera_zero *zr) {
     tera_comm_wait(&z->pf.req[1]);
     free(z->block);
     free(z->cnt);
+    for (int x = 0; x < 2; x++) { /* collective over the region's ranks */
+        tera_comm_shared_free(z->sh[x].s);
+        tera_comm_shared_free(z->shg[x].s);
+    }
     free(z);
     zr->zs = NULL;
     tera_adamw *o[2] = {&zr->opt, &zr->opt_x};
@@ -258,8 +395,47 @@ static zpiece pieces(tera_zero *zr, int x, int64_t lo, int64_t hi) {
     return p;
 }
 
+/* ---- ZeRO-3 in host-shared memory (zshared, above) */
+/* Writes this rank's piece of the started publication into the buffer the layer slot does not read,
+ * and posts it. */
+static void sh_write(tera_zero *zr, int x) {
+    zshared *h = &zr->zs->sh[x];
+    const tera_adamw *o = x ? &zr->opt_x : &zr->opt;
+    if (h->pend_n > 0)
+        memcpy(h->buf[1 - h->bound] + h->pend_mine, o->w + h->pend_soff, sizeof(float) * (size_t)h->pend_n);
+    tera_comm_shared_post(h->s, SH_PUB, h->pending);
+    h->pending = 0;
+}
+
+/* Starts a publication of region x's piece p: written now when every rank already reads this rank's
+ * current publication (so none reads the other buffer), else at its use. A started publication that
+ * was never used and whose piece is still unwritten is dropped: no rank reads it. */
+static void sh_start(tera_zero *zr, int x, const zpiece *p) {
+    tera_zero_staging *z = zr->zs;
+    zshared *h = &z->sh[x];
+    h->pending = ++h->pub;
+    h->pend_mine = p->mine, h->pend_soff = p->soff, h->pend_n = z->cnt[p->me];
+    tera_comm_shared_count(h->s, TERA_TRAFFIC_ALLGATHER, z->cnt);
+    if (tera_comm_shared_reached(h->s, SH_CUR, h->cur)) sh_write(zr, x);
+}
+
+/* The layer slot takes region x's last started publication: this rank's piece written (once every
+ * rank reads its current one), every rank's piece there; then this rank reads it (SH_CUR). */
+static void sh_use(tera_zero *zr, int x) {
+    zshared *h = &zr->zs->sh[x];
+    if (h->pending) {
+        tera_comm_shared_wait(h->s, SH_CUR, h->cur, TERA_TRAFFIC_ALLGATHER);
+        sh_write(zr, x);
+    }
+    tera_comm_shared_wait(h->s, SH_PUB, h->pub, TERA_TRAFFIC_ALLGATHER);
+    h->bound = 1 - h->bound;
+    h->cur = h->pub;
+    tera_comm_shared_post(h->s, SH_CUR, h->cur);
+}
+
 /* Gathers a group's ranges into w (each rank copies its piece in, then all-gather): blocking, or
- * started into the prefetch slot when pf is given. */
+ * started into the prefetch slot when pf is given. A layer's region in host-shared memory is started
+ * instead (into the buffer the layer slot does not read, whatever w is; sh_use completes it). */
 static void gather_group(tera_zero *zr, int group, float *const w[2], zprefetch *pf) {
     tera_zero_staging *z = zr->zs;
     for (int x = 0; x < 2; x++) {
@@ -267,6 +443,10 @@ static void gather_group(tera_zero *zr, int group, float *const w[2], zprefetch 
         tera_model_group_range(zr->model, group, x, &lo, &hi);
         if (hi <= lo) continue;
         const zpiece p = pieces(zr, x, lo, hi);
+        if (group >= 0 && z->sh[x].s) {
+            sh_start(zr, x, &p);
+            continue;
+        }
         if (z->cnt[p.me] > 0) memcpy(w[x] + p.mine, p.o->w + p.soff, sizeof(float) * (size_t)z->cnt[p.me]);
         if (pf)
             tera_comm_iallgather_f32(p.c, w[x], z->cnt, &pf->req[x]);
@@ -301,20 +481,36 @@ static void zero_use_params(void *ctx, int group) {
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->group != group || sl->version != z->version) {
         zprefetch *pf = &z->pf;
+        const int shared = group >= 0 && (z->sh[0].s || z->sh[1].s);
         if (z->prefetch && group >= 0 && pf->group == group && pf->version == z->version) {
             /* prefetched: finish it and swap the slots (the layer slot's old contents become the
-             * next prefetch's buffer) */
-            tera_comm_wait(&pf->req[0]);
-            tera_comm_wait(&pf->req[1]);
+             * next prefetch's buffer; host-shared regions below) */
             for (int x = 0; x < 2; x++) {
+                if (z->sh[x].s) continue;
+                tera_comm_wait(&pf->req[x]);
                 float *t = sl->w[x];
                 sl->w[x] = pf->w[x], pf->w[x] = t;
             }
             pf->group = INT32_MIN;
             z->n_prefetched++;
         } else {
+            if (shared && pf->group != INT32_MIN) { /* its host-shared buffers are taken: not used */
+                tera_comm_wait(&pf->req[0]);
+                tera_comm_wait(&pf->req[1]);
+                pf->group = INT32_MIN;
+                z->n_unused++;
+            }
             gather_group(zr, group, sl->w, NULL);
         }
+        for (int x = 0; x < 2 && shared; x++) {
+            int64_t lo, hi;
+            tera_model_group_range(zr->model, group, x, &lo, &hi);
+            if (!z->sh[x].s || hi <= lo) continue;
+            sh_use(zr, x);
+            sl->w[x] = z->sh[x].buf[z->sh[x].bound];
+            if (z->prefetch) pf->w[x] = z->sh[x].buf[1 - z->sh[x].bound];
+        }
+        z->n_shared += shared;
         if (group >= 0) z->n_gathered++;
         sl->group = group;
         sl->version = z->version;
@@ -362,12 +558,19 @@ static void zero_use_grads(void *ctx, int group) {
     if (sl->live && sl->group == group) return; /* accumulating since earlier in this backward */
     TERA_ASSERTF(!sl->live, "ZeRO-2: group %d's gradients were never reduced", sl->group);
     rs_progress(z);
-    if (sl == &z->slot[SLOT_LAYER] && rs_busy(z, sl->g)) /* the previous layer's sums in flight: the other buffer */
+    const int shg = sl == &z->slot[SLOT_LAYER] && (z->shg[0].s || z->shg[1].s);
+    if (shg) { /* host-shared gradients: the other buffer, every use (the same on every rank) */
+        z->gl_b ^= 1;
+        for (int x = 0; x < 2; x++) sl->g[x] = z->gpriv[x][z->gl_b];
+    } else if (sl == &z->slot[SLOT_LAYER] && rs_busy(z, sl->g)) { /* the previous layer's sums in flight: the other buffer */
         for (int x = 0; x < 2; x++) {
             float *t = sl->g[x];
             sl->g[x] = z->gspare[x], z->gspare[x] = t;
         }
+    }
     rs_release(z, sl->g); /* sums still reading the buffers now taken (the layer before last's, the last micro-batch's) */
+    for (int x = 0; x < 2 && shg; x++) /* ... and every rank's sums reading this rank's buffer */
+        if (z->shg[x].s) tera_comm_shared_wait(z->shg[x].s, SG_SUMD, z->shg[x].k_of[z->gl_b], TERA_TRAFFIC_REDUCE_SCATTER);
     sl->live = 1;
     sl->pending = 0;
     for (int x = 0; x < 2; x++) {
@@ -410,7 +613,23 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
     }
     const int comm = tera_comm_size(p.c) > 1;
     z->n_rs += comm;
-    if (z->rs_overlap) { /* started now, its piece added once complete (see Overlap) */
+    if (sl == &z->slot[SLOT_LAYER] && z->shg[x].s) { /* host-shared: posted now, summed once every rank has */
+        zshgrad *h = &z->shg[x];
+        TERA_ASSERTF(sl->g[x] == h->base + ((int64_t)h->me * 2 + z->gl_b) * h->n, "ZeRO-2: layer gradients outside the shared block");
+        TERA_ASSERTF(z->rs_len < MAX_RS, "ZeRO-2: more than %d gradient sums in flight", MAX_RS);
+        h->k_of[z->gl_b] = ++h->k;
+        tera_comm_shared_post(h->s, SG_GRD, h->k);
+        tera_comm_shared_count(h->s, TERA_TRAFFIC_REDUCE_SCATTER, z->cnt);
+        zrs *e = &z->rs[(z->rs_head + z->rs_len++) % MAX_RS];
+        *e = (zrs){.buf = sl->g[x], .dst = p.o->g + p.soff, .n = z->cnt[p.me], .x = x, .comm = 1, .shared = 1,
+                   .b = z->gl_b, .k = h->k, .mine = p.mine};
+        if (z->rs_overlap) {
+            z->n_rs_nb++;
+            rs_progress(z);
+        } else {
+            rs_drain(z);
+        }
+    } else if (z->rs_overlap) { /* started now, its piece added once complete (see Overlap) */
         TERA_ASSERTF(z->rs_len < MAX_RS, "ZeRO-2: more than %d gradient sums in flight", MAX_RS);
         zrs *e = &z->rs[(z->rs_head + z->rs_len++) % MAX_RS];
         *e = (zrs){.buf = sl->g[x], .src = sl->g[x] + p.mine, .dst = p.o->g + p.soff, .n = z->cnt[p.me], .x = x, .comm = comm};
@@ -443,11 +662,12 @@ void tera_zero_rs_counts(const tera_zero *zr, int64_t *total, int64_t *nonblocki
     *early = z ? z->n_rs_early : zr ? zr->rs1[2] : 0;
 }
 
-void tera_zero_counts(const tera_zero *zr, int64_t *gathered, int64_t *prefetched, int64_t *unused) {
+void tera_zero_counts(const tera_zero *zr, int64_t *gathered, int64_t *prefetched, int64_t *unused, int64_t *shared) {
     const tera_zero_staging *z = zr ? zr->zs : NULL;
     *gathered = z ? z->n_gathered : 0;
     *prefetched = z ? z->n_prefetched : 0;
     *unused = z ? z->n_unused : 0;
+    *shared = z ? z->n_shared : 0;
 }
 
 static void bind_hooks(tera_zero *zr) {
