@@ -22,7 +22,9 @@
 #     dp2-zero1; tests/test_zero.c checks the weights bit for bit);
 #   - ZeRO-3 gathers every layer's parameters in host-shared memory (zero3_shared_gathers_per_step equals
 #     zero3_gathers_per_step, positive), none with TERA_ZERO_SHARED=0 (dp2-zero3-noshared: the same
-#     bytes and final loss as dp2-zero3);
+#     bytes and final loss as dp2-zero3); the data-parallel layouts sum their gradients there
+#     (zero_shared_sums_per_step positive; ZeRO-1 with its reduce-scatters overlapped), none without data
+#     parallelism or with TERA_ZERO_SHARED=0 (dp2-noshared: the same bytes and final loss as dp2);
 #   - the time blocked in communication (exposed_comm_ms) is positive, and its split by the kind of
 #     operation waited for (exposed_comm_ms_by_kind) adds up to it, has no point-to-point time without
 #     a pipeline or expert parallelism and no all-to-all time without expert parallelism, and some
@@ -51,7 +53,7 @@ mean_max() { awk -v m="$1" -v x="$2" -v pos="$3" 'BEGIN { exit !(m != "" && (pos
 # name parallel.dp parallel.tp parallel.ep zero grad_accum [parallel.pp] [extra option]
 # (dp2-switchdp: model.balance_loss = switch_dp's count all-reduces, rerun by the full recomputation
 # of layers 0-1, not by layer 2's: the work set still holds it)
-for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 \
+for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 \
          dp2-zero3-noshared:2:1:1:3:2 dp2-zero2:2:1:1:2:2 \
          dp2-zero1:2:1:1:1:2 dp2-zero1-rsoff:2:1:1:1:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
@@ -146,6 +148,15 @@ for l in dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3
         l0=$(num "$W/${name%-noshared}.json" final_loss) l1=$(num "$out" final_loss)
         [ -n "$l1" ] && [ "$l0" = "$l1" ] || { fail "$name: final loss $l1, in host-shared memory: $l0"; ok=0; }
     fi
+    # the gradient sums straight from the ranks' buffers in host-shared memory: with data parallelism
+    # (every ZeRO stage; ZeRO-1 with its reduce-scatters overlapped), none without it or with
+    # TERA_ZERO_SHARED=0
+    ss=$(num "$out" zero_shared_sums_per_step)
+    swant=$([ "$dp" -gt 1 ] && [[ "$name" != *-noshared ]] && { [ "$zero" != 1 ] || [[ "$name" != *-rsoff ]]; } && echo some || echo 0)
+    awk -v s="$ss" -v w="$swant" 'BEGIN { exit !(s != "" && (w == "some" ? s > 0 : s == 0)) }' || {
+        fail "$name: ${ss:-?} gradient sums per step in host-shared memory, expected $swant"
+        ok=0
+    }
     # the time spent starting and polling non-blocking operations: reported, mean and busiest rank
     # (microseconds here, where the shared segment sums this tiny model's buffers)
     pg=$(num "$out" comm_progress_ms) pgmax=$(num "$out" comm_progress_ms_max)

@@ -30,9 +30,10 @@
  *     backward, none counted) give the weights of stage 0 (stage 1) and of the overlapped stage 2
  *     (stages 2 and 3) bit for bit after every step;
  *   - ZeRO-3 gathers every layer in host-shared memory (tera_zero_counts; the ranks run on one host),
- *     and ZeRO-2/3 sum the layers' gradients there; stages 2 and 3 again with reduce-scatters and
- *     all-gathers (TERA_ZERO_SHARED=0, no gather shared): the weights of the overlapped ZeRO-2 in
- *     host-shared memory bit for bit after every step either way.
+ *     and the gradient sums are done there (tera_zero_shared_sums: ZeRO-0/1's buckets where the experts
+ *     are summed over all data-parallel ranks or none, ZeRO-2/3's layers); stages 0-3 again with the
+ *     collectives (TERA_ZERO_SHARED=0, nothing shared): the weights of stage 0 / the overlapped
+ *     ZeRO-2 in host-shared memory bit for bit after every step either way.
  * On one process (no mpirun) the module runs as one rank: stage 0, checked against the reference. */
 #include <sys/wait.h>
 #include <unistd.h>
@@ -325,7 +326,15 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
     /* ranks on one host gather ZeRO-3's layers in host-shared memory, every one of them (TERA_ZERO_SHARED=0:
      * none; the same bits, checked above against ZeRO-2) */
     const char *shm = getenv("TERA_COMM_SHM");
-    if (z->stage >= 3) CHECK(shared == (no_shared || (shm && !strcmp(shm, "0")) ? 0 : gathered));
+    const int host_shared = !no_shared && !(shm && !strcmp(shm, "0")) && q.topo.dp > 1;
+    if (z->stage >= 3) CHECK(shared == (host_shared ? gathered : 0));
+    /* gradient sums straight from the ranks' buffers: ZeRO-0 and ZeRO-1 (its reduce-scatters overlapped)
+     * where the experts are summed over all data-parallel ranks or none, ZeRO-2/3 always */
+    const int whole = z->stage >= 2 || ((z->stage == 0 || !rs_blocking) && (q.topo.edp == q.topo.dp || q.topo.edp == 1));
+    const int64_t ssum = tera_zero_shared_sums(z);
+    if (!((host_shared && whole) ? ssum > 0 : ssum == 0))
+        fprintf(stderr, "rank %d: ep %d zero %d: %ld gradient sums in host-shared memory\n", me, ep, z->stage, (long)ssum);
+    CHECK((host_shared && whole) ? ssum > 0 : ssum == 0);
     int64_t rs, rs_nb, rs_early;
     tera_zero_rs_counts(z, &rs, &rs_nb, &rs_early);
     if (z->stage >= 2 || (z->stage == 1 && !rs_blocking)) CHECK(rs > 0 && rs_nb == (rs_blocking ? 0 : rs) && rs_early <= rs_nb);
@@ -346,11 +355,11 @@ static void run_layout(const tera_model_config *cfg, int ep) {
     for (int stage = 1; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
     rs_blocking = 0;
     unsetenv("TERA_ZERO_RS_OVERLAP");
-    /* ZeRO-2/3's layer gradient sums and ZeRO-3's layer gathers by reduce-scatters and all-gathers
-     * instead of in host-shared memory: the same bits */
+    /* the gradient sums (ZeRO-0-3) and ZeRO-3's layer gathers by the collectives instead of in
+     * host-shared memory: the same bits */
     setenv("TERA_ZERO_SHARED", "0", 1);
     no_shared = 1;
-    for (int stage = 2; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
+    for (int stage = 0; stage <= 3; stage++) run_case(cfg, &R, ep, stage, &snap);
     no_shared = 0;
     unsetenv("TERA_ZERO_SHARED");
     for (int st = 0; st < NS; st++) free(snap.w[0][st]), free(snap.w[1][st]);

@@ -199,9 +199,9 @@ int tera_comm_shared_reached(const tera_comm_shared *s, int flag, uint64_t v);
 /* blocks until tera_comm_shared_reached, under the watchdog; the time counts as blocked in an
  * operation of `kind` (tera_comm_traffic.blocked_kind_s) */
 void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind);
-/* counts an all-gather or reduce-scatter (kind: TERA_TRAFFIC_ALLGATHER, _REDUCE_SCATTER) of counts[r]
- * floats per member done through the block (its ring volume, as the collectives count it), so that
- * layouts report the same bytes either way */
+/* counts an all-gather, reduce-scatter or all-reduce (kind: TERA_TRAFFIC_ALLGATHER, _REDUCE_SCATTER,
+ * _ALLREDUCE) of counts[r] floats per member (the all-reduce: of their sum) done through the block (its
+ * ring volume, as the collectives count it), so that layouts report the same bytes either way */
 void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts);
 
 /* ---- byte collectives for compressed data (src/comm/compress.c). Counted under `kind` (its

@@ -160,6 +160,7 @@ typedef struct {
     int64_t Vl, v0;       /* vocabulary rows on this rank: [v0, v0 + Vl) */
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
+    int g_external;       /* g is the caller's (tera_model_adopt_grads), not freed here */
     unsigned char *g_stale; /* [L + 2] per group (layer l; L: the embedding, L + 1: the head): its gradients
                                hold old values, its next backward stores them (tera_model_grads_stale) */
     uint8_t *g_absent;    /* [L, El] routed expert (layer l, local expert e) whose three weight gradients are
@@ -236,6 +237,12 @@ void tera_model_group_range(const tera_model *m, int group, int experts, int64_t
 /* Points the group's parameter (w*) and gradient (g*) views at buffers holding its non-expert
  * range (wd, gd: the element at the range's lo) and expert range (wx, gx); NULL leaves a view. */
 void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float *gd, float *gx);
+/* Replaces the model's whole gradient buffer (a model made without par.shard_grads) with g
+ * [n_floats], which the caller owns; it is zeroed (as the model's own before its first step). g = NULL
+ * gives the caller's buffer back: the model has no whole gradient buffer from then on (its views
+ * cleared). ZeRO-0/1 with the data-parallel ranks on one host put it in host-shared memory
+ * (src/parallel/zero.c). Before the first step. */
+void tera_model_adopt_grads(tera_model *m, float *g);
 /* Points every view into whole buffers laid out like the flat buffer (NULL: left as they are,
  * or cleared when the model has no whole buffer of its own). */
 void tera_model_bind_all(tera_model *m, float *w, float *g);

@@ -80,6 +80,7 @@ typedef struct tera_zero {
     int64_t *rs_cnt;               /* [max(dp, edp)] ZeRO-1: one bucket's counts per rank */
     int poison;                    /* test hook armed (ZeRO-2/3): a NaN into the first gradient piece summed */
     struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
+    struct tera_zero_whole *zw;    /* ZeRO-0/1: the whole gradient buffer in host-shared memory (NULL otherwise) */
     float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
                                       [n] (tera_zero_local_grads; the caller's buffer), NULL otherwise */
     int moments_rounded;           /* bf16 moments: the last tera_zero_load read fp32 moments of this rank that
@@ -146,6 +147,11 @@ void tera_zero_plan(tera_zero *z, int last, int next);
  * prefetches discarded unused, and gathers through host-shared memory (every rank sharing a region on
  * one host; zero.c, "ZeRO-3 on one host"; 0 with TERA_ZERO_SHARED=0) (0 each otherwise). */
 void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched, int64_t *unused, int64_t *shared);
+/* Since creation: gradient sums done straight from the ranks' buffers in host-shared memory (every rank
+ * sharing the region on one host; zero.c, "ZeRO-0 and ZeRO-1 on one host" and "ZeRO-2/3 on one host"):
+ * ZeRO-0/1's buckets, ZeRO-2/3's layer regions (0 with TERA_ZERO_SHARED=0 and where they go through the
+ * collectives). */
+int64_t tera_zero_shared_sums(const tera_zero *z);
 /* ZeRO-1/2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
  * of them started non-blocking (overlapping the backward that follows them; none with
  * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of

@@ -436,8 +436,10 @@ void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind) 
 }
 
 void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts) {
-    TERA_ASSERTF(kind == TERA_TRAFFIC_ALLGATHER || kind == TERA_TRAFFIC_REDUCE_SCATTER, "shared block count of kind %d", kind);
-    count_ring(s->c, ring_share(s->c) * 4.0 * (double)total_count(s->c, counts), (tera_traffic_kind)kind);
+    TERA_ASSERTF(kind == TERA_TRAFFIC_ALLGATHER || kind == TERA_TRAFFIC_REDUCE_SCATTER || kind == TERA_TRAFFIC_ALLREDUCE,
+                 "shared block count of kind %d", kind);
+    const double passes = kind == TERA_TRAFFIC_ALLREDUCE ? 2.0 : 1.0; /* reduce-scatter, then all-gather */
+    count_ring(s->c, passes * ring_share(s->c) * 4.0 * (double)total_count(s->c, counts), (tera_traffic_kind)kind);
 }
 
 /* ---- groups */

@@ -374,6 +374,24 @@ void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float
     }
 }
 
+void tera_model_adopt_grads(tera_model *m, float *g) {
+    if (!g) { /* the caller takes its buffer back */
+        TERA_ASSERTF(m->g_external, "tera_model_adopt_grads(NULL): the model's gradients are its own");
+        m->g = NULL;
+        m->g_external = 0;
+        make_views(&m->G, NULL, m);
+        return;
+    }
+    TERA_ASSERTF(m->g, "tera_model_adopt_grads: the model has no whole gradient buffer");
+    /* zeros, as the model's own buffer holds before its first step (not a copy of it: its pages were
+     * never touched, and reading them would make them resident at the moment the new ones become so) */
+    memset(g, 0, sizeof(float) * (size_t)m->n_floats);
+    if (!m->g_external) free(m->g);
+    m->g = g;
+    m->g_external = 1;
+    make_views(&m->G, g, m);
+}
+
 void tera_model_bind_all(tera_model *m, float *w, float *g) {
     if (w || !m->w) make_views(&m->W, w, m); /* NULL and no whole buffer: views cleared */
     if (g || !m->g) make_views(&m->G, g, m);
@@ -608,7 +626,7 @@ void tera_model_destroy(tera_model *m) {
     tera_backend_destroy(m->be);
     free(m->params);
     free(m->w);
-    free(m->g);
+    if (!m->g_external) free(m->g);
     free(m->g_stale);
     free(m->g_absent);
     free(m->W.layers);

@@ -149,6 +149,7 @@ struct tera_zero_staging {
     int gl_b;               /* with shg: the buffer the layer slot's gradients use (alternating) */
     float *gpriv[2][2];     /* with shg: [x][buffer] the layer slot's two gradient buffers */
     int64_t n_shared;       /* layer gathers through host-shared memory */
+    int64_t n_shg;          /* layer gradient sums through host-shared memory */
     zslot slot[N_SLOTS];
     int64_t version;
     float *block;
@@ -618,6 +619,7 @@ static void zero_grad_ready(void *ctx, int64_t offset, int64_t count) {
         TERA_ASSERTF(sl->g[x] == h->base + ((int64_t)h->me * 2 + z->gl_b) * h->n, "ZeRO-2: layer gradients outside the shared block");
         TERA_ASSERTF(z->rs_len < MAX_RS, "ZeRO-2: more than %d gradient sums in flight", MAX_RS);
         h->k_of[z->gl_b] = ++h->k;
+        z->n_shg++;
         tera_comm_shared_post(h->s, SG_GRD, h->k);
         tera_comm_shared_count(h->s, TERA_TRAFFIC_REDUCE_SCATTER, z->cnt);
         zrs *e = &z->rs[(z->rs_head + z->rs_len++) % MAX_RS];
@@ -678,6 +680,145 @@ static void bind_hooks(tera_zero *zr) {
     if (zr->stage >= 3) m->use_params = zero_use_params;
 }
 
+/* ------------------------------------------------------------------ ZeRO-0 and ZeRO-1 on one host
+ * Where the data-parallel ranks all run on one host (the experts summed over all of them or over none:
+ * edp = dp or 1; no hierarchical or compressed reducer; ZeRO-1 with its reduce-scatters overlapped),
+ * the model's whole gradient buffer is in host-shared memory ([dp][n], tera_model_adopt_grads) and
+ * the buckets (a layer's non-expert or expert tensors, the head, the embedding; the last micro-batch's
+ * backward) are summed straight from the ranks' buffers instead of through the segment's copies. A
+ * bucket is numbered alike on every rank; when it is final the rank posts WG_GRD = k, and once every
+ * rank has posted k it sums its share of the bucket over the ranks' buffers in rank order (t = g_0 +
+ * g_1 + ..., the segment's order: the same bits) and writes t where the collective would: ZeRO-0
+ * (all-reduce; its share is 1/dp of the bucket) into every rank's buffer, ZeRO-1 (reduce-scatter; its
+ * share is its shard's piece) into its own; then it posts WG_SUMD = k. tera_zero_reduce_grads sums what
+ * is left and waits until every rank has posted its last WG_SUMD: every share is in this rank's buffer
+ * and no rank still reads it. On two ranks that is about 8 bytes of memory traffic per float of a
+ * bucket (ZeRO-0) instead of about 22. TERA_ZERO_SHARED=0: the segment's collectives (A/B). */
+enum { WG_GRD, WG_SUMD, WG_FLAGS };
+typedef struct {
+    int64_t off, n; /* the bucket in the flat buffer */
+    uint64_t k;     /* its number */
+} zwbucket;
+struct tera_zero_whole {
+    tera_comm_shared *s;
+    float *base;          /* [ranks][n] */
+    int64_t n;            /* floats of one rank's buffer (n_floats padded to 16) */
+    int ranks, me, sum_x; /* sum_x: the experts' region is summed too (edp = dp) */
+    uint64_t k;           /* buckets posted by this rank (the same count on every rank; tera_zero_shared_sums) */
+    zwbucket *q;          /* [n_buckets] posted, not yet summed by this rank, oldest first */
+    int q_head, q_len, q_cap;
+};
+
+/* Sums bucket b's share of this rank (see above) and posts it. */
+static void whole_sum(tera_zero *zr, const zwbucket *b) {
+    struct tera_zero_whole *w = zr->zw;
+    int64_t lo, hi; /* this rank's share, in the flat buffer */
+    if (zr->stage == 0) {
+        lo = b->off + b->n * w->me / w->ranks;
+        hi = b->off + b->n * (w->me + 1) / w->ranks;
+    } else {
+        const int x = b->off >= zr->model->n_dense_floats;
+        const int64_t base = x ? zr->model->n_dense_floats : 0;
+        int64_t soff;
+        const int64_t mine = piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, b->off - base,
+                                          b->off - base + b->n, zr->rs_cnt, &soff);
+        lo = b->off + mine;
+        hi = lo + zr->rs_cnt[w->me];
+    }
+    for (int64_t i0 = lo; i0 < hi; i0 += 1024) { /* blocks: t stays in L1 between the ranks' passes */
+        const int64_t nb = hi - i0 < 1024 ? hi - i0 : 1024;
+        float t[1024];
+        memcpy(t, w->base + i0, sizeof(float) * (size_t)nb);
+        for (int r = 1; r < w->ranks; r++) {
+            const float *restrict g = w->base + r * w->n + i0;
+            for (int64_t i = 0; i < nb; i++) t[i] += g[i];
+        }
+        if (zr->stage == 0)
+            for (int r = 0; r < w->ranks; r++) memcpy(w->base + r * w->n + i0, t, sizeof(float) * (size_t)nb);
+        else
+            memcpy(w->base + w->me * w->n + i0, t, sizeof(float) * (size_t)nb);
+    }
+    tera_comm_shared_post(w->s, WG_SUMD, b->k);
+}
+
+/* Sums the posted buckets whose gradients every rank has posted, oldest first; all of them, waiting,
+ * when `all`. */
+static void whole_progress(tera_zero *zr, int all) {
+    struct tera_zero_whole *w = zr->zw;
+    while (w->q_len > 0) {
+        const zwbucket *b = &w->q[w->q_head];
+        const int ready = tera_comm_shared_reached(w->s, WG_GRD, b->k);
+        if (!ready && !all) return;
+        if (!ready) tera_comm_shared_wait(w->s, WG_GRD, b->k, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE);
+        if (ready && zr->stage) zr->rs1[2]++; /* complete before its wait (a poll saw it) */
+        whole_sum(zr, b);
+        w->q_head = (w->q_head + 1) % w->q_cap;
+        w->q_len--;
+    }
+}
+
+/* Stages 0 and 1 in host-shared memory: a bucket is ready (last micro-batch of a step). */
+static void whole_bucket_ready(void *ctx, int64_t offset, int64_t count) {
+    tera_zero *zr = ctx;
+    struct tera_zero_whole *w = zr->zw;
+    if (offset >= zr->model->n_dense_floats && !w->sum_x) return; /* experts, edp = 1: nothing to sum */
+    TERA_ASSERTF(w->q_len < w->q_cap, "more gradient buckets than the %d expected", w->q_cap);
+    tera_comm_shared_post(w->s, WG_GRD, ++w->k);
+    w->q[(w->q_head + w->q_len++) % w->q_cap] = (zwbucket){.off = offset, .n = count, .k = w->k};
+    int64_t cnt[64], *c = zr->rs_cnt; /* what the collective would send */
+    if (zr->stage == 0) {
+        TERA_ASSERTF(w->ranks <= 64, "%d data-parallel ranks in one host-shared block", w->ranks);
+        for (int r = 0; r < w->ranks; r++) cnt[r] = count * (r + 1) / w->ranks - count * r / w->ranks;
+        c = cnt;
+    } else {
+        const int x = offset >= zr->model->n_dense_floats;
+        const int64_t base = x ? zr->model->n_dense_floats : 0;
+        int64_t soff;
+        piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, offset - base, offset - base + count,
+                     zr->rs_cnt, &soff);
+        zr->rs1[0]++, zr->rs1[1]++; /* over several ranks, started before the wait */
+        zr->rs1_started = 1;
+    }
+    tera_comm_shared_count(w->s, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE, c);
+    whole_progress(zr, 0);
+}
+
+/* Every bucket summed, and every rank done with this rank's buffer (tera_zero_reduce_grads). */
+static void whole_finish(tera_zero *zr) {
+    struct tera_zero_whole *w = zr->zw;
+    whole_progress(zr, 1);
+    tera_comm_shared_wait(w->s, WG_SUMD, w->k, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE);
+}
+
+/* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
+static void whole_create(tera_zero *zr) {
+    tera_model *m = zr->model;
+    const char *she = getenv("TERA_ZERO_SHARED");
+    if (zr->stage > 1 || zr->topo.dp < 2 || !m->g || zr->gred[0] || zr->gred[1] || (she && !strcmp(she, "0")) ||
+        (zr->stage == 1 && !zr->rs_overlap) || !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1) || zr->topo.dp > 64)
+        return;
+    const int64_t n = (m->n_floats + 15) & ~(int64_t)15;
+    tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * n * zr->topo.dp, WG_FLAGS);
+    if (!s) return;
+    struct tera_zero_whole *w = tera_calloc(1, sizeof *w);
+    *w = (struct tera_zero_whole){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
+                                  .me = zr->topo.dp_rank, .sum_x = zr->topo.edp == zr->topo.dp && m->n_floats > m->n_dense_floats,
+                                  .q_cap = zr->n_buckets};
+    w->q = tera_calloc((size_t)w->q_cap, sizeof(zwbucket));
+    zr->zw = w;
+    tera_model_adopt_grads(m, w->base + (int64_t)w->me * n);
+}
+
+static void whole_free(tera_zero *zr) {
+    struct tera_zero_whole *w = zr->zw;
+    if (!w) return;
+    tera_model_adopt_grads(zr->model, NULL); /* the model's gradient views leave the block */
+    tera_comm_shared_free(w->s);             /* collective over dp */
+    free(w->q);
+    free(w);
+    zr->zw = NULL;
+}
+
 /* The first bucket request not in flight (stages 0 and 1 start one per bucket, in backward order). */
 static int bucket_free(const tera_zero *zr) {
     int i = 0;
@@ -725,6 +866,7 @@ void (*tera_zero_grad_ready(tera_zero *zr, int last))(void *, int64_t, int64_t) 
     /* hierarchical / compressed: summed in tera_zero_reduce_grads (so is ZeRO-1 with
      * TERA_ZERO_RS_OVERLAP=0) */
     if (!last || zr->topo.dp == 1 || zr->gred[0] || zr->gred[1]) return NULL;
+    if (zr->zw) return whole_bucket_ready; /* host-shared memory (above) */
     if (!zr->stage) return bucket_ready;
     return zr->rs_overlap ? bucket_ready_rs : NULL;
 }
@@ -1131,19 +1273,26 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
     if (zr->topo.edp > 1 && n > nd)
         zr->gred[1] = tera_greducer_create(zr->edp, n - nd, (tera_compress_kind)ck, env->hierarchical);
     if (zr->zs && (zr->gred[0] || zr->gred[1])) zr->zs->rs_overlap = 0; /* the reducers' sums block */
-    zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
     zr->n_buckets = 2 * (m->cfg.n_layers + 2); /* per layer: non-expert and expert tensors */
+    zr->rs_cnt = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
+    whole_create(zr); /* ZeRO-0/1 on one host (collective over dp) */
+    zr->grad_sq = tera_calloc((size_t)(4 * m->n_params), sizeof(double)); /* + the step's scratch */
     zr->buckets = tera_calloc((size_t)zr->n_buckets, sizeof(tera_comm_req));
     zr->rs1_nb = tera_calloc((size_t)zr->n_buckets, 1);
-    zr->rs_cnt = tera_calloc((size_t)(zr->topo.dp > zr->topo.edp ? zr->topo.dp : zr->topo.edp), sizeof(int64_t));
     bind_hooks(zr);
     *out = zr;
     return TERA_OK;
 }
 
+int64_t tera_zero_shared_sums(const tera_zero *zr) {
+    if (!zr) return 0;
+    return (zr->zw ? (int64_t)zr->zw->k : 0) + (zr->zs ? zr->zs->n_shg : 0);
+}
+
 void tera_zero_destroy(tera_zero *zr) {
     if (!zr) return;
     zero23_free(zr);
+    whole_free(zr);
     tera_greducer_free(zr->gred[0]);
     tera_greducer_free(zr->gred[1]);
     free(zr->shard_counts);
@@ -1239,6 +1388,11 @@ void tera_zero_reduce_grads(tera_zero *zr) {
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
     rs_drain(zr->zs); /* ZeRO-2/3: the last sums still in flight */
     if (zr->topo.dp == 1 || zr->stage >= 2) return; /* ZeRO-2/3: reduced group by group during backward */
+    if (zr->zw) { /* host-shared memory: the buckets posted during the last backward */
+        whole_finish(zr);
+        zr->rs1_started = 0;
+        return;
+    }
     if (zr->stage && zr->rs1_started) { /* ZeRO-1: the buckets' reduce-scatters started during the last backward */
         for (int i = 0; i < zr->n_buckets; i++) {
             zr->rs1[2] += zr->rs1_nb[i] && !zr->buckets[i].active; /* done while compute ran (a poll saw it) */
