@@ -12,6 +12,7 @@
  * order beside small MPI ones, sizes that are no multiple of a chunk, each element summed in rank
  * order (bit for bit), in the world and in sub-groups; the whole again with TERA_COMM_SHM=0 (MPI's
  * collectives). The one-rank backend: tests/test_comm_single.c. */
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -395,6 +396,14 @@ static int mpi_contracts(int argc, char **argv) {
             CHECK(traffic_is(0, 0, 2.0 * share * 4.0 * (double)(per * p), 0, 0));
             CHECK(me == 0 || t.blocked_kind_s[TERA_TRAFFIC_ALLGATHER] >= 0.015); /* rank 0 slept 20 ms before posting */
             tera_comm_shared_free(sb);
+        }
+        /* a block larger than /dev/shm has free is not made (it would fault when touched): none, on every rank */
+        struct statvfs fsv;
+        if (shm && statvfs("/dev/shm", &fsv) == 0) {
+            const double free_b = (double)fsv.f_bavail * (double)fsv.f_frsize;
+            tera_comm_shared *huge = tera_comm_shared_create(w, (int64_t)(2.0 * free_b) + 4096, 1);
+            CHECK(huge == NULL);
+            tera_comm_shared_free(huge);
         }
         tera_comm *solo = tera_comm_split(w, me, 0); /* one rank each */
         CHECK(tera_comm_shared_create(solo, 64, 1) == NULL);

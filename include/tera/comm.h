@@ -185,8 +185,10 @@ int tera_comm_member_node(const tera_comm *c, int r);   /* member r of c's node 
  * products read the one gathered copy, with no copy out.
  * tera_comm_shared_create: collective over c; `bytes` bytes (64-byte aligned, not initialised: pages
  * no member touches stay out of resident memory) and the flags (zero), or NULL on every rank alike
- * where there are none: one-rank groups, a backend without them
- * (NCCL), members on several hosts, TERA_COMM_SHM=0. tera_comm_shared_free is collective too. */
+ * where there are none: one-rank groups, a backend without them (NCCL), members on several hosts,
+ * TERA_COMM_SHM=0, a block that does not fit in what /dev/shm (the MPI backend's store) has free.
+ * tera_comm_shared_free is not collective: each member releases its own view (NULL: nothing), so a
+ * rank that leaves on an error of its own does not wait for the others there. */
 typedef struct tera_comm_shared tera_comm_shared;
 tera_comm_shared *tera_comm_shared_create(tera_comm *c, int64_t bytes, int nflags);
 void tera_comm_shared_free(tera_comm_shared *s);

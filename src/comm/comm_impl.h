@@ -74,9 +74,9 @@ struct tera_comm_backend {
     void *(*ireduce_scatter_f32)(tera_comm *c, float *buf, const int64_t *counts);
     /* Host-shared memory (tera_comm_shared_create; NULL: none, as in the NCCL backend): collective
      * over c, `bytes` bytes every member maps, not initialised, 64-byte aligned at *mem; returns the handle
-     * shared_free (collective) takes, or NULL on every rank alike where there is none (members on
-     * several hosts). wait_for blocks until done(arg) returns 1, polling under the watchdog as every
-     * wait does. */
+     * shared_free takes (not collective: each member releases its own view), or NULL on every rank
+     * alike where there is none (members on several hosts, no room). wait_for blocks until done(arg)
+     * returns 1, polling under the watchdog as every wait does. */
     void *(*shared_alloc)(tera_comm *c, size_t bytes, void **mem);
     void (*shared_free)(void *handle);
     void (*wait_for)(int (*done)(void *), void *arg);

@@ -6,6 +6,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -140,8 +143,14 @@ void tera_shm_free(tera_shm *s) {
     free(s);
 }
 
+/* A POSIX shared-memory object (/dev/shm): rank 0 creates it under a name no other process uses,
+ * reserves its pages (posix_fallocate: a block that does not fit fails here, not with SIGBUS at the
+ * first touch of a page beyond the tmpfs's limit), every rank maps it, and rank 0 removes the name
+ * once all have: nothing is left behind if the job dies. Freeing is munmap, on each rank by itself,
+ * so a rank that leaves on an error of its own never waits for the others there. */
 struct tera_shm_mem {
-    MPI_Win win;
+    void *map;
+    size_t bytes;
 };
 
 tera_shm_mem *tera_shm_mem_create(MPI_Comm comm, size_t bytes, void **base) {
@@ -151,31 +160,38 @@ tera_shm_mem *tera_shm_mem_create(MPI_Comm comm, size_t bytes, void **base) {
     MPI_Comm_rank(comm, &rank);
     const char *e = getenv("TERA_COMM_SHM");
     if (size < 2 || (e && !strcmp(e, "0")) || !on_one_host(comm)) return NULL;
-    /* one allocation, rank 0's: every rank maps the same contiguous bytes */
-    void *mine = NULL;
-    MPI_Win win = MPI_WIN_NULL;
-    int ok = MPI_Win_allocate_shared(rank == 0 ? (MPI_Aint)(bytes + 64) : 0, 1, MPI_INFO_NULL, comm, &mine, &win) ==
-             MPI_SUCCESS;
-    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm);
-    if (!ok) {
-        if (win != MPI_WIN_NULL) MPI_Win_free(&win);
+    static unsigned g_blocks = 0; /* this process's blocks: part of the name */
+    char name[64] = {0};
+    int ok = 1, fd = -1;
+    if (rank == 0) {
+        snprintf(name, sizeof name, "/tera-%ld-%u-%lx", (long)getpid(), g_blocks++, (unsigned long)time(NULL));
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        ok = fd >= 0 && ftruncate(fd, (off_t)bytes) == 0 && posix_fallocate(fd, 0, (off_t)bytes) == 0;
+    }
+    MPI_Bcast(&ok, 1, MPI_INT, 0, comm);
+    MPI_Bcast(name, (int)sizeof name, MPI_CHAR, 0, comm);
+    if (ok && rank != 0) {
+        fd = shm_open(name, O_RDWR, 0600);
+        ok = fd >= 0;
+    }
+    void *map = ok ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    if (fd >= 0) close(fd);
+    int all = map != MAP_FAILED;
+    MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm); /* every rank has mapped it (or one failed) */
+    if (rank == 0 && name[0]) shm_unlink(name);
+    if (!all) {
+        if (map != MAP_FAILED) munmap(map, bytes);
         return NULL;
     }
-    MPI_Aint qsize = 0;
-    int disp = 0;
-    unsigned char *seg = NULL;
-    MPI_Win_shared_query(win, 0, &qsize, &disp, &seg);
-    TERA_ASSERTF(seg && qsize >= (MPI_Aint)(bytes + 64), "shared window of %ld bytes, %zu asked", (long)qsize, bytes);
-    unsigned char *b = seg + ((64 - (uintptr_t)seg % 64) % 64); /* the same on every rank: each maps the window from a page boundary */
     tera_shm_mem *m = tera_calloc(1, sizeof *m);
-    m->win = win;
-    *base = b;
+    *m = (tera_shm_mem){.map = map, .bytes = bytes};
+    *base = map; /* page-aligned */
     return m;
 }
 
 void tera_shm_mem_free(tera_shm_mem *m) {
     if (!m) return;
-    MPI_Win_free(&m->win);
+    munmap(m->map, m->bytes);
     free(m);
 }
 

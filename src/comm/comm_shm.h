@@ -57,10 +57,11 @@ int tera_shm_progress(void);
 /* 1 once op is done: its buffer holds the result and op may be reused (acquire) */
 int tera_shm_done(const tera_shm_op *op);
 /* Host-shared memory for tera_comm_shared_create (src/comm/comm.c, through the MPI backend's
- * shared_alloc): `bytes` bytes that every rank of comm maps (not initialised: a page nobody
- * touches stays out of every rank's resident memory), 64-byte aligned; NULL on every
- * rank alike where the ranks are not all on one host or the window cannot be made. Collective over
- * comm, as tera_shm_mem_free is. */
+ * shared_alloc): `bytes` bytes that every rank of comm maps (a POSIX shared-memory object, its pages
+ * reserved but not written: a page no rank touches stays out of every resident set), page-aligned;
+ * NULL on every rank alike where the ranks are not all on one host, TERA_COMM_SHM=0, or the object
+ * cannot be made (e.g. /dev/shm lacks the room). Creation is collective over comm; tera_shm_mem_free
+ * is not (each rank unmaps its own view). */
 typedef struct tera_shm_mem tera_shm_mem;
 tera_shm_mem *tera_shm_mem_create(MPI_Comm comm, size_t bytes, void **base);
 void tera_shm_mem_free(tera_shm_mem *m);

@@ -365,7 +365,7 @@ static void zero23_free(tera_zero *zr) {
     tera_comm_wait(&z->pf.req[1]);
     free(z->block);
     free(z->cnt);
-    for (int x = 0; x < 2; x++) { /* collective over the region's ranks */
+    for (int x = 0; x < 2; x++) { /* (this rank's views: not collective) */
         tera_comm_shared_free(z->sh[x].s);
         tera_comm_shared_free(z->shg[x].s);
     }
@@ -813,7 +813,7 @@ static void whole_free(tera_zero *zr) {
     struct tera_zero_whole *w = zr->zw;
     if (!w) return;
     tera_model_adopt_grads(zr->model, NULL); /* the model's gradient views leave the block */
-    tera_comm_shared_free(w->s);             /* collective over dp */
+    tera_comm_shared_free(w->s);             /* this rank's view (not collective) */
     free(w->q);
     free(w);
     zr->zw = NULL;
