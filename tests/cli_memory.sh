@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory per rank at every moment (issue 13, part 1): no rank ever holds the whole model, also
-# not while saving, resuming or converting a checkpoint. On a model whose weights (29 MB) are
+# not while saving, resuming or converting a checkpoint. On a model whose weights (57 MB) are
 # much larger than a rank's ZeRO-3 shard, for dp = 1, 2, 4 and 8 (ZeRO-3), each rank's peak
 # resident memory (ru_maxrss, from /usr/bin/time) of
 #   - a run of 2 steps that saves nothing (logging.run_dir = ""): the step-loop peak P;
@@ -8,8 +8,12 @@
 #   - --resume from that checkpoint (one more step, then its final save);
 #   - tera ckpt convert of that checkpoint to another layout (ZeRO-1, expert parallel where dp > 1)
 #   - a run starting from a Hugging Face directory (training.init_from, exported from dp1's checkpoint)
-# stays within P + MARGIN, with MARGIN (16 MiB) far below one copy of the weights (27.6 MiB; the
-# code this replaced held 3 whole copies on every rank while saving: +170 MiB at dp4). One rank
+# stays within P + MARGIN (+ SEG with several ranks), with MARGIN (16 MiB) + SEG (16 MiB) well below one
+# copy of the weights (54.6 MiB; the code this replaced held 3 whole copies on every rank while saving:
+# +170 MiB at dp4 on half this model). SEG is the shared segment a group of ranks maps for its fp32
+# collectives (src/comm/comm_shm.c: two sets of 8 MiB): the saves' collectives use it, while since
+# wave 28 of issue 19 the step loop's gradient sums and ZeRO-3 gathers go through host-shared blocks
+# instead and may leave its pages untouched (P then lacks them). One rank
 # (dp = 1) snapshots its own storage only for a save in the background (3 x its floats, the rank's
 # double buffer, which is the whole model there; checkpoint.async with checkpoint.every): its bound
 # is P + the snapshot `tera train` announces + MARGIN. Its synchronous saves (the final one, and every
@@ -23,7 +27,8 @@ SRC=$2
 . "$(dirname "$0")/mpilib.sh"
 [ -x /usr/bin/time ] || { echo "skip: /usr/bin/time not installed"; exit 0; }
 MARGIN_MIB=16
-BIG=(--model.dim=256 --model.n_layers=4 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=8 --model.ffn_dim=256
+SEG_MIB=16
+BIG=(--model.dim=256 --model.n_layers=8 --model.n_heads=8 --model.n_kv_heads=4 --model.n_experts=8 --model.ffn_dim=256
      --model.vocab_size=256 --training.seq_len=32 --training.micro_batch=1 --training.grad_accum=1 --training.threads=1
      --training.warmup_steps=1 --data.path="$W/c.txt" --data.val_fraction=0 --training.precision=fp32
      --logging.log_every=100 --checkpoint.writer_buffer_mb=1 --checkpoint.keep=0)
@@ -66,7 +71,7 @@ for dp in 1 2 4 8; do
     [ -d "$HF" ] || "$TERA" export-hf --from "$W/run1/checkpoints/step_00000002" --out "$HF" --tera-moe > "$W/hf.log" 2>&1 \
         || fail "export-hf: $(tail -2 "$W/hf.log")"
     h=$(run hfinit$dp $dp train "${BIG[@]}" "${Z[@]}" --training.steps=2 --logging.run_dir= --training.init_from="$HF")
-    bound=$(awk -v p="$p" -v m="$MARGIN_MIB" 'BEGIN { printf "%.1f", p + m }')
+    bound=$(awk -v p="$p" -v m="$MARGIN_MIB" -v g="$([ "$dp" -gt 1 ] && echo "$SEG_MIB" || echo 0)" 'BEGIN { printf "%.1f", p + m + g }')
     if [ "$dp" = 1 ]; then # the single rank's snapshot: weights, moments, router bias of its own storage
         snap=$(grep -o "checkpoint memory per rank: snapshot [0-9]*" "$W/save1.log" | grep -o "[0-9]*$")
         bound=$(awk -v p="$p" -v m="$MARGIN_MIB" -v s="${snap:-0}" 'BEGIN { printf "%.1f", p + s / 1048576 + m }')
