@@ -403,7 +403,6 @@ void tera_comm_shared_free(tera_comm_shared *s) {
 
 void *tera_comm_shared_mem(const tera_comm_shared *s) { return s->mem; }
 
-
 void tera_comm_shared_post(tera_comm_shared *s, int flag, uint64_t v) {
     atomic_store_explicit(flag_of(s, s->c->rank, flag), v, memory_order_release);
 }
