@@ -73,6 +73,9 @@ typedef struct tera_zero {
     int rs_overlap;                /* gradient reduce-scatters non-blocking (TERA_ZERO_RS_OVERLAP != 0): ZeRO-1's
                                       buckets, ZeRO-2/3's groups (their staging also turns it off for the
                                       hierarchical / compressed reducers) */
+    int host_shared;               /* gradient sums and ZeRO-3 gathers in host-shared memory where a group's ranks
+                                      share one host (TERA_ZERO_SHARED != 0, no hierarchical / compressed
+                                      reducer; zero.c, "on one host") */
     int rs1_started;               /* ZeRO-1: this step's buckets were started (tera_zero_reduce_grads waits) */
     unsigned char *rs1_nb;         /* [n_buckets] ZeRO-1: the bucket's sum started non-blocking over several ranks */
     int64_t rs1[3];                /* ZeRO-1: reduce-scatters over several ranks, started non-blocking, done

@@ -170,6 +170,17 @@ struct tera_zero_staging {
 
 static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : group == TERA_GROUP_HEAD ? SLOT_HEAD : SLOT_LAYER; }
 
+/* t[0..nb) = base[at + i] + base[stride + at + i] + ... over `ranks` buffers `stride` floats apart: in
+ * rank order, the order of the segment's sums (the same bits) */
+static void sum_over_ranks(float *restrict t, const float *base, int64_t stride, int ranks, int64_t at, int64_t nb) {
+    memcpy(t, base + at, sizeof(float) * (size_t)nb);
+    for (int r = 1; r < ranks; r++) {
+        const float *restrict g = base + r * stride + at;
+        for (int64_t i = 0; i < nb; i++) t[i] += g[i];
+    }
+}
+enum { SUM_BLOCK = 1024 }; /* floats of t: it stays in L1 between the ranks' passes */
+
 /* Completes the oldest sum in flight and adds this rank's piece into its shard. */
 static void rs_finish_oldest(tera_zero_staging *z) {
     TERA_ASSERT(z->rs_len > 0);
@@ -180,14 +191,10 @@ static void rs_finish_oldest(tera_zero_staging *z) {
         tera_comm_shared_wait(h->s, SG_GRD, e->k, TERA_TRAFFIC_REDUCE_SCATTER);
         const int64_t stride = 2 * h->n, off = (int64_t)e->b * h->n + e->mine;
         float *restrict dst = e->dst;
-        for (int64_t i0 = 0; i0 < e->n; i0 += 1024) { /* blocks: t stays in L1 between the ranks' passes */
-            const int64_t nb = e->n - i0 < 1024 ? e->n - i0 : 1024;
-            float t[1024];
-            memcpy(t, h->base + off + i0, sizeof(float) * (size_t)nb);
-            for (int r = 1; r < h->ranks; r++) {
-                const float *restrict g = h->base + r * stride + off + i0;
-                for (int64_t i = 0; i < nb; i++) t[i] += g[i];
-            }
+        for (int64_t i0 = 0; i0 < e->n; i0 += SUM_BLOCK) {
+            const int64_t nb = e->n - i0 < SUM_BLOCK ? e->n - i0 : SUM_BLOCK;
+            float t[SUM_BLOCK];
+            sum_over_ranks(t, h->base, stride, h->ranks, off + i0, nb);
             for (int64_t i = 0; i < nb; i++) dst[i0 + i] += t[i];
         }
         tera_comm_shared_post(h->s, SG_SUMD, e->k);
@@ -273,9 +280,7 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
     /* the layer slots in host-shared memory, region by region (zshared, zshgrad; collective over the
      * region's ranks: every rank creates them in the same order; none with the hierarchical or
      * compressed reducers, whose sums and gathers stay theirs) */
-    const char *she = getenv("TERA_ZERO_SHARED");
-    const int shared_on = !(she && !strcmp(she, "0")) && !env->hierarchical &&
-                          !(env->grad_compression && strcmp(env->grad_compression, "none"));
+    const int shared_on = zr->host_shared;
     for (int x = 0; x < 2 && shared_on; x++) { /* the layer slot's gradients (stages 2 and 3) */
         const int64_t n = (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
         tera_comm *c = x ? zr->edp : zr->dp;
@@ -696,8 +701,8 @@ static void bind_hooks(tera_zero *zr) {
  * bucket (ZeRO-0) instead of about 22. TERA_ZERO_SHARED=0: the segment's collectives (A/B). */
 enum { WG_GRD, WG_SUMD, WG_FLAGS };
 typedef struct {
-    int64_t off, n; /* the bucket in the flat buffer */
-    uint64_t k;     /* its number */
+    int64_t lo, hi; /* this rank's share of the bucket, in the flat buffer */
+    uint64_t k;     /* the bucket's number */
 } zwbucket;
 struct tera_zero_whole {
     tera_comm_shared *s;
@@ -712,27 +717,10 @@ struct tera_zero_whole {
 /* Sums bucket b's share of this rank (see above) and posts it. */
 static void whole_sum(tera_zero *zr, const zwbucket *b) {
     struct tera_zero_whole *w = zr->zw;
-    int64_t lo, hi; /* this rank's share, in the flat buffer */
-    if (zr->stage == 0) {
-        lo = b->off + b->n * w->me / w->ranks;
-        hi = b->off + b->n * (w->me + 1) / w->ranks;
-    } else {
-        const int x = b->off >= zr->model->n_dense_floats;
-        const int64_t base = x ? zr->model->n_dense_floats : 0;
-        int64_t soff;
-        const int64_t mine = piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, b->off - base,
-                                          b->off - base + b->n, zr->rs_cnt, &soff);
-        lo = b->off + mine;
-        hi = lo + zr->rs_cnt[w->me];
-    }
-    for (int64_t i0 = lo; i0 < hi; i0 += 1024) { /* blocks: t stays in L1 between the ranks' passes */
-        const int64_t nb = hi - i0 < 1024 ? hi - i0 : 1024;
-        float t[1024];
-        memcpy(t, w->base + i0, sizeof(float) * (size_t)nb);
-        for (int r = 1; r < w->ranks; r++) {
-            const float *restrict g = w->base + r * w->n + i0;
-            for (int64_t i = 0; i < nb; i++) t[i] += g[i];
-        }
+    for (int64_t i0 = b->lo; i0 < b->hi; i0 += SUM_BLOCK) {
+        const int64_t nb = b->hi - i0 < SUM_BLOCK ? b->hi - i0 : SUM_BLOCK;
+        float t[SUM_BLOCK];
+        sum_over_ranks(t, w->base, w->n, w->ranks, i0, nb);
         if (zr->stage == 0)
             for (int r = 0; r < w->ranks; r++) memcpy(w->base + r * w->n + i0, t, sizeof(float) * (size_t)nb);
         else
@@ -763,23 +751,24 @@ static void whole_bucket_ready(void *ctx, int64_t offset, int64_t count) {
     struct tera_zero_whole *w = zr->zw;
     if (offset >= zr->model->n_dense_floats && !w->sum_x) return; /* experts, edp = 1: nothing to sum */
     TERA_ASSERTF(w->q_len < w->q_cap, "more gradient buckets than the %d expected", w->q_cap);
-    tera_comm_shared_post(w->s, WG_GRD, ++w->k);
-    w->q[(w->q_head + w->q_len++) % w->q_cap] = (zwbucket){.off = offset, .n = count, .k = w->k};
-    int64_t cnt[64], *c = zr->rs_cnt; /* what the collective would send */
+    /* the ranks' shares (rs_cnt: what the collective would send) and this rank's: ZeRO-0 1/dp of the
+     * bucket each, ZeRO-1 the shards' pieces */
+    int64_t lo = offset;
     if (zr->stage == 0) {
-        TERA_ASSERTF(w->ranks <= 64, "%d data-parallel ranks in one host-shared block", w->ranks);
-        for (int r = 0; r < w->ranks; r++) cnt[r] = count * (r + 1) / w->ranks - count * r / w->ranks;
-        c = cnt;
+        for (int r = 0; r < w->ranks; r++) zr->rs_cnt[r] = count * (r + 1) / w->ranks - count * r / w->ranks;
+        lo += count * w->me / w->ranks;
     } else {
         const int x = offset >= zr->model->n_dense_floats;
         const int64_t base = x ? zr->model->n_dense_floats : 0;
         int64_t soff;
-        piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, offset - base, offset - base + count,
-                     zr->rs_cnt, &soff);
+        lo += piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, offset - base, offset - base + count,
+                           zr->rs_cnt, &soff);
         zr->rs1[0]++, zr->rs1[1]++; /* over several ranks, started before the wait */
         zr->rs1_started = 1;
     }
-    tera_comm_shared_count(w->s, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE, c);
+    tera_comm_shared_post(w->s, WG_GRD, ++w->k);
+    w->q[(w->q_head + w->q_len++) % w->q_cap] = (zwbucket){.lo = lo, .hi = lo + zr->rs_cnt[w->me], .k = w->k};
+    tera_comm_shared_count(w->s, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE, zr->rs_cnt);
     whole_progress(zr, 0);
 }
 
@@ -793,9 +782,8 @@ static void whole_finish(tera_zero *zr) {
 /* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
 static void whole_create(tera_zero *zr) {
     tera_model *m = zr->model;
-    const char *she = getenv("TERA_ZERO_SHARED");
-    if (zr->stage > 1 || zr->topo.dp < 2 || !m->g || zr->gred[0] || zr->gred[1] || (she && !strcmp(she, "0")) ||
-        (zr->stage == 1 && !zr->rs_overlap) || !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1) || zr->topo.dp > 64)
+    if (!zr->host_shared || zr->stage > 1 || zr->topo.dp < 2 || !m->g || (zr->stage == 1 && !zr->rs_overlap) ||
+        !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1))
         return;
     const int64_t n = (m->n_floats + 15) & ~(int64_t)15;
     tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * n * zr->topo.dp, WG_FLAGS);
@@ -1265,6 +1253,10 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
      * after the backward; ZeRO-2/3: each group's as it is ready); the same bits */
     const char *ov = getenv("TERA_ZERO_RS_OVERLAP");
     zr->rs_overlap = !(ov && strcmp(ov, "0") == 0);
+    /* A/B switch, TERA_ZERO_SHARED=0: the collectives instead of host-shared memory (the same bits); the
+     * hierarchical and compressed reducers keep their own sums and gathers */
+    const char *she = getenv("TERA_ZERO_SHARED");
+    zr->host_shared = !(she && !strcmp(she, "0")) && !env->hierarchical && ck == TERA_COMPRESS_NONE;
     if (zr->stage >= 2) zero23_init(zr, env);
     tera_adamw_plan(&zr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
     tera_adamw_plan(&zr->opt_x, m);
