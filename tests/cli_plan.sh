@@ -214,11 +214,26 @@ done
     && $MPIRUN -np 2 "$TERA" plan --calibrate "${TINY[@]}" --out "$W/cal.ini" >> "$W/cal.log" 2>&1 \
     && grep -q '^\[gemm\]' "$W/cal.ini" && grep -q '^point = 1 fp32 ' "$W/cal.ini" && grep -q '^\[attention\]' "$W/cal.ini" \
     && grep -q '^\[memory\]' "$W/cal.ini" && grep -q '^allreduce = 2 ' "$W/cal.ini" && grep -q '^alltoall = 2 ' "$W/cal.ini" \
+    && grep -q '^shared_sum = 2 ' "$W/cal.ini" \
     && awk '/^\[/ {s = $0} s == "[shared]" && $1 == "point" && $3 == 2 && $5 > 0 && $5 <= 1.5 && $6 > 0 && $6 <= 1.5 {n++} END {exit n != 1}' "$W/cal.ini" \
     && "$TERA" plan --dry-run "${TINY[@]}" --training.threads=1 --hardware "$W/cal.ini" --json > "$W/calp.json" 2> "$W/calp.err" \
     && [ "$(jq '.time.matmul_s > 0 and .time.memory_s > 0 and .time.step_s >= .time.compute_s' "$W/calp.json")" = true ] \
     && pass "tera plan --calibrate: $(grep -c '^point' "$W/cal.ini") measured points, $(grep -c '= 2 ' "$W/cal.ini") collective fits; the time model reads them" \
     || fail "calibrate: $(tail -3 "$W/cal.log"; cat "$W/calp.err" 2> /dev/null)"
+# the shared_sum fit (ZeRO's sums in host-shared memory) prices dp 2's sums: the same plan without it
+# prices the segment's collectives instead, another figure; without host-shared blocks
+# (TERA_COMM_SHM=0) the calibration writes no such fit
+grep -v '^shared_sum' "$W/cal.ini" > "$W/cal-nosh.ini"
+if "$TERA" plan --dry-run "${TINY[@]}" --training.threads=1 --parallel.dp=2 --hardware "$W/cal.ini" --json > "$W/calsh.json" 2> "$W/calsh.err" \
+    && "$TERA" plan --dry-run "${TINY[@]}" --training.threads=1 --parallel.dp=2 --hardware "$W/cal-nosh.ini" --json > "$W/calnosh.json" 2>> "$W/calsh.err" \
+    && [ "$(jq '.time.dp_total_s > 0' "$W/calsh.json")" = true ] \
+    && [ "$(jq -r '.time.dp_total_s' "$W/calsh.json")" != "$(jq -r '.time.dp_total_s' "$W/calnosh.json")" ] \
+    && $MPIRUN -np 2 env TERA_COMM_SHM=0 "$TERA" plan --calibrate "${TINY[@]}" --out "$W/cal-noshm.ini" > "$W/cal-noshm.log" 2>&1 \
+    && grep -q '^allreduce = 2 ' "$W/cal-noshm.ini" && ! grep -q '^shared_sum' "$W/cal-noshm.ini"; then
+    pass "shared_sum: dp 2's sums $(jq '.time.dp_total_s * 1e6 | round' "$W/calsh.json") us with the fit, $(jq '.time.dp_total_s * 1e6 | round' "$W/calnosh.json") us as collectives; none measured with TERA_COMM_SHM=0"
+else
+    fail "shared_sum: $(cat "$W/calsh.err"; tail -3 "$W/cal-noshm.log" 2> /dev/null)"
+fi
 # --shared-only: only the [shared] points are measured again, the collective fits stay as they were;
 # on one process it is refused (it measures ranks sharing the machine)
 grep '^allreduce = 2 ' "$W/cal.ini" > "$W/cal-ar.txt" 2> /dev/null

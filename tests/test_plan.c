@@ -122,6 +122,7 @@ static void test_calibrated_file(void **state) {
     hw.gemm[hw.n_gemm++] = (tera_hw_gemm){.threads = 1, .prec = TERA_HW_FP32, .m = 1024, .k = 64, .n = 128, .flops_s = 40e9};
     hw.attn[hw.n_attn++] = (tera_hw_attn){.threads = 1, .B = 2, .T = 32, .H = 4, .Hkv = 4, .hd = 16, .flops_s = 5e9};
     hw.coll[hw.n_coll++] = (tera_hw_coll){.kind = TERA_HW_ALLREDUCE, .ranks = 4, .alpha_s = 30e-6, .beta_bytes_s = 1.5e9};
+    hw.coll[hw.n_coll++] = (tera_hw_coll){.kind = TERA_HW_SHARED_SUM, .ranks = 2, .alpha_s = 4e-6, .beta_bytes_s = 25e9};
     char path[] = "/tmp/tera_test_plan_cal_XXXXXX";
     const int fd = mkstemp(path);
     assert_true(fd >= 0);
@@ -131,9 +132,11 @@ static void test_calibrated_file(void **state) {
     if (tera_hw_load(&r, path) != TERA_OK) fail_msg("%s", tera_last_error());
     assert_int_equal(r.n_gemm, 2);
     assert_int_equal(r.n_attn, 1);
-    assert_int_equal(r.n_coll, 1);
+    assert_int_equal(r.n_coll, 2);
     assert_int_equal(r.cores, 2);
     assert_true(fabs(r.mem_bw_threads[2] - 15e9) < 1e6 && fabs(r.coll[0].alpha_s - 30e-6) < 1e-9);
+    assert_true(r.coll[1].kind == TERA_HW_SHARED_SUM && r.coll[1].ranks == 2 && fabs(r.coll[1].alpha_s - 4e-6) < 1e-12 &&
+                fabs(r.coll[1].beta_bytes_s - 25e9) < 1e3);
     assert_true(fabs(tera_hw_gemm_rate(&r, 1, TERA_HW_FP32, 256, 64, 128, 0.5) - 20e9) < 1e6);
     const double mid = tera_hw_gemm_rate(&r, 1, TERA_HW_FP32, 512, 64, 128, 0.5);
     assert_true(mid > 20e9 && mid < 40e9);
@@ -406,6 +409,62 @@ static void test_shared_time(void **state) {
     assert_true(fabs((a.step_s - a.optimizer_s) - (t1.step_s - t1.optimizer_s)) <= 1e-9 * a.step_s);
 }
 
+/* ZeRO's sums and ZeRO-3's gathers in host-shared memory (src/parallel/zero.c) on a CPU host whose
+ * file has a shared_sum fit: priced by the bytes one rank reads and writes at that fit, per stage
+ * (dp 2, S the summed floats = bytes_dp of ZeRO-0 / 4): ZeRO-0 8 S, ZeRO-1 4 (S + S/2) plus its
+ * parameter all-gather, ZeRO-2 4 A (S + 2 S/2) plus the all-gather, ZeRO-3 that and 8 bytes a float of
+ * its own gathered pieces (on 2 ranks the bytes the gathers count); the collectives instead with
+ * parallel.hierarchical, on devices, and for ZeRO-0/1 with experts summed over part of the ranks. */
+static void test_shared_sum_time(void **state) {
+    (void)state;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
+    tera_hw cpu, dev;
+    const double alpha = 3e-6, beta = 20e9;
+    cpu_host(&cpu, 0.7, 0.8); /* transfers through the segment free (links 1e30, no fits) */
+    cpu.coll[cpu.n_coll++] = (tera_hw_coll){.kind = TERA_HW_SHARED_SUM, .ranks = 2, .alpha_s = alpha, .beta_bytes_s = beta};
+    dev = cpu;
+    dev.cores = 0;
+    tera_plan_time t[4];
+    tera_config c;
+    for (int z = 0; z < 4; z++) {
+        char zs[32];
+        snprintf(zs, sizeof zs, "parallel.zero=%d", z);
+        const char *const sets[] = {"parallel.dp=2", zs, NULL};
+        cpu_config(&c, sets);
+        assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &t[z]), TERA_OK);
+        tera_plan_time d;
+        assert_int_equal(tera_plan_time_model(&c, &dev, &o, &d), TERA_OK);
+        assert_true(d.dp_total_s < 1e-15); /* devices: the free links, no shared sums */
+        assert_true(t[z].bytes_dp == d.bytes_dp); /* counted as the collectives either way */
+    }
+    const double A = c.training.grad_accum, L = c.model.n_layers, S = t[0].bytes_dp / 4.0;
+    const double n_sums = 2.0 * (L + 2); /* non-expert and expert region of each group (layers, embedding, head) */
+    assert_true(S > 0 && t[0].dp_s == t[0].dp_total_s); /* nothing hidden on the shared cores */
+    const double want0 = n_sums * alpha + 8.0 * S / beta, want1 = n_sums * alpha + 6.0 * S / beta;
+    const double want2 = A * n_sums * alpha + A * 8.0 * S / beta;
+    if (fabs(t[0].dp_total_s - want0) > 1e-12 * want0) fail_msg("ZeRO-0 %.9g s, want %.9g", t[0].dp_total_s, want0);
+    if (fabs(t[1].dp_total_s - want1) > 1e-12 * want1) fail_msg("ZeRO-1 %.9g s, want %.9g", t[1].dp_total_s, want1);
+    if (fabs(t[2].dp_total_s - want2) > 1e-12 * want2) fail_msg("ZeRO-2 %.9g s, want %.9g", t[2].dp_total_s, want2);
+    const double gathers = t[3].bytes_dp - A * t[0].bytes_dp / 2.0; /* ZeRO-3's gathered bytes (dp 2: its pieces) */
+    const double n_g = 2.0 * A * L + 2.0, want3 = want2 + n_g * alpha + 2.0 * gathers / beta;
+    assert_true(gathers > 0);
+    if (fabs(t[3].dp_total_s - want3) > 1e-12 * want3) fail_msg("ZeRO-3 %.9g s, want %.9g", t[3].dp_total_s, want3);
+    /* the collectives (free here) where zero.c keeps them */
+    const char *const hier[] = {"parallel.dp=2", "parallel.hierarchical=true", NULL};
+    const char *const part[] = {"parallel.dp=4", "parallel.ep=2", "parallel.zero=1", NULL};
+    const char *const part2[] = {"parallel.dp=4", "parallel.ep=2", "parallel.zero=2", NULL};
+    tera_plan_time h;
+    cpu_config(&c, hier);
+    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
+    assert_true(h.dp_total_s < 1e-15);
+    cpu_config(&c, part);
+    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
+    assert_true(h.dp_total_s < 1e-15);
+    cpu_config(&c, part2); /* ZeRO-2 sums each region over its own group in shared memory */
+    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
+    assert_true(h.dp_total_s > 1e-9);
+}
+
 /* The expert exchange: parallel.ep_hierarchical over two nodes is priced as its two stages (inside the
  * node (k-1)/k of the rows, then between the nodes (N-1)/N), on one node as the flat exchange;
  * parallel.ep_overlap hides tera_plan_ep_overlap_hidden's figure (checked against the closed form)
@@ -576,6 +635,7 @@ int main(void) {
                                        cmocka_unit_test(test_calibrated_file), cmocka_unit_test(test_roles_cover_the_world),
                                        cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
                                        cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
+                                       cmocka_unit_test(test_shared_sum_time),
                                        cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit),
                                        cmocka_unit_test(test_shadow_is_the_trainer)};
     return cmocka_run_group_tests(tests, NULL, NULL);

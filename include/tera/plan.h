@@ -37,8 +37,20 @@ typedef struct {
     double flops_s;
 } tera_hw_attn;
 /* A collective measured through tera's comm layer on `ranks` ranks of this machine, fitted as
- * alpha + bytes / beta (bytes: what one rank sends, as src/comm/comm.c counts it). */
-typedef enum { TERA_HW_ALLREDUCE, TERA_HW_ALLGATHER, TERA_HW_ALLTOALL, TERA_HW_P2P, TERA_HW_NCOLL } tera_hw_coll_kind;
+ * alpha + bytes / beta (bytes: what one rank sends, as src/comm/comm.c counts it). TERA_HW_SHARED_SUM
+ * ("shared_sum"): the sum of the ranks' buffers in host-shared memory that ZeRO runs where a group's
+ * ranks share a host (src/parallel/zero.c: each rank adds its share of every rank's buffer in rank
+ * order and writes it into all of them); its bytes are the memory one rank reads and writes (2 x 4 n
+ * for a buffer of n floats), so the other forms (a shard's piece, a gathered piece) are priced by
+ * their own traffic. */
+typedef enum {
+    TERA_HW_ALLREDUCE,
+    TERA_HW_ALLGATHER,
+    TERA_HW_ALLTOALL,
+    TERA_HW_P2P,
+    TERA_HW_SHARED_SUM,
+    TERA_HW_NCOLL
+} tera_hw_coll_kind;
 typedef struct {
     tera_hw_coll_kind kind;
     int ranks;

@@ -155,6 +155,10 @@ void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched
  * ZeRO-0/1's buckets, ZeRO-2/3's layer regions (0 with TERA_ZERO_SHARED=0 and where they go through the
  * collectives). */
 int64_t tera_zero_shared_sums(const tera_zero *z);
+/* ZeRO-0/1's sum on one host, also what `tera plan --calibrate` times (its shared_sum rate): floats
+ * [lo, hi) of `ranks` buffers [ranks][stride] at base, added in rank order, written into every buffer
+ * (dst < 0, ZeRO-0) or into buffer dst only (ZeRO-1's shard piece). */
+void tera_zero_shared_sum(float *base, int64_t stride, int ranks, int64_t lo, int64_t hi, int dst);
 /* ZeRO-1/2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
  * of them started non-blocking (overlapping the backward that follows them; none with
  * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of

@@ -30,6 +30,7 @@
 #include "tera/kernels.h"
 #include "tera/plan.h"
 #include "tera/profile.h"
+#include "tera/zero.h"
 
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -233,24 +234,62 @@ static double coll_time(coll_ctx *c) {
     return t[reps / 2];
 }
 
+/* ZeRO's sum in host-shared memory (TERA_HW_SHARED_SUM): every rank's buffer of n floats is a part of
+ * one block (as the backward leaves its gradients there, written just before: in cache as they would
+ * be); each rank adds its 1/p share of all of them in rank order and writes it into every buffer
+ * (tera_zero_shared_sum, ZeRO-0's form), after a flag says all buffers are written, before a flag says
+ * all shares are. The slowest rank's median time of a call (every rank returns it); *k counts the calls. */
+enum { SHS_GRD, SHS_SUMD, SHS_FLAGS };
+static double shared_sum_time(tera_comm *w, tera_comm_shared *s, int64_t n, uint64_t *k) {
+    const int p = tera_comm_size(w), me = tera_comm_rank(w);
+    float *base = tera_comm_shared_mem(s), *mine = base + (int64_t)me * n;
+    const int64_t lo = n * me / p, hi = n * (me + 1) / p;
+    double t[5];
+    const int reps = n >= (1 << 20) ? 3 : 5;
+    for (int i = -1; i < reps; i++) { /* -1: the warm-up */
+        for (int64_t j = 0; j < n; j++) mine[j] = (float)(j & 255);
+        tera_comm_barrier(w);
+        const double t0 = tera_now();
+        tera_comm_shared_post(s, SHS_GRD, ++*k);
+        tera_comm_shared_wait(s, SHS_GRD, *k, TERA_TRAFFIC_ALLREDUCE);
+        tera_zero_shared_sum(base, n, p, lo, hi, -1);
+        tera_comm_shared_post(s, SHS_SUMD, *k);
+        tera_comm_shared_wait(s, SHS_SUMD, *k, TERA_TRAFFIC_ALLREDUCE);
+        float dt = (float)(tera_now() - t0);
+        tera_comm_allreduce_max_f32(w, &dt, 1);
+        if (i >= 0) t[i] = dt;
+    }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_d);
+    return t[reps / 2];
+}
+
 static void measure_colls(tera_hw *hw, FILE *log) {
     tera_comm *w = tera_comm_world();
     const int p = tera_comm_size(w), me = tera_comm_rank(w);
     static const int64_t sizes[] = {1024, 16384, 131072, 524288, 2097152}; /* floats: 4 KiB .. 8 MiB */
+    /* the shared sum's buffers up to 32 MiB a rank: a step's gradient buckets are tens of MiB, written
+     * by a backward that streams its activations, so mostly no longer in the last-level cache */
+    static const int64_t sh_sizes[] = {1024, 16384, 131072, 1048576, 8388608};
     const int ns = (int)(sizeof sizes / sizeof sizes[0]);
-    const int64_t nmax = sizes[ns - 1];
+    const int64_t nmax = sizes[ns - 1], sh_max = sh_sizes[ns - 1];
     coll_ctx c = {.w = w, .buf = filled(nmax, 1.0f), .recv = filled(nmax, 0.0f),
                   .counts = tera_calloc((size_t)p, sizeof(int64_t)), .req = tera_calloc((size_t)(2 * p), sizeof(tera_comm_req))};
+    /* the host-shared sum: a block of p buffers of the largest size (none where the ranks do not share
+     * a host or the backend has no such blocks: the time model then prices the collectives) */
+    tera_comm_shared *sh = tera_comm_shared_create(w, (int64_t)sizeof(float) * sh_max * p, SHS_FLAGS);
+    uint64_t sh_calls = 0;
     for (int k = 0; k < TERA_HW_NCOLL; k++) {
         double x[8], y[8];
+        if (k == TERA_HW_SHARED_SUM && !sh) continue;
         for (int i = 0; i < ns; i++) {
             c.kind = (tera_hw_coll_kind)k;
-            c.n = sizes[i] / p * p;
+            c.n = (k == TERA_HW_SHARED_SUM ? sh_sizes[i] : sizes[i]) / p * p;
             for (int r = 0; r < p; r++) c.counts[r] = c.n / p;
-            x[i] = coll_bytes(c.kind, p, c.n);
-            y[i] = coll_time(&c);
+            x[i] = k == TERA_HW_SHARED_SUM ? 8.0 * (double)c.n : coll_bytes(c.kind, p, c.n);
+            y[i] = k == TERA_HW_SHARED_SUM ? shared_sum_time(w, sh, c.n, &sh_calls) : coll_time(&c);
             if (log && me == 0)
-                fprintf(log, "  %s on %d ranks, %.0f bytes sent a rank: %.1f us\n", tera_hw_coll_name[k], p, x[i], y[i] * 1e6);
+                fprintf(log, "  %s on %d ranks, %.0f bytes %s a rank: %.1f us\n", tera_hw_coll_name[k], p, x[i],
+                        k == TERA_HW_SHARED_SUM ? "read and written" : "sent", y[i] * 1e6);
         }
         /* least squares y = a + x / beta */
         double sx = 0, sy = 0, sxx = 0, sxy = 0;
@@ -268,6 +307,7 @@ static void measure_colls(tera_hw *hw, FILE *log) {
             fprintf(log, "%s on %d ranks: latency %.1f us, %.3f GB/s\n", tera_hw_coll_name[k], p, a * 1e6, 1e-9 / slope);
         if (k == TERA_HW_P2P && p == 2) hw->intra_bw = hw->inter_bw = 1.0 / slope, hw->intra_lat = hw->inter_lat = a;
     }
+    tera_comm_shared_free(sh);
     free(c.buf), free(c.recv), free(c.counts), free(c.req);
 }
 
@@ -475,7 +515,8 @@ static tera_status calibrate(const tera_config *cfg, const char *out, int shared
         "# This machine, measured by `tera plan --calibrate` (docs/PLAN.md): [gemm] and [attention] are the\n"
         "# compute backend's rates for the training shapes of the configurations it was run with; [memory]\n"
         "# a streaming triad; [collective] tera's comm layer under mpirun at each world size (ranks share\n"
-        "# the cores); peak_tflops_fp32 the best forward + backward rate of a 1024^3 fp32 product.\n"
+        "# the cores; shared_sum: ZeRO's sum in host-shared memory, by bytes read and written a rank);\n"
+        "# peak_tflops_fp32 the best forward + backward rate of a 1024^3 fp32 product.\n"
         "# memory_gib is the host's RAM. A shared machine: rates are medians, and vary with the load.\n";
     return tera_hw_write(&hw, out, note);
 }

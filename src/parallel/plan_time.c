@@ -38,7 +38,7 @@
 
 /* ------------------------------------------------------------------ hardware */
 const char *const tera_hw_prec_name[TERA_HW_NPREC] = {"fp32", "bf16", "fp16", "fp8"};
-const char *const tera_hw_coll_name[TERA_HW_NCOLL] = {"allreduce", "allgather", "alltoall", "p2p"};
+const char *const tera_hw_coll_name[TERA_HW_NCOLL] = {"allreduce", "allgather", "alltoall", "p2p", "shared_sum"};
 
 typedef struct {
     tera_hw *hw;
@@ -228,7 +228,7 @@ static int hw_handler(void *user, const char *section, const char *name, const c
     snprintf(c->err, sizeof c->err, "unknown key [%.64s] %.64s (keys: [device] name, memory_gib, peak_tflops_fp32, "
              "peak_tflops_bf16, peak_tflops_fp16, peak_tflops_fp8, memory_bandwidth_gbytes_s, gemm_efficiency; [node] "
              "devices, cores; [intra_node], [inter_node] bandwidth_gbytes_s, latency_us; [gemm], [attention], [memory] "
-             "point; [collective] allreduce, allgather, alltoall, p2p; [shared] point)", section, name);
+             "point; [collective] allreduce, allgather, alltoall, p2p, shared_sum; [shared] point)", section, name);
     return 0;
 }
 
@@ -494,18 +494,34 @@ static double ring(int p) { return p > 1 ? (double)(p - 1) / (double)p : 0.0; }
 
 /* ZeRO-3's parameter gathers of a stage over a step of A micro-batches: each layer twice per
  * micro-batch (forward, backward), the embedding and head groups once a step; bytes received per rank
- * (non-expert ranges over dp, expert ranges over edp), and the number of gathers in *n. */
-static double zero3_gathers(const tera_plan_stage *w, int L, int A, int dp, int edp, double *n) {
+ * (non-expert ranges over dp, expert ranges over edp), the number of gathers in *n, and in *piece the
+ * bytes of this rank's own pieces of them (what it writes where the gathers are in host-shared memory). */
+static double zero3_gathers(const tera_plan_stage *w, int L, int A, int dp, int edp, double *n, double *piece) {
     double bytes = 0.0;
-    *n = 0.0;
+    *n = *piece = 0.0;
     if (!w->group) return 0.0;
     for (int g = -2; g < L; g++) {
-        const double sz = 4.0 * (ring(dp) * w->group[2 * (g + 2)] + ring(edp) * w->group[2 * (g + 2) + 1]);
+        const double nd = w->group[2 * (g + 2)], nx = w->group[2 * (g + 2) + 1];
+        const double sz = 4.0 * (ring(dp) * nd + ring(edp) * nx);
         if (sz <= 0) continue;
         const double uses = g < 0 ? 1.0 : 2.0 * A;
         bytes += uses * sz, *n += uses;
+        *piece += uses * 4.0 * (nd / dp + (edp > 1 ? nx / edp : 0.0)); /* this rank's piece of each gather */
     }
     return bytes;
+}
+
+/* ZeRO's gradient sums and ZeRO-3's gathers in host-shared memory (src/parallel/zero.c, "on one host")
+ * where a data-parallel group's ranks share a CPU host: `traffic` bytes one rank reads and writes in
+ * `calls` operations, at the calibrated shared_sum fit (the world size nearest the job's); -1 where the
+ * hardware file has none (the collectives through the segment are priced instead). */
+static double shared_s(const tera_hw *hw, int64_t world, double traffic, double calls) {
+    const tera_hw_coll *best = NULL;
+    for (int i = 0; i < hw->n_coll; i++) {
+        const tera_hw_coll *c = &hw->coll[i];
+        if (c->kind == TERA_HW_SHARED_SUM && (!best || llabs(c->ranks - world) < llabs(best->ranks - world))) best = c;
+    }
+    return best ? calls * best->alpha_s + traffic / best->beta_bytes_s : -1.0;
 }
 
 /* The link a group of `span` consecutive world ranks (its members spaced inside that span) crosses. */
@@ -879,6 +895,16 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     double t_dp = 0.0, exposed = 0.0;
     const double t_bwd = 2.0 / 3.0 * u_comp; /* one micro-batch's backward on the stage */
     const int hier = cfg->parallel.hierarchical;
+    /* in host-shared memory (zero.c's conditions: a CPU host holding the group, the flat uncompressed
+     * reducer; ZeRO-0/1 also need the experts summed over all dp ranks or none): per rank, the summed
+     * floats S (read once from the ranks' buffers) and its piece of them (ZeRO-0 writes its share into
+     * every buffer: 8 S bytes; ZeRO-1 into its shard: 4 (S + piece); ZeRO-2/3 add it into the shard:
+     * 4 (S + 2 piece) a micro-batch; a ZeRO-3 gather writes the piece from the shard: 8 piece) */
+    const int sh_ok = cpu_host && (int64_t)dp * tp <= hw->devices_per_node && !hier &&
+                      tera_compress_parse(cfg->parallel.grad_compression) == TERA_COMPRESS_NONE &&
+                      shared_s(hw, devices, 0.0, 0.0) >= 0 && (zero >= 2 || edp == dp || edp == 1);
+    const double sum_f = nd + (edp > 1 ? nx : 0.0), piece_f = nd / dp + (edp > 1 ? nx / edp : 0.0);
+    const double n_sums = groups * (edp > 1 && nx > 0 ? 2.0 : 1.0);
     if (dp > 1 && onebit) {
         /* 1-bit Adam after its warm-up (docs/COMMUNICATION.md): no gradient sums; the momentum's 1-bit
          * all-reduce per region (2 (q-1)/q of the region compressed: n/8 bytes + 4 per 256 values; flat),
@@ -887,8 +913,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
                                  ring(edp) * (double)tera_compress_bytes(TERA_COMPRESS_ONEBIT, (int64_t)nx));
         /* ZeRO-1/2 all-gather the updated parameters once; ZeRO-3 gathers each layer where it is used, as
          * AdamW's ZeRO-3 (the update marks the gathered layers stale) */
-        double n_gathers = 0.0;
-        const double params = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers) : zero ? pass : 0.0;
+        double n_gathers = 0.0, piece = 0.0;
+        const double params = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers, &piece) : zero ? pass : 0.0;
         out->bytes_dp = cb + params;
         t_dp = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, cb, 4.0, 0);
         const double t_par = params > 0 ? dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, params,
@@ -900,22 +926,28 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     } else if (dp > 1) {
         if (zero == 0) { /* buckets, one all-reduce per group, during the last micro-batch's backward */
             out->bytes_dp = 2.0 * pass;
-            t_dp = dp_comm_s(hw, TERA_HW_ALLREDUCE, dp, tp, devices, out->bytes_dp, 2.0 * groups, hier);
+            t_dp = sh_ok ? shared_s(hw, devices, 8.0 * sum_f, n_sums)
+                         : dp_comm_s(hw, TERA_HW_ALLREDUCE, dp, tp, devices, out->bytes_dp, 2.0 * groups, hier);
             exposed = t_dp > t_bwd ? t_dp - t_bwd : 0.0;
         } else if (zero == 1) { /* buckets, one reduce-scatter per group, during the last micro-batch's
                                    backward; one all-gather of the updated parameters after the step */
             out->bytes_dp = 2.0 * pass;
-            const double t_rs = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0 * groups, hier);
+            const double t_rs = sh_ok ? shared_s(hw, devices, 4.0 * (sum_f + piece_f), n_sums)
+                                      : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0 * groups, hier);
             const double t_ag = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0, hier);
             t_dp = t_rs + t_ag;
             exposed = (t_rs > t_bwd ? t_rs - t_bwd : 0.0) + t_ag;
         } else {
             const double rs = A * pass, ag = zero < 3 ? pass : 0.0;
-            double n_gathers = 0.0;
-            const double gather = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers) : 0.0;
+            double n_gathers = 0.0, piece = 0.0;
+            const double gather = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers, &piece) : 0.0;
             out->bytes_dp = rs + ag + gather;
-            const double t_rs = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, rs, A * groups * 2.0, hier);
-            const double t_rest = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag + gather, 2.0 + 2.0 * n_gathers, hier);
+            const double t_rs = sh_ok ? shared_s(hw, devices, A * 4.0 * (sum_f + 2.0 * piece_f), A * n_sums)
+                                      : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, rs, A * groups * 2.0, hier);
+            const double t_rest = sh_ok ? dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag, 2.0, hier) +
+                                              (zero >= 3 ? shared_s(hw, devices, 2.0 * piece, n_gathers) : 0.0)
+                                        : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag + gather,
+                                                    2.0 + 2.0 * n_gathers, hier);
             t_dp = t_rs + t_rest;
             const double hide_rs = A * t_bwd, hide_g = A * u_comp;
             exposed = (t_rs > hide_rs ? t_rs - hide_rs : 0.0);

@@ -715,17 +715,21 @@ struct tera_zero_whole {
 };
 
 /* Sums bucket b's share of this rank (see above) and posts it. */
+void tera_zero_shared_sum(float *base, int64_t stride, int ranks, int64_t lo, int64_t hi, int dst) {
+    for (int64_t i0 = lo; i0 < hi; i0 += SUM_BLOCK) {
+        const int64_t nb = hi - i0 < SUM_BLOCK ? hi - i0 : SUM_BLOCK;
+        float t[SUM_BLOCK];
+        sum_over_ranks(t, base, stride, ranks, i0, nb);
+        if (dst < 0)
+            for (int r = 0; r < ranks; r++) memcpy(base + r * stride + i0, t, sizeof(float) * (size_t)nb);
+        else
+            memcpy(base + dst * stride + i0, t, sizeof(float) * (size_t)nb);
+    }
+}
+
 static void whole_sum(tera_zero *zr, const zwbucket *b) {
     struct tera_zero_whole *w = zr->zw;
-    for (int64_t i0 = b->lo; i0 < b->hi; i0 += SUM_BLOCK) {
-        const int64_t nb = b->hi - i0 < SUM_BLOCK ? b->hi - i0 : SUM_BLOCK;
-        float t[SUM_BLOCK];
-        sum_over_ranks(t, w->base, w->n, w->ranks, i0, nb);
-        if (zr->stage == 0)
-            for (int r = 0; r < w->ranks; r++) memcpy(w->base + r * w->n + i0, t, sizeof(float) * (size_t)nb);
-        else
-            memcpy(w->base + w->me * w->n + i0, t, sizeof(float) * (size_t)nb);
-    }
+    tera_zero_shared_sum(w->base, w->n, w->ranks, b->lo, b->hi, zr->stage == 0 ? -1 : w->me);
     tera_comm_shared_post(w->s, WG_SUMD, b->k);
 }
 
