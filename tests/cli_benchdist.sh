@@ -25,6 +25,8 @@
 #     bytes and final loss as dp2-zero3); the data-parallel layouts sum their gradients there
 #     (zero_shared_sums_per_step positive; ZeRO-1 with its reduce-scatters overlapped), none without data
 #     parallelism or with TERA_ZERO_SHARED=0 (dp2-noshared: the same bytes and final loss as dp2);
+#     ZeRO-1/2 gather their updated parameters there once a step (zero_shared_param_gathers_per_step 1),
+#     no other layout;
 #   - the time blocked in communication (exposed_comm_ms) is positive, and its split by the kind of
 #     operation waited for (exposed_comm_ms_by_kind) adds up to it, has no point-to-point time without
 #     a pipeline or expert parallelism and no all-to-all time without expert parallelism, and some
@@ -155,6 +157,15 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
     swant=$([ "$dp" -gt 1 ] && [[ "$name" != *-noshared ]] && { [ "$zero" != 1 ] || [[ "$name" != *-rsoff ]]; } && echo some || echo 0)
     awk -v s="$ss" -v w="$swant" 'BEGIN { exit !(s != "" && (w == "some" ? s > 0 : s == 0)) }' || {
         fail "$name: ${ss:-?} gradient sums per step in host-shared memory, expected $swant"
+        ok=0
+    }
+    # ZeRO-1/2's all-gather of the updated parameters in host-shared memory, once a step (the pieces
+    # written straight into the other ranks' buffers; the bytes above counted as the all-gather), none
+    # for other stages or with TERA_ZERO_SHARED=0
+    pgs=$(num "$out" zero_shared_param_gathers_per_step)
+    pwant=$([ "$dp" -gt 1 ] && { [ "$zero" = 1 ] || [ "$zero" = 2 ]; } && [[ "$name" != *-noshared ]] && echo 1 || echo 0)
+    awk -v s="$pgs" -v w="$pwant" 'BEGIN { exit !(s != "" && s == w) }' || {
+        fail "$name: ${pgs:-?} parameter all-gathers per step in host-shared memory, expected $pwant"
         ok=0
     }
     # the time spent starting and polling non-blocking operations: reported, mean and busiest rank

@@ -412,9 +412,10 @@ static void test_shared_time(void **state) {
 /* ZeRO's sums and ZeRO-3's gathers in host-shared memory (src/parallel/zero.c) on a CPU host whose
  * file has a shared_sum fit: priced by the bytes one rank reads and writes at that fit, per stage
  * (dp 2, S the summed floats = bytes_dp of ZeRO-0 / 4): ZeRO-0 8 S, ZeRO-1 4 (S + S/2) plus its
- * parameter all-gather, ZeRO-2 4 A (S + 2 S/2) plus the all-gather, ZeRO-3 that and 8 bytes a float of
- * its own gathered pieces (on 2 ranks the bytes the gathers count); the collectives instead with
- * parallel.hierarchical, on devices, and for ZeRO-0/1 with experts summed over part of the ranks. */
+ * parameter all-gather (its piece copied into the other buffer: 8 S/2), ZeRO-2 4 A (S + 2 S/2) plus
+ * the same all-gather, ZeRO-3 4 A (S + 2 S/2) and 8 bytes a float of its own gathered pieces (on 2
+ * ranks the bytes the gathers count); the collectives instead with parallel.hierarchical, on devices,
+ * and for ZeRO-0/1 with experts summed over part of the ranks. */
 static void test_shared_sum_time(void **state) {
     (void)state;
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
@@ -440,13 +441,15 @@ static void test_shared_sum_time(void **state) {
     const double A = c.training.grad_accum, L = c.model.n_layers, S = t[0].bytes_dp / 4.0;
     const double n_sums = 2.0 * (L + 2); /* non-expert and expert region of each group (layers, embedding, head) */
     assert_true(S > 0 && t[0].dp_s == t[0].dp_total_s); /* nothing hidden on the shared cores */
-    const double want0 = n_sums * alpha + 8.0 * S / beta, want1 = n_sums * alpha + 6.0 * S / beta;
-    const double want2 = A * n_sums * alpha + A * 8.0 * S / beta;
+    /* ZeRO-1/2's parameter all-gather: each rank's piece (S / 2) copied into the other buffer, 4 S bytes */
+    const double ag = alpha + 4.0 * S / beta, grads2 = A * n_sums * alpha + A * 8.0 * S / beta;
+    const double want0 = n_sums * alpha + 8.0 * S / beta, want1 = n_sums * alpha + 6.0 * S / beta + ag;
+    const double want2 = grads2 + ag;
     if (fabs(t[0].dp_total_s - want0) > 1e-12 * want0) fail_msg("ZeRO-0 %.9g s, want %.9g", t[0].dp_total_s, want0);
     if (fabs(t[1].dp_total_s - want1) > 1e-12 * want1) fail_msg("ZeRO-1 %.9g s, want %.9g", t[1].dp_total_s, want1);
     if (fabs(t[2].dp_total_s - want2) > 1e-12 * want2) fail_msg("ZeRO-2 %.9g s, want %.9g", t[2].dp_total_s, want2);
     const double gathers = t[3].bytes_dp - A * t[0].bytes_dp / 2.0; /* ZeRO-3's gathered bytes (dp 2: its pieces) */
-    const double n_g = 2.0 * A * L + 2.0, want3 = want2 + n_g * alpha + 2.0 * gathers / beta;
+    const double n_g = 2.0 * A * L + 2.0, want3 = grads2 + n_g * alpha + 2.0 * gathers / beta;
     assert_true(gathers > 0);
     if (fabs(t[3].dp_total_s - want3) > 1e-12 * want3) fail_msg("ZeRO-3 %.9g s, want %.9g", t[3].dp_total_s, want3);
     /* the collectives (free here) where zero.c keeps them */

@@ -33,7 +33,13 @@
  *     and the gradient sums are done there (tera_zero_shared_sums: ZeRO-0/1's buckets where the experts
  *     are summed over all data-parallel ranks or none, ZeRO-2/3's layers); stages 0-3 again with the
  *     collectives (TERA_ZERO_SHARED=0, nothing shared): the weights of stage 0 / the overlapped
- *     ZeRO-2 in host-shared memory bit for bit after every step either way.
+ *     ZeRO-2 in host-shared memory bit for bit after every step either way;
+ *   - ZeRO-1/2 gather the updated parameters in host-shared memory (tera_zero_shared_param_gathers:
+ *     once a step where the experts are over all dp ranks or none, none with TERA_ZERO_SHARED=0), and
+ *     a rank's buffer holds every rank's new piece when tera_zero_adamw_step and
+ *     tera_zero_params_updated return, with the last rank copying late (TERA_TEST_PW_LAG_US=2000): the
+ *     buffer as it is on return equals the gathered weights bit for bit, and each rank's marked piece
+ *     is in every buffer.
  * On one process (no mpirun) the module runs as one rank: stage 0, checked against the reference. */
 #include <sys/wait.h>
 #include <unistd.h>
@@ -273,10 +279,20 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
         double sums[2];
         tera_zero_adamw_step(z, lr, 1.0f, &oc, sums);
         CHECK(sums[1] > 0.0 && sums[0] > 0.0);
+        /* ep 1: this rank's whole parameters as they are on return, before any other call (ZeRO-1/2:
+         * every shard's new values already there), compared below with the gathered ones bit for bit */
+        float *own = m->w && m->n_floats == shell.n_floats ? malloc(sizeof(float) * (size_t)m->n_floats) : NULL;
+        if (own) memcpy(own, m->w, sizeof(float) * (size_t)m->n_floats);
         tera_comm_allreduce_f64(tera_comm_world(), &ce, 1);
         CHECK(fabs(ce - R->ce[st]) <= LAYOUT_TOL * fabs(R->ce[st]));
         CHECK(fabs(gn - R->gnorm[st]) <= LAYOUT_TOL * R->gnorm[st]);
         w = gather_all(&q, &shell, 0);
+        if (own) {
+            const int same = memcmp(own, w, sizeof(float) * (size_t)shell.n_floats) == 0;
+            if (!same) fprintf(stderr, "rank %d: zero %d step %d: parameters on return are not the gathered ones\n", me, stage, st);
+            CHECK(same);
+            free(own);
+        }
         const double d = rel_norm(w, R->w[st], shell.n_floats);
         if (d > LAYOUT_TOL) fprintf(stderr, "rank %d: ep %d zero %d step %d: weights %.3g from one process\n", me, ep, stage, st, d);
         CHECK(d <= LAYOUT_TOL);
@@ -335,6 +351,25 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
     if (!((host_shared && whole) ? ssum > 0 : ssum == 0))
         fprintf(stderr, "rank %d: ep %d zero %d: %ld gradient sums in host-shared memory\n", me, ep, z->stage, (long)ssum);
     CHECK((host_shared && whole) ? ssum > 0 : ssum == 0);
+    /* ZeRO-1/2 gather the updated parameters there too, once a step, under the same condition on the
+     * experts (TERA_ZERO_SHARED=0: by all-gather; the same bits, checked above) */
+    const int pw = host_shared && (z->stage == 1 || z->stage == 2) && (q.topo.edp == q.topo.dp || q.topo.edp == 1);
+    const int64_t pgat = tera_zero_shared_param_gathers(z);
+    if (!(pw ? pgat == NS : pgat == 0))
+        fprintf(stderr, "rank %d: ep %d zero %d: %ld parameter gathers in host-shared memory\n", me, ep, z->stage, (long)pgat);
+    CHECK(pw ? pgat == NS : pgat == 0);
+    if (pw) { /* every rank's piece is in this rank's buffer when tera_zero_params_updated returns, with
+                 nothing else between (TERA_TEST_PW_LAG_US: the last rank copies late) */
+        for (int64_t i = z->opt.lo; i < z->opt.hi; i++) m->w[i] = 1000.0f + (float)q.topo.dp_rank;
+        tera_zero_params_updated(z);
+        int64_t at = 0, bad = 0;
+        for (int r = 0; r < q.topo.dp; r++) {
+            for (int64_t i = at; i < at + z->shard_counts[r]; i++) bad += m->w[i] != 1000.0f + (float)r;
+            at += z->shard_counts[r];
+        }
+        if (bad) fprintf(stderr, "rank %d: zero %d: %ld parameters of other ranks' pieces missing on return\n", me, z->stage, (long)bad);
+        CHECK(bad == 0);
+    }
     int64_t rs, rs_nb, rs_early;
     tera_zero_rs_counts(z, &rs, &rs_nb, &rs_early);
     if (z->stage >= 2 || (z->stage == 1 && !rs_blocking)) CHECK(rs > 0 && rs_nb == (rs_blocking ? 0 : rs) && rs_early <= rs_nb);
@@ -381,8 +416,8 @@ static void test_under_mpirun(void **state) {
     (void)state;
     if (!tu_mpirun_ready()) return;
     /* one OpenMP thread per rank: 4 ranks share the machine's cores */
-    tu_mpirun_self(2, "OMP_NUM_THREADS=1 ");
-    tu_mpirun_self(4, "OMP_NUM_THREADS=1 ");
+    tu_mpirun_self(2, "OMP_NUM_THREADS=1 TERA_TEST_PW_LAG_US=2000 ");
+    tu_mpirun_self(4, "OMP_NUM_THREADS=1 TERA_TEST_PW_LAG_US=2000 ");
 }
 
 /* One process: the module on a one-rank world (ZeRO stages fall back to 0). */

@@ -161,6 +161,7 @@ typedef struct {
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
     int g_external;       /* g is the caller's (tera_model_adopt_grads), not freed here */
+    int w_external;       /* w is the caller's (tera_model_adopt_params), not freed here */
     unsigned char *g_stale; /* [L + 2] per group (layer l; L: the embedding, L + 1: the head): its gradients
                                hold old values, its next backward stores them (tera_model_grads_stale) */
     uint8_t *g_absent;    /* [L, El] routed expert (layer l, local expert e) whose three weight gradients are
@@ -243,6 +244,11 @@ void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float
  * cleared). ZeRO-0/1 with the data-parallel ranks on one host put it in host-shared memory
  * (src/parallel/zero.c). Before the first step. */
 void tera_model_adopt_grads(tera_model *m, float *g);
+/* Moves the model's whole parameter buffer into w [n_floats], which the caller owns (the values
+ * copied). w = NULL gives the caller's buffer back: the model has no whole parameter buffer from then
+ * on (its views cleared). ZeRO-1/2 with the data-parallel ranks on one host put it in host-shared
+ * memory (src/parallel/zero.c). Before the first step. */
+void tera_model_adopt_params(tera_model *m, float *w);
 /* Points every view into whole buffers laid out like the flat buffer (NULL: left as they are,
  * or cleared when the model has no whole buffer of its own). */
 void tera_model_bind_all(tera_model *m, float *w, float *g);

@@ -84,6 +84,7 @@ typedef struct tera_zero {
     int poison;                    /* test hook armed (ZeRO-2/3): a NaN into the first gradient piece summed */
     struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
     struct tera_zero_whole *zw;    /* ZeRO-0/1: the whole gradient buffer in host-shared memory (NULL otherwise) */
+    struct tera_zero_pw *pw;       /* ZeRO-1/2: the whole parameter buffer in host-shared memory (NULL otherwise) */
     float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
                                       [n] (tera_zero_local_grads; the caller's buffer), NULL otherwise */
     int moments_rounded;           /* bf16 moments: the last tera_zero_load read fp32 moments of this rank that
@@ -155,6 +156,10 @@ void tera_zero_counts(const tera_zero *z, int64_t *gathered, int64_t *prefetched
  * ZeRO-0/1's buckets, ZeRO-2/3's layer regions (0 with TERA_ZERO_SHARED=0 and where they go through the
  * collectives). */
 int64_t tera_zero_shared_sums(const tera_zero *z);
+/* ZeRO-1/2, since creation: all-gathers of the updated parameters done in host-shared memory (every
+ * rank's pieces written straight into the others' buffers; zero.c, "ZeRO-1/2's parameters on one
+ * host"; 0 with TERA_ZERO_SHARED=0, for other stages, and where the all-gather runs). */
+int64_t tera_zero_shared_param_gathers(const tera_zero *z);
 /* ZeRO-0/1's sum on one host, also what `tera plan --calibrate` times (its shared_sum rate): floats
  * [lo, hi) of `ranks` buffers [ranks][stride] at base, added in rank order, written into every buffer
  * (dst < 0, ZeRO-0) or into buffer dst only (ZeRO-1's shard piece). */

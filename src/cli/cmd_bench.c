@@ -105,13 +105,15 @@ int tera_cmd_bench(int argc, char **argv) {
     double cpu0 = 0.0;
     int64_t tp_ov0 = 0, tp_early0 = 0; /* parallel.tp_overlap: overlapped sums before the timed steps */
     int64_t rs0[3] = {0, 0, 0};        /* ZeRO-1/2/3's gradient reduce-scatters before them (tera_zero_rs_counts) */
-    int64_t zc0[5] = {0, 0, 0, 0, 0};  /* ZeRO-3's layer gathers before them (tera_zero_counts), shared sums */
+    int64_t zc0[6] = {0, 0, 0, 0, 0, 0}; /* ZeRO-3's layer gathers before them (tera_zero_counts), shared sums,
+                                            ZeRO-1/2's shared parameter gathers */
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
             tera_zero_rs_counts(tr.sharding, &rs0[0], &rs0[1], &rs0[2]);
             tera_zero_counts(tr.sharding, &zc0[0], &zc0[1], &zc0[2], &zc0[3]);
             zc0[4] = tera_zero_shared_sums(tr.sharding);
+            zc0[5] = tera_zero_shared_param_gathers(tr.sharding);
             tera_prof_reset();
             tera_prof_products_reset(); /* --products: the timed steps' products by shape */
             tera_prof_products_on = products > 0;
@@ -249,13 +251,15 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"zero_rs_per_step\": %.1f, \"zero_rs_overlapped_per_step\": %.1f, \"zero_rs_done_before_wait_per_step\": %.1f",
                    (double)(rs[0] - rs0[0]) / steps, (double)(rs[1] - rs0[1]) / steps, (double)(rs[2] - rs0[2]) / steps);
             /* ZeRO-3: layer parameter gathers, of them through host-shared memory; every stage: gradient sums
-             * straight from the ranks' buffers in host-shared memory (rank 0's) */
+             * straight from the ranks' buffers in host-shared memory; ZeRO-1/2: the updated parameters
+             * gathered there (rank 0's) */
             int64_t zc[4];
             tera_zero_counts(tr.sharding, &zc[0], &zc[1], &zc[2], &zc[3]);
             printf(", \"zero3_gathers_per_step\": %.1f, \"zero3_shared_gathers_per_step\": %.1f, "
-                   "\"zero_shared_sums_per_step\": %.1f",
+                   "\"zero_shared_sums_per_step\": %.1f, \"zero_shared_param_gathers_per_step\": %.1f",
                    (double)(zc[0] - zc0[0]) / steps, (double)(zc[3] - zc0[3]) / steps,
-                   (double)(tera_zero_shared_sums(tr.sharding) - zc0[4]) / steps);
+                   (double)(tera_zero_shared_sums(tr.sharding) - zc0[4]) / steps,
+                   (double)(tera_zero_shared_param_gathers(tr.sharding) - zc0[5]) / steps);
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
                    "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),

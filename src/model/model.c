@@ -392,6 +392,22 @@ void tera_model_adopt_grads(tera_model *m, float *g) {
     make_views(&m->G, g, m);
 }
 
+void tera_model_adopt_params(tera_model *m, float *w) {
+    if (!w) { /* the caller takes its buffer back */
+        TERA_ASSERTF(m->w_external, "tera_model_adopt_params(NULL): the model's parameters are its own");
+        m->w = NULL;
+        m->w_external = 0;
+        make_views(&m->W, NULL, m);
+        return;
+    }
+    TERA_ASSERTF(m->w, "tera_model_adopt_params: the model has no whole parameter buffer");
+    memcpy(w, m->w, sizeof(float) * (size_t)m->n_floats);
+    if (!m->w_external) free(m->w);
+    m->w = w;
+    m->w_external = 1;
+    make_views(&m->W, w, m);
+}
+
 void tera_model_bind_all(tera_model *m, float *w, float *g) {
     if (w || !m->w) make_views(&m->W, w, m); /* NULL and no whole buffer: views cleared */
     if (g || !m->g) make_views(&m->G, g, m);
@@ -625,7 +641,7 @@ void tera_model_destroy(tera_model *m) {
     if (!m->params) return;
     tera_backend_destroy(m->be);
     free(m->params);
-    free(m->w);
+    if (!m->w_external) free(m->w);
     if (!m->g_external) free(m->g);
     free(m->g_stale);
     free(m->g_absent);

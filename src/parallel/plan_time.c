@@ -904,6 +904,10 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
                       tera_compress_parse(cfg->parallel.grad_compression) == TERA_COMPRESS_NONE &&
                       shared_s(hw, devices, 0.0, 0.0) >= 0 && (zero >= 2 || edp == dp || edp == 1);
     const double sum_f = nd + (edp > 1 ? nx : 0.0), piece_f = nd / dp + (edp > 1 ? nx / edp : 0.0);
+    /* ZeRO-1/2's all-gather of the updated parameters there too (experts over all dp ranks or none):
+     * each rank copies its piece into the dp - 1 other buffers, 8 (dp - 1) P bytes */
+    const int pw_ok = sh_ok && (edp == dp || edp == 1);
+    const double t_ag_pw = pw_ok ? shared_s(hw, devices, 8.0 * (dp - 1) * piece_f, 1.0) : 0.0;
     const double n_sums = groups * (edp > 1 && nx > 0 ? 2.0 : 1.0);
     if (dp > 1 && onebit) {
         /* 1-bit Adam after its warm-up (docs/COMMUNICATION.md): no gradient sums; the momentum's 1-bit
@@ -934,7 +938,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             out->bytes_dp = 2.0 * pass;
             const double t_rs = sh_ok ? shared_s(hw, devices, 4.0 * (sum_f + piece_f), n_sums)
                                       : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0 * groups, hier);
-            const double t_ag = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0, hier);
+            const double t_ag = pw_ok ? t_ag_pw : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, pass, 2.0, hier);
             t_dp = t_rs + t_ag;
             exposed = (t_rs > t_bwd ? t_rs - t_bwd : 0.0) + t_ag;
         } else {
@@ -944,8 +948,9 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             out->bytes_dp = rs + ag + gather;
             const double t_rs = sh_ok ? shared_s(hw, devices, A * 4.0 * (sum_f + 2.0 * piece_f), A * n_sums)
                                       : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, rs, A * groups * 2.0, hier);
-            const double t_rest = sh_ok ? dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag, 2.0, hier) +
-                                              (zero >= 3 ? shared_s(hw, devices, 2.0 * piece, n_gathers) : 0.0)
+            const double t_rest = sh_ok ? (zero >= 3 ? shared_s(hw, devices, 2.0 * piece, n_gathers)
+                                                     : pw_ok ? t_ag_pw
+                                                             : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag, 2.0, hier))
                                         : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, ag + gather,
                                                     2.0 + 2.0 * n_gathers, hier);
             t_dp = t_rs + t_rest;

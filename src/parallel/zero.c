@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tera/ckpt.h"
 #include "tera/comm_hier.h"
@@ -811,6 +812,76 @@ static void whole_free(tera_zero *zr) {
     zr->zw = NULL;
 }
 
+/* ------------------------------------------------------------------ ZeRO-1/2's parameters on one host
+ * Under the same conditions (the data-parallel ranks on one host, edp = dp or 1, the flat uncompressed
+ * reducer), ZeRO-1 and ZeRO-2 keep the model's whole parameter buffer in host-shared memory ([dp][n],
+ * tera_model_adopt_params), and after the update each rank copies its shard's pieces (non-expert, and
+ * the experts' where edp = dp) straight into the other ranks' buffers instead of the all-gather (which
+ * copies every piece into the segment and every piece out of it: on two ranks about three moves of
+ * the buffer a rank, against one of its half). Update k: a rank posts PW_FREE = k once it reads no
+ * parameter outside its pieces any more (its update is done; its forward and backward before it);
+ * once every rank has posted k it writes its pieces into the others' buffers and posts PW_DONE = k;
+ * tera_zero_params_updated returns once every rank has, so the parameters are whole on return, as
+ * after the all-gather. TERA_ZERO_SHARED=0: the all-gather (A/B). */
+enum { PW_FREE, PW_DONE, PW_FLAGS };
+struct tera_zero_pw {
+    tera_comm_shared *s;
+    float *base;               /* [ranks][n] */
+    int64_t n;                 /* floats of one rank's buffer (n_floats padded to 16) */
+    int ranks, me;
+    int64_t lo, hi, xlo, xhi;  /* this rank's pieces: non-expert [lo, hi), experts [xlo, xhi) (empty: edp = 1) */
+    uint64_t k;                /* updates gathered (the same count on every rank) */
+    int lag_us;                /* test hook TERA_TEST_PW_LAG_US: the last rank waits this long before its copies */
+};
+
+/* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
+static void pw_create(tera_zero *zr) {
+    tera_model *m = zr->model;
+    if (!zr->host_shared || zr->stage < 1 || zr->stage > 2 || zr->topo.dp < 2 || !m->w ||
+        !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1))
+        return;
+    const int64_t n = (m->n_floats + 15) & ~(int64_t)15;
+    tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * n * zr->topo.dp, PW_FLAGS);
+    if (!s) return;
+    struct tera_zero_pw *p = tera_calloc(1, sizeof *p);
+    const int x = zr->topo.edp == zr->topo.dp && m->n_floats > m->n_dense_floats;
+    *p = (struct tera_zero_pw){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
+                               .me = zr->topo.dp_rank, .lo = zr->opt.lo, .hi = zr->opt.hi,
+                               .xlo = x ? zr->opt_x.lo : 0, .xhi = x ? zr->opt_x.hi : 0};
+    const char *lag = getenv("TERA_TEST_PW_LAG_US");
+    p->lag_us = lag && p->me == p->ranks - 1 ? atoi(lag) : 0;
+    zr->pw = p;
+    tera_model_adopt_params(m, p->base + (int64_t)p->me * n);
+}
+
+static void pw_free(tera_zero *zr) {
+    struct tera_zero_pw *p = zr->pw;
+    if (!p) return;
+    tera_model_adopt_params(zr->model, NULL); /* the model's parameter views leave the block */
+    tera_comm_shared_free(p->s);              /* this rank's view (not collective) */
+    free(p);
+    zr->pw = NULL;
+}
+
+/* The all-gather of the updated parameters through the block (see above). */
+static void pw_gather(tera_zero *zr) {
+    struct tera_zero_pw *p = zr->pw;
+    const uint64_t k = ++p->k;
+    tera_comm_shared_post(p->s, PW_FREE, k);
+    tera_comm_shared_wait(p->s, PW_FREE, k, TERA_TRAFFIC_ALLGATHER);
+    const float *mine = p->base + (int64_t)p->me * p->n;
+    if (p->lag_us > 0) usleep((useconds_t)p->lag_us);
+    for (int r = 1; r < p->ranks; r++) { /* the next ranks first: not every rank writes into one at once */
+        float *dst = p->base + (int64_t)((p->me + r) % p->ranks) * p->n;
+        memcpy(dst + p->lo, mine + p->lo, sizeof(float) * (size_t)(p->hi - p->lo));
+        if (p->xhi > p->xlo) memcpy(dst + p->xlo, mine + p->xlo, sizeof(float) * (size_t)(p->xhi - p->xlo));
+    }
+    tera_comm_shared_post(p->s, PW_DONE, k);
+    tera_comm_shared_count(p->s, TERA_TRAFFIC_ALLGATHER, zr->shard_counts);
+    if (p->xhi > p->xlo) tera_comm_shared_count(p->s, TERA_TRAFFIC_ALLGATHER, zr->shard_counts_x);
+    tera_comm_shared_wait(p->s, PW_DONE, k, TERA_TRAFFIC_ALLGATHER);
+}
+
 /* The first bucket request not in flight (stages 0 and 1 start one per bucket, in backward order). */
 static int bucket_free(const tera_zero *zr) {
     int i = 0;
@@ -1261,6 +1332,7 @@ tera_status tera_zero_create(const tera_zero_env *env, tera_zero **out) {
      * hierarchical and compressed reducers keep their own sums and gathers */
     const char *she = getenv("TERA_ZERO_SHARED");
     zr->host_shared = !(she && !strcmp(she, "0")) && !env->hierarchical && ck == TERA_COMPRESS_NONE;
+    pw_create(zr); /* ZeRO-1/2's parameters on one host (collective over dp), before anything keeps m->w */
     if (zr->stage >= 2) zero23_init(zr, env);
     tera_adamw_plan(&zr->opt, m); /* the optimizer's work items, so that the step allocates nothing */
     tera_adamw_plan(&zr->opt_x, m);
@@ -1285,10 +1357,13 @@ int64_t tera_zero_shared_sums(const tera_zero *zr) {
     return (zr->zw ? (int64_t)zr->zw->k : 0) + (zr->zs ? zr->zs->n_shg : 0);
 }
 
+int64_t tera_zero_shared_param_gathers(const tera_zero *zr) { return zr && zr->pw ? (int64_t)zr->pw->k : 0; }
+
 void tera_zero_destroy(tera_zero *zr) {
     if (!zr) return;
     zero23_free(zr);
     whole_free(zr);
+    pw_free(zr);
     tera_greducer_free(zr->gred[0]);
     tera_greducer_free(zr->gred[1]);
     free(zr->shard_counts);
@@ -1433,7 +1508,9 @@ void tera_zero_params_updated(tera_zero *zr) {
     tera_model *m = zr->model;
     const int64_t nd = m->n_dense_floats, n = m->n_floats;
     if (zr->zs) zr->zs->version++; /* ZeRO-3: gathered parameters are stale */
-    if (zr->stage && zr->stage < 3) { /* every rank gets every shard's new parameters */
+    if (zr->pw) {
+        pw_gather(zr);
+    } else if (zr->stage && zr->stage < 3) { /* every rank gets every shard's new parameters */
         if (zr->gred[0]) tera_greducer_allgather(zr->gred[0], m->w, zr->shard_counts);
         else tera_comm_allgather_f32(zr->dp, m->w, zr->shard_counts);
         if (n > nd && zr->gred[1]) tera_greducer_allgather(zr->gred[1], m->w + nd, zr->shard_counts_x);
