@@ -374,39 +374,32 @@ void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float
     }
 }
 
-void tera_model_adopt_grads(tera_model *m, float *g) {
-    if (!g) { /* the caller takes its buffer back */
-        TERA_ASSERTF(m->g_external, "tera_model_adopt_grads(NULL): the model's gradients are its own");
-        m->g = NULL;
-        m->g_external = 0;
-        make_views(&m->G, NULL, m);
+/* The model's whole buffer *buf (its views v) moved into the caller's `to` [n_floats], which first
+ * gets the buffer's values (copy) or zeros; to = NULL gives the caller's buffer back (none from then
+ * on, the views cleared). `what` names it in a broken invariant. */
+static void adopt_whole(tera_model *m, float **buf, int *external, tera_weights_view *v, float *to, int copy,
+                        const char *what) {
+    if (!to) { /* the caller takes its buffer back */
+        TERA_ASSERTF(*external, "tera_model_adopt_%s(NULL): the model's %s are its own", what, what);
+        *buf = NULL;
+        *external = 0;
+        make_views(v, NULL, m);
         return;
     }
-    TERA_ASSERTF(m->g, "tera_model_adopt_grads: the model has no whole gradient buffer");
-    /* zeros, as the model's own buffer holds before its first step (not a copy of it: its pages were
-     * never touched, and reading them would make them resident at the moment the new ones become so) */
-    memset(g, 0, sizeof(float) * (size_t)m->n_floats);
-    if (!m->g_external) free(m->g);
-    m->g = g;
-    m->g_external = 1;
-    make_views(&m->G, g, m);
+    TERA_ASSERTF(*buf, "tera_model_adopt_%s: the model has no whole %s buffer", what, what);
+    if (copy) memcpy(to, *buf, sizeof(float) * (size_t)m->n_floats);
+    else memset(to, 0, sizeof(float) * (size_t)m->n_floats);
+    if (!*external) free(*buf);
+    *buf = to;
+    *external = 1;
+    make_views(v, to, m);
 }
 
-void tera_model_adopt_params(tera_model *m, float *w) {
-    if (!w) { /* the caller takes its buffer back */
-        TERA_ASSERTF(m->w_external, "tera_model_adopt_params(NULL): the model's parameters are its own");
-        m->w = NULL;
-        m->w_external = 0;
-        make_views(&m->W, NULL, m);
-        return;
-    }
-    TERA_ASSERTF(m->w, "tera_model_adopt_params: the model has no whole parameter buffer");
-    memcpy(w, m->w, sizeof(float) * (size_t)m->n_floats);
-    if (!m->w_external) free(m->w);
-    m->w = w;
-    m->w_external = 1;
-    make_views(&m->W, w, m);
-}
+/* gradients: zeros, as the model's own buffer holds before its first step (not a copy of it: its pages
+ * were never touched, and reading them would make them resident at the moment the new ones become so) */
+void tera_model_adopt_grads(tera_model *m, float *g) { adopt_whole(m, &m->g, &m->g_external, &m->G, g, 0, "grads"); }
+
+void tera_model_adopt_params(tera_model *m, float *w) { adopt_whole(m, &m->w, &m->w_external, &m->W, w, 1, "params"); }
 
 void tera_model_bind_all(tera_model *m, float *w, float *g) {
     if (w || !m->w) make_views(&m->W, w, m); /* NULL and no whole buffer: views cleared */

@@ -921,8 +921,12 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         const double params = zero >= 3 ? zero3_gathers(w, L, A, dp, edp, &n_gathers, &piece) : zero ? pass : 0.0;
         out->bytes_dp = cb + params;
         t_dp = dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, cb, 4.0, 0);
-        const double t_par = params > 0 ? dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, params,
-                                                    zero >= 3 ? 2.0 * n_gathers : 2.0, hier) : 0.0;
+        /* (in host-shared memory as AdamW's: ZeRO-3's gathers, ZeRO-1/2's parameter copies) */
+        const double t_par = params <= 0 ? 0.0
+                             : zero >= 3 && sh_ok ? shared_s(hw, devices, 2.0 * piece, n_gathers)
+                             : zero < 3 && pw_ok  ? t_ag_pw
+                                                  : dp_comm_s(hw, TERA_HW_ALLGATHER, dp, tp, devices, params,
+                                                              zero >= 3 ? 2.0 * n_gathers : 2.0, hier);
         t_dp += t_par;
         exposed = t_dp;
         if (zero >= 3 && !cpu_host) /* the layer gathers hide behind compute as AdamW's do */

@@ -784,14 +784,21 @@ static void whole_finish(tera_zero *zr) {
     tera_comm_shared_wait(w->s, WG_SUMD, w->k, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE);
 }
 
+/* Collective over dp: a block of one whole-model buffer per data-parallel rank ([dp][*n], *n the
+ * model's floats padded to 16) where the ranks share a host, the reducer is flat and uncompressed and
+ * the experts are summed over all of them or none (NULL elsewhere: the collectives). */
+static tera_comm_shared *whole_block(const tera_zero *zr, int nflags, int64_t *n) {
+    if (!zr->host_shared || zr->topo.dp < 2 || !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1)) return NULL;
+    *n = (zr->model->n_floats + 15) & ~(int64_t)15;
+    return tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * *n * zr->topo.dp, nflags);
+}
+
 /* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
 static void whole_create(tera_zero *zr) {
     tera_model *m = zr->model;
-    if (!zr->host_shared || zr->stage > 1 || zr->topo.dp < 2 || !m->g || (zr->stage == 1 && !zr->rs_overlap) ||
-        !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1))
-        return;
-    const int64_t n = (m->n_floats + 15) & ~(int64_t)15;
-    tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * n * zr->topo.dp, WG_FLAGS);
+    if (zr->stage > 1 || !m->g || (zr->stage == 1 && !zr->rs_overlap)) return;
+    int64_t n = 0;
+    tera_comm_shared *s = whole_block(zr, WG_FLAGS, &n);
     if (!s) return;
     struct tera_zero_whole *w = tera_calloc(1, sizeof *w);
     *w = (struct tera_zero_whole){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
@@ -802,15 +809,6 @@ static void whole_create(tera_zero *zr) {
     tera_model_adopt_grads(m, w->base + (int64_t)w->me * n);
 }
 
-static void whole_free(tera_zero *zr) {
-    struct tera_zero_whole *w = zr->zw;
-    if (!w) return;
-    tera_model_adopt_grads(zr->model, NULL); /* the model's gradient views leave the block */
-    tera_comm_shared_free(w->s);             /* this rank's view (not collective) */
-    free(w->q);
-    free(w);
-    zr->zw = NULL;
-}
 
 /* ------------------------------------------------------------------ ZeRO-1/2's parameters on one host
  * Under the same conditions (the data-parallel ranks on one host, edp = dp or 1, the flat uncompressed
@@ -837,11 +835,9 @@ struct tera_zero_pw {
 /* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
 static void pw_create(tera_zero *zr) {
     tera_model *m = zr->model;
-    if (!zr->host_shared || zr->stage < 1 || zr->stage > 2 || zr->topo.dp < 2 || !m->w ||
-        !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1))
-        return;
-    const int64_t n = (m->n_floats + 15) & ~(int64_t)15;
-    tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * n * zr->topo.dp, PW_FLAGS);
+    if (zr->stage < 1 || zr->stage > 2 || !m->w) return;
+    int64_t n = 0;
+    tera_comm_shared *s = whole_block(zr, PW_FLAGS, &n);
     if (!s) return;
     struct tera_zero_pw *p = tera_calloc(1, sizeof *p);
     const int x = zr->topo.edp == zr->topo.dp && m->n_floats > m->n_dense_floats;
@@ -854,13 +850,19 @@ static void pw_create(tera_zero *zr) {
     tera_model_adopt_params(m, p->base + (int64_t)p->me * n);
 }
 
-static void pw_free(tera_zero *zr) {
-    struct tera_zero_pw *p = zr->pw;
-    if (!p) return;
-    tera_model_adopt_params(zr->model, NULL); /* the model's parameter views leave the block */
-    tera_comm_shared_free(p->s);              /* this rank's view (not collective) */
-    free(p);
-    zr->pw = NULL;
+/* ZeRO-0/1's gradient block and ZeRO-1/2's parameter block: the model's views leave them, then this
+ * rank releases its own view of each (not collective). */
+static void whole_blocks_free(tera_zero *zr) {
+    if (zr->zw) {
+        tera_model_adopt_grads(zr->model, NULL);
+        tera_comm_shared_free(zr->zw->s);
+        free(zr->zw->q), free(zr->zw), zr->zw = NULL;
+    }
+    if (zr->pw) {
+        tera_model_adopt_params(zr->model, NULL);
+        tera_comm_shared_free(zr->pw->s);
+        free(zr->pw), zr->pw = NULL;
+    }
 }
 
 /* The all-gather of the updated parameters through the block (see above). */
@@ -1362,8 +1364,7 @@ int64_t tera_zero_shared_param_gathers(const tera_zero *zr) { return zr && zr->p
 void tera_zero_destroy(tera_zero *zr) {
     if (!zr) return;
     zero23_free(zr);
-    whole_free(zr);
-    pw_free(zr);
+    whole_blocks_free(zr);
     tera_greducer_free(zr->gred[0]);
     tera_greducer_free(zr->gred[1]);
     free(zr->shard_counts);
