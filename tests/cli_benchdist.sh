@@ -23,7 +23,8 @@
 #   - ZeRO-3 gathers every layer's parameters in host-shared memory (zero3_shared_gathers_per_step equals
 #     zero3_gathers_per_step, positive), none with TERA_ZERO_SHARED=0 (dp2-zero3-noshared: the same
 #     bytes and final loss as dp2-zero3); the data-parallel layouts sum their gradients there
-#     (zero_shared_sums_per_step positive; ZeRO-1 with its reduce-scatters overlapped), none without data
+#     (zero_shared_sums_per_step positive; ZeRO-1 with its reduce-scatters overlapped; dp4xep2-zero1 with
+#     the experts over part of the ranks, edp 2 of dp 4), none without data
 #     parallelism or with TERA_ZERO_SHARED=0 (dp2-noshared: the same bytes and final loss as dp2);
 #     ZeRO-1/2 gather their updated parameters there once a step (zero_shared_param_gathers_per_step 1),
 #     no other layout;
@@ -57,7 +58,7 @@ mean_max() { awk -v m="$1" -v x="$2" -v pos="$3" 'BEGIN { exit !(m != "" && (pos
 # of layers 0-1, not by layer 2's: the work set still holds it)
 for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-zero3:2:1:1:3:2 dp2-zero3-rsoff:2:1:1:3:2 \
          dp2-zero3-noshared:2:1:1:3:2 dp2-zero2:2:1:1:2:2 \
-         dp2-zero1:2:1:1:1:2 dp2-zero1-rsoff:2:1:1:1:2 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
+         dp2-zero1:2:1:1:1:2 dp2-zero1-rsoff:2:1:1:1:2 dp4xep2-zero1:4:1:2:1:1 pp2:1:1:1:0:2:2 tp2xpp2:1:2:1:0:2:2 \
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
          "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full" \

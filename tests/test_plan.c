@@ -414,8 +414,8 @@ static void test_shared_time(void **state) {
  * (dp 2, S the summed floats = bytes_dp of ZeRO-0 / 4): ZeRO-0 8 S, ZeRO-1 4 (S + S/2) plus its
  * parameter all-gather (its piece copied into the other buffer: 8 S/2), ZeRO-2 4 A (S + 2 S/2) plus
  * the same all-gather, ZeRO-3 4 A (S + 2 S/2) and 8 bytes a float of its own gathered pieces (on 2
- * ranks the bytes the gathers count); the collectives instead with parallel.hierarchical, on devices,
- * and for ZeRO-0/1 with experts summed over part of the ranks. */
+ * ranks the bytes the gathers count); the collectives instead with parallel.hierarchical and on
+ * devices; experts over part of the ranks (dp 4 x ep 2) in the same block. */
 static void test_shared_sum_time(void **state) {
     (void)state;
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
@@ -458,20 +458,22 @@ static void test_shared_sum_time(void **state) {
     cpu_config(&c, ob);
     assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &t1b), TERA_OK);
     if (fabs(t1b.dp_total_s - ag) > 1e-9 * ag) fail_msg("1-bit Adam ZeRO-1 %.9g s, want %.9g", t1b.dp_total_s, ag);
-    /* the collectives (free here) where zero.c keeps them */
+    /* the collectives (free here) where zero.c keeps them: the hierarchical reducer */
     const char *const hier[] = {"parallel.dp=2", "parallel.hierarchical=true", NULL};
-    const char *const part[] = {"parallel.dp=4", "parallel.ep=2", "parallel.zero=1", NULL};
-    const char *const part2[] = {"parallel.dp=4", "parallel.ep=2", "parallel.zero=2", NULL};
     tera_plan_time h;
     cpu_config(&c, hier);
     assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
     assert_true(h.dp_total_s < 1e-15);
-    cpu_config(&c, part);
-    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
-    assert_true(h.dp_total_s < 1e-15);
-    cpu_config(&c, part2); /* ZeRO-2 sums each region over its own group in shared memory */
-    assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
-    assert_true(h.dp_total_s > 1e-9);
+    /* experts over part of the data-parallel ranks (dp 4, ep 2: edp 2) sum and gather in the same
+     * block, every stage */
+    for (int z = 0; z < 4; z++) {
+        char zs[32];
+        snprintf(zs, sizeof zs, "parallel.zero=%d", z);
+        const char *const part[] = {"parallel.dp=4", "parallel.ep=2", zs, NULL};
+        cpu_config(&c, part);
+        assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &h), TERA_OK);
+        if (!(h.dp_total_s > 1e-9)) fail_msg("dp 4 x ep 2 ZeRO-%d: %.3g s of data-parallel sums", z, h.dp_total_s);
+    }
 }
 
 /* The expert exchange: parallel.ep_hierarchical over two nodes is priced as its two stages (inside the

@@ -30,12 +30,12 @@
  *     backward, none counted) give the weights of stage 0 (stage 1) and of the overlapped stage 2
  *     (stages 2 and 3) bit for bit after every step;
  *   - ZeRO-3 gathers every layer in host-shared memory (tera_zero_counts; the ranks run on one host),
- *     and the gradient sums are done there (tera_zero_shared_sums: ZeRO-0/1's buckets where the experts
- *     are summed over all data-parallel ranks or none, ZeRO-2/3's layers); stages 0-3 again with the
+ *     and the gradient sums are done there (tera_zero_shared_sums: ZeRO-0/1's buckets, the experts'
+ *     over their expert-data-parallel ranks' buffers, ZeRO-2/3's layers); stages 0-3 again with the
  *     collectives (TERA_ZERO_SHARED=0, nothing shared): the weights of stage 0 / the overlapped
  *     ZeRO-2 in host-shared memory bit for bit after every step either way;
  *   - ZeRO-1/2 gather the updated parameters in host-shared memory (tera_zero_shared_param_gathers:
- *     once a step where the experts are over all dp ranks or none, none with TERA_ZERO_SHARED=0), and
+ *     once a step, none with TERA_ZERO_SHARED=0), and
  *     a rank's buffer holds every rank's new piece when tera_zero_adamw_step and
  *     tera_zero_params_updated return, with the last rank copying late (TERA_TEST_PW_LAG_US=2000): the
  *     buffer as it is on return equals the gathered weights bit for bit, and each rank's marked piece
@@ -344,16 +344,16 @@ static void run_case(const tera_model_config *cfg, const reference *R, int ep, i
     const char *shm = getenv("TERA_COMM_SHM");
     const int host_shared = !no_shared && !(shm && !strcmp(shm, "0")) && q.topo.dp > 1;
     if (z->stage >= 3) CHECK(shared == (host_shared ? gathered : 0));
-    /* gradient sums straight from the ranks' buffers: ZeRO-0 and ZeRO-1 (its reduce-scatters overlapped)
-     * where the experts are summed over all data-parallel ranks or none, ZeRO-2/3 always */
-    const int whole = z->stage >= 2 || ((z->stage == 0 || !rs_blocking) && (q.topo.edp == q.topo.dp || q.topo.edp == 1));
+    /* gradient sums straight from the ranks' buffers: ZeRO-0 and ZeRO-1 (its reduce-scatters overlapped;
+     * the experts over their expert-data-parallel ranks' buffers in the same block), ZeRO-2/3 always */
+    const int whole = z->stage >= 2 || z->stage == 0 || !rs_blocking;
     const int64_t ssum = tera_zero_shared_sums(z);
     if (!((host_shared && whole) ? ssum > 0 : ssum == 0))
         fprintf(stderr, "rank %d: ep %d zero %d: %ld gradient sums in host-shared memory\n", me, ep, z->stage, (long)ssum);
     CHECK((host_shared && whole) ? ssum > 0 : ssum == 0);
-    /* ZeRO-1/2 gather the updated parameters there too, once a step, under the same condition on the
-     * experts (TERA_ZERO_SHARED=0: by all-gather; the same bits, checked above) */
-    const int pw = host_shared && (z->stage == 1 || z->stage == 2) && (q.topo.edp == q.topo.dp || q.topo.edp == 1);
+    /* ZeRO-1/2 gather the updated parameters there too, once a step (TERA_ZERO_SHARED=0: by all-gather;
+     * the same bits, checked above) */
+    const int pw = host_shared && (z->stage == 1 || z->stage == 2);
     const int64_t pgat = tera_zero_shared_param_gathers(z);
     if (!(pw ? pgat == NS : pgat == 0))
         fprintf(stderr, "rank %d: ep %d zero %d: %ld parameter gathers in host-shared memory\n", me, ep, z->stage, (long)pgat);

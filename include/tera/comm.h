@@ -205,6 +205,10 @@ void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind);
  * _ALLREDUCE) of counts[r] floats per member (the all-reduce: of their sum) done through the block (its
  * ring volume, as the collectives count it), so that layouts report the same bytes either way */
 void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts);
+/* the same for such a collective over group c done through memory shared some other way (a block of a
+ * larger group that holds c's members: ZeRO's experts summed over their expert-data-parallel ranks in
+ * the data-parallel ranks' block) */
+void tera_comm_count_as(tera_comm *c, int kind, const int64_t *counts);
 
 /* ---- byte collectives for compressed data (src/comm/compress.c). Counted under `kind` (its
  * tera_comm_traffic field). All-to-all: scounts[r] bytes from send (consecutive, in rank order) to

@@ -161,9 +161,10 @@ int64_t tera_zero_shared_sums(const tera_zero *z);
  * host"; 0 with TERA_ZERO_SHARED=0, for other stages, and where the all-gather runs). */
 int64_t tera_zero_shared_param_gathers(const tera_zero *z);
 /* ZeRO-0/1's sum on one host, also what `tera plan --calibrate` times (its shared_sum rate): floats
- * [lo, hi) of `ranks` buffers [ranks][stride] at base, added in rank order, written into every buffer
- * (dst < 0, ZeRO-0) or into buffer dst only (ZeRO-1's shard piece). */
-void tera_zero_shared_sum(float *base, int64_t stride, int ranks, int64_t lo, int64_t hi, int dst);
+ * [lo, hi) of `ranks` buffers `stride` floats apart at base (member r's: buffer which[r], or r when
+ * which is NULL), added in rank order, written into every member's buffer (dst < 0, ZeRO-0) or into
+ * buffer dst only (ZeRO-1's shard piece). */
+void tera_zero_shared_sum(float *base, int64_t stride, int ranks, const int *which, int64_t lo, int64_t hi, int dst);
 /* ZeRO-1/2/3, since creation: the gradient reduce-scatters over groups of more than one rank, how many
  * of them started non-blocking (overlapping the backward that follows them; none with
  * TERA_ZERO_RS_OVERLAP=0 in the environment or a hierarchical / compressed reducer), and how many of

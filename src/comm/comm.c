@@ -434,12 +434,14 @@ void tera_comm_shared_wait(tera_comm_shared *s, int flag, uint64_t v, int kind) 
     if (tera_trace_active) tera_trace_comm("wait (shared-memory flags)", t0, t1, -1);
 }
 
-void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts) {
+void tera_comm_count_as(tera_comm *c, int kind, const int64_t *counts) {
     TERA_ASSERTF(kind == TERA_TRAFFIC_ALLGATHER || kind == TERA_TRAFFIC_REDUCE_SCATTER || kind == TERA_TRAFFIC_ALLREDUCE,
                  "shared block count of kind %d", kind);
     const double passes = kind == TERA_TRAFFIC_ALLREDUCE ? 2.0 : 1.0; /* reduce-scatter, then all-gather */
-    count_ring(s->c, passes * ring_share(s->c) * 4.0 * (double)total_count(s->c, counts), (tera_traffic_kind)kind);
+    if (c->size > 1) count_ring(c, passes * ring_share(c) * 4.0 * (double)total_count(c, counts), (tera_traffic_kind)kind);
 }
+
+void tera_comm_shared_count(tera_comm_shared *s, int kind, const int64_t *counts) { tera_comm_count_as(s->c, kind, counts); }
 
 /* ---- groups */
 tera_comm *tera_comm_split(tera_comm *c, int color, int key) {

@@ -252,7 +252,7 @@ static double shared_sum_time(tera_comm *w, tera_comm_shared *s, int64_t n, uint
         const double t0 = tera_now();
         tera_comm_shared_post(s, SHS_GRD, ++*k);
         tera_comm_shared_wait(s, SHS_GRD, *k, TERA_TRAFFIC_ALLREDUCE);
-        tera_zero_shared_sum(base, n, p, lo, hi, -1);
+        tera_zero_shared_sum(base, n, p, NULL, lo, hi, -1);
         tera_comm_shared_post(s, SHS_SUMD, *k);
         tera_comm_shared_wait(s, SHS_SUMD, *k, TERA_TRAFFIC_ALLREDUCE);
         float dt = (float)(tera_now() - t0);

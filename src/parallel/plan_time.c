@@ -896,18 +896,19 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     const double t_bwd = 2.0 / 3.0 * u_comp; /* one micro-batch's backward on the stage */
     const int hier = cfg->parallel.hierarchical;
     /* in host-shared memory (zero.c's conditions: a CPU host holding the group, the flat uncompressed
-     * reducer; ZeRO-0/1 also need the experts summed over all dp ranks or none): per rank, the summed
-     * floats S (read once from the ranks' buffers) and its piece of them (ZeRO-0 writes its share into
-     * every buffer: 8 S bytes; ZeRO-1 into its shard: 4 (S + piece); ZeRO-2/3 add it into the shard:
-     * 4 (S + 2 piece) a micro-batch; a ZeRO-3 gather writes the piece from the shard: 8 piece) */
+     * reducer; the experts over their edp ranks' buffers): per rank, the summed floats S (read once from
+     * the ranks' buffers) and its piece of them (ZeRO-0 writes its share into every buffer: 8 S bytes;
+     * ZeRO-1 into its shard: 4 (S + piece); ZeRO-2/3 add it into the shard: 4 (S + 2 piece) a
+     * micro-batch; a ZeRO-3 gather writes the piece from the shard: 8 piece) */
     const int sh_ok = cpu_host && (int64_t)dp * tp <= hw->devices_per_node && !hier &&
                       tera_compress_parse(cfg->parallel.grad_compression) == TERA_COMPRESS_NONE &&
-                      shared_s(hw, devices, 0.0, 0.0) >= 0 && (zero >= 2 || edp == dp || edp == 1);
+                      shared_s(hw, devices, 0.0, 0.0) >= 0;
     const double sum_f = nd + (edp > 1 ? nx : 0.0), piece_f = nd / dp + (edp > 1 ? nx / edp : 0.0);
-    /* ZeRO-1/2's all-gather of the updated parameters there too (experts over all dp ranks or none):
-     * each rank copies its piece into the dp - 1 other buffers, 8 (dp - 1) P bytes */
-    const int pw_ok = sh_ok && (edp == dp || edp == 1);
-    const double t_ag_pw = pw_ok ? shared_s(hw, devices, 8.0 * (dp - 1) * piece_f, 1.0) : 0.0;
+    /* ZeRO-1/2's all-gather of the updated parameters there too: each rank copies its non-expert piece
+     * into the dp - 1 other buffers and its expert piece into the edp - 1 others holding those experts */
+    const int pw_ok = sh_ok;
+    const double pw_bytes = 8.0 * ((dp - 1) * nd / dp + (edp > 1 ? (edp - 1) * nx / edp : 0.0));
+    const double t_ag_pw = pw_ok ? shared_s(hw, devices, pw_bytes, 1.0) : 0.0;
     const double n_sums = groups * (edp > 1 && nx > 0 ? 2.0 : 1.0);
     if (dp > 1 && onebit) {
         /* 1-bit Adam after its warm-up (docs/COMMUNICATION.md): no gradient sums; the momentum's 1-bit

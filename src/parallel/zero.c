@@ -171,12 +171,13 @@ struct tera_zero_staging {
 
 static int slot_of(int group) { return group == TERA_GROUP_EMBED ? SLOT_EMBED : group == TERA_GROUP_HEAD ? SLOT_HEAD : SLOT_LAYER; }
 
-/* t[0..nb) = base[at + i] + base[stride + at + i] + ... over `ranks` buffers `stride` floats apart: in
- * rank order, the order of the segment's sums (the same bits) */
-static void sum_over_ranks(float *restrict t, const float *base, int64_t stride, int ranks, int64_t at, int64_t nb) {
-    memcpy(t, base + at, sizeof(float) * (size_t)nb);
+/* t[0..nb) = the sum of `ranks` buffers `stride` floats apart at base + at, buffer which[r] (NULL: r) of
+ * member r: in rank order, the order of the segment's sums (the same bits) */
+static void sum_over_ranks(float *restrict t, const float *base, int64_t stride, int ranks, const int *which, int64_t at,
+                           int64_t nb) {
+    memcpy(t, base + (which ? which[0] : 0) * stride + at, sizeof(float) * (size_t)nb);
     for (int r = 1; r < ranks; r++) {
-        const float *restrict g = base + r * stride + at;
+        const float *restrict g = base + (which ? which[r] : r) * stride + at;
         for (int64_t i = 0; i < nb; i++) t[i] += g[i];
     }
 }
@@ -195,7 +196,7 @@ static void rs_finish_oldest(tera_zero_staging *z) {
         for (int64_t i0 = 0; i0 < e->n; i0 += SUM_BLOCK) {
             const int64_t nb = e->n - i0 < SUM_BLOCK ? e->n - i0 : SUM_BLOCK;
             float t[SUM_BLOCK];
-            sum_over_ranks(t, h->base, stride, h->ranks, off + i0, nb);
+            sum_over_ranks(t, h->base, stride, h->ranks, NULL, off + i0, nb);
             for (int64_t i = 0; i < nb; i++) dst[i0 + i] += t[i];
         }
         tera_comm_shared_post(h->s, SG_SUMD, e->k);
@@ -687,8 +688,8 @@ static void bind_hooks(tera_zero *zr) {
 }
 
 /* ------------------------------------------------------------------ ZeRO-0 and ZeRO-1 on one host
- * Where the data-parallel ranks all run on one host (the experts summed over all of them or over none:
- * edp = dp or 1; no hierarchical or compressed reducer; ZeRO-1 with its reduce-scatters overlapped),
+ * Where the data-parallel ranks all run on one host (no hierarchical or compressed reducer; ZeRO-1 with
+ * its reduce-scatters overlapped),
  * the model's whole gradient buffer is in host-shared memory ([dp][n], tera_model_adopt_grads) and
  * the buckets (a layer's non-expert or expert tensors, the head, the embedding; the last micro-batch's
  * backward) are summed straight from the ranks' buffers instead of through the segment's copies. A
@@ -696,7 +697,10 @@ static void bind_hooks(tera_zero *zr) {
  * rank has posted k it sums its share of the bucket over the ranks' buffers in rank order (t = g_0 +
  * g_1 + ..., the segment's order: the same bits) and writes t where the collective would: ZeRO-0
  * (all-reduce; its share is 1/dp of the bucket) into every rank's buffer, ZeRO-1 (reduce-scatter; its
- * share is its shard's piece) into its own; then it posts WG_SUMD = k. tera_zero_reduce_grads sums what
+ * share is its shard's piece) into its own; then it posts WG_SUMD = k. An expert bucket with the
+ * experts over part of the ranks (1 < edp < dp) is summed the same way over the buffers of this
+ * rank's expert-data-parallel group only (xwho: the ranks holding the same experts, in that group's
+ * rank order, the order of its collective), and its share is 1/edp or the experts' shard piece. tera_zero_reduce_grads sums what
  * is left and waits until every rank has posted its last WG_SUMD: every share is in this rank's buffer
  * and no rank still reads it. On two ranks that is about 8 bytes of memory traffic per float of a
  * bucket (ZeRO-0) instead of about 22. TERA_ZERO_SHARED=0: the segment's collectives (A/B). */
@@ -704,33 +708,36 @@ enum { WG_GRD, WG_SUMD, WG_FLAGS };
 typedef struct {
     int64_t lo, hi; /* this rank's share of the bucket, in the flat buffer */
     uint64_t k;     /* the bucket's number */
+    int x;          /* an expert bucket: summed over the expert-data-parallel ranks (xwho) */
 } zwbucket;
 struct tera_zero_whole {
     tera_comm_shared *s;
     float *base;          /* [ranks][n] */
     int64_t n;            /* floats of one rank's buffer (n_floats padded to 16) */
-    int ranks, me, sum_x; /* sum_x: the experts' region is summed too (edp = dp) */
+    int ranks, me, sum_x; /* sum_x: the experts' region is summed too (edp > 1) */
+    int *xwho;            /* [edp] the buffers of this rank's expert-data-parallel group, in its rank order */
     uint64_t k;           /* buckets posted by this rank (the same count on every rank; tera_zero_shared_sums) */
     zwbucket *q;          /* [n_buckets] posted, not yet summed by this rank, oldest first */
     int q_head, q_len, q_cap;
 };
 
-/* Sums bucket b's share of this rank (see above) and posts it. */
-void tera_zero_shared_sum(float *base, int64_t stride, int ranks, int64_t lo, int64_t hi, int dst) {
+void tera_zero_shared_sum(float *base, int64_t stride, int ranks, const int *which, int64_t lo, int64_t hi, int dst) {
     for (int64_t i0 = lo; i0 < hi; i0 += SUM_BLOCK) {
         const int64_t nb = hi - i0 < SUM_BLOCK ? hi - i0 : SUM_BLOCK;
         float t[SUM_BLOCK];
-        sum_over_ranks(t, base, stride, ranks, i0, nb);
+        sum_over_ranks(t, base, stride, ranks, which, i0, nb);
         if (dst < 0)
-            for (int r = 0; r < ranks; r++) memcpy(base + r * stride + i0, t, sizeof(float) * (size_t)nb);
+            for (int r = 0; r < ranks; r++) memcpy(base + (which ? which[r] : r) * stride + i0, t, sizeof(float) * (size_t)nb);
         else
             memcpy(base + dst * stride + i0, t, sizeof(float) * (size_t)nb);
     }
 }
 
+/* Sums bucket b's share of this rank (see above) and posts it. */
 static void whole_sum(tera_zero *zr, const zwbucket *b) {
     struct tera_zero_whole *w = zr->zw;
-    tera_zero_shared_sum(w->base, w->n, w->ranks, b->lo, b->hi, zr->stage == 0 ? -1 : w->me);
+    tera_zero_shared_sum(w->base, w->n, b->x ? zr->topo.edp : w->ranks, b->x ? w->xwho : NULL, b->lo, b->hi,
+                         zr->stage == 0 ? -1 : w->me);
     tera_comm_shared_post(w->s, WG_SUMD, b->k);
 }
 
@@ -754,26 +761,27 @@ static void whole_progress(tera_zero *zr, int all) {
 static void whole_bucket_ready(void *ctx, int64_t offset, int64_t count) {
     tera_zero *zr = ctx;
     struct tera_zero_whole *w = zr->zw;
-    if (offset >= zr->model->n_dense_floats && !w->sum_x) return; /* experts, edp = 1: nothing to sum */
+    const int x = offset >= zr->model->n_dense_floats;
+    if (x && !w->sum_x) return; /* experts, edp = 1: nothing to sum */
     TERA_ASSERTF(w->q_len < w->q_cap, "more gradient buckets than the %d expected", w->q_cap);
-    /* the ranks' shares (rs_cnt: what the collective would send) and this rank's: ZeRO-0 1/dp of the
-     * bucket each, ZeRO-1 the shards' pieces */
+    /* the ranks' shares (rs_cnt: what the collective would send) and this rank's: ZeRO-0 1/q of the
+     * bucket each, ZeRO-1 the shards' pieces (q: dp, or edp for the experts) */
+    const int ranks = x ? zr->topo.edp : w->ranks, me = x ? zr->topo.edp_rank : w->me;
     int64_t lo = offset;
     if (zr->stage == 0) {
-        for (int r = 0; r < w->ranks; r++) zr->rs_cnt[r] = count * (r + 1) / w->ranks - count * r / w->ranks;
-        lo += count * w->me / w->ranks;
+        for (int r = 0; r < ranks; r++) zr->rs_cnt[r] = count * (r + 1) / ranks - count * r / ranks;
+        lo += count * me / ranks;
     } else {
-        const int x = offset >= zr->model->n_dense_floats;
         const int64_t base = x ? zr->model->n_dense_floats : 0;
         int64_t soff;
-        lo += piece_counts(x ? zr->shard_counts_x : zr->shard_counts, w->ranks, w->me, offset - base, offset - base + count,
+        lo += piece_counts(x ? zr->shard_counts_x : zr->shard_counts, ranks, me, offset - base, offset - base + count,
                            zr->rs_cnt, &soff);
         zr->rs1[0]++, zr->rs1[1]++; /* over several ranks, started before the wait */
         zr->rs1_started = 1;
     }
     tera_comm_shared_post(w->s, WG_GRD, ++w->k);
-    w->q[(w->q_head + w->q_len++) % w->q_cap] = (zwbucket){.lo = lo, .hi = lo + zr->rs_cnt[w->me], .k = w->k};
-    tera_comm_shared_count(w->s, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE, zr->rs_cnt);
+    w->q[(w->q_head + w->q_len++) % w->q_cap] = (zwbucket){.lo = lo, .hi = lo + zr->rs_cnt[me], .k = w->k, .x = x};
+    tera_comm_count_as(x ? zr->edp : zr->dp, zr->stage ? TERA_TRAFFIC_REDUCE_SCATTER : TERA_TRAFFIC_ALLREDUCE, zr->rs_cnt);
     whole_progress(zr, 0);
 }
 
@@ -785,12 +793,23 @@ static void whole_finish(tera_zero *zr) {
 }
 
 /* Collective over dp: a block of one whole-model buffer per data-parallel rank ([dp][*n], *n the
- * model's floats padded to 16) where the ranks share a host, the reducer is flat and uncompressed and
- * the experts are summed over all of them or none (NULL elsewhere: the collectives). */
-static tera_comm_shared *whole_block(const tera_zero *zr, int nflags, int64_t *n) {
-    if (!zr->host_shared || zr->topo.dp < 2 || !(zr->topo.edp == zr->topo.dp || zr->topo.edp == 1)) return NULL;
+ * model's floats padded to 16) where the ranks share a host and the reducer is flat and uncompressed
+ * (NULL elsewhere: the collectives); *xwho [edp] (the caller's to free): the buffers of this rank's
+ * expert-data-parallel group in that group's rank order (the members hold the same experts). */
+static tera_comm_shared *whole_block(const tera_zero *zr, int nflags, int64_t *n, int **xwho) {
+    if (!zr->host_shared || zr->topo.dp < 2) return NULL;
     *n = (zr->model->n_floats + 15) & ~(int64_t)15;
-    return tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * *n * zr->topo.dp, nflags);
+    tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * *n * zr->topo.dp, nflags);
+    if (!s) return NULL;
+    *xwho = tera_calloc((size_t)zr->topo.edp, sizeof(int));
+    for (int j = 0; j < zr->topo.edp; j++) {
+        const int wr = zr->topo.edp > 1 ? tera_comm_world_rank_of(zr->edp, j) : tera_comm_world_rank_of(zr->dp, zr->topo.dp_rank);
+        int r = 0;
+        while (r < zr->topo.dp && tera_comm_world_rank_of(zr->dp, r) != wr) r++;
+        TERA_ASSERTF(r < zr->topo.dp, "expert-data-parallel rank %d (world %d) not in the data-parallel group", j, wr);
+        (*xwho)[j] = r;
+    }
+    return s;
 }
 
 /* Collective over dp: the block, where the conditions above hold (NULL elsewhere). */
@@ -798,12 +817,13 @@ static void whole_create(tera_zero *zr) {
     tera_model *m = zr->model;
     if (zr->stage > 1 || !m->g || (zr->stage == 1 && !zr->rs_overlap)) return;
     int64_t n = 0;
-    tera_comm_shared *s = whole_block(zr, WG_FLAGS, &n);
+    int *xwho = NULL;
+    tera_comm_shared *s = whole_block(zr, WG_FLAGS, &n, &xwho);
     if (!s) return;
     struct tera_zero_whole *w = tera_calloc(1, sizeof *w);
     *w = (struct tera_zero_whole){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
-                                  .me = zr->topo.dp_rank, .sum_x = zr->topo.edp == zr->topo.dp && m->n_floats > m->n_dense_floats,
-                                  .q_cap = zr->n_buckets};
+                                  .me = zr->topo.dp_rank, .sum_x = zr->topo.edp > 1 && m->n_floats > m->n_dense_floats,
+                                  .xwho = xwho, .q_cap = zr->n_buckets};
     w->q = tera_calloc((size_t)w->q_cap, sizeof(zwbucket));
     zr->zw = w;
     tera_model_adopt_grads(m, w->base + (int64_t)w->me * n);
@@ -811,10 +831,11 @@ static void whole_create(tera_zero *zr) {
 
 
 /* ------------------------------------------------------------------ ZeRO-1/2's parameters on one host
- * Under the same conditions (the data-parallel ranks on one host, edp = dp or 1, the flat uncompressed
- * reducer), ZeRO-1 and ZeRO-2 keep the model's whole parameter buffer in host-shared memory ([dp][n],
- * tera_model_adopt_params), and after the update each rank copies its shard's pieces (non-expert, and
- * the experts' where edp = dp) straight into the other ranks' buffers instead of the all-gather (which
+ * Under the same conditions (the data-parallel ranks on one host, the flat uncompressed reducer),
+ * ZeRO-1 and ZeRO-2 keep the model's whole parameter buffer in host-shared memory ([dp][n],
+ * tera_model_adopt_params), and after the update each rank copies its shard's pieces (non-expert into
+ * every other buffer, the experts' where edp > 1 into those of its expert-data-parallel group)
+ * straight into the other ranks' buffers instead of the all-gather (which
  * copies every piece into the segment and every piece out of it: on two ranks about three moves of
  * the buffer a rank, against one of its half). Update k: a rank posts PW_FREE = k once it reads no
  * parameter outside its pieces any more (its update is done; its forward and backward before it);
@@ -828,6 +849,8 @@ struct tera_zero_pw {
     int64_t n;                 /* floats of one rank's buffer (n_floats padded to 16) */
     int ranks, me;
     int64_t lo, hi, xlo, xhi;  /* this rank's pieces: non-expert [lo, hi), experts [xlo, xhi) (empty: edp = 1) */
+    int xranks;                /* edp: the buffers holding the same experts, xwho[0, xranks) */
+    int *xwho;
     uint64_t k;                /* updates gathered (the same count on every rank) */
     int lag_us;                /* test hook TERA_TEST_PW_LAG_US: the last rank waits this long before its copies */
 };
@@ -837,13 +860,15 @@ static void pw_create(tera_zero *zr) {
     tera_model *m = zr->model;
     if (zr->stage < 1 || zr->stage > 2 || !m->w) return;
     int64_t n = 0;
-    tera_comm_shared *s = whole_block(zr, PW_FLAGS, &n);
+    int *xwho = NULL;
+    tera_comm_shared *s = whole_block(zr, PW_FLAGS, &n, &xwho);
     if (!s) return;
     struct tera_zero_pw *p = tera_calloc(1, sizeof *p);
-    const int x = zr->topo.edp == zr->topo.dp && m->n_floats > m->n_dense_floats;
+    const int x = zr->topo.edp > 1 && m->n_floats > m->n_dense_floats;
     *p = (struct tera_zero_pw){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
                                .me = zr->topo.dp_rank, .lo = zr->opt.lo, .hi = zr->opt.hi,
-                               .xlo = x ? zr->opt_x.lo : 0, .xhi = x ? zr->opt_x.hi : 0};
+                               .xlo = x ? zr->opt_x.lo : 0, .xhi = x ? zr->opt_x.hi : 0, .xranks = zr->topo.edp,
+                               .xwho = xwho};
     const char *lag = getenv("TERA_TEST_PW_LAG_US");
     p->lag_us = lag && p->me == p->ranks - 1 ? atoi(lag) : 0;
     zr->pw = p;
@@ -856,12 +881,12 @@ static void whole_blocks_free(tera_zero *zr) {
     if (zr->zw) {
         tera_model_adopt_grads(zr->model, NULL);
         tera_comm_shared_free(zr->zw->s);
-        free(zr->zw->q), free(zr->zw), zr->zw = NULL;
+        free(zr->zw->q), free(zr->zw->xwho), free(zr->zw), zr->zw = NULL;
     }
     if (zr->pw) {
         tera_model_adopt_params(zr->model, NULL);
         tera_comm_shared_free(zr->pw->s);
-        free(zr->pw), zr->pw = NULL;
+        free(zr->pw->xwho), free(zr->pw), zr->pw = NULL;
     }
 }
 
@@ -876,11 +901,13 @@ static void pw_gather(tera_zero *zr) {
     for (int r = 1; r < p->ranks; r++) { /* the next ranks first: not every rank writes into one at once */
         float *dst = p->base + (int64_t)((p->me + r) % p->ranks) * p->n;
         memcpy(dst + p->lo, mine + p->lo, sizeof(float) * (size_t)(p->hi - p->lo));
-        if (p->xhi > p->xlo) memcpy(dst + p->xlo, mine + p->xlo, sizeof(float) * (size_t)(p->xhi - p->xlo));
     }
+    for (int j = 0; j < p->xranks && p->xhi > p->xlo; j++) /* the experts: the buffers holding the same ones */
+        if (p->xwho[j] != p->me)
+            memcpy(p->base + (int64_t)p->xwho[j] * p->n + p->xlo, mine + p->xlo, sizeof(float) * (size_t)(p->xhi - p->xlo));
     tera_comm_shared_post(p->s, PW_DONE, k);
     tera_comm_shared_count(p->s, TERA_TRAFFIC_ALLGATHER, zr->shard_counts);
-    if (p->xhi > p->xlo) tera_comm_shared_count(p->s, TERA_TRAFFIC_ALLGATHER, zr->shard_counts_x);
+    if (p->xhi > p->xlo) tera_comm_count_as(zr->edp, TERA_TRAFFIC_ALLGATHER, zr->shard_counts_x);
     tera_comm_shared_wait(p->s, PW_DONE, k, TERA_TRAFFIC_ALLGATHER);
 }
 
