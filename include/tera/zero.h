@@ -85,6 +85,8 @@ typedef struct tera_zero {
     struct tera_zero_staging *zs;  /* ZeRO-2/3 staging (NULL otherwise) */
     struct tera_zero_whole *zw;    /* ZeRO-0/1: the whole gradient buffer in host-shared memory (NULL otherwise) */
     struct tera_zero_pw *pw;       /* ZeRO-1/2: the whole parameter buffer in host-shared memory (NULL otherwise) */
+    int *xwho;                     /* [edp] with zw or pw: the data-parallel ranks holding this rank's experts,
+                                      in their expert-data-parallel group's rank order */
     float *local_g;                /* ZeRO-2/3 with 1-bit Adam past its freeze: this rank's own whole gradient
                                       [n] (tera_zero_local_grads; the caller's buffer), NULL otherwise */
     int moments_rounded;           /* bf16 moments: the last tera_zero_load read fp32 moments of this rank that

@@ -715,7 +715,6 @@ struct tera_zero_whole {
     float *base;          /* [ranks][n] */
     int64_t n;            /* floats of one rank's buffer (n_floats padded to 16) */
     int ranks, me, sum_x; /* sum_x: the experts' region is summed too (edp > 1) */
-    int *xwho;            /* [edp] the buffers of this rank's expert-data-parallel group, in its rank order */
     uint64_t k;           /* buckets posted by this rank (the same count on every rank; tera_zero_shared_sums) */
     zwbucket *q;          /* [n_buckets] posted, not yet summed by this rank, oldest first */
     int q_head, q_len, q_cap;
@@ -736,7 +735,7 @@ void tera_zero_shared_sum(float *base, int64_t stride, int ranks, const int *whi
 /* Sums bucket b's share of this rank (see above) and posts it. */
 static void whole_sum(tera_zero *zr, const zwbucket *b) {
     struct tera_zero_whole *w = zr->zw;
-    tera_zero_shared_sum(w->base, w->n, b->x ? zr->topo.edp : w->ranks, b->x ? w->xwho : NULL, b->lo, b->hi,
+    tera_zero_shared_sum(w->base, w->n, b->x ? zr->topo.edp : w->ranks, b->x ? zr->xwho : NULL, b->lo, b->hi,
                          zr->stage == 0 ? -1 : w->me);
     tera_comm_shared_post(w->s, WG_SUMD, b->k);
 }
@@ -794,20 +793,20 @@ static void whole_finish(tera_zero *zr) {
 
 /* Collective over dp: a block of one whole-model buffer per data-parallel rank ([dp][*n], *n the
  * model's floats padded to 16) where the ranks share a host and the reducer is flat and uncompressed
- * (NULL elsewhere: the collectives); *xwho [edp] (the caller's to free): the buffers of this rank's
- * expert-data-parallel group in that group's rank order (the members hold the same experts). */
-static tera_comm_shared *whole_block(const tera_zero *zr, int nflags, int64_t *n, int **xwho) {
+ * (NULL elsewhere: the collectives). The first one also finds zr->xwho [edp]: the buffers of this
+ * rank's expert-data-parallel group in that group's rank order (the members hold the same experts). */
+static tera_comm_shared *whole_block(tera_zero *zr, int nflags, int64_t *n) {
     if (!zr->host_shared || zr->topo.dp < 2) return NULL;
     *n = (zr->model->n_floats + 15) & ~(int64_t)15;
     tera_comm_shared *s = tera_comm_shared_create(zr->dp, (int64_t)sizeof(float) * *n * zr->topo.dp, nflags);
-    if (!s) return NULL;
-    *xwho = tera_calloc((size_t)zr->topo.edp, sizeof(int));
+    if (!s || zr->xwho) return s;
+    zr->xwho = tera_calloc((size_t)zr->topo.edp, sizeof(int));
     for (int j = 0; j < zr->topo.edp; j++) {
         const int wr = zr->topo.edp > 1 ? tera_comm_world_rank_of(zr->edp, j) : tera_comm_world_rank_of(zr->dp, zr->topo.dp_rank);
         int r = 0;
         while (r < zr->topo.dp && tera_comm_world_rank_of(zr->dp, r) != wr) r++;
         TERA_ASSERTF(r < zr->topo.dp, "expert-data-parallel rank %d (world %d) not in the data-parallel group", j, wr);
-        (*xwho)[j] = r;
+        zr->xwho[j] = r;
     }
     return s;
 }
@@ -817,13 +816,12 @@ static void whole_create(tera_zero *zr) {
     tera_model *m = zr->model;
     if (zr->stage > 1 || !m->g || (zr->stage == 1 && !zr->rs_overlap)) return;
     int64_t n = 0;
-    int *xwho = NULL;
-    tera_comm_shared *s = whole_block(zr, WG_FLAGS, &n, &xwho);
+    tera_comm_shared *s = whole_block(zr, WG_FLAGS, &n);
     if (!s) return;
     struct tera_zero_whole *w = tera_calloc(1, sizeof *w);
     *w = (struct tera_zero_whole){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
                                   .me = zr->topo.dp_rank, .sum_x = zr->topo.edp > 1 && m->n_floats > m->n_dense_floats,
-                                  .xwho = xwho, .q_cap = zr->n_buckets};
+                                  .q_cap = zr->n_buckets};
     w->q = tera_calloc((size_t)w->q_cap, sizeof(zwbucket));
     zr->zw = w;
     tera_model_adopt_grads(m, w->base + (int64_t)w->me * n);
@@ -849,8 +847,6 @@ struct tera_zero_pw {
     int64_t n;                 /* floats of one rank's buffer (n_floats padded to 16) */
     int ranks, me;
     int64_t lo, hi, xlo, xhi;  /* this rank's pieces: non-expert [lo, hi), experts [xlo, xhi) (empty: edp = 1) */
-    int xranks;                /* edp: the buffers holding the same experts, xwho[0, xranks) */
-    int *xwho;
     uint64_t k;                /* updates gathered (the same count on every rank) */
     int lag_us;                /* test hook TERA_TEST_PW_LAG_US: the last rank waits this long before its copies */
 };
@@ -860,15 +856,13 @@ static void pw_create(tera_zero *zr) {
     tera_model *m = zr->model;
     if (zr->stage < 1 || zr->stage > 2 || !m->w) return;
     int64_t n = 0;
-    int *xwho = NULL;
-    tera_comm_shared *s = whole_block(zr, PW_FLAGS, &n, &xwho);
+    tera_comm_shared *s = whole_block(zr, PW_FLAGS, &n);
     if (!s) return;
     struct tera_zero_pw *p = tera_calloc(1, sizeof *p);
     const int x = zr->topo.edp > 1 && m->n_floats > m->n_dense_floats;
     *p = (struct tera_zero_pw){.s = s, .base = tera_comm_shared_mem(s), .n = n, .ranks = zr->topo.dp,
                                .me = zr->topo.dp_rank, .lo = zr->opt.lo, .hi = zr->opt.hi,
-                               .xlo = x ? zr->opt_x.lo : 0, .xhi = x ? zr->opt_x.hi : 0, .xranks = zr->topo.edp,
-                               .xwho = xwho};
+                               .xlo = x ? zr->opt_x.lo : 0, .xhi = x ? zr->opt_x.hi : 0};
     const char *lag = getenv("TERA_TEST_PW_LAG_US");
     p->lag_us = lag && p->me == p->ranks - 1 ? atoi(lag) : 0;
     zr->pw = p;
@@ -881,13 +875,14 @@ static void whole_blocks_free(tera_zero *zr) {
     if (zr->zw) {
         tera_model_adopt_grads(zr->model, NULL);
         tera_comm_shared_free(zr->zw->s);
-        free(zr->zw->q), free(zr->zw->xwho), free(zr->zw), zr->zw = NULL;
+        free(zr->zw->q), free(zr->zw), zr->zw = NULL;
     }
     if (zr->pw) {
         tera_model_adopt_params(zr->model, NULL);
         tera_comm_shared_free(zr->pw->s);
-        free(zr->pw->xwho), free(zr->pw), zr->pw = NULL;
+        free(zr->pw), zr->pw = NULL;
     }
+    free(zr->xwho), zr->xwho = NULL;
 }
 
 /* The all-gather of the updated parameters through the block (see above). */
@@ -902,9 +897,9 @@ static void pw_gather(tera_zero *zr) {
         float *dst = p->base + (int64_t)((p->me + r) % p->ranks) * p->n;
         memcpy(dst + p->lo, mine + p->lo, sizeof(float) * (size_t)(p->hi - p->lo));
     }
-    for (int j = 0; j < p->xranks && p->xhi > p->xlo; j++) /* the experts: the buffers holding the same ones */
-        if (p->xwho[j] != p->me)
-            memcpy(p->base + (int64_t)p->xwho[j] * p->n + p->xlo, mine + p->xlo, sizeof(float) * (size_t)(p->xhi - p->xlo));
+    for (int j = 0; j < zr->topo.edp && p->xhi > p->xlo; j++) /* the experts: the buffers holding the same ones */
+        if (zr->xwho[j] != p->me)
+            memcpy(p->base + (int64_t)zr->xwho[j] * p->n + p->xlo, mine + p->xlo, sizeof(float) * (size_t)(p->xhi - p->xlo));
     tera_comm_shared_post(p->s, PW_DONE, k);
     tera_comm_shared_count(p->s, TERA_TRAFFIC_ALLGATHER, zr->shard_counts);
     if (p->xhi > p->xlo) tera_comm_count_as(zr->edp, TERA_TRAFFIC_ALLGATHER, zr->shard_counts_x);
