@@ -37,7 +37,11 @@
 #     rows exchanged point-to-point follow the routing, the minimum assumes uniform routing, so
 #     there the point-to-point bytes must lie within 10% of it and the whole within 5%; under
 #     model.router_force_balance (ep2-balanced: every expert the same rows) exactly the minimum, and the
-#     busiest expert-parallel rank's rows exactly the mean (ep_load_max_over_mean 1).
+#     busiest expert-parallel rank's rows exactly the mean (ep_load_max_over_mean 1);
+#   - sequence parallelism (the -sp layouts) is reported in effect (sequence_parallel 1, else 0); its
+#     reduce-scatters and all-gathers replace the [N, D] all-reduces byte for byte (the minimum above,
+#     with its norm-gradient all-reduces), the same sums overlap the weight gradients (9 per micro-batch
+#     on tp2), and a rank's activations are smaller than without it (tp2, tp2xpp2).
 # Usage: cli_benchdist.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -62,7 +66,8 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
          pp2xdp2-zero3:2:1:1:3:4:2 tp2-noov:1:2:1:0:1:1:--parallel.tp_overlap=0 \
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
          "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full" \
-         "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true"; do
+         "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true" \
+         "tp2-sp:1:2:1:0:1:1:--parallel.sequence_parallel=true" "tp2xpp2-sp:1:2:1:0:2:2:--parallel.sequence_parallel=true"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
@@ -183,6 +188,15 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
     if ! awk -v v="$im" -v e="$ep" -v fb="$fb" 'BEGIN { exit !(v != "" && (e == 1 || fb ? v == 1 : v >= 1 && v <= e)) }'; then
         fail "$name: expert-parallel load max/mean ${im:-?} with ep $ep"
         ok=0
+    fi
+    spw=$([[ "${extra:-}" = *sequence_parallel=true* ]] && echo 1 || echo 0)
+    [ "$(num "$out" sequence_parallel)" = "$spw" ] || { fail "$name: sequence_parallel $(num "$out" sequence_parallel), expected $spw"; ok=0; }
+    if [ "$spw" = 1 ]; then
+        a0=$(num "$W/${name%-sp}.json" mem_acts) a1=$(num "$out" mem_acts)
+        awk -v a="$a0" -v b="$a1" 'BEGIN { exit !(a != "" && b != "" && b < a) }' || {
+            fail "$name: activations $a1 bytes a rank, ${a0:-?} without sequence parallelism"
+            ok=0
+        }
     fi
     [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax; ${bk#*: }), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
 done

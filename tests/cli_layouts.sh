@@ -82,7 +82,8 @@ out=$(compare_steps "$W/one-1-4/metrics.jsonl" "$W/avx2/metrics.jsonl" "$TOL") &
 # name : parallel.dp : parallel.tp : parallel.ep : zero [: parallel.pp : schedule : chunks]
 LAYOUTS="dp2:2:1:1:3 tp2:1:2:1:0 ep4:4:1:4:2 dp2xtp2:2:2:1:1 tp2xep2:2:2:2:1 dp2xtp2xep2:4:2:2:3
          pp2:1:1:1:0:2:1f1b:1 pp4/gpipe:1:1:1:0:4:gpipe:1 pp2/interleaved:1:1:1:0:2:interleaved:2
-         pp2xdp2xep2:4:1:2:1:2:1f1b:1"
+         pp2xdp2xep2:4:1:2:1:2:1f1b:1 tp2+sp:1:2:1:0:1:1f1b:1:1 dp2xtp2xep2+sp:4:2:2:3:1:1f1b:1:1
+         pp2xtp2+sp:1:2:1:0:2:1f1b:1:1"
 if [ "${TERA_TEST_FULL:-0}" = 1 ]; then # every layout with every ZeRO stage it can shard over
     LAYOUTS="tp2:1:2:1:0 tp4:1:4:1:0 pp2:1:1:1:0:2:1f1b:1 pp4:1:1:1:0:4:1f1b:1 pp2/gpipe:1:1:1:0:2:gpipe:1
              pp4/gpipe:1:1:1:0:4:gpipe:1 pp2/interleaved:1:1:1:0:2:interleaved:2 pp2xtp2:1:2:1:0:2:1f1b:1"
@@ -94,10 +95,18 @@ if [ "${TERA_TEST_FULL:-0}" = 1 ]; then # every layout with every ZeRO stage it 
         for z in 0 1 2 3; do LAYOUTS="$LAYOUTS $l:$z:2:1f1b:1"; done
     done
     LAYOUTS="$LAYOUTS pp2xdp2/interleaved:2:1:1:2:2:interleaved:2"
+    for l in tp2:1:2:1 tp4:1:4:1 dp2xtp2:2:2:1 tp2xep2:2:2:2 dp2xtp2xep2:4:2:2; do # sequence parallelism
+        zs="0 1 2 3"
+        [ "${l#*:}" = 1:2:1 ] || [ "${l#*:}" = 1:4:1 ] && zs=0 # dp 1: ZeRO shards nothing
+        for z in $zs; do LAYOUTS="$LAYOUTS ${l%%:*}+sp:${l#*:}:$z:1:1f1b:1:1"; done
+    done
+    LAYOUTS="$LAYOUTS pp2xtp2+sp:1:2:1:0:2:1f1b:1:1 pp2xdp2xtp2+sp:2:2:1:1:2:1f1b:1:1"
 fi
 for l in $LAYOUTS; do
-    IFS=: read -r name dp tp ep zero pp sched chunks <<< "$l"
-    pp=${pp:-1} sched=${sched:-1f1b} chunks=${chunks:-1}
+    IFS=: read -r name dp tp ep zero pp sched chunks sp <<< "$l"
+    pp=${pp:-1} sched=${sched:-1f1b} chunks=${chunks:-1} sp=${sp:-0}
+    SP=()
+    [ "$sp" = 1 ] && SP=(--parallel.sequence_parallel=true)
     tag="$name zero$zero"
     R="$W/${name//\//-}-$zero"
     global=4 accum=1
@@ -107,7 +116,7 @@ for l in $LAYOUTS; do
     ref "$micro" "$global"
     $MPIRUN -np $((pp * dp * tp)) "$TERA" train "${TINY[@]}" --training.micro_batch=$micro --training.grad_accum=$accum \
         --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.zero="$zero" --parallel.pp="$pp" \
-        --parallel.pp_schedule="$sched" --parallel.pp_chunks="$chunks" --logging.run_dir="$R" \
+        --parallel.pp_schedule="$sched" --parallel.pp_chunks="$chunks" ${SP[@]+"${SP[@]}"} --logging.run_dir="$R" \
         > "$R.log" 2>&1 || { fail "$tag run"; tail -5 "$R.log"; continue; }
     C=checkpoints/step_00000008/model.safetensors
     if [ "$dp" = 1 ] && [ "$tp" = 1 ]; then # a pipeline alone: the same sums in the same order
@@ -148,6 +157,29 @@ for l in $LAYOUTS; do
         || fail "$tag: memory: elements $rep $spl $exp (one rank $REP $SPL $EXP), params $p grads $g optimizer $o"
     rm -rf "$R"
 done
+
+# Sequence parallelism keeps 1/tp of the residual stream's rows on each rank: against tp2 without it,
+# rank 0's activations are smaller by exactly those rows of every layer's x_in and h (D floats a row)
+# and rstd1, rstd2 (one float a row), and of the final x_final and rstdf, each buffer rounded up to 64
+# bytes as the allocator carves it (model.n_layers = 4, micro-batch 4 x 32 rows, D = 32).
+act() { grep "memory bytes per rank" "$1" | grep -o "activations [0-9]*" | cut -d' ' -f2; }
+a0=$(act "$W/tp2-0.log") a1=$(act "$W/tp2+sp-0.log")
+awk -v a="$a0" -v b="$a1" 'function sz(n) { return int((4 * n + 63) / 64) * 64 }
+    BEGIN { N = 4 * 32; R = N / 2; D = 32; L = 4
+            want = L * (2 * (sz(N * D) - sz(R * D)) + 2 * (sz(N) - sz(R))) + (sz(N * D) - sz(R * D)) + (sz(N) - sz(R))
+            exit !(a != "" && b != "" && a - b == want) }' \
+    && pass "sequence parallelism: activations $a1 bytes a rank against $a0 (the residual stream's rows / tp)" \
+    || fail "sequence parallelism: activations ${a1:-?} bytes a rank against ${a0:-?} without it"
+# ... and with full recomputation, where each layer keeps its input only (its rows on this rank), it
+# trains the same model as one rank
+R="$W/tp2-sp-full"
+ref 4 4
+$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=4 --parallel.tp=2 --parallel.sequence_parallel=true \
+    --training.recompute=full --logging.run_dir="$R" > "$R.log" 2>&1 || { fail "tp2 sequence-parallel full recompute run"; tail -5 "$R.log"; }
+out=$(compare_steps "$REF/metrics.jsonl" "$R/metrics.jsonl" "$TOL") && [ "$(grep -c '"loss"' "$R/metrics.jsonl")" = 8 ] \
+    && pass "tp2 sequence-parallel with full recomputation: every step matches one rank ($out)" \
+    || fail "tp2 sequence-parallel with full recomputation differs from one rank: $out"
+rm -rf "$R"
 
 # bf16: a pipeline is still bit-identical; data, tensor and expert parallelism agree to BF16_TOL
 BF=(--training.precision=bf16)

@@ -544,6 +544,21 @@ static void test_finalize(void **state) {
     expect_finalize(TERA_OK, NULL, "parallel.dp=2", NULL); /* data parallelism is supported */
     expect_finalize(TERA_OK, NULL, "parallel.tp=2", NULL);
     expect_finalize(TERA_ERR_CONFIG, "parallel.tp (3) must divide model.vocab_size", "parallel.tp=3", NULL);
+    /* sequence parallelism splits a micro-batch's rows over the tensor-parallel ranks */
+    expect_finalize(TERA_OK, NULL, "parallel.tp=2", "parallel.sequence_parallel=true");
+    {
+        tera_config c;
+        tera_config_defaults(&c);
+        assert_int_equal(tera_config_set(&c, "parallel.tp=2"), TERA_OK);
+        assert_int_equal(tera_config_set(&c, "parallel.sequence_parallel=true"), TERA_OK);
+        assert_int_equal(tera_config_set(&c, "training.micro_batch=1"), TERA_OK);
+        assert_int_equal(tera_config_set(&c, "training.seq_len=33"), TERA_OK);
+        assert_int_equal(tera_config_finalize(&c), TERA_ERR_CONFIG);
+        assert_msg_has("parallel.sequence_parallel splits a micro-batch's training.micro_batch x training.seq_len "
+                       "(1 x 33) rows over parallel.tp (2) ranks");
+        assert_int_equal(tera_config_set(&c, "parallel.sequence_parallel=false"), TERA_OK);
+        assert_int_equal(tera_config_finalize(&c), TERA_OK); /* without it, any rows */
+    }
     expect_finalize(TERA_OK, NULL, "parallel.pp=2", NULL); /* pipeline parallelism */
     expect_finalize(TERA_ERR_CONFIG,
                     "training.global_batch = 8, but training.micro_batch x training.grad_accum x parallel.dp = "

@@ -414,7 +414,7 @@ static void test_tp1_is_plain(void **state) {
     (void)state;
     const int64_t N = 13, V = 40, D = 6, in = 10, out = 7;
     tera_tp tp;
-    tera_tp_init(&tp, BE, 1, NULL, 0, V, N);
+    tera_tp_init(&tp, BE, 1, NULL, 0, V, N, D, 0);
     assert_int_equal(tp.tp, 1);
     assert_null(tp.group);
     assert_int_equal(tp.v0, 0);
@@ -468,7 +468,7 @@ static void test_tp1_is_plain(void **state) {
     assert_same("tp1 block begin", y, res, N * out);
     tu_fill(y, N * out, 38, 1.0f);
     memcpy(yr, y, sizeof(float) * (size_t)(N * out));
-    tera_tp_row_block_end(&tp, y, res, N * out);
+    tera_tp_row_block_end(&tp, y, y, res, N, out);
     assert_same("tp1 block end", y, yr, N * out);
     tera_tp_free(&tp);
     free(logits), free(lse), free(lse_ref), free(dl), free(dl_ref), free(tg), free(table), free(x), free(xr), free(dt),
@@ -500,7 +500,7 @@ static void test_vocab_slices(void **state) {
         for (int64_t n = 0; n < N; n++) mx[n] = -INFINITY;
         for (int p = 0; p < P; p++) { /* the max over ranks */
             tera_tp tp;
-            tera_tp_init(&tp, BE, P, tera_comm_world(), p, V, N);
+            tera_tp_init(&tp, BE, P, tera_comm_world(), p, V, N, D, 0);
             assert_int_equal(tp.tp, P);
             assert_int_equal(tp.Vl, Vl);
             assert_int_equal(tp.v0, p * Vl);
@@ -615,7 +615,7 @@ static void test_tp_ranks_by_hand(void **state) {
         memset(ysum, 0, sizeof(float) * (size_t)(N * out));
         for (int p = 0; p < P; p++) {
             tera_tp tp;
-            tera_tp_init(&tp, BE, P, tera_comm_world(), p, V, N);
+            tera_tp_init(&tp, BE, P, tera_comm_world(), p, V, N, D, 0);
             for (int64_t n = 0; n < N; n++) memcpy(sl + n * Vl, logits + n * V + p * Vl, sizeof(float) * (size_t)Vl);
             /* cross-entropy: this rank's lse is that of its slice (the sums over one rank) */
             const double sp = tera_tp_ce_forward(&tp, lse + p * N, sl, tg, N);
@@ -673,7 +673,7 @@ static void test_tp_ranks_by_hand(void **state) {
             tu_fill(y, N * out, 58, 1.0f);
             float *y0 = fnew(N * out);
             memcpy(y0, y, sizeof(float) * (size_t)(N * out));
-            tera_tp_row_block_end(&tp, y, res, N * out);
+            tera_tp_row_block_end(&tp, y, y, res, N, out);
             for (int64_t i = 0; i < N * out; i++) assert_true(y[i] == y0[i] + res[i]);
             free(y0);
             tera_tp_free(&tp);

@@ -480,6 +480,77 @@ static void test_shared_sum_time(void **state) {
  * node (k-1)/k of the rows, then between the nodes (N-1)/N), on one node as the flat exchange;
  * parallel.ep_overlap hides tera_plan_ep_overlap_hidden's figure (checked against the closed form)
  * of the point-to-point exchange on devices, nothing of the two-stage one or on a CPU host. */
+/* Sequence parallelism (parallel.sequence_parallel) in the planner. Memory: the allocator's own count
+ * keeps 1/tp of the residual stream's rows (each layer's x_in and h, rstd1 and rstd2, the final x_final and
+ * rstdf: exactly those bytes fewer, with the 64-byte carving) and adds the tensor-parallel module's scratch
+ * (the partial outputs' [N, D], two norms' [D], the counts); with full recomputation a layer keeps only
+ * its input's rows (and the work set its h and statistics). Time: its reduce-scatters and all-gathers send the all-reduces' bytes in as many ring
+ * steps, so on alpha-beta links the tensor-parallel time grows by the norms' gradient all-reduces alone
+ * (2 a layer and the final norm's, D floats each, in one call a layer and one for the head). */
+static int64_t carved(int64_t floats) { return (4 * floats + 63) / 64 * 64; }
+
+static void test_sequence_parallel(void **state) {
+    (void)state;
+    tera_config c;
+    tera_config_defaults(&c);
+    c.training.seq_len = 32;
+    c.training.micro_batch = 2;
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    const int64_t L = c.model.n_layers, D = c.model.dim, N = 2 * 32;
+    for (int tp = 2; tp <= 4; tp *= 2)
+        for (int full = 0; full < 2; full++) {
+            tera_model_config mc = c.model;
+            mc.recompute = full ? "full" : "none";
+            tera_model_bytes b[2];
+            for (int sp = 0; sp < 2; sp++) {
+                const tera_model_par par = {.ep = 1, .tp = tp, .sp = sp};
+                assert_int_equal(tera_model_count(&mc, 2, 32, &par, &b[sp]), TERA_OK);
+            }
+            const int64_t R = N / tp;
+            const int64_t rows = carved(N * D) - carved(R * D), stat = carved(N) - carved(R);
+            /* full: each layer's x_in, and the one work set's h, rstd1, rstd2 for the layer recomputed */
+            const int64_t want = (full ? L * rows + rows + 2 * stat : L * (2 * rows + 2 * stat)) + rows + stat;
+            const int64_t scratch = carved(N * D) + carved(2 * D) + (8 * tp + 63) / 64 * 64;
+            if (b[0].acts - b[1].acts != want || b[1].scratch - b[0].scratch != scratch)
+                fail_msg("tp %d, full recompute %d: activations %lld -> %lld (want %lld fewer), scratch %lld -> %lld "
+                         "(want %lld more)", tp, full, (long long)b[0].acts, (long long)b[1].acts, (long long)want,
+                         (long long)b[0].scratch, (long long)b[1].scratch, (long long)scratch);
+        }
+    /* rows that do not divide over the ranks: refused by the count, naming the option */
+    const tera_model_par odd = {.ep = 1, .tp = 2, .sp = 1};
+    tera_model_bytes cnt;
+    assert_int_equal(tera_model_count(&c.model, 1, 33, &odd, &cnt), TERA_ERR_CONFIG);
+    assert_non_null(strstr(tera_last_error(), "parallel.sequence_parallel"));
+    /* time on alpha-beta links */
+    tera_hw hw;
+    char path[512];
+    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
+    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    hw.n_coll = 0;
+    const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1};
+    tera_plan_time t[2];
+    for (int sp = 0; sp < 2; sp++) {
+        tera_config cc;
+        tera_config_defaults(&cc);
+        cc.training.seq_len = 256;
+        cc.training.micro_batch = 2;
+        cc.training.grad_accum = 3;
+        cc.parallel.tp = 2;
+        cc.parallel.sequence_parallel = sp;
+        cc.training.global_batch = 0;
+        assert_int_equal(tera_config_finalize(&cc), TERA_OK);
+        assert_int_equal(tera_plan_time_model(&cc, &hw, &o, &t[sp]), TERA_OK);
+    }
+    const double A = 3, norms = 4.0 * (2.0 * L + 1) * D; /* bytes of the norms' gradients, ring 1/2 x 2 */
+    const double want_bytes = A * norms, want_s = A * (norms / hw.intra_bw + (L + 1) * 2.0 * hw.intra_lat);
+    if (!(fabs(t[1].bytes_tp - t[0].bytes_tp - want_bytes) <= 1e-9 * t[0].bytes_tp &&
+          fabs(t[1].tp_s - t[0].tp_s - want_s) <= 1e-9 * t[0].tp_s && t[0].tp_s > 0))
+        fail_msg("tensor-parallel bytes %.0f -> %.0f (want %.0f more), seconds %.9g -> %.9g (want %.9g more)",
+                 t[0].bytes_tp, t[1].bytes_tp, want_bytes, t[0].tp_s, t[1].tp_s, want_s);
+    /* the element-wise passes of the rank's rows: fewer memory-pass seconds, the same products */
+    assert_true(t[1].memory_s < t[0].memory_s && t[1].matmul_s == t[0].matmul_s);
+}
+
 static void test_expert_exchange_time(void **state) {
     (void)state;
     /* the overlap's closed form: ep 2, experts long (c'/2 > x): the rows out hidden, the last (only)
@@ -647,6 +718,7 @@ int main(void) {
                                        cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
                                        cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
                                        cmocka_unit_test(test_shared_sum_time),
+                                       cmocka_unit_test(test_sequence_parallel),
                                        cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit),
                                        cmocka_unit_test(test_shadow_is_the_trainer)};
     return cmocka_run_group_tests(tests, NULL, NULL);

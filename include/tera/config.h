@@ -154,6 +154,7 @@ typedef struct {
     int ep_overlap;             /* expert parallelism: overlap exchanges with expert compute */
     int tp_overlap;             /* tensor parallelism: weight gradients while the input-gradient sums are in flight
                                    (1: with fp32 products, 2: always, 0: off) */
+    int sequence_parallel;      /* tensor parallelism: the residual stream's rows split over the tp ranks */
     int zero_prefetch;          /* ZeRO-3: gather the next layer's parameters while this one computes */
     char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
     int pp_chunks;              /* model chunks per stage (interleaved) */

@@ -109,6 +109,12 @@ typedef struct {
      * while they are in flight (parallel.tp_overlap): 1 when the backend's products are fp32, 2 in
      * every precision; 0 each sum blocking (the same bits in every case) */
     int tp_overlap;
+    /* sequence parallelism (parallel.sequence_parallel, tp > 1): between the tensor-parallel layers
+     * this rank keeps rows [tp_rank N/tp, (tp_rank + 1) N/tp) of the residual stream (layer inputs,
+     * attention output plus residual, the norms' statistics); the norms run on those rows, whose
+     * outputs are all-gathered before the column-parallel layers, and the row-parallel layers'
+     * partial outputs are reduce-scattered into them (backward: the mirror image). */
+    int sp;
     /* ZeRO-3 / ZeRO-2: the model allocates no whole parameter / gradient buffer; the trainer binds
      * each group's when use_params / use_grads ask (tera_model_bind_group) */
     int shard_params, shard_grads;
@@ -158,6 +164,8 @@ typedef struct {
     int64_t Hl, Hkvl;     /* query and key/value heads on this rank (H / tp, Hkv / tp) */
     int64_t Fl, Fsl, Fdl; /* routed-expert, shared-expert and dense FFN widths on this rank (/ tp) */
     int64_t Vl, v0;       /* vocabulary rows on this rank: [v0, v0 + Vl) */
+    int64_t Nr, r0;       /* rows of the residual stream this rank keeps: [r0, r0 + Nr) of a micro-batch's B T
+                             (all of them; par.sp: N / tp from tp_rank N / tp) */
     float *w;             /* parameters [n_floats] */
     float *g;             /* gradients  [n_floats] (accumulated with += over micro-batches) */
     int g_external;       /* g is the caller's (tera_model_adopt_grads), not freed here */

@@ -244,6 +244,7 @@ int tera_cmd_bench(int argc, char **argv) {
             const int64_t tp_ov = tera_model_tp_overlapped(&tr.model, &tp_early);
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
+            printf(", \"sequence_parallel\": %d", tr.model.par.sp); /* in effect: tp > 1 */
             /* ZeRO-1/2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
              * of those the ones already complete when waited for (rank 0's) */
             int64_t rs[3];

@@ -14,8 +14,9 @@ static double gib(int64_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
 
 static void layout_line(FILE *f, const tera_config *c) {
     const tera_parallel_config *p = &c->parallel;
-    fprintf(f, "pp %d x dp %d x tp %d (%d ranks), dp %d = edp %d x ep %d, ZeRO %d", p->pp, p->dp, p->tp,
-            p->pp * p->dp * p->tp, p->dp, p->dp / p->ep, p->ep, p->dp > 1 ? p->zero : 0);
+    fprintf(f, "pp %d x dp %d x tp %d (%d ranks)%s, dp %d = edp %d x ep %d, ZeRO %d", p->pp, p->dp, p->tp,
+            p->pp * p->dp * p->tp, p->tp > 1 && p->sequence_parallel ? " sequence-parallel" : "", p->dp, p->dp / p->ep,
+            p->ep, p->dp > 1 ? p->zero : 0);
     if (p->pp > 1) fprintf(f, ", %s", p->pp_schedule);
     if (p->pp_chunks > 1) fprintf(f, " x %d chunks", p->pp_chunks);
     fprintf(f, ", micro-batch %d x accum %d (T %d), recompute %s", c->training.micro_batch, c->training.grad_accum,
@@ -303,6 +304,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "pp", c->parallel.pp);
             cJSON_AddNumberToObject(o, "dp", c->parallel.dp);
             cJSON_AddNumberToObject(o, "tp", c->parallel.tp);
+            cJSON_AddBoolToObject(o, "sequence_parallel", c->parallel.tp > 1 && c->parallel.sequence_parallel);
             cJSON_AddNumberToObject(o, "ep", c->parallel.ep);
             cJSON_AddNumberToObject(o, "zero", c->parallel.zero);
             cJSON_AddStringToObject(o, "pp_schedule", c->parallel.pp_schedule);

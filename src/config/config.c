@@ -349,6 +349,13 @@ static const config__key config__keys[] = {
           "gradients while they are in flight: 1 = with fp32 products (in bf16/fp16 each half of a split product "
           "would round its operands again, which costs more than it hides on CPUs), 2 = in every precision, "
           "0 = each sum blocking where it is produced; results are identical"),
+    K_BOOL(parallel, sequence_parallel, "false",
+           "tensor parallelism: Megatron's sequence parallelism. Between the tensor-parallel layers each of the tp "
+           "ranks keeps 1/tp of the tokens' rows of the residual stream (the layer inputs, the attention output "
+           "plus residual, the norms' statistics), normalises only those and adds the residual only to them; "
+           "the all-reduces become reduce-scatters into a rank's rows and all-gathers before the column-parallel "
+           "layers (the same bytes). Activation memory of those tensors / tp, the norms' work / tp; needs "
+           "training.micro_batch x training.seq_len divisible by parallel.tp; no effect with tp = 1"),
     K_INT(parallel, pp, "1", 1, INT_MAX,
           "pipeline-parallel degree: the layers are split into pp stages (the slowest-varying rank dimension); the job "
           "runs pp x dp x tp ranks; training.grad_accum micro-batches flow through the pipeline"),
@@ -1151,6 +1158,10 @@ tera_status tera_config_finalize(tera_config *c) {
         const int v[] = {m->vocab_size, m->n_heads, m->n_kv_heads, m->ffn_dim, m->dense_ffn_dim};
         for (int i = 0; i < 5; i++)
             CONFIG__REQUIRE(v[i] % p->tp == 0, "parallel.tp (%d) must divide %s (%d)", p->tp, what[i], v[i]);
+        CONFIG__REQUIRE(!p->sequence_parallel || ((int64_t)t->micro_batch * t->seq_len) % p->tp == 0,
+                        "parallel.sequence_parallel splits a micro-batch's training.micro_batch x training.seq_len "
+                        "(%d x %d) rows over parallel.tp (%d) ranks: it must divide them", t->micro_batch, t->seq_len,
+                        p->tp);
     }
     /* pipeline parallelism: the schedule, the chunks and the layer split */
     {

@@ -122,10 +122,11 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
     tera_dispatch_exchange_sizes(a->dispatch, &ex);
     const int xin = (parts & PART_XIN) != 0, core = (parts & PART_CORE) != 0;
     const int hid = (parts & PART_HIDDEN) != 0, rest = (parts & PART_REST) != 0;
-    if (xin) la->x_in = CARVE_F(c, N * D);
+    const int64_t Nr = m->Nr; /* the residual stream's rows on this rank (sequence parallelism: N / tp) */
+    if (xin) la->x_in = CARVE_F(c, Nr * D);
     if (rest) {
         la->ln1 = CARVE_F(c, N * D);
-        la->rstd1 = CARVE_F(c, N);
+        la->rstd1 = CARVE_F(c, Nr);
         la->q = CARVE_F(c, N * H * hd);
         la->k = CARVE_F(c, N * Hkv * hd);
         la->v = CARVE_F(c, N * Hkv * hd);
@@ -135,9 +136,9 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
         la->att_lse = CARVE_F(c, (int64_t)B * H * T);
     }
     if (rest) {
-        la->h = CARVE_F(c, N * D);
+        la->h = CARVE_F(c, Nr * D);
         la->ln2 = CARVE_F(c, N * D);
-        la->rstd2 = CARVE_F(c, N);
+        la->rstd2 = CARVE_F(c, Nr);
     }
     if (moe) {
         if (rest) {
@@ -230,9 +231,9 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         SHARE(PART_HIDDEN, ffn, fa1); SHARE(PART_HIDDEN, ffn, fa3); SHARE(PART_HIDDEN, ffn, fg);
 #undef SHARE
     }
-    a->x_final = CARVE_F(c, N * D);
+    a->x_final = CARVE_F(c, m->Nr * D);
     a->lnf = CARVE_F(c, N * D);
-    a->rstdf = CARVE_F(c, N);
+    a->rstdf = CARVE_F(c, m->Nr);
     a->loss_lse = CARVE_F(c, N);
     a->rope_cos = CARVE_F(c, (int64_t)T * hd / 2);
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
@@ -450,6 +451,15 @@ static tera_status set_shape(tera_model *m, const tera_model_config *cfg, int B,
     m->cfg = *cfg;
     m->B = B;
     m->T = T;
+    /* sequence parallelism: the rows of the residual stream this rank keeps */
+    const int64_t N = (int64_t)B * T;
+    m->par.sp = m->par.sp && tp > 1;
+    if (m->par.sp && N % tp != 0)
+        return tera_fail(TERA_ERR_CONFIG,
+                         "parallel.sequence_parallel: parallel.tp = %d must divide the %ld rows of a micro-batch "
+                         "(training.micro_batch x training.seq_len)", tp, (long)N);
+    m->Nr = m->par.sp ? N / tp : N;
+    m->r0 = m->par.sp ? m->tp_rank * m->Nr : 0;
     /* pipeline parallelism: this rank's layers (and the embedding / head on the end stages) */
     const int pp = m->par.pp > 1 ? m->par.pp : 1, vch = m->par.v > 1 ? m->par.v : 1;
     m->par.pp = pp, m->par.v = vch;
@@ -518,7 +528,7 @@ static tera_status count(const tera_model_config *cfg, int B, int T, const tera_
         }
         carver c = {0};
         carve_scratch(&m.slots[0], &c, &m);
-        out->scratch = (int64_t)c.off + tera_dispatch_bytes(dispatch) + tera_tp_scratch_bytes(m.par.tp, (int64_t)B * T);
+        out->scratch = (int64_t)c.off + tera_dispatch_bytes(dispatch) + tera_tp_scratch_bytes(m.par.tp, (int64_t)B * T, cfg->dim, m.par.sp);
         comm_bytes(&m, dispatch, &out->comm, &out->comm_acts);
         for (int i = 0; i < nc; i++) free(m.slots[i].layer);
         free(m.slots);
@@ -579,7 +589,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     /* the modules the slots share: token dispatcher (local or all-to-all), tensor-parallel layers */
     tera_dispatcher *dispatch = tera_dispatch_create(cfg, B, T, m->Fl, &m->par, m->ep_rank);
     tera_tp *tpl = tera_calloc(1, sizeof(tera_tp));
-    tera_tp_init(tpl, m->be, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T);
+    tera_tp_init(tpl, m->be, tp, m->par.tp_group, m->tp_rank, cfg->vocab_size, (int64_t)B * T, cfg->dim, m->par.sp);
     tpl->overlap = m->par.tp_overlap;
     for (int i = 0; i < ns; i++) {
         tera_acts *a = &m->slots[i];
@@ -882,7 +892,7 @@ static void layer_forward(tera_model *m, int l, float *out) {
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
-    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps));
+    tera_tp_norm_forward(tp, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps);
     TERA_PROF(QKV_FWD, {
         float *const y[3] = {la->q, la->k, la->v};
         const float *const w[3] = {W->wq, W->wk, W->wv};
@@ -900,13 +910,14 @@ static void layer_forward(tera_model *m, int l, float *out) {
     TERA_PROF(ATTN_FWD, m->be->ops.attention_forward(m->be, la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
     tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
-    tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps);
+    /* the FFN block adds into acc: out (begun at the residual), or the partial sums' buffer */
+    float *acc = tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps);
     if (is_moe(c, l))
-        moe_forward(m, l, out);
+        moe_forward(m, l, acc);
     else
-        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
+        TERA_PROF(DENSE_FWD, ffn_forward(m->be, acc, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
                                          m->Fdl));
-    tera_tp_row_block_end(tp, out, la->h, N * D);
+    tera_tp_row_block_end(tp, out, acc, la->h, N, D);
 }
 
 void tera_model_weights_unchanged(tera_model *m) { m->acts->weights_same = 1; }
@@ -940,7 +951,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     a->ce_armed = 0;
     a->ce_fused = 0;
     if (l0 > 0) {
-        memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(N * D));
+        memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(m->Nr * D)); /* this rank's rows */
     } else {
         need_params(m, TERA_GROUP_EMBED);
         tera_tp_embedding_forward(a->tp, a->layer[0].x_in, m->W.embed, tokens, N, D);
@@ -958,7 +969,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     }
     need_params(m, TERA_GROUP_HEAD);
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
-    TERA_PROF(NORM_FWD, m->be->ops.rmsnorm_forward(m->be, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps));
+    tera_tp_norm_forward(a->tp, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps);
     TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
     /* armed (a training step): the loss and its gradient over the logits in one pass; the targets'
      * logits go to dres, free until the backward */
@@ -1055,10 +1066,10 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
      * contribution, added below, is whole on every rank); overlapped: the router's and the experts'
      * weight gradients while the sum is in flight, the router's input gradient added after it */
     if (split) {
-        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq_x);
+        tera_tp_dx_sum_start(a->tp, a->dln, &rq_x);
         tera_tp_copy_backward_wait(a->tp, &rq_w);
     } else {
-        tera_tp_copy_backward(a->tp, a->dln, N * D);
+        tera_tp_dx_sum(a->tp, a->dln);
     }
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
@@ -1090,7 +1101,9 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
     const float bw = grads_begin(m, l); /* every weight gradient of the layer: stored (0) or added (1) */
 
-    /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward. */
+    /* FFN: a->dres holds dL/d(layer output); it becomes dL/dh after the norm backward (sequence
+     * parallelism: this rank's rows of it, gathered before the layers that read every row). */
+    tera_tp_gather_rows(a->tp, a->dres);
     const int split = tp_split(a);
     tera_comm_req rq; /* parallel.tp_overlap: the input gradient's sum in flight */
     if (is_moe(c, l)) {
@@ -1099,7 +1112,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_host_fill(m->be, a->dln, NULL, N * D);
         TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                              W->dw3, W->dw2, N, D, m->Fdl));
-        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+        tera_tp_dx_sum_start(a->tp, a->dln, &rq);
         ffn_backward_dw(a, a->dres, la->ln2, la->fg, W->dw1, W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl,
                         TERA_PROF_DENSE_BWD, &rq, bw);
         tera_tp_copy_backward_wait(a->tp, &rq);
@@ -1107,9 +1120,10 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_host_fill(m->be, a->dln, NULL, N * D);
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                           W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl, bw));
-        tera_tp_copy_backward(a->tp, a->dln, N * D);
+        tera_tp_dx_sum(a->tp, a->dln);
     }
-    TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D));
+    tera_tp_norm_backward(a->tp, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D);
+    tera_tp_gather_rows(a->tp, a->dres); /* dL/dh of every row, for o_proj */
     /* attention */
     TERA_PROF(OPROJ_BWD, m->be->ops.linear_backward(m->be, a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f, bw));
     TERA_PROF(ATTN_BWD, m->be->ops.attention_backward(m->be, a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
@@ -1128,7 +1142,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     if (split) { /* the heads' partial input gradients summed while the weight gradients are computed */
         float *const no_dw[3] = {NULL, NULL, NULL};
         TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, la->ln1, w, widths, N, D, 0.0f, 1.0f));
-        tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+        tera_tp_dx_sum_start(a->tp, a->dln, &rq);
         for (int i = 0; i < 3; i++) {
             TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], la->ln1, w[i], N, D, widths[i], 0.0f, bw));
             tera_tp_poll(a->tp, &rq);
@@ -1137,9 +1151,10 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     } else {
         TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D, 0.0f,
                                                       bw)); /* ln1 converted once */
-        tera_tp_copy_backward(a->tp, a->dln, N * D); /* the heads' partial input gradients */
+        tera_tp_dx_sum(a->tp, a->dln); /* the heads' partial input gradients */
     }
-    TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D));
+    tera_tp_norm_backward(a->tp, a->dres, G->attn_norm, a->dln, la->x_in, W->attn_norm, la->rstd1, N, D);
+    tera_tp_norm_grads_sum(a->tp); /* sequence parallelism: the two norms' weight gradients, summed over the ranks */
 }
 
 /* Brings back what layer l did not keep (tera_recompute), into the work set, before its backward.
@@ -1208,7 +1223,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
     tera_backend_weights_begin(m->be, 0); /* the weights of the forward */
     if (l1 < L) {
-        memcpy(a->dres, dout, sizeof(float) * (size_t)(N * D));
+        memcpy(a->dres + m->r0 * D, dout, sizeof(float) * (size_t)(m->Nr * D)); /* this rank's rows */
     } else {
         need_params(m, TERA_GROUP_HEAD);
         need_grads(m, TERA_GROUP_HEAD);
@@ -1236,18 +1251,18 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
             tera_comm_req rq;
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
-            tera_tp_copy_backward_start(a->tp, a->dln, N * D, &rq);
+            tera_tp_dx_sum_start(a->tp, a->dln, &rq);
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
                                                            V, 0.0f, hb));
             tera_host_fill(m->be, a->dres, NULL, N * D);
             tera_tp_copy_backward_wait(a->tp, &rq);
         } else {
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
-            tera_tp_copy_backward(a->tp, a->dln, N * D); /* the vocabulary slices' partial input gradients */
+            tera_tp_dx_sum(a->tp, a->dln); /* the vocabulary slices' partial input gradients */
             tera_host_fill(m->be, a->dres, NULL, N * D);
         }
-        TERA_PROF(NORM_BWD, m->be->ops.rmsnorm_backward(m->be, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm,
-                                                  a->rstdf, N, D));
+        tera_tp_norm_backward(a->tp, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm, a->rstdf, N, D);
+        tera_tp_norm_grads_sum(a->tp);
         if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
     }
     for (int l = l1 - 1; l >= l0; l--) {
@@ -1259,9 +1274,10 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     }
     tera_backend_weights_end(m->be);
     if (l0 > 0) {
-        memcpy(dx, a->dres, sizeof(float) * (size_t)(N * D));
+        memcpy(dx, a->dres + m->r0 * D, sizeof(float) * (size_t)(m->Nr * D)); /* this rank's rows */
         return;
     }
+    tera_tp_gather_rows(a->tp, a->dres); /* the embedding reads every row's gradient */
     need_grads(m, TERA_GROUP_EMBED);
     (void)grads_begin(m, TERA_GROUP_EMBED); /* stale (untied, or the head elsewhere): zeroed for the scatter */
     tera_tp_embedding_backward(a->tp, m->G.embed, a->dres, a->tokens, N, D);

@@ -10,11 +10,18 @@
 #include "tera/profile.h"
 #include "tera/status.h"
 
-int64_t tera_tp_scratch_bytes(int tp, int64_t N) {
-    return tp > 1 ? (int64_t)((sizeof(float) * (size_t)(3 * N) + 63) & ~(size_t)63) : 0; /* 64-byte granules */
+static size_t granules(size_t bytes) { return (bytes + 63) & ~(size_t)63; } /* 64-byte granules */
+
+int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp) {
+    if (tp <= 1) return 0;
+    size_t b = granules(sizeof(float) * (size_t)(3 * N)); /* the cross-entropy's */
+    if (sp) b += granules(sizeof(float) * (size_t)(N * D)) + granules(sizeof(float) * (size_t)(2 * D)) +
+                 granules(sizeof(int64_t) * (size_t)tp);
+    return (int64_t)b;
 }
 
-void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N) {
+void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N,
+                  int64_t D, int sp) {
     memset(tp, 0, sizeof *tp);
     tp->be = be;
     tp->tp = n_ranks > 1 ? n_ranks : 1;
@@ -22,16 +29,31 @@ void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, 
     tp->Vl = V / tp->tp;
     tp->v0 = (int64_t)rank * tp->Vl;
     tp->N = N;
+    tp->D = D;
+    tp->sp = tp->tp > 1 && sp;
+    tp->Nr = tp->sp ? N / tp->tp : N;
+    tp->r0 = tp->sp ? (int64_t)rank * tp->Nr : 0;
     if (tp->tp > 1) {
-        const size_t bytes = (size_t)tera_tp_scratch_bytes(tp->tp, N);
-        tp->ce_buf = tera_malloc(bytes);
-        memset(tp->ce_buf, 0, bytes);
+        const size_t bytes = (size_t)tera_tp_scratch_bytes(tp->tp, N, D, tp->sp);
+        char *b = tera_malloc(bytes);
+        memset(b, 0, bytes);
+        tp->ce_buf = (float *)b;
+        if (tp->sp) {
+            TERA_ASSERTF(N % tp->tp == 0, "sequence parallelism: %ld rows over %d ranks", (long)N, tp->tp);
+            b += granules(sizeof(float) * (size_t)(3 * N));
+            tp->rows_buf = (float *)b;
+            b += granules(sizeof(float) * (size_t)(N * D));
+            tp->gw = (float *)b;
+            b += granules(sizeof(float) * (size_t)(2 * D));
+            tp->rows_cnt = (int64_t *)b;
+            for (int r = 0; r < tp->tp; r++) tp->rows_cnt[r] = tp->Nr * D;
+        }
         tp->bytes = (int64_t)bytes;
     }
 }
 
 void tera_tp_free(tera_tp *tp) {
-    free(tp->ce_buf);
+    free(tp->ce_buf); /* the one block */
     memset(tp, 0, sizeof *tp);
 }
 
@@ -69,9 +91,74 @@ void tera_tp_copy_backward_wait(tera_tp *tp, tera_comm_req *req) {
     tp->overlapped++;
 }
 
+void tera_tp_gather_rows(const tera_tp *tp, float *buf) {
+    if (tp->sp) TERA_PROF(TP_COMM, tera_comm_allgather_f32(tp->group, buf, tp->rows_cnt));
+}
+
+/* sp: buf [N, D] summed over the ranks into this rank's rows */
+static void rows_sum(const tera_tp *tp, float *buf) {
+    TERA_PROF(TP_COMM, tera_comm_reduce_scatter_f32(tp->group, buf, tp->rows_cnt));
+}
+
+void tera_tp_dx_sum(const tera_tp *tp, float *dx) {
+    if (tp->sp)
+        rows_sum(tp, dx);
+    else
+        tp_sum(tp, dx, tp->N * tp->D);
+}
+
+int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req) {
+    if (!tp->sp) return tera_tp_copy_backward_start(tp, dx, tp->N * tp->D, req);
+    memset(req, 0, sizeof *req);
+    if (!tera_tp_overlapping(tp)) {
+        rows_sum(tp, dx);
+        return 0;
+    }
+    TERA_PROF(TP_COMM, tera_comm_ireduce_scatter_f32(tp->group, dx, tp->rows_cnt, req));
+    return 1;
+}
+
+void tera_tp_norm_forward(const tera_tp *tp, float *y, float *rstd, const float *x, const float *w, int64_t N,
+                          int64_t D, float eps) {
+    if (!tp->sp) {
+        TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, y, rstd, x, w, N, D, eps));
+        return;
+    }
+    TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, y + tp->r0 * D, rstd, x, w, tp->Nr, D, eps));
+    tera_tp_gather_rows(tp, y);
+}
+
+void tera_tp_norm_backward(tera_tp *tp, float *dx, float *dw, const float *dy, const float *x, const float *w,
+                           const float *rstd, int64_t N, int64_t D) {
+    if (!tp->sp) {
+        TERA_PROF(NORM_BWD, tp->be->ops.rmsnorm_backward(tp->be, dx, dw, dy, x, w, rstd, N, D));
+        return;
+    }
+    /* this rank's rows; the weight gradient of those rows alone, pending its sum over the ranks */
+    TERA_ASSERTF(tp->gw_n < 2 && D == tp->D, "a third pending norm gradient (or of width %ld)", (long)D);
+    float *g = tp->gw + tp->gw_n * D;
+    memset(g, 0, sizeof(float) * (size_t)D);
+    TERA_PROF(NORM_BWD, tp->be->ops.rmsnorm_backward(tp->be, dx + tp->r0 * D, g, dy + tp->r0 * D, x, w, rstd,
+                                                     tp->Nr, D));
+    tp->gw_dst[tp->gw_n++] = dw;
+}
+
+void tera_tp_norm_grads_sum(tera_tp *tp) {
+    if (tp->gw_n == 0) return;
+    tp_sum(tp, tp->gw, tp->gw_n * tp->D); /* one all-reduce for both of a layer's norms */
+    for (int k = 0; k < tp->gw_n; k++)
+        for (int64_t i = 0; i < tp->D; i++) tp->gw_dst[k][i] += tp->gw[k * tp->D + i];
+    tp->gw_n = 0;
+}
+
 void tera_tp_embedding_forward(const tera_tp *tp, float *x, const float *table, const int32_t *tokens, int64_t N,
                                int64_t D) {
-    if (tp->tp > 1) { /* each rank its rows, summed */
+    if (tp->sp) { /* each rank its vocabulary's rows, summed into each rank's rows of the stream */
+        TERA_PROF(EMBED_FWD, tp->be->ops.embedding_forward_range(tp->be, tp->rows_buf, table, tokens, N, D, tp->v0,
+                                                                  tp->Vl));
+        rows_sum(tp, tp->rows_buf);
+        memcpy(x, tp->rows_buf + tp->r0 * D, sizeof(float) * (size_t)(tp->Nr * D));
+    } else if (tp->tp > 1) { /* each rank its rows, summed */
         TERA_PROF(EMBED_FWD, tp->be->ops.embedding_forward_range(tp->be, x, table, tokens, N, D, tp->v0, tp->Vl));
         tp_sum(tp, x, N * D);
     } else {
@@ -89,7 +176,14 @@ void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *d
 
 void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
                                          const float *res, int64_t N, int64_t in, int64_t out) {
-    if (tp->tp > 1) { /* the partial outputs are summed, then the residual added once */
+    if (tp->sp) { /* the partial outputs summed into this rank's rows, then its rows' residual added */
+        TERA_ASSERTF(out == tp->D, "sequence parallelism: a row-parallel output of width %ld, the stream's %ld",
+                     (long)out, (long)tp->D);
+        TERA_PROF(OPROJ_FWD, tp->be->ops.linear_forward(tp->be, tp->rows_buf, x, w, N, in, out, 0.0f));
+        rows_sum(tp, tp->rows_buf);
+        memcpy(y, tp->rows_buf + tp->r0 * out, sizeof(float) * (size_t)(tp->Nr * out));
+        tp->be->ops.add_forward(tp->be, y, res, tp->Nr * out);
+    } else if (tp->tp > 1) { /* the partial outputs are summed, then the residual added once */
         TERA_PROF(OPROJ_FWD, tp->be->ops.linear_forward(tp->be, y, x, w, N, in, out, 0.0f));
         tp_sum(tp, y, N * out);
         tp->be->ops.add_forward(tp->be, y, res, N * out);
@@ -108,20 +202,29 @@ void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, in
         memcpy(out, res, sizeof(float) * (size_t)n);
 }
 
-void tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x, const float *w,
-                              int64_t N, int64_t D, float eps) {
+float *tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x,
+                                const float *w, int64_t N, int64_t D, float eps) {
     if (tp->tp == 1 && tp->be->ops.rmsnorm_copy_forward) { /* the residual copied in the norm's pass over x */
         TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_copy_forward(tp->be, ln, rstd, out, x, w, N, D, eps));
-        return;
+        return out;
     }
-    TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, ln, rstd, x, w, N, D, eps));
-    tera_tp_row_block_begin(tp, out, x, N * D);
+    tera_tp_norm_forward(tp, ln, rstd, x, w, N, D, eps);
+    float *acc = tp->sp ? tp->rows_buf : out;
+    tera_tp_row_block_begin(tp, acc, x, N * D);
+    return acc;
 }
 
-void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n) {
+void tera_tp_row_block_end(const tera_tp *tp, float *out, float *acc, const float *res, int64_t N, int64_t D) {
     if (tp->tp == 1) return;
-    tp_sum(tp, out, n);
-    tp->be->ops.add_forward(tp->be, out, res, n);
+    if (tp->sp) {
+        rows_sum(tp, acc);
+        memcpy(out, acc + tp->r0 * D, sizeof(float) * (size_t)(tp->Nr * D));
+        tp->be->ops.add_forward(tp->be, out, res, tp->Nr * D);
+        return;
+    }
+    tp_sum(tp, acc, N * D);
+    if (acc != out) memcpy(out, acc, sizeof(float) * (size_t)(N * D));
+    tp->be->ops.add_forward(tp->be, out, res, N * D);
 }
 
 /* tp > 1: this rank's slice against the whole vocabulary, combined over the ranks with three sums of N

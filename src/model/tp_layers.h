@@ -11,7 +11,19 @@
  * The cross-entropy is computed from the vocabulary slices with three sums of N floats, never
  * gathering the logits. The model composes these and never sums across ranks itself. With tp = 1
  * every function is the plain one-rank operation (the same code and bits as a model without
- * tensor parallelism). */
+ * tensor parallelism).
+ *
+ * Sequence parallelism (tp->sp, Megatron-Core's sequence_parallel): between those layers each rank
+ * keeps only its rows [r0, r0 + Nr) of the residual stream (Nr = N / tp): the layer inputs, the
+ * attention output plus residual and the norms' statistics are [Nr, ...] buffers. A norm runs on the
+ * rank's rows and writes them into its place in the whole [N, D] output, which an all-gather then
+ * completes for the column-parallel layers (tera_tp_norm_forward, tera_tp_norm_block_begin); a
+ * row-parallel layer's partial output is reduce-scattered into the rank's rows before the residual
+ * (tera_tp_row_linear_residual_forward, tera_tp_row_block_end). Backward mirrors it: the gradient of
+ * the residual stream is kept in the rank's rows of a whole [N, D] buffer and all-gathered before the
+ * layers that read every row (tera_tp_gather_rows), the column-parallel layers' partial input
+ * gradients are reduce-scattered (tera_tp_dx_sum), and the norms' weight gradients, now partial over
+ * the rows, are summed over the ranks (tera_tp_norm_backward). The same bytes as the all-reduces. */
 #ifndef TERA_MODEL_TP_LAYERS_H
 #define TERA_MODEL_TP_LAYERS_H
 
@@ -31,13 +43,23 @@ typedef struct {
     int overlap;      /* parallel.tp_overlap (0, 1, 2): see tera_tp_overlapping */
     int64_t overlapped; /* sums waited for after work overlapped them (tera_tp_copy_backward_wait) */
     int64_t done_early; /* of those, the ones complete before their wait (at a poll: no time blocked) */
+    /* sequence parallelism (tp > 1 and the model's par.sp) */
+    int sp;
+    int64_t D, Nr, r0;  /* the residual stream's width; this rank's rows [r0, r0 + Nr) */
+    int64_t *rows_cnt;  /* [tp] Nr D: the floats of each rank's rows (the all-gathers and reduce-scatters) */
+    float *rows_buf;    /* [N, D] a row-parallel layer's (or block's) partial output before its reduce-scatter */
+    float *gw;          /* [2, D] the norms' weight gradients over this rank's rows, before their sum over the ranks */
+    float *gw_dst[2];   /* where each goes (tera_tp_norm_grads_sum) */
+    int gw_n;           /* how many are pending */
 } tera_tp;
 
-/* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows per
- * micro-batch (allocates the cross-entropy's scratch once); tera_tp_free releases it. */
-void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N);
-/* The bytes tera_tp_init allocates for tp ranks and N tokens (the cross-entropy buffer; 0 for one rank). */
-int64_t tera_tp_scratch_bytes(int tp, int64_t N);
+/* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows of
+ * width D per micro-batch, with sequence parallelism when sp (and tp > 1): allocates the scratch once
+ * (the cross-entropy's; with sp the partial outputs' [N, D] and a norm's [D]); tera_tp_free releases it. */
+void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N,
+                  int64_t D, int sp);
+/* The bytes tera_tp_init allocates for tp ranks, N tokens of width D and sp (0 for one rank). */
+int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp);
 void tera_tp_free(tera_tp *tp);
 
 /* Sum of the ranks' partial outputs of a row-parallel layer, in place: buf [n]. */
@@ -60,31 +82,57 @@ int tera_tp_overlapping(const tera_tp *tp);
 void tera_tp_poll(const tera_tp *tp, tera_comm_req *req);
 void tera_tp_copy_backward_wait(tera_tp *tp, tera_comm_req *req);
 
+/* Sequence parallelism: completes buf [N, D] from every rank's rows (an in-place all-gather: this
+ * rank's rows [r0, r0 + Nr) are its part). Nothing to do without sp. */
+void tera_tp_gather_rows(const tera_tp *tp, float *buf);
+/* The sum of the ranks' partial gradients of a replicated input [N, D] of column-parallel layers
+ * (tera_tp_copy_backward's role for the residual stream): all-reduced in place, or with sp reduce-scattered
+ * (this rank's rows of dx hold the sum, the others are left undefined). _start / tera_tp_copy_backward_wait:
+ * the same split around independent work as tera_tp_copy_backward_start. */
+void tera_tp_dx_sum(const tera_tp *tp, float *dx);
+int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req);
+/* RMSNorm of the residual stream into a replicated input of column-parallel layers: y[N,D] = the norm of
+ * x with weights w, rstd kept. x, rstd: this rank's rows ([Nr, D], [Nr]); with sp the rows are written
+ * into their place in y and gathered. */
+void tera_tp_norm_forward(const tera_tp *tp, float *y, float *rstd, const float *x, const float *w, int64_t N,
+                          int64_t D, float eps);
+/* Its backward: dx += (this rank's rows of the whole [N, D] buffers dx and dy; x, rstd as in the forward)
+ * and dw += the weight gradient. With sp the weight gradient of this rank's rows is kept pending (at most
+ * two: a layer's norms) until tera_tp_norm_grads_sum sums them over the ranks in one all-reduce and adds
+ * them to their dw: call it before anything reads dw (the end of a layer's backward, of the head's). */
+void tera_tp_norm_backward(tera_tp *tp, float *dx, float *dw, const float *dy, const float *x, const float *w,
+                           const float *rstd, int64_t N, int64_t D);
+void tera_tp_norm_grads_sum(tera_tp *tp);
+
 /* Vocabulary-parallel embedding: x[N,D] = table[tokens[n]] (table: this rank's [Vl, D] rows; each
  * rank looks up the tokens in its slice, the partial rows are summed). Backward: dtable[Vl, D] +=
  * the rows of dx[N,D] whose token is in the slice. tokens: [N] */
 void tera_tp_embedding_forward(const tera_tp *tp, float *x, const float *table, const int32_t *tokens, int64_t N,
-                               int64_t D);
+                               int64_t D); /* sp: x is this rank's rows [Nr, D] */
 void tera_tp_embedding_backward(const tera_tp *tp, float *dtable, const float *dx, const int32_t *tokens, int64_t N,
                                 int64_t D);
 
 /* Row-parallel linear with the residual: y[N,out] = res[N,out] + sum over ranks of x[N,in] w[out,in]^T
- * (x, w: this rank's input slice). Backward: the backend's linear_backward on the slice (dy passes through
- * the sum unchanged), and dy to the residual. */
+ * (x, w: this rank's input slice; sp: y and res are this rank's rows [Nr, out]). Backward: the backend's
+ * linear_backward on the slice (dy passes through the sum unchanged; sp: dy gathered), and dy to the
+ * residual. */
 void tera_tp_row_linear_residual_forward(const tera_tp *tp, float *y, const float *x, const float *w,
                                          const float *res, int64_t N, int64_t in, int64_t out);
 
-/* A row-parallel block whose layers accumulate into out[n] (the FFN block: routed experts, shared
- * experts or the dense FFN): begin starts out at the residual res[n] (tp = 1) or at 0 (the ranks'
- * partial sums are added to the residual once, by end); end sums the partial outputs and adds the
- * residual (tp > 1; nothing to do with tp = 1). */
+/* A row-parallel block's accumulator out[n] begun: at the residual res[n] (tp = 1) or at 0 (tp > 1: the
+ * ranks' partial sums get the residual once, in tera_tp_row_block_end). */
 void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, int64_t n);
-void tera_tp_row_block_end(const tera_tp *tp, float *out, const float *res, int64_t n);
-/* The FFN block's start after its norm: ln[N,D] = RMSNorm(x[N,D]) with weights w (rstd[N] kept) and out
- * begun as tera_tp_row_block_begin(tp, out, x, N*D) does; with tp = 1 the residual is copied in the
- * norm's pass over x (ops.rmsnorm_copy_forward, where the backend has it). */
-void tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x, const float *w,
-                              int64_t N, int64_t D, float eps);
+/* A row-parallel block whose layers accumulate into a buffer acc [N, D] (the FFN block: routed experts,
+ * shared experts or the dense FFN), out = res + the block: end sums the ranks' partial outputs in acc
+ * (tp > 1) and adds the residual res once (nothing to do with tp = 1, where acc is out, begun at the
+ * residual). sp: out and res are this rank's rows [Nr, D], acc the module's rows_buf. */
+void tera_tp_row_block_end(const tera_tp *tp, float *out, float *acc, const float *res, int64_t N, int64_t D);
+/* The FFN block's start after its norm: ln[N,D] = RMSNorm(x) with weights w (rstd kept; x, rstd: this
+ * rank's rows as in tera_tp_norm_forward), and returns the block's acc: out begun at the residual x
+ * (tp = 1: copied in the norm's pass over x, ops.rmsnorm_copy_forward, where the backend has it), or a
+ * zeroed buffer for the partial sums (tp > 1: out itself, or with sp the module's rows_buf). */
+float *tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x,
+                                const float *w, int64_t N, int64_t D, float eps);
 
 /* Vocabulary-parallel cross-entropy of logits[N, Vl] (this rank's slice of the vocabulary) against
  * targets[N]: writes lse[N] (of the whole vocabulary) and returns the sum of the N losses, the same

@@ -84,7 +84,9 @@ tera_status tera_pipe_create(const tera_pipe_env *env, tera_pipe **out) {
     }
     p->n_slots = m->n_slots; /* tera_pipe_slots: the schedule's peak on this stage */
     const int64_t N = (int64_t)env->micro_batch * env->seq_len;
-    p->nd = N * m->cfg.dim;
+    TERA_ASSERTF(N == (int64_t)m->B * m->T, "pipeline micro-batch of %ld rows, the model's %ld", (long)N,
+                 (long)m->B * m->T);
+    p->nd = m->Nr * m->cfg.dim; /* a stage boundary: this rank's rows of the residual stream */
     p->buf = tera_calloc((size_t)(p->n_slots * p->v * 4 * p->nd + 1), sizeof(float));
     p->tok = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));
     p->tgt = tera_calloc((size_t)(p->n_slots * N), sizeof(int32_t));

@@ -194,7 +194,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     const tera_model_par par = {.ep = t->ep, .tp = t->tp, .pp = pp, .pp_rank = t->pp_rank, .v = v, .n_slots = slots,
                                 .layer_first = first, .shard_params = zero_ >= 3, .shard_grads = zero_ >= 2,
                                 .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
-                                .be = sizing_backend()};
+                                .sp = cfg->parallel.sequence_parallel, .be = sizing_backend()};
     tera_model_bytes mb;
     const int old = omp_get_max_threads();
     omp_set_num_threads(threads);
@@ -204,6 +204,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     (void)policy;
     const int64_t acts = mb.acts, scratch = mb.scratch, comm = mb.comm, comm_acts = mb.comm_acts;
     const int64_t N = (int64_t)tc->micro_batch * tc->seq_len;
+    const int sp_on = cfg->parallel.sequence_parallel && t->tp > 1;
     /* optimizer and ZeRO (tera_layout_groups / tera_layout_init / zero23_init) */
     const int zero = t->dp > 1 ? cfg->parallel.zero : 0;
     const int64_t n = ts->n_floats, nd = ts->n_dense;
@@ -232,7 +233,8 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     out->bytes[TERA_PM_SCRATCH] = scratch - (comm - comm_acts);
     out->bytes[TERA_PM_COMM] = comm + staging;
     if (pp > 1) /* tera_pipe_create: send/receive buffers per slot and chunk, tokens and targets */
-        out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * N * mc->dim + 1) + 2 * 4 * (int64_t)slots * N;
+        out->bytes[TERA_PM_PIPELINE] = 4 * ((int64_t)slots * v * 4 * (sp_on ? N / t->tp : N) * mc->dim + 1) +
+                                       2 * 4 * (int64_t)slots * N; /* sequence parallelism: a rank's rows */
     /* a whole save from the rank's own storage (world rank 0 writes, the others hold nothing): its
      * snapshot where one is needed (tera_trainer_save_whole); else streamed, every rank holding the
      * window and a chunk */

@@ -649,7 +649,11 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     const double t_dense_hidden = Fdl > 0 ? 2.0 * MM(N, D, Fdl) : 0.0;
     /* element-wise forward bytes of a layer: 2 norms, rope on q and k, 2 residual adds; SwiGLU;
      * MoE: router probabilities, gather and combine of the routed rows */
-    const double b_base = 2.0 * 8.0 * N * D + 8.0 * N * (Hl + Hkvl) * hd + 2.0 * 12.0 * N * D;
+    const double b_base = 8.0 * N * (Hl + Hkvl) * hd + (p->sequence_parallel && tp > 1
+                                                            /* this rank's rows: the norms, the residual adds and
+                                                             * the copies out of the partial sums */
+                                                            ? (2.0 * 8.0 * N * D + 2.0 * 12.0 * N * D + 2.0 * 8.0 * N * D) / tp
+                                                            : 2.0 * 8.0 * N * D + 2.0 * 12.0 * N * D);
     const double b_dense_glu = 12.0 * N * Fdl;
     const double b_moe_glu = 12.0 * (double)N * K * Fl + 12.0 * N * Fsl;
     const double b_moe = 12.0 * N * E + 8.0 * N * K * D + 4.0 * N * K * D + 4.0 * N * D;
@@ -814,14 +818,27 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             rec_all += (st[s].full[0] * fwd_dense + st[s].full[1] * fwd_moe + st[s].selective[0] * sel_dense +
                         st[s].selective[1] * sel_moe) * N * A * dp;
         }
-        /* tensor parallelism: bench-dist's tp_bytes per micro-batch (all-reduces) */
+        /* tensor parallelism: bench-dist's tp_bytes per micro-batch (all-reduces; with sequence
+         * parallelism each [N, D] one a reduce-scatter and an all-gather, and a layer's norm gradients) */
         double ttp = 0.0;
         if (tp > 1) {
-            const double floats = 4.0 * layers * N * D + (s == 0 ? N * D : 0.0) + (has_head ? N * D + 3.0 * N : 0.0) +
-                                  moe * N * c->top_k;
-            const double bytes = 2.0 * ring(tp) * 4.0 * floats;
-            const double n_ar = 4.0 * layers + (s == 0) + (has_head ? 3.0 : 0.0) + moe;
-            ttp = (1.0 - hide_comm) * comm_s(hw, TERA_HW_ALLREDUCE, tp, devices, tp, bytes, n_ar);
+            const double rows = 4.0 * layers * N * D + (s == 0 ? N * D : 0.0) + (has_head ? N * D : 0.0);
+            const double small = (has_head ? 3.0 * N : 0.0) + moe * N * c->top_k;
+            const double n_rows = 4.0 * layers + (s == 0) + (has_head ? 1.0 : 0.0);
+            const double n_small = (has_head ? 2.0 : 0.0) + moe;
+            double bytes;
+            if (p->sequence_parallel) {
+                const double norms = (2.0 * layers + (has_head ? 1.0 : 0.0)) * D, n_norms = layers + (has_head ? 1.0 : 0.0);
+                const double half = ring(tp) * 4.0 * rows; /* each of the reduce-scatters and the all-gathers */
+                bytes = 2.0 * half + 2.0 * ring(tp) * 4.0 * (small + norms);
+                /* a reduce-scatter at the all-gather's fit, as ZeRO's (the same ring bytes) */
+                ttp = (1.0 - hide_comm) * (2.0 * comm_s(hw, TERA_HW_ALLGATHER, tp, devices, tp, half, n_rows) +
+                                           comm_s(hw, TERA_HW_ALLREDUCE, tp, devices, tp,
+                                                  2.0 * ring(tp) * 4.0 * (small + norms), n_small + n_norms));
+            } else {
+                bytes = 2.0 * ring(tp) * 4.0 * (rows + small);
+                ttp = (1.0 - hide_comm) * comm_s(hw, TERA_HW_ALLREDUCE, tp, devices, tp, bytes, n_rows + n_small);
+            }
             if (s == 0 || bytes * A > out->bytes_tp) out->bytes_tp = bytes * A;
         }
         /* expert exchange: bench-dist's ep_bytes per micro-batch (uniform routing; rows out and back,
@@ -1038,15 +1055,19 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                         c0.training.grad_accum = per_rank / mb;
                         c0.training.global_batch = G;
                         snprintf(c0.training.recompute, sizeof c0.training.recompute, "none");
+                        c0.parallel.sequence_parallel = 0;
                         if (tera_config_finalize(&c0) != TERA_OK) continue; /* the layouts tera accepts */
+                        /* tensor parallelism: with and without sequence parallelism, where its rows divide */
+                        const int sp_max = tp > 1 && ((int64_t)mb * c0.training.seq_len) % tp == 0;
                         for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
-                            for (int r = 0; r < 3; r++) {
+                            for (int r = 0; r < 3 * (1 + sp_max); r++) {
                                 tera_plan_candidate cand;
                                 memset(&cand, 0, sizeof cand);
                                 tera_config *c = &cand.cfg;
                                 *c = c0;
                                 c->parallel.zero = zero;
-                                snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r]);
+                                c->parallel.sequence_parallel = r >= 3;
+                                snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r % 3]);
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
                                 (*n_valid)++;

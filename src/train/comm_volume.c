@@ -52,7 +52,11 @@ static void grad_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
  * lookup, each layer's o_proj and FFN block ([N, D] each), the cross-entropy's max and two sums
  * ([N] each); backward the head's input gradient, each layer's FFN and qkv input gradients
  * ([N, D] each) and each MoE layer's combine-weight gradients ([N, k]). With a pipeline, a stage
- * counts its own layers, the embedding on the first stage and the head on the last. */
+ * counts its own layers, the embedding on the first stage and the head on the last.
+ * Sequence parallelism (par.sp) turns each [N, D] all-reduce into a reduce-scatter and adds an
+ * all-gather of the same size where the rows are read whole (ln1, ln2 and lnf forward; the residual
+ * stream's gradient before each FFN block, o_proj and the embedding backward): the same bytes, split
+ * by kind; and it adds an all-reduce of each norm's weight gradient ([D], two a layer, the final norm). */
 static void tp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     if (tr->topo.tp < 2) return;
@@ -61,8 +65,18 @@ static void tp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->held[l]) L += 1.0, moe += l >= m->cfg.first_k_dense;
     const int first = tr->topo.pp_rank == 0, last = tr->topo.pp_rank == tr->topo.pp - 1;
-    const double floats = 4.0 * L * N * D + (first ? N * D : 0.0) + (last ? N * D + 3.0 * N : 0.0) + moe * N * m->cfg.top_k;
-    cm->tp = A * 2.0 * ring(tr->topo.tp) * 4.0 * floats;
+    const double rows = 4.0 * L * N * D + (first ? N * D : 0.0) + (last ? N * D : 0.0); /* the [N, D] sums */
+    const double small = (last ? 3.0 * N : 0.0) + moe * N * m->cfg.top_k;
+    const double r = ring(tr->topo.tp);
+    if (m->par.sp) {
+        const double norms = (2.0 * L + (last ? 1.0 : 0.0)) * D;
+        cm->min[TERA_XFER_REDUCE_SCATTER] += A * r * 4.0 * rows;
+        cm->min[TERA_XFER_ALLGATHER] += A * r * 4.0 * rows;
+        cm->min[TERA_XFER_ALLREDUCE] += A * 2.0 * r * 4.0 * (small + norms);
+        cm->tp = A * 2.0 * r * 4.0 * (rows + small + norms);
+        return;
+    }
+    cm->tp = A * 2.0 * r * 4.0 * (rows + small);
     cm->min[TERA_XFER_ALLREDUCE] += cm->tp;
 }
 
@@ -140,7 +154,7 @@ static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
         const int vs = c * tr->topo.pp + tr->topo.pp_rank;
         sends += (vs < S - 1) + (vs > 0);
     }
-    cm->pp = A * sends * (double)m->B * m->T * m->cfg.dim * 4.0;
+    cm->pp = A * sends * (double)m->Nr * m->cfg.dim * 4.0; /* sequence parallelism: this rank's rows */
     cm->min[TERA_XFER_P2P] += cm->pp;
 }
 

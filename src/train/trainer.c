@@ -165,6 +165,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
                                     .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->groups.dp,
                                     .tp = tr->topo.tp, .tp_group = tr->groups.tp, .tp_overlap = cfg->parallel.tp_overlap,
+                                    .sp = cfg->parallel.sequence_parallel,
                                     .shard_grads = zero >= 2,
                                     .shard_params = zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
