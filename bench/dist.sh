@@ -36,21 +36,24 @@ FB=()
 : > "$OUT_AB"
 # Naming as tests/cli_layouts.sh: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
 # parallel.tp = T, parallel.ep = E; "ppP" adds P pipeline stages (pp x dp x tp ranks) and runs the
-# global batch as 4 micro-batches through them.   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp]
+# global batch as 4 micro-batches through them; a last field 1 turns on parallel.sequence_parallel (tp > 1).
+#   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp[:sequence_parallel]]
 LAYOUTS=${LAYOUTS-"one:1:1:1:0:1
-    dp2:2:1:1:0:1 dp2-zero1:2:1:1:1:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
-    dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 dp2xtp2:2:2:1:0:1
+    dp2:2:1:1:0:1 dp2-zero1:2:1:1:1:1 tp2:1:2:1:0:1 tp2-sp:1:2:1:0:1:1:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
+    dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 tp4-sp:1:4:1:0:1:1:1
+    dp2xtp2:2:2:1:0:1
     ep4:4:1:4:0:1 ep4-no-overlap:4:1:4:0:0 dp2xep2-zero1:4:1:2:1:1 tp2xep2-zero3:2:2:2:3:1
     dp8:8:1:1:0:1 dp2xep4-zero1:8:1:4:1:1 ep8:8:1:8:0:1 ep8-no-overlap:8:1:8:0:0 dp2xtp2xep2-zero2:4:2:2:2:1
     pp2:1:1:1:0:1:2 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"}
-run() { # name dp tp ep zero overlap [pp]
-    local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1}
+run() { # name dp tp ep zero overlap [pp [sp]]
+    local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0}
     local n=$((pp * dp * tp)) accum=1
     [ "$pp" -gt 1 ] && accum=4
     local args=(bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
           --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum --parallel.dp="$dp"
           --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" --parallel.zero="$zero"
-          --parallel.ep_overlap="$ov" --training.threads=1 ${FB[@]+"${FB[@]}"})
+          --parallel.ep_overlap="$ov" --parallel.sequence_parallel=$([ "$sp" = 1 ] && echo true || echo false)
+          --training.threads=1 ${FB[@]+"${FB[@]}"})
     if [ "$n" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$n" "$TERA" "${args[@]}" 2> /dev/null; fi
 }
 # The machine's own ceiling for N ranks: N independent one-rank runs side by side, each on 16 / N
@@ -75,8 +78,8 @@ print(json.dumps(r))'
     rm -rf "$tmp"
 }
 for l in $LAYOUTS; do
-    IFS=: read -r name dp tp ep zero ov pp <<< "$l"
-    run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" | tee -a "$OUT"
+    IFS=: read -r name dp tp ep zero ov pp sp <<< "$l"
+    run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" | tee -a "$OUT"
 done
 for n in ${CEILING-2}; do ceiling "$n" | tee -a "$OUT"; done
 AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}

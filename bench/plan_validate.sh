@@ -34,17 +34,18 @@ mkdir -p bench/results
 HW=${HW:-hardware/this-machine.ini}
 MEASURED=${MEASURED:-bench/results/plan-measured.jsonl}
 PREDICTED=${PREDICTED:-bench/results/plan-predicted.jsonl}
-# bench-dist layouts (bench/dist.sh's naming): name:parallel.dp:parallel.tp:parallel.ep:zero:pp
+# bench-dist layouts (bench/dist.sh's naming): name:parallel.dp:parallel.tp:parallel.ep:zero:pp[:sequence_parallel]
 LAYOUTS=${LAYOUTS-"one:1:1:1:0:1 dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1
     dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 ep4:4:1:4:0:1 dp2xep2-zero1:4:1:2:1:1 dp8:8:1:1:0:1 ep8:8:1:8:0:1
     pp2:1:1:1:0:2 pp4:1:1:1:0:4 pp2xdp2xep2-zero1:4:1:2:1:2"}
 # the arguments of one bench-dist layout (as bench/dist.sh)
-dist_args() { # dp tp ep zero pp
-    local dp=$1 tp=$2 ep=$3 zero=$4 pp=$5 accum=1
+dist_args() { # dp tp ep zero pp [sp]
+    local dp=$1 tp=$2 ep=$3 zero=$4 pp=$5 sp=${6:-0} accum=1
     [ "$pp" -gt 1 ] && accum=4
     echo "-c configs/bench-dist.ini --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum" \
          "--parallel.dp=$dp --parallel.tp=$tp --parallel.ep=$ep --parallel.pp=$pp --parallel.zero=$zero" \
-         "--parallel.ep_overlap=1 --training.threads=1$FB"
+         "--parallel.ep_overlap=1 --parallel.sequence_parallel=$([ "$sp" = 1 ] && echo true || echo false)" \
+         "--training.threads=1$FB"
 }
 FB=""
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=" --model.router_force_balance=true"
@@ -90,9 +91,9 @@ if [[ " $PHASES " == *" measure "* ]]; then
             bench-s|bench-m)
                 launch 1 bench -c "configs/$c.ini" --name "$c" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
             *)
-                IFS=: read -r name dp tp ep zero pp <<< "$c"
+                IFS=: read -r name dp tp ep zero pp sp <<< "$c"
                 # shellcheck disable=SC2046
-                launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp") \
+                launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}") \
                     --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
             esac | sed "s/^{/{\"rep\": $rep, \"uptime_load\": $(cut -d' ' -f1 /proc/loadavg), /" | tee -a "$MEASURED"
         done
@@ -104,7 +105,7 @@ if [[ " $PHASES " == *" predict "* ]]; then
     for c in bench-s bench-m $LAYOUTS; do
         case $c in
         bench-s|bench-m) name=$c; args="-c configs/$c.ini" ;;
-        *) IFS=: read -r n dp tp ep zero pp <<< "$c"; name=bench-dist/$n; args=$(dist_args "$dp" "$tp" "$ep" "$zero" "$pp") ;;
+        *) IFS=: read -r n dp tp ep zero pp sp <<< "$c"; name=bench-dist/$n; args=$(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}") ;;
         esac
         # shellcheck disable=SC2086
         "$TERA" plan --dry-run $args --hardware "$HW" --json |

@@ -20,7 +20,7 @@
     X(DENSE_FWD, "dense/shared ffn fwd") X(DENSE_BWD, "dense/shared ffn bwd")                       \
     X(HEAD_FWD, "lm head fwd") X(HEAD_BWD, "lm head bwd")                                           \
     X(LOSS_FWD, "cross-entropy fwd") X(LOSS_BWD, "cross-entropy bwd")                               \
-    X(TP_COMM, "tensor-parallel all-reduce")                                                         \
+    X(TP_COMM, "tensor-parallel comm")                                                               \
     X(OPTIM, "optimizer") X(DATA, "data wait") X(OTHER, "other")
 
 typedef enum {
