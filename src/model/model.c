@@ -1087,8 +1087,9 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
         tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta,
                                           grads_absent(m, l));
         tera_tp_copy_backward_wait(a->tp, &rq_x);
-        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln, NULL, a->drlogits, la->ln2, W->router, N, D,
-                                                              E, 1.0f, 1.0f));
+        /* (sequence parallelism: this rank's rows only, the others' sum was scattered away) */
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln + m->r0 * D, NULL, a->drlogits + m->r0 * E,
+                                                              la->ln2 + m->r0 * D, W->router, m->Nr, D, E, 1.0f, 1.0f));
     }
 }
 
