@@ -230,16 +230,21 @@ static void test_hardware_files(void **state) {
     remove(path);
 }
 
+/* hardware/h100.ini with its measured collective fits dropped: alpha-beta on the links */
+static void h100_alpha_beta(tera_hw *hw) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
+    if (tera_hw_load(hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
+    hw->n_coll = 0;
+}
+
 /* The data-parallel sums of a hierarchical run (parallel.hierarchical) are timed as comm_hier.c runs
  * them: inside the node on all of the gradient, across on 1/k of it. A group on one node: the flat
  * figure exactly; across nodes: less than flat, and at least the two stages' bandwidth terms. */
 static void test_hierarchical_dp_time(void **state) {
     (void)state;
     tera_hw hw;
-    char path[512];
-    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
-    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
-    hw.n_coll = 0; /* alpha-beta on the links */
+    h100_alpha_beta(&hw); /* alpha-beta on the links */
     const int k = hw.devices_per_node;
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1};
     for (int dp = k; dp <= 4 * k; dp *= 4) {
@@ -523,10 +528,7 @@ static void test_sequence_parallel(void **state) {
     assert_non_null(strstr(tera_last_error(), "parallel.sequence_parallel"));
     /* time on alpha-beta links */
     tera_hw hw;
-    char path[512];
-    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
-    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
-    hw.n_coll = 0;
+    h100_alpha_beta(&hw);
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1};
     tera_plan_time t[2];
     for (int sp = 0; sp < 2; sp++) {
@@ -562,10 +564,7 @@ static void test_expert_exchange_time(void **state) {
     assert_true(fabs(tera_plan_ep_overlap_hidden(4, 3.0, 12.0) - 7.0) < 1e-12);
     assert_true(tera_plan_ep_overlap_hidden(1, 3.0, 12.0) == 0.0);
     tera_hw hw;
-    char path[512];
-    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
-    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
-    hw.n_coll = 0;
+    h100_alpha_beta(&hw);
     const int k = hw.devices_per_node;
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
     for (int ep = k; ep <= 2 * k; ep *= 2) {
@@ -619,10 +618,7 @@ static void test_expert_exchange_time(void **state) {
 static void test_onebit(void **state) {
     (void)state;
     tera_hw hw;
-    char path[512];
-    snprintf(path, sizeof path, "%s/hardware/h100.ini", TERA_SOURCE_DIR);
-    if (tera_hw_load(&hw, path) != TERA_OK) fail_msg("%s", tera_last_error());
-    hw.n_coll = 0;
+    h100_alpha_beta(&hw);
     const tera_plan_opts o = {.efficiency = 0.5, .reserve = 0.1, .threads = 1, .products_prec = -1};
     for (int zero = 0; zero <= 3; zero++) {
         tera_config c, a;
