@@ -170,26 +170,32 @@ awk -v a="$a0" -v b="$a1" 'function sz(n) { return int((4 * n + 63) / 64) * 64 }
             exit !(a != "" && b != "" && a - b == want) }' \
     && pass "sequence parallelism: activations $a1 bytes a rank against $a0 (the residual stream's rows / tp)" \
     || fail "sequence parallelism: activations ${a1:-?} bytes a rank against ${a0:-?} without it"
-# ... and with full recomputation, where each layer keeps its input only (its rows on this rank), it
-# trains the same model as one rank
-R="$W/tp2-sp-full"
+# ... and with full recomputation, where each layer keeps its input only (its rows on this rank), or
+# selective, it trains the same model as one rank
 ref 4 4
-$MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=4 --parallel.tp=2 --parallel.sequence_parallel=true \
-    --training.recompute=full --logging.run_dir="$R" > "$R.log" 2>&1 || { fail "tp2 sequence-parallel full recompute run"; tail -5 "$R.log"; }
-out=$(compare_steps "$REF/metrics.jsonl" "$R/metrics.jsonl" "$TOL") && [ "$(grep -c '"loss"' "$R/metrics.jsonl")" = 8 ] \
-    && pass "tp2 sequence-parallel with full recomputation: every step matches one rank ($out)" \
-    || fail "tp2 sequence-parallel with full recomputation differs from one rank: $out"
-rm -rf "$R"
+for rc in full selective; do
+    R="$W/tp2-sp-$rc"
+    $MPIRUN -np 2 "$TERA" train "${TINY[@]}" --training.micro_batch=4 --parallel.tp=2 --parallel.sequence_parallel=true \
+        --training.recompute=$rc --logging.run_dir="$R" > "$R.log" 2>&1 || { fail "tp2 sequence-parallel $rc recompute run"; tail -5 "$R.log"; }
+    out=$(compare_steps "$REF/metrics.jsonl" "$R/metrics.jsonl" "$TOL") && [ "$(grep -c '"loss"' "$R/metrics.jsonl")" = 8 ] \
+        && pass "tp2 sequence-parallel with $rc recomputation: every step matches one rank ($out)" \
+        || fail "tp2 sequence-parallel with $rc recomputation differs from one rank: $out"
+    rm -rf "$R"
+done
 
-# bf16: a pipeline is still bit-identical; data, tensor and expert parallelism agree to BF16_TOL
+# bf16: a pipeline is still bit-identical; data, tensor (with and without sequence parallelism) and
+# expert parallelism agree to BF16_TOL
 BF=(--training.precision=bf16)
-for l in pp2:1:1:1:2:1:4 dp2:2:1:1:1:2:1 tp2:1:2:1:1:4:1 dp2xtp2xep2:4:2:2:1:1:1; do
-    IFS=: read -r name dp tp ep pp micro accum <<< "$l"
+for l in pp2:1:1:1:2:1:4 dp2:2:1:1:1:2:1 tp2:1:2:1:1:4:1 dp2xtp2xep2:4:2:2:1:1:1 tp2+sp:1:2:1:1:4:1:1; do
+    IFS=: read -r name dp tp ep pp micro accum sp <<< "$l"
+    SP=()
+    [ "${sp:-0}" = 1 ] && SP=(--parallel.sequence_parallel=true)
     [ -d "$W/bf-$micro" ] || "$TERA" train "${TINY[@]}" "${BF[@]}" --training.micro_batch="$micro" \
         --training.grad_accum=$((4 / micro)) --logging.run_dir="$W/bf-$micro" > "$W/bf-$micro.log" 2>&1 || fail "bf16 one rank"
     $MPIRUN -np $((pp * dp * tp)) "$TERA" train "${TINY[@]}" "${BF[@]}" --training.micro_batch="$micro" \
         --training.grad_accum="$accum" --parallel.dp="$dp" --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" \
-        --logging.run_dir="$W/bf-$name" > "$W/bf-$name.log" 2>&1 || { fail "bf16 $name run"; tail -5 "$W/bf-$name.log"; continue; }
+        ${SP[@]+"${SP[@]}"} --logging.run_dir="$W/bf-$name" > "$W/bf-$name.log" 2>&1 \
+        || { fail "bf16 $name run"; tail -5 "$W/bf-$name.log"; continue; }
     if [ "$pp" -gt 1 ]; then
         cmp -s <(untimed "$W/bf-$micro/metrics.jsonl") <(untimed "$W/bf-$name/metrics.jsonl") \
             && pass "bf16 $name: bit-identical to one rank" || fail "bf16 $name differs from one rank"
