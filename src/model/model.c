@@ -1062,15 +1062,13 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
                                        grads_absent(m, l));
     }
     tera_dispatch_permute_backward(a->dispatch, a->dln, &la->moe);
-    /* tensor parallelism: the experts' input gradients are partial sums too (the router's own
-     * contribution, added below, is whole on every rank); overlapped: the router's and the experts'
-     * weight gradients while the sum is in flight, the router's input gradient added after it */
-    if (split) {
-        tera_tp_dx_sum_start(a->tp, a->dln, &rq_x);
-        tera_tp_copy_backward_wait(a->tp, &rq_w);
-    } else {
-        tera_tp_dx_sum(a->tp, a->dln);
-    }
+    if (split) tera_tp_copy_backward_wait(a->tp, &rq_w); /* the combine weights' gradients, summed */
+    /* The router (replicated) computes its whole input gradient on every tensor-parallel rank: each
+     * rank adds it for its share of the rows, [r N/tp, (r+1) N/tp) (sequence parallelism: its own
+     * rows), to its partial input gradient, so that the sum below counts it once (tp = 1: every row,
+     * after the experts', as always) */
+    const int tpn = m->par.tp > 1 ? m->par.tp : 1;
+    const int64_t x0 = N * m->tp_rank / tpn, xn = N * (m->tp_rank + 1) / tpn - x0;
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
@@ -1079,17 +1077,23 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
                                                              la->moe.sel_count, la->gcnt, B, T, E, K, &aux_s);
         tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
                                    a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
-        m->be->ops.linear_backward_fp32(m->be, split ? NULL : a->dln, G->router, a->drlogits, la->ln2, W->router, N, D,
-                                        E, 1.0f, dw_beta);
+        m->be->ops.linear_backward_fp32(m->be, a->dln + x0 * D, NULL, a->drlogits + x0 * E, la->ln2 + x0 * D, W->router,
+                                        xn, D, E, 1.0f, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }
+    /* tensor parallelism: the experts' input gradients are partial sums; overlapped: the router's and
+     * the experts' weight gradients while the sum is in flight */
     if (split) {
+        tera_tp_dx_sum_start(a->tp, a->dln, &rq_x);
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, la->ln2, W->router, N,
+                                                              D, E, 1.0f, dw_beta));
         tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta,
                                           grads_absent(m, l));
         tera_tp_copy_backward_wait(a->tp, &rq_x);
-        /* (sequence parallelism: this rank's rows only, the others' sum was scattered away) */
-        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, a->dln + m->r0 * D, NULL, a->drlogits + m->r0 * E,
-                                                              la->ln2 + m->r0 * D, W->router, m->Nr, D, E, 1.0f, 1.0f));
+    } else {
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, la->ln2, W->router, N,
+                                                              D, E, 1.0f, dw_beta));
+        tera_tp_dx_sum(a->tp, a->dln);
     }
 }
 
