@@ -183,6 +183,16 @@ DSV3=(-c "$SRC/configs/plan-dsv3.ini")
     && pass "1T MoE on 1024 x 64 GiB: $(jq -r '.best[0] | "pp \(.pp) x dp \(.dp) x tp \(.tp), ep \(.ep), ZeRO \(.zero), \(.pp_schedule), micro \(.micro_batch) x \(.grad_accum), recompute \(.recompute): step \(.time.step_s * 100 | floor / 100) s"' "$W/1t.json")" \
     || fail "1T plan: $(cat "$W/1t.err"; head -c 300 "$W/1t.json")"
 
+# sequence parallelism is a dimension of the search (every tp > 1 layout with and without it): on
+# GPT-3 175B's 512 H100s it decides the plan (docs/PLAN.md): the best layout is sequence-parallel at
+# tp > 1 and fits without recomputation, and --write-config writes the option
+"$TERA" plan -c "$SRC/configs/plan-gpt175b.ini" --hardware "$H/h100.ini" --devices 512 --global-batch 1536 --top 3 \
+    --write-config "$W/gpt-sp.ini" --json > "$W/gpt-sp.json" 2> "$W/gpt-sp.err" \
+    && [ "$(jq '.best[0].sequence_parallel and .best[0].tp > 1 and .best[0].recompute == "none"' "$W/gpt-sp.json")" = true ] \
+    && [ "$(jq '.best[0].memory_worst_rank.total <= .device_bytes * (1 - .reserve)' "$W/gpt-sp.json")" = true ] \
+    && "$TERA" config -c "$W/gpt-sp.ini" 2> /dev/null | grep -q "^sequence_parallel = true" \
+    && pass "GPT-3 175B on 512 x H100: $(jq -r '.best[0] | "pp \(.pp) x dp \(.dp) x tp \(.tp) sequence-parallel, ZeRO \(.zero), recompute \(.recompute): step \(.time.step_s * 100 | floor / 100) s"' "$W/gpt-sp.json"), written with sequence_parallel = true" \
+    || fail "sequence parallelism in the search: $(cat "$W/gpt-sp.err"; jq -c '.best[0] | {tp, sequence_parallel, recompute}' "$W/gpt-sp.json" 2> /dev/null)"
 # Published runs (docs/PLAN.md, "Sanity checks"), each with the implementation choices its report
 # states, checked by field name:
 # - DeepSeek-V3's own run of that layout (FP8 products, FP8/BF16 expert exchange hidden by DualPipe,
