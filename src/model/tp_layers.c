@@ -1,6 +1,7 @@
 /* Tensor-parallel layers: see tp_layers.h. */
 #include "tp_layers.h"
 
+#include "carve.h"
 #include "host_fill.h"
 
 #include <math.h>
@@ -10,14 +11,26 @@
 #include "tera/profile.h"
 #include "tera/status.h"
 
-static size_t granules(size_t bytes) { return (bytes + 63) & ~(size_t)63; } /* 64-byte granules */
+/* The module's scratch for tp > 1 ranks, carved (carve.h: counted with c->base NULL, assigned into tp
+ * otherwise): the cross-entropy's [3, N]; with sequence parallelism the partial outputs' [N, D], the
+ * norms' [2, D] and the rows' counts [tp]. */
+static void carve_tp(carver *c, tera_tp *tp, int ranks, int64_t N, int64_t D, int sp) {
+    float *ce = CARVE_F(c, 3 * N), *rows = NULL, *gw = NULL;
+    int64_t *cnt = NULL;
+    if (sp) {
+        rows = CARVE_F(c, N * D);
+        gw = CARVE_F(c, 2 * D);
+        cnt = carve(c, sizeof(int64_t) * (size_t)ranks);
+    }
+    if (!c->base) return;
+    tp->ce_buf = ce, tp->rows_buf = rows, tp->gw = gw, tp->rows_cnt = cnt;
+}
 
 int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp) {
     if (tp <= 1) return 0;
-    size_t b = granules(sizeof(float) * (size_t)(3 * N)); /* the cross-entropy's */
-    if (sp) b += granules(sizeof(float) * (size_t)(N * D)) + granules(sizeof(float) * (size_t)(2 * D)) +
-                 granules(sizeof(int64_t) * (size_t)tp);
-    return (int64_t)b;
+    carver c = {0};
+    carve_tp(&c, NULL, tp, N, D, sp);
+    return (int64_t)c.off;
 }
 
 void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N,
@@ -34,20 +47,12 @@ void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, 
     tp->Nr = tp->sp ? N / tp->tp : N;
     tp->r0 = tp->sp ? (int64_t)rank * tp->Nr : 0;
     if (tp->tp > 1) {
+        TERA_ASSERTF(!tp->sp || N % tp->tp == 0, "sequence parallelism: %ld rows over %d ranks", (long)N, tp->tp);
         const size_t bytes = (size_t)tera_tp_scratch_bytes(tp->tp, N, D, tp->sp);
-        char *b = tera_malloc(bytes);
-        memset(b, 0, bytes);
-        tp->ce_buf = (float *)b;
-        if (tp->sp) {
-            TERA_ASSERTF(N % tp->tp == 0, "sequence parallelism: %ld rows over %d ranks", (long)N, tp->tp);
-            b += granules(sizeof(float) * (size_t)(3 * N));
-            tp->rows_buf = (float *)b;
-            b += granules(sizeof(float) * (size_t)(N * D));
-            tp->gw = (float *)b;
-            b += granules(sizeof(float) * (size_t)(2 * D));
-            tp->rows_cnt = (int64_t *)b;
-            for (int r = 0; r < tp->tp; r++) tp->rows_cnt[r] = tp->Nr * D;
-        }
+        carver c = {.base = tera_malloc(bytes)};
+        memset(c.base, 0, bytes);
+        carve_tp(&c, tp, tp->tp, N, D, tp->sp);
+        for (int r = 0; tp->sp && r < tp->tp; r++) tp->rows_cnt[r] = tp->Nr * D;
         tp->bytes = (int64_t)bytes;
     }
 }
@@ -222,8 +227,7 @@ void tera_tp_row_block_end(const tera_tp *tp, float *out, float *acc, const floa
         tp->be->ops.add_forward(tp->be, out, res, tp->Nr * D);
         return;
     }
-    tp_sum(tp, acc, N * D);
-    if (acc != out) memcpy(out, acc, sizeof(float) * (size_t)(N * D));
+    tp_sum(tp, acc, N * D); /* acc is out (tera_tp_norm_block_begin) */
     tp->be->ops.add_forward(tp->be, out, res, N * D);
 }
 

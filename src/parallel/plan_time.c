@@ -1057,17 +1057,20 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                         snprintf(c0.training.recompute, sizeof c0.training.recompute, "none");
                         c0.parallel.sequence_parallel = 0;
                         if (tera_config_finalize(&c0) != TERA_OK) continue; /* the layouts tera accepts */
-                        /* tensor parallelism: with and without sequence parallelism, where its rows divide */
-                        const int sp_max = tp > 1 && ((int64_t)mb * c0.training.seq_len) % tp == 0;
+                        /* tensor parallelism: with and without sequence parallelism, where tera accepts it */
+                        tera_config c1 = c0;
+                        c1.parallel.sequence_parallel = 1;
+                        const int sp_max = tp > 1 && tera_config_finalize(&c1) == TERA_OK;
                         for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
-                            for (int r = 0; r < 3 * (1 + sp_max); r++) {
+                            for (int k = 0; k < 3 * (1 + sp_max); k++) { /* without, then with it; x recompute */
+                                const int sp = k / 3, r = k % 3;
                                 tera_plan_candidate cand;
                                 memset(&cand, 0, sizeof cand);
                                 tera_config *c = &cand.cfg;
                                 *c = c0;
                                 c->parallel.zero = zero;
-                                c->parallel.sequence_parallel = r >= 3;
-                                snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r % 3]);
+                                c->parallel.sequence_parallel = sp;
+                                snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r]);
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
                                 (*n_valid)++;
