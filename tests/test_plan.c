@@ -553,6 +553,43 @@ static void test_sequence_parallel(void **state) {
     assert_true(t[1].memory_s < t[0].memory_s && t[1].matmul_s == t[0].matmul_s);
 }
 
+/* Expert parallelism keeps, per MoE layer, the rows it received (xr [R, D]) with their counts and
+ * offsets, and the results that came back (ye): the rows it sent and the results it sent back are
+ * scratch (the dispatcher's backward buffers), not activations. Against one rank (local experts, which
+ * keep their grouped rows xg [N k, D] for the backward): exactly the layer buffers that differ, and
+ * one [R, D] exchange buffer a kept MoE layer (once for the work set under full recomputation). */
+static void test_expert_exchange_memory(void **state) {
+    (void)state;
+    tera_config c;
+    tera_config_defaults(&c);
+    c.training.seq_len = 32;
+    c.training.micro_batch = 2;
+    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    const int64_t N = 2 * 32, D = c.model.dim, F = c.model.ffn_dim, E = c.model.n_experts, K = c.model.top_k;
+    const int64_t moe = c.model.n_layers - c.model.first_k_dense;
+    assert_true(moe > 1 && E % 4 == 0);
+    for (int ep = 2; ep <= 4; ep *= 2)
+        for (int full = 0; full < 2; full++) {
+            tera_model_config mc = c.model;
+            mc.recompute = full ? "full" : "none";
+            tera_model_bytes b[2];
+            const tera_model_par one = {.ep = 1, .tp = 1}, par = {.ep = ep, .tp = 1};
+            assert_int_equal(tera_model_count(&mc, 2, 32, &one, &b[0]), TERA_OK);
+            assert_int_equal(tera_model_count(&mc, 2, 32, &par, &b[1]), TERA_OK);
+            const int64_t El = E / ep, R = ep * N * (K < El ? K : El), NK = N * K;
+            /* a MoE layer's buffers that differ: xr, rcnt [E], roff [ep + 1] against xg; the hidden [R, F] x 3 */
+            const int64_t layer = carved(R * D) + carved(E) + carved(ep + 1) - carved(NK * D) +
+                                  3 * (carved(R * F) - carved(NK * F));
+            /* full: the layers keep x_in only; the one work set holds a MoE layer's buffers */
+            const int64_t want = (full ? 1 : moe) * layer;
+            const int64_t comm_acts = (full ? 1 : moe) * R * D * 4;
+            if (b[1].acts - b[0].acts != want || b[1].comm_acts != comm_acts || b[0].comm_acts != 0)
+                fail_msg("ep %d, full recompute %d: activations %lld -> %lld (want %lld more), exchange part %lld "
+                         "(want %lld)", ep, full, (long long)b[0].acts, (long long)b[1].acts, (long long)want,
+                         (long long)b[1].comm_acts, (long long)comm_acts);
+        }
+}
+
 static void test_expert_exchange_time(void **state) {
     (void)state;
     /* the overlap's closed form: ep 2, experts long (c'/2 > x): the rows out hidden, the last (only)
@@ -714,7 +751,7 @@ int main(void) {
                                        cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
                                        cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
                                        cmocka_unit_test(test_shared_sum_time),
-                                       cmocka_unit_test(test_sequence_parallel),
+                                       cmocka_unit_test(test_sequence_parallel), cmocka_unit_test(test_expert_exchange_memory),
                                        cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit),
                                        cmocka_unit_test(test_shadow_is_the_trainer)};
     return cmocka_run_group_tests(tests, NULL, NULL);

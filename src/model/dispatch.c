@@ -42,8 +42,10 @@ struct tera_dispatcher {
     void *block;
     int64_t bytes;
     void *plan_scratch;      /* tera_moe_plan's */
-    float *dxg, *dye;        /* [N*k, D] input and output gradients of the routed rows */
-    float *dyr, *dxr;        /* [R, D] all-to-all: received output gradients, input gradients sent back */
+    float *dxg, *dye;        /* [N*k, D] input and output gradients of the routed rows; all-to-all: dxg is
+                                also the forward's rows sent (free during a layer's forward) */
+    float *dyr, *dxr;        /* [R, D] all-to-all: received output gradients, input gradients sent back;
+                                dxr is also the forward's results sent back */
     int *order;              /* [2E] experts by descending load (the upper half: the sort's) */
     uint8_t *dw_fresh;       /* [E] a weight-gradient call with dw_beta 0: this expert's gradients not yet
                                 written (its first block with rows stores them; none: zeroed at the end) */
@@ -246,8 +248,8 @@ static void a2a_block(tera_dispatcher *d, tera_dispatch_acts *t, const tera_laye
     int64_t *off = d->off;
     off[0] = t->roff[s];
     for (int e = 0; e < El; e++) off[e + 1] = off[e] + t->rcnt[s * El + e];
-    expert_rows b = {.d = d, .x = t->xr, .y = t->yr, .a1 = t->a1, .a3 = t->a3, .g = t->gact,
-                     .dy = d->dyr, .dx = d->dxr, .off = off, .W = W, .G = G, .op = op};
+    expert_rows b = {.d = d, .x = t->xr, .y = d->dxr, .a1 = t->a1, .a3 = t->a3, .g = t->gact,
+                     .dy = d->dyr, .dx = d->dxr, .off = off, .W = W, .G = G, .op = op}; /* y: forward, dx: backward */
     experts_run(d, &b);
 }
 
@@ -305,8 +307,8 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     const int ep = d->ep, me = d->me, El = d->El;
     const int fwd = op == EXPERTS_FWD;
     const int64_t D = d->D;
-    float *out_local = fwd ? t->xg : d->dye, *in_local = fwd ? t->ye : d->dxg;
-    float *recv = fwd ? t->xr : d->dyr, *res = fwd ? t->yr : d->dxr;
+    float *out_local = fwd ? d->dxg : d->dye, *in_local = fwd ? t->ye : d->dxg;
+    float *recv = fwd ? t->xr : d->dyr, *res = d->dxr; /* the forward's rows sent and results: scratch */
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
     hier_move(d, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv, d->overlap);
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
@@ -328,8 +330,10 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     memcpy(in_local + m0 * D, res + (int64_t)t->roff[me] * D, sizeof(float) * (size_t)((m1 - m0) * D));
 }
 
-/* The exchange of one layer, forward (xg -> xr, experts, yr -> ye), backward (dye -> dyr, expert
- * backward, dxr -> dxg), or the hidden activations again from the kept xr (no exchange). */
+/* The exchange of one layer, forward (the rows sent -> xr, experts, their results -> ye), backward (dye ->
+ * dyr, expert backward, dxr -> dxg), or the hidden activations again from the kept xr (no exchange).
+ * The forward's rows sent and results sent back are read by nothing after it (the backward runs on the
+ * kept xr and ye): they live in the backward's scratch dxg and dxr, not in the layer's activations. */
 static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                         const tera_layer_view *G, int l, int op) {
     const int ep = d->ep, me = d->me, El = d->El;
@@ -345,10 +349,10 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     const int fwd = op == EXPERTS_FWD;
     const int64_t D = d->D;
     tera_comm_req *snd = d->req, *rcv = d->req + ep, *rsnd = d->req + 2 * ep, *rrcv = d->req + 3 * ep;
-    float *out_local = fwd ? t->xg : d->dye; /* [N*k, D] this rank's rows, grouped by expert */
-    float *in_local = fwd ? t->ye : d->dxg;  /* [N*k, D] where their results come back */
-    float *recv = fwd ? t->xr : d->dyr;      /* [R, D] rows for this rank's experts */
-    float *res = fwd ? t->yr : d->dxr;       /* [R, D] their results */
+    float *out_local = fwd ? d->dxg : d->dye; /* [N*k, D] this rank's rows, grouped by expert (scratch) */
+    float *in_local = fwd ? t->ye : d->dxg;   /* [N*k, D] where their results come back */
+    float *recv = fwd ? t->xr : d->dyr;       /* [R, D] rows for this rank's experts */
+    float *res = d->dxr;                      /* [R, D] their results (scratch) */
     const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
     const int64_t fr = d->rowb / 4; /* compressed: floats per encoded row */
     for (int s = 0; s < ep; s++) {
@@ -524,7 +528,8 @@ int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const f
     TERA_PROF_BEGIN(DISPATCH);
     const int64_t dropped = tera_moe_plan(d->be, t->slot_row, t->row_tok, t->exp_off, t->sel_count, d->plan_scratch, topi,
                                           probs, d->B, d->T, d->E, d->K, d->capacity, d->drop);
-    d->be->ops.moe_gather_forward(d->be, t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
+    /* all-to-all: the rows sent, in scratch (a2a_experts); local: kept for the experts' backward */
+    d->be->ops.moe_gather_forward(d->be, d->ep > 1 ? d->dxg : t->xg, x, t->row_tok, t->exp_off[d->E], d->D);
     d->impl->exchange_counts(d, t, l);
     TERA_PROF_END(DISPATCH);
     return dropped;

@@ -44,7 +44,8 @@ typedef struct {
     int32_t *row_tok;    /* [N*k] token of each grouped row */
     int32_t *exp_off;    /* [E+1] rows of expert e are [exp_off[e], exp_off[e+1]) */
     int32_t *sel_count;  /* [B, E] assignments of each sequence selected for each expert, before drops */
-    float *xg;           /* [N*k, D] routed rows grouped by expert (all-to-all: the rows sent) */
+    float *xg;           /* [N*k, D] routed rows grouped by expert (local only: the experts' backward reads
+                            them; the all-to-all's rows sent are the dispatcher's scratch, xg NULL) */
     float *ye;           /* [N*k, D] their expert outputs, unweighted (all-to-all: as returned) */
     float *a1, *a3;      /* [R, F] the experts' hidden activations x w1^T, x w3^T */
     float *gact;         /* [R, F] silu(a1) * a3 */
@@ -52,8 +53,8 @@ typedef struct {
      * they sit in xr from row roff[s] on, grouped by expert */
     int32_t *rcnt;       /* [ep, El] */
     int32_t *roff;       /* [ep + 1] */
-    float *xr;           /* [R, D] rows received for this rank's experts */
-    float *yr;           /* [R, D] their outputs, sent back */
+    float *xr;           /* [R, D] rows received for this rank's experts (their outputs, sent back, are
+                            the dispatcher's scratch) */
 } tera_dispatch_acts;
 
 typedef struct tera_dispatcher tera_dispatcher;
@@ -77,7 +78,7 @@ int64_t tera_dispatch_rows(const tera_dispatcher *d);
  * (the planner's memory model uses it too). */
 int64_t tera_dispatch_rows_max(const tera_model_config *c, int B, int T, int ep);
 /* Elements of the exchange's per-layer buffers of tera_dispatch_acts (all 0 for the local one, whose
- * rcnt, roff, xr, yr stay NULL): rcnt [counts], roff [offsets], xr and yr [rows, D]. */
+ * rcnt, roff, xr stay NULL): rcnt [counts], roff [offsets], xr [rows, D]. */
 typedef struct {
     int64_t counts, offsets, rows;
 } tera_dispatch_sizes;
@@ -86,9 +87,9 @@ int64_t tera_dispatch_bytes(const tera_dispatcher *d);      /* its scratch */
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d); /* the exchange's part of it */
 
 /* Forward of layer l. permute: the plan (capacity and drops: tera_moe_plan over topi [N, k] and
- * probs [N, E]), the routed rows of x [N, D] gathered into t->xg, and (all-to-all) the counts
- * exchanged; returns the dropped assignments. experts: t->ye from t->xg (all-to-all: through the
- * exchange). combine: out [N, D] += sum_j topw[t, j] ye[row of (t, j)] (topw: [N, k]). */
+ * probs [N, E]), the routed rows of x [N, D] gathered into t->xg (all-to-all: into the dispatcher's
+ * scratch), and (all-to-all) the counts exchanged; returns the dropped assignments. experts: t->ye from
+ * those rows (all-to-all: through the exchange, the received rows kept in t->xr). combine: out [N, D] += sum_j topw[t, j] ye[row of (t, j)] (topw: [N, k]). */
 int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const float *x, const int32_t *topi,
                               const float *probs, int l);
 void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, int l);

@@ -152,12 +152,12 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
             la->moe.exp_off = CARVE_I(c, E + 1);
             la->moe.sel_count = CARVE_I(c, (int64_t)B * E);
             if (cfg->balance_loss == TERA_BALANCE_SWITCH_DP) la->gcnt = CARVE_F(c, E);
-            la->moe.xg = CARVE_F(c, N * K * D);
-            if (ex.rows > 0) {
+            if (ex.rows > 0) { /* all-to-all: the rows sent live in the dispatcher's scratch */
                 la->moe.rcnt = CARVE_I(c, ex.counts);
                 la->moe.roff = CARVE_I(c, ex.offsets);
                 la->moe.xr = CARVE_F(c, ex.rows * D);
-                la->moe.yr = CARVE_F(c, ex.rows * D);
+            } else {
+                la->moe.xg = CARVE_F(c, N * K * D);
             }
         }
         if (hid) {
@@ -224,9 +224,9 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
         SHARE(PART_REST, moe, topi); SHARE(PART_REST, moe, topw); SHARE(PART_REST, moe, moe.slot_row);
         SHARE(PART_REST, moe, moe.row_tok); SHARE(PART_REST, moe, moe.exp_off); SHARE(PART_REST, moe, moe.sel_count);
         SHARE(PART_REST, moe && cfg->balance_loss == TERA_BALANCE_SWITCH_DP, gcnt);
-        SHARE(PART_REST, moe, moe.xg); SHARE(PART_REST, moe, moe.ye);
+        SHARE(PART_REST, moe && !exch, moe.xg); SHARE(PART_REST, moe, moe.ye);
         SHARE(PART_REST, moe && exch, moe.rcnt); SHARE(PART_REST, moe && exch, moe.roff);
-        SHARE(PART_REST, moe && exch, moe.xr); SHARE(PART_REST, moe && exch, moe.yr);
+        SHARE(PART_REST, moe && exch, moe.xr);
         SHARE(PART_HIDDEN, moe, moe.a1); SHARE(PART_HIDDEN, moe, moe.a3); SHARE(PART_HIDDEN, moe, moe.gact);
         SHARE(PART_HIDDEN, ffn, fa1); SHARE(PART_HIDDEN, ffn, fa3); SHARE(PART_HIDDEN, ffn, fg);
 #undef SHARE
@@ -479,9 +479,9 @@ static tera_status set_shape(tera_model *m, const tera_model_config *cfg, int B,
     return TERA_OK;
 }
 
-/* The expert-exchange buffers (bytes_comm, and its part inside the activations): xr, yr of each
- * MoE layer that keeps them, per slot, and once in the shared work set when a MoE layer recomputes
- * fully (activations); the dispatcher's dyr, dxr (scratch). */
+/* The expert-exchange buffers (bytes_comm, and its part inside the activations): xr of each MoE
+ * layer that keeps it, per slot, and once in the shared work set when a MoE layer recomputes fully
+ * (activations); the dispatcher's dyr, dxr (scratch: dxr also holds the forward's results sent back). */
 static void comm_bytes(const tera_model *m, const tera_dispatcher *dispatch, int64_t *comm, int64_t *comm_acts) {
     int kept_moe = 0, full_moe = 0;
     for (int l = 0; l < m->cfg.n_layers; l++) {
@@ -491,7 +491,7 @@ static void comm_bytes(const tera_model *m, const tera_dispatcher *dispatch, int
     }
     tera_dispatch_sizes ex; /* 0 rows: local experts, nothing exchanged */
     tera_dispatch_exchange_sizes(dispatch, &ex);
-    *comm_acts = (int64_t)(2 * kept_moe * m->n_slots + 2 * full_moe) * ex.rows * m->cfg.dim * (int64_t)sizeof(float);
+    *comm_acts = (int64_t)(kept_moe * m->n_slots + full_moe) * ex.rows * m->cfg.dim * (int64_t)sizeof(float);
     *comm = *comm_acts + tera_dispatch_comm_bytes(dispatch);
 }
 
