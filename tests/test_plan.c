@@ -18,6 +18,7 @@
 #include "tera/model.h"
 #include "tera/plan.h"
 #include "tera/train.h"
+#include "tera/zero.h"
 
 typedef struct {
     const char *name;
@@ -590,6 +591,23 @@ static void test_expert_exchange_memory(void **state) {
         }
 }
 
+/* ZeRO-2/3's staging (the allocation's and the planner's one count): untied, the embedding and the
+ * head share one gradient buffer of the larger size; tied, each slot has its own. Sizes in floats,
+ * rounded up to 16. */
+static void test_zero_staging(void **state) {
+    (void)state;
+    const int64_t size[3][2] = {{100, 0}, {64, 0}, {200, 40}}; /* embedding, head, layer x (non-expert, expert) */
+    const int64_t emb = 112, head = 64, layer = 208 + 48;
+    /* gradients (+ parameters for stage 3), the layer's spare gradient buffer, its prefetch buffer */
+    assert_int_equal(tera_zero_staging_floats(size, 2, 0, 0), emb + layer + layer);
+    assert_int_equal(tera_zero_staging_floats(size, 2, 0, 1), emb + head + layer + layer);
+    assert_int_equal(tera_zero_staging_floats(size, 3, 0, 0), (emb + layer) + (emb + head + layer) + layer);
+    assert_int_equal(tera_zero_staging_floats(size, 3, 1, 0), (emb + layer) + (emb + head + layer) + 2 * layer);
+    assert_int_equal(tera_zero_staging_floats(size, 3, 1, 1), 2 * (emb + head + layer) + 2 * layer);
+    const int64_t larger_head[3][2] = {{64, 0}, {100, 0}, {200, 40}};
+    assert_int_equal(tera_zero_staging_floats(larger_head, 2, 0, 0), emb + layer + layer);
+}
+
 static void test_expert_exchange_time(void **state) {
     (void)state;
     /* the overlap's closed form: ep 2, experts long (c'/2 > x): the rows out hidden, the last (only)
@@ -751,7 +769,7 @@ int main(void) {
                                        cmocka_unit_test(test_hardware_files), cmocka_unit_test(test_hierarchical_dp_time),
                                        cmocka_unit_test(test_shared_fractions), cmocka_unit_test(test_shared_time),
                                        cmocka_unit_test(test_shared_sum_time),
-                                       cmocka_unit_test(test_sequence_parallel), cmocka_unit_test(test_expert_exchange_memory),
+                                       cmocka_unit_test(test_sequence_parallel), cmocka_unit_test(test_expert_exchange_memory), cmocka_unit_test(test_zero_staging),
                                        cmocka_unit_test(test_expert_exchange_time), cmocka_unit_test(test_onebit),
                                        cmocka_unit_test(test_shadow_is_the_trainer)};
     return cmocka_run_group_tests(tests, NULL, NULL);

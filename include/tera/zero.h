@@ -179,6 +179,15 @@ void tera_zero_rs_counts(const tera_zero *z, int64_t *total, int64_t *nonblockin
 void tera_zero_init_weights(tera_zero *z, uint64_t seed);
 /* Bytes of this rank's Adam moments (4 per element fp32, 2 bf16: optimizer.moments). */
 int64_t tera_zero_optimizer_bytes(const tera_zero *z);
+/* Floats of ZeRO-2/3's staging slots (bytes_staging / 4, host-shared parts included) for the largest
+ * group of each slot, size[slot][x] (slot 0 the embedding, 1 the head, 2 a layer; x 0 non-expert, 1
+ * expert): per slot a gradient buffer (and for stage 3 a parameter buffer), each rounded up to 16
+ * floats; the layer's spare gradient buffer and, with prefetch (stage 3), its prefetch buffer. With
+ * untied embeddings (tied 0) the embedding and the head share one gradient buffer of the larger size:
+ * the head's backward is the step's first and its sums complete before the embedding's backward,
+ * the last, writes there (and the embedding's before the next micro-batch's head). Used by the
+ * allocation and by `tera plan`'s count. */
+int64_t tera_zero_staging_floats(const int64_t size[3][2], int stage, int prefetch, int tied);
 
 /* ---- the whole model, window by window (checkpoints; no rank holds the whole model) */
 /* A model shell with m's one-process parameter table (ep = 1, tp = 1, pp = 1) and no buffers (caller

@@ -25,6 +25,7 @@
 #include "tera/plan.h"
 #include "plan_internal.h"
 #include "tera/schedule.h"
+#include "tera/zero.h"
 #include "tera/topology.h"
 #include "tera/train.h"
 
@@ -215,14 +216,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     }
     int64_t bp = 4 * n, bg = 4 * n;
     if (zero >= 2) {
-        int64_t total = 0;
-        const int nb = zero >= 3 ? 2 : 1;
-        for (int k = 0; k < 3; k++)
-            for (int x = 0; x < 2; x++) total += nb * ((ts->stage[k][x] + 15) & ~(int64_t)15);
-        if (zero >= 3 && cfg->parallel.zero_prefetch)
-            for (int x = 0; x < 2; x++) total += (ts->stage[2][x] + 15) & ~(int64_t)15;
-        for (int x = 0; x < 2; x++) total += (ts->stage[2][x] + 15) & ~(int64_t)15; /* the layer's spare gradient buffer */
-        staging = 4 * total;
+        staging = 4 * tera_zero_staging_floats(ts->stage, zero, cfg->parallel.zero_prefetch, mc->tie_embeddings);
         bg = 4 * (on + oxn);
         if (zero >= 3) bp = 4 * (on + oxn);
     }

@@ -152,6 +152,7 @@ struct tera_zero_staging {
     int64_t n_shared;       /* layer gathers through host-shared memory */
     int64_t n_shg;          /* layer gradient sums through host-shared memory */
     zslot slot[N_SLOTS];
+    int vocab_shared;       /* untied embeddings: the embedding and head slots share their gradient buffer */
     int64_t version;
     float *block;
     int64_t *cnt;           /* [max(dp, edp)] reduce-scatter / all-gather counts */
@@ -262,6 +263,24 @@ static int64_t piece_counts(const int64_t *shard_counts, int ranks, int me, int6
     return mine;
 }
 
+static int64_t up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* The gradient buffer's size of slot k: untied, the embedding's holds the head's too (the head's none). */
+static int64_t grad_slot_floats(const int64_t size[N_SLOTS][2], int k, int x, int tied) {
+    if (tied || k == SLOT_LAYER) return up16(size[k][x]);
+    if (k == SLOT_HEAD) return 0;
+    return up16(size[SLOT_EMBED][x] > size[SLOT_HEAD][x] ? size[SLOT_EMBED][x] : size[SLOT_HEAD][x]);
+}
+
+int64_t tera_zero_staging_floats(const int64_t size[3][2], int stage, int prefetch, int tied) {
+    int64_t total = 0;
+    for (int k = 0; k < N_SLOTS; k++)
+        for (int x = 0; x < 2; x++)
+            total += grad_slot_floats(size, k, x, tied) + (stage >= 3 ? up16(size[k][x]) : 0);
+    for (int x = 0; x < 2; x++) total += (stage >= 3 && prefetch ? 2 : 1) * up16(size[SLOT_LAYER][x]);
+    return total;
+}
+
 static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
     tera_model *m = zr->model;
     tera_zero_staging *z = tera_calloc(1, sizeof *z);
@@ -307,10 +326,9 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
         h->buf[1] = h->buf[0] + n;
         shared += (1 + z->prefetch) * n; /* what the private slots would hold (the accounting counts it) */
     }
-    for (int k = 0; k < N_SLOTS; k++)
-        for (int x = 0; x < 2; x++) total += nb * ((size[k][x] + 15) & ~(int64_t)15);
-    for (int x = 0; x < 2 && z->prefetch; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15;
-    for (int x = 0; x < 2; x++) total += (size[SLOT_LAYER][x] + 15) & ~(int64_t)15; /* the spare gradient buffer */
+    const int tied = m->cfg.tie_embeddings;
+    z->vocab_shared = !tied;
+    total = tera_zero_staging_floats(size, zr->stage, z->prefetch, tied); /* the slots, spare and prefetch buffers */
     z->block = tera_calloc((size_t)(total - shared) + 1, sizeof(float));
     float *p = z->block;
     for (int k = 0; k < N_SLOTS; k++) {
@@ -319,8 +337,10 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
             const int64_t n = (size[k][x] + 15) & ~(int64_t)15;
             if (k == SLOT_LAYER && z->shg[x].s)
                 z->slot[k].g[x] = z->shg[x].base + (int64_t)z->shg[x].me * 2 * n;
+            else if (k == SLOT_HEAD && !tied) /* untied: the embedding's buffer (tera_zero_staging_floats) */
+                z->slot[k].g[x] = z->slot[SLOT_EMBED].g[x];
             else
-                z->slot[k].g[x] = p, p += n;
+                z->slot[k].g[x] = p, p += grad_slot_floats(size, k, x, tied);
             if (nb == 2 && k == SLOT_LAYER && z->sh[x].s)
                 z->slot[k].w[x] = z->sh[x].buf[0];
             else if (nb == 2)
@@ -565,6 +585,11 @@ static void zero_use_grads(void *ctx, int group) {
     zslot *sl = &z->slot[slot_of(group)];
     if (sl->live && sl->group == group) return; /* accumulating since earlier in this backward */
     TERA_ASSERTF(!sl->live, "ZeRO-2: group %d's gradients were never reduced", sl->group);
+    if (z->vocab_shared && sl != &z->slot[SLOT_LAYER]) { /* the other vocabulary slot's sums read this buffer */
+        const zslot *o = &z->slot[sl == &z->slot[SLOT_EMBED] ? SLOT_HEAD : SLOT_EMBED];
+        TERA_ASSERTF(!o->live, "ZeRO-2: group %d's gradients, in the buffer group %d takes, were never reduced",
+                     o->group, group);
+    }
     rs_progress(z);
     const int shg = sl == &z->slot[SLOT_LAYER] && (z->shg[0].s || z->shg[1].s);
     if (shg) { /* host-shared gradients: the other buffer, every use (the same on every rank) */
