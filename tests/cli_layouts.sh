@@ -159,14 +159,15 @@ for l in $LAYOUTS; do
 done
 
 # Sequence parallelism keeps 1/tp of the residual stream's rows on each rank: against tp2 without it,
-# rank 0's activations are smaller by exactly those rows of every layer's x_in and h (D floats a row)
-# and rstd1, rstd2 (one float a row), and of the final x_final and rstdf, each buffer rounded up to 64
-# bytes as the allocator carves it (model.n_layers = 4, micro-batch 4 x 32 rows, D = 32).
+# rank 0's activations are smaller by exactly those rows of every layer's x_in, h, ln1 and ln2 (D floats
+# a row; the norms' outputs gathered again in the backward) and rstd1, rstd2 (one float a row), and of
+# the final x_final and rstdf, each buffer rounded up to 64 bytes as the allocator carves it
+# (model.n_layers = 4, micro-batch 4 x 32 rows, D = 32).
 act() { grep "memory bytes per rank" "$1" | grep -o "activations [0-9]*" | cut -d' ' -f2; }
 a0=$(act "$W/tp2-0.log") a1=$(act "$W/tp2+sp-0.log")
 awk -v a="$a0" -v b="$a1" 'function sz(n) { return int((4 * n + 63) / 64) * 64 }
     BEGIN { N = 4 * 32; R = N / 2; D = 32; L = 4
-            want = L * (2 * (sz(N * D) - sz(R * D)) + 2 * (sz(N) - sz(R))) + (sz(N * D) - sz(R * D)) + (sz(N) - sz(R))
+            want = L * (4 * (sz(N * D) - sz(R * D)) + 2 * (sz(N) - sz(R))) + (sz(N * D) - sz(R * D)) + (sz(N) - sz(R))
             exit !(a != "" && b != "" && a - b == want) }' \
     && pass "sequence parallelism: activations $a1 bytes a rank against $a0 (the residual stream's rows / tp)" \
     || fail "sequence parallelism: activations ${a1:-?} bytes a rank against ${a0:-?} without it"

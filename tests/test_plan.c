@@ -514,9 +514,12 @@ static void test_sequence_parallel(void **state) {
             }
             const int64_t R = N / tp;
             const int64_t rows = carved(N * D) - carved(R * D), stat = carved(N) - carved(R);
-            /* full: each layer's x_in, and the one work set's h, rstd1, rstd2 for the layer recomputed */
-            const int64_t want = (full ? L * rows + rows + 2 * stat : L * (2 * rows + 2 * stat)) + rows + stat;
-            const int64_t scratch = carved(N * D) + carved(2 * D) + (8 * tp + 63) / 64 * 64;
+            /* a layer's x_in, h, ln1, ln2 and the norms' statistics; full: each layer's x_in, and the one
+             * work set's h, ln1, ln2, rstd1, rstd2 for the layer recomputed; then the final norm's input and
+             * statistics */
+            const int64_t want = (full ? L * rows + 3 * rows + 2 * stat : L * (4 * rows + 2 * stat)) + rows + stat;
+            /* the partial outputs' and the gathered inputs' [N, D], the norms' [2, D], the counts */
+            const int64_t scratch = 2 * carved(N * D) + carved(2 * D) + (8 * tp + 63) / 64 * 64;
             if (b[0].acts - b[1].acts != want || b[1].scratch - b[0].scratch != scratch)
                 fail_msg("tp %d, full recompute %d: activations %lld -> %lld (want %lld fewer), scratch %lld -> %lld "
                          "(want %lld more)", tp, full, (long long)b[0].acts, (long long)b[1].acts, (long long)want,
@@ -545,7 +548,10 @@ static void test_sequence_parallel(void **state) {
         assert_int_equal(tera_plan_time_model(&cc, &hw, &o, &t[sp]), TERA_OK);
     }
     const double A = 3, norms = 4.0 * (2.0 * L + 1) * D; /* bytes of the norms' gradients, ring 1/2 x 2 */
-    const double want_bytes = A * norms, want_s = A * (norms / hw.intra_bw + (L + 1) * 2.0 * hw.intra_lat);
+    const double inputs = 0.5 * 4.0 * 2.0 * L * 512 * D; /* ln1 and ln2 gathered again in the backward, ring 1/2 */
+    const double want_bytes = A * (norms + inputs),
+                 want_s = A * (norms / hw.intra_bw + (L + 1) * 2.0 * hw.intra_lat + inputs / hw.intra_bw +
+                               2.0 * L * hw.intra_lat);
     if (!(fabs(t[1].bytes_tp - t[0].bytes_tp - want_bytes) <= 1e-9 * t[0].bytes_tp &&
           fabs(t[1].tp_s - t[0].tp_s - want_s) <= 1e-9 * t[0].tp_s && t[0].tp_s > 0))
         fail_msg("tensor-parallel bytes %.0f -> %.0f (want %.0f more), seconds %.9g -> %.9g (want %.9g more)",

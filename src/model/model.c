@@ -125,7 +125,7 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
     const int64_t Nr = m->Nr; /* the residual stream's rows on this rank (sequence parallelism: N / tp) */
     if (xin) la->x_in = CARVE_F(c, Nr * D);
     if (rest) {
-        la->ln1 = CARVE_F(c, N * D);
+        la->ln1 = CARVE_F(c, Nr * D); /* sequence parallelism: the rank's rows (tera_tp_norm_input) */
         la->rstd1 = CARVE_F(c, Nr);
         la->q = CARVE_F(c, N * H * hd);
         la->k = CARVE_F(c, N * Hkv * hd);
@@ -137,7 +137,7 @@ static void carve_layer(layer_acts *la, carver *c, const tera_model *m, const te
     }
     if (rest) {
         la->h = CARVE_F(c, Nr * D);
-        la->ln2 = CARVE_F(c, N * D);
+        la->ln2 = CARVE_F(c, Nr * D);
         la->rstd2 = CARVE_F(c, Nr);
     }
     if (moe) {
@@ -816,7 +816,7 @@ static void ffn_forward(tera_backend *be, float *y, float *a1, float *a3, float 
 /* The MoE block: the router (moe.c), then the token dispatcher (dispatch.c: local or all-to-all)
  * permutes the routed rows, runs the experts and combines their outputs into out; the shared
  * experts add theirs. */
-static void moe_forward(tera_model *m, int l, float *out) {
+static void moe_forward(tera_model *m, int l, float *out, const float *x /* [N, D] the norm's output */) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
     layer_acts *la = &a->layer[l];
@@ -825,13 +825,13 @@ static void moe_forward(tera_model *m, int l, float *out) {
     const int64_t N = (int64_t)B * T, D = c->dim;
 
     TERA_PROF(ROUTER_FWD, {
-        m->be->ops.linear_forward_fp32(m->be, la->rlogits, la->ln2, W->router, N, D, E, 0.0f);
+        m->be->ops.linear_forward_fp32(m->be, la->rlogits, x, W->router, N, D, E, 0.0f);
         tera_moe_score_forward(m->be, la->probs, la->rlse, la->rlogits, N, E, c->router_score);
         const tera_moe_routing route = tera_moe_routing_of(c);
         tera_moe_route_at(m->be, la->topi, la->topw, la->probs, c->aux_free ? m->router_bias + (int64_t)l * E : NULL, N,
                           E, K, &route, a->route_scratch, T, NULL, l); /* rows b*T + t: position t */
     });
-    const int64_t dropped = tera_dispatch_permute(a->dispatch, &la->moe, la->ln2, la->topi, la->probs, l);
+    const int64_t dropped = tera_dispatch_permute(a->dispatch, &la->moe, x, la->topi, la->probs, l);
     m->stats.n_assign += N * K;
     m->stats.n_dropped += dropped;
 
@@ -863,8 +863,8 @@ static void moe_forward(tera_model *m, int l, float *out) {
     tera_dispatch_experts_forward(a->dispatch, &la->moe, W, l);
     tera_dispatch_combine_forward(a->dispatch, out, &la->moe, la->topw);
     if (c->n_shared_experts > 0)
-        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, W->sw2, N,
-                                         D, m->Fsl));
+        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, x, W->sw1, W->sw3, W->sw2, N, D,
+                                         m->Fsl));
 }
 
 static void need_params(tera_model *m, int group) {
@@ -892,12 +892,12 @@ static void layer_forward(tera_model *m, int l, float *out) {
     const int B = m->B, T = m->T, H = (int)m->Hl, Hkv = (int)m->Hkvl; /* this rank's heads */
     const int64_t N = (int64_t)B * T, D = c->dim, hd = D / c->n_heads;
 
-    tera_tp_norm_forward(tp, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps);
+    const float *ln1 = tera_tp_norm_input(tp, la->ln1, la->rstd1, la->x_in, W->attn_norm, N, D, c->norm_eps);
     TERA_PROF(QKV_FWD, {
         float *const y[3] = {la->q, la->k, la->v};
         const float *const w[3] = {W->wq, W->wk, W->wv};
         const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
-        tera_linear_forward_multi(m->be, 3, y, la->ln1, w, widths, N, D); /* ln1 converted once */
+        tera_linear_forward_multi(m->be, 3, y, ln1, w, widths, N, D); /* ln1 converted once */
     });
     TERA_PROF(ROPE_FWD, {
         if (m->be->ops.rope_qk_forward) { /* q and k in one pass */
@@ -911,11 +911,12 @@ static void layer_forward(tera_model *m, int l, float *out) {
                                                (int)hd, m->acts->attn_scratch));
     tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
     /* the FFN block adds into acc: out (begun at the residual), or the partial sums' buffer */
-    float *acc = tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps);
+    const float *ln2; /* the whole [N, D] (sequence parallelism: la->ln2 keeps the rank's rows) */
+    float *acc = tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps, &ln2);
     if (is_moe(c, l))
-        moe_forward(m, l, acc);
+        moe_forward(m, l, acc, ln2);
     else
-        TERA_PROF(DENSE_FWD, ffn_forward(m->be, acc, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, W->dw2, N, D,
+        TERA_PROF(DENSE_FWD, ffn_forward(m->be, acc, la->fa1, la->fa3, la->fg, ln2, W->dw1, W->dw3, W->dw2, N, D,
                                          m->Fdl));
     tera_tp_row_block_end(tp, out, acc, la->h, N, D);
 }
@@ -1042,11 +1043,16 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
     const int B = m->B, T = m->T, E = c->n_experts, K = c->top_k;
     const int64_t N = (int64_t)B * T, D = c->dim;
     const float *dy = a->dres; /* gradient of the layer output */
+    /* [N, D] (sequence parallelism: gathered again, behind the combine's and the experts' backward
+     * unless shared experts read it first) */
+    tera_comm_req rq_ln;
+    const float *ln2 = tera_tp_input_whole_start(a->tp, la->ln2, &rq_ln);
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
     tera_host_fill(m->be, a->dln, NULL, N * D);
+    if (c->n_shared_experts > 0) tera_tp_input_wait(a->tp, &rq_ln);
     if (c->n_shared_experts > 0)
-        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, la->ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
+        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
                                           W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl, dw_beta));
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
@@ -1069,6 +1075,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
      * after the experts', as always) */
     const int tpn = m->par.tp > 1 ? m->par.tp : 1;
     const int64_t x0 = N * m->tp_rank / tpn, xn = N * (m->tp_rank + 1) / tpn - x0;
+    tera_tp_input_wait(a->tp, &rq_ln);
     {
         TERA_PROF_BEGIN(ROUTER_BWD);
         const tera_moe_routing route = tera_moe_routing_of(c);
@@ -1077,7 +1084,7 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
                                                              la->moe.sel_count, la->gcnt, B, T, E, K, &aux_s);
         tera_moe_router_backward_g(m->be, a->drlogits, a->dprobs, la->rlogits, la->probs, la->rlse, la->topi, la->topw,
                                    a->dtopw, la->moe.sel_count, gcount, B, T, E, K, &route, aux_s, s->z);
-        m->be->ops.linear_backward_fp32(m->be, a->dln + x0 * D, NULL, a->drlogits + x0 * E, la->ln2 + x0 * D, W->router,
+        m->be->ops.linear_backward_fp32(m->be, a->dln + x0 * D, NULL, a->drlogits + x0 * E, ln2 + x0 * D, W->router,
                                         xn, D, E, 1.0f, 1.0f);
         TERA_PROF_END(ROUTER_BWD);
     }
@@ -1085,13 +1092,13 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
      * the experts' weight gradients while the sum is in flight */
     if (split) {
         tera_tp_dx_sum_start(a->tp, a->dln, &rq_x);
-        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, la->ln2, W->router, N,
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, ln2, W->router, N,
                                                               D, E, 1.0f, dw_beta));
         tera_dispatch_experts_backward_dw(a->dispatch, &la->moe, W, G, l, a->da1, a->da3, a->dgact, &rq_x, dw_beta,
                                           grads_absent(m, l));
         tera_tp_copy_backward_wait(a->tp, &rq_x);
     } else {
-        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, la->ln2, W->router, N,
+        TERA_PROF(ROUTER_BWD, m->be->ops.linear_backward_fp32(m->be, NULL, G->router, a->drlogits, ln2, W->router, N,
                                                               D, E, 1.0f, dw_beta));
         tera_tp_dx_sum(a->tp, a->dln);
     }
@@ -1114,21 +1121,25 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     if (is_moe(c, l)) {
         moe_backward(m, l, s, bw); /* sums the tensor-parallel partial input gradients itself */
     } else if (split) { /* the weight gradients while the input gradient is summed */
+        const float *ln2 = tera_tp_input_whole(a->tp, la->ln2); /* sequence parallelism: gathered again */
         tera_host_fill(m->be, a->dln, NULL, N * D);
-        TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
+        TERA_PROF(DENSE_BWD, ffn_backward_dx(m->be, a, a->dln, a->dres, ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                              W->dw3, W->dw2, N, D, m->Fdl));
         tera_tp_dx_sum_start(a->tp, a->dln, &rq);
-        ffn_backward_dw(a, a->dres, la->ln2, la->fg, W->dw1, W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl,
+        ffn_backward_dw(a, a->dres, ln2, la->fg, W->dw1, W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl,
                         TERA_PROF_DENSE_BWD, &rq, bw);
         tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
+        const float *ln2 = tera_tp_input_whole(a->tp, la->ln2);
         tera_host_fill(m->be, a->dln, NULL, N * D);
-        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, la->ln2, la->fa1, la->fa3, la->fg, W->dw1,
+        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, a->dres, ln2, la->fa1, la->fa3, la->fg, W->dw1,
                                           W->dw3, W->dw2, G->dw1, G->dw3, G->dw2, N, D, m->Fdl, bw));
         tera_tp_dx_sum(a->tp, a->dln);
     }
     tera_tp_norm_backward(a->tp, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D);
     tera_tp_gather_rows(a->tp, a->dres); /* dL/dh of every row, for o_proj */
+    tera_comm_req rq_ln; /* sequence parallelism: ln1 gathered again behind o_proj's and attention's backward */
+    const float *ln1 = tera_tp_input_whole_start(a->tp, la->ln1, &rq_ln); /* [N, D] */
     /* attention */
     TERA_PROF(OPROJ_BWD, m->be->ops.linear_backward(m->be, a->datt, G->wo, a->dres, la->att, W->wo, N, H * hd, D, 0.0f, bw));
     TERA_PROF(ATTN_BWD, m->be->ops.attention_backward(m->be, a->dq, a->dk, a->dv, a->datt, la->q, la->k, la->v, la->att,
@@ -1144,17 +1155,18 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
     float *const dw[3] = {G->wq, G->wk, G->wv};
     const float *const dy[3] = {a->dq, a->dk, a->dv}, *const w[3] = {W->wq, W->wk, W->wv};
     const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
+    tera_tp_input_wait(a->tp, &rq_ln);
     if (split) { /* the heads' partial input gradients summed while the weight gradients are computed */
         float *const no_dw[3] = {NULL, NULL, NULL};
-        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, la->ln1, w, widths, N, D, 0.0f, 1.0f));
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, no_dw, dy, ln1, w, widths, N, D, 0.0f, 1.0f));
         tera_tp_dx_sum_start(a->tp, a->dln, &rq);
         for (int i = 0; i < 3; i++) {
-            TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], la->ln1, w[i], N, D, widths[i], 0.0f, bw));
+            TERA_PROF(QKV_BWD, m->be->ops.linear_backward(m->be, NULL, dw[i], dy[i], ln1, w[i], N, D, widths[i], 0.0f, bw));
             tera_tp_poll(a->tp, &rq);
         }
         tera_tp_copy_backward_wait(a->tp, &rq);
     } else {
-        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, la->ln1, w, widths, N, D, 0.0f,
+        TERA_PROF(QKV_BWD, tera_linear_backward_multi(m->be, 3, a->dln, dw, dy, ln1, w, widths, N, D, 0.0f,
                                                       bw)); /* ln1 converted once */
         tera_tp_dx_sum(a->tp, a->dln); /* the heads' partial input gradients */
     }
@@ -1196,10 +1208,12 @@ static void layer_recompute(tera_model *m, int l) {
                                                    (int)hd, a->attn_scratch));
         if (is_moe(c, l)) {
             tera_dispatch_experts_recompute(a->dispatch, &la->moe, W); /* from the kept xg (or xr) */
-            if (c->n_shared_experts > 0)
-                TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, la->ln2, W->sw1, W->sw3, N, D, m->Fsl));
+            if (c->n_shared_experts > 0) /* sequence parallelism: ln2 gathered again (and in the backward) */
+                TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, tera_tp_input_whole(a->tp, la->ln2),
+                                                W->sw1, W->sw3, N, D, m->Fsl));
         } else {
-            TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, la->ln2, W->dw1, W->dw3, N, D, m->Fdl));
+            TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, tera_tp_input_whole(a->tp, la->ln2), W->dw1,
+                                            W->dw3, N, D, m->Fdl));
         }
     }
     claim_work(m, l);

@@ -13,17 +13,18 @@
 
 /* The module's scratch for tp > 1 ranks, carved (carve.h: counted with c->base NULL, assigned into tp
  * otherwise): the cross-entropy's [3, N]; with sequence parallelism the partial outputs' [N, D], the
- * norms' [2, D] and the rows' counts [tp]. */
+ * gathered inputs' [N, D], the norms' [2, D] and the rows' counts [tp]. */
 static void carve_tp(carver *c, tera_tp *tp, int ranks, int64_t N, int64_t D, int sp) {
-    float *ce = CARVE_F(c, 3 * N), *rows = NULL, *gw = NULL;
+    float *ce = CARVE_F(c, 3 * N), *rows = NULL, *in = NULL, *gw = NULL;
     int64_t *cnt = NULL;
     if (sp) {
         rows = CARVE_F(c, N * D);
+        in = CARVE_F(c, N * D);
         gw = CARVE_F(c, 2 * D);
         cnt = carve(c, sizeof(int64_t) * (size_t)ranks);
     }
     if (!c->base) return;
-    tp->ce_buf = ce, tp->rows_buf = rows, tp->gw = gw, tp->rows_cnt = cnt;
+    tp->ce_buf = ce, tp->rows_buf = rows, tp->in_buf = in, tp->gw = gw, tp->rows_cnt = cnt;
 }
 
 int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp) {
@@ -133,6 +134,39 @@ void tera_tp_norm_forward(const tera_tp *tp, float *y, float *rstd, const float 
     tera_tp_gather_rows(tp, y);
 }
 
+const float *tera_tp_input_whole(const tera_tp *tp, const float *rows) {
+    if (!tp->sp) return rows;
+    memcpy(tp->in_buf + tp->r0 * tp->D, rows, sizeof(float) * (size_t)(tp->Nr * tp->D));
+    tera_tp_gather_rows(tp, tp->in_buf);
+    return tp->in_buf;
+}
+
+const float *tera_tp_input_whole_start(const tera_tp *tp, const float *rows, tera_comm_req *req) {
+    memset(req, 0, sizeof *req);
+    if (!tp->sp || !tp->overlap) return tera_tp_input_whole(tp, rows);
+    memcpy(tp->in_buf + tp->r0 * tp->D, rows, sizeof(float) * (size_t)(tp->Nr * tp->D));
+    TERA_PROF(TP_COMM, tera_comm_iallgather_f32(tp->group, tp->in_buf, tp->rows_cnt, req));
+    return tp->in_buf;
+}
+
+void tera_tp_input_wait(const tera_tp *tp, tera_comm_req *req) {
+    if (req->active) TERA_PROF(TP_COMM, tera_comm_wait(req));
+}
+
+const float *tera_tp_norm_input(const tera_tp *tp, float *yr, float *rstd, const float *x, const float *w, int64_t N,
+                                int64_t D, float eps) {
+    if (!tp->sp) {
+        TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, yr, rstd, x, w, N, D, eps));
+        return yr;
+    }
+    /* written into its place in the gather buffer, kept as the rank's rows, then gathered */
+    float *own = tp->in_buf + tp->r0 * D;
+    TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_forward(tp->be, own, rstd, x, w, tp->Nr, D, eps));
+    memcpy(yr, own, sizeof(float) * (size_t)(tp->Nr * D));
+    tera_tp_gather_rows(tp, tp->in_buf);
+    return tp->in_buf;
+}
+
 void tera_tp_norm_backward(tera_tp *tp, float *dx, float *dw, const float *dy, const float *x, const float *w,
                            const float *rstd, int64_t N, int64_t D) {
     if (!tp->sp) {
@@ -208,12 +242,13 @@ void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, in
 }
 
 float *tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x,
-                                const float *w, int64_t N, int64_t D, float eps) {
+                                const float *w, int64_t N, int64_t D, float eps, const float **lnw) {
     if (tp->tp == 1 && tp->be->ops.rmsnorm_copy_forward) { /* the residual copied in the norm's pass over x */
         TERA_PROF(NORM_FWD, tp->be->ops.rmsnorm_copy_forward(tp->be, ln, rstd, out, x, w, N, D, eps));
+        *lnw = ln;
         return out;
     }
-    tera_tp_norm_forward(tp, ln, rstd, x, w, N, D, eps);
+    *lnw = tera_tp_norm_input(tp, ln, rstd, x, w, N, D, eps);
     float *acc = tp->sp ? tp->rows_buf : out;
     tera_tp_row_block_begin(tp, acc, x, N * D);
     return acc;

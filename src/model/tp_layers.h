@@ -16,14 +16,16 @@
  * Sequence parallelism (tp->sp, Megatron-Core's sequence_parallel): between those layers each rank
  * keeps only its rows [r0, r0 + Nr) of the residual stream (Nr = N / tp): the layer inputs, the
  * attention output plus residual and the norms' statistics are [Nr, ...] buffers. A norm runs on the
- * rank's rows and writes them into its place in the whole [N, D] output, which an all-gather then
- * completes for the column-parallel layers (tera_tp_norm_forward, tera_tp_norm_block_begin); a
+ * rank's rows and writes them into its place in a whole [N, D] buffer, which an all-gather then
+ * completes for the column-parallel layers; a layer keeps only its rows of it and gathers them again
+ * in the backward (tera_tp_norm_input, tera_tp_input_whole, tera_tp_norm_block_begin); a
  * row-parallel layer's partial output is reduce-scattered into the rank's rows before the residual
  * (tera_tp_row_linear_residual_forward, tera_tp_row_block_end). Backward mirrors it: the gradient of
  * the residual stream is kept in the rank's rows of a whole [N, D] buffer and all-gathered before the
  * layers that read every row (tera_tp_gather_rows), the column-parallel layers' partial input
  * gradients are reduce-scattered (tera_tp_dx_sum), and the norms' weight gradients, now partial over
- * the rows, are summed over the ranks (tera_tp_norm_backward). The same bytes as the all-reduces. */
+ * the rows, are summed over the ranks (tera_tp_norm_backward). The same bytes as the all-reduces, plus
+ * the backward's all-gathers of the layers' kept input rows (ln1, ln2). */
 #ifndef TERA_MODEL_TP_LAYERS_H
 #define TERA_MODEL_TP_LAYERS_H
 
@@ -48,6 +50,7 @@ typedef struct {
     int64_t D, Nr, r0;  /* the residual stream's width; this rank's rows [r0, r0 + Nr) */
     int64_t *rows_cnt;  /* [tp] Nr D: the floats of each rank's rows (the all-gathers and reduce-scatters) */
     float *rows_buf;    /* [N, D] a row-parallel layer's (or block's) partial output before its reduce-scatter */
+    float *in_buf;      /* [N, D] a column-parallel layers' input gathered whole (tera_tp_input_whole) */
     float *gw;          /* [2, D] the norms' weight gradients over this rank's rows, before their sum over the ranks */
     float *gw_dst[2];   /* where each goes (tera_tp_norm_grads_sum) */
     int gw_n;           /* how many are pending */
@@ -93,9 +96,23 @@ void tera_tp_dx_sum(const tera_tp *tp, float *dx);
 int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req);
 /* RMSNorm of the residual stream into a replicated input of column-parallel layers: y[N,D] = the norm of
  * x with weights w, rstd kept. x, rstd: this rank's rows ([Nr, D], [Nr]); with sp the rows are written
- * into their place in y and gathered. */
+ * into their place in y and gathered (the final norm: y kept whole). */
 void tera_tp_norm_forward(const tera_tp *tp, float *y, float *rstd, const float *x, const float *w, int64_t N,
                           int64_t D, float eps);
+/* A layer's input kept as this rank's rows (Megatron-Core's sequence parallelism saves the rank's shard
+ * of a column-parallel layer's input and all-gathers it again in the backward): with sp a layer keeps
+ * yr = its norm's rows [Nr, D], and the whole [N, D] the column-parallel layers read lives in the
+ * module's gather buffer (in_buf) until the next gather; without sp yr is the whole [N, D] itself.
+ * tera_tp_norm_input: the norm as tera_tp_norm_forward into yr, returning the whole input.
+ * tera_tp_input_whole: the whole input again from the kept rows (the backward, a recomputation). */
+const float *tera_tp_norm_input(const tera_tp *tp, float *yr, float *rstd, const float *x, const float *w, int64_t N,
+                                int64_t D, float eps);
+const float *tera_tp_input_whole(const tera_tp *tp, const float *rows);
+/* The same gather started, with tp->overlap (parallel.tp_overlap), for work that neither reads the
+ * returned buffer nor gathers into it before tera_tp_input_wait(tp, req) (the progress thread of the
+ * host-shared segment moves it meanwhile); without sp or overlap done at once (*req inactive). */
+const float *tera_tp_input_whole_start(const tera_tp *tp, const float *rows, tera_comm_req *req);
+void tera_tp_input_wait(const tera_tp *tp, tera_comm_req *req);
 /* Its backward: dx += (this rank's rows of the whole [N, D] buffers dx and dy; x, rstd as in the forward)
  * and dw += the weight gradient. With sp the weight gradient of this rank's rows is kept pending (at most
  * two: a layer's norms) until tera_tp_norm_grads_sum sums them over the ranks in one all-reduce and adds
@@ -127,12 +144,13 @@ void tera_tp_row_block_begin(const tera_tp *tp, float *out, const float *res, in
  * (tp > 1) and adds the residual res once (nothing to do with tp = 1, where acc is out, begun at the
  * residual). sp: out and res are this rank's rows [Nr, D], acc the module's rows_buf. */
 void tera_tp_row_block_end(const tera_tp *tp, float *out, float *acc, const float *res, int64_t N, int64_t D);
-/* The FFN block's start after its norm: ln[N,D] = RMSNorm(x) with weights w (rstd kept; x, rstd: this
- * rank's rows as in tera_tp_norm_forward), and returns the block's acc: out begun at the residual x
- * (tp = 1: copied in the norm's pass over x, ops.rmsnorm_copy_forward, where the backend has it), or a
- * zeroed buffer for the partial sums (tp > 1: out itself, or with sp the module's rows_buf). */
+/* The FFN block's start after its norm: ln = RMSNorm(x) with weights w (rstd kept; x, rstd: this
+ * rank's rows; ln kept as in tera_tp_norm_input: with sp the rank's rows, *lnw the whole [N, D]), and
+ * returns the block's acc: out begun at the residual x (tp = 1: copied in the norm's pass over x,
+ * ops.rmsnorm_copy_forward, where the backend has it), or a zeroed buffer for the partial sums (tp > 1:
+ * out itself, or with sp the module's rows_buf). */
 float *tera_tp_norm_block_begin(const tera_tp *tp, float *ln, float *rstd, float *out, const float *x,
-                                const float *w, int64_t N, int64_t D, float eps);
+                                const float *w, int64_t N, int64_t D, float eps, const float **lnw);
 
 /* Vocabulary-parallel cross-entropy of logits[N, Vl] (this rank's slice of the vocabulary) against
  * targets[N]: writes lse[N] (of the whole vocabulary) and returns the sum of the N losses, the same

@@ -650,9 +650,9 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     /* element-wise forward bytes of a layer: 2 norms, rope on q and k, 2 residual adds; SwiGLU;
      * MoE: router probabilities, gather and combine of the routed rows */
     const double b_base = 8.0 * N * (Hl + Hkvl) * hd + (p->sequence_parallel && tp > 1
-                                                            /* this rank's rows: the norms, the residual adds and
-                                                             * the copies out of the partial sums */
-                                                            ? (2.0 * 8.0 * N * D + 2.0 * 12.0 * N * D + 2.0 * 8.0 * N * D) / tp
+                                                            /* this rank's rows: the norms, the residual adds, the
+                                                             * copies out of the partial sums and of the kept rows */
+                                                            ? (2.0 * 8.0 * N * D + 2.0 * 12.0 * N * D + 4.0 * 8.0 * N * D) / tp
                                                             : 2.0 * 8.0 * N * D + 2.0 * 12.0 * N * D);
     const double b_dense_glu = 12.0 * N * Fdl;
     const double b_moe_glu = 12.0 * (double)N * K * Fl + 12.0 * N * Fsl;
@@ -829,10 +829,13 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             double bytes;
             if (p->sequence_parallel) {
                 const double norms = (2.0 * layers + (has_head ? 1.0 : 0.0)) * D, n_norms = layers + (has_head ? 1.0 : 0.0);
-                const double half = ring(tp) * 4.0 * rows; /* each of the reduce-scatters and the all-gathers */
-                bytes = 2.0 * half + 2.0 * ring(tp) * 4.0 * (small + norms);
+                const double half = ring(tp) * 4.0 * rows; /* the reduce-scatters, and as many all-gathers */
+                const double inputs = ring(tp) * 4.0 * 2.0 * layers * N * D; /* ln1, ln2 gathered again in the backward */
+                bytes = 2.0 * half + inputs + 2.0 * ring(tp) * 4.0 * (small + norms);
                 /* a reduce-scatter at the all-gather's fit, as ZeRO's (the same ring bytes) */
-                ttp = (1.0 - hide_comm) * (2.0 * comm_s(hw, TERA_HW_ALLGATHER, tp, devices, tp, half, n_rows) +
+                ttp = (1.0 - hide_comm) * (comm_s(hw, TERA_HW_ALLGATHER, tp, devices, tp, half, n_rows) +
+                                           comm_s(hw, TERA_HW_ALLGATHER, tp, devices, tp, half + inputs,
+                                                  n_rows + 2.0 * layers) +
                                            comm_s(hw, TERA_HW_ALLREDUCE, tp, devices, tp,
                                                   2.0 * ring(tp) * 4.0 * (small + norms), n_small + n_norms));
             } else {

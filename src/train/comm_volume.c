@@ -56,7 +56,10 @@ static void grad_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
  * Sequence parallelism (par.sp) turns each [N, D] all-reduce into a reduce-scatter and adds an
  * all-gather of the same size where the rows are read whole (ln1, ln2 and lnf forward; the residual
  * stream's gradient before each FFN block, o_proj and the embedding backward): the same bytes, split
- * by kind; and it adds an all-reduce of each norm's weight gradient ([D], two a layer, the final norm). */
+ * by kind; it adds an all-gather of each layer's kept ln1 and ln2 rows in the backward ([N, D] each;
+ * without recomputation: selective recomputation gathers ln2 once more where a dense or shared-expert
+ * FFN's hidden activations are recomputed) and an all-reduce of each norm's weight gradient ([D], two
+ * a layer, the final norm). */
 static void tp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     if (tr->topo.tp < 2) return;
@@ -69,11 +72,11 @@ static void tp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const double small = (last ? 3.0 * N : 0.0) + moe * N * m->cfg.top_k;
     const double r = ring(tr->topo.tp);
     if (m->par.sp) {
-        const double norms = (2.0 * L + (last ? 1.0 : 0.0)) * D;
+        const double norms = (2.0 * L + (last ? 1.0 : 0.0)) * D, inputs = 2.0 * L * N * D; /* ln1, ln2 again */
         cm->min[TERA_XFER_REDUCE_SCATTER] += A * r * 4.0 * rows;
-        cm->min[TERA_XFER_ALLGATHER] += A * r * 4.0 * rows;
+        cm->min[TERA_XFER_ALLGATHER] += A * r * 4.0 * (rows + inputs);
         cm->min[TERA_XFER_ALLREDUCE] += A * 2.0 * r * 4.0 * (small + norms);
-        cm->tp = A * 2.0 * r * 4.0 * (rows + small + norms);
+        cm->tp = A * r * 4.0 * (2.0 * rows + inputs + 2.0 * (small + norms));
         return;
     }
     cm->tp = A * 2.0 * r * 4.0 * (rows + small);
