@@ -35,6 +35,20 @@
  * per task (a pass converting all inputs to dense bf16 first, as the oneDNN path does, measured no
  * faster: the inputs' first reads dominate either way).
  *
+ * By the profile the products run at about the rate of a plain bf16 matrix product (VDPBF16PS); the rest
+ * is mostly the softmax's exp (most at small head dims) and the strided first reads of the inputs.
+ * The softmax loops are kept short, with the same operations on the same values in the same order:
+ * the forward's row max of a tile runs the four row groups' chains interleaved (each over the keys in
+ * order), the exp of the keys that see all 16 rows of a group (below the diagonal block, all rows
+ * live) runs without masks (the forward's 8 keys a step), the exp is vexp16 less three instructions
+ * that change no bit (vexp16_live), and dS's key pairs (dSv) are interleaved from its halves already
+ * rounded for dSA rather than rounded again. Measured no faster here, so not kept: prefetching the
+ * next tile's (or task's) input rows and the output rows, packing the key tiles one at a time as the
+ * products first need them, computing D per query tile in the task instead of in a pass over the
+ * rows, fusing the backward's softmax into the epilogue of the dP^T product (the exp and the
+ * products share the FMA pipes), the products' broadcasts embedded in VDPBF16PS (slower: more loads),
+ * vector copies instead of memcpy for dK, dV.
+ *
  * Scratch (tera_attention_dot_scratch_floats): D [B, H, T], then per thread K, V rows and V^T / K^T
  * pairs of one kv head (bf16, [Tp, HP] each), one query tile's packed operands and fp32 tiles, and
  * the backward's dK, dV accumulators of one kv head ([Tp, HP] fp32 each). */
@@ -58,6 +72,7 @@
 typedef uint32_t dot_word __attribute__((may_alias)); /* a pair of bf16, read where vectors wrote it */
 
 #define DT 64 /* tile edge: query rows and keys (four vectors of 16 rows) */
+#define DOT_UNR 8 /* keys a step of the forward's unmasked exp loop (a multiple of 2 dividing 16) */
 
 static int dot_hp(int hd) { return (hd + 15) & ~15; }
 static int dot_tp(int T) { return (T + DT - 1) / DT * DT; }
@@ -194,6 +209,31 @@ static void dot_by_rows(float *Y, const uint16_t *A, const dot_word *Xr, int nk,
                Y + (int64_t)c0 * HP, HP, 1);
 }
 
+/* vexp16 (attention_avx512.h) in three instructions fewer, the same bits for every x: without its lower
+ * clamp max(-87, x) (the lanes below -87 are zeroed by its last step whatever the clamp gave them,
+ * and max(-87, NaN) is the NaN), the exponent's bias subtracted before the shift dropped ((t -
+ * 0x4B400000) << 23 = t << 23 modulo 2^32, 0x4B400000 being a multiple of 2^9), and the zeroing of
+ * the lanes below -87 done by the last (integer) addition, with the lanes of live (the zeros of a
+ * causal mask) also zeroed: maskz_mov(live, vexp16(x)) */
+DOT_FN DOT_INLINE __m512 vexp16_live(__m512 x, __mmask16 live) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+    const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 fi = _mm512_sub_ps(t, magic);
+    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ); /* not x < -87 */
+    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(t), 23)));
+}
+DOT_FN DOT_INLINE __m512 vexp16_lo(__m512 x) { return vexp16_live(x, (__mmask16)0xffff); }
+
 /* ---- rounding (VCVTNEPS2BF16, see the top) and packing */
 DOT_FN DOT_INLINE __m256i cvt16(__m512 a) { return (__m256i)_mm512_cvtneps_pbh(a); }
 /* 16 words: (bf16(a), bf16(b)) lane by lane, a in the low half */
@@ -201,6 +241,12 @@ DOT_FN DOT_INLINE __m512i vpair(__m512 a, __m512 b) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                          5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+/* vpair from the two halves already rounded (VCVTNE2PS2BF16 rounds as VCVTNEPS2BF16: the same words) */
+DOT_FN DOT_INLINE __m512i vpair16(__m256i a, __m256i b) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                         5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 /* 16 words: the bf16 of x[0..31] (masks lo, hi for the halves), consecutive pairs */
 DOT_FN DOT_INLINE __m512i vrow32(const float *x, __mmask16 lo, __mmask16 hi) {
@@ -310,23 +356,45 @@ DOT_FN static void forward_tile_dot(float *out, float *lse, const float *q, cons
         _mm512_storeu_ps(l + 16 * g, _mm512_setzero_ps());
     }
     for (int kt = 0; kt <= qt; kt++) {
-        const int s0 = kt * DT, nk = T - s0 < DT ? T - s0 : DT, diag = kt == qt;
+        const int s0 = kt * DT, nk = T - s0 < DT ? T - s0 : DT, diag = kt == qt, full = !diag && nk == DT;
         int grow[DT / 16]; /* the row group's max grew: its O^T lanes to rescale */
         dot_scores(St, (const dot_word *)(Kh + (int64_t)s0 * HP), Qv, nk, HP, diag); /* S^T = K_j Q_i^T (unscaled) */
         /* online softmax, 16 rows a vector: P = exp(scale S - m) into key pairs (zero where masked) */
+        __m512 mt[DT / 16]; /* the tile's row max: the four groups' chains interleaved, each over keys in order */
+        for (int g = 0; g < DT / 16; g++) mt[g] = _mm512_set1_ps(-INFINITY);
+        if (full)
+            for (int c = 0; c < DT; c++)
+                for (int g = 0; g < DT / 16; g++) mt[g] = _mm512_max_ps(mt[g], _mm512_loadu_ps(St + (int64_t)c * DT + 16 * g));
+        else
+            for (int c = 0; c < nk; c++)
+                for (int g = 0; g < DT / 16; g++) {
+                    const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
+                    if (c < cend)
+                        mt[g] = _mm512_mask_max_ps(mt[g], causal_mask(c, g, diag), mt[g], _mm512_loadu_ps(St + (int64_t)c * DT + 16 * g));
+                }
         for (int g = 0; g < DT / 16; g++) {
             const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
-            __m512 mt = _mm512_set1_ps(-INFINITY);
-            for (int c = 0; c < cend; c++)
-                mt = _mm512_mask_max_ps(mt, causal_mask(c, g, diag), mt, _mm512_loadu_ps(St + (int64_t)c * DT + 16 * g));
             const __m512 mo = _mm512_loadu_ps(m + 16 * g);
-            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(mt, vs));
+            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(mt[g], vs));
+            /* keys below cu see all 16 rows (below the diagonal block, DOT_UNR at a time): no masks */
+            const int cu = (diag && 16 * g < cend ? 16 * g : cend) & ~(DOT_UNR - 1);
             __m512 sum = _mm512_setzero_ps();
-            for (int c = 0; c < cend; c += 2) {
+            int c = 0;
+            for (; c < cu; c += DOT_UNR) {
+                __m512 e[DOT_UNR];
+#pragma GCC unroll 8
+                for (int u = 0; u < DOT_UNR; u++) e[u] = vexp16_lo(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(c + u) * DT + 16 * g), vs, mn));
+#pragma GCC unroll 8
+                for (int u = 0; u < DOT_UNR; u += 2) {
+                    sum = _mm512_add_ps(_mm512_add_ps(sum, e[u]), e[u + 1]);
+                    _mm512_storeu_si512((void *)(Pv + (int64_t)((c + u) / 2) * DT + 16 * g), vpair(e[u], e[u + 1]));
+                }
+            }
+            for (; c < cend; c += 2) {
                 __m512 e[2];
                 for (int u = 0; u < 2; u++)
-                    e[u] = c + u < cend ? _mm512_maskz_mov_ps(causal_mask(c + u, g, diag),
-                                                              vexp16(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(c + u) * DT + 16 * g), vs, mn)))
+                    e[u] = c + u < cend ? vexp16_live(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(c + u) * DT + 16 * g), vs, mn),
+                                                      causal_mask(c + u, g, diag))
                                         : _mm512_setzero_ps();
                 sum = _mm512_add_ps(_mm512_add_ps(sum, e[0]), e[1]);
                 _mm512_storeu_si512((void *)(Pv + (int64_t)(c / 2) * DT + 16 * g), vpair(e[0], e[1]));
@@ -404,21 +472,39 @@ DOT_FN static void backward_group_dot(float *dq, float *dk, float *dv, const flo
                     const __mmask16 rows = lanes_mask(nq - 16 * g);
                     const __m512 lv = _mm512_maskz_loadu_ps(rows, lse_i + 16 * g);
                     const __m512 Dv = _mm512_maskz_loadu_ps(rows, D_i + 16 * g);
-                    for (int c = 0; c < cend; c += 2) {
+                    /* keys below cu see all 16 rows (all live, below the diagonal block): no masks */
+                    const int cu = rows == 0xffff ? (diag && 16 * g < cend ? 16 * g : cend) & ~1 : 0;
+                    int c = 0;
+                    for (; c < cu; c += 2) {
+                        __m256i dh[2];
+                        for (int u = 0; u < 2; u++) {
+                            const int cc = c + u;
+                            /* P = exp(scale S - lse); dS = scale * P * (dP - D) */
+                            const __m512 e = vexp16_lo(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)cc * DT + 16 * g), vs, lv));
+                            const __m512 ds = _mm512_mul_ps(vs, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(dPt + (int64_t)cc * DT + 16 * g), Dv)));
+                            dh[u] = cvt16(ds);
+                            _mm256_storeu_si256((__m256i *)(void *)(PA + (int64_t)cc * DT + 16 * g), cvt16(e));
+                            _mm256_storeu_si256((__m256i *)(void *)(dSA + (int64_t)cc * DT + 16 * g), dh[u]);
+                        }
+                        _mm512_storeu_si512((void *)(dSv + (int64_t)(c / 2) * DT + 16 * g), vpair16(dh[0], dh[1]));
+                    }
+                    for (; c < cend; c += 2) {
                         __m512 e[2], ds[2];
+                        __m256i dh[2];
                         for (int u = 0; u < 2; u++) {
                             const int cc = c + u;
                             e[u] = ds[u] = _mm512_setzero_ps();
                             if (cc < cend && rows) {
-                                /* P = exp(scale S - lse), 0 where masked; dS = scale * P * (dP - D) */
+                                /* the same, 0 where masked */
                                 const __mmask16 live = causal_mask(cc, g, diag) & rows;
-                                e[u] = _mm512_maskz_mov_ps(live, vexp16(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)cc * DT + 16 * g), vs, lv)));
+                                e[u] = vexp16_live(_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)cc * DT + 16 * g), vs, lv), live);
                                 ds[u] = _mm512_maskz_mul_ps(live, vs, _mm512_mul_ps(e[u], _mm512_sub_ps(_mm512_loadu_ps(dPt + (int64_t)cc * DT + 16 * g), Dv)));
                             }
+                            dh[u] = cvt16(ds[u]);
                             _mm256_storeu_si256((__m256i *)(void *)(PA + (int64_t)cc * DT + 16 * g), cvt16(e[u]));
-                            _mm256_storeu_si256((__m256i *)(void *)(dSA + (int64_t)cc * DT + 16 * g), cvt16(ds[u]));
+                            _mm256_storeu_si256((__m256i *)(void *)(dSA + (int64_t)cc * DT + 16 * g), dh[u]);
                         }
-                        _mm512_storeu_si512((void *)(dSv + (int64_t)(c / 2) * DT + 16 * g), vpair(ds[0], ds[1]));
+                        _mm512_storeu_si512((void *)(dSv + (int64_t)(c / 2) * DT + 16 * g), vpair16(dh[0], dh[1]));
                     }
                 }
                 dot_by_rows(dVa + (int64_t)s0 * HP, PA, dOr, nk, nq, HP, diag); /* dV_j += P^T dO_i */
