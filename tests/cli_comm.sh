@@ -13,6 +13,8 @@
 # - parallel.ep_hierarchical = true (the two-stage expert exchange across nodes) is bit-identical
 #   to the point-to-point exchange, fp32 and bf16 rows, overlapped with the experts or not
 #   (parallel.ep_overlap), with the same bytes inside and across nodes either way;
+# - under bf16 products the rows to the experts go as bf16 without a2a_compression: bit-identical to
+#   fp32 rows, 3/4 of the exchange's bytes;
 # - a bad value is refused naming the key.
 # Usage: cli_comm.sh TERA SOURCE_DIR
 set -u
@@ -89,6 +91,18 @@ for k in none bf16; do
     done
 done
 
+# bf16 products: the rows to the experts travel as bf16 (the products round them to bf16 anyway), the
+# results as fp32: bit-identical to fp32 rows (TERA_A2A_ROWS_BF16=0), point-to-point and two-stage
+# across the 2 nodes, with 3/4 of the exchange's bytes (2 + 4 bytes an element out and back, not 4 + 4)
+BF=(--training.precision=bf16 --training.bf16_gemm=native)
+for ex in p2p hier; do
+    X=(); [ $ex = hier ] && X=(--parallel.ep_hierarchical=true)
+    TERA_A2A_ROWS_BF16=0 run rows32-$ex 4 "${EP4[@]}" "${BF[@]}" "${X[@]}" && run rows16-$ex 4 "${EP4[@]}" "${BF[@]}" "${X[@]}" \
+        && cmp -s <(steps_of "$W/rows32-$ex/metrics.jsonl") <(steps_of "$W/rows16-$ex/metrics.jsonl") \
+        && cmp -s "$W/rows32-$ex/$C" "$W/rows16-$ex/$C" \
+        && pass "bf16 products, ep4 ($ex exchange): bf16 rows out bit-identical to fp32 rows ($(steps_of "$W/rows16-$ex/metrics.jsonl" | wc -l) steps, final weights)" \
+        || fail "bf16 products, ep4 ($ex exchange): bf16 rows out differ from fp32 rows"
+done
 # bytes per rank per step (tera bench's comm line, the mean over ranks)
 bench() { # NAME ARGS...
     local name=$1
@@ -100,6 +114,13 @@ bench() { # NAME ARGS...
 bench flat && bench hier --parallel.hierarchical=true && bench bf16 --parallel.grad_compression=bf16 \
     && bench int8 --parallel.grad_compression=int8
 b() { jq -r ".$2" "$W/b-$1.comm"; }
+# bf16 rows out (above): 3/4 of the exchange's bytes, each run the minimum tera bench computes
+EB=(--parallel.ep=4 --training.precision=bf16 --training.bf16_gemm=native --model.router_force_balance=true)
+TERA_A2A_ROWS_BF16=0 bench rows32 "${EB[@]}" && bench rows16 "${EB[@]}" \
+    && jq -e '.sent_p2p == .min_p2p' "$W/b-rows16.json" > /dev/null && jq -e '.sent_p2p == .min_p2p' "$W/b-rows32.json" > /dev/null \
+    && [ "$(( $(jq -r .sent_p2p "$W/b-rows32.json") * 3 ))" = "$(( $(jq -r .sent_p2p "$W/b-rows16.json") * 4 ))" ] \
+    && pass "bf16 rows out: $(jq -r .sent_p2p "$W/b-rows16.json") exchange bytes a step against $(jq -r .sent_p2p "$W/b-rows32.json") (3/4), each the minimum tera bench computes" \
+    || fail "bf16 rows out bytes: $(jq -c '[.sent_p2p, .min_p2p]' "$W/b-rows16.json") against $(jq -c '[.sent_p2p, .min_p2p]' "$W/b-rows32.json")"
 # the two-stage expert exchange (not overlapped: blocking all-to-alls): no point-to-point rows, the
 # same bytes across nodes (relayed inside); overlapped (split-phase: its stages are point-to-point
 # messages) the same bytes inside and across nodes as not overlapped

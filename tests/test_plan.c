@@ -670,6 +670,34 @@ static void test_expert_exchange_time(void **state) {
     tera_plan_time t;
     assert_int_equal(tera_plan_time_model(&c, &cpu, &o, &t), TERA_OK);
     assert_true(t.ep_hidden_s == 0.0);
+    /* the bytes an element takes as tera sends it, ep over 2 nodes: fp32 4 + 4 out and back; bf16 products
+     * 2 + 4 (the rows out as bf16); a2a_compression = bf16 2 + 2; TERA_A2A_ROWS_BF16=0 4 + 4; and inside
+     * one node under bf16 products 2 + 4 as well */
+    const char *const sets[4][3] = { /* case 4: sets[1] inside one node */{"training.precision=fp32", NULL}, {"training.precision=bf16", NULL},
+                                    {"training.precision=bf16", "parallel.a2a_compression=bf16", NULL},
+                                    {"training.precision=bf16", NULL}};
+    const double want[5] = {1.0, 0.75, 0.5, 1.0, 0.75};
+    double b0 = 0.0;
+    for (int i = 0; i < 5; i++) {
+        tera_config_defaults(&c);
+        c.parallel.dp = c.parallel.ep = i < 4 ? 2 * k : k;
+        c.model.n_experts = 2 * k;
+        const char *const *set = sets[i < 4 ? i : 1];
+        for (int j = 0; set[j]; j++) assert_int_equal(tera_config_set(&c, set[j]), TERA_OK);
+        assert_int_equal(tera_config_finalize(&c), TERA_OK);
+        if (i == 3) setenv("TERA_A2A_ROWS_BF16", "0", 1);
+        assert_int_equal(tera_plan_time_model(&c, &hw, &o, &t), TERA_OK);
+        unsetenv("TERA_A2A_ROWS_BF16");
+        if (i == 0 || i == 4) { /* case 4 against fp32 inside one node */
+            tera_config f = c;
+            assert_int_equal(tera_config_set(&f, "training.precision=fp32"), TERA_OK);
+            tera_plan_time tf;
+            assert_int_equal(tera_plan_time_model(&f, &hw, &o, &tf), TERA_OK);
+            b0 = tf.bytes_ep;
+        }
+        if (!(b0 > 0 && fabs(t.bytes_ep - want[i] * b0) <= 1e-9 * b0))
+            fail_msg("case %d: exchange bytes %.0f, want %.3f of fp32's %.0f", i, t.bytes_ep, want[i], b0);
+    }
 }
 
 /* 1-bit Adam (optimizer.name = onebit_adam): the memory src/train/onebit.c adds (ZeRO-1's whole

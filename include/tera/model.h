@@ -94,6 +94,9 @@ typedef struct {
     tera_comm *group;     /* the expert-parallel group (its size is ep); NULL when ep = 1 */
     int overlap;          /* 1: exchange one source's tokens while computing another's */
     int a2a_compression;  /* rows exchanged as 0 fp32, 1 bf16, 4 fp8 e4m3 with a scale per row (tera_compress_kind) */
+    int a2a_rows_bf16;    /* without a2a_compression: the rows to the experts (forward x, backward dy) sent as bf16
+                             while the backend's products are bf16 (they round those rows to bf16 anyway: the same
+                             bits; tera_a2a_rows_bf16) */
     int hierarchical;     /* 1: the two-stage node-aware exchange when the group spans nodes (tera_hier_alltoallv_u8) */
     /* model.balance_loss = switch_dp: the expert counts are summed over this group (the ranks that see
      * other tokens through the same layers: the data-parallel group); NULL: this rank alone */
@@ -354,6 +357,13 @@ int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early);
 /* Sets parallel.tp_overlap (0, 1, 2) between steps (every rank of the tensor-parallel group alike:
  * the sums' kind, blocking or not, must match across the group); bench/bench_tp_overlap.c's A/B. */
 void tera_model_set_tp_overlap(tera_model *m, int mode);
+/* Bytes one row of the expert exchange takes on the wire (ep > 1; else 4 D): back 0 the rows to the
+ * experts (forward x, backward dy), 1 their results (y, dx), as the model's dispatcher sends them now
+ * (parallel.a2a_compression's encoding, or bf16 rows out while the products are bf16:
+ * tera_model_par.a2a_rows_bf16). tera_exchange_row_bytes: the same for an encoding kind
+ * (tera_compress_kind, 0 fp32) and width D, without a model (tera plan). */
+int64_t tera_model_exchange_row_bytes(const tera_model *m, int back);
+int64_t tera_exchange_row_bytes(int kind, int64_t D);
 
 /* Model FLOPs per token, BENCH.md's convention (6 * active matrix params + 12 * L * D * T). */
 double tera_model_flops_per_token(const tera_model_config *cfg, int T);

@@ -39,6 +39,14 @@ tera_bf16_gemm tera_bf16_gemm_resolve(const tera_backend *be, const char *name, 
  * TERA_BF16_SHADOW=0: never; =lazy: the update never writes it, so only the grad_accum rule. */
 int tera_bf16_shadow_on(const tera_config *cfg, int zero, tera_precision p, tera_bf16_gemm g);
 
+/* The expert exchange's rows out in bf16 (tera_model_par.a2a_rows_bf16): whether the run cfg describes
+ * gives its dispatcher the bf16 buffers for them (training.precision bf16, or auto, which may resolve
+ * to it; parallel.a2a_compression none; ep > 1). The one rule for the trainer and tera plan's memory
+ * and time models. The dispatcher sends them so while the backend's products are bf16 (the same on
+ * every rank), since every reader of them is a product that rounds them so anyway: the same bits.
+ * Environment, for A/B: TERA_A2A_ROWS_BF16=0: never (no buffers). */
+int tera_a2a_rows_bf16(const tera_config *cfg);
+
 /* Operand elements (both operands of one product) the largest linear product of this model converts
  * at once: outside parallel regions (main) and on each thread running experts side by side (ep:
  * expert-parallel degree; a rank's expert can receive rows from every rank of its group). */

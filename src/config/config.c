@@ -392,7 +392,8 @@ static const config__key config__keys[] = {
              "with parallel.hierarchical only the cross-node stage; docs/COMMUNICATION.md"),
     K_CHOICE(parallel, a2a_compression, "none", "none|bf16|fp8",
              "expert parallelism: the rows exchanged with the experts' ranks (tokens out and results back, forward "
-             "and backward) sent in bf16 or fp8 e4m3 with one fp32 scale per row; docs/COMMUNICATION.md"),
+             "and backward) sent in bf16 or fp8 e4m3 with one fp32 scale per row (none: under bf16 products the rows "
+             "out still go as bf16, which loses nothing); docs/COMMUNICATION.md"),
     K_BOOL(parallel, ep_hierarchical, "false",
            "expert parallelism across nodes: the exchange in two stages, inside the node to the rank with the "
            "destination's local index, then across the nodes among ranks of equal local index (k messages per node "

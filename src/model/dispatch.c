@@ -27,6 +27,12 @@ typedef struct {
                     int l, int op);
 } dispatch_impl;
 
+enum { WIRE_OUT, WIRE_BACK };
+typedef struct {
+    int kind;     /* tera_compress_kind; 0: fp32, as they are */
+    int64_t rowb; /* bytes of one encoded row, a multiple of 4 (sent as floats) */
+} dwire;
+
 struct tera_dispatcher {
     const dispatch_impl *impl;
     tera_backend *be;        /* the model's compute backend (not owned) */
@@ -54,24 +60,37 @@ struct tera_dispatcher {
     float *da1, *da3, *dg;   /* [R, F] the backward's scratch of the call in progress (the caller's) */
     tera_comm_req *req;      /* [4 ep] in flight: sends, receives, returns sent, returns received */
     tera_comm_req *poll;     /* the caller's operation in flight, polled between experts (NULL: none) */
-    /* parallel.a2a_compression: rows travel encoded (tera_compress_kind; 0: fp32, as they are) */
-    int cq;                  /* the kind */
-    int64_t rowb;            /* bytes of one encoded row, a multiple of 4 (sent as floats) */
-    uint8_t *c_out, *c_in;   /* [N*k rows] this rank's rows sent / their results received back */
-    uint8_t *c_recv, *c_res; /* [R rows] rows received for this rank's experts / their results sent */
+    /* How rows travel, per direction (WIRE_OUT: the rows to the experts, forward x and backward dy;
+     * WIRE_BACK: their results, y and dx): parallel.a2a_compression encodes both (lossy); with bf16
+     * products (par->a2a_rows_bf16) the rows out go as bf16, which loses nothing: every reader of them
+     * is a product that rounds its operands to bf16 (round to nearest even) anyway. */
+    dwire wire[2];
+    int out_lossless;        /* wire[WIRE_OUT] is bf16 for that reason only: used while the backend's precision
+                                is bf16 (the same on every rank), else the rows go as fp32 */
+    uint8_t *c_out, *c_in;   /* [N*k rows] this rank's rows sent (WIRE_OUT) / their results received back (WIRE_BACK) */
+    uint8_t *c_recv, *c_res; /* [R rows] rows received for this rank's experts (WIRE_OUT) / their results sent (WIRE_BACK) */
     /* parallel.ep_hierarchical across nodes: the two-stage exchange (NULL: point-to-point) */
     tera_hier *hier;
     int64_t *hsc, *hrc;      /* [ep] bytes to / from each rank of one exchange */
 };
 
-/* the encoded rows [r0, r0 + n) of x [rows, D] into buf's rows r0.. (one scale per row for fp8) */
-static void rows_encode(const tera_dispatcher *d, const float *x, int64_t r0, int64_t n, uint8_t *buf) {
-    for (int64_t r = r0; r < r0 + n; r++)
-        tera_compress_encode((tera_compress_kind)d->cq, x + r * d->D, d->D, buf + r * d->rowb, NULL);
+/* Whether direction w's rows travel encoded in this exchange, and the bytes of one row as they travel. */
+static int wire_on(const tera_dispatcher *d, int w) {
+    if (w == WIRE_OUT && d->out_lossless) return d->be->precision == TERA_PREC_BF16;
+    return d->wire[w].kind != 0;
 }
-static void rows_decode(const tera_dispatcher *d, const uint8_t *buf, int64_t r0, int64_t n, float *x) {
+static int64_t wire_rowb(const tera_dispatcher *d, int w) {
+    return wire_on(d, w) ? d->wire[w].rowb : d->D * (int64_t)sizeof(float);
+}
+
+/* the encoded rows [r0, r0 + n) of x [rows, D] into buf's rows r0.. (one scale per row for fp8) */
+static void rows_encode(const tera_dispatcher *d, int w, const float *x, int64_t r0, int64_t n, uint8_t *buf) {
     for (int64_t r = r0; r < r0 + n; r++)
-        tera_compress_decode((tera_compress_kind)d->cq, buf + r * d->rowb, d->D, x + r * d->D);
+        tera_compress_encode((tera_compress_kind)d->wire[w].kind, x + r * d->D, d->D, buf + r * d->wire[w].rowb, NULL);
+}
+static void rows_decode(const tera_dispatcher *d, int w, const uint8_t *buf, int64_t r0, int64_t n, float *x) {
+    for (int64_t r = r0; r < r0 + n; r++)
+        tera_compress_decode((tera_compress_kind)d->wire[w].kind, buf + r * d->wire[w].rowb, d->D, x + r * d->D);
 }
 
 /* ------------------------------------------------------------------------------ experts */
@@ -260,27 +279,27 @@ static void a2a_block(tera_dispatcher *d, tera_dispatch_acts *t, const tera_laye
  * transfer). Encoded rows (a2a_compression) go through the coded buffers cs -> cr, and only the
  * other ranks' blocks are encoded and decoded: the caller copies its own rows uncoded, as the
  * point-to-point path does, so the result is that path's bit for bit. */
-static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, int ostride, float *dst,
+static void hier_move(tera_dispatcher *d, int w, const float *src, const int32_t *o, int ostride, float *dst,
                       const int32_t *q, int qstride, uint8_t *cs, uint8_t *cr, int split) {
-    const int ep = d->ep, me = d->me;
-    const int64_t rb = d->cq ? d->rowb : d->D * (int64_t)sizeof(float);
+    const int ep = d->ep, me = d->me, coded = wire_on(d, w);
+    const int64_t rb = wire_rowb(d, w);
     for (int s = 0; s < ep; s++) {
         const int64_t s0 = o[s * ostride], ns = o[(s + 1) * ostride] - s0;
         d->hsc[s] = ns * rb;
         d->hrc[s] = (int64_t)(q[(s + 1) * qstride] - q[s * qstride]) * rb;
-        if (d->cq && s != me && ns > 0) rows_encode(d, src, s0, ns, cs);
+        if (coded && s != me && ns > 0) rows_encode(d, w, src, s0, ns, cs);
     }
-    const uint8_t *sb = d->cq ? cs : (const uint8_t *)(const void *)src;
-    uint8_t *rbuf = d->cq ? cr : (uint8_t *)(void *)dst;
+    const uint8_t *sb = coded ? cs : (const uint8_t *)(const void *)src;
+    uint8_t *rbuf = coded ? cr : (uint8_t *)(void *)dst;
     if (split) { /* started only: the caller waits for each source (hier_wait_rows) */
         tera_hier_ialltoallv_start(d->hier, sb + o[0] * rb, d->hsc, rbuf + q[0] * rb, d->hrc);
         return;
     }
     tera_hier_alltoallv_u8(d->hier, sb + o[0] * rb, d->hsc, rbuf + q[0] * rb, d->hrc);
-    if (d->cq)
+    if (coded)
         for (int s = 0; s < ep; s++) {
             const int64_t r0 = q[s * qstride], nr = q[(s + 1) * qstride] - r0;
-            if (s != me && nr > 0) rows_decode(d, cr, r0, nr, dst);
+            if (s != me && nr > 0) rows_decode(d, w, cr, r0, nr, dst);
         }
 }
 
@@ -288,7 +307,7 @@ static void hier_move(tera_dispatcher *d, const float *src, const int32_t *o, in
 static void hier_wait_rows(tera_dispatcher *d, int s, float *dst, const int32_t *q, const uint8_t *cr) {
     tera_hier_ialltoallv_wait(d->hier, s);
     const int64_t r0 = q[s], nr = q[s + 1] - r0;
-    if (d->cq && nr > 0) rows_decode(d, cr, r0, nr, dst);
+    if (wire_on(d, WIRE_OUT) && nr > 0) rows_decode(d, WIRE_OUT, cr, r0, nr, dst);
 }
 
 /* The layer's exchange in two node-aware stages: every rank's rows out, the experts over every
@@ -310,7 +329,7 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     float *out_local = fwd ? d->dxg : d->dye, *in_local = fwd ? t->ye : d->dxg;
     float *recv = fwd ? t->xr : d->dyr, *res = d->dxr; /* the forward's rows sent and results: scratch */
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
-    hier_move(d, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv, d->overlap);
+    hier_move(d, WIRE_OUT, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv, d->overlap);
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
     if (!d->overlap) {
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
@@ -326,7 +345,7 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
             }
         tera_hier_ialltoallv_end(d->hier);
     }
-    hier_move(d, res, t->roff, 1, in_local, t->exp_off, El, d->c_res, d->c_in, 0);
+    hier_move(d, WIRE_BACK, res, t->roff, 1, in_local, t->exp_off, El, d->c_res, d->c_in, 0);
     memcpy(in_local + m0 * D, res + (int64_t)t->roff[me] * D, sizeof(float) * (size_t)((m1 - m0) * D));
 }
 
@@ -354,23 +373,30 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     float *recv = fwd ? t->xr : d->dyr;       /* [R, D] rows for this rank's experts */
     float *res = d->dxr;                      /* [R, D] their results (scratch) */
     const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
-    const int64_t fr = d->rowb / 4; /* compressed: floats per encoded row */
+    /* encoded rows (per direction, wire_on): through the coded buffers, decoded as they arrive */
+    const int c_out = wire_on(d, WIRE_OUT), c_back = wire_on(d, WIRE_BACK);
+    const int64_t fo = d->wire[WIRE_OUT].rowb / 4, fb = d->wire[WIRE_BACK].rowb / 4; /* floats per encoded row */
     for (int s = 0; s < ep; s++) {
         if (s == me) continue;
         const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
-        if (d->cq) { /* encoded rows: decoded as they arrive */
-            tera_comm_irecv_f32(g, (float *)(void *)(d->c_recv + (int64_t)t->roff[s] * d->rowb),
-                                (int64_t)(t->roff[s + 1] - t->roff[s]) * fr, s, tag_out, &rcv[s]);
-            tera_comm_irecv_f32(g, (float *)(void *)(d->c_in + o0 * d->rowb), (o1 - o0) * fr, s, tag_back, &rrcv[s]);
-            rows_encode(d, out_local, o0, o1 - o0, d->c_out);
-            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_out + o0 * d->rowb), (o1 - o0) * fr, s, tag_out,
-                                &snd[s]);
-            continue;
+        const int64_t nr = t->roff[s + 1] - t->roff[s];
+        if (c_out)
+            tera_comm_irecv_f32(g, (float *)(void *)(d->c_recv + (int64_t)t->roff[s] * d->wire[WIRE_OUT].rowb), nr * fo,
+                                s, tag_out, &rcv[s]);
+        else
+            tera_comm_irecv_f32(g, recv + (int64_t)t->roff[s] * D, nr * D, s, tag_out, &rcv[s]);
+        if (c_back)
+            tera_comm_irecv_f32(g, (float *)(void *)(d->c_in + o0 * d->wire[WIRE_BACK].rowb), (o1 - o0) * fb, s,
+                                tag_back, &rrcv[s]);
+        else
+            tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
+        if (c_out) {
+            rows_encode(d, WIRE_OUT, out_local, o0, o1 - o0, d->c_out);
+            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_out + o0 * d->wire[WIRE_OUT].rowb),
+                                (o1 - o0) * fo, s, tag_out, &snd[s]);
+        } else {
+            tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
         }
-        tera_comm_irecv_f32(g, recv + (int64_t)t->roff[s] * D, (int64_t)(t->roff[s + 1] - t->roff[s]) * D, s,
-                            tag_out, &rcv[s]);
-        tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
-        tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
     }
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
@@ -380,13 +406,14 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
         const int s = (me + i) % ep;
         tera_comm_wait(&rcv[s]);
         const int64_t r0 = t->roff[s], n = t->roff[s + 1] - r0;
-        if (d->cq && s != me) rows_decode(d, d->c_recv, r0, n, recv);
+        if (c_out && s != me) rows_decode(d, WIRE_OUT, d->c_recv, r0, n, recv);
         a2a_block(d, t, W, G, s, op);
         if (s == me) {
             memcpy(in_local + m0 * D, res + r0 * D, sizeof(float) * (size_t)(n * D));
-        } else if (d->cq) {
-            rows_encode(d, res, r0, n, d->c_res);
-            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_res + r0 * d->rowb), n * fr, s, tag_back, &rsnd[s]);
+        } else if (c_back) {
+            rows_encode(d, WIRE_BACK, res, r0, n, d->c_res);
+            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_res + r0 * d->wire[WIRE_BACK].rowb), n * fb, s,
+                                tag_back, &rsnd[s]);
         } else {
             tera_comm_isend_f32(g, res + r0 * D, n * D, s, tag_back, &rsnd[s]);
         }
@@ -396,9 +423,9 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
         tera_comm_wait(&snd[s]);
         tera_comm_wait(&rrcv[s]);
         tera_comm_wait(&rsnd[s]);
-        if (d->cq && s != me) {
+        if (c_back && s != me) {
             const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
-            rows_decode(d, d->c_in, o0, o1 - o0, in_local);
+            rows_decode(d, WIRE_BACK, d->c_in, o0, o1 - o0, in_local);
         }
     }
 }
@@ -437,11 +464,13 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
         d->dyr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
         d->dxr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
     }
-    if (d->cq) {
-        d->c_out = take(base, &off, (size_t)(NK * d->rowb));
-        d->c_in = take(base, &off, (size_t)(NK * d->rowb));
-        d->c_recv = take(base, &off, (size_t)(d->R * d->rowb));
-        d->c_res = take(base, &off, (size_t)(d->R * d->rowb));
+    if (d->wire[WIRE_OUT].kind) {
+        d->c_out = take(base, &off, (size_t)(NK * d->wire[WIRE_OUT].rowb));
+        d->c_recv = take(base, &off, (size_t)(d->R * d->wire[WIRE_OUT].rowb));
+    }
+    if (d->wire[WIRE_BACK].kind) {
+        d->c_in = take(base, &off, (size_t)(NK * d->wire[WIRE_BACK].rowb));
+        d->c_res = take(base, &off, (size_t)(d->R * d->wire[WIRE_BACK].rowb));
     }
     if (d->hier) {
         d->hsc = take(base, &off, sizeof(int64_t) * (size_t)d->ep);
@@ -470,8 +499,11 @@ static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, i
         d->impl = &a2a_impl;
         d->group = par->group;
         d->overlap = par->overlap;
-        d->cq = par->a2a_compression > 0 ? par->a2a_compression : 0;
-        d->rowb = (tera_compress_bytes((tera_compress_kind)d->cq, d->D) + 3) & ~(int64_t)3;
+        const int cq = par->a2a_compression > 0 ? par->a2a_compression : 0;
+        d->out_lossless = !cq && par->a2a_rows_bf16;
+        d->wire[WIRE_OUT].kind = d->out_lossless ? TERA_COMPRESS_BF16 : cq;
+        d->wire[WIRE_BACK].kind = cq;
+        for (int w = 0; w < 2; w++) d->wire[w].rowb = tera_exchange_row_bytes(d->wire[w].kind, d->D);
         d->R = tera_dispatch_rows_max(c, B, T, ep);
         if (!sizing) d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
         if (!sizing && par->hierarchical) { /* NULL when the group is on one node (or uneven): point-to-point */
@@ -479,7 +511,12 @@ static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, i
             int nodes, k;
             tera_hier_shape(d->hier, &nodes, &k);
             /* relayed at most: every local peer's rows for this rail; received: R rows */
-            const int64_t rb = d->cq ? d->rowb : d->D * (int64_t)sizeof(float);
+            int64_t rb = 0; /* the most a row takes (the rows out go as fp32 while the products are not bf16) */
+            for (int w = 0; w < 2; w++) {
+                const int64_t b = d->wire[w].kind && !(w == WIRE_OUT && d->out_lossless) ? d->wire[w].rowb
+                                                                                         : d->D * (int64_t)sizeof(float);
+                if (b > rb) rb = b;
+            }
             const int64_t rows = d->N * d->K > d->R ? d->N * d->K : d->R;
             if (d->hier) tera_hier_reserve_alltoall(d->hier, (int64_t)k * rows * rb);
         }
@@ -515,12 +552,20 @@ void tera_dispatch_destroy(tera_dispatcher *d) {
 const char *tera_dispatch_name(const tera_dispatcher *d) { return d->impl->name; }
 int64_t tera_dispatch_rows(const tera_dispatcher *d) { return d->R; }
 int64_t tera_dispatch_bytes(const tera_dispatcher *d) { return d->bytes; }
+int64_t tera_exchange_row_bytes(int kind, int64_t D) {
+    return kind ? (tera_compress_bytes((tera_compress_kind)kind, D) + 3) & ~(int64_t)3 : 4 * D;
+}
+int64_t tera_dispatch_row_bytes(const tera_dispatcher *d, int back) {
+    return d->ep > 1 ? wire_rowb(d, back ? WIRE_BACK : WIRE_OUT) : 4 * d->D;
+}
 void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes *s) {
     const int a2a = d->ep > 1;
     *s = (tera_dispatch_sizes){.counts = a2a ? d->E : 0, .offsets = a2a ? d->ep + 1 : 0, .rows = a2a ? d->R : 0};
 }
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d) {
-    return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) + 2 * (d->N * d->K + d->R) * (d->cq ? d->rowb : 0) : 0;
+    int64_t coded = 0;
+    for (int w = 0; w < 2; w++) coded += (d->N * d->K + d->R) * (d->wire[w].kind ? d->wire[w].rowb : 0);
+    return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) + coded : 0;
 }
 
 int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const float *x, const int32_t *topi,

@@ -84,6 +84,8 @@ typedef struct {
 } tera_dispatch_sizes;
 void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes *s);
 int64_t tera_dispatch_bytes(const tera_dispatcher *d);      /* its scratch */
+/* Bytes of one row on the wire now (tera_model_exchange_row_bytes): back 0 rows out, 1 results. */
+int64_t tera_dispatch_row_bytes(const tera_dispatcher *d, int back);
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d); /* the exchange's part of it */
 
 /* Forward of layer l. permute: the plan (capacity and drops: tera_moe_plan over topi [N, k] and

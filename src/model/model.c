@@ -1310,6 +1310,10 @@ int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early) {
     return tp ? tp->overlapped : 0;
 }
 
+int64_t tera_model_exchange_row_bytes(const tera_model *m, int back) {
+    return m->slots ? tera_dispatch_row_bytes(m->slots[0].dispatch, back) : 4 * (int64_t)m->cfg.dim;
+}
+
 void tera_model_set_tp_overlap(tera_model *m, int mode) {
     m->par.tp_overlap = mode;
     if (m->slots && m->slots[0].tp) m->slots[0].tp->overlap = mode;

@@ -24,6 +24,7 @@
 #include "tera/model.h"
 #include "tera/plan.h"
 #include "plan_internal.h"
+#include "tera/precision.h"
 #include "tera/schedule.h"
 #include "tera/zero.h"
 #include "tera/topology.h"
@@ -195,6 +196,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     const tera_model_par par = {.ep = t->ep, .tp = t->tp, .pp = pp, .pp_rank = t->pp_rank, .v = v, .n_slots = slots,
                                 .layer_first = first, .shard_params = zero_ >= 3, .shard_grads = zero_ >= 2,
                                 .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
+                                .a2a_rows_bf16 = tera_a2a_rows_bf16(cfg),
                                 .sp = cfg->parallel.sequence_parallel, .be = sizing_backend()};
     tera_model_bytes mb;
     const int old = omp_get_max_threads();

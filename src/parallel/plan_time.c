@@ -34,6 +34,7 @@
 #include "plan_internal.h"
 #include "tera/compress.h"
 #include "tera/model.h"
+#include "tera/precision.h"
 #include "tera/schedule.h"
 
 /* ------------------------------------------------------------------ hardware */
@@ -788,7 +789,18 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     const int64_t on_node = devices < hw->devices_per_node ? devices : hw->devices_per_node;
     const double fc_all = tera_hw_shared(hw, (int)on_node, threads, 0), fm_all = tera_hw_shared(hw, (int)on_node, threads, 1);
     const double bw_mem = mem_bw_of(hw, threads);
-    const double xb = o->exchange_bytes > 0 ? o->exchange_bytes : 4.0;
+    /* bytes an element of the expert exchange takes: --exchange-bytes, else tera's (the mean of the rows
+     * out and their results back as the dispatcher encodes them: tera_exchange_row_bytes; the rows out
+     * in bf16 under bf16 products) */
+    double xb = o->exchange_bytes;
+    if (!(xb > 0)) {
+        const int kind = tera_compress_parse(cfg->parallel.a2a_compression) > 0 ? tera_compress_parse(cfg->parallel.a2a_compression) : 0;
+        const int rows_out = kind ? kind
+                             : tera_a2a_rows_bf16(cfg) && tera_hw_prec_of(cfg->training.precision) == TERA_HW_BF16
+                                 ? TERA_COMPRESS_BF16
+                                 : 0;
+        xb = (double)(tera_exchange_row_bytes(rows_out, c->dim) + tera_exchange_row_bytes(kind, c->dim)) / (2.0 * c->dim);
+    }
     const double hide_comm = o->comm_overlap > 0 ? (o->comm_overlap < 1 ? o->comm_overlap : 1.0) : 0.0;
     const double hide_ep = o->exchange_overlap > 0 ? (o->exchange_overlap < 1 ? o->exchange_overlap : 1.0) : 0.0;
     out->flops_per_step = tera_model_flops_per_token(c, T) * N * A * dp;

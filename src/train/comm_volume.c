@@ -132,15 +132,17 @@ static void zero3_gather_bytes(const tera_trainer *tr, int A, tera_comm_volume *
 
 /* Expert parallelism: each MoE layer's routed rows [N k, D] whose expert lives on another of
  * the ep ranks ((ep-1)/ep of them for uniform routing) go there and come back, in forward and
- * again in backward: 4 transfers. Before the forward exchange, the row counts ([E/ep] int32 to
- * each other rank) are exchanged (overhead). */
+ * again in backward: 4 transfers, each row as the dispatcher encodes it on that wire (fp32, or
+ * a2a_compression's, or bf16 rows out under bf16 products: tera_model_exchange_row_bytes). Before the
+ * forward exchange, the row counts ([E/ep] int32 to each other rank) are exchanged (overhead). */
 static void ep_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     if (tr->topo.ep < 2) return;
     const double N = (double)m->B * m->T, rows = N * m->cfg.top_k;
     double moe = 0.0; /* this stage's MoE layers (all of them without a pipeline) */
     for (int l = m->cfg.first_k_dense; l < m->cfg.n_layers; l++) moe += m->held[l];
-    cm->ep = A * moe * 4.0 * ring(tr->topo.ep) * rows * m->cfg.dim * 4.0;
+    const double row = (double)(tera_model_exchange_row_bytes(m, 0) + tera_model_exchange_row_bytes(m, 1));
+    cm->ep = A * moe * 2.0 * ring(tr->topo.ep) * rows * row;
     cm->min[TERA_XFER_P2P] += cm->ep;
     cm->counts = A * moe * (tr->topo.ep - 1) * 4.0 * (m->cfg.n_experts / tr->topo.ep);
     cm->overhead[TERA_XFER_ALLTOALL] += cm->counts;

@@ -116,3 +116,10 @@ void tera_precision_scratch_elems(const tera_model_config *c, int B, int T, int 
     *main_elems = m;
     *thread_elems = e;
 }
+
+int tera_a2a_rows_bf16(const tera_config *cfg) {
+    const char *env = getenv("TERA_A2A_ROWS_BF16");
+    if (env && !strcmp(env, "0")) return 0;
+    return cfg->parallel.ep > 1 && !strcmp(cfg->parallel.a2a_compression, "none") &&
+           (!strcmp(cfg->training.precision, "bf16") || !strcmp(cfg->training.precision, "auto"));
+}

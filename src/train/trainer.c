@@ -163,6 +163,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
         }
         const tera_model_par par = {.ep = tr->topo.ep, .group = tr->groups.ep, .overlap = cfg->parallel.ep_overlap,
                                     .a2a_compression = tera_compress_parse(cfg->parallel.a2a_compression),
+                                    .a2a_rows_bf16 = tera_a2a_rows_bf16(cfg),
                                     .hierarchical = cfg->parallel.ep_hierarchical, .dp_group = tr->groups.dp,
                                     .tp = tr->topo.tp, .tp_group = tr->groups.tp, .tp_overlap = cfg->parallel.tp_overlap,
                                     .sp = cfg->parallel.sequence_parallel,
