@@ -495,13 +495,18 @@ static void test_shared_sum_time(void **state) {
  * (2 a layer and the final norm's, D floats each, in one call a layer and one for the head). */
 static int64_t carved(int64_t floats) { return (4 * floats + 63) / 64 * 64; }
 
+/* the default model with micro-batches of 2 x 32 tokens */
+static void config_2x32(tera_config *c) {
+    tera_config_defaults(c);
+    c->training.seq_len = 32;
+    c->training.micro_batch = 2;
+    assert_int_equal(tera_config_finalize(c), TERA_OK);
+}
+
 static void test_sequence_parallel(void **state) {
     (void)state;
     tera_config c;
-    tera_config_defaults(&c);
-    c.training.seq_len = 32;
-    c.training.micro_batch = 2;
-    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    config_2x32(&c);
     const int64_t L = c.model.n_layers, D = c.model.dim, N = 2 * 32;
     for (int tp = 2; tp <= 4; tp *= 2)
         for (int full = 0; full < 2; full++) {
@@ -568,10 +573,7 @@ static void test_sequence_parallel(void **state) {
 static void test_expert_exchange_memory(void **state) {
     (void)state;
     tera_config c;
-    tera_config_defaults(&c);
-    c.training.seq_len = 32;
-    c.training.micro_batch = 2;
-    assert_int_equal(tera_config_finalize(&c), TERA_OK);
+    config_2x32(&c);
     const int64_t N = 2 * 32, D = c.model.dim, F = c.model.ffn_dim, E = c.model.n_experts, K = c.model.top_k;
     const int64_t moe = c.model.n_layers - c.model.first_k_dense;
     assert_true(moe > 1 && E % 4 == 0);

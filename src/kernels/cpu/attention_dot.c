@@ -216,19 +216,8 @@ static void dot_by_rows(float *Y, const uint16_t *A, const dot_word *Xr, int nk,
  * the lanes below -87 done by the last (integer) addition, with the lanes of live (the zeros of a
  * causal mask) also zeroed: maskz_mov(live, vexp16(x)) */
 DOT_FN DOT_INLINE __m512 vexp16_live(__m512 x, __mmask16 live) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
-    const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
-    const __m512 fi = _mm512_sub_ps(t, magic);
-    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512 t;
+    const __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(88.0f), x), &t);
     const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ); /* not x < -87 */
     return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(t), 23)));
 }
