@@ -596,6 +596,18 @@ static void test_expert_exchange_memory(void **state) {
                 fail_msg("ep %d, full recompute %d: activations %lld -> %lld (want %lld more), exchange part %lld "
                          "(want %lld)", ep, full, (long long)b[0].acts, (long long)b[1].acts, (long long)want,
                          (long long)b[1].comm_acts, (long long)comm_acts);
+            /* bf16 rows out (tera_model_par.a2a_rows_bf16): one coded buffer, the rows received [R] x 2 D bytes;
+             * the rows sent are coded into a buffer free at the time (the backward's dye, or ye) */
+            tera_model_par p16 = par;
+            p16.a2a_rows_bf16 = 1;
+            tera_model_bytes b16;
+            assert_int_equal(tera_model_count(&mc, 2, 32, &p16, &b16), TERA_OK);
+            const int64_t coded = R * 2 * D;
+            if (b16.comm - b[1].comm != coded || b16.scratch - b[1].scratch != (coded + 63) / 64 * 64 ||
+                b16.acts != b[1].acts)
+                fail_msg("ep %d, bf16 rows out: comm %lld -> %lld, scratch %lld -> %lld (want %lld more)", ep,
+                         (long long)b[1].comm, (long long)b16.comm, (long long)b[1].scratch, (long long)b16.scratch,
+                         (long long)coded);
         }
 }
 

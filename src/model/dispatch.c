@@ -67,12 +67,20 @@ struct tera_dispatcher {
     dwire wire[2];
     int out_lossless;        /* wire[WIRE_OUT] is bf16 for that reason only: used while the backend's precision
                                 is bf16 (the same on every rank), else the rows go as fp32 */
-    uint8_t *c_out, *c_in;   /* [N*k rows] this rank's rows sent (WIRE_OUT) / their results received back (WIRE_BACK) */
+    uint8_t *c_in;           /* [N*k rows] this rank's results received back (WIRE_BACK); its rows sent (WIRE_OUT) are
+                                coded into a buffer free at the time (coded_out) */
     uint8_t *c_recv, *c_res; /* [R rows] rows received for this rank's experts (WIRE_OUT) / their results sent (WIRE_BACK) */
     /* parallel.ep_hierarchical across nodes: the two-stage exchange (NULL: point-to-point) */
     tera_hier *hier;
     int64_t *hsc, *hrc;      /* [ep] bytes to / from each rank of one exchange */
 };
+
+/* Where this rank's rows out are coded (WIRE_OUT, [N*k rows] of at most 4 D bytes): a [N*k, D] fp32 buffer
+ * nothing reads during the exchange: the forward the backward's dye, the backward the layer's ye (the
+ * combine's backward, its last reader, ran before). */
+static uint8_t *coded_out(const tera_dispatcher *d, const tera_dispatch_acts *t, int fwd) {
+    return (uint8_t *)(void *)(fwd ? d->dye : t->ye);
+}
 
 /* Whether direction w's rows travel encoded in this exchange, and the bytes of one row as they travel. */
 static int wire_on(const tera_dispatcher *d, int w) {
@@ -329,7 +337,7 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     float *out_local = fwd ? d->dxg : d->dye, *in_local = fwd ? t->ye : d->dxg;
     float *recv = fwd ? t->xr : d->dyr, *res = d->dxr; /* the forward's rows sent and results: scratch */
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
-    hier_move(d, WIRE_OUT, out_local, t->exp_off, El, recv, t->roff, 1, d->c_out, d->c_recv, d->overlap);
+    hier_move(d, WIRE_OUT, out_local, t->exp_off, El, recv, t->roff, 1, coded_out(d, t, fwd), d->c_recv, d->overlap);
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
     if (!d->overlap) {
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
@@ -375,6 +383,7 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     const int tag_out = ep_tag(l, fwd ? EP_TAG_X : EP_TAG_DY), tag_back = ep_tag(l, fwd ? EP_TAG_Y : EP_TAG_DX);
     /* encoded rows (per direction, wire_on): through the coded buffers, decoded as they arrive */
     const int c_out = wire_on(d, WIRE_OUT), c_back = wire_on(d, WIRE_BACK);
+    uint8_t *cs = coded_out(d, t, fwd);
     const int64_t fo = d->wire[WIRE_OUT].rowb / 4, fb = d->wire[WIRE_BACK].rowb / 4; /* floats per encoded row */
     for (int s = 0; s < ep; s++) {
         if (s == me) continue;
@@ -391,8 +400,8 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
         else
             tera_comm_irecv_f32(g, in_local + o0 * D, (o1 - o0) * D, s, tag_back, &rrcv[s]);
         if (c_out) {
-            rows_encode(d, WIRE_OUT, out_local, o0, o1 - o0, d->c_out);
-            tera_comm_isend_f32(g, (const float *)(const void *)(d->c_out + o0 * d->wire[WIRE_OUT].rowb),
+            rows_encode(d, WIRE_OUT, out_local, o0, o1 - o0, cs);
+            tera_comm_isend_f32(g, (const float *)(const void *)(cs + o0 * d->wire[WIRE_OUT].rowb),
                                 (o1 - o0) * fo, s, tag_out, &snd[s]);
         } else {
             tera_comm_isend_f32(g, out_local + o0 * D, (o1 - o0) * D, s, tag_out, &snd[s]);
@@ -465,7 +474,6 @@ static void carve_scratch(tera_dispatcher *d, char *base) {
         d->dxr = take(base, &off, sizeof(float) * (size_t)(d->R * d->D));
     }
     if (d->wire[WIRE_OUT].kind) {
-        d->c_out = take(base, &off, (size_t)(NK * d->wire[WIRE_OUT].rowb));
         d->c_recv = take(base, &off, (size_t)(d->R * d->wire[WIRE_OUT].rowb));
     }
     if (d->wire[WIRE_BACK].kind) {
@@ -564,7 +572,8 @@ void tera_dispatch_exchange_sizes(const tera_dispatcher *d, tera_dispatch_sizes 
 }
 int64_t tera_dispatch_comm_bytes(const tera_dispatcher *d) {
     int64_t coded = 0;
-    for (int w = 0; w < 2; w++) coded += (d->N * d->K + d->R) * (d->wire[w].kind ? d->wire[w].rowb : 0);
+    for (int w = 0; w < 2; w++) /* the rows out's own coded copy lives in dye or ye (coded_out) */
+        coded += (w == WIRE_BACK ? d->N * d->K + d->R : d->R) * (d->wire[w].kind ? d->wire[w].rowb : 0);
     return d->ep > 1 ? 2 * d->R * d->D * (int64_t)sizeof(float) + coded : 0;
 }
 
