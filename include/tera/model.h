@@ -364,6 +364,10 @@ void tera_model_set_tp_overlap(tera_model *m, int mode);
  * (tera_compress_kind, 0 fp32) and width D, without a model (tera plan). */
 int64_t tera_model_exchange_row_bytes(const tera_model *m, int back);
 int64_t tera_exchange_row_bytes(int kind, int64_t D);
+/* The encoding kind of one direction (back 0 the rows out, 1 the results) for a2a_compression's kind
+ * (0: none) and rows_bf16 (tera_model_par.a2a_rows_bf16, with the products in bf16): the rule the
+ * dispatcher and tera plan share. */
+int tera_exchange_wire_kind(int a2a_compression, int rows_bf16, int back);
 
 /* Model FLOPs per token, BENCH.md's convention (6 * active matrix params + 12 * L * D * T). */
 double tera_model_flops_per_token(const tera_model_config *cfg, int T);

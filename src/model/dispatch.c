@@ -509,9 +509,10 @@ static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, i
         d->overlap = par->overlap;
         const int cq = par->a2a_compression > 0 ? par->a2a_compression : 0;
         d->out_lossless = !cq && par->a2a_rows_bf16;
-        d->wire[WIRE_OUT].kind = d->out_lossless ? TERA_COMPRESS_BF16 : cq;
-        d->wire[WIRE_BACK].kind = cq;
-        for (int w = 0; w < 2; w++) d->wire[w].rowb = tera_exchange_row_bytes(d->wire[w].kind, d->D);
+        for (int w = 0; w < 2; w++) {
+            d->wire[w].kind = tera_exchange_wire_kind(cq, par->a2a_rows_bf16, w);
+            d->wire[w].rowb = tera_exchange_row_bytes(d->wire[w].kind, d->D);
+        }
         d->R = tera_dispatch_rows_max(c, B, T, ep);
         if (!sizing) d->req = tera_calloc((size_t)(4 * ep), sizeof(tera_comm_req));
         if (!sizing && par->hierarchical) { /* NULL when the group is on one node (or uneven): point-to-point */
@@ -519,12 +520,9 @@ static tera_dispatcher *dispatch_new(const tera_model_config *c, int B, int T, i
             int nodes, k;
             tera_hier_shape(d->hier, &nodes, &k);
             /* relayed at most: every local peer's rows for this rail; received: R rows */
-            int64_t rb = 0; /* the most a row takes (the rows out go as fp32 while the products are not bf16) */
-            for (int w = 0; w < 2; w++) {
-                const int64_t b = d->wire[w].kind && !(w == WIRE_OUT && d->out_lossless) ? d->wire[w].rowb
-                                                                                         : d->D * (int64_t)sizeof(float);
-                if (b > rb) rb = b;
-            }
+            /* the most a row takes: fp32 unless a2a_compression codes both directions (the lossless rows
+             * out go as fp32 while the products are not bf16, and the results as fp32 always) */
+            const int64_t rb = tera_exchange_row_bytes(cq, d->D);
             const int64_t rows = d->N * d->K > d->R ? d->N * d->K : d->R;
             if (d->hier) tera_hier_reserve_alltoall(d->hier, (int64_t)k * rows * rb);
         }
@@ -560,6 +558,10 @@ void tera_dispatch_destroy(tera_dispatcher *d) {
 const char *tera_dispatch_name(const tera_dispatcher *d) { return d->impl->name; }
 int64_t tera_dispatch_rows(const tera_dispatcher *d) { return d->R; }
 int64_t tera_dispatch_bytes(const tera_dispatcher *d) { return d->bytes; }
+int tera_exchange_wire_kind(int a2a_compression, int rows_bf16, int back) {
+    if (a2a_compression > 0) return a2a_compression;
+    return !back && rows_bf16 ? TERA_COMPRESS_BF16 : 0;
+}
 int64_t tera_exchange_row_bytes(int kind, int64_t D) {
     return kind ? (tera_compress_bytes((tera_compress_kind)kind, D) + 3) & ~(int64_t)3 : 4 * D;
 }

@@ -1050,10 +1050,11 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
 
     /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
     tera_host_fill(m->be, a->dln, NULL, N * D);
-    if (c->n_shared_experts > 0) tera_tp_input_wait(a->tp, &rq_ln);
-    if (c->n_shared_experts > 0)
+    if (c->n_shared_experts > 0) {
+        tera_tp_input_wait(a->tp, &rq_ln);
         TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
                                           W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl, dw_beta));
+    }
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
      * are the combine-weight gradients: sum them before the router sees them */

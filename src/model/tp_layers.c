@@ -134,9 +134,14 @@ void tera_tp_norm_forward(const tera_tp *tp, float *y, float *rstd, const float 
     tera_tp_gather_rows(tp, y);
 }
 
+/* sp: this rank's rows [Nr, D] into their place in the gather buffer */
+static void rows_into_input(const tera_tp *tp, const float *rows) {
+    memcpy(tp->in_buf + tp->r0 * tp->D, rows, sizeof(float) * (size_t)(tp->Nr * tp->D));
+}
+
 const float *tera_tp_input_whole(const tera_tp *tp, const float *rows) {
     if (!tp->sp) return rows;
-    memcpy(tp->in_buf + tp->r0 * tp->D, rows, sizeof(float) * (size_t)(tp->Nr * tp->D));
+    rows_into_input(tp, rows);
     tera_tp_gather_rows(tp, tp->in_buf);
     return tp->in_buf;
 }
@@ -144,7 +149,7 @@ const float *tera_tp_input_whole(const tera_tp *tp, const float *rows) {
 const float *tera_tp_input_whole_start(const tera_tp *tp, const float *rows, tera_comm_req *req) {
     memset(req, 0, sizeof *req);
     if (!tp->sp || !tp->overlap) return tera_tp_input_whole(tp, rows);
-    memcpy(tp->in_buf + tp->r0 * tp->D, rows, sizeof(float) * (size_t)(tp->Nr * tp->D));
+    rows_into_input(tp, rows);
     TERA_PROF(TP_COMM, tera_comm_iallgather_f32(tp->group, tp->in_buf, tp->rows_cnt, req));
     return tp->in_buf;
 }

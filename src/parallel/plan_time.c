@@ -794,12 +794,11 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
      * in bf16 under bf16 products) */
     double xb = o->exchange_bytes;
     if (!(xb > 0)) {
-        const int kind = tera_compress_parse(cfg->parallel.a2a_compression) > 0 ? tera_compress_parse(cfg->parallel.a2a_compression) : 0;
-        const int rows_out = kind ? kind
-                             : tera_a2a_rows_bf16(cfg) && tera_hw_prec_of(cfg->training.precision) == TERA_HW_BF16
-                                 ? TERA_COMPRESS_BF16
-                                 : 0;
-        xb = (double)(tera_exchange_row_bytes(rows_out, c->dim) + tera_exchange_row_bytes(kind, c->dim)) / (2.0 * c->dim);
+        const int kind = tera_compress_parse(cfg->parallel.a2a_compression);
+        const int rows16 = tera_a2a_rows_bf16(cfg) && tera_hw_prec_of(cfg->training.precision) == TERA_HW_BF16;
+        xb = 0.0;
+        for (int back = 0; back < 2; back++)
+            xb += (double)tera_exchange_row_bytes(tera_exchange_wire_kind(kind, rows16, back), c->dim) / (2.0 * c->dim);
     }
     const double hide_comm = o->comm_overlap > 0 ? (o->comm_overlap < 1 ? o->comm_overlap : 1.0) : 0.0;
     const double hide_ep = o->exchange_overlap > 0 ? (o->exchange_overlap < 1 ? o->exchange_overlap : 1.0) : 0.0;

@@ -334,7 +334,7 @@ static void zero23_init(tera_zero *zr, const tera_zero_env *env) {
     for (int k = 0; k < N_SLOTS; k++) {
         z->slot[k].group = INT32_MIN;
         for (int x = 0; x < 2; x++) {
-            const int64_t n = (size[k][x] + 15) & ~(int64_t)15;
+            const int64_t n = up16(size[k][x]);
             if (k == SLOT_LAYER && z->shg[x].s)
                 z->slot[k].g[x] = z->shg[x].base + (int64_t)z->shg[x].me * 2 * n;
             else if (k == SLOT_HEAD && !tied) /* untied: the embedding's buffer (tera_zero_staging_floats) */
