@@ -322,6 +322,21 @@ cmp -s <(untimed "$W/dl4/metrics.jsonl") <(untimed "$W/dl4n/metrics.jsonl") &&
     cmp -s "$W/dl4/checkpoints/step_00000008/model.safetensors" "$W/dl4n/checkpoints/step_00000008/model.safetensors" \
     && pass "ep overlap on and off: bit-identical losses and final weights" || fail "overlap changes results"
 
+# ... and the shared expert runs while the rows travel (tera_dispatch_side_work): each MoE layer's forward
+# (its hidden activations) and backward once per micro-batch (3 MoE layers of MODEL), the full
+# recomputation's forward again (all but the last layer, which the work set still holds); none without
+# the overlap or without an exchange (rank 0's counts, tera bench's shared_overlapped_per_step)
+for l in ov:1:1:ep2:6 accum2:1:2:ep2:12 full:1:1:ep2:8 off:0:1:ep2:0 ep1:1:1:ep1:0; do
+    IFS=: read -r name ov accum epl want <<< "$l"
+    extra=()
+    [ "$name" = full ] && extra=(--training.recompute=full)
+    got=$($MPIRUN -np 2 "$TERA" bench "${MODEL[@]}" --steps 2 --warmup 1 --training.micro_batch=2 --training.grad_accum="$accum" \
+            --parallel.dp=2 --parallel.ep="${epl#ep}" --parallel.ep_overlap="$ov" "${extra[@]}" 2> "$W/shov-$name.log" | tail -1 \
+          | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["shared_overlapped_per_step"])')
+    [ "$got" = "$want.0" ] && pass "shared expert during the exchange ($name): $got passes a step" \
+        || fail "shared expert during the exchange ($name): ${got:-?} passes a step, want $want"
+done
+
 # tensor parallelism's overlap (parallel.tp_overlap: the weight gradients computed while the input
 # gradients are summed; the dense FFN, the shared expert, the routed experts' split exchange, the
 # router, q/k/v and the head) changes nothing either: on (the default) and off, bit for bit

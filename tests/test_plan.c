@@ -632,12 +632,18 @@ static void test_expert_exchange_time(void **state) {
     (void)state;
     /* the overlap's closed form: ep 2, experts long (c'/2 > x): the rows out hidden, the last (only)
      * block's return not, x each way; short (x > c'/2): the own block's compute, c'/2 */
-    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 30.0) - 2.0) < 1e-12);
-    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 0.3) - (0.05 + 0.1)) < 1e-12);
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 30.0, 0.0, 0.0) - 2.0) < 1e-12);
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 0.3, 0.0, 0.0) - (0.05 + 0.1)) < 1e-12);
     /* ep 4, x = 3, c = 12: forward c' = 4: max(1, 3) + 3 + 1 = 7 of 3 + 4 + 3 = 10: 3 hidden; backward
      * c' = 8: max(2, 3) + 6 + 1 = 10 of 14: 4 */
-    assert_true(fabs(tera_plan_ep_overlap_hidden(4, 3.0, 12.0) - 7.0) < 1e-12);
-    assert_true(tera_plan_ep_overlap_hidden(1, 3.0, 12.0) == 0.0);
+    assert_true(fabs(tera_plan_ep_overlap_hidden(4, 3.0, 12.0, 0.0, 0.0) - 7.0) < 1e-12);
+    assert_true(tera_plan_ep_overlap_hidden(1, 3.0, 12.0, 0.0, 0.0) == 0.0);
+    /* the shared experts run while the rows out travel: ep 2, x = 1, c = 0.3, forward side work 0.5:
+     * max(0.5 + 0.05, 1) + 0.05 + 1 = 2.05 of 1 + 0.5 + 0.1 + 1 = 2.6: 0.55 hidden; backward 0.2:
+     * max(0.2 + 0.1, 1) + 0.1 + 1 = 2.1 of 2.4: 0.3; side work longer than the transfer (forward 2):
+     * the rows out wholly hidden, max(2.05, 1) + 0.05 + 1 = 3.1 of 4.1: 1, and the backward's 0.1 */
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 0.3, 0.5, 0.2) - (0.55 + 0.3)) < 1e-12);
+    assert_true(fabs(tera_plan_ep_overlap_hidden(2, 1.0, 0.3, 2.0, 0.0) - (1.0 + 0.1)) < 1e-12);
     tera_hw hw;
     h100_alpha_beta(&hw);
     const int k = hw.devices_per_node;
@@ -663,6 +669,20 @@ static void test_expert_exchange_time(void **state) {
         if (!(fabs(t[0][0].ep_s - flat) <= 1e-9 * flat)) fail_msg("ep %d flat: %.9g s, want %.9g", ep, t[0][0].ep_s, flat);
         /* ep_overlap on the flat exchange: the difference is what it hides, at most the exchange */
         assert_true(t[0][1].ep_hidden_s > 0 && fabs(t[0][0].ep_s - t[0][1].ep_s - t[0][1].ep_hidden_s) <= 1e-9 * flat);
+        { /* a shared expert: its work runs while the rows out travel, so more is hidden (the same exchange) */
+            tera_config cs = c;
+            cs.parallel.ep_hierarchical = 0;
+            cs.model.n_shared_experts = 1;
+            tera_plan_time ts[2];
+            for (int ov = 0; ov < 2; ov++) {
+                cs.parallel.ep_overlap = ov;
+                assert_int_equal(tera_plan_time_model(&cs, &hw, &o, &ts[ov]), TERA_OK);
+            }
+            if (!(ts[0].ep_s == t[0][0].ep_s && ts[0].ep_hidden_s == 0.0 && ts[1].ep_hidden_s > t[0][1].ep_hidden_s &&
+                  fabs(ts[0].ep_s - ts[1].ep_s - ts[1].ep_hidden_s) <= 1e-9 * flat))
+                fail_msg("ep %d, a shared expert: exchange %.9g s, hidden %.9g (%.9g without it), want more hidden", ep,
+                         ts[1].ep_s, ts[1].ep_hidden_s, t[0][1].ep_hidden_s);
+        }
         if (ep == k) { /* one node: the two-stage exchange does not apply */
             assert_true(t[1][0].ep_s == t[0][0].ep_s && t[1][1].ep_s == t[0][1].ep_s);
             continue;

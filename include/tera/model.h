@@ -354,6 +354,10 @@ void tera_model_update_router_bias(tera_model *m);
  * flight (parallel.tp_overlap), since the model was created: 0 with tp = 1 or tp_overlap = 0;
  * *done_early (may be NULL): of those, the ones complete before their wait (at a poll). */
 int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early);
+/* MoE layers' shared-expert passes (forward hidden activations, backward) run while the layer's rows
+ * travelled to and from the other expert-parallel ranks (parallel.ep_overlap), since the model was
+ * created: 0 with ep = 1, ep_overlap = 0 or no shared experts. */
+int64_t tera_model_shared_overlapped(const tera_model *m);
 /* Sets parallel.tp_overlap (0, 1, 2) between steps (every rank of the tensor-parallel group alike:
  * the sums' kind, blocking or not, must match across the group); bench/bench_tp_overlap.c's A/B. */
 void tera_model_set_tp_overlap(tera_model *m, int mode);

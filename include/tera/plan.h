@@ -212,12 +212,15 @@ typedef struct {
 
 /* What parallel.ep_overlap hides of one MoE layer's point-to-point exchange (src/model/dispatch.c):
  * x the seconds of one of its four transfers (rows out or back, forward or backward), c the layer's
- * routed experts' forward + backward seconds (the forward a third). Per direction (c' = c / 3, then
- * 2 c / 3), the ep source blocks are posted at once and share the link, so the others' blocks are all
- * in at x; this rank's own block (c' / ep) is computed meanwhile, then the other blocks, each result
- * block sent back at once, the last one back x / (ep-1) later: max(c' / ep, x) + c' (ep-1) / ep +
- * x / (ep-1) against x + c' + x in sequence; hidden = the difference. */
-double tera_plan_ep_overlap_hidden(int ep, double x, double c);
+ * routed experts' forward + backward seconds (the forward a third), sf and sb the side work the
+ * dispatcher runs right after posting the rows out (the shared experts: forward their hidden
+ * activations, backward all of it; 0 without). Per direction (c' = c / 3, then 2 c / 3; s' = sf, then
+ * sb), the ep source blocks are posted at once and share the link, so the others' blocks are all in at
+ * x; the side work and this rank's own block (c' / ep) are computed meanwhile, then the other blocks,
+ * each result block sent back at once, the last one back x / (ep-1) later:
+ * max(s' + c' / ep, x) + c' (ep-1) / ep + x / (ep-1) against x + s' + c' + x in sequence; hidden = the
+ * difference. */
+double tera_plan_ep_overlap_hidden(int ep, double x, double c, double sf, double sb);
 
 tera_status tera_plan_time_model(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o,
                                  tera_plan_time *out);

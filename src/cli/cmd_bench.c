@@ -104,12 +104,14 @@ int tera_cmd_bench(int argc, char **argv) {
     tera_step_result r;
     double cpu0 = 0.0;
     int64_t tp_ov0 = 0, tp_early0 = 0; /* parallel.tp_overlap: overlapped sums before the timed steps */
+    int64_t sh_ov0 = 0;                /* parallel.ep_overlap: shared-expert passes overlapped before them */
     int64_t rs0[3] = {0, 0, 0};        /* ZeRO-1/2/3's gradient reduce-scatters before them (tera_zero_rs_counts) */
     int64_t zc0[6] = {0, 0, 0, 0, 0, 0}; /* ZeRO-3's layer gathers before them (tera_zero_counts), shared sums,
                                             ZeRO-1/2's shared parameter gathers */
     for (int s = 0; s < warmup + steps; s++) {
         if (s == warmup) {
             tp_ov0 = tera_model_tp_overlapped(&tr.model, &tp_early0);
+            sh_ov0 = tera_model_shared_overlapped(&tr.model);
             tera_zero_rs_counts(tr.sharding, &rs0[0], &rs0[1], &rs0[2]);
             tera_zero_counts(tr.sharding, &zc0[0], &zc0[1], &zc0[2], &zc0[3]);
             zc0[4] = tera_zero_shared_sums(tr.sharding);
@@ -245,6 +247,8 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
             printf(", \"sequence_parallel\": %d", tr.model.par.sp); /* in effect: tp > 1 */
+            /* parallel.ep_overlap: the MoE layers' shared-expert passes run while the rows travelled (rank 0's) */
+            printf(", \"shared_overlapped_per_step\": %.1f", (double)(tera_model_shared_overlapped(&tr.model) - sh_ov0) / steps);
             /* ZeRO-1/2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
              * of those the ones already complete when waited for (rank 0's) */
             int64_t rs[3];

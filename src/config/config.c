@@ -371,7 +371,9 @@ static const config__key config__keys[] = {
           "data-parallel ranks (ep must divide parallel.dp and model.n_experts)"),
     K_INT(parallel, ep_overlap, "1", 0, 1,
           "expert parallelism: compute the experts over one source rank's tokens while the other ranks' tokens "
-          "are still in flight (0 = wait for every exchange first; results are identical)"),
+          "are still in flight, and the shared experts (model.n_shared_experts: the forward's hidden activations, "
+          "the whole backward) while the layer's rows out travel, as Megatron-Core's shared-expert overlap "
+          "(0 = wait for every exchange first, the shared experts before it; results are identical)"),
     K_INT(parallel, zero, "0", 0, 3, "ZeRO stage (optimizer state, gradient, parameter sharding)"),
     K_INT(parallel, zero_prefetch, "1", 0, 1,
           "ZeRO-3: while a layer computes, gather the parameters of the next one in the order of use (forward: "

@@ -73,7 +73,25 @@ struct tera_dispatcher {
     /* parallel.ep_hierarchical across nodes: the two-stage exchange (NULL: point-to-point) */
     tera_hier *hier;
     int64_t *hsc, *hrc;      /* [ep] bytes to / from each rank of one exchange */
+    /* the caller's side work for the next experts call (tera_dispatch_side_work) */
+    void (*side)(void *ctx);
+    void *side_ctx;
+    double side_s;           /* seconds it took in the call in progress (not the experts' profile row's) */
+    int64_t side_inflight;   /* side work run while rows travelled, since creation */
 };
+
+/* Runs the caller's side work, if any, once: inflight says whether rows of this exchange are travelling
+ * meanwhile. Every experts call that moves rows runs it before its first block (the backward's side
+ * work, the shared experts, uses the scratch the blocks write next). */
+static void run_side(tera_dispatcher *d, int inflight) {
+    if (!d->side) return;
+    void (*fn)(void *) = d->side;
+    d->side = NULL;
+    const double t0 = tera_now();
+    fn(d->side_ctx);
+    d->side_s += tera_now() - t0;
+    d->side_inflight += inflight;
+}
 
 /* Where this rank's rows out are coded (WIRE_OUT, [N*k rows] of at most 4 D bytes): a [N*k, D] fp32 buffer
  * nothing reads during the exchange: the forward the backward's dye, the backward the layer's ye (the
@@ -231,6 +249,7 @@ static void local_counts(tera_dispatcher *d, tera_dispatch_acts *t, int l) {}
 
 static void local_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                           const tera_layer_view *G, int l, int op) {
+    run_side(d, 0); /* nothing travels */
     for (int e = 0; e <= d->E; e++) d->off[e] = t->exp_off[e];
     expert_rows b = {.d = d, .x = t->xg, .y = t->ye, .a1 = t->a1, .a3 = t->a3, .g = t->gact, .dy = d->dye,
                      .dx = d->dxg, .off = d->off, .W = W, .G = G, .op = op};
@@ -337,8 +356,10 @@ static void hier_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_l
     float *out_local = fwd ? d->dxg : d->dye, *in_local = fwd ? t->ye : d->dxg;
     float *recv = fwd ? t->xr : d->dyr, *res = d->dxr; /* the forward's rows sent and results: scratch */
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
+    if (!d->overlap) run_side(d, 0);
     hier_move(d, WIRE_OUT, out_local, t->exp_off, El, recv, t->roff, 1, coded_out(d, t, fwd), d->c_recv, d->overlap);
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
+    run_side(d, 1); /* parallel.ep_overlap: while the rows out are in flight */
     if (!d->overlap) {
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
     } else {
@@ -365,6 +386,7 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
                         const tera_layer_view *G, int l, int op) {
     const int ep = d->ep, me = d->me, El = d->El;
     if (op == EXPERTS_HIDDEN || op == EXPERTS_BWD_DW) { /* over the kept rows: no exchange */
+        run_side(d, 0);
         for (int i = 0; i < ep; i++) a2a_block(d, t, W, G, (me + i) % ep, op);
         return;
     }
@@ -385,6 +407,7 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     const int c_out = wire_on(d, WIRE_OUT), c_back = wire_on(d, WIRE_BACK);
     uint8_t *cs = coded_out(d, t, fwd);
     const int64_t fo = d->wire[WIRE_OUT].rowb / 4, fb = d->wire[WIRE_BACK].rowb / 4; /* floats per encoded row */
+    if (!d->overlap) run_side(d, 0);
     for (int s = 0; s < ep; s++) {
         if (s == me) continue;
         const int64_t o0 = t->exp_off[s * El], o1 = t->exp_off[(s + 1) * El];
@@ -409,6 +432,7 @@ static void a2a_experts(tera_dispatcher *d, tera_dispatch_acts *t, const tera_la
     }
     const int64_t m0 = t->exp_off[me * El], m1 = t->exp_off[(me + 1) * El];
     memcpy(recv + (int64_t)t->roff[me] * D, out_local + m0 * D, sizeof(float) * (size_t)((m1 - m0) * D));
+    run_side(d, 1); /* parallel.ep_overlap: while the rows out are in flight */
     if (!d->overlap)
         for (int s = 0; s < ep; s++) tera_comm_wait(&rcv[s]);
     for (int i = 0; i < ep; i++) {
@@ -591,10 +615,27 @@ int64_t tera_dispatch_permute(tera_dispatcher *d, tera_dispatch_acts *t, const f
     return dropped;
 }
 
+/* One experts call timed in the profile's row op, less the side work it ran (timed in its own rows). */
+static void experts_call(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, const tera_layer_view *G,
+                         int l, int op, int prof) {
+    const double t0 = tera_now();
+    d->side_s = 0.0;
+    d->impl->experts(d, t, W, G, l, op);
+    TERA_ASSERTF(!d->side, "the dispatcher's side work was not run");
+    tera_prof_add(prof, t0);
+    tera_prof_seconds[prof] -= d->side_s;
+}
+
+void tera_dispatch_side_work(tera_dispatcher *d, void (*fn)(void *ctx), void *ctx) {
+    TERA_ASSERTF(!d->side, "the dispatcher's side work set twice");
+    d->side = fn;
+    d->side_ctx = ctx;
+}
+
+int64_t tera_dispatch_side_inflight(const tera_dispatcher *d) { return d->side_inflight; }
+
 void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, int l) {
-    TERA_PROF_BEGIN(EXPERT_FWD);
-    d->impl->experts(d, t, W, NULL, l, EXPERTS_FWD);
-    TERA_PROF_END(EXPERT_FWD);
+    experts_call(d, t, W, NULL, l, EXPERTS_FWD, TERA_PROF_EXPERT_FWD);
 }
 
 void tera_dispatch_combine_forward(tera_dispatcher *d, float *out, const tera_dispatch_acts *t, const float *topw) {
@@ -602,9 +643,7 @@ void tera_dispatch_combine_forward(tera_dispatcher *d, float *out, const tera_di
 }
 
 void tera_dispatch_experts_recompute(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W) {
-    TERA_PROF_BEGIN(EXPERT_FWD);
-    d->impl->experts(d, t, W, NULL, -1, EXPERTS_HIDDEN);
-    TERA_PROF_END(EXPERT_FWD);
+    experts_call(d, t, W, NULL, -1, EXPERTS_HIDDEN, TERA_PROF_EXPERT_FWD);
 }
 
 void tera_dispatch_combine_backward(tera_dispatcher *d, float *dtopw, const float *dy, const tera_dispatch_acts *t,
@@ -658,13 +697,11 @@ static void dw_fresh_end(tera_dispatcher *d, const tera_layer_view *G, uint8_t *
 void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                     const tera_layer_view *G, int l, float *da1, float *da3, float *dg, float dw_beta,
                                     uint8_t *absent) {
-    TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg;
     dw_fresh_begin(d, dw_beta, absent);
-    d->impl->experts(d, t, W, G, l, EXPERTS_BWD);
+    experts_call(d, t, W, G, l, EXPERTS_BWD, TERA_PROF_EXPERT_BWD);
     dw_fresh_end(d, G, absent);
     d->da1 = d->da3 = d->dg = NULL;
-    TERA_PROF_END(EXPERT_BWD);
 }
 
 /* Block by block, in ring order as the exchange's backward adds them (the DW phase of a split
@@ -672,14 +709,12 @@ void tera_dispatch_experts_backward(tera_dispatcher *d, tera_dispatch_acts *t, c
 static void experts_backward_op(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,
                                 const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
                                 tera_comm_req *poll, int op, float dw_beta, uint8_t *absent) {
-    TERA_PROF_BEGIN(EXPERT_BWD);
     d->da1 = da1, d->da3 = da3, d->dg = dg, d->poll = poll;
     if (op == EXPERTS_BWD_DW) dw_fresh_begin(d, dw_beta, absent);
     else dw_fresh_begin(d, 1.0f, NULL); /* (the input-gradient half writes no weight gradient) */
-    d->impl->experts(d, t, W, G, l, op);
+    experts_call(d, t, W, G, l, op, TERA_PROF_EXPERT_BWD);
     if (op == EXPERTS_BWD_DW) dw_fresh_end(d, G, absent);
     d->da1 = d->da3 = d->dg = NULL, d->poll = NULL;
-    TERA_PROF_END(EXPERT_BWD);
 }
 
 void tera_dispatch_experts_backward_dx(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W,

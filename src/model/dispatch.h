@@ -14,7 +14,9 @@
  *               backward mirrors it with the output gradients and the input gradients.
  *               With parallel.ep_hierarchical across nodes the rows move in two node-aware
  *               stages (tera_hier_*), the experts running (ep_overlap) on the blocks already here
- *               while the later stage is in flight; results bit-identical either way.
+ *               while the later stage is in flight; results bit-identical either way. With
+ *               ep_overlap the caller's side work (the shared experts: tera_dispatch_side_work)
+ *               runs while the rows out travel.
  *
  * Experts: one routine (SwiGLU, y = w2(silu(x w1^T) * (x w3^T))) over (rows, offsets, weights,
  * buffers), the same for both implementations and for the forward, the backward and the
@@ -125,5 +127,15 @@ void tera_dispatch_experts_backward_dw(tera_dispatcher *d, tera_dispatch_acts *t
                                        const tera_layer_view *G, int l, float *da1, float *da3, float *dg,
                                        tera_comm_req *poll, float dw_beta, uint8_t *absent);
 void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_dispatch_acts *t);
+
+/* Side work: the caller's work that reads and writes none of the dispatcher's buffers (the shared
+ * experts), given for the next experts call (forward, backward or its _dx half; a second call before
+ * that one aborts). That call runs fn(ctx) once, before its first block of experts: with
+ * parallel.ep_overlap and rows to exchange, right after its rows out are posted, so that the work runs
+ * while they travel (Megatron-Core's shared-expert overlap); else first thing. Nothing it computes
+ * depends on where it runs: the same bits. Its time is not counted in the experts' profile rows. */
+void tera_dispatch_side_work(tera_dispatcher *d, void (*fn)(void *ctx), void *ctx);
+/* Side work run while rows travelled, since creation (`tera bench`: shared_overlapped_per_step). */
+int64_t tera_dispatch_side_inflight(const tera_dispatcher *d);
 
 #endif

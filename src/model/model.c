@@ -813,6 +813,28 @@ static void ffn_forward(tera_backend *be, float *y, float *a1, float *a3, float 
     tera_linear_forward_act(be, y, g, w2, N, F, D, 1.0f);
 }
 
+/* The shared experts' work the dispatcher runs while the layer's rows travel (tera_dispatch_side_work,
+ * parallel.ep_overlap): the forward's hidden activations (its w2 product adds into the layer's output
+ * after the combine, as before), the whole backward (dln = its input gradient before the routed rows'
+ * are added, as before). */
+typedef struct {
+    tera_model *m;
+    int l;
+    const float *x;    /* [N, D] the MoE block's input (the backward: whole once rq completes) */
+    const float *dy;   /* [N, D] the block's output gradient (backward) */
+    tera_comm_req *rq; /* the backward: x's gather in flight (sequence parallelism) */
+    float dw_beta;
+} shared_side;
+
+static void shared_forward_side(void *ctx) {
+    const shared_side *s = ctx;
+    tera_model *m = s->m;
+    layer_acts *la = &m->acts->layer[s->l];
+    const tera_layer_view *W = &m->W.layers[s->l];
+    TERA_PROF(DENSE_FWD, ffn_hidden(m->be, la->fa1, la->fa3, la->fg, s->x, W->sw1, W->sw3, (int64_t)m->B * m->T,
+                                    m->cfg.dim, m->Fsl));
+}
+
 /* The MoE block: the router (moe.c), then the token dispatcher (dispatch.c: local or all-to-all)
  * permutes the routed rows, runs the experts and combines their outputs into out; the shared
  * experts add theirs. */
@@ -860,11 +882,12 @@ static void moe_forward(tera_model *m, int l, float *out, const float *x /* [N, 
         m->stats.z_sum += st.z;
     }
 
+    shared_side side = {.m = m, .l = l, .x = x};
+    if (c->n_shared_experts > 0) tera_dispatch_side_work(a->dispatch, shared_forward_side, &side);
     tera_dispatch_experts_forward(a->dispatch, &la->moe, W, l);
     tera_dispatch_combine_forward(a->dispatch, out, &la->moe, la->topw);
     if (c->n_shared_experts > 0)
-        TERA_PROF(DENSE_FWD, ffn_forward(m->be, out, la->fa1, la->fa3, la->fg, x, W->sw1, W->sw3, W->sw2, N, D,
-                                         m->Fsl));
+        TERA_PROF(DENSE_FWD, tera_linear_forward_act(m->be, out, la->fg, W->sw2, N, m->Fsl, D, 1.0f));
 }
 
 static void need_params(tera_model *m, int group) {
@@ -1035,6 +1058,17 @@ static void ffn_backward_dw(tera_acts *a, const float *dy, const float *x, const
     }
 }
 
+static void shared_backward_side(void *ctx) {
+    const shared_side *s = ctx;
+    tera_model *m = s->m;
+    tera_acts *a = m->acts;
+    const layer_acts *la = &a->layer[s->l];
+    const tera_layer_view *W = &m->W.layers[s->l], *G = &m->G.layers[s->l];
+    tera_tp_input_wait(a->tp, s->rq);
+    TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, s->dy, s->x, la->fa1, la->fa3, la->fg, W->sw1, W->sw3, W->sw2,
+                                      G->sw1, G->sw3, G->sw2, (int64_t)m->B * m->T, m->cfg.dim, m->Fsl, s->dw_beta));
+}
+
 static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float dw_beta) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
@@ -1048,13 +1082,11 @@ static void moe_backward(tera_model *m, int l, const tera_loss_scales *s, float 
     tera_comm_req rq_ln;
     const float *ln2 = tera_tp_input_whole_start(a->tp, la->ln2, &rq_ln);
 
-    /* dln accumulates every path into the MoE input; shared experts first (they write dln=) */
+    /* dln accumulates every path into the MoE input; shared experts first (they write dln=), inside the
+     * experts' call below (while the rows travel: shared_backward_side) */
     tera_host_fill(m->be, a->dln, NULL, N * D);
-    if (c->n_shared_experts > 0) {
-        tera_tp_input_wait(a->tp, &rq_ln);
-        TERA_PROF(DENSE_BWD, ffn_backward(m->be, a, a->dln, dy, ln2, la->fa1, la->fa3, la->fg, W->sw1, W->sw3,
-                                          W->sw2, G->sw1, G->sw3, G->sw2, N, D, m->Fsl, dw_beta));
-    }
+    shared_side side = {.m = m, .l = l, .x = ln2, .dy = dy, .rq = &rq_ln, .dw_beta = dw_beta};
+    if (c->n_shared_experts > 0) tera_dispatch_side_work(a->dispatch, shared_backward_side, &side);
     tera_dispatch_combine_backward(a->dispatch, a->dtopw, dy, &la->moe, la->topw);
     /* tensor parallelism: each rank's expert outputs are partial sums over its hidden slice, so
      * are the combine-weight gradients: sum them before the router sees them */
@@ -1303,6 +1335,10 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
     tera_tp_embedding_backward(a->tp, m->G.embed, a->dres, a->tokens, N, D);
     notify_grads(m, TERA_GROUP_EMBED);
     if (c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD);
+}
+
+int64_t tera_model_shared_overlapped(const tera_model *m) {
+    return m->slots ? tera_dispatch_side_inflight(m->slots[0].dispatch) : 0;
 }
 
 int64_t tera_model_tp_overlapped(const tera_model *m, int64_t *done_early) {

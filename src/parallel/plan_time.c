@@ -596,14 +596,15 @@ static double ep_layer_s(const tera_hw *hw, int ep, int tp, int64_t world, doubl
     return 4.0 * (t1 + t2) + (k - 1) * hw->intra_lat + (N - 1) * hw->inter_lat;
 }
 
-double tera_plan_ep_overlap_hidden(int ep, double x, double c) {
+double tera_plan_ep_overlap_hidden(int ep, double x, double c, double sf, double sb) {
     if (ep <= 1 || x <= 0) return 0.0;
     double hidden = 0.0;
     for (int dir = 0; dir < 2; dir++) {
-        const double cd = dir ? 2.0 / 3.0 * c : c / 3.0;
-        const double first = cd / ep > x ? cd / ep : x; /* own block computed; the others all arrived */
+        const double cd = dir ? 2.0 / 3.0 * c : c / 3.0, sd = dir ? sb : sf;
+        const double own = sd + cd / ep;
+        const double first = own > x ? own : x; /* side work and own block computed; the others all arrived */
         const double done = first + cd * (ep - 1) / ep + x / (ep - 1);
-        hidden += 2.0 * x + cd - done;
+        hidden += 2.0 * x + sd + cd - done;
     }
     return hidden;
 }
@@ -614,6 +615,8 @@ typedef struct {
     double mm, mm_rec;       /* seconds */
     double bytes, bytes_rec; /* bytes through memory */
     double t_exp;            /* of mm: one MoE layer's routed experts */
+    double t_sh_f, t_sh_b;   /* of mm: one MoE layer's shared experts, the forward's hidden activations and the
+                                backward (the dispatcher's side work: tera_plan_ep_overlap_hidden) */
 } stage_work;
 
 static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o, const tera_plan_stage *st,
@@ -666,6 +669,7 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
                 (st->selective[0] * (t_core + t_dense_hidden) + st->selective[1] * (t_core + t_exp_hidden + t_shared_hidden)) /
                     3.0;
     w->t_exp = t_exp;
+    w->t_sh_f = t_shared_hidden / 3.0, w->t_sh_b = 2.0 * t_shared / 3.0;
     const double fwd_dense = b_base + b_dense_glu, fwd_moe = b_base + b_moe_glu + b_moe;
     w->bytes = 3.0 * (dense * fwd_dense + moe * fwd_moe); /* backward: about twice the forward's traffic */
     w->bytes_rec = st->full[0] * fwd_dense + st->full[1] * fwd_moe + st->selective[0] * b_dense_glu +
@@ -858,7 +862,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         /* expert exchange: bench-dist's ep_bytes per micro-batch (uniform routing; rows out and back,
          * forward and backward) at exchange_bytes per element, flat or in two stages (ep_layer_s); the
          * hidden fraction: --exchange-overlap for another implementation, else tera's parallel.ep_overlap
-         * (the point-to-point exchange on devices: tera_plan_ep_overlap_hidden; the two-stage exchange's
+         * (the point-to-point exchange on devices, behind the routed and the shared experts:
+         * tera_plan_ep_overlap_hidden; the two-stage exchange's
          * partial overlap is not credited, an upper bound) */
         double tep = 0.0;
         if (ep > 1 && moe > 0) {
@@ -868,7 +873,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             double hidden = hide_ep * t_layer;
             if (hide_ep <= 0 && p->ep_overlap && flat && !cpu_host)
                 hidden = tera_plan_ep_overlap_hidden(ep, 0.25 * comm_s(hw, TERA_HW_ALLTOALL, ep, devices, (int64_t)ep * tp, sent, 4.0),
-                                           w.t_exp);
+                                                     w.t_exp, w.t_sh_f, w.t_sh_b);
             if (hidden > t_layer) hidden = t_layer;
             tep = moe * (t_layer - hidden);
             ep_hidden[s] = moe * hidden;
