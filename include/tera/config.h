@@ -85,6 +85,9 @@ typedef struct {
     /* Not a [model] key: activation recomputation spec for tera_model_create (the trainer passes
      * training.recompute); NULL or "" = none. */
     const char *recompute;
+    /* Not a [model] key either: rows of a micro-batch the LM head and cross-entropy take at a time (the
+     * trainer passes training.loss_chunk); 0 = all. */
+    int loss_chunk;
 } tera_model_config;
 
 typedef struct {
@@ -126,6 +129,7 @@ typedef struct {
     int loss_scale_window; /* fp16: the scale doubles after this many steps without overflow */
     int loss_scaling;      /* fp16: 0 = dynamic, 1 = fixed (loss_scale stays constant) */
     char recompute[256];   /* activation recomputation per layer range (tera_recompute_parse) */
+    int loss_chunk;        /* rows the LM head and cross-entropy take at a time (0: all; tera_model_config) */
     int memory_check;      /* refuse before allocating when the layout cannot fit the host (preflight.c) */
 } tera_train_config;
 

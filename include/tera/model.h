@@ -74,6 +74,8 @@ typedef struct {
     double z_sum;         /* sum over MoE layers and tokens of logsumexp(router logits)^2 */
     int64_t n_assign;     /* routed assignments attempted (MoE layers * B*T*k) */
     int64_t n_dropped;    /* assignments dropped by the capacity limit */
+    int ce_from_backward; /* training.loss_chunk in a training step: the forward left ce_sum 0 and the backward
+                             computed the loss (ce_sum is then the backward's; 0 after any forward) */
 } tera_fwd_stats;
 
 /* Factors that turn this micro-batch's sums into its share of the global-batch loss. */
@@ -190,7 +192,14 @@ typedef struct {
     int n_slots;
     unsigned char *held;  /* [L] layers on this rank (pipeline parallelism; else all) */
     int *layer_first;     /* [pp*v + 1] layer split over virtual stages */
-    float *logits;        /* [B*T, Vl] after forward (this rank's vocabulary slice) */
+    float *logits;        /* [B*T, Vl] after forward (this rank's vocabulary slice); with loss_rows < B*T the
+                             head's scratch of [loss_rows, Vl] (read the logits through on_logits) */
+    int64_t loss_rows;    /* rows the head and the cross-entropy take at a time (cfg.loss_chunk; B*T: all) */
+    /* Called in a forward that is not armed for training (tera_model_arm_fused_loss: evaluation) with each
+     * block of the logits as the head computes them: logits [n, Vl] (this rank's vocabulary slice) of
+     * positions [r0, r0 + n) with their targets; NULL: not called. */
+    void (*on_logits)(void *ctx, const float *logits, const int32_t *targets, int64_t n);
+    void *on_logits_ctx;
     tera_fwd_stats stats; /* of the last forward */
     /* Gradient buckets: called during backward as soon as a contiguous range of the flat gradient
      * buffer holds its final value for this micro-batch (the LM head and final norm, then each

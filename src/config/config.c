@@ -282,6 +282,12 @@ static const config__key config__keys[] = {
              "activation recomputation per layer: none, selective (attention core and FFN hidden "
              "activations recomputed in backward), full (only each layer's input kept), or per layer range "
              "as POLICY:FIRST-LAST items, e.g. full:0-3,selective:4-7 (layers not named: none)"),
+    K_INT(training, loss_chunk, "0", 0, INT_MAX,
+          "rows of a micro-batch the LM head and the cross-entropy take at a time: 0 = all at once (the logits "
+          "[micro_batch x seq_len, vocab_size / tp]); R > 0 = R rows at a time, the logits [R, vocab_size / tp]: a "
+          "training step then runs the head's product, the loss and its gradient in the backward, chunk by chunk "
+          "(no product more), and the head's weight gradient sums over the chunks (other rounding than 0); "
+          "large vocabularies (docs/PLAN.md)"),
     K_BOOL(training, memory_check, "true",
            "before allocating, compare every host's memory as the planner counts it (tera plan --dry-run) with the "
            "host's available memory (MemAvailable, or a cgroup limit's rest) and refuse a configuration that cannot "

@@ -81,6 +81,9 @@ struct tera_acts {
      * armed for the next forward with scale ce_scale; ce_fused: the last forward did it */
     int ce_armed, ce_fused;
     float ce_scale;
+    /* training.loss_chunk (m->loss_rows < N): the last forward was armed, so the backward computes the head's
+     * logits block by block, the loss and its gradient (head_loss_backward) */
+    int ce_deferred;
     int weights_same; /* tera_model_weights_unchanged: for the next forward */
     /* the modules every slot shares (slot 0 owns them): the token dispatcher of the MoE layers
      * (local or all-to-all) and the tensor-parallel layers */
@@ -239,7 +242,7 @@ static void carve_acts(tera_acts *a, carver *c, const tera_model *m) {
     a->rope_sin = CARVE_F(c, (int64_t)T * hd / 2);
     /* pipeline: a micro-batch's logits live until its backward, after other micro-batches ran; only
      * the stage that holds the head (the last virtual stage, on pp_rank pp - 1) has any */
-    if (m->n_slots > 1 && m->par.pp_rank == m->par.pp - 1) a->logits = CARVE_F(c, N * m->Vl);
+    if (m->n_slots > 1 && m->par.pp_rank == m->par.pp - 1 && m->loss_rows == N) a->logits = CARVE_F(c, N * m->Vl);
 }
 
 /* The scratch block (shared by the slots); the dispatcher and the tensor-parallel layers own theirs. */
@@ -253,7 +256,11 @@ static void carve_scratch(tera_acts *a, carver *c, const tera_model *m) {
     int64_t Fw = R * F; /* widest hidden buffer */
     if (N * Fs > Fw) Fw = N * Fs;
     if (N * Fd > Fw) Fw = N * Fd;
-    if (m->n_slots == 1) a->logits = CARVE_F(c, N * m->Vl);
+    if (m->loss_rows < N) { /* training.loss_chunk: one block of rows at a time, on the stage with the head */
+        if (m->par.pp_rank == m->par.pp - 1) a->logits = CARVE_F(c, m->loss_rows * m->Vl);
+    } else if (m->n_slots == 1) {
+        a->logits = CARVE_F(c, N * m->Vl);
+    }
     a->dres = CARVE_F(c, N * D);
     a->dln = CARVE_F(c, N * D);
     a->dq = CARVE_F(c, N * H * hd);
@@ -438,6 +445,10 @@ static tera_status set_shape(tera_model *m, const tera_model_config *cfg, int B,
     m->Fl = cfg->ffn_dim / tp, m->Fsl = (int64_t)cfg->n_shared_experts * cfg->ffn_dim / tp;
     m->Fdl = cfg->dense_ffn_dim / tp;
     m->Vl = cfg->vocab_size / tp, m->v0 = (int64_t)m->tp_rank * m->Vl;
+    {
+        const int64_t N = (int64_t)B * T;
+        m->loss_rows = cfg->loss_chunk > 0 && cfg->loss_chunk < N ? cfg->loss_chunk : N;
+    }
     if (ep > 1) {
         TERA_ASSERTF(counting || (m->par.group && tera_comm_size(m->par.group) == ep),
                      "expert-parallel group of %d ranks for ep = %d", m->par.group ? tera_comm_size(m->par.group) : 0, ep);
@@ -974,6 +985,7 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     const int ce_armed = a->ce_armed; /* armed for this forward only */
     a->ce_armed = 0;
     a->ce_fused = 0;
+    a->ce_deferred = 0;
     if (l0 > 0) {
         memcpy(a->layer[l0].x_in, x_in, sizeof(float) * (size_t)(m->Nr * D)); /* this rank's rows */
     } else {
@@ -994,6 +1006,19 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     need_params(m, TERA_GROUP_HEAD);
     if (c->tie_embeddings) need_params(m, TERA_GROUP_EMBED);
     tera_tp_norm_forward(a->tp, a->lnf, a->rstdf, a->x_final, m->W.final_norm, N, D, c->norm_eps);
+    m->stats.n_positions = N;
+    const int64_t R = m->loss_rows;
+    if (R < N) { /* training.loss_chunk */
+        a->ce_deferred = ce_armed; /* a training step: the head and the loss run in the backward (head_loss_backward) */
+        for (int64_t r0 = 0; r0 < N && !ce_armed; r0 += R) {
+            const int64_t n = N - r0 < R ? N - r0 : R;
+            TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf + r0 * D, m->W.lm_head, n, D, V, 0.0f));
+            m->stats.ce_sum += tera_tp_ce_forward(a->tp, a->loss_lse + r0, m->logits, targets + r0, n);
+            if (m->on_logits) m->on_logits(m->on_logits_ctx, m->logits, targets + r0, n);
+        }
+        tera_backend_weights_end(m->be);
+        return;
+    }
     TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
     /* armed (a training step): the loss and its gradient over the logits in one pass; the targets'
      * logits go to dres, free until the backward */
@@ -1002,8 +1027,8 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         a->ce_fused = 1;
     } else {
         m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
+        if (m->on_logits && !ce_armed) m->on_logits(m->on_logits_ctx, m->logits, targets, N);
     }
-    m->stats.n_positions = N;
     tera_backend_weights_end(m->be);
 }
 
@@ -1267,6 +1292,35 @@ void tera_model_backward(tera_model *m, const tera_loss_scales *s) {
     tera_model_backward_range(m, s, 0, m->cfg.n_layers, NULL, NULL);
 }
 
+/* training.loss_chunk: the head over loss_rows rows at a time, into the logits' [loss_rows, Vl] block: its
+ * product (again, where the forward computed the loss: not armed), the loss's gradient over the block (armed:
+ * with the loss itself, ce_sum, in the same pass, as the forward's fused pass), the block's input gradient
+ * (dln, written) and the weight gradient (hb: stored or added at the first block, added after it). */
+static void head_loss_backward(tera_model *m, const tera_loss_scales *s, float hb) {
+    tera_acts *a = m->acts;
+    const int64_t N = (int64_t)m->B * m->T, D = m->cfg.dim, V = m->Vl, R = m->loss_rows;
+    const int deferred = a->ce_deferred;
+    a->ce_deferred = 0;
+    double ce = 0.0;
+    for (int64_t r0 = 0; r0 < N; r0 += R) {
+        const int64_t n = N - r0 < R ? N - r0 : R;
+        const float *x = a->lnf + r0 * D;
+        const int32_t *tg = a->targets + r0;
+        TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, x, m->W.lm_head, n, D, V, 0.0f));
+        double cs = 0.0; /* the targets' logits to dres, free until the final norm's backward */
+        if (!deferred) {
+            tera_tp_ce_backward(a->tp, m->logits, m->logits, tg, n, s->ce);
+        } else if (!tera_tp_ce_fused(a->tp, m->logits, a->loss_lse + r0, a->dres, m->logits, tg, n, s->ce, &cs)) {
+            cs = tera_tp_ce_forward(a->tp, a->loss_lse + r0, m->logits, tg, n);
+            tera_tp_ce_backward(a->tp, m->logits, m->logits, tg, n, s->ce);
+        }
+        ce += cs;
+        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln + r0 * D, m->G.lm_head, m->logits, x, m->W.lm_head,
+                                                       n, D, V, 0.0f, r0 > 0 ? 1.0f : hb));
+    }
+    if (deferred) m->stats.ce_sum = ce, m->stats.ce_from_backward = 1;
+}
+
 void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0, int l1, const float *dout,
                                float *dx) {
     const tera_model_config *c = &m->cfg;
@@ -1293,14 +1347,19 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         }
         /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice), unless the
          * forward wrote them already (tera_model_arm_fused_loss) */
-        if (a->ce_fused) {
+        if (m->loss_rows < N) {
+            head_loss_backward(m, s, hb);
+        } else if (a->ce_fused) {
             TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
                          (double)a->ce_scale, (double)s->ce);
             a->ce_fused = 0;
         } else {
             tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
         }
-        if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
+        if (m->loss_rows < N) { /* done block by block above: the vocabulary slices' partial input gradients */
+            tera_tp_dx_sum(a->tp, a->dln);
+            tera_host_fill(m->be, a->dres, NULL, N * D);
+        } else if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
             tera_comm_req rq;
             TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
             tera_tp_dx_sum_start(a->tp, a->dln, &rq);

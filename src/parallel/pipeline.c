@@ -206,6 +206,10 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
             tera_model_backward_range(m, s, l0, l1, dyin, dxout);
             busy += tera_now() - t1;
             m->grad_ready = NULL;
+            if (m->stats.ce_from_backward) { /* training.loss_chunk: the loss came with the head's backward */
+                sums[0] += m->stats.ce_sum;
+                m->stats.ce_from_backward = 0;
+            }
             if (vs > 0)
                 tera_comm_isend_f32(p->env.group, dxout, p->nd, prev, tag_of(p, i, vs - 1, 1),
                                     &p->req[((int64_t)sl * p->v + c) * 2 + 1]);

@@ -192,6 +192,7 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
      * and routing scratch sized for `threads` OpenMP threads */
     tera_model_config mcfg = *mc;
     mcfg.recompute = tc->recompute;
+    mcfg.loss_chunk = tc->loss_chunk;
     const int zero_ = t->dp > 1 ? cfg->parallel.zero : 0;
     const tera_model_par par = {.ep = t->ep, .tp = t->tp, .pp = pp, .pp_rank = t->pp_rank, .v = v, .n_slots = slots,
                                 .layer_first = first, .shard_params = zero_ >= 3, .shard_grads = zero_ >= 2,

@@ -173,6 +173,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .n_slots = slots, .be = be};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
+        mc.loss_chunk = t->loss_chunk;
         st = tera_model_create_par(&tr->model, &mc, t->micro_batch, t->seq_len, &par);
         free(first);
     }
@@ -714,12 +715,28 @@ tera_status tera_trainer_eval_acc(tera_trainer *tr, int batches, double *loss, d
     return tera_trainer_eval_dataset(tr, -1, batches, loss, acc);
 }
 
+/* evaluation's next-token accuracy: the correct predictions of each block of logits the head computes
+ * (tera_model.on_logits; the ranks holding the head, tensor-parallel ranks together) */
+typedef struct {
+    const tera_model *m;
+    struct tera_comm *tp;
+    float *scratch; /* [2 B T] */
+    int64_t correct;
+} acc_count;
+
+static void count_logits(void *ctx, const float *logits, const int32_t *targets, int64_t n) {
+    acc_count *ac = ctx;
+    ac->correct += tera_count_correct(logits, targets, n, ac->m->Vl, ac->m->v0, ac->tp, ac->scratch);
+}
+
 tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches, double *loss, double *acc) {
     const tera_config *cfg = &tr->cfg;
     const int B = cfg->training.micro_batch, T = cfg->training.seq_len;
     tera_model *m = &tr->model;
     double sums[3] = {0.0, 0.0, 0.0}; /* cross-entropy, positions, correct next-token predictions */
-    float *acc_scratch = acc ? tera_calloc((size_t)2 * B * T, sizeof(float)) : NULL; /* once per evaluation */
+    acc_count ac = {.m = m, .tp = tr->groups.tp,
+                    .scratch = acc ? tera_calloc((size_t)2 * B * T, sizeof(float)) : NULL}; /* once per evaluation */
+    if (acc) m->on_logits = count_logits, m->on_logits_ctx = &ac;
     /* the batches are shared out over the ranks; where a forward communicates over the
      * data-parallel ranks (the expert exchange, ZeRO-3's parameter gathers) every rank must run as
      * many forwards as the others (a rank past the end evaluates batch 0 again and does not count it) */
@@ -743,14 +760,17 @@ tera_status tera_trainer_eval_dataset(tera_trainer *tr, int dataset, int batches
             tera_model_forward(m, tr->tokens, tr->targets);
             ce = m->stats.ce_sum, pos = (double)m->stats.n_positions;
         }
-        if (!counted) continue;
+        if (!counted) {
+            ac.correct = 0;
+            continue;
+        }
         sums[0] += ce;
         sums[1] += pos;
-        if (acc && pos > 0) /* the ranks holding the LM head (tensor-parallel ranks together) */
-            sums[2] += (double)tera_count_correct(m->logits, tr->targets, (int64_t)B * T, m->Vl, m->v0, tr->groups.tp,
-                                                  acc_scratch);
+        sums[2] += (double)ac.correct;
+        ac.correct = 0;
     }
-    free(acc_scratch);
+    m->on_logits = NULL, m->on_logits_ctx = NULL;
+    free(ac.scratch);
     tera_comm_allreduce_f64(tr->groups.sg, sums, 3);
     *loss = sums[1] > 0 ? sums[0] / sums[1] : NAN;
     if (acc) *acc = sums[1] > 0 ? sums[2] / sums[1] : NAN;
