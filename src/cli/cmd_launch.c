@@ -603,10 +603,13 @@ static end_kind watch(sup_t *s, attempt_t *a) {
         const double limit = first_seen ? fmax(s->hang_floor, s->hang_factor * max_gap) : s->start_timeout;
         if (now - last_progress > limit) {
             a->t_detect = now;
-            /* the rank at fault: one whose liveness record went stale (a stopped process) */
-            const double w = wall();
+            /* the rank at fault: one whose liveness record went stale (a stopped process). A hang limit
+             * near the staleness threshold would leave a rank stopped just after the last progress short
+             * of it at detection (its last record up to TERA_HB_ALIVE_S before the stop): the threshold is
+             * at most half the limit, and at least four records' period */
+            const double w = wall(), stale = fmin(s->alive_stale, fmax(4.0 * TERA_HB_ALIVE_S, 0.5 * limit));
             for (int r = 0; r < a->np; r++)
-                if (a->seen[r].alive > 0 && w - a->seen[r].alive > s->alive_stale && a->n_failed < 64) {
+                if (a->seen[r].alive > 0 && w - a->seen[r].alive > stale && a->n_failed < 64) {
                     a->failed_ranks[a->n_failed++] = r;
                     const int hh = host_of_rank(s, r);
                     add_failed_host(a, hh >= 0 ? s->hosts[hh].name : a->seen[r].host);
