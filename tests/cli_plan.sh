@@ -183,6 +183,21 @@ DSV3=(-c "$SRC/configs/plan-dsv3.ini")
     && pass "1T MoE on 1024 x 64 GiB: $(jq -r '.best[0] | "pp \(.pp) x dp \(.dp) x tp \(.tp), ep \(.ep), ZeRO \(.zero), \(.pp_schedule), micro \(.micro_batch) x \(.grad_accum), recompute \(.recompute): step \(.time.step_s * 100 | floor / 100) s"' "$W/1t.json")" \
     || fail "1T plan: $(cat "$W/1t.err"; head -c 300 "$W/1t.json")"
 
+# a layout too large with its whole logits fits with the head and the loss over blocks of rows: a
+# 32768-token vocabulary at T 2048 on one device of 0.25 GiB (the logits alone 256 MiB); the search
+# tries training.loss_chunk = 1024 (TERA_PLAN_LOSS_CHUNK) and writes it into the configuration
+BIGV=(--model.dim=32 --model.n_layers=2 --model.n_heads=4 --model.n_experts=4 --model.ffn_dim=32 --model.vocab_size=32768
+      --training.seq_len=2048 --model.max_seq_len=2048 --training.precision=bf16)
+sed 's/^memory_gib = 80 /memory_gib = 0.25 /' "$H/h100.ini" > "$W/small.ini"
+whole=$("$TERA" plan --dry-run "${BIGV[@]}" --training.micro_batch=1 --hardware "$W/small.ini" --json 2> /dev/null | jq '.worst_total')
+"$TERA" plan "${BIGV[@]}" --hardware "$W/small.ini" --devices 1 --global-batch 1 --write-config "$W/bigv.ini" --json \
+        > "$W/bigv.json" 2> "$W/bigv.err" \
+    && [ "$(jq '.best[0].loss_chunk' "$W/bigv.json")" = 1024 ] \
+    && [ "$(jq --argjson w "${whole:-0}" '$w > .device_bytes * (1 - .reserve) and .best[0].memory_worst_rank.total <= .device_bytes * (1 - .reserve)' "$W/bigv.json")" = true ] \
+    && "$TERA" config -c "$W/bigv.ini" 2> /dev/null | grep -q "^loss_chunk = 1024" \
+    && pass "large vocabulary on 0.25 GiB: $whole bytes with the whole logits, $(jq '.best[0].memory_worst_rank.total' "$W/bigv.json") with loss_chunk 1024, written" \
+    || fail "loss_chunk in the search: $(cat "$W/bigv.err"; jq -c '.best[0] | {loss_chunk, m: .memory_worst_rank.total}' "$W/bigv.json" 2> /dev/null), whole $whole"
+
 # sequence parallelism is a dimension of the search (every tp > 1 layout with and without it): on
 # GPT-3 175B's 512 H100s it decides the plan (docs/PLAN.md): the best layout is sequence-parallel at
 # tp > 1 and fits without recomputation, and --write-config writes the option

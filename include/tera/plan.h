@@ -241,7 +241,11 @@ typedef struct {
 
 /* Enumerates dp, tp, pp, ep, ZeRO stage, schedule and chunks, recompute and micro-batch for
  * base's model and sequence length; keeps the layouts tera_config_finalize accepts; best[*n_best]
- * (caller frees) holds the fitting ones, fastest first; *n_valid, *n_fit count them all. */
+ * (caller frees) holds the fitting ones, fastest first; *n_valid, *n_fit count them all. A layout too
+ * large with the whole logits (base's training.loss_chunk 0) is tried again with the LM head and the
+ * loss over TERA_PLAN_LOSS_CHUNK rows at a time (when a micro-batch has more); it then fits with
+ * training.loss_chunk set in its configuration. */
+#define TERA_PLAN_LOSS_CHUNK 1024
 tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const tera_plan_opts *o,
                              const tera_plan_search_opts *so, tera_plan_candidate **best, int *n_best,
                              int64_t *n_valid, int64_t *n_fit);

@@ -21,6 +21,7 @@ static void layout_line(FILE *f, const tera_config *c) {
     if (p->pp_chunks > 1) fprintf(f, " x %d chunks", p->pp_chunks);
     fprintf(f, ", micro-batch %d x accum %d (T %d), recompute %s", c->training.micro_batch, c->training.grad_accum,
             c->training.seq_len, c->training.recompute[0] ? c->training.recompute : "none");
+    if (c->training.loss_chunk > 0) fprintf(f, ", loss_chunk %d", c->training.loss_chunk);
 }
 
 static void mem_json(cJSON *o, const tera_plan_mem *m) {
@@ -201,6 +202,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddNumberToObject(lay, "grad_accum", cfg.training.grad_accum);
             cJSON_AddNumberToObject(lay, "seq_len", cfg.training.seq_len);
             cJSON_AddStringToObject(lay, "recompute", cfg.training.recompute);
+            cJSON_AddNumberToObject(lay, "loss_chunk", cfg.training.loss_chunk);
             cJSON_AddNumberToObject(root, "total_params", (double)tera_model_total_params(&cfg.model));
             cJSON_AddNumberToObject(root, "active_params", (double)tera_model_active_params(&cfg.model));
             cJSON *arr = cJSON_AddArrayToObject(root, "roles");
@@ -312,6 +314,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "micro_batch", c->training.micro_batch);
             cJSON_AddNumberToObject(o, "grad_accum", c->training.grad_accum);
             cJSON_AddStringToObject(o, "recompute", c->training.recompute);
+            cJSON_AddNumberToObject(o, "loss_chunk", c->training.loss_chunk);
             cJSON *mo = cJSON_AddObjectToObject(o, "memory_worst_rank");
             cJSON_AddNumberToObject(mo, "pp_rank", best[i].worst.pp_rank);
             mem_json(mo, &best[i].worst);

@@ -1030,6 +1030,13 @@ static int cmp_cand(const void *a, const void *b) {
     return x->worst.total < y->worst.total ? -1 : x->worst.total > y->worst.total;
 }
 
+/* the largest rank's memory of a layout's stages */
+static void worst_of(const tera_plan_stage *st, int pp, tera_plan_mem *worst) {
+    *worst = st[0].mem;
+    for (int s = 1; s < pp; s++)
+        if (st[s].mem.total > worst->total) *worst = st[s].mem;
+}
+
 tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const tera_plan_opts *o,
                              const tera_plan_search_opts *so, tera_plan_candidate **best, int *n_best,
                              int64_t *n_valid, int64_t *n_fit) {
@@ -1093,10 +1100,17 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
                                 (*n_valid)++;
-                                cand.worst = st[0].mem;
-                                for (int s = 1; s < pp; s++)
-                                    if (st[s].mem.total > cand.worst.total) cand.worst = st[s].mem;
+                                worst_of(st, pp, &cand.worst);
                                 cand.fits = (double)cand.worst.total <= budget;
+                                /* too large with the whole logits: the head and the loss over blocks of rows
+                                 * (training.loss_chunk; the same step time: no product repeated) */
+                                if (!cand.fits && base->training.loss_chunk == 0 &&
+                                    (int64_t)mb * c->training.seq_len > TERA_PLAN_LOSS_CHUNK) {
+                                    c->training.loss_chunk = TERA_PLAN_LOSS_CHUNK;
+                                    if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
+                                    worst_of(st, pp, &cand.worst);
+                                    cand.fits = (double)cand.worst.total <= budget;
+                                }
                                 if (!cand.fits) continue;
                                 (*n_fit)++;
                                 if (tera_plan_time_model_stages(c, hw, o, st, makespan, bubble, &cand.time) != TERA_OK ||
