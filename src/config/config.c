@@ -287,7 +287,7 @@ static const config__key config__keys[] = {
           "[micro_batch x seq_len, vocab_size / tp]); R > 0 = R rows at a time, the logits [R, vocab_size / tp]: a "
           "training step then runs the head's product, the loss and its gradient in the backward, chunk by chunk "
           "(no product more), and the head's weight gradient sums over the chunks (other rounding than 0); "
-          "large vocabularies (docs/PLAN.md)"),
+          "large vocabularies (docs/ARCHITECTURE.md)"),
     K_BOOL(training, memory_check, "true",
            "before allocating, compare every host's memory as the planner counts it (tera plan --dry-run) with the "
            "host's available memory (MemAvailable, or a cgroup limit's rest) and refuse a configuration that cannot "

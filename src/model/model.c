@@ -1010,12 +1010,13 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
     const int64_t R = m->loss_rows;
     if (R < N) { /* training.loss_chunk */
         a->ce_deferred = ce_armed; /* a training step: the head and the loss run in the backward (head_loss_backward) */
-        for (int64_t r0 = 0; r0 < N && !ce_armed; r0 += R) {
-            const int64_t n = N - r0 < R ? N - r0 : R;
-            TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf + r0 * D, m->W.lm_head, n, D, V, 0.0f));
-            m->stats.ce_sum += tera_tp_ce_forward(a->tp, a->loss_lse + r0, m->logits, targets + r0, n);
-            if (m->on_logits) m->on_logits(m->on_logits_ctx, m->logits, targets + r0, n);
-        }
+        if (!ce_armed) /* evaluation: the loss block by block, each block to on_logits */
+            for (int64_t r0 = 0; r0 < N; r0 += R) {
+                const int64_t n = N - r0 < R ? N - r0 : R;
+                TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf + r0 * D, m->W.lm_head, n, D, V, 0.0f));
+                m->stats.ce_sum += tera_tp_ce_forward(a->tp, a->loss_lse + r0, m->logits, targets + r0, n);
+                if (m->on_logits) m->on_logits(m->on_logits_ctx, m->logits, targets + r0, n);
+            }
         tera_backend_weights_end(m->be);
         return;
     }
@@ -1321,12 +1322,41 @@ static void head_loss_backward(tera_model *m, const tera_loss_scales *s, float h
     if (deferred) m->stats.ce_sum = ce, m->stats.ce_from_backward = 1;
 }
 
+/* The head's backward over all N rows: dlogits over the logits (unless the forward's fused pass wrote
+ * them), the input gradient summed over the vocabulary slices, the weight gradient (hb: stored or added). */
+static void head_backward(tera_model *m, const tera_loss_scales *s, float hb) {
+    tera_acts *a = m->acts;
+    const int64_t N = (int64_t)m->B * m->T, D = m->cfg.dim, V = m->Vl;
+    /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice), unless the
+     * forward wrote them already (tera_model_arm_fused_loss) */
+    if (a->ce_fused) {
+        TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
+                     (double)a->ce_scale, (double)s->ce);
+        a->ce_fused = 0;
+    } else {
+        tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
+    }
+    if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
+        tera_comm_req rq;
+        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
+        tera_tp_dx_sum_start(a->tp, a->dln, &rq);
+        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
+                                                       V, 0.0f, hb));
+        tera_host_fill(m->be, a->dres, NULL, N * D);
+        tera_tp_copy_backward_wait(a->tp, &rq);
+    } else {
+        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
+        tera_tp_dx_sum(a->tp, a->dln); /* the vocabulary slices' partial input gradients */
+        tera_host_fill(m->be, a->dres, NULL, N * D);
+    }
+}
+
 void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0, int l1, const float *dout,
                                float *dx) {
     const tera_model_config *c = &m->cfg;
     tera_acts *a = m->acts;
     const int L = c->n_layers;
-    const int64_t N = (int64_t)m->B * m->T, D = c->dim, V = m->Vl;
+    const int64_t N = (int64_t)m->B * m->T, D = c->dim;
     tera_backend_weights_begin(m->be, 0); /* the weights of the forward */
     if (l1 < L) {
         memcpy(a->dres + m->r0 * D, dout, sizeof(float) * (size_t)(m->Nr * D)); /* this rank's rows */
@@ -1345,32 +1375,12 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
             hb = *st ? 0.0f : 1.0f;
             *st = 0;
         }
-        /* dlogits overwrite the logits (tensor parallelism: this rank's vocabulary slice), unless the
-         * forward wrote them already (tera_model_arm_fused_loss) */
-        if (m->loss_rows < N) {
+        if (m->loss_rows < N) { /* training.loss_chunk: block by block, then the slices' input gradients summed */
             head_loss_backward(m, s, hb);
-        } else if (a->ce_fused) {
-            TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
-                         (double)a->ce_scale, (double)s->ce);
-            a->ce_fused = 0;
-        } else {
-            tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
-        }
-        if (m->loss_rows < N) { /* done block by block above: the vocabulary slices' partial input gradients */
             tera_tp_dx_sum(a->tp, a->dln);
             tera_host_fill(m->be, a->dres, NULL, N * D);
-        } else if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
-            tera_comm_req rq;
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
-            tera_tp_dx_sum_start(a->tp, a->dln, &rq);
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
-                                                           V, 0.0f, hb));
-            tera_host_fill(m->be, a->dres, NULL, N * D);
-            tera_tp_copy_backward_wait(a->tp, &rq);
         } else {
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
-            tera_tp_dx_sum(a->tp, a->dln); /* the vocabulary slices' partial input gradients */
-            tera_host_fill(m->be, a->dres, NULL, N * D);
+            head_backward(m, s, hb);
         }
         tera_tp_norm_backward(a->tp, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm, a->rstdf, N, D);
         tera_tp_norm_grads_sum(a->tp);
