@@ -18,6 +18,8 @@
 # expert, and every expert-parallel rank, gets the same rows: ep_load_max_over_mean 1; bench-dist's
 # untrained router otherwise collapses onto a few experts and expert parallelism measures that
 # imbalance, not the exchange). The JSON lines carry "router_force_balance"; the table says which.
+# Pipeline layouts add a table of each stage's busy and waiting milliseconds per step (tera bench's
+# pp_stage_busy_ms / pp_stage_wait_ms) and what the busiest stage's busy time allows with no bubble.
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
 # and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
@@ -128,6 +130,17 @@ for r in rows:
           f"{r.get('exposed_comm_ms', float('nan')):.1f} / {r.get('exposed_comm_ms_max', float('nan')):.1f} | "
           f"{r.get('comm_progress_ms', float('nan')):.1f} / {r.get('comm_progress_ms_max', float('nan')):.1f} | "
           f"{r.get('ep_load_max_over_mean', float('nan')):.2f} |")
+pipes = [r for r in rows if r.get("pp", 1) > 1 and "pp_stage_busy_ms" in r]
+if pipes:  # each stage's busy and waiting time: the busiest stage bounds the step whatever the schedule
+    print("\nPipeline stages, ms per step busy / waiting (the busiest stage's busy time is the step no schedule "
+          "can beat; x one rank at that step):\n")
+    print("| layout | step ms | stages busy / waiting ms | busiest stage | x one rank with no bubble |")
+    print("|---|---|---|---|---|")
+    for r in pipes:
+        b, w = r["pp_stage_busy_ms"], r["pp_stage_wait_ms"]
+        bound = f"{r['step_ms_median'] * r['tokens_per_s'] / one / max(b):.2f}x" if one else "-"
+        print(f"| {r['config'].split('/')[-1]} | {r['step_ms_median']:.0f} | "
+              + ", ".join(f"{x:.0f} / {y:.0f}" for x, y in zip(b, w)) + f" | {b.index(max(b))} | {bound} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]
 print("\nMiB sent per rank per step by kind, measured / minimum (+ overhead: statistics, expert row counts):\n")
 print("| layout | " + " | ".join(kinds) + " | gradients | tensor-parallel | ZeRO-3 gathers | expert exchange |")

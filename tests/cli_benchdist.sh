@@ -41,7 +41,9 @@
 #   - sequence parallelism (the -sp layouts) is reported in effect (sequence_parallel 1, else 0); its
 #     reduce-scatters and all-gathers replace the [N, D] all-reduces byte for byte (the minimum above,
 #     with its norm-gradient all-reduces), the same sums overlap the weight gradients (9 per micro-batch
-#     on tp2), and a rank's activations are smaller than without it (tp2, tp2xpp2).
+#     on tp2), and a rank's activations are smaller than without it (tp2, tp2xpp2);
+#   - with a pipeline, each stage's busy and waiting milliseconds per step (pp_stage_busy_ms,
+#     pp_stage_wait_ms: one per stage, every stage busy, busy + waiting within the step), none without.
 # Usage: cli_benchdist.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -197,6 +199,17 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
             fail "$name: activations $a1 bytes a rank, ${a0:-?} without sequence parallelism"
             ok=0
         }
+    fi
+    # a pipeline: each stage's busy and waiting time per step (one number per stage, every stage busy, the
+    # two within the step: the pipeline's part of it); none without a pipeline
+    if ! jq -e --argjson pp "$pp" --argjson step "$(num "$out" step_ms_median)" '
+            if $pp == 1 then (has("pp_stage_busy_ms") or has("pp_stage_wait_ms")) | not
+            else (.pp_stage_busy_ms | length) == $pp and (.pp_stage_wait_ms | length) == $pp
+                 and all(.pp_stage_busy_ms[]; . > 0) and all(.pp_stage_wait_ms[]; . >= 0)
+                 and ([.pp_stage_busy_ms, .pp_stage_wait_ms] | transpose | all(.[0] + .[1] <= 1.5 * $step + 1)) end' \
+            "$out" > /dev/null; then
+        fail "$name: pipeline stages' busy / waiting ms $(jq -c '[.pp_stage_busy_ms, .pp_stage_wait_ms]' "$out") with pp $pp, step $(num "$out" step_ms_median) ms"
+        ok=0
     fi
     [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax; ${bk#*: }), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"
 done

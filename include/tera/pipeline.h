@@ -53,5 +53,7 @@ int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max);
 /* Mean seconds per step of this stage: running operations, waiting for neighbours, the whole step
  * (0 before the first step or for NULL). */
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step);
+/* Starts those means again from the next step (tera bench: the timed steps only; NULL: nothing). */
+void tera_pipe_times_reset(tera_pipe *p);
 
 #endif

@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "tera/io.h"
 #include "tera/kernels.h"
+#include "tera/pipeline.h"
 #include "tera/profile.h"
 #include "tera/trace.h"
 #include "tera/train.h"
@@ -117,6 +118,7 @@ int tera_cmd_bench(int argc, char **argv) {
             zc0[4] = tera_zero_shared_sums(tr.sharding);
             zc0[5] = tera_zero_shared_param_gathers(tr.sharding);
             tera_prof_reset();
+            tera_pipe_times_reset(tr.pipe); /* pp > 1: each stage's busy and waiting time, timed steps only */
             tera_prof_products_reset(); /* --products: the timed steps' products by shape */
             tera_prof_products_on = products > 0;
             tera_comm_barrier(tera_comm_world());
@@ -214,6 +216,19 @@ int tera_cmd_bench(int argc, char **argv) {
             ep_imb = nl ? acc / nl : 1.0;
             free(ld);
         }
+        /* a pipeline: each stage's mean time per step running its operations and blocked on its neighbours
+         * (tera_pipe_times; the stage's first data-parallel, tensor-parallel rank): the busiest stage's busy
+         * time bounds the step whatever the schedule; the rest of its step is its bubble */
+        const int pp = tr.topo.pp;
+        double *pst = tera_calloc((size_t)(2 * pp), sizeof(double));
+        if (pp > 1) {
+            if (tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) {
+                double busy, wait, whole;
+                tera_pipe_times(tr.pipe, &busy, &wait, &whole);
+                pst[tr.topo.pp_rank] = busy, pst[pp + tr.topo.pp_rank] = wait;
+            }
+            tera_comm_allreduce_f64(tera_comm_world(), pst, 2 * pp);
+        }
         if (tr.root) {
             tera_prof_print(stderr, steps);
             if (products) tera_prof_products_print(stderr, steps, products);
@@ -247,6 +262,11 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
             printf(", \"sequence_parallel\": %d", tr.model.par.sp); /* in effect: tp > 1 */
+            if (pp > 1)
+                for (int w = 0; w < 2; w++)
+                    for (int q = 0; q < pp; q++)
+                        printf("%s%.2f%s", q ? ", " : w ? ", \"pp_stage_wait_ms\": [" : ", \"pp_stage_busy_ms\": [",
+                               1e3 * pst[w * pp + q], q == pp - 1 ? "]" : "");
             /* parallel.ep_overlap: the MoE layers' shared-expert passes run while the rows travelled (rank 0's) */
             printf(", \"shared_overlapped_per_step\": %.1f", (double)(tera_model_shared_overlapped(&tr.model) - sh_ov0) / steps);
             /* ZeRO-1/2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and
@@ -270,6 +290,7 @@ int tera_cmd_bench(int argc, char **argv) {
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),
                    (long)m->bytes_acts, (long)m->bytes_comm, tera_json_num(fl, sizeof fl, "%.4f", r.loss));
         }
+        free(pst);
         free(sec);
         tera_trainer_free(&tr);
         return 0;

@@ -278,6 +278,12 @@ int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max) {
     return n;
 }
 
+void tera_pipe_times_reset(tera_pipe *p) {
+    if (!p) return;
+    p->busy_total = p->wait_total = p->step_total = 0.0;
+    p->steps = 0;
+}
+
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step) {
     if (!p || p->steps == 0) {
         *busy = *wait = *step = 0.0;
