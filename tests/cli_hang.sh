@@ -3,7 +3,8 @@
 # sleeps at the start of step S) makes the others abort the job within parallel.timeout_s plus the
 # grace period, with one message naming the stalled rank, and every process exits; meanwhile the
 # waiting ranks sleep instead of spinning (their CPU time is a small share of the wall time). The
-# pipeline report's busy and waiting times (receives and sends) add up to its step time.
+# pipeline report's busy and waiting times (receives and sends) add up to its step time, and
+# metrics.jsonl's per-step figures of each stage (pp_busy_s, pp_wait_s) average to the report's.
 # Usage: cli_hang.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -73,9 +74,26 @@ stall pp2xdp2 4 1 3 4 --parallel.pp=2 --parallel.dp=2 --training.micro_batch=1 -
 # the pipeline report: busy + waiting (receives and sends) = the step time, for every schedule (within
 # [0.9, 1.05]: the parts are timed by separate clock reads and printed rounded; before send waits were
 # counted, the last stage showed 0.64-0.87)
+# metrics.jsonl has each stage's busy and waiting seconds of every step (pp_busy_s, pp_wait_s): their
+# means over the 12 steps are the report's figures (to its 0.1 ms rounding), and stage 0's busy +
+# waiting is within the step of world rank 0, which writes the line (another stage's pipeline window
+# can start before rank 0's step does)
 for s in gpipe 1f1b "interleaved --parallel.pp_chunks=2"; do
+    rm -rf "$W/piperun"
     $MPIRUN -np 2 "$TERA" train "${MODEL[@]}" --training.steps=12 --parallel.pp=2 --training.micro_batch=2 \
-        --training.grad_accum=4 --parallel.pp_schedule=$s --logging.run_dir= > "$W/pipe.log" 2>&1 || { fail "pipeline $s"; tail -3 "$W/pipe.log"; continue; }
+        --training.grad_accum=4 --parallel.pp_schedule=$s --logging.run_dir="$W/piperun" > "$W/pipe.log" 2>&1 || { fail "pipeline $s"; tail -3 "$W/pipe.log"; continue; }
+    rep=$(grep "pipeline stage [0-9]: step" "$W/pipe.log" | sed 's/.*stage \([0-9]\): step [0-9.]* ms, busy \([0-9.]*\) ms, waiting \([0-9.]*\) ms.*/\1 \2 \3/' | sort | tr '\n' ' ')
+    jq -s -e --arg rep "$rep" '($rep | split(" ") | map(select(. != "")) | map(tonumber)) as $r
+            | def ab: if . < 0 then -. else . end;
+            [.[] | select(has("step_s"))] as $m
+            | ($m | length) == 12
+              and all($m[]; (.pp_busy_s | length) == 2 and (.pp_wait_s | length) == 2 and all(.pp_busy_s[]; . > 0)
+                           and .pp_busy_s[0] + .pp_wait_s[0] <= .step_s + 1e-3)
+              and ([0, 1] | all(. as $q | ((([$m[].pp_busy_s[$q]] | add) / 12 * 1e3 - $r[3 * $q + 1]) | ab) <= 0.06
+                                         and ((([$m[].pp_wait_s[$q]] | add) / 12 * 1e3 - $r[3 * $q + 2]) | ab) <= 0.06))' \
+        "$W/piperun/metrics.jsonl" > /dev/null \
+        && pass "${s%% *}: metrics.jsonl's pp_busy_s / pp_wait_s of 12 steps, their means the report's ($rep)" \
+        || fail "${s%% *}: metrics.jsonl pipeline fields against the report ($rep): $(jq -c '[.pp_busy_s, .pp_wait_s, .step_s]' "$W/piperun/metrics.jsonl" | head -3)"
     grep "pipeline stage [0-9]: step" "$W/pipe.log" | sed 's/.*stage \([0-9]\): step \([0-9.]*\) ms, busy \([0-9.]*\) ms, waiting \([0-9.]*\) ms.*/\1 \2 \3 \4/' \
         | awk -v s="${s%% *}" '{ n++; r = ($3 + $4) / $2; printf "%s stage %d: (busy + waiting) / step = %.3f\n", s, $1, r; if (r < 0.9 || r > 1.05) bad = 1 }
                               END { exit bad || n != 2 }' > "$W/pipe.txt" \

@@ -142,6 +142,45 @@ wait_for 30 advanced $P "$s0" && pass "training went on through the garbage, the
     || fail "training stopped"
 for fd in "${SLOW[@]}"; do exec {fd}>&-; done
 kill -0 $TPID 2> /dev/null && pass "trainer alive" || fail "trainer died"
+# no pipeline: no pipeline counters
+scrape $P | grep -q "^tera_pipeline_" && fail "one rank without a pipeline exports tera_pipeline_*" \
+    || pass "no tera_pipeline_* without a pipeline"
+
+# a pipeline (pp2 under mpirun): each rank counts its own stage's busy and waiting seconds; both grow
+if command -v mpirun > /dev/null && R=$(free_port 2 "$P"); then
+    ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" mpirun --oversubscribe -np 2 "$TERA" train "${MODEL[@]}" \
+        --parallel.pp=2 --training.micro_batch=1 --training.grad_accum=4 --training.steps=1000000 \
+        --logging.metrics_port=$R --logging.run_dir="$W/pipe" > "$W/pipe.log" 2>&1 &
+    PIPEJOB=$!
+    piped() { # both ranks past step 2, their counters read twice
+        local q v
+        for q in $R $((R + 1)); do
+            advanced $q 2 || return 1
+        done
+    }
+    if wait_for 90 piped; then
+        for q in $R $((R + 1)); do scrape $q > "$W/pipe.$q.a"; done
+        sleep 1.5
+        ok=1 msg=""
+        for q in $R $((R + 1)); do
+            scrape $q > "$W/pipe.$q.b"
+            for k in busy wait; do
+                a=$(awk -v n="tera_pipeline_${k}_seconds_total" '$1 ~ "^" n "\\{" { print $2 }' "$W/pipe.$q.a")
+                b=$(awk -v n="tera_pipeline_${k}_seconds_total" '$1 ~ "^" n "\\{" { print $2 }' "$W/pipe.$q.b")
+                s=$(awk '$1 ~ /^tera_step_seconds_sum\{/ { print $2 }' "$W/pipe.$q.b")
+                grep -q "^# TYPE tera_pipeline_${k}_seconds_total counter" "$W/pipe.$q.b" \
+                    && awk -v a="$a" -v b="$b" -v s="$s" -v k=$k 'BEGIN { exit !(a != "" && b != "" && b >= a && (k == "wait" || b > a) && b <= s) }' \
+                    || ok=0
+                msg="$msg port $q $k ${a:-?} -> ${b:-?} s (steps ${s:-?} s);"
+            done
+        done
+        [ $ok = 1 ] && pass "pp2: tera_pipeline_busy/wait_seconds_total on both ranks, busy growing, within the steps' time:$msg" \
+            || fail "pp2 pipeline counters:$msg"
+    else
+        fail "pp2 job never published 2 steps on ports $R and $((R + 1))"; tail -5 "$W/pipe.log"
+    fi
+    kill $PIPEJOB 2> /dev/null; wait $PIPEJOB 2> /dev/null
+fi
 
 # a port in use: an error at start naming the port and the key, nothing written
 "$TERA" train "${MODEL[@]}" --training.steps=5 --logging.metrics_port=$P --logging.run_dir="$W/busy" > "$W/busy.log" 2>&1

@@ -14,7 +14,7 @@ TINY=(--model.dim=32 --model.n_layers=4 --model.n_heads=4 --model.n_kv_heads=2 -
       --training.grad_accum=2 --training.warmup_steps=2 --training.steps=12 --training.threads=2
       --training.eval_every=6 --data.val_fraction=0.1 --data.path="$W/c.txt" --logging.progress=false)
 # metrics without the wall-clock fields
-strip() { grep -v '"event": "memory"' "$1" | sed -E 's/"(tokens_per_s|elapsed_s|step_s|data_wait_s|comm_wait_s|model_tflops|mfu|seconds|eval_s)": [0-9.e+-]*,? ?//g'; }
+strip() { grep -v '"event": "memory"' "$1" | sed -E 's/"(tokens_per_s|elapsed_s|step_s|data_wait_s|comm_wait_s|model_tflops|mfu|seconds|eval_s)": [0-9.e+-]*,? ?//g; s/"pp_(busy|wait)_s": \[[^]]*\],? ?//g'; }
 acts() { sed -n 's/.*activations \([0-9.]*\).*/\1/p' "$1"; }
 
 "$TERA" train "${TINY[@]}" --logging.run_dir="$W/none" > "$W/none.log" 2>&1 || { fail "run without recomputation"; cat "$W/none.log"; }

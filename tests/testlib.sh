@@ -46,8 +46,9 @@ compare_steps() {
                                      if (r > tol) { bad = 1; print "step " $1 ": " $i " vs " $(i + 4) } } }
         END { printf "%d steps, worst relative difference %.2g\n", n, worst; exit bad || n == 0 }'
 }
-# untimed FILE: a metrics file without its timing fields, for bit-identity checks (cmp)
-untimed() { grep -v '"event": "memory"' "$1" | sed 's/"tokens_per_s[^,]*,//; s/"elapsed_s[^,]*,//; s/"step_s[^,]*,//; s/"data_wait_s[^,]*,//; s/"comm_wait_s[^,]*,//; s/"model_tflops[^,]*,//; s/"mfu[^,]*,//'; }
+# untimed FILE: a metrics file without its timing fields (a pipeline's stage times included), for
+# bit-identity checks (cmp)
+untimed() { grep -v '"event": "memory"' "$1" | sed -E 's/"tokens_per_s[^,]*,//; s/"elapsed_s[^,]*,//; s/"step_s[^,]*,//; s/"data_wait_s[^,]*,//; s/"comm_wait_s[^,]*,//; s/"model_tflops[^,]*,//; s/"mfu[^,]*,//; s/"pp_(busy|wait)_s": \[[^]]*\], //g'; }
 # within A B TOL: |A - B| <= TOL * |A| (and A > 0)
 within() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0 && d <= t * a) }'; }
 

@@ -53,6 +53,8 @@ int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max);
 /* Mean seconds per step of this stage: running operations, waiting for neighbours, the whole step
  * (0 before the first step or for NULL). */
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step);
+/* The last step's seconds of this stage running operations and waiting (0 before the first step). */
+void tera_pipe_last(const tera_pipe *p, double *busy, double *wait);
 /* Starts those means again from the next step (tera bench: the timed steps only; NULL: nothing). */
 void tera_pipe_times_reset(tera_pipe *p);
 

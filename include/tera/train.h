@@ -129,6 +129,9 @@ typedef struct {
     double loss_scale;   /* the loss scale this step's backward used (1 unless fp16) */
     double model_flops_s; /* model FLOP/s of the whole job this step: tera_model_flops_per_token x its tokens / seconds */
     double mfu;           /* model_flops_s / (logging.peak_tflops x world ranks); -1 without logging.peak_tflops */
+    int pp;               /* pipeline stages (1: none) */
+    const double *pp_busy_s, *pp_wait_s; /* [pp] each stage's seconds this step running its operations and
+                                            blocked on its neighbours (tera_pipe_last); NULL without a pipeline */
 } tera_step_result;
 
 /* ---------------------------------------------------------------- dynamic batch size
@@ -224,6 +227,8 @@ typedef struct {
                                    the checkpoint windows of this rank's part (include/tera/zero.h) */
     struct tera_onebit *onebit; /* optimizer.name = onebit_adam (src/train/onebit.c); NULL: AdamW */
     struct tera_pipe *pipe;     /* the pipeline executor (include/tera/pipeline.h), pp > 1 */
+    double *step_sums;          /* [5 + 2 pp] the step's statistics summed over the stages: the loss sums,
+                                   then with a pipeline each stage's busy and waiting seconds */
     tera_precision_state prec;  /* precision in effect and fp16's loss scale */
     tera_token_source src;
     tera_loader loader;

@@ -23,6 +23,7 @@
 #include <microhttpd.h>
 
 #include "tera/hw.h"
+#include "tera/pipeline.h"
 #include "tera/profile.h"
 #include "tera/zero.h"
 
@@ -48,6 +49,8 @@ typedef struct {
     double group_norm[N_GROUPS];
     int group_present[N_GROUPS];
     double tokens_total, data_wait_total, comm_wait_total, step_sum;
+    int pipe;                      /* a pipeline: this rank's stage's busy and waiting seconds since start */
+    double pipe_busy_total, pipe_wait_total;
     int64_t step_count, bucket[N_BUCKETS]; /* bucket[i]: steps of at most bucket_le[i] seconds */
     int64_t skipped_total, spikes_total;
     double last_step_unix;
@@ -144,6 +147,11 @@ void tera_metrics_http_publish(tera_metrics_http *h, const tera_trainer *tr, con
     p->tokens_total += (double)r->batch_seqs * T;
     p->data_wait_total += r->data_seconds;
     p->comm_wait_total += r->comm_seconds;
+    if (tr->pipe) { /* this rank's own stage (tera_pipe_last), not the first data-parallel rank's */
+        double b, w;
+        tera_pipe_last(tr->pipe, &b, &w);
+        p->pipe = 1, p->pipe_busy_total += b, p->pipe_wait_total += w;
+    }
     p->step_sum += r->seconds;
     p->step_count++;
     for (int i = 0; i < N_BUCKETS; i++) p->bucket[i] += r->seconds <= bucket_le[i];
@@ -336,6 +344,14 @@ static size_t render_view(tera_metrics_http *h, char *buf, size_t cap) {
     }
     metric(&o, h, "tera_tokens_total", "counter", "tokens of the steps this process ran (global batch)",
            s->tokens_total);
+    if (s->pipe) { /* rate(wait) / rate(tera_step_seconds_sum): the stage's bubble */
+        metric(&o, h, "tera_pipeline_busy_seconds_total", "counter",
+               "time this rank's pipeline stage ran its forward and backward operations (training steps)",
+               s->pipe_busy_total);
+        metric(&o, h, "tera_pipeline_wait_seconds_total", "counter",
+               "time this rank's pipeline stage was blocked on its neighbours' activations and gradients and on its "
+               "own sends (training steps): its bubble", s->pipe_wait_total);
+    }
     family(&o, "tera_step_seconds", "histogram", "wall time of a training step on this rank");
     for (int i = 0; i < N_BUCKETS; i++) {
         snprintf(lab, sizeof lab, "le=\"%s\"", bucket_text[i]);

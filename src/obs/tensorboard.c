@@ -247,6 +247,12 @@ void tera_tensorboard_step(tera_tensorboard *tb, const tera_trainer *tr, const t
         snprintf(tag, sizeof tag, "expert_load_max_over_mean/layer_%d", l);
         scalar(&p, tag, s ? (double)mx * E / (double)s : 0.0);
     }
+    for (int q = 0; q < r->pp && r->pp_busy_s; q++) { /* a pipeline: each stage's busy and waiting seconds */
+        snprintf(tag, sizeof tag, "pp_busy_s/stage_%d", q);
+        scalar(&p, tag, r->pp_busy_s[q]);
+        snprintf(tag, sizeof tag, "pp_wait_s/stage_%d", q);
+        scalar(&p, tag, r->pp_wait_s[q]);
+    }
     const tera_hw_reading *hw = tera_hw_latest(); /* sampled by the step (absent readings: not written) */
     for (int i = 0; i < hw->n; i++) {
         snprintf(tag, sizeof tag, "hw/%s", hw->name[i]);

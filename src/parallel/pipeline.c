@@ -278,6 +278,11 @@ int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max) {
     return n;
 }
 
+void tera_pipe_last(const tera_pipe *p, double *busy, double *wait) {
+    *busy = p ? p->busy_s : 0.0;
+    *wait = p ? p->wait_s : 0.0;
+}
+
 void tera_pipe_times_reset(tera_pipe *p) {
     if (!p) return;
     p->busy_total = p->wait_total = p->step_total = 0.0;

@@ -164,13 +164,14 @@ static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
 }
 
 /* Statistics, once a step (src/train/trainer.c, src/train/layout.c): over the data-parallel ranks
- * of every stage the 5 loss sums, the expert load [L, E] int64, the router entropy [L] and the
- * routed-token count; over the world the squared gradient norm of every tensor (f64 each) and the
- * update's 2 sums. */
+ * of every stage the 5 loss sums (and with a pipeline each stage's busy and waiting seconds), the
+ * expert load [L, E] int64, the router entropy [L] and the routed-token count; over the world the
+ * squared gradient norm of every tensor (f64 each) and the update's 2 sums. */
 static void stats_bytes(const tera_trainer *tr, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     const double L = m->cfg.n_layers, E = m->cfg.n_experts;
-    cm->stats = 2.0 * ring(tr->topo.dp * tr->topo.pp) * 8.0 * (5.0 + L * E + L + 1.0) +
+    const double pipe = tr->topo.pp > 1 ? 2.0 * tr->topo.pp : 0.0; /* each stage's busy and waiting seconds */
+    cm->stats = 2.0 * ring(tr->topo.dp * tr->topo.pp) * 8.0 * (5.0 + pipe + L * E + L + 1.0) +
                 2.0 * ring(tr->topo.world) * 8.0 * ((double)m->n_params + 2.0);
     cm->overhead[TERA_XFER_ALLREDUCE] += cm->stats;
 }

@@ -185,6 +185,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                   .load = pipe_load, .plan = pipe_plan, .ctx = tr};
         if ((st = tera_pipe_create(&pe, &tr->pipe)) != TERA_OK) goto fail_model;
     }
+    tr->step_sums = tera_calloc((size_t)(5 + (tr->topo.pp > 1 ? 2 * tr->topo.pp : 0)), sizeof(double));
     { /* optimizer ranges: the whole model, or ZeRO shards (include/tera/zero.h) */
         const tera_zero_env ze = {.model = &tr->model, .topo = &tr->topo, .dp = tr->groups.dp, .edp = tr->groups.edp,
                                   .stage = cfg->parallel.zero, .prefetch = cfg->parallel.zero_prefetch,
@@ -303,6 +304,8 @@ fail_model:
     tr->sharding = NULL;
     tera_pipe_destroy(tr->pipe);
     tr->pipe = NULL;
+    free(tr->step_sums);
+    tr->step_sums = NULL;
     tera_model_destroy(&tr->model);
 fail_src:
     tera_groups_free(&tr->groups);
@@ -378,6 +381,8 @@ void tera_trainer_free(tera_trainer *tr) {
     tr->sharding = NULL;
     tera_pipe_destroy(tr->pipe);
     tr->pipe = NULL;
+    free(tr->step_sums);
+    tr->step_sums = NULL;
     tera_model_destroy(&tr->model);
     tera_groups_free(&tr->groups);
     tera_source_close(&tr->src); /* the backend (precision, scratch) went with the model */
@@ -455,6 +460,12 @@ static void write_metrics(tera_trainer *tr, const tera_step_result *r) {
         fprintf(f, ", \"mfu\": ");
         put_num(f, "%.5f", r->mfu);
     }
+    for (int w = 0; w < 2 && r->pp > 1 && r->pp_busy_s; w++) /* each pipeline stage's busy / waiting seconds */
+        for (int q = 0; q < r->pp; q++) {
+            fprintf(f, "%s", q ? ", " : w ? "], \"pp_wait_s\": [" : ", \"pp_busy_s\": [");
+            put_num(f, "%.6f", (w ? r->pp_wait_s : r->pp_busy_s)[q]);
+            if (w && q == r->pp - 1) fprintf(f, "]");
+        }
     fprintf(f, ", \"skipped\": %d, \"skipped_total\": %ld, \"update_ratio\": ", r->skipped, (long)tr->skipped_steps);
     put_num(f, "%.5g", r->update_ratio);
     fprintf(f, ", \"batch\": %ld, \"accum\": %d, \"loss_scale\": ", (long)r->batch_seqs, r->accum);
@@ -636,16 +647,26 @@ tera_status tera_trainer_step(tera_trainer *tr, tera_step_result *r) {
     tera_zero_grads_end(zr); /* what no backward wrote: zeroed */
     /* gradients: wait for the bucket sums (ZeRO-1: each rank sums only its own shard) */
     if (tr->topo.dp > 1 && !frozen) tera_zero_reduce_grads(zr); /* 1-bit Adam: momentum instead */
+    const int pp = tr->topo.pp;
     if (tera_comm_size(tr->groups.sg) > 1) {
-        /* statistics: one small sum over the data-parallel ranks of every pipeline stage */
-        double sums[5] = {ce, aux, z, (double)assign, (double)dropped};
-        tera_comm_allreduce_f64(tr->groups.sg, sums, 5);
+        /* statistics: one small sum over the data-parallel ranks of every pipeline stage; with a pipeline
+         * also each stage's busy and waiting seconds (its first data-parallel rank's) */
+        double *sums = tr->step_sums;
+        const int ns = 5 + (pp > 1 ? 2 * pp : 0);
+        sums[0] = ce, sums[1] = aux, sums[2] = z, sums[3] = (double)assign, sums[4] = (double)dropped;
+        for (int i = 5; i < ns; i++) sums[i] = 0.0;
+        if (pp > 1 && tr->topo.dp_rank == 0)
+            tera_pipe_last(tr->pipe, &sums[5 + tr->topo.pp_rank], &sums[5 + pp + tr->topo.pp_rank]);
+        tera_comm_allreduce_f64(tr->groups.sg, sums, ns);
         ce = sums[0], aux = sums[1], z = sums[2], assign = (int64_t)sums[3], dropped = (int64_t)sums[4];
         const int64_t LE = (int64_t)cfg->model.n_layers * cfg->model.n_experts;
         tera_comm_allreduce_i64(tr->groups.sg, m->expert_load, LE);
         tera_comm_allreduce_f64(tr->groups.sg, m->router_entropy, cfg->model.n_layers);
         tera_comm_allreduce_i64(tr->groups.sg, &m->routed_tokens, 1);
     }
+    r->pp = pp;
+    r->pp_busy_s = pp > 1 ? tr->step_sums + 5 : NULL; /* (sg spans the stages whenever pp > 1) */
+    r->pp_wait_s = pp > 1 ? tr->step_sums + 5 + pp : NULL;
     r->ce_loss = ce / (double)(seqs * T);
     r->aux_loss = m->n_moe_layers ? aux / (double)(nmoe * seqs) : 0.0;
     r->z_loss = m->n_moe_layers ? z / (double)((int64_t)nmoe * seqs * T) : 0.0;
