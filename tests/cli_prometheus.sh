@@ -231,7 +231,7 @@ EOF
     [ "$(pq 'up{job="tera"}' | awk '{ print $2 }')" = 1 ] && pass "up{job=\"tera\"} = 1" || fail "up: $(pq 'up')"
     n_rules=$(prom rules | jq '[.data.groups[].rules[]] | length')
     n_bad=$(prom rules | jq '[.data.groups[].rules[] | select(.health == "err")] | length')
-    [ "$n_rules" = 9 ] && [ "$n_bad" = 0 ] && pass "the 9 alert rules load and evaluate in Prometheus" \
+    [ "$n_rules" = 10 ] && [ "$n_bad" = 0 ] && pass "the 10 alert rules load and evaluate in Prometheus" \
         || fail "rules: $n_rules loaded, $n_bad in error"
 
     # every series with its labels (names with their distinguishing label)
