@@ -20,6 +20,12 @@
 # imbalance, not the exchange). The JSON lines carry "router_force_balance"; the table says which.
 # Pipeline layouts add a table of each stage's busy and waiting milliseconds per step (tera bench's
 # pp_stage_busy_ms / pp_stage_wait_ms) and what the busiest stage's busy time allows with no bubble.
+# CONFIG=FILE runs another model than configs/bench-dist.ini (its global batch still 16 sequences; the
+# tests' smoke run). ROUNDS=N (default 1) runs the layouts and the ceiling N times, in alternating order (forward, then
+# backward, ...), each JSON line tagged with its "round": every ratio to one rank is then taken against
+# the same round's one-rank run, and the table gives each layout's median ratio over the rounds with
+# their range and the median round's other figures (this host's memory bandwidth moves by up to 2x
+# within minutes, so one pair of runs can mislead; the rounds show how much).
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
 # and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
 set -eu
@@ -31,6 +37,7 @@ export OMP_WAIT_POLICY=PASSIVE
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
 OUT=${OUT:-bench/results/dist.jsonl}
+CONFIG=${CONFIG:-configs/bench-dist.ini}
 OUT_AB=${OUT_AB:-bench/results/dist-overlap.jsonl}
 FB=()
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=(--model.router_force_balance=true)
@@ -51,7 +58,7 @@ run() { # name dp tp ep zero overlap [pp [sp]]
     local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0}
     local n=$((pp * dp * tp)) accum=1
     [ "$pp" -gt 1 ] && accum=4
-    local args=(bench -c configs/bench-dist.ini --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
+    local args=(bench -c "$CONFIG" --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
           --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum --parallel.dp="$dp"
           --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" --parallel.zero="$zero"
           --parallel.ep_overlap="$ov" --parallel.sequence_parallel=$([ "$sp" = 1 ] && echo true || echo false)
@@ -66,7 +73,7 @@ ceiling() { # n
     local n=$1 tmp
     tmp=$(mktemp -d)
     for i in $(seq "$n"); do
-        "$TERA" bench -c configs/bench-dist.ini --name "bench-dist/ceiling$n" --steps "$STEPS" --warmup "$WARMUP" \
+        "$TERA" bench -c "$CONFIG" --name "bench-dist/ceiling$n" --steps "$STEPS" --warmup "$WARMUP" \
             --training.micro_batch=$((16 / n)) --training.threads=1 ${FB[@]+"${FB[@]}"} > "$tmp/$i.json" 2> /dev/null &
     done
     wait
@@ -79,11 +86,21 @@ r.update(ranks=len(rs), independent=1, tokens_per_s=sum(x["tokens_per_s"] for x 
 print(json.dumps(r))'
     rm -rf "$tmp"
 }
-for l in $LAYOUTS; do
-    IFS=: read -r name dp tp ep zero ov pp sp <<< "$l"
-    run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" | tee -a "$OUT"
+ROUNDS=${ROUNDS:-1}
+tag() { # round: each JSON line of stdin with "round" added
+    python3 -c 'import json, sys
+for l in sys.stdin:
+    if l.strip(): print(json.dumps(dict(json.loads(l), round=int(sys.argv[1]))))' "$1"
+}
+for round in $(seq "$ROUNDS"); do
+    order=$LAYOUTS
+    if [ $((round % 2)) = 0 ]; then order=$(printf '%s\n' $LAYOUTS | tac); fi # alternating order
+    for l in $order; do
+        IFS=: read -r name dp tp ep zero ov pp sp <<< "$l"
+        run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" | tag "$round" | tee -a "$OUT"
+    done
+    for n in ${CEILING-2}; do ceiling "$n" | tag "$round" | tee -a "$OUT"; done
 done
-for n in ${CEILING-2}; do ceiling "$n" | tee -a "$OUT"; done
 AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
 for l in $AB_LAYOUTS; do
     IFS=: read -r name dp tp ep zero <<< "$l"
@@ -97,10 +114,36 @@ import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ab = [json.loads(l) for l in open(sys.argv[2])]
 MiB, KiB = 2**20, 2**10
-ones = [r["tokens_per_s"] for r in rows if r.get("ranks", 1) == 1]
-one = statistics.median(ones) if ones else None
-ceil = {r["ranks"]: r["tokens_per_s"] for r in rows if r.get("independent")}
-xone = lambda r: f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
+rnd = lambda r: r.get("round", 1)
+name_of = lambda r: r["config"].split("/")[-1]
+nrounds = len({rnd(r) for r in rows})
+# one rank and the ceiling per round: each ratio is against its own round (ROUNDS=N)
+ones = {}
+for r in rows:
+    if r.get("ranks", 1) == 1: ones.setdefault(rnd(r), []).append(r["tokens_per_s"])
+one_r = {k: statistics.median(v) for k, v in ones.items()}
+ceil_r = {(rnd(r), r["ranks"]): r["tokens_per_s"] for r in rows if r.get("independent")}
+ratio = lambda r: r["tokens_per_s"] / one_r[rnd(r)] if rnd(r) in one_r else None
+# a layout's rounds: the row of the median ratio stands for it; the ratios (and shares of the ceiling) are kept
+groups = {}
+for r in rows: groups.setdefault((name_of(r), r.get("ranks", 1), bool(r.get("independent"))), []).append(r)
+rows = []
+for g in groups.values():
+    if any(ratio(r) is None for r in g):
+        rows.append(g[0]); continue
+    g = sorted(g, key=ratio)
+    rep = dict(g[(len(g) - 1) // 2])
+    rep["_x"] = [ratio(r) for r in g]
+    rep["_of"] = sorted(r["tokens_per_s"] / ceil_r[(rnd(r), r.get("ranks", 1))] for r in g
+                        if (rnd(r), r.get("ranks", 1)) in ceil_r)
+    rows.append(rep)
+one = statistics.median(one_r.values()) if one_r else None
+def span(v, fmt):
+    m = statistics.median(v)
+    return fmt(m) + (f" ({fmt(min(v))}-{fmt(max(v))})" if len(v) > 1 else "")
+xone = lambda r: span(r["_x"], lambda x: f"{x:.2f}x") if r.get("_x") else "-"
+print(f"\n{nrounds} round(s): each ratio against its own round's one-rank run; with several, the median (range) "
+      "over the rounds and the median round's other figures" if nrounds > 1 else "")
 fb = sorted({r.get("router_force_balance", 0) for r in rows + ab})
 print("\nrouting: " + " and ".join("forced balanced (model.router_force_balance, FORCE_BALANCE=1)" if f else
                                   "learned (the router's own top-k)" for f in fb))
@@ -119,7 +162,7 @@ for r in rows:
         print(f"| {name} | {n} | {n} independent one-rank runs | - | {r['tokens_per_s']:.0f} | {xone(r)} | 100% | "
               f"{r['step_ms_median']:.0f} | 0 | 0 | - | - | - | - | 0 | 0 | - |")
         continue
-    of = f"{100 * r['tokens_per_s'] / ceil[n]:.0f}%" if n in ceil else "-"
+    of = span(r["_of"], lambda x: f"{100 * x:.0f}%") if r.get("_of") else "-"
     mem = (r["mem_params"] + r["mem_grads"] + r["mem_optimizer"]) / MiB
     lay = f"{r['dp'] // r['ep']} x {r['tp']} x {r['ep']}" + (f" (pp {r['pp']})" if r.get("pp", 1) > 1 else "")
     ratio = r["bytes_sent_per_step"] / r["min_bytes_per_step"] if r["min_bytes_per_step"] else float("nan")
@@ -138,7 +181,8 @@ if pipes:  # each stage's busy and waiting time: the busiest stage bounds the st
     print("|---|---|---|---|---|")
     for r in pipes:
         b, w = r["pp_stage_busy_ms"], r["pp_stage_wait_ms"]
-        bound = f"{r['step_ms_median'] * r['tokens_per_s'] / one / max(b):.2f}x" if one else "-"
+        o = one_r.get(rnd(r))
+        bound = f"{r['step_ms_median'] * r['tokens_per_s'] / o / max(b):.2f}x" if o else "-"
         print(f"| {r['config'].split('/')[-1]} | {r['step_ms_median']:.0f} | "
               + ", ".join(f"{x:.0f} / {y:.0f}" for x, y in zip(b, w)) + f" | {b.index(max(b))} | {bound} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]

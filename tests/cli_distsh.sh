@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# bench/dist.sh, the two-rank scaling benchmark, end to end on a tiny model (CONFIG): two rounds
+# (ROUNDS=2) of one rank, dp2 and pp2 and the ceiling of two independent one-rank runs, one step each.
+#   - every run's JSON line is kept, tagged with its round; the second round runs the layouts in the
+#     reverse order (the machine's drift hits both ends alike);
+#   - the table's "x one rank" of dp2 and pp2 is the median over the rounds of each round's tokens/s
+#     over that round's one-rank tokens/s, with the range (recomputed here from the JSON lines by
+#     field name), the ceiling row likewise; the pipeline table has the pp2 row.
+# A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
+# Usage: cli_distsh.sh TERA SOURCE_DIR
+set -u
+TERA=$(realpath "$1")
+SRC=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" # Open MPI's own allocations (see cli_dist.sh)
+command -v mpirun > /dev/null || { echo "skip: mpirun not installed"; exit 0; }
+command -v jq > /dev/null || { echo "skip: jq not installed"; exit 0; }
+. "$(dirname "$0")/testlib.sh"
+
+cat > "$W/tiny.ini" <<'EOF'
+[model]
+vocab_size = 256
+dim = 32
+n_layers = 2
+n_heads = 4
+n_experts = 4
+top_k = 2
+ffn_dim = 32
+max_seq_len = 32
+
+[training]
+seq_len = 32
+micro_batch = 16
+threads = 1
+warmup_steps = 0
+
+[logging]
+run_dir = ""
+progress = false
+EOF
+(cd "$SRC" && CONFIG="$W/tiny.ini" ROUNDS=2 FORCE_BALANCE=1 AB_LAYOUTS="" CEILING=2 OUT="$W/dist.jsonl" \
+    OUT_AB="$W/ab.jsonl" LAYOUTS="one:1:1:1:0:1 dp2:2:1:1:0:1 pp2:1:1:1:0:1:2" \
+    bash bench/dist.sh "$TERA" 1 0) > "$W/out.txt" 2>&1
+rc=$?
+[ "$rc" = 0 ] && pass "bench/dist.sh ran (exit 0)" || { fail "bench/dist.sh exit $rc"; tail -20 "$W/out.txt"; }
+
+# the JSON lines: name round, in the order run
+jq -r '(.config | split("/") | last) + " " + (.round | tostring)' "$W/dist.jsonl" > "$W/order.txt" 2> /dev/null
+if [ "$(tr '\n' ' ' < "$W/order.txt")" = "one 1 dp2 1 pp2 1 ceiling2 1 pp2 2 dp2 2 one 2 ceiling2 2 " ]; then
+    pass "8 runs, tagged by round, the second round in reverse order"
+else
+    fail "runs and rounds: $(tr '\n' ' ' < "$W/order.txt")"
+fi
+
+# x one rank: the median of the per-round ratios, and their range, as the table prints them
+expect() { # name: "M.MMx (L.LLx-H.HHx)" from the JSON lines
+    jq -s -r --arg n "$1" '
+        (map(select((.config | split("/") | last) == "one")) | map({key: (.round | tostring), value: .tokens_per_s}) | from_entries) as $one
+        | [.[] | select((.config | split("/") | last) == $n) | .tokens_per_s / $one[.round | tostring]] | sort
+        | "\((.[0] + .[1]) / 2) \(.[0]) \(.[1])"' "$W/dist.jsonl" |
+        awk '{ printf "%.2fx (%.2fx-%.2fx)", $1, $2, $3 }'
+}
+for n in dp2 pp2 ceiling2; do
+    want=$(expect "$n")
+    got=$(grep "^| $n |" "$W/out.txt" | head -1 | awk -F' [|] ' '{ print $6 }')
+    if [ -n "$want" ] && [ "$got" = "$want" ]; then
+        pass "$n: x one rank $got (the median of the rounds' ratios, with their range)"
+    else
+        fail "$n: x one rank '$got', expected '$want'"
+    fi
+done
+grep -q "^2 round(s): each ratio against its own round's one-rank run" "$W/out.txt" &&
+    pass "the table says how its ratios were taken" || fail "no rounds line"
+if grep -A4 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | "; then
+    pass "the pipeline table has pp2"
+else
+    fail "no pp2 row in the pipeline table"
+fi
+finish cli_distsh
