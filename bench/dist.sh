@@ -38,6 +38,8 @@ cd "$(dirname "$0")/.."
 mkdir -p bench/results
 OUT=${OUT:-bench/results/dist.jsonl}
 CONFIG=${CONFIG:-configs/bench-dist.ini}
+ROUNDS=${ROUNDS:-1}
+case "$ROUNDS" in ''|*[!0-9]*|0) echo "bench/dist.sh: ROUNDS='$ROUNDS' is not a positive integer" >&2; exit 2;; esac
 OUT_AB=${OUT_AB:-bench/results/dist-overlap.jsonl}
 FB=()
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=(--model.router_force_balance=true)
@@ -59,9 +61,9 @@ run() { # name dp tp ep zero overlap [pp [sp]]
     local n=$((pp * dp * tp)) accum=1
     [ "$pp" -gt 1 ] && accum=4
     local args=(bench -c "$CONFIG" --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
-          --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum --parallel.dp="$dp"
+          --training.micro_batch=$((16 / dp / accum)) --training.grad_accum="$accum" --parallel.dp="$dp"
           --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" --parallel.zero="$zero"
-          --parallel.ep_overlap="$ov" --parallel.sequence_parallel=$([ "$sp" = 1 ] && echo true || echo false)
+          --parallel.ep_overlap="$ov" --parallel.sequence_parallel="$([ "$sp" = 1 ] && echo true || echo false)"
           --training.threads=1 ${FB[@]+"${FB[@]}"})
     if [ "$n" = 1 ]; then "$TERA" "${args[@]}" 2> /dev/null; else mpirun --oversubscribe -np "$n" "$TERA" "${args[@]}" 2> /dev/null; fi
 }
@@ -86,7 +88,6 @@ r.update(ranks=len(rs), independent=1, tokens_per_s=sum(x["tokens_per_s"] for x 
 print(json.dumps(r))'
     rm -rf "$tmp"
 }
-ROUNDS=${ROUNDS:-1}
 tag() { # round: each JSON line of stdin with "round" added
     python3 -c 'import json, sys
 for l in sys.stdin:

@@ -5,7 +5,8 @@
 #     reverse order (the machine's drift hits both ends alike);
 #   - the table's "x one rank" of dp2 and pp2 is the median over the rounds of each round's tokens/s
 #     over that round's one-rank tokens/s, with the range (recomputed here from the JSON lines by
-#     field name), the ceiling row likewise; the pipeline table has the pp2 row.
+#     field name), the ceiling row likewise; the pipeline table has the pp2 row;
+#   - ROUNDS that is not a positive integer is refused before the results file is touched.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
 # Usage: cli_distsh.sh TERA SOURCE_DIR
 set -u
@@ -75,5 +76,14 @@ if grep -A4 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | "; then
     pass "the pipeline table has pp2"
 else
     fail "no pp2 row in the pipeline table"
+fi
+# a bad ROUNDS: refused before anything runs, the results file of an earlier run kept
+cp "$W/dist.jsonl" "$W/kept.jsonl"
+(cd "$SRC" && ROUNDS=two OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh "$TERA" 1 0) > "$W/bad.txt" 2>&1
+rc=$?
+if [ "$rc" = 2 ] && grep -q "ROUNDS='two' is not a positive integer" "$W/bad.txt" && cmp -s "$W/dist.jsonl" "$W/kept.jsonl"; then
+    pass "ROUNDS=two refused (exit 2, one message), the earlier results kept"
+else
+    fail "ROUNDS=two: exit $rc, $(head -c 200 "$W/bad.txt")"
 fi
 finish cli_distsh
