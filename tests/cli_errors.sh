@@ -54,6 +54,16 @@ elif [ -n "$want" ] && grep -q "needs $(printf '%.2f' "$want") GiB on the host o
 else
     echo "FAIL: memory refusal figure (plan says $want GiB): $(cat "$W/err")"; fails=$((fails + 1))
 fi
+# sizes whose byte counts would overflow 64 bits (model.dim = 1e9: 1.6e19 parameters) are refused by the
+# configuration check, before the parameter table or the memory check multiply them (the sanitizer build
+# reported the signed overflow there, tera/src/parallel/plan_mem.c, before this check)
+expect_error "a model beyond 64-bit byte counts" "model.dim = 1000000000" -- "$TERA" train --model.dim=1000000000 --logging.run_dir="$W/big"
+grep -q "runtime error" "$W/err" && { echo "FAIL: overflow reported by the sanitizer"; fails=$((fails + 1)); }
+expect_error "its plan too" "beyond the 7.21e+16" -- "$TERA" plan --dry-run --model.dim=1000000000
+expect_error "a micro-batch beyond 64-bit byte counts" "training.micro_batch x training.seq_len = 1000000000 x 1000000000" -- \
+    "$TERA" train --model.max_seq_len=1000000000 --training.seq_len=1000000000 --training.micro_batch=1000000000 --logging.run_dir="$W/big2"
+grep -q "runtime error" "$W/err" && { echo "FAIL: overflow reported by the sanitizer"; fails=$((fails + 1)); }
+[ -e "$W/big" ] || [ -e "$W/big2" ] && { echo "FAIL: a refused run created its run directory"; fails=$((fails + 1)); }
 printf 'abc' > "$W/odd.u16"
 expect_error "odd u16 file" "odd.u16" -- "$TERA" train --data.path="$W/odd.u16" --logging.run_dir="$W/r2"
 printf 'MMIDIDX\0\0garbage' > "$W/bad.idx"; : > "$W/bad.bin"

@@ -75,8 +75,9 @@ int tera_cmd_config(int argc, char **argv) {
           "Any key can be overridden on the command line as `--section.key=value`, e.g. "
           "`--model.dim=256 --training.lr=1e-3`; a key given twice on the command line takes the last value "
           "(with a note); overrides apply after the file. Cross-field rules "
-          "(n_heads divides dim, even head width, top_k <= n_experts, seq_len <= max_seq_len, ...) are "
-          "checked once everything is applied. The resolved configuration, every key with its value, is "
+          "(n_heads divides dim, even head width, top_k <= n_experts, seq_len <= max_seq_len, a model "
+          "and a micro-batch whose byte counts fit in 64 bits: at most about 7.2e16 parameters and "
+          "activation floats, ...) are checked once everything is applied. The resolved configuration, every key with its value, is "
           "written to the run directory as `config.ini`, which loads back to the same run.\n\n",
               stdout);
         tera_config_write_doc(stdout);

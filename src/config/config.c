@@ -1087,6 +1087,28 @@ tera_status tera_config_finalize(tera_config *c) {
                     (int64_t)m->top_k * m->ffn_dim);
     tera_model_config_derive(m);
 
+    /* Sizes are counted in 64-bit bytes (the parameter table, the memory check, every buffer): a model
+     * or a micro-batch whose counts would not fit is refused here, before anything overflows. The
+     * estimates (in double) are generous upper bounds: 2^56 floats is 7.2e16, some 72 000 times a
+     * trillion-parameter model, and 16 bytes each still fit. */
+    {
+        const double D = m->dim, V = m->vocab_size, L = m->n_layers, E = m->n_experts, F = m->ffn_dim,
+                     S = m->n_shared_experts, K = m->top_k, Fd = m->first_k_dense > 0 ? m->dense_ffn_dim : 0;
+        const double params = 2 * V * D + L * (4 * D * D + E * D + 3 * D * F * (E + S) + 3 * D * Fd + 8 * D);
+        const double N = (double)t->micro_batch * t->seq_len;
+        const double acts = N * (V + L * (16 * D + 3 * F * (K + S) + 3 * Fd + E));
+        const double limit = 72057594037927936.0; /* 2^56 */
+        CONFIG__REQUIRE(params <= limit,
+                        "a model of about %.3g parameters (model.vocab_size = %d, model.dim = %d, model.n_layers = %d, "
+                        "model.n_experts = %d, model.ffn_dim = %d) is beyond the %.3g whose byte counts fit in 64 bits",
+                        params, m->vocab_size, m->dim, m->n_layers, m->n_experts, m->ffn_dim, limit);
+        CONFIG__REQUIRE(acts <= limit,
+                        "training.micro_batch x training.seq_len = %d x %d tokens need about %.3g activation floats a "
+                        "micro-batch (model.vocab_size = %d, model.dim = %d, model.n_layers = %d, model.ffn_dim = %d), "
+                        "beyond the %.3g whose byte counts fit in 64 bits",
+                        t->micro_batch, t->seq_len, acts, m->vocab_size, m->dim, m->n_layers, m->ffn_dim, limit);
+    }
+
     /* Cross-field checks (per-key ranges, e.g. every size >= 1, are in the table). */
     CONFIG__REQUIRE(c->logging.peak_tflops == 0.0f || c->logging.peak_tflops >= 1e-6f,
                     "logging.peak_tflops = %g is below 1e-6 TFLOP/s (1 MFLOP/s): give one rank's peak in TFLOP/s "
