@@ -350,6 +350,46 @@ static void test_param_table(void **state) {
     assert_true(llabs(tera_model_active_params(&s) - 5200000) < 200000);
 }
 
+/* The model's per-group index of its table (tera_model.group_off / group_idx: a group's parameters
+ * without a scan of the whole table) gives every group exactly the tensors a scan by layer and kind
+ * gives: each group's ranges of both regions equal a scan's, and equal what the model returns with
+ * the index taken away (its fallback scan); every tensor is in exactly one group. */
+static void test_group_index(void **state) {
+    (void)state;
+    tera_model_config mc = tiny_cfg();
+    tera_model m;
+    assert_int_equal(tera_model_create(&m, &mc, 2, 8), TERA_OK);
+    assert_non_null(m.group_off);
+    const int L = mc.n_layers;
+    assert_int_equal(m.group_off[L + 2], m.n_params); /* every tensor in one group */
+    for (int g = -2; g < L; g++) {
+        for (int x = 0; x < 2; x++) {
+            int64_t lo = INT64_MAX, hi = 0, lo_i, hi_i, lo_s, hi_s;
+            for (int i = 0; i < m.n_params; i++) {
+                const tera_param *p = &m.params[i];
+                const int in = g >= 0                  ? p->layer == g
+                               : g == TERA_GROUP_EMBED ? p->kind == TERA_P_EMBED
+                                                       : p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD;
+                if (!in || p->expert_stacked != x || p->numel == 0) continue;
+                if (p->offset < lo) lo = p->offset;
+                if (p->offset + p->numel > hi) hi = p->offset + p->numel;
+            }
+            if (hi == 0) lo = 0;
+            tera_model_group_range(&m, g, x, &lo_i, &hi_i);
+            int *off = m.group_off;
+            m.group_off = NULL; /* the fallback: a scan */
+            tera_model_group_range(&m, g, x, &lo_s, &hi_s);
+            m.group_off = off;
+            assert_int_equal(lo_i, lo);
+            assert_int_equal(hi_i, hi);
+            assert_int_equal(lo_s, lo);
+            assert_int_equal(hi_s, hi);
+            if (g >= 0 && x == 1 && g >= mc.first_k_dense) assert_true(hi > lo); /* a MoE layer's experts */
+        }
+    }
+    tera_model_destroy(&m);
+}
+
 int main(void) {
     tera_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -357,6 +397,7 @@ int main(void) {
         cmocka_unit_test(test_clipping_and_norm), cmocka_unit_test(test_fd_all_options),
         cmocka_unit_test(test_fd_dropless_prob), cmocka_unit_test(test_determinism),
         cmocka_unit_test(test_grad_accumulation), cmocka_unit_test(test_nonfinite_skip),
+        cmocka_unit_test(test_group_index),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

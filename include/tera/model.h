@@ -177,6 +177,12 @@ typedef struct {
     int w_external;       /* w is the caller's (tera_model_adopt_params), not freed here */
     unsigned char *g_stale; /* [L + 2] per group (layer l; L: the embedding, L + 1: the head): its gradients
                                hold old values, its next backward stores them (tera_model_grads_stale) */
+    int *group_off;       /* [L + 3] the table's parameters by group, in table order: those of group slot k
+                             (layer l; L: the embedding; L + 1: the head, as g_stale) are group_idx[group_off[k] ..
+                             group_off[k + 1]); NULL (a hand-built model): the table is scanned */
+    int *group_idx;       /* [n_params] */
+    const tera_param *group_tab; /* the table the index was built for: a copy of the model with another
+                                    table (a view, a shell) scans instead */
     uint8_t *g_absent;    /* [L, El] routed expert (layer l, local expert e) whose three weight gradients are
                              zero but were not written (no row reached it this step; tera_model_grads_sparse) */
     int g_sparse;         /* 1: the dispatcher marks such experts in g_absent instead of zeroing them */

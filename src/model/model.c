@@ -352,12 +352,73 @@ static int in_group(const tera_param *p, int group) {
     return p->kind == TERA_P_FINAL_NORM || p->kind == TERA_P_LM_HEAD;
 }
 
+/* A group's slot: layer l is l, the embedding L, the head L + 1 (g_stale's index). */
+static int group_slot(const tera_model *m, int group) {
+    return group >= 0 ? group : group == TERA_GROUP_EMBED ? m->cfg.n_layers : m->cfg.n_layers + 1;
+}
+
+/* The per-group index of the table (group_off, group_idx): a group's parameters without a scan of the
+ * whole table, which every group's call repeated (quadratic in the layers: 65536 tiny layers spent
+ * minutes a step there). */
+static void group_index_build(tera_model *m) {
+    const int L = m->cfg.n_layers, G = L + 2;
+    m->group_off = tera_calloc((size_t)G + 1, sizeof(int));
+    m->group_idx = tera_calloc((size_t)(m->n_params > 0 ? m->n_params : 1), sizeof(int));
+    int *slot = tera_malloc(sizeof(int) * (size_t)(m->n_params > 0 ? m->n_params : 1));
+    for (int i = 0; i < m->n_params; i++) {
+        const tera_param *p = &m->params[i];
+        slot[i] = -1;
+        if (p->layer >= 0 && p->layer < L) slot[i] = p->layer;
+        else if (in_group(p, TERA_GROUP_EMBED)) slot[i] = L;
+        else if (in_group(p, TERA_GROUP_HEAD)) slot[i] = L + 1;
+        if (slot[i] >= 0) m->group_off[slot[i] + 1]++;
+    }
+    for (int k = 0; k < G; k++) m->group_off[k + 1] += m->group_off[k];
+    int *at = tera_malloc(sizeof(int) * (size_t)G);
+    memcpy(at, m->group_off, sizeof(int) * (size_t)G);
+    for (int i = 0; i < m->n_params; i++)
+        if (slot[i] >= 0) m->group_idx[at[slot[i]]++] = i; /* table order within a group */
+    free(at);
+    free(slot);
+    m->group_tab = m->params;
+}
+
+/* The parameters of a group (a layer, TERA_GROUP_EMBED or TERA_GROUP_HEAD) in table order:
+ *     group_iter it = group_begin(m, group);
+ *     for (int i; (i = group_next(m, &it)) >= 0;) ... m->params[i] ...
+ * through the index, or a scan of the table with in_group where there is none. */
+typedef struct {
+    const int *idx; /* the group's table indices [n]; NULL: scan */
+    int n, k, group;
+} group_iter;
+
+static group_iter group_begin(const tera_model *m, int group) {
+    group_iter it = {.group = group};
+    if (m->group_off && m->group_tab == m->params) {
+        const int s = group_slot(m, group);
+        it.idx = m->group_idx + m->group_off[s];
+        it.n = m->group_off[s + 1] - m->group_off[s];
+    } else {
+        it.n = m->n_params;
+    }
+    return it;
+}
+
+static int group_next(const tera_model *m, group_iter *it) {
+    while (it->k < it->n) {
+        const int i = it->idx ? it->idx[it->k++] : it->k++;
+        if (it->idx || in_group(&m->params[i], it->group)) return i;
+    }
+    return -1;
+}
+
 void tera_model_group_range(const tera_model *m, int group, int experts, int64_t *lo, int64_t *hi) {
     *lo = INT64_MAX;
     *hi = 0;
-    for (int i = 0; i < m->n_params; i++) {
+    group_iter it = group_begin(m, group);
+    for (int i; (i = group_next(m, &it)) >= 0;) {
         const tera_param *p = &m->params[i];
-        if (!in_group(p, group) || p->expert_stacked != experts || p->numel == 0) continue;
+        if (p->expert_stacked != experts || p->numel == 0) continue;
         if (p->offset < *lo) *lo = p->offset;
         if (p->offset + p->numel > *hi) *hi = p->offset + p->numel;
     }
@@ -368,9 +429,9 @@ void tera_model_bind_group(tera_model *m, int group, float *wd, float *wx, float
     int64_t lo[2], hi[2];
     tera_model_group_range(m, group, 0, &lo[0], &hi[0]);
     tera_model_group_range(m, group, 1, &lo[1], &hi[1]);
-    for (int i = 0; i < m->n_params; i++) {
+    group_iter it = group_begin(m, group);
+    for (int i; (i = group_next(m, &it)) >= 0;) {
         const tera_param *p = &m->params[i];
-        if (!in_group(p, group)) continue;
         const int x = p->expert_stacked;
         float *wb = x ? wx : wd, *gb = x ? gx : gd;
         if (wb) set_view(&m->W, p, wb + (p->offset - lo[x]));
@@ -569,6 +630,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     const tera_shard_spec spec = {.ep = ep, .ep_rank = m->ep_rank, .tp = tp, .tp_rank = m->tp_rank, .pp = pp,
                                   .pp_rank = m->par.pp_rank, .v = vch, .layer_first = m->layer_first};
     m->params = tera_param_table_spec(cfg, &spec, &m->n_params, &m->n_floats, &m->n_dense_floats);
+    group_index_build(m);
     /* ZeRO-3 / ZeRO-2: the trainer holds shards and binds each group's parameters / gradients
      * (tera_model_bind_group) when the use_params / use_grads callbacks ask for them */
     if (!m->par.shard_params) m->w = tera_calloc((size_t)m->n_floats, sizeof(float));
@@ -655,6 +717,8 @@ void tera_model_destroy(tera_model *m) {
     if (!m->params) return;
     tera_backend_destroy(m->be);
     free(m->params);
+    free(m->group_off);
+    free(m->group_idx);
     if (!m->w_external) free(m->w);
     if (!m->g_external) free(m->g);
     free(m->g_stale);
@@ -742,9 +806,7 @@ static uint8_t *grads_absent(const tera_model *m, int l) {
 }
 
 /* a group's index into g_stale */
-static int stale_index(const tera_model *m, int group) {
-    return group >= 0 ? group : group == TERA_GROUP_EMBED ? m->cfg.n_layers : m->cfg.n_layers + 1;
-}
+static int stale_index(const tera_model *m, int group) { return group_slot(m, group); }
 
 void tera_model_grads_stale(tera_model *m, int group) {
     if (group == TERA_GROUP_ALL) memset(m->g_stale, 1, (size_t)m->cfg.n_layers + 2);
@@ -756,9 +818,10 @@ void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, flo
     int64_t lo, hi;
     tera_model_group_range(m, group, experts, &lo, &hi);
     int64_t at = lo; /* the table's order is the offsets' order within a region (params.c) */
-    for (int i = 0; i < m->n_params; i++) {
+    group_iter it = group_begin(m, group);
+    for (int i; (i = group_next(m, &it)) >= 0;) {
         const tera_param *p = &m->params[i];
-        if (!in_group(p, group) || p->expert_stacked != experts || p->numel == 0) continue;
+        if (p->expert_stacked != experts || p->numel == 0) continue;
         TERA_ASSERTF(p->offset >= at, "%s: parameter offsets out of table order", p->name);
         if (p->offset > at) memset(base + (at - lo), 0, sizeof(float) * (size_t)(p->offset - at));
         at = p->offset + p->numel;
@@ -770,10 +833,11 @@ void tera_model_grads_settle(tera_model *m) {
     for (int i = 0; i < L + 2; i++) {
         if (!m->g_stale[i]) continue;
         const int group = i < L ? i : i == L ? TERA_GROUP_EMBED : TERA_GROUP_HEAD;
-        for (int p = 0; p < m->n_params; p++) {
+        group_iter it = group_begin(m, group);
+        for (int p; (p = group_next(m, &it)) >= 0;) {
             const tera_param *q = &m->params[p];
             float *gp = view_of(&m->G, q);
-            if (in_group(q, group) && q->numel > 0 && gp) tera_host_fill(m->be, gp, NULL, q->numel);
+            if (q->numel > 0 && gp) tera_host_fill(m->be, gp, NULL, q->numel);
         }
         m->g_stale[i] = 0;
         absent_clear(m, group);
@@ -789,9 +853,10 @@ static float grads_begin(tera_model *m, int group) {
     unsigned char *st = &m->g_stale[stale_index(m, group)];
     if (!*st) return 1.0f;
     *st = 0;
-    for (int p = 0; p < m->n_params; p++) {
+    group_iter it = group_begin(m, group);
+    for (int p; (p = group_next(m, &it)) >= 0;) {
         const tera_param *q = &m->params[p];
-        if (!in_group(q, group) || q->numel == 0 || (q->ndim >= 2 && q->kind != TERA_P_EMBED)) continue;
+        if (q->numel == 0 || (q->ndim >= 2 && q->kind != TERA_P_EMBED)) continue;
         float *gp = view_of(&m->G, q);
         TERA_ASSERTF(gp, "gradients of %s written before they are bound", q->name);
         tera_host_fill(m->be, gp, NULL, q->numel);
