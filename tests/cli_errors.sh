@@ -64,6 +64,9 @@ expect_error "a micro-batch beyond 64-bit byte counts" "training.micro_batch x t
     "$TERA" train --model.max_seq_len=1000000000 --training.seq_len=1000000000 --training.micro_batch=1000000000 --logging.run_dir="$W/big2"
 grep -q "runtime error" "$W/err" && { echo "FAIL: overflow reported by the sanitizer"; fails=$((fails + 1)); }
 [ -e "$W/big" ] || [ -e "$W/big2" ] && { echo "FAIL: a refused run created its run directory"; fails=$((fails + 1)); }
+# more compute threads than any host runs: the key's range, not the OpenMP runtime's failure to create them
+expect_error "training.threads beyond its range" "training.threads" -- "$TERA" train --training.threads=40000 --logging.run_dir="$W/thr"
+[ -e "$W/thr" ] && { echo "FAIL: the refused run created its run directory"; fails=$((fails + 1)); }
 printf 'abc' > "$W/odd.u16"
 expect_error "odd u16 file" "odd.u16" -- "$TERA" train --data.path="$W/odd.u16" --logging.run_dir="$W/r2"
 printf 'MMIDIDX\0\0garbage' > "$W/bad.idx"; : > "$W/bad.bin"

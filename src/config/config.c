@@ -200,9 +200,10 @@ static const config__key config__keys[] = {
           "sequences per optimizer step, if given: checked against micro_batch x grad_accum x parallel.dp at start; "
           "0 = not checked"),
     K_UINT64(training, seed, "1234", "seeds init, data shuffling and every other random stream"),
-    K_INT(training, threads, "0", 0, INT_MAX,
+    K_INT(training, threads, "0", 0, 4096,
           "compute threads; 0 = all cores (leave OMP_WAIT_POLICY unset: PASSIVE slows multi-threaded steps, "
-          "docs/PERFORMANCE.md Wave 16)"),
+          "docs/PERFORMANCE.md Wave 16); at most 4096, as `tera bench --threads` (40000 failed inside the "
+          "OpenMP runtime instead: its threads could not be created)"),
     K_INT(training, warmup_steps, "30", 0, INT_MAX, "linear warmup steps W (at most steps)"),
     K_INT(training, stop_at_step, "0", 0, INT_MAX,
           "stop cleanly after this step with a checkpoint, the LR schedule still that of training.steps; --resume "
