@@ -124,21 +124,20 @@ for r in rows:
     if r.get("ranks", 1) == 1: ones.setdefault(rnd(r), []).append(r["tokens_per_s"])
 one_r = {k: statistics.median(v) for k, v in ones.items()}
 ceil_r = {(rnd(r), r["ranks"]): r["tokens_per_s"] for r in rows if r.get("independent")}
-ratio = lambda r: r["tokens_per_s"] / one_r[rnd(r)] if rnd(r) in one_r else None
+x_of = lambda r: r["tokens_per_s"] / one_r[rnd(r)] if rnd(r) in one_r else None  # x one rank, its own round
 # a layout's rounds: the row of the median ratio stands for it; the ratios (and shares of the ceiling) are kept
 groups = {}
 for r in rows: groups.setdefault((name_of(r), r.get("ranks", 1), bool(r.get("independent"))), []).append(r)
 rows = []
 for g in groups.values():
-    if any(ratio(r) is None for r in g):
+    if any(x_of(r) is None for r in g):
         rows.append(g[0]); continue
-    g = sorted(g, key=ratio)
+    g = sorted(g, key=x_of)
     rep = dict(g[(len(g) - 1) // 2])
-    rep["_x"] = [ratio(r) for r in g]
+    rep["_x"] = [x_of(r) for r in g]
     rep["_of"] = sorted(r["tokens_per_s"] / ceil_r[(rnd(r), r.get("ranks", 1))] for r in g
                         if (rnd(r), r.get("ranks", 1)) in ceil_r)
     rows.append(rep)
-one = statistics.median(one_r.values()) if one_r else None
 def span(v, fmt):
     m = statistics.median(v)
     return fmt(m) + (f" ({fmt(min(v))}-{fmt(max(v))})" if len(v) > 1 else "")

@@ -805,12 +805,9 @@ static uint8_t *grads_absent(const tera_model *m, int l) {
     return m->g_sparse && l >= 0 && l < m->cfg.n_layers ? m->g_absent + l * local_experts(m) : NULL;
 }
 
-/* a group's index into g_stale */
-static int stale_index(const tera_model *m, int group) { return group_slot(m, group); }
-
 void tera_model_grads_stale(tera_model *m, int group) {
     if (group == TERA_GROUP_ALL) memset(m->g_stale, 1, (size_t)m->cfg.n_layers + 2);
-    else m->g_stale[stale_index(m, group)] = 1;
+    else m->g_stale[group_slot(m, group)] = 1;
     absent_clear(m, group); /* the group's next backward decides its marks again */
 }
 
@@ -850,7 +847,7 @@ void tera_model_grads_settle(tera_model *m) {
  * reaches); the group is current from then on. 1 (add) otherwise. The tied LM head is the embedding
  * table, stored by the head's product: see tera_model_backward_range. */
 static float grads_begin(tera_model *m, int group) {
-    unsigned char *st = &m->g_stale[stale_index(m, group)];
+    unsigned char *st = &m->g_stale[group_slot(m, group)];
     if (!*st) return 1.0f;
     *st = 0;
     group_iter it = group_begin(m, group);
@@ -1436,7 +1433,7 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
          * scatter below then adds into) */
         float hb = grads_begin(m, TERA_GROUP_HEAD);
         if (c->tie_embeddings) {
-            unsigned char *st = &m->g_stale[stale_index(m, TERA_GROUP_EMBED)];
+            unsigned char *st = &m->g_stale[group_slot(m, TERA_GROUP_EMBED)];
             hb = *st ? 0.0f : 1.0f;
             *st = 0;
         }
