@@ -2,9 +2,11 @@
  * repetition by repetition in one process:
  *   tera    tera_gemm as the tree runs it: weight gradients (TN) in primitive pieces where they
  *           apply, else the deterministic tiles, TN ones cut by rows ("Weight gradients in
- *           primitive pieces");
- *   tiles   tera_gemm with the pieces off (tera_cpu_gemm_pieces(0), as TERA_GEMM_PIECES=0): the
- *           previous tree's tiles alone (square tiles for TN too);
+ *           primitive pieces"), under AVX2 kernels NN and TN tiles on padded copies of their
+ *           operands ("Padded operands");
+ *   tiles   tera_gemm with the pieces and the padded copies off (tera_cpu_gemm_pieces(0),
+ *           tera_cpu_gemm_pad(0), as TERA_GEMM_PIECES=0 TERA_GEMM_PAD=0): the plain tiles (square
+ *           tiles for TN too);
  *   onednn  what TERA_GEMM_TILES=0 runs: oneDNN's own threading (dnnl_sgemm on every thread, or the
  *           matmul primitive for products of 2^30 multiply-adds or more outside parallel regions);
  *           numbers that depend on the thread count.
@@ -152,6 +154,7 @@ static void run_one(int v, const prod *q, const float *A, int64_t lda, const flo
         return;
     }
     tera_cpu_gemm_pieces(v == 0);
+    tera_cpu_gemm_pad(v == 0);
     tera_gemm(q->ta, q->tb, q->M, q->N, q->K, 1.0f, A, lda, B, ldb, 1.0f, C, q->N);
 }
 
@@ -208,6 +211,7 @@ int main(int argc, char **argv) {
             }
         }
         tera_cpu_gemm_pieces(1);
+        tera_cpu_gemm_pad(1);
         double med[NV];
         for (int v = 0; v < NV; v++) med[v] = median(t[v], reps);
         const double gf = 2.0 * (double)(q->M * q->N * q->K) * 1e-9;

@@ -190,10 +190,65 @@ static int run_all(const char *isa) {
     return fails;
 }
 
+/* Padded operands (matmul.c): under AVX2 kernels an NN tile (reduction <= 2048) whose B rows, or a TN
+ * tile whose A or B rows, lie a multiple of 64 floats apart runs on padded copies; the numbers are
+ * those without the copies, bit for bit, and the right product. Dense model-like operands (leading
+ * dimensions 64 .. 512), every transpose, beta 0 and 1, whole and (small tiles) in many tiles, on 1
+ * and 2 threads; NT and TT never copy, nor does an NN product with a longer reduction. */
+static const shape PAD_SHAPES[] = {{256, 256, 64}, {128, 512, 256}, {100, 256, 70}, {320, 128, 192}, {64, 64, 2112}};
+#define NPAD_SHAPES (sizeof PAD_SHAPES / sizeof PAD_SHAPES[0])
+
+static int run_padded(const char *isa) {
+    const int avx512 = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
+    int fails = 0;
+    int64_t copied = 0;
+    for (size_t si = 0; si < NPAD_SHAPES; si++)
+        for (int tt = 0; tt < 4; tt++)
+            for (int beta = 0; beta < 2; beta++) {
+                product p;
+                product_init_ld(&p, PAD_SHAPES[si], tt >> 1, tt & 1, 2 * (7 * si + tt), 1); /* dense */
+                p.beta = (float)beta;
+                const int bad_a = p.lda % 64 == 0, bad_b = p.ldb % 64 == 0;
+                const int want_a = !avx512 && !p.tb && p.ta && bad_a; /* NN: B only */
+                const int want_b = !avx512 && !p.tb && bad_b && (p.ta || p.K <= 2048);
+                const size_t bytes = sizeof(float) * (size_t)(p.M * p.ldc);
+                float *on = malloc(bytes), *off = malloc(bytes);
+                for (int t = 1; t <= 2; t++) {
+                    omp_set_num_threads(t);
+                    tera_cpu_gemm_pad(0);
+                    const int64_t a0 = tera_cpu_gemm_padded_taken(0), b0 = tera_cpu_gemm_padded_taken(1);
+                    product_run(&p, off, 0);
+                    const int64_t a1 = tera_cpu_gemm_padded_taken(0), b1 = tera_cpu_gemm_padded_taken(1);
+                    tera_cpu_gemm_pad(1);
+                    product_run(&p, on, 0);
+                    const int64_t ta = tera_cpu_gemm_padded_taken(0) - a1, tb = tera_cpu_gemm_padded_taken(1) - b1;
+                    copied += ta + tb;
+                    const char *why = a1 != a0 || b1 != b0        ? "copies made while off"
+                                      : (ta > 0) != want_a        ? (want_a ? "no padded copy of A" : "a padded copy of A")
+                                      : (tb > 0) != want_b        ? (want_b ? "no padded copy of B" : "a padded copy of B")
+                                      : memcmp(on, off, bytes)    ? "padded copies change the numbers"
+                                      : product_check(&p, on, 5)  ? "wrong product"
+                                                                  : NULL;
+                    if (why) {
+                        fprintf(stderr, "%s: %c%c %ldx%ldx%ld (lda %ld, ldb %ld, beta %d, %d threads): %s\n", isa,
+                                p.ta ? 'T' : 'N', p.tb ? 'T' : 'N', (long)p.M, (long)p.N, (long)p.K, (long)p.lda,
+                                (long)p.ldb, beta, t, why);
+                        fails++;
+                    }
+                }
+                free(on);
+                free(off);
+                product_free(&p);
+            }
+    printf("%s: %lld padded copies of operand blocks\n", isa, (long long)copied);
+    return fails;
+}
+
 /* tile_macs: TERA_GEMM_TILE_MACS for the child (NULL: the default tiles, which leave the smaller
  * shapes whole; a small value cuts every shape into many tiles, checking the tiles' offsets) */
 /* first_threads: g_first_threads for the child; returns the child's g_digest */
-static uint64_t under_isa(dnnl_cpu_isa_t isa, const char *name, const char *tile_macs, int first_threads) {
+static uint64_t under_isa_run(dnnl_cpu_isa_t isa, const char *name, const char *tile_macs, int first_threads,
+                              int (*run)(const char *)) {
     fflush(stdout);
     int fd[2];
     assert_int_equal(pipe(fd), 0);
@@ -205,7 +260,7 @@ static uint64_t under_isa(dnnl_cpu_isa_t isa, const char *name, const char *tile
         /* before any other oneDNN call in this process; a CPU without the ISA runs the best it has */
         if (dnnl_set_max_cpu_isa(isa) != dnnl_success) _exit(100);
         g_first_threads = first_threads;
-        const int fails = run_all(name);
+        const int fails = run(name);
         fflush(stdout);
         if (write(fd[1], &g_digest, sizeof g_digest) != (ssize_t)sizeof g_digest) _exit(101);
         _exit(fails > 99 ? 99 : fails);
@@ -220,6 +275,17 @@ static uint64_t under_isa(dnnl_cpu_isa_t isa, const char *name, const char *tile
     assert_int_equal(WEXITSTATUS(st), 0);
     assert_int_equal(got, (ssize_t)sizeof digest);
     return digest;
+}
+
+static uint64_t under_isa(dnnl_cpu_isa_t isa, const char *name, const char *tile_macs, int first_threads) {
+    return under_isa_run(isa, name, tile_macs, first_threads, run_all);
+}
+
+static void test_padded(void **state) {
+    (void)state;
+    under_isa_run(dnnl_cpu_isa_avx2, "AVX2, padded operands", NULL, 1, run_padded);
+    under_isa_run(dnnl_cpu_isa_avx2, "AVX2, padded operands, small tiles", "4096", 1, run_padded);
+    under_isa_run(dnnl_cpu_isa_avx512_core, "AVX512_CORE, padded operands", NULL, 1, run_padded);
 }
 
 static void test_avx2(void **state) {
@@ -244,6 +310,6 @@ static void test_all(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_avx2), cmocka_unit_test(test_avx512),
-                                       cmocka_unit_test(test_all)};
+                                       cmocka_unit_test(test_padded), cmocka_unit_test(test_all)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

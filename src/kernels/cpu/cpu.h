@@ -141,6 +141,11 @@ void tera_ce_backward_range_bf16(float *dlogits, uint16_t *d16, const float *e, 
  * same-process A/B only (the numbers change with it). */
 void tera_cpu_gemm_pieces(int on);
 int64_t tera_cpu_gemm_pieces_taken(void); /* how many products ran in pieces so far (tests) */
+/* Under AVX2 kernels, fp32 tiles on copies of their operands with padded rows (matmul.c, "Padded
+ * operands"; the same bits, faster): 1 on (the default), 0 off, as TERA_GEMM_PAD=0; for benchmarks'
+ * A/B and tests. */
+void tera_cpu_gemm_pad(int on);
+int64_t tera_cpu_gemm_padded_taken(int operand); /* tiles run so far on a padded copy of op(A) (0), op(B) (1) (tests) */
 
 /* bf16 products on AMX with a short reduction and a fresh output, run on one thread, in row chunks
  * whose output lines are prefetched for writing first (matmul.c, "bf16 outputs written in row

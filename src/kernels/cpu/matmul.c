@@ -142,6 +142,7 @@ static int64_t g_primitive_min_macs = 1LL << 30; /* TERA_GEMM_PRIMITIVE_MIN over
  * thread count; for A/B timing only). Read once. */
 static int g_tiles = 1;
 static int g_pieces = 1; /* weight gradients in primitive pieces ("Weight gradients in primitive pieces") */
+static int g_pad = 1;    /* AVX2 kernels: tiles on padded copies of their operands ("Padded operands") */
 static int64_t g_pieces_taken = 0; /* products run in pieces (tests) */
 static int64_t g_tile_macs = 0; /* a tile's target work: 0 the default (tile_plan); TERA_GEMM_TILE_MACS overrides (tuning) */
 static int64_t g_tile_min = 128;        /* pieces of a dimension are at least this long, but for the last
@@ -155,6 +156,8 @@ static void tiles_init(void) {
     if (l && atoll(l) > 0) g_tile_min = atoll(l);
     const char *p = getenv("TERA_GEMM_PIECES");
     if (p && strcmp(p, "0") == 0) g_pieces = 0;
+    const char *pd = getenv("TERA_GEMM_PAD");
+    if (pd && strcmp(pd, "0") == 0) g_pad = 0;
 }
 
 #if HAVE_MATMUL_PRIMITIVE
@@ -209,6 +212,7 @@ typedef struct {
     float alpha, beta;
     const float *A, *B;
     float *C;
+    int pad_a, pad_b;   /* run each tile on copies of op(A)'s / op(B)'s block with padded rows ("Padded operands") */
 } gemm_tiles;
 
 static int64_t tile_extent(int64_t len, int64_t pieces) {
@@ -250,13 +254,107 @@ static void tile_plan(gemm_tiles *g) {
     g->gn = (g->N + g->tn - 1) / g->tn;
 }
 
+/* ------------------------------------------------------------------ padded operands (AVX2 kernels)
+ *
+ * Under AVX2 kernels (no avx512_core) oneDNN's sgemm slows down when an operand's rows lie a multiple
+ * of 256 bytes apart, as the model's do (dim, ffn_dim, vocab_size and the token count are powers of
+ * two): the rows of its packing fall into the same cache sets. Measured on one thread of an AMD EPYC
+ * (Zen 3, AVX2 only; 93-99 GFLOP/s is that core's sgemm on padded operands): TN 4096x256x2048 (the
+ * LM head's weight gradient in bench-s) 39.6 GFLOP/s on the model's arrays, 89.8 on copies whose rows
+ * are 16 floats longer; TN 256x512x512 62.4 -> 93.5, TN 512x256x512 66.7 -> 95.4, NN 512x512x256
+ * 67.8 -> 98.5, NN 2048x256x4096 68.1 -> 92.9; NT products lost nothing (90-95 either way). So under
+ * AVX2 kernels an NN or TN tile whose A or B has such rows (PAD_BAD_LD) runs on copies of its blocks
+ * of op(A) and op(B) with padded rows (pad_ld), one buffer per thread. The copies hold the same values
+ * and oneDNN's blocking depends on the product's shape, not on the leading dimensions: the results
+ * are the same bits as without them (every shape tried, tests/test_gemm_threads.c). A tile whose
+ * copies would take more than PAD_MAX_FLOATS runs on the arrays as they are. TERA_GEMM_PAD=0 (or
+ * tera_cpu_gemm_pad(0)) turns the copies off (A/B timing); with AVX-512 kernels they are never made. */
+#define PAD_BAD_LD 64                   /* floats: rows this many floats (256 bytes) apart, or a multiple */
+#define PAD_MAX_FLOATS ((int64_t)1 << 22) /* 16 MiB of copies per thread at most */
+#define PAD_NN_K_MAX 2048               /* NN products with longer reductions (the LM head's input gradient) gained nothing */
+#define PAD_THREADS 1024
+
+static int64_t g_padded_taken[2] = {0, 0}; /* tiles run on a padded copy of op(A), of op(B) (tests) */
+static _Thread_local float *t_pad; /* this thread's copies, PAD_MAX_FLOATS; also listed in g_pad_bufs */
+static float *g_pad_bufs[PAD_THREADS];
+static int g_npad_bufs = 0;
+static pthread_mutex_t g_pad_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int ld_bad(int64_t ld) { return ld % PAD_BAD_LD == 0; }
+
+/* a padded leading dimension for rows of `len` floats: a multiple of 16 (64-byte rows), not of PAD_BAD_LD */
+static int64_t pad_ld(int64_t len) {
+    int64_t ld = (len + 15) / 16 * 16;
+    return ld_bad(ld) ? ld + 16 : ld;
+}
+
+static float *pad_buf(void) {
+    if (!t_pad) {
+        t_pad = tera_malloc(sizeof(float) * (size_t)PAD_MAX_FLOATS);
+        pthread_mutex_lock(&g_pad_lock);
+        if (g_npad_bufs < PAD_THREADS) g_pad_bufs[g_npad_bufs++] = t_pad;
+        pthread_mutex_unlock(&g_pad_lock);
+    }
+    return t_pad;
+}
+
+/* rows x cols of src (leading dimension lds) into dst (ldd) */
+static void copy_block(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * ldd, src + r * lds, sizeof(float) * (size_t)cols);
+}
+
+/* The stored shape of op(X)'s block for a tile: op(A) rows m of K (A stored [m, K], or [K, m] when
+ * transposed); op(B) columns n of K (B stored [K, n], or [n, K] when transposed). */
+static void block_shape(char trans, int64_t outer, int64_t K, int is_b, int64_t *rows, int64_t *cols) {
+    const int k_rows = is_b ? trans == 'N' : trans == 'T';
+    *rows = k_rows ? K : outer;
+    *cols = k_rows ? outer : K;
+}
+
+static int64_t pad_floats(const gemm_tiles *g, int64_t m, int64_t n) {
+    int64_t r, c, need = 0;
+    if (g->pad_a) block_shape(g->ta, m, g->K, 0, &r, &c), need += r * pad_ld(c);
+    if (g->pad_b) block_shape(g->tb, n, g->K, 1, &r, &c), need += r * pad_ld(c);
+    return need;
+}
+
+/* Whether the tiles of g run on padded copies: AVX2 kernels, NN or TN, an operand with rows PAD_BAD_LD
+ * apart, and the largest tile's copies within PAD_MAX_FLOATS (all decided by the shape and the ISA). */
+static void pad_plan(gemm_tiles *g) {
+    g->pad_a = g->pad_b = 0;
+    const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    if (!g_pad || g->tb != 'N' || (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core) return;
+    g->pad_a = g->ta == 'T' && ld_bad(g->lda); /* NN: A's copy gained nothing on the shapes measured */
+    g->pad_b = ld_bad(g->ldb) && (g->ta == 'T' || g->K <= PAD_NN_K_MAX);
+    if (pad_floats(g, g->tm, g->tn) > PAD_MAX_FLOATS) g->pad_a = g->pad_b = 0;
+}
+
 static void tile_run(const gemm_tiles *g, int64_t t) {
     const int64_t i = t / g->gn * g->tm, j = t % g->gn * g->tn;
     const int64_t m = g->M - i < g->tm ? g->M - i : g->tm, n = g->N - j < g->tn ? g->N - j : g->tn;
     const float *a = g->ta == 'T' ? g->A + i : g->A + i * g->lda; /* op(A) rows i.. */
     const float *b = g->tb == 'T' ? g->B + j * g->ldb : g->B + j; /* op(B) columns j.. */
-    DNNL_CHECK(dnnl_sgemm(g->ta, g->tb, m, n, g->K, g->alpha, a, g->lda, b, g->ldb, g->beta, g->C + i * g->ldc + j, g->ldc));
+    int64_t lda = g->lda, ldb = g->ldb;
+    if (g->pad_a || g->pad_b) {
+        float *buf = pad_buf();
+        int64_t r, c;
+        if (g->pad_a) {
+            block_shape(g->ta, m, g->K, 0, &r, &c);
+            copy_block(buf, pad_ld(c), a, lda, r, c);
+            a = buf, lda = pad_ld(c), buf += r * lda;
+            __atomic_add_fetch(&g_padded_taken[0], 1, __ATOMIC_RELAXED);
+        }
+        if (g->pad_b) {
+            block_shape(g->tb, n, g->K, 1, &r, &c);
+            copy_block(buf, pad_ld(c), b, ldb, r, c);
+            b = buf, ldb = pad_ld(c);
+            __atomic_add_fetch(&g_padded_taken[1], 1, __ATOMIC_RELAXED);
+        }
+    }
+    DNNL_CHECK(dnnl_sgemm(g->ta, g->tb, m, n, g->K, g->alpha, a, lda, b, ldb, g->beta, g->C + i * g->ldc + j, g->ldc));
 }
+
+int64_t tera_cpu_gemm_padded_taken(int operand) { return __atomic_load_n(&g_padded_taken[operand != 0], __ATOMIC_RELAXED); }
 
 /* Whether a product needs the tiles: always under AVX2 kernels; with AVX-512 kernels only for
  * reductions of TILE_K_AVX512 or more: shorter ones were measured to give the same numbers on 1 to 8
@@ -273,6 +371,7 @@ static void sgemm_tiled(int ta, int tb, int64_t M, int64_t N, int64_t K, float a
     gemm_tiles g = {.ta = ta ? 'T' : 'N', .tb = tb ? 'T' : 'N', .M = M, .N = N, .K = K, .lda = lda, .ldb = ldb,
                     .ldc = ldc, .alpha = alpha, .beta = beta, .A = A, .B = B, .C = C};
     tile_plan(&g);
+    pad_plan(&g);
     const int64_t nt = (M + g.tm - 1) / g.tm * g.gn;
     if (omp_in_parallel()) { /* oneDNN runs single-threaded inside a parallel region */
         for (int64_t t = 0; t < nt; t++) tile_run(&g, t);
@@ -493,6 +592,11 @@ int64_t tera_cpu_gemm_pieces_taken(void) { return __atomic_load_n(&g_pieces_take
 void tera_cpu_gemm_pieces(int on) {
     pthread_once(&g_tiles_once, tiles_init);
     g_pieces = on;
+}
+
+void tera_cpu_gemm_pad(int on) {
+    pthread_once(&g_tiles_once, tiles_init);
+    g_pad = on;
 }
 
 static void gemm_fp32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
