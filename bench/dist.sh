@@ -43,19 +43,51 @@ case "$ROUNDS" in ''|*[!0-9]*|0) echo "bench/dist.sh: ROUNDS='$ROUNDS' is not a 
 OUT_AB=${OUT_AB:-bench/results/dist-overlap.jsonl}
 FB=()
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=(--model.router_force_balance=true)
-: > "$OUT"
-: > "$OUT_AB"
 # Naming as tests/cli_layouts.sh: "dpA x tpT x epE" runs A*T*E ranks with parallel.dp = A*E,
 # parallel.tp = T, parallel.ep = E; "ppP" adds P pipeline stages (pp x dp x tp ranks) and runs the
 # global batch as 4 micro-batches through them; a last field 1 turns on parallel.sequence_parallel (tp > 1).
 #   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp[:sequence_parallel]]
-LAYOUTS=${LAYOUTS-"one:1:1:1:0:1
+DEFAULT_LAYOUTS="one:1:1:1:0:1
     dp2:2:1:1:0:1 dp2-zero1:2:1:1:1:1 tp2:1:2:1:0:1 tp2-sp:1:2:1:0:1:1:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
     dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 tp4-sp:1:4:1:0:1:1:1
     dp2xtp2:2:2:1:0:1
     ep4:4:1:4:0:1 ep4-no-overlap:4:1:4:0:0 dp2xep2-zero1:4:1:2:1:1 tp2xep2-zero3:2:2:2:3:1
     dp8:8:1:1:0:1 dp2xep4-zero1:8:1:4:1:1 ep8:8:1:8:0:1 ep8-no-overlap:8:1:8:0:0 dp2xtp2xep2-zero2:4:2:2:2:1
-    pp2:1:1:1:0:1:2 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"}
+    pp2:1:1:1:0:1:2 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"
+LAYOUTS=${LAYOUTS-$DEFAULT_LAYOUTS}
+AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
+# An entry of LAYOUTS or AB_LAYOUTS may be a bare name of KNOWN (the default list and the other
+# two-rank ZeRO stages), e.g. LAYOUTS="one dp2 tp2-sp pp2"; any other entry spells out its fields.
+# An unknown name or a malformed entry is refused (exit 2) before the results files are touched.
+KNOWN="$DEFAULT_LAYOUTS dp2-zero2:2:1:1:2:1 dp2-zero3:2:1:1:3:1"
+resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced by their fields
+    local var=$1 lo=$2 hi=$3 e spec known out=""
+    for e in ${!var}; do
+        spec=$e
+        if [ "${e#*:}" = "$e" ]; then
+            spec=""
+            for known in $KNOWN; do [ "${known%%:*}" = "$e" ] && { spec=$known; break; }; done
+            if [ -z "$spec" ]; then
+                echo "bench/dist.sh: $var: unknown layout '$e'; known: $(for known in $KNOWN; do printf '%s ' "${known%%:*}"; done)" >&2
+                return 2
+            fi
+            spec=$(printf '%s' "$spec" | cut -d: -f1-"$hi")
+        fi
+        # fields after the name: integers, dp tp ep at least 1, MIN_FIELDS to MAX_FIELDS in all
+        if ! printf '%s' "$spec" | awk -F: -v lo="$lo" -v hi="$hi" '{ ok = NF >= lo && NF <= hi
+                for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/ || (i <= 4 && $i + 0 < 1)) ok = 0 }
+                END { exit !ok }'; then
+            echo "bench/dist.sh: $var: malformed layout '$e' (name:dp:tp:ep:zero:ep_overlap[:pp[:sequence_parallel]], dp tp ep >= 1)" >&2
+            return 2
+        fi
+        out="$out $spec"
+    done
+    printf '%s' "${out# }"
+}
+LAYOUTS=$(resolve LAYOUTS 6 8) || exit 2
+AB_LAYOUTS=$(resolve AB_LAYOUTS 5 5) || exit 2
+: > "$OUT"
+: > "$OUT_AB"
 run() { # name dp tp ep zero overlap [pp [sp]]
     local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0}
     local n=$((pp * dp * tp)) accum=1
@@ -102,7 +134,6 @@ for round in $(seq "$ROUNDS"); do
     done
     for n in ${CEILING-2}; do ceiling "$n" | tag "$round" | tee -a "$OUT"; done
 done
-AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
 for l in $AB_LAYOUTS; do
     IFS=: read -r name dp tp ep zero <<< "$l"
     for i in $(seq "${AB_REPEATS:-3}"); do

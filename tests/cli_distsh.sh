@@ -6,7 +6,9 @@
 #   - the table's "x one rank" of dp2 and pp2 is the median over the rounds of each round's tokens/s
 #     over that round's one-rank tokens/s, with the range (recomputed here from the JSON lines by
 #     field name), the ceiling row likewise; the pipeline table has the pp2 row;
-#   - ROUNDS that is not a positive integer is refused before the results file is touched.
+#   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields;
+#   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
+#     refused before the results file is touched.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
 # Usage: cli_distsh.sh TERA SOURCE_DIR
 set -u
@@ -40,7 +42,7 @@ run_dir = ""
 progress = false
 EOF
 (cd "$SRC" && CONFIG="$W/tiny.ini" ROUNDS=2 FORCE_BALANCE=1 AB_LAYOUTS="" CEILING=2 OUT="$W/dist.jsonl" \
-    OUT_AB="$W/ab.jsonl" LAYOUTS="one:1:1:1:0:1 dp2:2:1:1:0:1 pp2:1:1:1:0:1:2" \
+    OUT_AB="$W/ab.jsonl" LAYOUTS="one dp2:2:1:1:0:1 pp2" \
     bash bench/dist.sh "$TERA" 1 0) > "$W/out.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] && pass "bench/dist.sh ran (exit 0)" || { fail "bench/dist.sh exit $rc"; tail -20 "$W/out.txt"; }
@@ -86,4 +88,16 @@ if [ "$rc" = 2 ] && grep -q "ROUNDS='two' is not a positive integer" "$W/bad.txt
 else
     fail "ROUNDS=two: exit $rc, $(head -c 200 "$W/bad.txt")"
 fi
+# an unknown name and a malformed entry: refused the same way, naming the entry
+for bad in "one dp3" "one dp2:2:0:1:0:1"; do
+    (cd "$SRC" && LAYOUTS="$bad" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh "$TERA" 1 0) > "$W/bad.txt" 2>&1
+    rc=$?
+    entry=${bad#one }
+    if [ "$rc" = 2 ] && [ "$(wc -l < "$W/bad.txt")" = 1 ] && grep -q "layout '$entry'" "$W/bad.txt" &&
+        cmp -s "$W/dist.jsonl" "$W/kept.jsonl"; then
+        pass "LAYOUTS='$bad' refused (exit 2, one message naming '$entry'), the earlier results kept"
+    else
+        fail "LAYOUTS='$bad': exit $rc, $(head -c 300 "$W/bad.txt")"
+    fi
+done
 finish cli_distsh
