@@ -7,7 +7,8 @@
  *
  * Build and run (from the repository root):
  *   gcc -std=c11 -D_GNU_SOURCE -O3 -march=native -fopenmp -Iinclude -Isrc src/core/status.c \
- *       src/obs/prof_products.c src/kernels/cpu/matmul.c src/kernels/cpu/attention.c src/kernels/cpu/attention_dot.c \
+ *       src/obs/prof_products.c src/kernels/cpu/matmul.c src/kernels/cpu/attention.c src/kernels/cpu/attention_avx2.c \
+ *       src/kernels/cpu/attention_dot.c \
  *       bench/bench_attention.c -o /tmp/bench_attention -ldnnl -lm && /tmp/bench_attention [reps]
  * (add -DATTN_TILE=64 or -DATTN_BF16_TILE=256 to re-measure the tile sizes.)
  *
@@ -17,8 +18,12 @@
  * to the line above: its fp32 and bf16 kernels then run as variants "fp32-ref" / "bf16-ref",
  * alternating with the current ones, and each current variant's speed-up is against its ref
  * ("max rel diff" of the fp32 rows is then against fp32-ref). TERA_ATTN_FP32=sgemm in the
- * environment also selects the current file's sgemm kernels for fp32 (the path before the AVX-512
- * kernels), for the whole program.
+ * environment also selects the current file's sgemm kernels for fp32 (the path before the
+ * register-blocked kernels), =avx2 the AVX2 form of those (attention_avx2.c), for the whole program.
+ * -march=x86-64-v3 builds what an AVX2-only CPU runs (with ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN).
+ * At bench-m's shape this program alone ranked the two register-blocked forms the other way round
+ * from whole training steps on one CPU (docs/PERFORMANCE.md): compare kernels in `tera bench`'s
+ * profile as well.
  *
  * GFLOP/s are given two ways: "causal" counts the products actually needed under the causal
  * mask (T*(T+1)/2 query-key pairs), "full" counts T*T pairs as is customary for flash attention:

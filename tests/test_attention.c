@@ -1,6 +1,7 @@
 /* Tiled causal GQA attention (src/kernels/cpu/attention.c) against a naive O(T^2) double-precision
  * reference: forward out/lse, analytic gradients, central finite differences, bit-determinism
- * across runs and thread counts, and the scratch-memory bound. */
+ * across runs and thread counts, every fp32 kernel this build has (the register-blocked ones in the
+ * same bits), and the scratch-memory bound. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -157,6 +158,8 @@ static const shape k_shapes[] = {
     {1, 1, 1, 1, 16},   {2, 7, 2, 2, 16},   {1, 64, 2, 2, 32},  {2, 100, 4, 4, 32},
     {1, 200, 8, 2, 32}, {1, 128, 4, 1, 64}, {2, 130, 2, 1, 64}, {1, 200, 8, 8, 16},
     {1, 65, 4, 2, 64},  {1, 300, 2, 2, 32}, {1, 256, 2, 2, 32}, {1, 129, 2, 2, 16},
+    /* head dims that are not a multiple of 8 or 16 (the register-blocked kernels' masked lanes) */
+    {1, 70, 2, 1, 20},  {2, 33, 3, 3, 12},  {1, 150, 2, 2, 40},
 };
 
 static void test_forward_vs_reference(void **state) {
@@ -311,6 +314,74 @@ static void test_determinism(void **state) {
         bufs_free(&x);
     }
     omp_set_num_threads(saved);
+}
+
+/* The fp32 kernels this build has (sgemm; register-blocked on AVX2 + FMA and on AVX-512): the default
+ * is the widest built (so an x86-64-v3 build runs the AVX2 kernels, not sgemm); each one matches the
+ * reference on every shape; the register-blocked ones give the same bits as each other (the same
+ * sums in the same order); selecting one this build lacks is refused and changes nothing. */
+static void test_fp32_kernels(void **state) {
+    (void)state;
+    const int saved = tera_cpu_attn_fp32();
+    if (!getenv("TERA_ATTN_FP32")) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        assert_int_equal(saved, TERA_ATTN_FP32_AVX512);
+#elif defined(__AVX2__) && defined(__FMA__)
+        assert_int_equal(saved, TERA_ATTN_FP32_AVX2);
+#else
+        assert_int_equal(saved, TERA_ATTN_FP32_SGEMM);
+#endif
+    }
+#if defined(__AVX2__) && defined(__FMA__)
+    assert_true(tera_cpu_attn_fp32_available(TERA_ATTN_FP32_AVX2));
+#endif
+    assert_true(tera_cpu_attn_fp32_available(TERA_ATTN_FP32_SGEMM));
+    assert_int_equal(tera_cpu_attn_fp32_set(7), -1);
+    if (!tera_cpu_attn_fp32_available(TERA_ATTN_FP32_AVX512))
+        assert_int_equal(tera_cpu_attn_fp32_set(TERA_ATTN_FP32_AVX512), -1);
+    assert_int_equal(tera_cpu_attn_fp32(), saved);
+    const size_t nshape = sizeof k_shapes / sizeof k_shapes[0];
+    float *first[sizeof k_shapes / sizeof k_shapes[0]] = {0}; /* the first register-blocked kernel's results */
+    int ran = 0;
+    for (int kern = TERA_ATTN_FP32_SGEMM; kern <= TERA_ATTN_FP32_AVX512; kern++) {
+        if (!tera_cpu_attn_fp32_available(kern)) continue;
+        assert_int_equal(tera_cpu_attn_fp32_set(kern), 0);
+        assert_int_equal(tera_cpu_attn_fp32(), kern);
+        ran++;
+        for (size_t si = 0; si < nshape; si++) {
+            const shape s = k_shapes[si];
+            g_rng = 0x5DEECE66Dull + si; /* the same inputs for every kernel */
+            bufs x = bufs_new(s);
+            double *ro = alloc_d(nq_of(s)), *rl = alloc_d((size_t)s.B * s.H * s.T);
+            double *rq = alloc_d(nq_of(s)), *rk = alloc_d(nk_of(s)), *rv = alloc_d(nk_of(s));
+            float *all = run_all(s, &x, omp_get_max_threads());
+            ref_attention(s, x.q, x.k, x.v, x.dout, ro, rl, rq, rk, rv);
+            const double e[5] = {err_ratio(x.out, ro, nq_of(s), 1e-5, 1e-5),
+                                 err_ratio(x.lse, rl, (size_t)s.B * s.H * s.T, 1e-5, 1e-5),
+                                 err_ratio(x.dq, rq, nq_of(s), 1e-5, 1e-5), err_ratio(x.dk, rk, nk_of(s), 1e-5, 1e-5),
+                                 err_ratio(x.dv, rv, nk_of(s), 1e-5, 1e-5)};
+            for (int i = 0; i < 5; i++)
+                if (!(e[i] <= 1))
+                    fail_msg("fp32 kernels %s, B=%d T=%d H=%d Hkv=%d hd=%d: err ratio %g (out lse dq dk dv: %d)",
+                             tera_cpu_attn_fp32_name(kern), s.B, s.T, s.H, s.Hkv, s.hd, e[i], i);
+            const size_t n = 2 * nq_of(s) + (size_t)s.B * s.H * s.T + 2 * nk_of(s);
+            if (kern == TERA_ATTN_FP32_SGEMM) {
+                free(all);
+            } else if (!first[si]) {
+                first[si] = all;
+            } else {
+                if (memcmp(first[si], all, n * sizeof(float)))
+                    fail_msg("fp32 kernels %s differ from avx2 in bits, B=%d T=%d H=%d Hkv=%d hd=%d",
+                             tera_cpu_attn_fp32_name(kern), s.B, s.T, s.H, s.Hkv, s.hd);
+                free(all);
+            }
+            free(ro), free(rl), free(rq), free(rk), free(rv);
+            bufs_free(&x);
+        }
+    }
+    printf("fp32 attention kernels checked: %d (default %s)\n", ran, tera_cpu_attn_fp32_name(saved));
+    for (size_t si = 0; si < nshape; si++) free(first[si]);
+    assert_int_equal(tera_cpu_attn_fp32_set(saved), 0);
 }
 
 static void test_scratch_is_small(void **state) {
@@ -607,6 +678,7 @@ int main(void) {
         cmocka_unit_test(test_peaked_softmax),
         cmocka_unit_test(test_backward_finite_differences),
         cmocka_unit_test(test_determinism),
+        cmocka_unit_test(test_fp32_kernels),
         cmocka_unit_test(test_scratch_is_small),
         cmocka_unit_test(test_bf16_vs_rounded_reference),
         cmocka_unit_test(test_bf16_determinism),

@@ -1,8 +1,10 @@
 /* Causal grouped-query attention, tiled flash-style (FlashAttention-2 schedule) on the CPU.
  *
- * fp32 runs the AVX-512 kernels at the end of this file where the compiler targets AVX-512
- * ("fp32 on AVX-512": register-blocked products, transposed scores, no masked blocks computed);
- * the sgemm kernels described here are the path of other builds and of TERA_ATTN_FP32=sgemm.
+ * fp32 runs register-blocked kernels (products in registers, transposed scores, no masked blocks
+ * computed): the AVX-512 ones at the end of this file where the compiler targets AVX-512 ("fp32 on
+ * AVX-512"), else attention_avx2.c's 8-lane form of them where it targets AVX2 + FMA (the same bits;
+ * AVX-512 builds have both, TERA_ATTN_FP32=avx2|avx512 picks). The sgemm kernels described here are
+ * the path of other builds and of TERA_ATTN_FP32=sgemm (cpu.h: tera_cpu_attn_fp32_set).
  *
  * Forward: for each (b, h, query tile) the key tiles up to the diagonal are visited in order;
  * S = Q K^T * scale and O += P V are oneDNN sgemm calls reading q/k/v in place through their row
@@ -24,9 +26,13 @@
  * tera_attention_scratch_floats) under a thread count at least as large as at the call. */
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "cpu.h"
 #include "tera/bf16.h"
@@ -75,8 +81,9 @@ static void row_exp_sub(float *restrict x, int n, float m) {
 
 static int n_tiles(int T) { return (T + ATTN_TILE - 1) / ATTN_TILE; }
 
-/* Tile edge of the AVX-512 fp32 kernels (query rows and keys; four vectors of 16 rows). */
-#define FT 64
+/* Tile edge of the register-blocked fp32 kernels, AVX-512 here and AVX2 in attention_avx2.c (query
+ * rows and keys; four vectors of 16 rows, eight of 8). */
+#define FT ATTN_FP32_TILE
 /* Per-thread scratch of either fp32 path: the sgemm path's blocks, or the AVX-512 path's packed
  * Q^T and dO^T tiles [hd, FT], S^T / P^T and dS^T tiles [FT, FT], row vectors, dense row tiles
  * [FT, hdp] (Q, dO, dQ or O) and one key chunk's dense rows (K, V; dK, dV in the backward);
@@ -845,7 +852,7 @@ void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *
  * key chunks outer, (query head, query tile) and the chunk's key tiles inner: every dK, dV element
  * receives its terms in (head, query tile) order, each dQ element in key tile order.
  * TERA_ATTN_FP32=sgemm selects the sgemm kernels above (A/B timing; they are also the path of
- * builds without AVX-512). */
+ * builds without AVX2), TERA_ATTN_FP32=avx2 attention_avx2.c's form of these. */
 #ifdef ATTN_AVX512
 #define MK_INLINE static inline __attribute__((always_inline))
 
@@ -1165,13 +1172,86 @@ static void backward_group_avx512(float *dq, float *dk, float *dv, const float *
     }
 }
 
-static int attn_fp32_sgemm(void) {
-    static int on = -1; /* TERA_ATTN_FP32=sgemm: the sgemm kernels (A/B timing) */
-    if (on < 0) {
-        const char *e = getenv("TERA_ATTN_FP32");
-        on = e && !strcmp(e, "sgemm");
+#endif
+
+#if defined(ATTN_AVX512) || defined(ATTN_AVX2)
+#define ATTN_RB 1 /* register-blocked fp32 kernels: the AVX-512 ones above and/or attention_avx2.c's */
+#endif
+
+/* Which fp32 kernels run: TERA_ATTN_FP32=sgemm|avx2|avx512 in the environment, else the default (the
+ * AVX-512 kernels where built, else the AVX2 ones, else sgemm); tera_cpu_attn_fp32_set changes it. */
+static int g_fp32_kernel = -1;
+static pthread_once_t g_fp32_once = PTHREAD_ONCE_INIT;
+static void fp32_kernel_init(void) {
+#if defined(ATTN_AVX512)
+    g_fp32_kernel = TERA_ATTN_FP32_AVX512;
+#elif defined(ATTN_AVX2)
+    g_fp32_kernel = TERA_ATTN_FP32_AVX2;
+#else
+    g_fp32_kernel = TERA_ATTN_FP32_SGEMM;
+#endif
+    const char *e = getenv("TERA_ATTN_FP32");
+    if (!e || !*e) return;
+    for (int kk = 0; kk < 3; kk++)
+        if (!strcmp(e, tera_cpu_attn_fp32_name(kk))) {
+            if (tera_cpu_attn_fp32_available(kk)) g_fp32_kernel = kk;
+            else fprintf(stderr, "tera: TERA_ATTN_FP32=%s: not built for this CPU; using %s\n", e,
+                         tera_cpu_attn_fp32_name(g_fp32_kernel));
+            return;
+        }
+    fprintf(stderr, "tera: TERA_ATTN_FP32=%s: unknown (sgemm, avx2 or avx512); using %s\n", e,
+            tera_cpu_attn_fp32_name(g_fp32_kernel));
+}
+const char *tera_cpu_attn_fp32_name(int kernel) {
+    return kernel == TERA_ATTN_FP32_AVX512 ? "avx512" : kernel == TERA_ATTN_FP32_AVX2 ? "avx2" : "sgemm";
+}
+int tera_cpu_attn_fp32_available(int kernel) {
+    switch (kernel) {
+    case TERA_ATTN_FP32_SGEMM: return 1;
+#ifdef ATTN_AVX2
+    case TERA_ATTN_FP32_AVX2: return 1;
+#endif
+#ifdef ATTN_AVX512
+    case TERA_ATTN_FP32_AVX512: return 1;
+#endif
+    default: return 0;
     }
-    return on;
+}
+int tera_cpu_attn_fp32(void) {
+    pthread_once(&g_fp32_once, fp32_kernel_init);
+    return g_fp32_kernel;
+}
+int tera_cpu_attn_fp32_set(int kernel) {
+    pthread_once(&g_fp32_once, fp32_kernel_init);
+    if (!tera_cpu_attn_fp32_available(kernel)) return -1;
+    g_fp32_kernel = kernel;
+    return 0;
+}
+
+#ifdef ATTN_RB
+/* one forward task / backward group on the selected register-blocked kernels */
+static void rb_forward_span(int kernel, float *out, float *lse, float *lsum, const float *q, const float *k,
+                            const float *v, int b, int h, int qa, int qb, int T, int H, int Hkv, int hd, float *ws) {
+#ifdef ATTN_AVX512
+    if (kernel == TERA_ATTN_FP32_AVX512) {
+        forward_span_avx512(out, lse, lsum, q, k, v, b, h, qa, qb, T, H, Hkv, hd, ws);
+        return;
+    }
+#endif
+    (void)kernel;
+    tera_attn_avx2_forward_span(out, lse, lsum, q, k, v, b, h, qa, qb, T, H, Hkv, hd, attn_key_chunk(hd), ws);
+}
+static void rb_backward_group(int kernel, float *dq, float *dk, float *dv, const float *dout, const float *q,
+                              const float *k, const float *v, const float *lse, const float *D, int b, int kvh, int T,
+                              int H, int Hkv, int hd, float *ws) {
+#ifdef ATTN_AVX512
+    if (kernel == TERA_ATTN_FP32_AVX512) {
+        backward_group_avx512(dq, dk, dv, dout, q, k, v, lse, D, b, kvh, T, H, Hkv, hd, ws);
+        return;
+    }
+#endif
+    (void)kernel;
+    tera_attn_avx2_backward_group(dq, dk, dv, dout, q, k, v, lse, D, b, kvh, T, H, Hkv, hd, attn_key_chunk(hd), ws);
 }
 
 /* D[b,h,t] = sum_d dO * O for the row (b, t) (double accumulation, fixed order) */
@@ -1190,9 +1270,10 @@ static void attention_d_row(float *D, const float *out, const float *dout, int64
 
 void tera_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                             int H, int Hkv, int hd, float *scratch) {
-#ifdef ATTN_AVX512
+#ifdef ATTN_RB
     ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
-    if (!attn_fp32_sgemm()) {
+    const int kernel = tera_cpu_attn_fp32();
+    if (kernel != TERA_ATTN_FP32_SGEMM) {
         if (B == 0 || T == 0) return;
         const int nt = (T + FT - 1) / FT;
         const int nthr = omp_get_max_threads();
@@ -1207,7 +1288,7 @@ void tera_attention_forward(float *out, float *lse, const float *q, const float 
         for (int64_t task = 0; task < ntask; task++) {
             const int qt = per_head ? 0 : nt - 1 - (int)(task / ((int64_t)B * H));
             const int bh = (int)(task % ((int64_t)B * H));
-            forward_span_avx512(out, lse, lsum + (int64_t)bh * T, q, k, v, bh / H, bh % H, qt, per_head ? nt : qt + 1, T,
+            rb_forward_span(kernel, out, lse, lsum + (int64_t)bh * T, q, k, v, bh / H, bh % H, qt, per_head ? nt : qt + 1, T,
                                 H, Hkv, hd, scratch + (size_t)omp_get_thread_num() * per);
         }
         return;
@@ -1219,9 +1300,10 @@ void tera_attention_forward(float *out, float *lse, const float *q, const float 
 void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                              const float *v, const float *out, const float *lse, int B, int T, int H, int Hkv, int hd,
                              float *scratch) {
-#ifdef ATTN_AVX512
+#ifdef ATTN_RB
     ATTN_CHECK_SHAPE(B, T, H, Hkv, hd);
-    if (!attn_fp32_sgemm()) {
+    const int kernel = tera_cpu_attn_fp32();
+    if (kernel != TERA_ATTN_FP32_SGEMM) {
         if (B == 0 || T == 0) return;
         const int nthr = omp_get_max_threads();
         const size_t per = attn_thread_floats(hd);
@@ -1234,7 +1316,7 @@ void tera_attention_backward(float *dq, float *dk, float *dv, const float *dout,
             float *ws = scratch + (size_t)omp_get_thread_num() * per;
 #pragma omp for schedule(dynamic, 1)
             for (int task = 0; task < B * Hkv; task++)
-                backward_group_avx512(dq, dk, dv, dout, q, k, v, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws);
+                rb_backward_group(kernel, dq, dk, dv, dout, q, k, v, lse, D, task / Hkv, task % Hkv, T, H, Hkv, hd, ws);
         }
         return;
     }

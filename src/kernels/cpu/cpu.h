@@ -147,6 +147,16 @@ int64_t tera_cpu_gemm_pieces_taken(void); /* how many products ran in pieces so 
 void tera_cpu_gemm_pad(int on);
 int64_t tera_cpu_gemm_padded_taken(int operand); /* tiles run so far on a padded copy of op(A) (0), op(B) (1) (tests) */
 
+/* fp32 attention's kernels (attention.c): oneDNN sgemm calls, or register-blocked kernels on AVX2 +
+ * FMA (attention_avx2.c) or AVX-512. The register-blocked ones give the same bits as each other (the
+ * same sums in the same order); sgemm others. The default is the widest built, or the environment's
+ * TERA_ATTN_FP32=sgemm|avx2|avx512 where this build has it. */
+enum { TERA_ATTN_FP32_SGEMM = 0, TERA_ATTN_FP32_AVX2 = 1, TERA_ATTN_FP32_AVX512 = 2 };
+int tera_cpu_attn_fp32_available(int kernel); /* built here (AVX2: x86-64-v3 or later; AVX-512) */
+int tera_cpu_attn_fp32(void);                 /* the kernels in use */
+int tera_cpu_attn_fp32_set(int kernel);       /* 0, or -1 (not built here; nothing changed) */
+const char *tera_cpu_attn_fp32_name(int kernel); /* "sgemm", "avx2", "avx512" */
+
 /* bf16 products on AMX with a short reduction and a fresh output, run on one thread, in row chunks
  * whose output lines are prefetched for writing first (matmul.c, "bf16 outputs written in row
  * chunks"): 1 on (the default where oneDNN has AMX, unless TERA_GEMM_OUT_CHUNK=0), 0 off; the same
