@@ -244,6 +244,44 @@ static int run_padded(const char *isa) {
     return fails;
 }
 
+/* The copies' cap (matmul.c's PAD_MAX_FLOATS, 4 Mi floats a thread): a TN tile whose copies of A and B
+ * would not fit runs on the arrays as they are: no copy, the same bits as with the copies off, the
+ * right product. K = 2^18 puts even a 16-row tile's copies (2 x K x 16 floats) over the cap; the same
+ * operands with K = 4096 are copied, so it is the cap that stops them. Under AVX-512 kernels nothing
+ * is copied either way. */
+static int run_pad_cap(const char *isa) {
+    const int avx512 = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
+    static const shape caps[2] = {{64, 64, 4096}, {64, 64, 262144}};
+    int fails = 0;
+    omp_set_num_threads(1);
+    for (int i = 0; i < 2; i++) {
+        product p;
+        product_init_ld(&p, caps[i], 1, 0, 2 * (40 + i), 1); /* TN, lda = ldb = 64: rows 256 bytes apart */
+        const size_t bytes = sizeof(float) * (size_t)(p.M * p.ldc);
+        float *on = malloc(bytes), *off = malloc(bytes);
+        tera_cpu_gemm_pad(0);
+        product_run(&p, off, 0);
+        tera_cpu_gemm_pad(1);
+        const int64_t a0 = tera_cpu_gemm_padded_taken(0), b0 = tera_cpu_gemm_padded_taken(1);
+        product_run(&p, on, 0);
+        const int64_t ta = tera_cpu_gemm_padded_taken(0) - a0, tb = tera_cpu_gemm_padded_taken(1) - b0;
+        const int want = !avx512 && i == 0;
+        const char *why = (ta > 0) != want || (tb > 0) != want ? (want ? "no padded copies" : "copies over the cap")
+                          : memcmp(on, off, bytes)             ? "the cap changes the numbers"
+                          : product_check(&p, on, 63)          ? "wrong product"
+                                                               : NULL;
+        printf("%s: TN 64x64x%ld: %lld + %lld padded copies\n", isa, (long)p.K, (long long)ta, (long long)tb);
+        if (why) {
+            fprintf(stderr, "%s: TN 64x64x%ld: %s\n", isa, (long)p.K, why);
+            fails++;
+        }
+        free(on);
+        free(off);
+        product_free(&p);
+    }
+    return fails;
+}
+
 /* tile_macs: TERA_GEMM_TILE_MACS for the child (NULL: the default tiles, which leave the smaller
  * shapes whole; a small value cuts every shape into many tiles, checking the tiles' offsets) */
 /* first_threads: g_first_threads for the child; returns the child's g_digest */
@@ -286,6 +324,8 @@ static void test_padded(void **state) {
     under_isa_run(dnnl_cpu_isa_avx2, "AVX2, padded operands", NULL, 1, run_padded);
     under_isa_run(dnnl_cpu_isa_avx2, "AVX2, padded operands, small tiles", "4096", 1, run_padded);
     under_isa_run(dnnl_cpu_isa_avx512_core, "AVX512_CORE, padded operands", NULL, 1, run_padded);
+    under_isa_run(dnnl_cpu_isa_avx2, "AVX2, the copies' cap", NULL, 1, run_pad_cap);
+    under_isa_run(dnnl_cpu_isa_avx512_core, "AVX512_CORE, the copies' cap", NULL, 1, run_pad_cap);
 }
 
 static void test_avx2(void **state) {
