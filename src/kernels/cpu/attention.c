@@ -851,6 +851,8 @@ void tera_attention_backward_bf16(float *dq, float *dk, float *dv, const float *
  * head's results do not depend on the other heads (tensor-parallel head splits). The backward visits
  * key chunks outer, (query head, query tile) and the chunk's key tiles inner: every dK, dV element
  * receives its terms in (head, query tile) order, each dQ element in key tile order.
+ * The schedule (forward spans, backward groups) is attention_rb.h's, instantiated here on 16 lanes and
+ * in attention_avx2.c on 8; this section holds the 16-lane products, packs and vector operations.
  * TERA_ATTN_FP32=sgemm selects the sgemm kernels above (A/B timing; they are also the path of
  * builds without AVX2), TERA_ATTN_FP32=avx2 attention_avx2.c's form of these. */
 #ifdef ATTN_AVX512
@@ -962,215 +964,30 @@ static void pack_rows(float *restrict X, const float *restrict x, int64_t ld, in
         }
 }
 
-/* St[c*FT + r] = sum_d A[c*lda + d] * Bt[d*FT + r] for keys c < nk; on the diagonal tile (diag) key
- * block [c0, c0+16) only for rows r >= c0 (its lanes below c0 are all masked and left unwritten) */
-static void scores_t(float *St, const float *A, int64_t lda, const float *Bt, int nk, int hd, int diag) {
-    if (!diag) {
-        mk(nk, hd, FT, A, lda, 1, Bt, FT, St, FT, 0);
-        return;
-    }
-    for (int c0 = 0; c0 < nk; c0 += 16)
-        mk(nk - c0 < 16 ? nk - c0 : 16, hd, FT - c0, A + (int64_t)c0 * lda, lda, 1, Bt + c0, FT,
-           St + (int64_t)c0 * FT + c0, FT, 0);
-}
+/* the operations attention_rb.h's schedule uses, on 16 lanes */
+#define RB_VL 16
+#define RB_FN(name) name##_avx512
+typedef __m512 rb_vec;
+typedef __mmask16 rb_mask;
+static inline rb_vec rb_ld(const float *p) { return _mm512_loadu_ps(p); }
+static inline void rb_st(float *p, rb_vec v) { _mm512_storeu_ps(p, v); }
+static inline rb_vec rb_set1(float x) { return _mm512_set1_ps(x); }
+static inline rb_vec rb_zero(void) { return _mm512_setzero_ps(); }
+static inline rb_vec rb_add(rb_vec a, rb_vec b) { return _mm512_add_ps(a, b); }
+static inline rb_vec rb_sub(rb_vec a, rb_vec b) { return _mm512_sub_ps(a, b); }
+static inline rb_vec rb_mul(rb_vec a, rb_vec b) { return _mm512_mul_ps(a, b); }
+static inline rb_vec rb_max(rb_vec a, rb_vec b) { return _mm512_max_ps(a, b); }
+static inline rb_vec rb_fmadd(rb_vec a, rb_vec b, rb_vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline rb_vec rb_exp(rb_vec x) { return vexp16(x); }
+static inline rb_mask rb_rows(int n) { return lanes_mask(n); }
+static inline rb_mask rb_causal(int c, int g) { return causal_mask(c, g, 1); }
+static inline rb_mask rb_mask_and(rb_mask a, rb_mask b) { return (rb_mask)(a & b); }
+static inline rb_vec rb_ld_or(rb_mask m, const float *p, rb_vec fill) { return _mm512_mask_loadu_ps(fill, m, p); }
+static inline rb_vec rb_keep(rb_mask m, rb_vec v) { return _mm512_maskz_mov_ps(m, v); }
+static inline rb_vec rb_max_where(rb_mask m, rb_vec a, rb_vec b) { return _mm512_mask_max_ps(a, m, a, b); }
 
-/* out rows r < nq (stride ldo, lanes hd) (+)= sum_c Pt[c*FT + r] * X[c*ldx + d] over keys c < nk (on
- * the diagonal, c <= r: 16-row blocks stop at their last row) */
-static void rows_by_keys(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
-                         int hd, int diag, int acc) {
-    if (!diag) {
-        mk(nq, nk, hd, Pt, 1, FT, X, ldx, out, ldo, acc);
-        return;
-    }
-    for (int r0 = 0; r0 < nq; r0 += 16)
-        mk(nq - r0 < 16 ? nq - r0 : 16, nk < r0 + 16 ? nk : r0 + 16, hd, Pt + r0, 1, FT, X, ldx,
-           out + (int64_t)r0 * ldo, ldo, acc);
-}
+#include "attention_rb.h"
 
-/* out rows c < nk (stride ldo, lanes hd) += sum_r Pt[c*FT + r] * X[r*ldx + d] over rows r < nq (on
- * the diagonal, r >= c: 16-key blocks start at their first key) */
-static void keys_by_rows(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
-                         int hd, int diag) {
-    if (!diag) {
-        mk(nk, nq, hd, Pt, FT, 1, X, ldx, out, ldo, 1);
-        return;
-    }
-    for (int c0 = 0; c0 < nk; c0 += 16)
-        mk(nk - c0 < 16 ? nk - c0 : 16, nq - c0, hd, Pt + (int64_t)c0 * FT + c0, FT, 1, X + (int64_t)c0 * ldx, ldx,
-           out + (int64_t)c0 * ldo, ldo, 1);
-}
-
-/* Query tiles [qa, qb) of (b, h): out rows and their lse. Key tiles are visited in chunks (K, V of a
- * chunk copied to dense rows once, for all the span's query tiles); between chunks a query tile's
- * state is kept exactly: O unnormalised in out, the running max in lse, the running sum in lsum
- * ([T], this head's row of the scratch's D block, which the forward does not otherwise use). So
- * neither the span nor the chunk size changes a bit: a span of one tile (many threads) and of all
- * (few threads) give the same results. */
-static void forward_span_avx512(float *out, float *lse, float *lsum, const float *q, const float *k, const float *v,
-                                int b, int h, int qa, int qb, int T, int H, int Hkv, int hd, float *ws) {
-    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
-    const int kvh = h / (H / Hkv);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t hdp = (int64_t)attn_hdp(hd);
-    const int kch = attn_key_chunk(hd);
-    float *Qt = ws;                                      /* [hd, FT] scale * Q^T */
-    float *St = Qt + (size_t)hd * FT;                    /* [FT keys, FT rows] S^T, then P^T */
-    float *m = St + FT * FT, *l = m + FT, *al = l + FT;  /* [FT] running max, sum, rescale */
-    float *Op = al + FT;                                 /* [FT, hdp] O of the query tile */
-    float *Kc = Op + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp; /* [kch*FT, hdp] the chunk's K, V */
-    float *lse_h = lse + ((int64_t)b * H + h) * T;
-    for (int kc0 = 0; kc0 < qb; kc0 += kch) {
-        const int kc1 = kc0 + kch < qb ? kc0 + kch : qb; /* no key tile beyond the last query tile */
-        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0;
-        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
-        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
-        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
-        for (int qt = qa > kc0 ? qa : kc0; qt < qb; qt++) {
-            const int t0 = qt * FT;
-            const int nq = T - t0 < FT ? T - t0 : FT;
-            float *oi = out + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
-            pack_t(Qt, q + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd, ldq, nq, hd, scale);
-            for (int g = 0; g < FT / 16; g++) { /* pad rows (r >= nq) start afresh in every chunk */
-                const __mmask16 rows = lanes_mask(nq - 16 * g);
-                _mm512_storeu_ps(m + 16 * g, kc0 == 0 ? _mm512_set1_ps(-INFINITY)
-                                                      : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), rows, lse_h + t0 + 16 * g));
-                _mm512_storeu_ps(l + 16 * g, kc0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(rows, lsum + t0 + 16 * g));
-            }
-            if (kc0 > 0) pack_rows(Op, oi, ldq, nq, hd, hdp);
-            const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
-            for (int kt = kc0; kt <= kend; kt++) {
-                const int s0 = kt * FT;
-                const int nk = T - s0 < FT ? T - s0 : FT;
-                const int diag = kt == qt;
-                const float *Kp = Kc + (int64_t)(s0 - c0) * hdp, *Vp = Vc + (int64_t)(s0 - c0) * hdp;
-                scores_t(St, Kp, hdp, Qt, nk, hd, diag);
-                /* online softmax, 16 rows a vector; pad rows see every key of the tile: finite */
-                for (int g = 0; g < FT / 16; g++) {
-                    const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
-                    __m512 mt = _mm512_set1_ps(-INFINITY);
-                    for (int c = 0; c < cend; c++)
-                        mt = _mm512_mask_max_ps(mt, causal_mask(c, g, diag), mt, _mm512_loadu_ps(St + (int64_t)c * FT + 16 * g));
-                    const __m512 mo = _mm512_loadu_ps(m + 16 * g);
-                    const __m512 mn = _mm512_max_ps(mo, mt);
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int c = 0; c < cend; c++) {
-                        float *p = St + (int64_t)c * FT + 16 * g;
-                        const __m512 e = _mm512_maskz_mov_ps(causal_mask(c, g, diag), vexp16(_mm512_sub_ps(_mm512_loadu_ps(p), mn)));
-                        _mm512_storeu_ps(p, e);
-                        sum = _mm512_add_ps(sum, e);
-                    }
-                    const __m512 alpha = vexp16(_mm512_sub_ps(mo, mn)); /* 0 at the first tile (mo = -inf) */
-                    _mm512_storeu_ps(m + 16 * g, mn);
-                    _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), alpha, sum));
-                    _mm512_storeu_ps(al + 16 * g, alpha);
-                }
-                if (kt > 0)
-                    for (int r = 0; r < nq; r++)
-                        if (al[r] != 1.0f) {
-                            float *restrict o = Op + (int64_t)r * hdp;
-                            for (int d = 0; d < hd; d++) o[d] *= al[r];
-                        }
-                rows_by_keys(Op, hdp, St, Vp, hdp, nq, nk, hd, diag, kt > 0); /* O (+)= P V_j */
-            }
-            if (kend == qt) { /* the query tile's last key tile: normalise */
-                for (int r = 0; r < nq; r++) {
-                    const float inv = 1.0f / l[r];
-                    const float *restrict o = Op + (int64_t)r * hdp;
-                    float *restrict y = oi + (int64_t)r * ldq;
-                    for (int d = 0; d < hd; d++) y[d] = o[d] * inv;
-                    lse_h[t0 + r] = m[r] + logf(l[r]);
-                }
-            } else { /* keep the state for the next chunk */
-                for (int r = 0; r < nq; r++) memcpy(oi + (int64_t)r * ldq, Op + (int64_t)r * hdp, sizeof(float) * (size_t)hd);
-                memcpy(lse_h + t0, m, sizeof(float) * (size_t)nq);
-                memcpy(lsum + t0, l, sizeof(float) * (size_t)nq);
-            }
-        }
-    }
-}
-
-static void backward_group_avx512(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
-                                  const float *v, const float *lse, const float *D, int b, int kvh, int T, int H,
-                                  int Hkv, int hd, float *ws) {
-    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
-    const int rep = H / Hkv;
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int nt = (T + FT - 1) / FT;
-    const int64_t hdp = (int64_t)attn_hdp(hd);
-    const int kch = attn_key_chunk(hd); /* key tiles per chunk */
-    float *Qt = ws, *dOt = Qt + (size_t)hd * FT; /* [hd, FT] scale * Q^T, dO^T */
-    float *Pt = dOt + (size_t)hd * FT;           /* [FT keys, FT rows] S^T, then P^T */
-    float *dSt = Pt + FT * FT;                   /* [FT keys, FT rows] dP^T, then scale * dS^T */
-    float *Qp = dSt + FT * FT, *dOp = Qp + FT * hdp, *dQp = dOp + FT * hdp; /* [FT, hdp] Q_i, dO_i, dQ_i */
-    float *Kc = dQp + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp;         /* [kch*FT, hdp] the chunk's */
-    float *dKc = Vc + (int64_t)kch * FT * hdp, *dVc = dKc + (int64_t)kch * FT * hdp; /* K, V, dK, dV */
-    const __m512 vscale = _mm512_set1_ps(scale);
-    /* key tiles in chunks [kc0, kc1): K, V and the dK, dV accumulators of a chunk are dense rows; every
-     * dK, dV element gets its terms in (head, query tile) order, every dQ element in key order, so the
-     * chunk size does not change a bit */
-    for (int kc0 = 0; kc0 < nt; kc0 += kch) {
-        const int kc1 = kc0 + kch < nt ? kc0 + kch : nt;
-        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0; /* keys of the chunk */
-        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
-        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
-        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
-        memset(dKc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
-        memset(dVc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
-        for (int hh = 0; hh < rep; hh++) {
-            const int h = kvh * rep + hh;
-            for (int qt = kc0; qt < nt; qt++) {
-                const int t0 = qt * FT;
-                const int nq = T - t0 < FT ? T - t0 : FT;
-                const int64_t qoff = ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
-                const float *qi = q + qoff, *doi = dout + qoff;
-                const float *lse_i = lse + ((int64_t)b * H + h) * T + t0;
-                const float *D_i = D + ((int64_t)b * H + h) * T + t0;
-                pack_t(Qt, qi, ldq, nq, hd, scale);
-                pack_t(dOt, doi, ldq, nq, hd, 1.0f);
-                pack_rows(Qp, qi, ldq, nq, hd, hdp);
-                pack_rows(dOp, doi, ldq, nq, hd, hdp);
-                if (kc0 == 0)
-                    memset(dQp, 0, sizeof(float) * (size_t)nq * (size_t)hdp);
-                else
-                    pack_rows(dQp, dq + qoff, ldq, nq, hd, hdp); /* the sum so far */
-                const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
-                for (int kt = kc0; kt <= kend; kt++) {
-                    const int s0 = kt * FT;
-                    const int nk = T - s0 < FT ? T - s0 : FT;
-                    const int diag = kt == qt;
-                    const int64_t co = (int64_t)(s0 - c0) * hdp; /* the tile's rows in the chunk */
-                    const float *Kp = Kc + co, *Vp = Vc + co;
-                    scores_t(Pt, Kp, hdp, Qt, nk, hd, diag);
-                    scores_t(dSt, Vp, hdp, dOt, nk, hd, diag); /* dP^T = V_j dO_i^T */
-                    for (int g = 0; g < FT / 16; g++) {
-                        const int cend = diag && 16 * g + 16 < nk ? 16 * g + 16 : nk;
-                        const int live = nq - 16 * g; /* rows of the group that exist */
-                        if (live <= 0) break;
-                        const __mmask16 rows = lanes_mask(live);
-                        const __m512 lv = _mm512_maskz_loadu_ps(rows, lse_i + 16 * g);
-                        const __m512 Dv = _mm512_maskz_loadu_ps(rows, D_i + 16 * g);
-                        for (int c = 0; c < cend; c++) {
-                            float *p = Pt + (int64_t)c * FT + 16 * g, *ds = dSt + (int64_t)c * FT + 16 * g;
-                            /* P = exp(S - lse), 0 where masked; dS = scale * P * (dP - D) */
-                            const __m512 e = _mm512_maskz_mov_ps(causal_mask(c, g, diag) & rows,
-                                                                 vexp16(_mm512_sub_ps(_mm512_loadu_ps(p), lv)));
-                            _mm512_storeu_ps(p, e);
-                            _mm512_storeu_ps(ds, _mm512_mul_ps(vscale, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(ds), Dv))));
-                        }
-                    }
-                    keys_by_rows(dVc + co, hdp, Pt, dOp, hdp, nq, nk, hd, diag); /* dV_j += P^T dO_i */
-                    keys_by_rows(dKc + co, hdp, dSt, Qp, hdp, nq, nk, hd, diag); /* dK_j += dS^T Q_i */
-                    rows_by_keys(dQp, hdp, dSt, Kp, hdp, nq, nk, hd, diag, 1);  /* dQ_i += dS K_j */
-                }
-                for (int r = 0; r < nq; r++) memcpy(dq + qoff + r * ldq, dQp + r * hdp, sizeof(float) * (size_t)hd);
-            }
-        }
-        for (int r = 0; r < nkc; r++) {
-            memcpy(dk + koff + r * ldk, dKc + r * hdp, sizeof(float) * (size_t)hd);
-            memcpy(dv + koff + r * ldk, dVc + r * hdp, sizeof(float) * (size_t)hd);
-        }
-    }
-}
 
 #endif
 
@@ -1234,7 +1051,7 @@ static void rb_forward_span(int kernel, float *out, float *lse, float *lsum, con
                             const float *v, int b, int h, int qa, int qb, int T, int H, int Hkv, int hd, float *ws) {
 #ifdef ATTN_AVX512
     if (kernel == TERA_ATTN_FP32_AVX512) {
-        forward_span_avx512(out, lse, lsum, q, k, v, b, h, qa, qb, T, H, Hkv, hd, ws);
+        forward_span_avx512(out, lse, lsum, q, k, v, b, h, qa, qb, T, H, Hkv, hd, attn_key_chunk(hd), ws);
         return;
     }
 #endif
@@ -1246,7 +1063,7 @@ static void rb_backward_group(int kernel, float *dq, float *dk, float *dv, const
                               int H, int Hkv, int hd, float *ws) {
 #ifdef ATTN_AVX512
     if (kernel == TERA_ATTN_FP32_AVX512) {
-        backward_group_avx512(dq, dk, dv, dout, q, k, v, lse, D, b, kvh, T, H, Hkv, hd, ws);
+        backward_group_avx512(dq, dk, dv, dout, q, k, v, lse, D, b, kvh, T, H, Hkv, hd, attn_key_chunk(hd), ws);
         return;
     }
 #endif

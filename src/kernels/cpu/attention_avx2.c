@@ -17,7 +17,9 @@
  *
  * Diagonal tiles are split into 16-key / 16-row blocks and only the blocks at or below the diagonal
  * are computed; the softmax passes run in groups of 8 rows, and a group writes the probabilities of
- * every key of its 16-row block (0 above the diagonal), which the products of that block read. */
+ * every key of its 16-row block (0 above the diagonal), which the products of that block read.
+ * This file holds the 8-lane products, packs and vector operations; the schedule (the forward over a
+ * span of query tiles, the backward of a kv head's group) is attention_rb.h's, shared with AVX-512. */
 #include "attention_avx2.h"
 
 #ifdef ATTN_AVX2
@@ -180,223 +182,40 @@ static void pack_rows(float *restrict X, const float *restrict x, int64_t ld, in
     for (int r = 0; r < n; r++) memcpy(X + r * hdp, x + r * ld, sizeof(float) * (size_t)hd);
 }
 
-/* St[c*FT + r] = sum_d A[c*lda + d] * Bt[d*FT + r] for keys c < nk; on the diagonal tile (diag) key
- * block [c0, c0+16) only for rows r >= c0 (the lanes below c0 are left unwritten) */
-static void scores_t(float *St, const float *A, int64_t lda, const float *Bt, int nk, int hd, int diag) {
-    if (!diag) {
-        mk(nk, hd, FT, A, lda, 1, Bt, FT, St, FT, 0);
-        return;
-    }
-    for (int c0 = 0; c0 < nk; c0 += 16)
-        mk(nk - c0 < 16 ? nk - c0 : 16, hd, FT - c0, A + (int64_t)c0 * lda, lda, 1, Bt + c0, FT,
-           St + (int64_t)c0 * FT + c0, FT, 0);
+/* the operations attention_rb.h's schedule uses, on 8 lanes */
+#define RB_VL 8
+#define RB_FN(name) name##_avx2
+typedef __m256 rb_vec;
+typedef __m256 rb_mask; /* all ones in the lanes set */
+static inline rb_vec rb_ld(const float *p) { return _mm256_loadu_ps(p); }
+static inline void rb_st(float *p, rb_vec v) { _mm256_storeu_ps(p, v); }
+static inline rb_vec rb_set1(float x) { return _mm256_set1_ps(x); }
+static inline rb_vec rb_zero(void) { return _mm256_setzero_ps(); }
+static inline rb_vec rb_add(rb_vec a, rb_vec b) { return _mm256_add_ps(a, b); }
+static inline rb_vec rb_sub(rb_vec a, rb_vec b) { return _mm256_sub_ps(a, b); }
+static inline rb_vec rb_mul(rb_vec a, rb_vec b) { return _mm256_mul_ps(a, b); }
+static inline rb_vec rb_max(rb_vec a, rb_vec b) { return _mm256_max_ps(a, b); }
+static inline rb_vec rb_fmadd(rb_vec a, rb_vec b, rb_vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline rb_vec rb_exp(rb_vec x) { return vexp8(x); }
+static inline rb_mask rb_rows(int n) { return _mm256_castsi256_ps(lanes8(n)); }
+static inline rb_mask rb_causal(int c, int g) { return causal8(c, g); }
+static inline rb_mask rb_mask_and(rb_mask a, rb_mask b) { return _mm256_and_ps(a, b); }
+static inline rb_vec rb_ld_or(rb_mask m, const float *p, rb_vec fill) {
+    return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, _mm256_castps_si256(m)), m);
 }
+static inline rb_vec rb_keep(rb_mask m, rb_vec v) { return _mm256_and_ps(m, v); }
+static inline rb_vec rb_max_where(rb_mask m, rb_vec a, rb_vec b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
 
-/* out rows r < nq (stride ldo, lanes hd) (+)= sum_c Pt[c*FT + r] * X[c*ldx + d] over keys c < nk (on
- * the diagonal, 16-row blocks stop at their block's last key) */
-static void rows_by_keys(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
-                         int hd, int diag, int acc) {
-    if (!diag) {
-        mk(nq, nk, hd, Pt, 1, FT, X, ldx, out, ldo, acc);
-        return;
-    }
-    for (int r0 = 0; r0 < nq; r0 += 16)
-        mk(nq - r0 < 16 ? nq - r0 : 16, nk < r0 + 16 ? nk : r0 + 16, hd, Pt + r0, 1, FT, X, ldx,
-           out + (int64_t)r0 * ldo, ldo, acc);
-}
-
-/* out rows c < nk (stride ldo, lanes hd) += sum_r Pt[c*FT + r] * X[r*ldx + d] over rows r < nq (on
- * the diagonal, 16-key blocks start at their first key) */
-static void keys_by_rows(float *out, int64_t ldo, const float *Pt, const float *X, int64_t ldx, int nq, int nk,
-                         int hd, int diag) {
-    if (!diag) {
-        mk(nk, nq, hd, Pt, FT, 1, X, ldx, out, ldo, 1);
-        return;
-    }
-    for (int c0 = 0; c0 < nk; c0 += 16)
-        mk(nk - c0 < 16 ? nk - c0 : 16, nq - c0, hd, Pt + (int64_t)c0 * FT + c0, FT, 1, X + (int64_t)c0 * ldx, ldx,
-           out + (int64_t)c0 * ldo, ldo, 1);
-}
-
-/* keys the softmax pass of row group g visits: all nk, or on the diagonal those of the group's
- * 16-row block (its probabilities above the diagonal written as 0 for the block's products) */
-static inline int group_keys(int g, int nk, int diag) {
-    const int end = (g >> 1) * 16 + 16;
-    return diag && end < nk ? end : nk;
-}
+#include "attention_rb.h"
 
 void tera_attn_avx2_forward_span(float *out, float *lse, float *lsum, const float *q, const float *k, const float *v,
                                  int b, int h, int qa, int qb, int T, int H, int Hkv, int hd, int kch, float *ws) {
-    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
-    const int kvh = h / (H / Hkv);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t hdp = ((int64_t)hd + 15) & ~(int64_t)15;
-    float *Qt = ws;                                      /* [hd, FT] scale * Q^T */
-    float *St = Qt + (size_t)hd * FT;                    /* [FT keys, FT rows] S^T, then P^T */
-    float *m = St + FT * FT, *l = m + FT, *al = l + FT;  /* [FT] running max, sum, rescale */
-    float *Op = al + FT;                                 /* [FT, hdp] O of the query tile */
-    float *Kc = Op + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp; /* [kch*FT, hdp] the chunk's K, V */
-    float *lse_h = lse + ((int64_t)b * H + h) * T;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int kc0 = 0; kc0 < qb; kc0 += kch) {
-        const int kc1 = kc0 + kch < qb ? kc0 + kch : qb; /* no key tile beyond the last query tile */
-        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0;
-        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
-        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
-        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
-        for (int qt = qa > kc0 ? qa : kc0; qt < qb; qt++) {
-            const int t0 = qt * FT;
-            const int nq = T - t0 < FT ? T - t0 : FT;
-            float *oi = out + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
-            pack_t(Qt, q + ((int64_t)b * T + t0) * ldq + (int64_t)h * hd, ldq, nq, hd, scale);
-            for (int g = 0; g < FT / 8; g++) { /* pad rows (r >= nq) start afresh in every chunk */
-                const __m256i rows = lanes8(nq - 8 * g);
-                if (kc0 == 0) {
-                    _mm256_storeu_ps(m + 8 * g, ninf);
-                    _mm256_storeu_ps(l + 8 * g, _mm256_setzero_ps());
-                } else {
-                    const __m256 rm = _mm256_castsi256_ps(rows);
-                    _mm256_storeu_ps(m + 8 * g, _mm256_blendv_ps(ninf, _mm256_maskload_ps(lse_h + t0 + 8 * g, rows), rm));
-                    _mm256_storeu_ps(l + 8 * g, _mm256_maskload_ps(lsum + t0 + 8 * g, rows));
-                }
-            }
-            if (kc0 > 0) pack_rows(Op, oi, ldq, nq, hd, hdp);
-            const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
-            for (int kt = kc0; kt <= kend; kt++) {
-                const int s0 = kt * FT;
-                const int nk = T - s0 < FT ? T - s0 : FT;
-                const int diag = kt == qt;
-                const float *Kp = Kc + (int64_t)(s0 - c0) * hdp, *Vp = Vc + (int64_t)(s0 - c0) * hdp;
-                scores_t(St, Kp, hdp, Qt, nk, hd, diag);
-                /* online softmax, 8 rows a vector; keys up to the group's first row need no mask; pad
-                 * rows see every key of the tile: finite */
-                for (int g = 0; g < FT / 8; g++) {
-                    const int cend = group_keys(g, nk, diag);
-                    const int cfree = diag && 8 * g + 1 < cend ? 8 * g + 1 : cend;
-                    __m256 mt = ninf;
-                    for (int c = 0; c < cfree; c++) mt = _mm256_max_ps(mt, _mm256_loadu_ps(St + (int64_t)c * FT + 8 * g));
-                    for (int c = cfree; c < cend; c++)
-                        mt = _mm256_blendv_ps(mt, _mm256_max_ps(mt, _mm256_loadu_ps(St + (int64_t)c * FT + 8 * g)),
-                                              causal8(c, g));
-                    const __m256 mo = _mm256_loadu_ps(m + 8 * g);
-                    const __m256 mn = _mm256_max_ps(mo, mt);
-                    __m256 sum = _mm256_setzero_ps();
-                    for (int c = 0; c < cend; c++) {
-                        float *p = St + (int64_t)c * FT + 8 * g;
-                        __m256 e = vexp8(_mm256_sub_ps(_mm256_loadu_ps(p), mn));
-                        if (c >= cfree) e = _mm256_and_ps(e, causal8(c, g));
-                        _mm256_storeu_ps(p, e);
-                        sum = _mm256_add_ps(sum, e);
-                    }
-                    const __m256 alpha = vexp8(_mm256_sub_ps(mo, mn)); /* 0 at the first tile (mo = -inf) */
-                    _mm256_storeu_ps(m + 8 * g, mn);
-                    _mm256_storeu_ps(l + 8 * g, _mm256_fmadd_ps(_mm256_loadu_ps(l + 8 * g), alpha, sum));
-                    _mm256_storeu_ps(al + 8 * g, alpha);
-                }
-                if (kt > 0)
-                    for (int r = 0; r < nq; r++)
-                        if (al[r] != 1.0f) {
-                            float *restrict o = Op + (int64_t)r * hdp;
-                            for (int d = 0; d < hd; d++) o[d] *= al[r];
-                        }
-                rows_by_keys(Op, hdp, St, Vp, hdp, nq, nk, hd, diag, kt > 0); /* O (+)= P V_j */
-            }
-            if (kend == qt) { /* the query tile's last key tile: normalise */
-                for (int r = 0; r < nq; r++) {
-                    const float inv = 1.0f / l[r];
-                    const float *restrict o = Op + (int64_t)r * hdp;
-                    float *restrict y = oi + (int64_t)r * ldq;
-                    for (int d = 0; d < hd; d++) y[d] = o[d] * inv;
-                    lse_h[t0 + r] = m[r] + logf(l[r]);
-                }
-            } else { /* keep the state for the next chunk */
-                for (int r = 0; r < nq; r++) memcpy(oi + (int64_t)r * ldq, Op + (int64_t)r * hdp, sizeof(float) * (size_t)hd);
-                memcpy(lse_h + t0, m, sizeof(float) * (size_t)nq);
-                memcpy(lsum + t0, l, sizeof(float) * (size_t)nq);
-            }
-        }
-    }
+    forward_span_avx2(out, lse, lsum, q, k, v, b, h, qa, qb, T, H, Hkv, hd, kch, ws);
 }
 
 void tera_attn_avx2_backward_group(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                                    const float *v, const float *lse, const float *D, int b, int kvh, int T, int H,
                                    int Hkv, int hd, int kch, float *ws) {
-    const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
-    const int rep = H / Hkv;
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int nt = (T + FT - 1) / FT;
-    const int64_t hdp = ((int64_t)hd + 15) & ~(int64_t)15;
-    float *Qt = ws, *dOt = Qt + (size_t)hd * FT; /* [hd, FT] scale * Q^T, dO^T */
-    float *Pt = dOt + (size_t)hd * FT;           /* [FT keys, FT rows] S^T, then P^T */
-    float *dSt = Pt + FT * FT;                   /* [FT keys, FT rows] dP^T, then scale * dS^T */
-    float *Qp = dSt + FT * FT, *dOp = Qp + FT * hdp, *dQp = dOp + FT * hdp; /* [FT, hdp] Q_i, dO_i, dQ_i */
-    float *Kc = dQp + FT * hdp, *Vc = Kc + (int64_t)kch * FT * hdp;         /* [kch*FT, hdp] the chunk's */
-    float *dKc = Vc + (int64_t)kch * FT * hdp, *dVc = dKc + (int64_t)kch * FT * hdp; /* K, V, dK, dV */
-    const __m256 vscale = _mm256_set1_ps(scale);
-    /* key tiles in chunks [kc0, kc1), as the AVX-512 kernel: every dK, dV element gets its terms in
-     * (head, query tile) order, every dQ element in key order */
-    for (int kc0 = 0; kc0 < nt; kc0 += kch) {
-        const int kc1 = kc0 + kch < nt ? kc0 + kch : nt;
-        const int c0 = kc0 * FT, nkc = (kc1 * FT < T ? kc1 * FT : T) - c0; /* keys of the chunk */
-        const int64_t koff = ((int64_t)b * T + c0) * ldk + (int64_t)kvh * hd;
-        pack_rows(Kc, k + koff, ldk, nkc, hd, hdp);
-        pack_rows(Vc, v + koff, ldk, nkc, hd, hdp);
-        memset(dKc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
-        memset(dVc, 0, sizeof(float) * (size_t)nkc * (size_t)hdp);
-        for (int hh = 0; hh < rep; hh++) {
-            const int h = kvh * rep + hh;
-            for (int qt = kc0; qt < nt; qt++) {
-                const int t0 = qt * FT;
-                const int nq = T - t0 < FT ? T - t0 : FT;
-                const int64_t qoff = ((int64_t)b * T + t0) * ldq + (int64_t)h * hd;
-                const float *qi = q + qoff, *doi = dout + qoff;
-                const float *lse_i = lse + ((int64_t)b * H + h) * T + t0;
-                const float *D_i = D + ((int64_t)b * H + h) * T + t0;
-                pack_t(Qt, qi, ldq, nq, hd, scale);
-                pack_t(dOt, doi, ldq, nq, hd, 1.0f);
-                pack_rows(Qp, qi, ldq, nq, hd, hdp);
-                pack_rows(dOp, doi, ldq, nq, hd, hdp);
-                if (kc0 == 0)
-                    memset(dQp, 0, sizeof(float) * (size_t)nq * (size_t)hdp);
-                else
-                    pack_rows(dQp, dq + qoff, ldq, nq, hd, hdp); /* the sum so far */
-                const int kend = qt < kc1 - 1 ? qt : kc1 - 1;
-                for (int kt = kc0; kt <= kend; kt++) {
-                    const int s0 = kt * FT;
-                    const int nk = T - s0 < FT ? T - s0 : FT;
-                    const int diag = kt == qt;
-                    const int64_t co = (int64_t)(s0 - c0) * hdp; /* the tile's rows in the chunk */
-                    const float *Kp = Kc + co, *Vp = Vc + co;
-                    scores_t(Pt, Kp, hdp, Qt, nk, hd, diag);
-                    scores_t(dSt, Vp, hdp, dOt, nk, hd, diag); /* dP^T = V_j dO_i^T */
-                    for (int g = 0; g < FT / 8; g++) {
-                        const int live = nq - 8 * g; /* rows of the group that exist */
-                        if (live <= 0) break;
-                        const int cend = group_keys(g, nk, diag);
-                        const __m256i rows = lanes8(live);
-                        const __m256 lv = _mm256_maskload_ps(lse_i + 8 * g, rows);
-                        const __m256 Dv = _mm256_maskload_ps(D_i + 8 * g, rows);
-                        for (int c = 0; c < cend; c++) {
-                            float *p = Pt + (int64_t)c * FT + 8 * g, *ds = dSt + (int64_t)c * FT + 8 * g;
-                            /* P = exp(S - lse), 0 where masked; dS = scale * P * (dP - D) */
-                            __m256 keep = _mm256_castsi256_ps(rows);
-                            if (diag && c > 8 * g) keep = _mm256_and_ps(keep, causal8(c, g));
-                            const __m256 e = _mm256_and_ps(keep, vexp8(_mm256_sub_ps(_mm256_loadu_ps(p), lv)));
-                            _mm256_storeu_ps(p, e);
-                            _mm256_storeu_ps(ds, _mm256_mul_ps(vscale, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(ds), Dv))));
-                        }
-                    }
-                    keys_by_rows(dVc + co, hdp, Pt, dOp, hdp, nq, nk, hd, diag); /* dV_j += P^T dO_i */
-                    keys_by_rows(dKc + co, hdp, dSt, Qp, hdp, nq, nk, hd, diag); /* dK_j += dS^T Q_i */
-                    rows_by_keys(dQp, hdp, dSt, Kp, hdp, nq, nk, hd, diag, 1);  /* dQ_i += dS K_j */
-                }
-                for (int r = 0; r < nq; r++) memcpy(dq + qoff + r * ldq, dQp + r * hdp, sizeof(float) * (size_t)hd);
-            }
-        }
-        for (int r = 0; r < nkc; r++) {
-            memcpy(dk + koff + r * ldk, dKc + r * hdp, sizeof(float) * (size_t)hd);
-            memcpy(dv + koff + r * ldk, dVc + r * hdp, sizeof(float) * (size_t)hd);
-        }
-    }
+    backward_group_avx2(dq, dk, dv, dout, q, k, v, lse, D, b, kvh, T, H, Hkv, hd, kch, ws);
 }
 #endif
