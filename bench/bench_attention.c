@@ -57,6 +57,14 @@ typedef size_t (*scratch_fn)(int, int, int, int, int);
 #define tera_attention_bf16_scratch_floats ref_attention_bf16_scratch_floats
 #define tera_attention_bf16_available ref_attention_bf16_available
 #define tera_attention_bf16_kernel ref_attention_bf16_kernel
+#define tera_cpu_attn_fp32 ref_cpu_attn_fp32 /* the kernel choice: a file that has it keeps its own */
+#define tera_cpu_attn_fp32_set ref_cpu_attn_fp32_set
+#define tera_cpu_attn_fp32_name ref_cpu_attn_fp32_name
+#define tera_cpu_attn_fp32_available ref_cpu_attn_fp32_available
+const char *ref_cpu_attn_fp32_name(int kernel);
+int ref_cpu_attn_fp32_available(int kernel);
+int ref_cpu_attn_fp32(void);
+int ref_cpu_attn_fp32_set(int kernel);
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmissing-prototypes"
 #include ATTN_REF
@@ -68,6 +76,10 @@ typedef size_t (*scratch_fn)(int, int, int, int, int);
 #undef tera_attention_scratch_floats
 #undef tera_attention_bf16_scratch_floats
 #undef tera_attention_bf16_available
+#undef tera_cpu_attn_fp32
+#undef tera_cpu_attn_fp32_set
+#undef tera_cpu_attn_fp32_name
+#undef tera_cpu_attn_fp32_available
 #undef tera_attention_bf16_kernel
 #endif
 
