@@ -1012,7 +1012,7 @@ static void fp32_kernel_init(void) {
     for (int kk = 0; kk < 3; kk++)
         if (!strcmp(e, tera_cpu_attn_fp32_name(kk))) {
             if (tera_cpu_attn_fp32_available(kk)) g_fp32_kernel = kk;
-            else fprintf(stderr, "tera: TERA_ATTN_FP32=%s: not built for this CPU; using %s\n", e,
+            else fprintf(stderr, "tera: TERA_ATTN_FP32=%s: not in this build; using %s\n", e,
                          tera_cpu_attn_fp32_name(g_fp32_kernel));
             return;
         }
