@@ -73,11 +73,11 @@ resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced 
             fi
             spec=$(printf '%s' "$spec" | cut -d: -f1-"$hi")
         fi
-        # fields after the name: integers, dp tp ep at least 1, MIN_FIELDS to MAX_FIELDS in all
+        # fields after the name: integers, dp tp ep (and pp) at least 1, MIN_FIELDS to MAX_FIELDS in all
         if ! printf '%s' "$spec" | awk -F: -v lo="$lo" -v hi="$hi" '{ ok = NF >= lo && NF <= hi
-                for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/ || (i <= 4 && $i + 0 < 1)) ok = 0 }
+                for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/ || ((i <= 4 || i == 7) && $i + 0 < 1)) ok = 0 }
                 END { exit !ok }'; then
-            echo "bench/dist.sh: $var: malformed layout '$e' (name:dp:tp:ep:zero:ep_overlap[:pp[:sequence_parallel]], dp tp ep >= 1)" >&2
+            echo "bench/dist.sh: $var: malformed layout '$e' (name:dp:tp:ep:zero:ep_overlap[:pp[:sequence_parallel]], dp tp ep pp >= 1)" >&2
             return 2
         fi
         out="$out $spec"

@@ -89,7 +89,7 @@ else
     fail "ROUNDS=two: exit $rc, $(head -c 200 "$W/bad.txt")"
 fi
 # an unknown name and a malformed entry: refused the same way, naming the entry
-for bad in "one dp3" "one dp2:2:0:1:0:1"; do
+for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0"; do
     (cd "$SRC" && LAYOUTS="$bad" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh "$TERA" 1 0) > "$W/bad.txt" 2>&1
     rc=$?
     entry=${bad#one }
