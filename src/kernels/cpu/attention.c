@@ -88,7 +88,7 @@ static int n_tiles(int T) { return (T + ATTN_TILE - 1) / ATTN_TILE; }
  * Q^T and dO^T tiles [hd, FT], S^T / P^T and dS^T tiles [FT, FT], row vectors, dense row tiles
  * [FT, hdp] (Q, dO, dQ or O) and one key chunk's dense rows (K, V; dK, dV in the backward);
  * hdp = hd rounded up to 16. */
-static size_t attn_hdp(int hd) { return ((size_t)hd + 15) & ~(size_t)15; }
+static size_t attn_hdp(int hd) { return (size_t)ATTN_FP32_HDP(hd); }
 /* A key chunk's K, V, dK, dV rows (the backward; the forward uses K, V), in floats: 512 KiB, so
  * 512 keys at hd = 64 (bench-m's whole sequence: K and V copied once per head), 256 at hd = 128.
  * A chunk's rows are dense copies: read in place, H*hd-float strides (a power of two) alias in the

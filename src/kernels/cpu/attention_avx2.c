@@ -38,18 +38,18 @@ static inline __m256i lanes8(int n) {
 /* tera_vexpf on 8 lanes: attention_avx512.h's vexp16 (range reduction, polynomial, FMA steps, the
  * same order) with AVX2 instructions; NaN propagates, below -87 gives 0 */
 static inline __m256 vexp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), magic = _mm256_set1_ps(12582912.0f);
-    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
-    const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic);
+    const __m256 lo = _mm256_set1_ps(TERA_EXP_LO), magic = _mm256_set1_ps(TERA_EXP_MAGIC);
+    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(TERA_EXP_HI), _mm256_max_ps(lo, x));
+    const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(TERA_EXP_LOG2E), magic);
     const __m256 fi = _mm256_sub_ps(t, magic);
-    __m256 r = _mm256_fnmadd_ps(fi, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(fi, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(fi, _mm256_set1_ps(TERA_EXP_LN2_HI), xc);
+    r = _mm256_fnmadd_ps(fi, _mm256_set1_ps(TERA_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(TERA_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TERA_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TERA_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TERA_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TERA_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TERA_EXP_P5));
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000)), 23);
     p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));

@@ -12,6 +12,9 @@
 
 /* Query and key tile edge of both register-blocked fp32 paths (attention.c's FT) */
 #define ATTN_FP32_TILE 64
+/* A row of their dense head-dim copies (Q, dO, dQ, O, K, V, dK, dV tiles): hd floats rounded up to 16,
+ * as attention.c sizes the per-thread scratch */
+#define ATTN_FP32_HDP(hd) (((int64_t)(hd) + 15) & ~(int64_t)15)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define ATTN_AVX2 1

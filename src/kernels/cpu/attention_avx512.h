@@ -4,6 +4,7 @@
 #define TERA_KERNELS_CPU_ATTENTION_AVX512_H
 
 #include "tera/bf16.h"
+#include "vmath.h"
 #include "tera/status.h"
 
 /* The shape every attention entry point accepts (B, T >= 0; H a multiple of Hkv; hd > 0); a
@@ -20,25 +21,25 @@
  * the remainder, *t the rounded xc / ln 2 plus 1.5 * 2^23 (its low bits the integer part); the result
  * is p with that integer added to its exponent field */
 static inline __m512 vexp16_poly(__m512 xc, __m512 *t) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    *t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 magic = _mm512_set1_ps(TERA_EXP_MAGIC);
+    *t = _mm512_fmadd_ps(xc, _mm512_set1_ps(TERA_EXP_LOG2E), magic);
     const __m512 fi = _mm512_sub_ps(*t, magic);
-    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(TERA_EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(TERA_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(TERA_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TERA_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TERA_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TERA_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TERA_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TERA_EXP_P5));
     return _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
 }
 
 /* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps; NaN propagates) */
 static inline __m512 vexp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __m512 lo = _mm512_set1_ps(TERA_EXP_LO);
     __m512 t;
-    __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x)), &t);
+    __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(TERA_EXP_HI), _mm512_max_ps(lo, x)), &t);
     const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
     p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
     return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());

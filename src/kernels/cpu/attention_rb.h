@@ -74,7 +74,7 @@ RB_FN(forward_span)(float *out, float *lse, float *lsum, const float *q, const f
     const int64_t ldq = (int64_t)H * hd, ldk = (int64_t)Hkv * hd;
     const int kvh = h / (H / Hkv);
     const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t hdp = ((int64_t)hd + 15) & ~(int64_t)15;
+    const int64_t hdp = ATTN_FP32_HDP(hd);
     float *Qt = ws;                                      /* [hd, FT] scale * Q^T */
     float *St = Qt + (size_t)hd * FT;                    /* [FT keys, FT rows] S^T, then P^T */
     float *m = St + FT * FT, *l = m + FT, *al = l + FT;  /* [FT] running max, sum, rescale */
@@ -170,7 +170,7 @@ RB_FN(backward_group)(float *dq, float *dk, float *dv, const float *dout, const 
     const int rep = H / Hkv;
     const float scale = 1.0f / sqrtf((float)hd);
     const int nt = (T + FT - 1) / FT;
-    const int64_t hdp = ((int64_t)hd + 15) & ~(int64_t)15;
+    const int64_t hdp = ATTN_FP32_HDP(hd);
     float *Qt = ws, *dOt = Qt + (size_t)hd * FT; /* [hd, FT] scale * Q^T, dO^T */
     float *Pt = dOt + (size_t)hd * FT;           /* [FT keys, FT rows] S^T, then P^T */
     float *dSt = Pt + FT * FT;                   /* [FT keys, FT rows] dP^T, then scale * dS^T */

@@ -6,29 +6,45 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The exponential's constants, shared by every form of it: tera_vexpf and tera_vexpf16 here, the
+ * attention kernels' vexp16 (attention_avx512.h) and vexp8 (attention_avx2.c). Cephes range
+ * reduction: x / ln 2 rounded by adding 1.5 * 2^23, ln 2 in two parts; then a degree-5 polynomial. */
+#define TERA_EXP_LO (-87.0f)
+#define TERA_EXP_HI 88.0f
+#define TERA_EXP_MAGIC 12582912.0f /* 1.5 * 2^23: adding it rounds to the nearest integer */
+#define TERA_EXP_LOG2E 1.44269504088896341f
+#define TERA_EXP_LN2_HI 0.693359375f
+#define TERA_EXP_LN2_LO (-2.12194440e-4f)
+#define TERA_EXP_P0 1.9875691500e-4f
+#define TERA_EXP_P1 1.3981999507e-3f
+#define TERA_EXP_P2 8.3334519073e-3f
+#define TERA_EXP_P3 4.1665795894e-2f
+#define TERA_EXP_P4 1.6666665459e-1f
+#define TERA_EXP_P5 5.0000001201e-1f
+
 /* exp(x), vectorisable (glibc's expf is a scalar call without -ffast-math). Cephes range
  * reduction and polynomial: below 1 ulp on [-87, 0] (0.98 ulp max over 2e7 points against double
  * exp). Exactly 0 below -87 (so -inf gives 0); inputs above 88 are clamped. */
 static inline float tera_vexpf(float x) {
-    float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
-    const float t = xc * 1.44269504088896341f + magic;
+    float xc = x < TERA_EXP_LO ? TERA_EXP_LO : (x > TERA_EXP_HI ? TERA_EXP_HI : x);
+    const float magic = TERA_EXP_MAGIC;
+    const float t = xc * TERA_EXP_LOG2E + magic;
     const float fi = t - magic;
-    float r = xc - fi * 0.693359375f;
-    r = r - fi * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float r = xc - fi * TERA_EXP_LN2_HI;
+    r = r - fi * TERA_EXP_LN2_LO;
+    float p = TERA_EXP_P0;
+    p = p * r + TERA_EXP_P1;
+    p = p * r + TERA_EXP_P2;
+    p = p * r + TERA_EXP_P3;
+    p = p * r + TERA_EXP_P4;
+    p = p * r + TERA_EXP_P5;
     p = p * (r * r) + r + 1.0f;
     uint32_t ti, pi;
     memcpy(&ti, &t, 4);
     memcpy(&pi, &p, 4);
     pi += (ti - 0x4B400000u) << 23; /* t's low mantissa bits hold the rounded integer: p * 2^fi */
     memcpy(&p, &pi, 4);
-    return x < -87.0f ? 0.0f : p;
+    return x < TERA_EXP_LO ? 0.0f : p;
 }
 
 /* log(x) for normal x > 0 (FLT_MIN and up; finite), vectorisable. Cephes logf: the exponent and a
@@ -69,20 +85,20 @@ static inline float tera_vlogf(float x) {
  * twice the time (docs/PERFORMANCE.md, wave 23); tests/test_vmath.c holds the bits equal. Not the
  * attention kernels' vexp16 (attention_avx512.h): that one takes FMA steps, so other bits. */
 static inline __m512 tera_vexpf16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 lo = _mm512_set1_ps(TERA_EXP_LO), hi = _mm512_set1_ps(TERA_EXP_HI), magic = _mm512_set1_ps(TERA_EXP_MAGIC);
     const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     __m512 xc = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), hi);
     xc = _mm512_mask_mov_ps(xc, below, lo);
-    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), magic);
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(TERA_EXP_LOG2E)), magic);
     const __m512 fi = _mm512_sub_ps(t, magic);
-    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(fi, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(fi, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(fi, _mm512_set1_ps(TERA_EXP_LN2_HI)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(fi, _mm512_set1_ps(TERA_EXP_LN2_LO)));
+    __m512 p = _mm512_set1_ps(TERA_EXP_P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(TERA_EXP_P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(TERA_EXP_P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(TERA_EXP_P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(TERA_EXP_P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(TERA_EXP_P5));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
     p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
