@@ -4,7 +4,8 @@
 # fails here. A tiny MoE (a dense first layer, a shared expert, 2 MoE layers) runs 2 timed steps
 # of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, ZeRO-2 and ZeRO-1, pp2, tp2 x pp2, and pp2 x dp2
 # with ZeRO-3 (4 micro-batches: its gathers follow the 1F1B order), and tp2 with parallel.tp_overlap=0,
-# in bf16 (the default 1: no overlap there) and in bf16 with parallel.tp_overlap=2 (2 micro-batches a step where it matters; rank 0's bytes: with a pipeline, the first stage's), and
+# in bf16 (the default 1: no overlap there) and in bf16 with parallel.tp_overlap=2 (2 micro-batches a step where it matters; rank 0's bytes: with a pipeline, the first stage's),
+# pp2 and pp2 x dp2 ZeRO-1 with the head split between the stages (parallel.pp_head_split), and
 # for each JSON line:
 #   - every kind of transfer whose volume does not depend on the data (all-reduce, reduce-scatter,
 #     all-gather, all-to-all) sent exactly its minimum plus its known overhead (statistics
@@ -43,7 +44,14 @@
 #     with its norm-gradient all-reduces), the same sums overlap the weight gradients (9 per micro-batch
 #     on tp2), and a rank's activations are smaller than without it (tp2, tp2xpp2);
 #   - with a pipeline, each stage's busy and waiting milliseconds per step (pp_stage_busy_ms,
-#     pp_stage_wait_ms: one per stage, every stage busy, busy + waiting within the step), none without.
+#     pp_stage_wait_ms: one per stage, every stage busy, busy + waiting within the step), none without;
+#   - every rank's per-operation profile (ops_ms_by_rank): the head only on the last stage's ranks and
+#     the embedding only on the first's (every rank without a pipeline), the tensor-parallel sums on
+#     every rank with tp > 1 and on none without;
+#   - parallel.pp_head_split (pp2-hs, pp2xdp2-zero1-hs): the head's split adds its transfers to the
+#     minimum (the weight's and gradient's half-rows once a step, the final norm's output and the
+#     pair's three sums per micro-batch) and sends exactly that; the head runs on the first stage's
+#     ranks too, whose sums count as tensor-parallel comm; the JSON says pp_head_split 1.
 # Usage: cli_benchdist.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -69,7 +77,8 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
          tp2-bf16:1:2:1:0:1:1:--training.precision=bf16 "tp2-bf16-ov2:1:2:1:0:1:1:--training.precision=bf16 --parallel.tp_overlap=2" \
          "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full" \
          "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true" \
-         "tp2-sp:1:2:1:0:1:1:--parallel.sequence_parallel=true" "tp2xpp2-sp:1:2:1:0:2:2:--parallel.sequence_parallel=true"; do
+         "tp2-sp:1:2:1:0:1:1:--parallel.sequence_parallel=true" "tp2xpp2-sp:1:2:1:0:2:2:--parallel.sequence_parallel=true" \
+         "pp2-hs:1:1:1:0:4:2:--parallel.pp_head_split=true" "pp2xdp2-zero1-hs:2:1:1:1:4:2:--parallel.pp_head_split=true"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"
@@ -209,6 +218,23 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
                  and ([.pp_stage_busy_ms, .pp_stage_wait_ms] | transpose | all(.[0] + .[1] <= 1.5 * $step + 1)) end' \
             "$out" > /dev/null; then
         fail "$name: pipeline stages' busy / waiting ms $(jq -c '[.pp_stage_busy_ms, .pp_stage_wait_ms]' "$out") with pp $pp, step $(num "$out" step_ms_median) ms"
+        ok=0
+    fi
+    # every rank's operations (ops_ms_by_rank, ms per step, one entry per rank): every rank runs the
+    # layers' products; with a pipeline only the first stage's ranks embed and only the last stage's run
+    # the head (the ranks of stage s are s * n / pp .. (s + 1) * n / pp - 1), without one every rank
+    # does both; the tensor-parallel sums are timed on every rank exactly when tp > 1
+    hs=$([[ "${extra:-}" = *pp_head_split=true* ]] && echo 1 || echo 0)
+    if ! jq -e --argjson n "$((pp * dp * tp))" --argjson pp "$pp" --argjson tp "$tp" --argjson hs "$hs" '
+            (.ops_ms_by_rank | to_entries | all(.value | length == $n))
+            and all(.ops_ms_by_rank["qkv proj fwd"][]; . > 0)
+            and ([.ops_ms_by_rank["lm head fwd"], .ops_ms_by_rank["embedding fwd"]] | transpose | to_entries
+                 | all((.value[0] > 0) == (.key >= $n - $n / $pp or ($hs == 1 and .key < $n / $pp))
+                       and (.value[1] > 0) == (.key < $n / $pp)))
+            and (if $tp > 1 or $hs == 1 then all(.ops_ms_by_rank["tensor-parallel comm"][]; . > 0)
+                 else .ops_ms_by_rank | has("tensor-parallel comm") | not end)
+            and (.pp_head_split // 0) == $hs' "$out" > /dev/null; then
+        fail "$name: operations by rank $(jq -c '.ops_ms_by_rank | {"lm head fwd", "embedding fwd", "qkv proj fwd", "tensor-parallel comm"}' "$out") with pp $pp, tp $tp"
         ok=0
     fi
     [ "$ok" = 1 ] && pass "$name: $tot bytes per step, minimum $min; $e ms per step blocked in communication (max rank $emax; ${bk#*: }), $pg ms progressing non-blocking ones; $ov tp sums overlapped; $rso of $rs ZeRO reduce-scatters overlapped"

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # bench/dist.sh, the two-rank scaling benchmark, end to end on a tiny model (CONFIG): two rounds
-# (ROUNDS=2) of one rank, dp2 and pp2 and the ceiling of two independent one-rank runs, one step each.
+# (ROUNDS=2) of one rank, dp2, pp2 (1F1B), pp2-i2 (interleaved over 2 chunks) and the ceiling of two
+# independent one-rank runs, one step each.
 #   - every run's JSON line is kept, tagged with its round; the second round runs the layouts in the
 #     reverse order (the machine's drift hits both ends alike);
 #   - the table's "x one rank" of dp2 and pp2 is the median over the rounds of each round's tokens/s
 #     over that round's one-rank tokens/s, with the range (recomputed here from the JSON lines by
-#     field name), the ceiling row likewise; the pipeline table has the pp2 row;
+#     field name), the ceiling row likewise; the pipeline table has the pp2 and pp2-i2 rows, each
+#     with the schedule its JSON line says it ran (pp_schedule, pp_chunks);
 #   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields;
 #   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
 #     refused before the results file is touched.
@@ -24,7 +26,7 @@ cat > "$W/tiny.ini" <<'EOF'
 [model]
 vocab_size = 256
 dim = 32
-n_layers = 2
+n_layers = 4
 n_heads = 4
 n_experts = 4
 top_k = 2
@@ -42,19 +44,23 @@ run_dir = ""
 progress = false
 EOF
 (cd "$SRC" && CONFIG="$W/tiny.ini" ROUNDS=2 FORCE_BALANCE=1 AB_LAYOUTS="" CEILING=2 OUT="$W/dist.jsonl" \
-    OUT_AB="$W/ab.jsonl" LAYOUTS="one dp2:2:1:1:0:1 pp2" \
+    OUT_AB="$W/ab.jsonl" LAYOUTS="one dp2:2:1:1:0:1 pp2 pp2-i2:1:1:1:0:1:2:0:2" \
     bash bench/dist.sh "$TERA" 1 0) > "$W/out.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] && pass "bench/dist.sh ran (exit 0)" || { fail "bench/dist.sh exit $rc"; tail -20 "$W/out.txt"; }
 
 # the JSON lines: name round, in the order run
 jq -r '(.config | split("/") | last) + " " + (.round | tostring)' "$W/dist.jsonl" > "$W/order.txt" 2> /dev/null
-if [ "$(tr '\n' ' ' < "$W/order.txt")" = "one 1 dp2 1 pp2 1 ceiling2 1 pp2 2 dp2 2 one 2 ceiling2 2 " ]; then
-    pass "8 runs, tagged by round, the second round in reverse order"
+if [ "$(tr '\n' ' ' < "$W/order.txt")" = "one 1 dp2 1 pp2 1 pp2-i2 1 ceiling2 1 pp2-i2 2 pp2 2 dp2 2 one 2 ceiling2 2 " ]; then
+    pass "10 runs, tagged by round, the second round in reverse order"
 else
     fail "runs and rounds: $(tr '\n' ' ' < "$W/order.txt")"
 fi
 
+# the pipelines' schedules as run: pp2 by 1F1B, pp2-i2 (a last field of 2) interleaved over 2 chunks
+sch=$(jq -r 'select(.pp == 2) | (.config | split("/") | last) + " " + .pp_schedule + " " + (.pp_chunks | tostring)' \
+      "$W/dist.jsonl" 2> /dev/null | sort -u | tr '\n' ' ')
+[ "$sch" = "pp2 1f1b 1 pp2-i2 interleaved 2 " ] && pass "pipeline schedules run: $sch" || fail "pipeline schedules: '$sch'"
 # x one rank: the median of the per-round ratios, and their range, as the table prints them
 expect() { # name: "M.MMx (L.LLx-H.HHx)" from the JSON lines
     jq -s -r --arg n "$1" '
@@ -63,7 +69,7 @@ expect() { # name: "M.MMx (L.LLx-H.HHx)" from the JSON lines
         | "\((.[0] + .[1]) / 2) \(.[0]) \(.[1])"' "$W/dist.jsonl" |
         awk '{ printf "%.2fx (%.2fx-%.2fx)", $1, $2, $3 }'
 }
-for n in dp2 pp2 ceiling2; do
+for n in dp2 pp2 pp2-i2 ceiling2; do
     want=$(expect "$n")
     got=$(grep "^| $n |" "$W/out.txt" | head -1 | awk -F' [|] ' '{ print $6 }')
     if [ -n "$want" ] && [ "$got" = "$want" ]; then
@@ -74,10 +80,11 @@ for n in dp2 pp2 ceiling2; do
 done
 grep -q "^2 round(s): each ratio against its own round's one-rank run" "$W/out.txt" &&
     pass "the table says how its ratios were taken" || fail "no rounds line"
-if grep -A4 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | "; then
-    pass "the pipeline table has pp2"
+if grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | 1f1b | " &&
+    grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2-i2 | interleaved, 2 chunks | "; then
+    pass "the pipeline table has pp2 and pp2-i2, with their schedules"
 else
-    fail "no pp2 row in the pipeline table"
+    fail "the pipeline table: $(grep -A5 "^Pipeline stages" "$W/out.txt" | tr '\n' ' ')"
 fi
 # a bad ROUNDS: refused before anything runs, the results file of an earlier run kept
 cp "$W/dist.jsonl" "$W/kept.jsonl"
@@ -89,7 +96,7 @@ else
     fail "ROUNDS=two: exit $rc, $(head -c 200 "$W/bad.txt")"
 fi
 # an unknown name and a malformed entry: refused the same way, naming the entry
-for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0"; do
+for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0" "one pp2-i0:1:1:1:0:1:2:0:0"; do
     (cd "$SRC" && LAYOUTS="$bad" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh "$TERA" 1 0) > "$W/bad.txt" 2>&1
     rc=$?
     entry=${bad#one }

@@ -43,6 +43,9 @@ static void check(tera_sched_kind kind, int pp, int m, int v) {
         assert_true(fabs(st.bubble_theory - want) < 1e-12);
         assert_true(fabs(st.makespan - ((double)s.v * m + pp - 1) * (1.0 + tbs[t])) < 1e-9);
     }
+    /* parallel.pp_head_split's order: 1F1B and interleaved run the last virtual stage's forward and
+     * backward of each micro-batch back to back, in micro-batch order; GPipe (m > 1) does not */
+    assert_int_equal(tera_schedule_head_adjacent(&s), kind != TERA_SCHED_GPIPE || m == 1);
     tera_schedule_free(&s);
 }
 

@@ -81,6 +81,11 @@ void tera_comm_iallgather_f32(tera_comm *c, float *buf, const int64_t *counts, t
 void tera_comm_ireduce_scatter_f32(tera_comm *c, float *buf, const int64_t *counts, tera_comm_req *req);
 /* Blocks until req completes (an inactive request returns at once), under the watchdog below. */
 void tera_comm_wait(tera_comm_req *req);
+/* Blocks until one of the n requests *reqs[i] completes, under the watchdog as tera_comm_wait: returns
+ * its index (that request cleared; others that completed meanwhile stay active until waited or
+ * polled), or -1 at once when none is active. The time blocked counts under the completed
+ * operation's kind. */
+int tera_comm_wait_any(tera_comm_req *const *reqs, int n);
 /* Tests reqs[0..n) once each, completing those that are done (inactive ones are skipped): lets
  * queued non-blocking operations progress where the backend has no progress thread. Never blocks. */
 void tera_comm_poll(tera_comm_req *reqs, int n);

@@ -162,6 +162,7 @@ typedef struct {
     int zero_prefetch;          /* ZeRO-3: gather the next layer's parameters while this one computes */
     char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
     int pp_chunks;              /* model chunks per stage (interleaved) */
+    int pp_head_split;          /* the LM head's vocabulary rows split between the first and the last stage */
     char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */
     int zero;                   /* ZeRO stage 0-3 */
     float timeout_s;            /* collective watchdog: seconds, 0 = off, -1 = automatic from the step times */

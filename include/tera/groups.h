@@ -19,6 +19,8 @@ typedef struct {
                               model; rank (pp_rank * ep + ep_rank) * tp + tp_rank (NULL when all are 1) */
     struct tera_comm *pp;  /* pipeline: the stages of one pipeline (NULL when pp = 1) */
     struct tera_comm *sg;  /* statistics: data-parallel x stages, whose loss sums add up (dp when tp = pp = 1) */
+    struct tera_comm *ends; /* parallel.pp_head_split: the first and the last stage of one pipeline (first: rank 0;
+                               tera_groups_ends), NULL on the other stages and without it */
 } tera_groups;
 
 /* The communicator of t's group along `axis` holding this rank (the world itself when the group is
@@ -28,6 +30,9 @@ struct tera_comm *tera_groups_axis(const tera_topology *t, tera_axis axis);
  * group; collective over the world (every rank makes the same calls). On failure nothing is left
  * allocated. */
 tera_status tera_groups_create(tera_groups *g, tera_topology *t, int ranks_per_node);
+/* Collective over the world (pp > 1): g->ends, the pair of the first and the last stage of this rank's
+ * pipeline, on the ranks of those stages (NULL on the others). */
+void tera_groups_ends(tera_groups *g, const tera_topology *t);
 void tera_groups_free(tera_groups *g);
 
 #endif

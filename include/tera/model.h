@@ -129,6 +129,11 @@ typedef struct {
      * micro-batch in flight; tera_model_use_slot picks the one forward/backward use). */
     int pp, pp_rank, v, n_slots;
     const int *layer_first;
+    /* parallel.pp_head_split (src/model/head_split.h): the LM head's vocabulary rows split between the
+     * first stage (1: the helper, rows [0, V/2)) and the last (2: the owner, which keeps the head's
+     * parameters); head_group: the two of them (helper rank 0, owner rank 1). 0: no split. */
+    int head_role;
+    tera_comm *head_group;
     /* The compute backend the model runs its operations on (include/tera/backend.h): the model
      * owns it from tera_model_create_par on (destroyed with the model, or when creation fails).
      * NULL: the model creates a CPU backend in fp32 on the process's threads. */
@@ -223,6 +228,13 @@ typedef struct {
     int64_t bytes_comm;   /* expert-parallel exchange buffers (received rows and their results; a part
                              of bytes_acts and bytes_scratch, reported apart) */
     int64_t bytes_comm_acts; /* the part of bytes_comm inside bytes_acts */
+    struct tera_head_split *hs; /* par.head_role: the head's vocabulary split (private to src/model), else NULL */
+    /* Called inside each layer's forward and backward between its blocks (before the FFN block; before the
+     * attention's backward and before q/k/v's) and between routed experts run one after another, where
+     * nothing of the backend is in use: the pipeline executor serves the head split's other stage there,
+     * which waits for it. Set with tera_model_set_yield; NULL: not called. */
+    void (*yield)(void *ctx);
+    void *yield_ctx;
 } tera_model;
 
 /* Builds the table for cfg (without allocating); *n receives the row count. Caller frees. */
@@ -336,6 +348,19 @@ void tera_model_group_zero_gaps(const tera_model *m, int group, int experts, flo
  * squares, and the update reads a zero either way). */
 void tera_model_grads_sparse(tera_model *m, int on);
 void tera_model_reset_load(tera_model *m);
+
+/* The LM head split over two pipeline stages (par.head_role; src/model/head_split.h), driven by the
+ * pipeline executor; every function does nothing on a model without the split. _begin at a step's
+ * start (micro-batches of the step), _end at its end. The helper (first stage): _ready returns the
+ * micro-batch whose input has arrived and is to be served next (-1: none), _pending the request that
+ * input arrives by (NULL: none in flight; to wait for it beside another), _serve runs that
+ * micro-batch's part of the head with its targets [B*T] and the loss's gradient scale. */
+void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx); /* m->yield (NULL: none) */
+void tera_model_head_split_begin(tera_model *m, int micro_batches);
+int tera_model_head_split_ready(tera_model *m);
+tera_comm_req *tera_model_head_split_pending(tera_model *m);
+void tera_model_head_split_serve(tera_model *m, const int32_t *targets, float ce_scale);
+void tera_model_head_split_end(tera_model *m);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets);

@@ -41,6 +41,10 @@ static inline double tera_now(void) {
 void tera_prof_reset(void);
 /* Table of ops sorted by time with share of the total and GFLOP-free ms per step. */
 void tera_prof_print(FILE *f, int steps);
+/* Every rank's table side by side (tera bench with several ranks): sec and calls are
+ * [world][TERA_PROF_COUNT] (seconds and calls summed over the steps, gathered from the ranks); an
+ * operation no rank ran is left out. Columns per rank up to 8 ranks, else min / mean / max. */
+void tera_prof_print_ranks(FILE *f, int steps, int world, const double *sec, const double *calls);
 
 const char *tera_prof_name(int op);
 /* The timeline (include/tera/trace.h): while a traced step runs, every timed op is also an event. */

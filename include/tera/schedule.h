@@ -28,6 +28,11 @@ typedef struct {
 /* Builds a schedule. Interleaved needs v >= 2 and m a multiple of pp; the others take v = 1. */
 tera_status tera_schedule_build(tera_schedule *s, tera_sched_kind kind, int pp, int m, int v);
 void tera_schedule_free(tera_schedule *s);
+/* Whether the last rank runs, for micro-batches 0, 1, ..., m-1 in that order, each one's forward of
+ * the last virtual stage immediately followed by its backward there (1F1B and interleaved: 1; GPipe
+ * with m > 1: 0). parallel.pp_head_split needs it: the head's sums over the first and last stage come
+ * in that order on both (src/model/head_split.h). */
+int tera_schedule_head_adjacent(const tera_schedule *s);
 const tera_sched_op *tera_schedule_rank(const tera_schedule *s, int rank);
 tera_status tera_sched_kind_parse(const char *name, tera_sched_kind *kind); /* gpipe | 1f1b | interleaved */
 const char *tera_sched_kind_name(tera_sched_kind kind);

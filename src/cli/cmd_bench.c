@@ -229,8 +229,18 @@ int tera_cmd_bench(int argc, char **argv) {
             }
             tera_comm_allreduce_f64(tera_comm_world(), pst, 2 * pp);
         }
+        /* every rank's operations (a pipeline's last stage runs the head; tensor parallelism
+         * replicates the router and the norms): gathered, [world][op] seconds, then calls */
+        const int W = tr.topo.world;
+        double *pr = tera_calloc((size_t)(2 * W * TERA_PROF_COUNT), sizeof(double));
+        for (int op = 0; op < TERA_PROF_COUNT; op++) {
+            pr[(int64_t)tr.topo.rank * TERA_PROF_COUNT + op] = tera_prof_seconds[op];
+            pr[(int64_t)(W + tr.topo.rank) * TERA_PROF_COUNT + op] = (double)tera_prof_calls[op];
+        }
+        tera_comm_allreduce_f64(tera_comm_world(), pr, 2 * W * TERA_PROF_COUNT);
         if (tr.root) {
             tera_prof_print(stderr, steps);
+            tera_prof_print_ranks(stderr, steps, W, pr, pr + (int64_t)W * TERA_PROF_COUNT);
             if (products) tera_prof_products_print(stderr, steps, products);
             printf("{\"impl\": \"tera\", \"config\": \"%s\", \"ranks\": %d, \"pp\": %d, \"dp\": %d, \"tp\": %d, \"ep\": %d, "
                    "\"zero\": %d, "
@@ -262,6 +272,10 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
             printf(", \"sequence_parallel\": %d", tr.model.par.sp); /* in effect: tp > 1 */
+            if (pp > 1) /* the schedule run, its model chunks per stage (1 but with interleaved), the head split */
+                printf(", \"pp_schedule\": \"%s\", \"pp_chunks\": %d, \"pp_head_split\": %d", cfg.parallel.pp_schedule,
+                       strcmp(cfg.parallel.pp_schedule, "interleaved") == 0 ? cfg.parallel.pp_chunks : 1,
+                       cfg.parallel.pp_head_split);
             if (pp > 1)
                 for (int w = 0; w < 2; w++)
                     for (int q = 0; q < pp; q++)
@@ -285,12 +299,25 @@ int tera_cmd_bench(int argc, char **argv) {
                    (double)(zc[0] - zc0[0]) / steps, (double)(zc[3] - zc0[3]) / steps,
                    (double)(tera_zero_shared_sums(tr.sharding) - zc0[4]) / steps,
                    (double)(tera_zero_shared_param_gathers(tr.sharding) - zc0[5]) / steps);
+            /* ops_ms_by_rank: each operation some rank ran, its ms per step on every rank */
+            for (int op = 0, first = 1; op < TERA_PROF_COUNT; op++) {
+                int ran = 0;
+                for (int q = 0; q < W; q++) ran |= pr[(int64_t)(W + q) * TERA_PROF_COUNT + op] > 0;
+                if (!ran) continue;
+                printf("%s\"%s\": [", first ? ", \"ops_ms_by_rank\": {" : ", ", tera_prof_name(op));
+                for (int q = 0; q < W; q++)
+                    printf("%s%.3f", q ? ", " : "", 1e3 * pr[(int64_t)q * TERA_PROF_COUNT + op] / steps);
+                printf("]");
+                first = 0;
+            }
+            printf("}");
             printf(", \"mem_params\": %ld, \"mem_grads\": %ld, \"mem_optimizer\": %ld, \"mem_acts\": %ld, "
                    "\"mem_comm\": %ld, \"final_loss\": %s}\n",
                    (long)m->bytes_params, (long)m->bytes_grads, (long)tera_trainer_optimizer_bytes(&tr),
                    (long)m->bytes_acts, (long)m->bytes_comm, tera_json_num(fl, sizeof fl, "%.4f", r.loss));
         }
         free(pst);
+        free(pr);
         free(sec);
         tera_trainer_free(&tr);
         return 0;

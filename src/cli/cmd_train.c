@@ -148,10 +148,11 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
             const size_t k = strlen(layers);
             snprintf(layers + k, sizeof layers - k, "%s[%d, %d)", k ? " " : "", m->layer_first[vs], m->layer_first[vs + 1]);
         }
+        const char *head = tr.topo.pp_rank == tr.topo.pp - 1 ? (m->hs ? " + head (vocabulary rows [V/2, V) in training: head split)" : " + head")
+                           : m->hs ? " + head split: vocabulary rows [0, V/2) in training" : "";
         fprintf(stderr, "tera: pipeline stage %d of %d (%s): layers %s%s%s, %d activation slot%s, activations %.1f MiB\n",
                 tr.topo.pp_rank, tr.topo.pp, cfg.parallel.pp_schedule, layers, tr.topo.pp_rank == 0 ? " + embedding" : "",
-                tr.topo.pp_rank == tr.topo.pp - 1 ? " + head" : "", m->n_slots, m->n_slots == 1 ? "" : "s",
-                (double)m->bytes_acts / (1024.0 * 1024.0));
+                head, m->n_slots, m->n_slots == 1 ? "" : "s", (double)m->bytes_acts / (1024.0 * 1024.0));
     }
     tera_prof_reset();
     int64_t step0 = tr.step;

@@ -355,6 +355,46 @@ void tera_comm_wait(tera_comm_req *req) {
     req_set(req, NULL, NULL);
 }
 
+typedef struct {
+    tera_comm_req *const *reqs;
+    int n, done; /* done: the index of the request seen complete (released), -1 */
+} any_cond;
+static int any_cond_done(void *arg) {
+    any_cond *q = arg;
+    for (int i = 0; i < q->n; i++)
+        if (q->reqs[i]->active && q->reqs[i]->be->test(q->reqs[i]->op)) {
+            q->done = i;
+            return 1;
+        }
+    return 0;
+}
+
+int tera_comm_wait_any(tera_comm_req *const *reqs, int n) {
+    any_cond q = {reqs, n, -1};
+    const struct tera_comm_backend *be = NULL;
+    for (int i = 0; i < n; i++)
+        if (reqs[i]->active) be = reqs[i]->be;
+    if (!be) return -1; /* none in flight */
+    const double t0 = tera_now();
+    if (!any_cond_done(&q)) {
+        if (be->wait_for) {
+            be->wait_for(any_cond_done, &q); /* polling under the watchdog */
+        } else { /* a backend without one (NCCL): tests with sleeps growing to 1 ms */
+            long ns = 1000;
+            while (!any_cond_done(&q)) {
+                const struct timespec ts = {0, ns};
+                nanosleep(&ts, NULL);
+                ns = ns < 1000000 ? 2 * ns : 1000000;
+            }
+        }
+    }
+    const double t1 = tera_now();
+    blocked(reqs[q.done]->kind, t1 - t0);
+    if (tera_trace_active && t1 - t0 > 0.0) tera_trace_comm("wait (any of several)", t0, t1, -1);
+    req_set(reqs[q.done], NULL, NULL);
+    return q.done;
+}
+
 void tera_comm_poll(tera_comm_req *reqs, int n) {
     const double t0 = tera_now();
     int any = 0;

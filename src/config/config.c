@@ -371,6 +371,15 @@ static const config__key config__keys[] = {
              "micro-batches in flight), or 1f1b over pp_chunks model chunks per stage (interleaved)"),
     K_INT(parallel, pp_chunks, "1", 1, 64,
           "model chunks per pipeline stage (virtual stages; interleaved needs >= 2 and grad_accum a multiple of pp)"),
+    K_BOOL(parallel, pp_head_split, "false",
+           "pipeline parallelism: the LM head's vocabulary split between the first and the last stage (vocabulary "
+           "parallelism over the pipeline's ends): the last stage keeps the head's parameters, sends the first stage "
+           "half of its rows each step and each micro-batch's final-norm output, and the two compute half of the "
+           "logits, the cross-entropy (sums over the pair, as tensor parallelism's) and the gradients each. Moves "
+           "half the head's work off the last stage; the loss agrees with the unsplit head to rounding (the sums "
+           "over the vocabulary run in two halves). Needs parallel.pp > 1 with the 1f1b or interleaved schedule, "
+           "parallel.tp = 1, parallel.zero <= 1, an even model.vocab_size, untied embeddings and no "
+           "training.loss_chunk"),
     K_STRING(parallel, pp_layers, "",
              "layers of each virtual stage, comma-separated (e.g. \"3,3,2\"); empty = balanced by modelled compute"),
     K_INT(parallel, ep, "1", 1, INT_MAX,
@@ -1218,6 +1227,22 @@ tera_status tera_config_finalize(tera_config *c) {
         CONFIG__REQUIRE(p->pp == 1 || t->batch_grow_gnorm <= 0,
                         "parallel.pp = %d: batch growth (training.batch_grow_gnorm) is not supported with a pipeline",
                         p->pp);
+        if (p->pp_head_split) {
+            CONFIG__REQUIRE(p->pp > 1, "parallel.pp_head_split splits the LM head between pipeline stages: it needs "
+                                       "parallel.pp > 1 (it is %d)", p->pp);
+            CONFIG__REQUIRE(strcmp(p->pp_schedule, "gpipe") != 0,
+                            "parallel.pp_head_split needs a schedule that runs each micro-batch's last backward right "
+                            "after its forward on the last stage: parallel.pp_schedule = 1f1b or interleaved, not gpipe");
+            CONFIG__REQUIRE(p->tp == 1, "parallel.pp_head_split with parallel.tp = %d: the head is already split "
+                                        "by tensor parallelism; use one or the other", p->tp);
+            CONFIG__REQUIRE(p->zero <= 1, "parallel.pp_head_split with parallel.zero = %d: needs ZeRO stage 0 or 1 "
+                                          "(the head's whole gradient on the last stage)", p->zero);
+            CONFIG__REQUIRE(m->vocab_size % 2 == 0, "parallel.pp_head_split halves the vocabulary: model.vocab_size "
+                                                    "(%d) must be even", m->vocab_size);
+            CONFIG__REQUIRE(t->loss_chunk == 0 || t->loss_chunk >= t->micro_batch * t->seq_len,
+                            "parallel.pp_head_split with training.loss_chunk = %d: the split head takes a "
+                            "micro-batch's rows at once", t->loss_chunk);
+        }
         if (p->pp_layers[0]) {
             int *first = malloc(sizeof(int) * ((size_t)p->pp * (size_t)p->pp_chunks + 1));
             TERA_ASSERT(first);

@@ -76,7 +76,10 @@ struct tera_dispatcher {
     /* the caller's side work for the next experts call (tera_dispatch_side_work) */
     void (*side)(void *ctx);
     void *side_ctx;
-    double side_s;           /* seconds it took in the call in progress (not the experts' profile row's) */
+    double side_s;           /* seconds it took in the call in progress (not the experts' profile row's),
+                                and the yields' */
+    void (*yield)(void *ctx); /* called between experts run one after another (tera_dispatch_set_yield) */
+    void *yield_ctx;
     int64_t side_inflight;   /* side work run while rows travelled, since creation */
 };
 
@@ -208,6 +211,14 @@ static void experts_by_load(int *order, const int64_t *off, int E) {
     if (src != order) memcpy(order, src, sizeof(int) * (size_t)E);
 }
 
+/* The caller's yield between two experts, its time taken out of the experts' profile row. */
+static void yield_between(tera_dispatcher *d) {
+    if (!d->yield) return;
+    const double t0 = tera_now();
+    d->yield(d->yield_ctx);
+    d->side_s += tera_now() - t0;
+}
+
 /* All El experts of one call. One after another, each product on every thread, when there are fewer
  * than two experts per thread (ops.items_side_by_side: always on one thread); else side by side by
  * descending load (each expert's products single-threaded on the thread that takes it,
@@ -224,6 +235,7 @@ static void experts_run(tera_dispatcher *d, expert_rows *b) {
         for (int e = 0; e < El; e++) {
             expert_run(b, e);
             if (d->poll) tera_comm_poll(d->poll, 1);
+            yield_between(d);
         }
         return;
     }
@@ -237,6 +249,7 @@ static void experts_run(tera_dispatcher *d, expert_rows *b) {
     while (!side_by_side_only && alone < El && (b->off[d->order[alone] + 1] - b->off[d->order[alone]]) * threads > all) {
         expert_run(b, d->order[alone++]);
         if (d->poll) tera_comm_poll(d->poll, 1);
+        yield_between(d);
     }
     if (alone == El) return;
     b->order = d->order + alone;
@@ -633,6 +646,11 @@ void tera_dispatch_side_work(tera_dispatcher *d, void (*fn)(void *ctx), void *ct
 }
 
 int64_t tera_dispatch_side_inflight(const tera_dispatcher *d) { return d->side_inflight; }
+
+void tera_dispatch_set_yield(tera_dispatcher *d, void (*fn)(void *ctx), void *ctx) {
+    d->yield = fn;
+    d->yield_ctx = ctx;
+}
 
 void tera_dispatch_experts_forward(tera_dispatcher *d, tera_dispatch_acts *t, const tera_layer_view *W, int l) {
     experts_call(d, t, W, NULL, l, EXPERTS_FWD, TERA_PROF_EXPERT_FWD);

@@ -137,5 +137,8 @@ void tera_dispatch_permute_backward(tera_dispatcher *d, float *dx, const tera_di
 void tera_dispatch_side_work(tera_dispatcher *d, void (*fn)(void *ctx), void *ctx);
 /* Side work run while rows travelled, since creation (`tera bench`: shared_overlapped_per_step). */
 int64_t tera_dispatch_side_inflight(const tera_dispatcher *d);
+/* fn(ctx) between two experts run one after another (each on every thread), where no buffer of the
+ * dispatcher is in use: the model's yield (tera_model_set_yield); its time is not the experts'. NULL: none. */
+void tera_dispatch_set_yield(tera_dispatcher *d, void (*fn)(void *ctx), void *ctx);
 
 #endif

@@ -14,6 +14,7 @@
 #include "dispatch.h"
 #include "host_fill.h"
 #include "moe.h"
+#include "head_split.h"
 #include "tp_layers.h"
 #include "tera/backend.h"
 #include "tera/model.h"
@@ -692,8 +693,35 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
         m->be->ops.rope_tables(m->be, a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
     comm_bytes(m, dispatch, &m->bytes_comm, &m->bytes_comm_acts); /* the expert-exchange buffers */
+    if (m->par.head_role) { /* parallel.pp_head_split: the head's rows [0, V/2) on the first stage */
+        TERA_ASSERTF(m->par.tp == 1 && !m->par.shard_params && !m->par.shard_grads && !cfg->tie_embeddings &&
+                         m->loss_rows == (int64_t)B * T && m->par.pp > 1 &&
+                         m->par.pp_rank == (m->par.head_role == TERA_HS_OWNER ? m->par.pp - 1 : 0),
+                     "head split (role %d) on stage %d of %d with tp %d, ZeRO sharding, tied embeddings or a loss "
+                     "chunk: the config refuses these", m->par.head_role, m->par.pp_rank, m->par.pp, m->par.tp);
+        m->hs = tera_head_split_create(m->par.head_role, m->par.head_group, m->be, cfg->vocab_size, cfg->dim,
+                                       (int64_t)B * T);
+        m->bytes_scratch += m->hs->bytes;
+    }
     tera_model_use_slot(m, 0);
     return TERA_OK;
+}
+
+void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx) {
+    m->yield = fn, m->yield_ctx = fn ? ctx : NULL;
+    tera_dispatch_set_yield(m->slots[0].dispatch, fn, ctx); /* every slot shares the dispatcher */
+}
+
+void tera_model_head_split_begin(tera_model *m, int micro_batches) {
+    if (m->hs) tera_head_split_begin(m->hs, m->W.lm_head, m->G.lm_head, micro_batches);
+}
+int tera_model_head_split_ready(tera_model *m) { return m->hs ? tera_head_split_ready(m->hs) : -1; }
+tera_comm_req *tera_model_head_split_pending(tera_model *m) { return m->hs ? tera_head_split_pending(m->hs) : NULL; }
+void tera_model_head_split_serve(tera_model *m, const int32_t *targets, float ce_scale) {
+    tera_head_split_serve(m->hs, m->be, targets, ce_scale);
+}
+void tera_model_head_split_end(tera_model *m) {
+    if (m->hs) tera_head_split_end(m->hs);
 }
 
 void tera_model_use_slot(tera_model *m, int slot) {
@@ -715,6 +743,7 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
 
 void tera_model_destroy(tera_model *m) {
     if (!m->params) return;
+    tera_head_split_destroy(m->hs);
     tera_backend_destroy(m->be);
     free(m->params);
     free(m->group_off);
@@ -1006,6 +1035,7 @@ static void layer_forward(tera_model *m, int l, float *out) {
     TERA_PROF(ATTN_FWD, m->be->ops.attention_forward(m->be, la->att, la->att_lse, la->q, la->k, la->v, B, T, H, Hkv,
                                                (int)hd, m->acts->attn_scratch));
     tera_tp_row_linear_residual_forward(tp, la->h, la->att, W->wo, la->x_in, N, H * hd, D);
+    if (m->yield) m->yield(m->yield_ctx);
     /* the FFN block adds into acc: out (begun at the residual), or the partial sums' buffer */
     const float *ln2; /* the whole [N, D] (sequence parallelism: la->ln2 keeps the rank's rows) */
     float *acc = tera_tp_norm_block_begin(tp, la->ln2, la->rstd2, out, la->h, W->ffn_norm, N, D, c->norm_eps, &ln2);
@@ -1079,6 +1109,17 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
                 m->stats.ce_sum += tera_tp_ce_forward(a->tp, a->loss_lse + r0, m->logits, targets + r0, n);
                 if (m->on_logits) m->on_logits(m->on_logits_ctx, m->logits, targets + r0, n);
             }
+        tera_backend_weights_end(m->be);
+        return;
+    }
+    if (ce_armed && m->hs) { /* parallel.pp_head_split: rows [Vh, V) here, [0, Vh) on the first stage */
+        tera_head_split *hs = m->hs;
+        tera_head_split_send_input(hs, a->lnf);
+        TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head + hs->Vh * D, N, D,
+                                                      V - hs->Vh, 0.0f));
+        (void)tera_tp_ce_fused(&hs->tp, m->logits, a->loss_lse, NULL, m->logits, targets, N, a->ce_scale,
+                               &m->stats.ce_sum);
+        a->ce_fused = 1;
         tera_backend_weights_end(m->be);
         return;
     }
@@ -1258,6 +1299,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
         tera_tp_dx_sum(a->tp, a->dln);
     }
     tera_tp_norm_backward(a->tp, a->dres, G->ffn_norm, a->dln, la->h, W->ffn_norm, la->rstd2, N, D);
+    if (m->yield) m->yield(m->yield_ctx);
     tera_tp_gather_rows(a->tp, a->dres); /* dL/dh of every row, for o_proj */
     tera_comm_req rq_ln; /* sequence parallelism: ln1 gathered again behind o_proj's and attention's backward */
     const float *ln1 = tera_tp_input_whole_start(a->tp, la->ln1, &rq_ln); /* [N, D] */
@@ -1273,6 +1315,7 @@ static void layer_backward(tera_model *m, int l, const tera_loss_scales *s) {
             m->be->ops.rope_backward(m->be, a->dk, a->rope_cos, a->rope_sin, B, T, Hkv, (int)hd);
         }
     });
+    if (m->yield) m->yield(m->yield_ctx);
     float *const dw[3] = {G->wq, G->wk, G->wv};
     const float *const dy[3] = {a->dq, a->dk, a->dv}, *const w[3] = {W->wq, W->wk, W->wv};
     const int64_t widths[3] = {H * hd, Hkv * hd, Hkv * hd};
@@ -1395,6 +1438,23 @@ static void head_backward(tera_model *m, const tera_loss_scales *s, float hb) {
         TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
                      (double)a->ce_scale, (double)s->ce);
         a->ce_fused = 0;
+        if (m->hs && m->hs->armed) { /* parallel.pp_head_split: this stage's rows, the input gradient summed with
+                                      * the first stage's part */
+            tera_head_split *hs = m->hs;
+            hs->armed = 0;
+            /* the input gradient first, summed while the weight gradient is computed (as tp_split below) */
+            const float *wo = m->W.lm_head + hs->Vh * D;
+            tera_comm_req rq;
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, wo, N, D, V - hs->Vh,
+                                                           0.0f, 1.0f));
+            tera_tp_dx_sum_start(&hs->tp, a->dln, &rq);
+            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head + hs->Vh * D, m->logits, a->lnf, wo,
+                                                           N, D, V - hs->Vh, 0.0f, hb));
+            tera_host_fill(m->be, a->dres, NULL, N * D);
+            tera_tp_copy_backward_wait(&hs->tp, &rq);
+            if (m->grad_ready) tera_head_split_grads_in(hs); /* rows [0, Vh) before the head's gradients go on */
+            return;
+        }
     } else {
         tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
     }

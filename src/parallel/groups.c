@@ -45,8 +45,22 @@ tera_status tera_groups_create(tera_groups *g, tera_topology *t, int ranks_per_n
     return TERA_OK;
 }
 
+void tera_groups_ends(tera_groups *g, const tera_topology *t) {
+    TERA_ASSERTF(t->pp > 1, "the first and last pipeline stages of %d", t->pp);
+    const int end = t->pp_rank == 0 || t->pp_rank == t->pp - 1;
+    /* one group per pipeline (its dp and tp coordinates); a middle stage's rank alone, freed at once */
+    tera_comm *c = tera_comm_split(tera_comm_world(), end ? t->dp_rank * t->tp + t->tp_rank : t->world + t->rank,
+                                   t->pp_rank);
+    if (end) {
+        g->ends = c;
+    } else {
+        tera_comm_free(c);
+    }
+}
+
 void tera_groups_free(tera_groups *g) {
     tera_comm *world = tera_comm_world(); /* a group spanning the world is the world itself */
+    if (g->ends && g->ends != world) tera_comm_free(g->ends);
     if (g->ep && g->ep != world) tera_comm_free(g->ep);
     if (g->edp && g->edp != g->dp && g->edp != world) tera_comm_free(g->edp);
     if (g->mp && g->mp != world) tera_comm_free(g->mp);

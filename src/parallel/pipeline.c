@@ -33,6 +33,8 @@ struct tera_pipe {
     float *buf;                /* one allocation: per slot and chunk: input, output, output grad, input grad */
     int32_t *tok, *tgt;        /* [n_slots][N] */
     tera_comm_req *req;        /* [n_slots][v][2] sends: forward output, backward input gradient */
+    float ce_scale;            /* the step's loss gradient scale (the head split's helper serves with it) */
+    double served;             /* seconds serving the head split inside waits (busy, not waiting) */
     double busy_s, wait_s, step_s; /* the last step's */
     double busy_total, wait_total, step_total;
     int steps;
@@ -82,6 +84,12 @@ tera_status tera_pipe_create(const tera_pipe_env *env, tera_pipe **out) {
         free(p);
         return st;
     }
+    if (m->par.head_role && !tera_schedule_head_adjacent(&p->sched)) { /* the config refuses GPipe already */
+        tera_schedule_free(&p->sched);
+        free(p);
+        return tera_fail(TERA_ERR_CONFIG, "parallel.pp_head_split: schedule '%s' does not run each micro-batch's last "
+                                          "backward right after its forward on the last stage", env->schedule);
+    }
     p->n_slots = m->n_slots; /* tera_pipe_slots: the schedule's peak on this stage */
     const int64_t N = (int64_t)env->micro_batch * env->seq_len;
     TERA_ASSERTF(N == (int64_t)m->B * m->T, "pipeline micro-batch of %ld rows, the model's %ld", (long)N,
@@ -110,8 +118,40 @@ void tera_pipe_destroy(tera_pipe *p) {
     free(p);
 }
 
+/* parallel.pp_head_split, the first stage: serves every micro-batch whose head input has arrived, in
+ * order (its targets are in its slot: the micro-batch is in flight here until its backward, which needs
+ * the head's input gradient first); returns the seconds spent. Elsewhere: nothing. */
+static double serve(tera_pipe *p) {
+    const double t0 = tera_now();
+    const int64_t N = (int64_t)p->env.micro_batch * p->env.seq_len;
+    for (int i; (i = tera_model_head_split_ready(p->env.model)) >= 0;) {
+        const int sl = p->slot_of[i];
+        TERA_ASSERTF(sl >= 0, "pipeline: the head's input of micro-batch %d arrived before its forward here", i);
+        tera_model_head_split_serve(p->env.model, p->tgt + (int64_t)sl * N, p->ce_scale);
+    }
+    return tera_now() - t0;
+}
+
+static void serve_yield(void *ctx) { (void)serve(ctx); } /* inside an operation: its busy time */
+
+/* Waits for rq; the head split's first stage serves the head meanwhile (the last stage may be waiting
+ * for it, and this wait for the last stage), the time it serves counted in p->served. */
+static void pipe_wait(tera_pipe *p, tera_comm_req *rq) {
+    for (;;) {
+        p->served += serve(p);
+        if (!rq->active) return;
+        tera_comm_req *hr = tera_model_head_split_pending(p->env.model);
+        if (!hr) {
+            tera_comm_wait(rq);
+            return;
+        }
+        tera_comm_req *const two[2] = {rq, hr};
+        (void)tera_comm_wait_any(two, 2);
+    }
+}
+
 static void wait_slot_sends(tera_pipe *p, int slot) {
-    for (int i = 0; i < p->v * 2; i++) tera_comm_wait(&p->req[(int64_t)slot * p->v * 2 + i]);
+    for (int i = 0; i < p->v * 2; i++) pipe_wait(p, &p->req[(int64_t)slot * p->v * 2 + i]);
 }
 
 static int take_slot(tera_pipe *p) {
@@ -147,6 +187,10 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
     const tera_sched_op *ops = tera_schedule_rank(&p->sched, p->rank);
     for (int i = 0; i < p->m; i++) p->slot_of[i] = -1;
     for (int i = 0; i < p->n_slots; i++) p->slot_busy[i] = 0;
+    p->ce_scale = s->ce;
+    p->served = 0.0;
+    tera_model_head_split_begin(m, p->m); /* parallel.pp_head_split (else nothing) */
+    if (tera_model_head_split_pending(m)) tera_model_set_yield(m, serve_yield, p); /* the first stage's layers */
     const double t_start = tera_now();
     double busy = 0.0, wait = 0.0;
     for (int k = 0; k < p->sched.n_ops; k++) {
@@ -173,7 +217,7 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
                 tera_comm_req rq;
                 const double t0 = tera_now();
                 tera_comm_irecv_f32(p->env.group, xin, p->nd, prev, tag_of(p, i, vs, 0), &rq);
-                tera_comm_wait(&rq);
+                pipe_wait(p, &rq);
                 wait += tera_now() - t0;
             }
             /* the loss's pass also writes its gradient over the slot's logits (one exponential per
@@ -196,7 +240,7 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
                 tera_comm_req rq;
                 const double t0 = tera_now();
                 tera_comm_irecv_f32(p->env.group, dyin, p->nd, next, tag_of(p, i, vs, 1), &rq);
-                tera_comm_wait(&rq);
+                pipe_wait(p, &rq);
                 wait += tera_now() - t0;
             }
             /* gradient buckets start reducing once a chunk's last micro-batch is through */
@@ -219,10 +263,21 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
             }
         }
         tera_comm_poll(p->req, p->n_slots * p->v * 2); /* let sends progress */
+        busy += serve(p);
     }
     const double t_sends = tera_now();
     for (int i = 0; i < p->n_slots; i++) wait_slot_sends(p, i);
+    p->served += serve(p); /* the head split's last micro-batches, in turn */
+    for (tera_comm_req *hr; (hr = tera_model_head_split_pending(m)) != NULL;) {
+        tera_comm_wait(hr);
+        p->served += serve(p);
+    }
+    tera_model_head_split_end(m);
+    tera_model_set_yield(m, NULL, NULL);
     wait += tera_now() - t_sends;
+    /* the head served inside waits was work, not waiting */
+    wait -= p->served, busy += p->served;
+    p->served = 0.0;
     tera_model_use_slot(m, 0);
     p->busy_s = busy, p->wait_s = wait, p->step_s = tera_now() - t_start;
     p->busy_total += busy, p->wait_total += wait, p->step_total += p->step_s;

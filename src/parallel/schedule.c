@@ -104,6 +104,18 @@ tera_status tera_schedule_build(tera_schedule *s, tera_sched_kind kind, int pp, 
     return TERA_OK;
 }
 
+int tera_schedule_head_adjacent(const tera_schedule *s) {
+    const tera_sched_op *ops = tera_schedule_rank(s, s->pp - 1);
+    int want = 0; /* the next micro-batch whose head comes */
+    for (int k = 0; k < s->n_ops; k++) {
+        if (ops[k].kind != TERA_OP_FWD || ops[k].chunk != s->v - 1) continue;
+        if (ops[k].micro != want++ || k + 1 >= s->n_ops || ops[k + 1].kind != TERA_OP_BWD ||
+            ops[k + 1].micro != ops[k].micro || ops[k + 1].chunk != s->v - 1)
+            return 0;
+    }
+    return want == s->m;
+}
+
 void tera_schedule_free(tera_schedule *s) {
     free(s->ops);
     memset(s, 0, sizeof *s);

@@ -149,7 +149,8 @@ static void ep_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
 }
 
 /* Pipeline parallelism, per micro-batch: each chunk sends its output activations [N, D] to the
- * next virtual stage unless it is the last, and its input gradients back unless it is the first. */
+ * next virtual stage unless it is the last, and its input gradients back unless it is the first;
+ * and the head split's transfers (below). */
 static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     const tera_model *m = &tr->model;
     if (tr->topo.pp < 2) return;
@@ -161,6 +162,18 @@ static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     }
     cm->pp = A * sends * (double)m->Nr * m->cfg.dim * 4.0; /* sequence parallelism: this rank's rows */
     cm->min[TERA_XFER_P2P] += cm->pp;
+    /* parallel.pp_head_split (src/model/head_split.h), between the first and the last stage: once a step
+     * the last sends the weight's rows [0, V/2) and the first sends back their gradient ([V/2, D] each);
+     * per micro-batch the last sends the final norm's output [N, D], and the pair all-reduces the
+     * cross-entropy's maxima and sums ([N], [2N]) and the head's input gradient [N, D] */
+    if (m->par.head_role) {
+        const double N = (double)m->B * m->T, D = m->cfg.dim, half = 4.0 * (m->cfg.vocab_size / 2) * D;
+        const double p2p = half + (m->par.head_role == 2 ? A * N * D * 4.0 : 0.0);
+        const double ar = A * 2.0 * ring(2) * 4.0 * (3.0 * N + N * D);
+        cm->min[TERA_XFER_P2P] += p2p;
+        cm->min[TERA_XFER_ALLREDUCE] += ar;
+        cm->pp += p2p + ar;
+    }
 }
 
 /* Statistics, once a step (src/train/trainer.c, src/train/layout.c): over the data-parallel ranks

@@ -124,6 +124,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
     if (tst != TERA_OK) return tst;
     /* the communicators of every group, the ranks placed on nodes (include/tera/groups.h) */
     if ((tst = tera_groups_create(&tr->groups, &tr->topo, cfg->parallel.ranks_per_node)) != TERA_OK) return tst;
+    if (cfg->parallel.pp_head_split && tr->topo.pp > 1) tera_groups_ends(&tr->groups, &tr->topo);
     snprintf(tr->run_dir, sizeof tr->run_dir, "%s", run_dir ? run_dir : "");
 
     tera_status st = tera_source_open(&tr->src, &cfg->data, cfg->model.vocab_size);
@@ -170,7 +171,10 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .shard_grads = zero >= 2,
                                     .shard_params = zero >= 3, .pp = tr->topo.pp, .pp_rank = tr->topo.pp_rank,
                                     .v = cfg->parallel.pp_chunks, .layer_first = first,
-                                    .n_slots = slots, .be = be};
+                                    .n_slots = slots, .be = be,
+                                    /* parallel.pp_head_split: the first stage helps (1), the last owns (2) */
+                                    .head_role = !tr->groups.ends ? 0 : tr->topo.pp_rank == 0 ? 1 : 2,
+                                    .head_group = tr->groups.ends};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
         mc.loss_chunk = t->loss_chunk;
