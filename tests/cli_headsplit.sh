@@ -15,6 +15,8 @@
 #   - evaluation (training.eval_every) runs the whole head on the last stage: the same validation loss
 #     as without the split;
 #   - `tera bench` shows the head's work on both ends (ops_ms_by_rank: lm head fwd on ranks 0 and 1);
+#   - `tera plan` predicts a shorter step for bench-dist's pp2 with the split, and the first stage's
+#     scratch bytes exactly as `tera train` counts them;
 #   - refused with one message naming parallel.pp_head_split: no pipeline, GPipe, tp 2, ZeRO-2.
 # Usage: cli_headsplit.sh TERA SOURCE_DIR
 set -u
@@ -114,6 +116,21 @@ if $MPIRUN -np 2 "$TERA" bench "${MODEL[@]}" --training.micro_batch=1 --training
 else
     fail "tera bench with the split"; tail -5 "$W/bench.err"
 fi
+
+# the planner: half the head on each end (a shorter predicted step on bench-dist's pp2, whose last stage
+# carries the head), and the first stage's memory as tera train counts it
+PL=(plan --dry-run -c "$SRC/configs/bench-dist.ini" --hardware "$SRC/hardware/this-machine.ini" --training.micro_batch=4
+    --training.grad_accum=4 --parallel.pp=2 --training.threads=1)
+a=$("$TERA" "${PL[@]}" 2>&1 | grep -o '  step [0-9.e+-]*' | head -1 | awk '{ print $2 }')
+b=$("$TERA" "${PL[@]}" "${HS[@]}" 2>&1 | grep -o '  step [0-9.e+-]*' | head -1 | awk '{ print $2 }')
+awk -v a="$a" -v b="$b" 'BEGIN { exit !(a > 0 && b > 0 && b < a) }' \
+    && pass "tera plan: bench-dist pp2 step $a s, with the split $b s" || fail "tera plan: step '$a' s, with the split '$b' s"
+sp=$("$TERA" "${PL[@]}" "${HS[@]}" 2>&1 | grep -m1 'bytes: params' | grep -o 'scratch [0-9]*')
+$MPIRUN -np 2 "$TERA" train -c "$SRC/configs/bench-dist.ini" --training.steps=1 --training.micro_batch=4 \
+    --training.grad_accum=4 --parallel.pp=2 --training.threads=1 "${HS[@]}" --logging.run_dir="$W/mem" > "$W/mem.log" 2>&1
+st=$(grep -m1 'memory bytes per rank' "$W/mem.log" | grep -o 'scratch [0-9]*')
+[ -n "$sp" ] && [ "$sp" = "$st" ] && pass "tera plan: the first stage's $sp bytes, as tera train counts them" \
+    || fail "tera plan's first stage '$sp', tera train's '$st'"
 
 # refusals: one message naming the key, nothing trained
 for bad in "1:" "2:--parallel.pp=2 --parallel.pp_schedule=gpipe" "4:--parallel.pp=2 --parallel.tp=2" \

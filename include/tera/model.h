@@ -356,6 +356,8 @@ void tera_model_reset_load(tera_model *m);
  * input arrives by (NULL: none in flight; to wait for it beside another), _serve runs that
  * micro-batch's part of the head with its targets [B*T] and the loss's gradient scale. */
 void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx); /* m->yield (NULL: none) */
+/* The scratch bytes the head split adds on a stage of role 1 (helper) or 2 (owner); 0 otherwise. */
+int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role);
 void tera_model_head_split_begin(tera_model *m, int micro_batches);
 int tera_model_head_split_ready(tera_model *m);
 tera_comm_req *tera_model_head_split_pending(tera_model *m);

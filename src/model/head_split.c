@@ -7,6 +7,13 @@
 
 enum { TAG_H = 1, TAG_W = 2, TAG_G = 3 }; /* the pair's own group: no other messages share these */
 
+static int64_t helper_floats(int64_t V, int64_t D, int64_t N) { return 2 * (V / 2) * D + 2 * N * D + N * (V / 2) + N; }
+
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N) {
+    if (role != TERA_HS_HELPER && role != TERA_HS_OWNER) return 0;
+    return tera_tp_scratch_bytes(2, N, D, 0) + (role == TERA_HS_HELPER ? helper_floats(V, D, N) * (int64_t)sizeof(float) : 0);
+}
+
 tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N) {
     TERA_ASSERTF((role == TERA_HS_HELPER || role == TERA_HS_OWNER) && group && tera_comm_size(group) == 2 && V % 2 == 0,
                  "head split: role %d, a group of %d, vocabulary %ld", role, group ? tera_comm_size(group) : 0, (long)V);
@@ -20,7 +27,7 @@ tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend
     hs->tp.overlap = 1; /* the input gradient's sum in flight during the weight gradient (fp32 products) */
     hs->bytes = hs->tp.bytes;
     if (role == TERA_HS_HELPER) {
-        const int64_t n = 2 * hs->Vh * D + 2 * N * D + N * hs->Vh + N;
+        const int64_t n = helper_floats(V, D, N);
         hs->w = tera_calloc((size_t)n, sizeof(float)); /* one block */
         hs->g = hs->w + hs->Vh * D;
         hs->h = hs->g + hs->Vh * D;

@@ -56,6 +56,8 @@ typedef struct tera_head_split {
 /* role, the pair's group, the backend, vocabulary V (even), width D, rows N of a micro-batch */
 tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N);
 void tera_head_split_destroy(tera_head_split *hs);
+/* The bytes create allocates for a role (0 for none): what the planner counts. */
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N);
 
 /* A step's start: the owner sends its weight rows [0, Vh) (w: the head's [V, D]) and posts the
  * receive of the helper's gradient into g's rows [0, Vh); the helper posts the matching receive and

@@ -707,6 +707,10 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     return TERA_OK;
 }
 
+int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role) {
+    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T);
+}
+
 void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx) {
     m->yield = fn, m->yield_ctx = fn ? ctx : NULL;
     tera_dispatch_set_yield(m->slots[0].dispatch, fn, ctx); /* every slot shares the dispatcher */

@@ -620,7 +620,7 @@ typedef struct {
 } stage_work;
 
 static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_plan_opts *o, const tera_plan_stage *st,
-                          int has_head, int threads, stage_work *w) {
+                          int has_head, double head_rows, int threads, stage_work *w) {
     const tera_model_config *c = &cfg->model;
     const tera_parallel_config *p = &cfg->parallel;
     const int tp = p->tp, ep = p->ep, B = cfg->training.micro_batch, T = cfg->training.seq_len;
@@ -674,10 +674,12 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     w->bytes = 3.0 * (dense * fwd_dense + moe * fwd_moe); /* backward: about twice the forward's traffic */
     w->bytes_rec = st->full[0] * fwd_dense + st->full[1] * fwd_moe + st->selective[0] * b_dense_glu +
                    st->selective[1] * b_moe_glu;
-    if (has_head) {
-        w->mm += MM(N, D, Vl);
-        w->bytes += 16.0 * N * Vl + 3.0 * 8.0 * N * D; /* cross-entropy over the logits; the final norm */
+    if (head_rows > 0.0) { /* the stage's share of the head's vocabulary rows (parallel.pp_head_split: half) */
+        const int64_t Vs = (int64_t)((double)Vl * head_rows);
+        w->mm += MM(N, D, Vs);
+        w->bytes += 16.0 * N * Vs; /* cross-entropy over the logits */
     }
+    if (has_head) w->bytes += 3.0 * 8.0 * N * D; /* the final norm */
 #undef MM
 }
 
@@ -814,8 +816,10 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     for (int s = 0; s < pp; s++) {
         const int layers = st[s].layers, moe = st[s].moe_layers;
         const int has_head = s == pp - 1;
+        /* parallel.pp_head_split: the first and the last stage compute half the head each */
+        const int split = pp > 1 && p->pp_head_split && (s == 0 || has_head);
         stage_work w;
-        stage_work_of(cfg, hw, o, &st[s], has_head, threads, &w);
+        stage_work_of(cfg, hw, o, &st[s], has_head, split ? 0.5 : has_head ? 1.0 : 0.0, threads, &w);
         s_mm[s] = w.mm + w.mm_rec;
         s_mem[s] = bw_mem > 0 ? (w.bytes + w.bytes_rec) / bw_mem : 0.0;
         const double mm = s_mm[s] / fc_all, mem = s_mem[s] / fm_all;
@@ -882,8 +886,14 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         /* pipeline sends: bench-dist's pp_bytes per micro-batch */
         double tpp = 0.0;
         if (pp > 1) {
-            const double bytes = st[s].sends * N * D * 4.0;
+            double bytes = st[s].sends * N * D * 4.0;
             tpp = comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, bytes, st[s].sends);
+            if (split) { /* the head split's pair: the final norm's output to the first stage, three sums */
+                const double h = has_head ? N * D * 4.0 : 0.0, sums = 2.0 * ring(2) * 4.0 * (3.0 * N + N * D);
+                tpp += comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, h, has_head ? 1.0 : 0.0) +
+                       comm_s(hw, TERA_HW_ALLREDUCE, 2, devices, (int64_t)pp * dp * tp, sums, 3.0);
+                bytes += h + sums;
+            }
             if (bytes * A > out->bytes_pp) out->bytes_pp = bytes * A;
         }
         s_x[s] = ttp + tep + tpp;
