@@ -16,7 +16,8 @@
 #     as without the split;
 #   - `tera bench` shows the head's work on both ends (ops_ms_by_rank: lm head fwd on ranks 0 and 1);
 #   - `tera plan` predicts a shorter step for bench-dist's pp2 with the split, and the first stage's
-#     scratch bytes exactly as `tera train` counts them;
+#     scratch bytes exactly as `tera train` counts them; its search tries the split (the best pp2
+#     layout of bench-dist on 2 devices has it);
 #   - refused with one message naming parallel.pp_head_split: no pipeline, GPipe, tp 2, ZeRO-2.
 # Usage: cli_headsplit.sh TERA SOURCE_DIR
 set -u
@@ -125,6 +126,16 @@ a=$("$TERA" "${PL[@]}" 2>&1 | grep -o '  step [0-9.e+-]*' | head -1 | awk '{ pri
 b=$("$TERA" "${PL[@]}" "${HS[@]}" 2>&1 | grep -o '  step [0-9.e+-]*' | head -1 | awk '{ print $2 }')
 awk -v a="$a" -v b="$b" 'BEGIN { exit !(a > 0 && b > 0 && b < a) }' \
     && pass "tera plan: bench-dist pp2 step $a s, with the split $b s" || fail "tera plan: step '$a' s, with the split '$b' s"
+# the search tries the split as a dimension: on 2 devices its best pipeline layout for bench-dist
+# splits the head (the last stage's head is most of a layer there), and says so
+"$TERA" plan -c "$SRC/configs/bench-dist.ini" --hardware "$SRC/hardware/this-machine.ini" --devices 2 --global-batch 16 \
+    --training.threads=1 --top 40 --json > "$W/search.json" 2> "$W/search.err"
+if jq -e '[.best[] | select(.pp == 2)] | length > 0 and (.[0].pp_head_split == true)
+          and any(.[]; .pp_head_split == false)' "$W/search.json" > /dev/null; then
+    pass "tera plan's search: the best pp2 layout of bench-dist on 2 devices splits the head ($(jq -c '[.best[] | select(.pp == 2)][0] | {pp_schedule, pp_chunks, pp_head_split, micro_batch}' "$W/search.json"))"
+else
+    fail "tera plan's search and the head split: $(jq -c '[.best[] | select(.pp == 2) | {pp_schedule, pp_head_split}]' "$W/search.json" 2> /dev/null | head -c 300) $(head -c 200 "$W/search.err")"
+fi
 sp=$("$TERA" "${PL[@]}" "${HS[@]}" 2>&1 | grep -m1 'bytes: params' | grep -o 'scratch [0-9]*')
 $MPIRUN -np 2 "$TERA" train -c "$SRC/configs/bench-dist.ini" --training.steps=1 --training.micro_batch=4 \
     --training.grad_accum=4 --parallel.pp=2 --training.threads=1 "${HS[@]}" --logging.run_dir="$W/mem" > "$W/mem.log" 2>&1

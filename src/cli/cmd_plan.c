@@ -19,6 +19,7 @@ static void layout_line(FILE *f, const tera_config *c) {
             p->ep, p->dp > 1 ? p->zero : 0);
     if (p->pp > 1) fprintf(f, ", %s", p->pp_schedule);
     if (p->pp_chunks > 1) fprintf(f, " x %d chunks", p->pp_chunks);
+    if (p->pp > 1 && p->pp_head_split) fprintf(f, ", head split");
     fprintf(f, ", micro-batch %d x accum %d (T %d), recompute %s", c->training.micro_batch, c->training.grad_accum,
             c->training.seq_len, c->training.recompute[0] ? c->training.recompute : "none");
     if (c->training.loss_chunk > 0) fprintf(f, ", loss_chunk %d", c->training.loss_chunk);
@@ -198,6 +199,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddNumberToObject(lay, "zero", cfg.parallel.dp > 1 ? cfg.parallel.zero : 0);
             cJSON_AddStringToObject(lay, "pp_schedule", cfg.parallel.pp_schedule);
             cJSON_AddNumberToObject(lay, "pp_chunks", cfg.parallel.pp_chunks);
+            cJSON_AddBoolToObject(lay, "pp_head_split", cfg.parallel.pp > 1 && cfg.parallel.pp_head_split);
             cJSON_AddNumberToObject(lay, "micro_batch", cfg.training.micro_batch);
             cJSON_AddNumberToObject(lay, "grad_accum", cfg.training.grad_accum);
             cJSON_AddNumberToObject(lay, "seq_len", cfg.training.seq_len);
@@ -311,6 +313,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "zero", c->parallel.zero);
             cJSON_AddStringToObject(o, "pp_schedule", c->parallel.pp_schedule);
             cJSON_AddNumberToObject(o, "pp_chunks", c->parallel.pp_chunks);
+            cJSON_AddBoolToObject(o, "pp_head_split", c->parallel.pp > 1 && c->parallel.pp_head_split);
             cJSON_AddNumberToObject(o, "micro_batch", c->training.micro_batch);
             cJSON_AddNumberToObject(o, "grad_accum", c->training.grad_accum);
             cJSON_AddStringToObject(o, "recompute", c->training.recompute);

@@ -1097,15 +1097,22 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                         tera_config c1 = c0;
                         c1.parallel.sequence_parallel = 1;
                         const int sp_max = tp > 1 && tera_config_finalize(&c1) == TERA_OK;
+                        /* parallel.pp_head_split: with and without it where tera accepts it (tp 1, ZeRO 0-1,
+                         * not GPipe, an even vocabulary; the loss over blocks of rows is not tried with it) */
+                        const int hs_ok = pp > 1 && tp == 1 && strcmp(sched[si].kind, "gpipe") != 0 &&
+                                          mc->vocab_size % 2 == 0;
                         for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
-                            for (int k = 0; k < 3 * (1 + sp_max); k++) { /* without, then with it; x recompute */
-                                const int sp = k / 3, r = k % 3;
+                            for (int k = 0; k < 3 * (1 + sp_max) * (1 + (hs_ok && zero <= 1)); k++) {
+                                /* without, then with sequence parallelism; x recompute; then the same with the head split */
+                                const int kk = k % (3 * (1 + sp_max)), hs = k / (3 * (1 + sp_max));
+                                const int sp = kk / 3, r = kk % 3;
                                 tera_plan_candidate cand;
                                 memset(&cand, 0, sizeof cand);
                                 tera_config *c = &cand.cfg;
                                 *c = c0;
                                 c->parallel.zero = zero;
                                 c->parallel.sequence_parallel = sp;
+                                c->parallel.pp_head_split = hs;
                                 snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r]);
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
@@ -1114,7 +1121,7 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                 cand.fits = (double)cand.worst.total <= budget;
                                 /* too large with the whole logits: the head and the loss over blocks of rows
                                  * (training.loss_chunk; the same step time: no product repeated) */
-                                if (!cand.fits && base->training.loss_chunk == 0 &&
+                                if (!cand.fits && base->training.loss_chunk == 0 && !hs &&
                                     (int64_t)mb * c->training.seq_len > TERA_PLAN_LOSS_CHUNK) {
                                     c->training.loss_chunk = TERA_PLAN_LOSS_CHUNK;
                                     if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
