@@ -80,14 +80,9 @@ void tera_head_split_serve(tera_head_split *hs, tera_backend *be, const int32_t 
     TERA_PROF(HEAD_FWD, be->ops.linear_forward(be, hs->logits, hs->h, hs->w, N, D, Vh, 0.0f));
     double sum = 0.0; /* the whole loss: the owner reports it */
     (void)tera_tp_ce_fused(&hs->tp, hs->logits, hs->lse, NULL, hs->logits, targets, N, ce_scale, &sum);
-    /* the partial input gradient first, summed (for the owner: this copy is not used) while the rows'
-     * weight gradient is computed */
-    tera_comm_req rq;
-    TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, hs->dh, NULL, hs->logits, hs->h, hs->w, N, D, Vh, 0.0f, 1.0f));
-    tera_tp_dx_sum_start(&hs->tp, hs->dh, &rq);
-    TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, NULL, hs->g, hs->logits, hs->h, hs->w, N, D, Vh, 0.0f,
-                                                hs->next > 0 ? 1.0f : 0.0f));
-    tera_tp_copy_backward_wait(&hs->tp, &rq);
+    /* the partial input gradient summed for the owner (this copy is not used); the rows' weight gradient
+     * stored at the step's first micro-batch, then added */
+    tera_tp_head_backward(&hs->tp, hs->dh, hs->g, hs->logits, hs->h, hs->w, N, D, Vh, hs->next > 0 ? 1.0f : 0.0f);
     if (++hs->next < hs->micro_batches)
         tera_comm_irecv_f32(hs->group, hs->h, N * D, 1, TAG_H, &hs->h_req);
     else

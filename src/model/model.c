@@ -1116,22 +1116,16 @@ void tera_model_forward_range(tera_model *m, const int32_t *tokens, const int32_
         tera_backend_weights_end(m->be);
         return;
     }
-    if (ce_armed && m->hs) { /* parallel.pp_head_split: rows [Vh, V) here, [0, Vh) on the first stage */
-        tera_head_split *hs = m->hs;
-        tera_head_split_send_input(hs, a->lnf);
-        TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head + hs->Vh * D, N, D,
-                                                      V - hs->Vh, 0.0f));
-        (void)tera_tp_ce_fused(&hs->tp, m->logits, a->loss_lse, NULL, m->logits, targets, N, a->ce_scale,
-                               &m->stats.ce_sum);
-        a->ce_fused = 1;
-        tera_backend_weights_end(m->be);
-        return;
-    }
-    TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f));
+    /* parallel.pp_head_split, a training micro-batch: rows [Vh, V) here and [0, Vh) on the first stage, which
+     * gets the final norm's output first; the loss meets over the pair as over a tensor-parallel group */
+    tera_head_split *hs = ce_armed ? m->hs : NULL;
+    const int64_t h0 = hs ? hs->Vh : 0;
+    if (hs) tera_head_split_send_input(hs, a->lnf);
+    TERA_PROF(HEAD_FWD, m->be->ops.linear_forward(m->be, m->logits, a->lnf, m->W.lm_head + h0 * D, N, D, V - h0, 0.0f));
     /* armed (a training step): the loss and its gradient over the logits in one pass; the targets'
      * logits go to dres, free until the backward */
-    if (ce_armed && tera_tp_ce_fused(a->tp, m->logits, a->loss_lse, a->dres, m->logits, targets, N, a->ce_scale,
-                                     &m->stats.ce_sum)) {
+    if (ce_armed && tera_tp_ce_fused(hs ? &hs->tp : a->tp, m->logits, a->loss_lse, a->dres, m->logits, targets, N,
+                                     a->ce_scale, &m->stats.ce_sum)) {
         a->ce_fused = 1;
     } else {
         m->stats.ce_sum = tera_tp_ce_forward(a->tp, a->loss_lse, m->logits, targets, N);
@@ -1442,38 +1436,18 @@ static void head_backward(tera_model *m, const tera_loss_scales *s, float hb) {
         TERA_ASSERTF(s->ce == a->ce_scale, "the forward wrote the loss gradient for scale %g, the backward has %g",
                      (double)a->ce_scale, (double)s->ce);
         a->ce_fused = 0;
-        if (m->hs && m->hs->armed) { /* parallel.pp_head_split: this stage's rows, the input gradient summed with
-                                      * the first stage's part */
-            tera_head_split *hs = m->hs;
-            hs->armed = 0;
-            /* the input gradient first, summed while the weight gradient is computed (as tp_split below) */
-            const float *wo = m->W.lm_head + hs->Vh * D;
-            tera_comm_req rq;
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, wo, N, D, V - hs->Vh,
-                                                           0.0f, 1.0f));
-            tera_tp_dx_sum_start(&hs->tp, a->dln, &rq);
-            TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head + hs->Vh * D, m->logits, a->lnf, wo,
-                                                           N, D, V - hs->Vh, 0.0f, hb));
-            tera_host_fill(m->be, a->dres, NULL, N * D);
-            tera_tp_copy_backward_wait(&hs->tp, &rq);
-            if (m->grad_ready) tera_head_split_grads_in(hs); /* rows [0, Vh) before the head's gradients go on */
-            return;
-        }
     } else {
         tera_tp_ce_backward(a->tp, m->logits, m->logits, a->targets, N, s->ce);
     }
-    if (tp_split(a)) { /* the head's weight gradient while the input gradient is summed */
-        tera_comm_req rq;
-        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, NULL, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, 1.0f));
-        tera_tp_dx_sum_start(a->tp, a->dln, &rq);
-        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, NULL, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D,
-                                                       V, 0.0f, hb));
-        tera_host_fill(m->be, a->dres, NULL, N * D);
-        tera_tp_copy_backward_wait(a->tp, &rq);
-    } else {
-        TERA_PROF(HEAD_BWD, m->be->ops.linear_backward(m->be, a->dln, m->G.lm_head, m->logits, a->lnf, m->W.lm_head, N, D, V, 0.0f, hb));
-        tera_tp_dx_sum(a->tp, a->dln); /* the vocabulary slices' partial input gradients */
-        tera_host_fill(m->be, a->dres, NULL, N * D);
+    /* parallel.pp_head_split (a training micro-batch): this stage's rows [Vh, V), summed over the pair */
+    tera_head_split *hs = m->hs && m->hs->armed ? m->hs : NULL;
+    const int64_t h0 = hs ? hs->Vh : 0;
+    tera_tp_head_backward(hs ? &hs->tp : a->tp, a->dln, m->G.lm_head + h0 * D, m->logits, a->lnf, m->W.lm_head + h0 * D,
+                          N, D, V - h0, hb);
+    tera_host_fill(m->be, a->dres, NULL, N * D);
+    if (hs) {
+        hs->armed = 0;
+        if (m->grad_ready) tera_head_split_grads_in(hs); /* rows [0, Vh) before the head's gradients go on */
     }
 }
 

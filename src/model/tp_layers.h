@@ -93,6 +93,12 @@ void tera_tp_gather_rows(const tera_tp *tp, float *buf);
  * (this rank's rows of dx hold the sum, the others are left undefined). _start / tera_tp_copy_backward_wait:
  * the same split around independent work as tera_tp_copy_backward_start. */
 void tera_tp_dx_sum(const tera_tp *tp, float *dx);
+/* The vocabulary-parallel LM head's backward from this rank's rows of the loss gradient: dx [N, D] =
+ * dlogits [N, V] w [V, D], summed over the group (tera_tp_dx_sum; tera_tp_overlapping: started after
+ * its product and waited for after the weight gradient's), gw [V, D] = beta gw + dlogits^T x [N, D].
+ * The same bits split or not. */
+void tera_tp_head_backward(tera_tp *tp, float *dx, float *gw, const float *dlogits, const float *x, const float *w,
+                           int64_t N, int64_t D, int64_t V, float beta);
 int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req);
 /* RMSNorm of the residual stream into a replicated input of column-parallel layers: y[N,D] = the norm of
  * x with weights w, rstd kept. x, rstd: this rank's rows ([Nr, D], [Nr]); with sp the rows are written
