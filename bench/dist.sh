@@ -47,22 +47,25 @@ FB=()
 # parallel.tp = T, parallel.ep = E; "ppP" adds P pipeline stages (pp x dp x tp ranks) and runs the
 # global batch as 4 micro-batches through them, by 1F1B, or with a field C > 1 after sequence_parallel
 # by the interleaved schedule over C model chunks per stage (parallel.pp_chunks; pp2-i4: a layer a
-# chunk), and a last field 1 splits the LM head between the first and last stage
-# (parallel.pp_head_split: -hs); the field after pp set to 1 turns on parallel.sequence_parallel (tp > 1).
-#   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp[:sequence_parallel[:pp_chunks[:pp_head_split]]]]
+# chunk), a field 1 after it splits the LM head between the first and last stage
+# (parallel.pp_head_split: -hs), and a last field 1 defers the head's weight gradients into the
+# pipeline's gaps (parallel.pp_defer_wgrad = the 4 micro-batches: -dw); the field after pp set to 1
+# turns on parallel.sequence_parallel (tp > 1).
+#   name:parallel.dp:parallel.tp:parallel.ep:zero:ep_overlap[:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]]]
 DEFAULT_LAYOUTS="one:1:1:1:0:1
     dp2:2:1:1:0:1 dp2-zero1:2:1:1:1:1 tp2:1:2:1:0:1 tp2-sp:1:2:1:0:1:1:1 ep2:2:1:2:0:1 ep2-no-overlap:2:1:2:0:0
     dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1 dp4-zero2:4:1:1:2:1 dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 tp4-sp:1:4:1:0:1:1:1
     dp2xtp2:2:2:1:0:1
     ep4:4:1:4:0:1 ep4-no-overlap:4:1:4:0:0 dp2xep2-zero1:4:1:2:1:1 tp2xep2-zero3:2:2:2:3:1
     dp8:8:1:1:0:1 dp2xep4-zero1:8:1:4:1:1 ep8:8:1:8:0:1 ep8-no-overlap:8:1:8:0:0 dp2xtp2xep2-zero2:4:2:2:2:1
-    pp2:1:1:1:0:1:2 pp2-i4:1:1:1:0:1:2:0:4 pp2-i4-hs:1:1:1:0:1:2:0:4:1 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"
+    pp2:1:1:1:0:1:2 pp2-i4:1:1:1:0:1:2:0:4 pp2-i4-hs:1:1:1:0:1:2:0:4:1 pp2-i4-hs-dw:1:1:1:0:1:2:0:4:1:1 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"
 LAYOUTS=${LAYOUTS-$DEFAULT_LAYOUTS}
 AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
 # An entry of LAYOUTS or AB_LAYOUTS may be a bare name of KNOWN (the default list and the other
 # two-rank ZeRO stages), e.g. LAYOUTS="one dp2 tp2-sp pp2"; any other entry spells out its fields.
 # An unknown name or a malformed entry is refused (exit 2) before the results files are touched.
-KNOWN="$DEFAULT_LAYOUTS dp2-zero2:2:1:1:2:1 dp2-zero3:2:1:1:3:1 pp2-hs:1:1:1:0:1:2:0:1:1"
+KNOWN="$DEFAULT_LAYOUTS dp2-zero2:2:1:1:2:1 dp2-zero3:2:1:1:3:1 pp2-hs:1:1:1:0:1:2:0:1:1 pp2-dw:1:1:1:0:1:2:0:1:0:1
+    pp2-hs-dw:1:1:1:0:1:2:0:1:1:1 pp2-i4-dw:1:1:1:0:1:2:0:4:0:1"
 resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced by their fields
     local var=$1 lo=$2 hi=$3 e spec known out=""
     for e in ${!var}; do
@@ -78,25 +81,26 @@ resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced 
         fi
         # fields after the name: integers, dp tp ep (and pp) at least 1, MIN_FIELDS to MAX_FIELDS in all
         if ! printf '%s' "$spec" | awk -F: -v lo="$lo" -v hi="$hi" '{ ok = NF >= lo && NF <= hi
-                for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/ || ((i <= 4 || i == 7 || i == 9) && $i + 0 < 1) || (i == 10 && $i > 1)) ok = 0 }
+                for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/ || ((i <= 4 || i == 7 || i == 9) && $i + 0 < 1) || ((i == 10 || i == 11) && $i > 1)) ok = 0 }
                 END { exit !ok }'; then
-            echo "bench/dist.sh: $var: malformed layout '$e' (name:dp:tp:ep:zero:ep_overlap[:pp[:sequence_parallel[:pp_chunks[:pp_head_split]]]], dp tp ep pp pp_chunks >= 1, pp_head_split 0 or 1)" >&2
+            echo "bench/dist.sh: $var: malformed layout '$e' (name:dp:tp:ep:zero:ep_overlap[:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]]], dp tp ep pp pp_chunks >= 1, pp_head_split and defer 0 or 1)" >&2
             return 2
         fi
         out="$out $spec"
     done
     printf '%s' "${out# }"
 }
-LAYOUTS=$(resolve LAYOUTS 6 10) || exit 2
+LAYOUTS=$(resolve LAYOUTS 6 11) || exit 2
 AB_LAYOUTS=$(resolve AB_LAYOUTS 5 5) || exit 2
 : > "$OUT"
 : > "$OUT_AB"
-run() { # name dp tp ep zero overlap [pp [sp [chunks [head_split]]]]
-    local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0} chunks=${9:-1} hs=${10:-0}
+run() { # name dp tp ep zero overlap [pp [sp [chunks [head_split [defer]]]]]
+    local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0} chunks=${9:-1} hs=${10:-0} dw=${11:-0}
     local n=$((pp * dp * tp)) accum=1 sched=()
     [ "$pp" -gt 1 ] && accum=4
     [ "$chunks" -gt 1 ] && sched=(--parallel.pp_schedule=interleaved --parallel.pp_chunks="$chunks")
     [ "$hs" = 1 ] && sched+=(--parallel.pp_head_split=true)
+    [ "$dw" = 1 ] && sched+=(--parallel.pp_defer_wgrad="$accum")
     local args=(bench -c "$CONFIG" --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP"
           --training.micro_batch=$((16 / dp / accum)) --training.grad_accum="$accum" --parallel.dp="$dp"
           --parallel.tp="$tp" --parallel.ep="$ep" --parallel.pp="$pp" --parallel.zero="$zero"
@@ -134,8 +138,8 @@ for round in $(seq "$ROUNDS"); do
     order=$LAYOUTS
     if [ $((round % 2)) = 0 ]; then order=$(printf '%s\n' $LAYOUTS | tac); fi # alternating order
     for l in $order; do
-        IFS=: read -r name dp tp ep zero ov pp sp chunks hs <<< "$l"
-        run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" "${chunks:-1}" "${hs:-0}" | tag "$round" | tee -a "$OUT"
+        IFS=: read -r name dp tp ep zero ov pp sp chunks hs dw <<< "$l"
+        run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}" | tag "$round" | tee -a "$OUT"
     done
     for n in ${CEILING-2}; do ceiling "$n" | tag "$round" | tee -a "$OUT"; done
 done
@@ -220,7 +224,8 @@ if pipes:  # each stage's busy and waiting time: the busiest stage bounds the st
         o = one_r.get(rnd(r))
         bound = f"{r['step_ms_median'] * r['tokens_per_s'] / o / max(b):.2f}x" if o else "-"
         sch = r.get("pp_schedule", "?") + (f", {r['pp_chunks']} chunks" if r.get("pp_chunks", 1) > 1 else "") \
-            + (", head split" if r.get("pp_head_split") else "")
+            + (", head split" if r.get("pp_head_split") else "") \
+            + (", head wgrad deferred" if r.get("pp_defer_wgrad") else "")
         print(f"| {r['config'].split('/')[-1]} | {sch} | {r['step_ms_median']:.0f} | "
               + ", ".join(f"{x:.0f} / {y:.0f}" for x, y in zip(b, w)) + f" | {b.index(max(b))} | {bound} |")
 kinds = ["allreduce", "reduce_scatter", "allgather", "alltoall", "p2p"]

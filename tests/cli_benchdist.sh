@@ -5,7 +5,8 @@
 # of `tera bench` under mpirun as dp2, tp2, ep2, dp2 with ZeRO-3, ZeRO-2 and ZeRO-1, pp2, tp2 x pp2, and pp2 x dp2
 # with ZeRO-3 (4 micro-batches: its gathers follow the 1F1B order), and tp2 with parallel.tp_overlap=0,
 # in bf16 (the default 1: no overlap there) and in bf16 with parallel.tp_overlap=2 (2 micro-batches a step where it matters; rank 0's bytes: with a pipeline, the first stage's),
-# pp2 and pp2 x dp2 ZeRO-1 with the head split between the stages (parallel.pp_head_split), and
+# pp2 and pp2 x dp2 ZeRO-1 with the head split between the stages (parallel.pp_head_split), pp2 with the
+# split and the head's weight gradients deferred (parallel.pp_defer_wgrad: the same bytes), and
 # for each JSON line:
 #   - every kind of transfer whose volume does not depend on the data (all-reduce, reduce-scatter,
 #     all-gather, all-to-all) sent exactly its minimum plus its known overhead (statistics
@@ -78,7 +79,8 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
          "dp2-switchdp:2:1:1:0:2:1:--model.balance_loss=switch_dp --training.recompute=full" \
          "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true" \
          "tp2-sp:1:2:1:0:1:1:--parallel.sequence_parallel=true" "tp2xpp2-sp:1:2:1:0:2:2:--parallel.sequence_parallel=true" \
-         "pp2-hs:1:1:1:0:4:2:--parallel.pp_head_split=true" "pp2xdp2-zero1-hs:2:1:1:1:4:2:--parallel.pp_head_split=true"; do
+         "pp2-hs:1:1:1:0:4:2:--parallel.pp_head_split=true" "pp2xdp2-zero1-hs:2:1:1:1:4:2:--parallel.pp_head_split=true" \
+         "pp2-hs-dw:1:1:1:0:4:2:--parallel.pp_head_split=true --parallel.pp_defer_wgrad=4"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}
     out="$W/$name.json"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench/dist.sh, the two-rank scaling benchmark, end to end on a tiny model (CONFIG): two rounds
-# (ROUNDS=2) of one rank, dp2, pp2 (1F1B), pp2-i2 (interleaved over 2 chunks) and the ceiling of two
+# (ROUNDS=2) of one rank, dp2, pp2 (1F1B), pp2-i2 (interleaved over 2 chunks, the head's weight gradients
+# deferred) and the ceiling of two
 # independent one-rank runs, one step each.
 #   - every run's JSON line is kept, tagged with its round; the second round runs the layouts in the
 #     reverse order (the machine's drift hits both ends alike);
@@ -44,7 +45,7 @@ run_dir = ""
 progress = false
 EOF
 (cd "$SRC" && CONFIG="$W/tiny.ini" ROUNDS=2 FORCE_BALANCE=1 AB_LAYOUTS="" CEILING=2 OUT="$W/dist.jsonl" \
-    OUT_AB="$W/ab.jsonl" LAYOUTS="one dp2:2:1:1:0:1 pp2 pp2-i2:1:1:1:0:1:2:0:2" \
+    OUT_AB="$W/ab.jsonl" LAYOUTS="one dp2:2:1:1:0:1 pp2 pp2-i2:1:1:1:0:1:2:0:2:0:1" \
     bash bench/dist.sh "$TERA" 1 0) > "$W/out.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] && pass "bench/dist.sh ran (exit 0)" || { fail "bench/dist.sh exit $rc"; tail -20 "$W/out.txt"; }
@@ -57,10 +58,11 @@ else
     fail "runs and rounds: $(tr '\n' ' ' < "$W/order.txt")"
 fi
 
-# the pipelines' schedules as run: pp2 by 1F1B, pp2-i2 (a last field of 2) interleaved over 2 chunks
-sch=$(jq -r 'select(.pp == 2) | (.config | split("/") | last) + " " + .pp_schedule + " " + (.pp_chunks | tostring)' \
-      "$W/dist.jsonl" 2> /dev/null | sort -u | tr '\n' ' ')
-[ "$sch" = "pp2 1f1b 1 pp2-i2 interleaved 2 " ] && pass "pipeline schedules run: $sch" || fail "pipeline schedules: '$sch'"
+# the pipelines' schedules as run: pp2 by 1F1B, pp2-i2 (a chunks field of 2) interleaved over 2 chunks, with
+# the head's weight gradients deferred (a last field of 1: the step's 4 micro-batches)
+sch=$(jq -r 'select(.pp == 2) | (.config | split("/") | last) + " " + .pp_schedule + " " + (.pp_chunks | tostring)
+             + " " + (.pp_defer_wgrad | tostring)' "$W/dist.jsonl" 2> /dev/null | sort -u | tr '\n' ' ')
+[ "$sch" = "pp2 1f1b 1 0 pp2-i2 interleaved 2 4 " ] && pass "pipeline schedules run: $sch" || fail "pipeline schedules: '$sch'"
 # x one rank: the median of the per-round ratios, and their range, as the table prints them
 expect() { # name: "M.MMx (L.LLx-H.HHx)" from the JSON lines
     jq -s -r --arg n "$1" '
@@ -81,7 +83,7 @@ done
 grep -q "^2 round(s): each ratio against its own round's one-rank run" "$W/out.txt" &&
     pass "the table says how its ratios were taken" || fail "no rounds line"
 if grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | 1f1b | " &&
-    grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2-i2 | interleaved, 2 chunks | "; then
+    grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2-i2 | interleaved, 2 chunks, head wgrad deferred | "; then
     pass "the pipeline table has pp2 and pp2-i2, with their schedules"
 else
     fail "the pipeline table: $(grep -A5 "^Pipeline stages" "$W/out.txt" | tr '\n' ' ')"
@@ -96,7 +98,7 @@ else
     fail "ROUNDS=two: exit $rc, $(head -c 200 "$W/bad.txt")"
 fi
 # an unknown name and a malformed entry: refused the same way, naming the entry
-for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0" "one pp2-i0:1:1:1:0:1:2:0:0"; do
+for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0" "one pp2-i0:1:1:1:0:1:2:0:0" "one pp2-dw2:1:1:1:0:1:2:0:1:0:2"; do
     (cd "$SRC" && LAYOUTS="$bad" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh "$TERA" 1 0) > "$W/bad.txt" 2>&1
     rc=$?
     entry=${bad#one }

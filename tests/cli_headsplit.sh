@@ -146,19 +146,13 @@ st=$(grep -m1 'memory bytes per rank' "$W/mem.log" | grep -o 'scratch [0-9]*')
 # refusals: one message naming the key, nothing trained
 for bad in "1:" "2:--parallel.pp=2 --parallel.pp_schedule=gpipe" "4:--parallel.pp=2 --parallel.tp=2" \
            "4:--parallel.pp=2 --parallel.dp=2 --parallel.zero=2"; do
-    n=${bad%%:*} args=${bad#*:}
+    n=${bad%%:*} args=${bad#*:} accum=()
+    [ "$n" != 1 ] && accum=(--training.grad_accum=2)
     # shellcheck disable=SC2086
-    if [ "$n" = 1 ]; then
-        "$TERA" train "${TINY[@]}" --training.micro_batch=1 $args "${HS[@]}" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1
-    else
-        $MPIRUN -np "$n" "$TERA" train "${TINY[@]}" --training.micro_batch=1 --training.grad_accum=2 $args "${HS[@]}" \
-            --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1
-    fi
-    rc=$?
-    if [ "$rc" != 0 ] && grep -q "parallel.pp_head_split" "$W/bad.log" && [ ! -e "$W/bad/metrics.jsonl" ]; then
+    if refused parallel.pp_head_split "$n" "${TINY[@]}" --training.micro_batch=1 ${accum[@]+"${accum[@]}"} $args "${HS[@]}"; then
         pass "refused (${args:-no pipeline}): $(grep -m1 'parallel.pp_head_split' "$W/bad.log" | cut -c1-140)"
     else
-        fail "${args:-no pipeline} with the split: exit $rc, $(head -c 300 "$W/bad.log")"
+        fail "${args:-no pipeline} with the split: $(head -c 300 "$W/bad.log")"
     fi
 done
 finish cli_headsplit

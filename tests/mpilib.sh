@@ -16,3 +16,17 @@ MODEL=(--model.dim=32 --model.n_layers=4 --model.n_heads=8 --model.n_kv_heads=4 
        --data.path="$W/c.txt" --data.val_fraction=0.1 --training.precision=fp32)
 # relative tolerance of a layout against one rank in fp32 (derived in tests/cli_layouts.sh)
 LAYOUT_TOL=2e-6
+# refused KEY N [ARGS...]: `tera train` with ARGS on N ranks (1: without mpirun) exits non-zero with a
+# message naming KEY, before any step (no metrics in $W/bad); the output in $W/bad.log
+refused() {
+    local key=$1 n=$2 rc
+    shift 2
+    rm -rf "$W/bad"
+    if [ "$n" = 1 ]; then
+        "$TERA" train "$@" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1
+    else
+        $MPIRUN -np "$n" "$TERA" train "$@" --logging.run_dir="$W/bad" > "$W/bad.log" 2>&1
+    fi
+    rc=$?
+    [ "$rc" != 0 ] && grep -q "$key" "$W/bad.log" && [ ! -e "$W/bad/metrics.jsonl" ]
+}

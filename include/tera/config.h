@@ -163,6 +163,7 @@ typedef struct {
     char pp_schedule[16];       /* gpipe | 1f1b | interleaved */
     int pp_chunks;              /* model chunks per stage (interleaved) */
     int pp_head_split;          /* the LM head's vocabulary rows split between the first and the last stage */
+    int pp_defer_wgrad;         /* micro-batches whose LM-head weight gradient may wait for the pipeline's gaps */
     char pp_layers[256];        /* layer counts per virtual stage, "" = balanced */
     int zero;                   /* ZeRO stage 0-3 */
     float timeout_s;            /* collective watchdog: seconds, 0 = off, -1 = automatic from the step times */

@@ -134,6 +134,10 @@ typedef struct {
      * parameters); head_group: the two of them (helper rank 0, owner rank 1). 0: no split. */
     int head_role;
     tera_comm *head_group;
+    /* parallel.pp_defer_wgrad (src/model/wgrad.h): up to this many micro-batches' LM-head weight
+     * gradients wait for the pipeline's gaps (tera_model_wgrad_run / _flush) on the stages that compute
+     * the head's products (the last; with the head split, the first too). 0: none. */
+    int defer_wgrad;
     /* The compute backend the model runs its operations on (include/tera/backend.h): the model
      * owns it from tera_model_create_par on (destroyed with the model, or when creation fails).
      * NULL: the model creates a CPU backend in fp32 on the process's threads. */
@@ -229,6 +233,11 @@ typedef struct {
                              of bytes_acts and bytes_scratch, reported apart) */
     int64_t bytes_comm_acts; /* the part of bytes_comm inside bytes_acts */
     struct tera_head_split *hs; /* par.head_role: the head's vocabulary split (private to src/model), else NULL */
+    struct tera_wgrad_queue *wgq; /* par.defer_wgrad on the last stage: the head's deferred weight gradients */
+    /* the step's last micro-batch's hand-over of the head's gradient (notify), due when wgq is flushed */
+    void (*wgq_ready)(void *ctx, int64_t offset, int64_t count);
+    void *wgq_ready_ctx;
+    int wgq_due;
     /* Called inside each layer's forward and backward between its blocks (before the FFN block; before the
      * attention's backward and before q/k/v's) and between routed experts run one after another, where
      * nothing of the backend is in use: the pipeline executor serves the head split's other stage there,
@@ -363,6 +372,19 @@ int tera_model_head_split_ready(tera_model *m);
 tera_comm_req *tera_model_head_split_pending(tera_model *m);
 void tera_model_head_split_serve(tera_model *m, const int32_t *targets, float ce_scale);
 void tera_model_head_split_end(tera_model *m);
+
+/* Deferred weight gradients of the LM head (par.defer_wgrad; src/model/wgrad.h), driven by the
+ * pipeline executor: the head's backward computes the input gradient and queues the weight gradient.
+ * _run computes the oldest queued one (returns its seconds; 0 when none was queued), in a pipeline's
+ * wait; _flush computes the rest at the step's end, then hands the head's gradient on (the head
+ * split: the first stage's rows sent to, or received by, the last stage) and returns the seconds its
+ * products took. Both do nothing on a model without the queue. _bytes: the scratch a stage adds
+ * (tp, pp_rank of pp; head_role as par.head_role; entries: par.defer_wgrad). */
+double tera_model_wgrad_run(tera_model *m);
+double tera_model_wgrad_flush(tera_model *m);
+int64_t tera_model_wgrad_runs(const tera_model *m); /* deferred products run so far */
+int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int tp, int pp, int pp_rank, int head_role,
+                               int entries);
 
 /* tokens, targets: [B, T] int32 (targets[b,t] = next token). Fills m->logits and m->stats. */
 void tera_model_forward(tera_model *m, const int32_t *tokens, const int32_t *targets);

@@ -55,6 +55,10 @@ int tera_pipe_param_uses(const tera_pipe *p, int *uses, int max);
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step);
 /* The last step's seconds of this stage running operations and waiting (0 before the first step). */
 void tera_pipe_last(const tera_pipe *p, double *busy, double *wait);
+/* parallel.pp_defer_wgrad: mean seconds per step of this stage's deferred weight-gradient products run
+ * while it waited for a neighbour, and at the step's end, and how many of each over the steps (0
+ * without them, before the first step, NULL). */
+void tera_pipe_deferred(const tera_pipe *p, double *in_waits, double *at_end, int64_t *n_waits, int64_t *n_end);
 /* Starts those means again from the next step (tera bench: the timed steps only; NULL: nothing). */
 void tera_pipe_times_reset(tera_pipe *p);
 

@@ -220,14 +220,16 @@ int tera_cmd_bench(int argc, char **argv) {
          * (tera_pipe_times; the stage's first data-parallel, tensor-parallel rank): the busiest stage's busy
          * time bounds the step whatever the schedule; the rest of its step is its bubble */
         const int pp = tr.topo.pp;
-        double *pst = tera_calloc((size_t)(2 * pp), sizeof(double));
+        double *pst = tera_calloc((size_t)(4 * pp), sizeof(double)); /* busy, wait, deferred in waits, at the end */
         if (pp > 1) {
             if (tr.topo.dp_rank == 0 && tr.topo.tp_rank == 0) {
                 double busy, wait, whole;
                 tera_pipe_times(tr.pipe, &busy, &wait, &whole);
                 pst[tr.topo.pp_rank] = busy, pst[pp + tr.topo.pp_rank] = wait;
+                int64_t nw, ne;
+                tera_pipe_deferred(tr.pipe, &pst[2 * pp + tr.topo.pp_rank], &pst[3 * pp + tr.topo.pp_rank], &nw, &ne);
             }
-            tera_comm_allreduce_f64(tera_comm_world(), pst, 2 * pp);
+            tera_comm_allreduce_f64(tera_comm_world(), pst, 4 * pp);
         }
         /* every rank's operations (a pipeline's last stage runs the head; tensor parallelism
          * replicates the router and the norms): gathered, [world][op] seconds, then calls */
@@ -272,15 +274,20 @@ int tera_cmd_bench(int argc, char **argv) {
             printf(", \"tp_overlap\": %d, \"tp_overlapped_per_step\": %.1f, \"tp_done_before_wait_per_step\": %.1f",
                    cfg.parallel.tp_overlap, (double)(tp_ov - tp_ov0) / steps, (double)(tp_early - tp_early0) / steps);
             printf(", \"sequence_parallel\": %d", tr.model.par.sp); /* in effect: tp > 1 */
-            if (pp > 1) /* the schedule run, its model chunks per stage (1 but with interleaved), the head split */
-                printf(", \"pp_schedule\": \"%s\", \"pp_chunks\": %d, \"pp_head_split\": %d", cfg.parallel.pp_schedule,
+            if (pp > 1) /* the schedule run, its model chunks per stage (1 but with interleaved), the head split,
+                           * the deferred head weight gradients */
+                printf(", \"pp_schedule\": \"%s\", \"pp_chunks\": %d, \"pp_head_split\": %d, \"pp_defer_wgrad\": %d",
+                       cfg.parallel.pp_schedule,
                        strcmp(cfg.parallel.pp_schedule, "interleaved") == 0 ? cfg.parallel.pp_chunks : 1,
-                       cfg.parallel.pp_head_split);
-            if (pp > 1)
-                for (int w = 0; w < 2; w++)
+                       cfg.parallel.pp_head_split, cfg.parallel.pp_defer_wgrad);
+            if (pp > 1) { /* each stage's busy and waiting ms, and its deferred weight gradients' (within busy) */
+                static const char *const key[4] = {"pp_stage_busy_ms", "pp_stage_wait_ms", "pp_stage_wgrad_in_waits_ms",
+                                                   "pp_stage_wgrad_at_end_ms"};
+                for (int w = 0; w < 4; w++)
                     for (int q = 0; q < pp; q++)
-                        printf("%s%.2f%s", q ? ", " : w ? ", \"pp_stage_wait_ms\": [" : ", \"pp_stage_busy_ms\": [",
-                               1e3 * pst[w * pp + q], q == pp - 1 ? "]" : "");
+                        printf("%s%s%s%.2f%s", q ? ", " : ", \"", q ? "" : key[w], q ? "" : "\": [", 1e3 * pst[w * pp + q],
+                               q == pp - 1 ? "]" : "");
+            }
             /* parallel.ep_overlap: the MoE layers' shared-expert passes run while the rows travelled (rank 0's) */
             printf(", \"shared_overlapped_per_step\": %.1f", (double)(tera_model_shared_overlapped(&tr.model) - sh_ov0) / steps);
             /* ZeRO-1/2/3: the gradient reduce-scatters, those started non-blocking (overlapping the backward) and

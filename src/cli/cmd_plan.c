@@ -20,6 +20,7 @@ static void layout_line(FILE *f, const tera_config *c) {
     if (p->pp > 1) fprintf(f, ", %s", p->pp_schedule);
     if (p->pp_chunks > 1) fprintf(f, " x %d chunks", p->pp_chunks);
     if (p->pp > 1 && p->pp_head_split) fprintf(f, ", head split");
+    if (p->pp > 1 && p->pp_defer_wgrad) fprintf(f, ", head weight gradients deferred (%d)", p->pp_defer_wgrad);
     fprintf(f, ", micro-batch %d x accum %d (T %d), recompute %s", c->training.micro_batch, c->training.grad_accum,
             c->training.seq_len, c->training.recompute[0] ? c->training.recompute : "none");
     if (c->training.loss_chunk > 0) fprintf(f, ", loss_chunk %d", c->training.loss_chunk);
@@ -200,6 +201,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddStringToObject(lay, "pp_schedule", cfg.parallel.pp_schedule);
             cJSON_AddNumberToObject(lay, "pp_chunks", cfg.parallel.pp_chunks);
             cJSON_AddBoolToObject(lay, "pp_head_split", cfg.parallel.pp > 1 && cfg.parallel.pp_head_split);
+            cJSON_AddNumberToObject(lay, "pp_defer_wgrad", cfg.parallel.pp > 1 ? cfg.parallel.pp_defer_wgrad : 0);
             cJSON_AddNumberToObject(lay, "micro_batch", cfg.training.micro_batch);
             cJSON_AddNumberToObject(lay, "grad_accum", cfg.training.grad_accum);
             cJSON_AddNumberToObject(lay, "seq_len", cfg.training.seq_len);
@@ -314,6 +316,7 @@ int tera_cmd_plan(int argc, char **argv) {
             cJSON_AddStringToObject(o, "pp_schedule", c->parallel.pp_schedule);
             cJSON_AddNumberToObject(o, "pp_chunks", c->parallel.pp_chunks);
             cJSON_AddBoolToObject(o, "pp_head_split", c->parallel.pp > 1 && c->parallel.pp_head_split);
+            cJSON_AddNumberToObject(o, "pp_defer_wgrad", c->parallel.pp > 1 ? c->parallel.pp_defer_wgrad : 0);
             cJSON_AddNumberToObject(o, "micro_batch", c->training.micro_batch);
             cJSON_AddNumberToObject(o, "grad_accum", c->training.grad_accum);
             cJSON_AddStringToObject(o, "recompute", c->training.recompute);

@@ -182,6 +182,12 @@ static int train_main(int argc, char **argv, tera_run_lock *lock) {
         fprintf(stderr, "tera: pipeline stage %d: step %.1f ms, busy %.1f ms, waiting %.1f ms: idle fraction %.3f "
                 "(bubble formula %.3f)\n", tr.topo.pp_rank, 1e3 * step, 1e3 * busy, 1e3 * wait,
                 step > 0 ? 1.0 - busy / step : 0.0, (double)(p - 1) / (v * m + p - 1));
+        double dw_waits, dw_end; /* parallel.pp_defer_wgrad: within busy */
+        int64_t n_waits, n_end;
+        tera_pipe_deferred(tr.pipe, &dw_waits, &dw_end, &n_waits, &n_end);
+        if (n_waits + n_end > 0)
+            fprintf(stderr, "tera: pipeline stage %d: deferred head weight gradients: %ld in waits, %ld at steps' ends "
+                    "(%.2f ms a step)\n", tr.topo.pp_rank, (long)n_waits, (long)n_end, 1e3 * (dw_waits + dw_end));
     }
     if (tr.sharding->stage >= 3 && tr.root) {
         int64_t g, pf, un, sh;

@@ -380,6 +380,15 @@ static const config__key config__keys[] = {
            "over the vocabulary run in two halves). Needs parallel.pp > 1 with the 1f1b or interleaved schedule, "
            "parallel.tp = 1, parallel.zero <= 1, an even model.vocab_size, untied embeddings and no "
            "training.loss_chunk"),
+    K_INT(parallel, pp_defer_wgrad, "0", 0, 4096,
+          "pipeline parallelism: up to this many micro-batches' LM-head weight gradients wait for the pipeline's "
+          "gaps (the weight-gradient pass of the zero-bubble schedules, for the head's product): the head's "
+          "backward computes the input gradient, which the stage below waits for, and queues the weight gradient, "
+          "computed while the stage waits for a neighbour or at the step's end (with parallel.pp_head_split on "
+          "both stages that compute the head). The same products in the same order, so the same bits. Costs one "
+          "[micro_batch*seq_len, vocab_size] buffer per entry on the last stage (half with the split, and half on "
+          "the first stage); 0: off. Needs parallel.pp > 1, ZeRO stage 0 or 1, untied embeddings and no "
+          "training.loss_chunk"),
     K_STRING(parallel, pp_layers, "",
              "layers of each virtual stage, comma-separated (e.g. \"3,3,2\"); empty = balanced by modelled compute"),
     K_INT(parallel, ep, "1", 1, INT_MAX,
@@ -1242,6 +1251,15 @@ tera_status tera_config_finalize(tera_config *c) {
             CONFIG__REQUIRE(t->loss_chunk == 0 || t->loss_chunk >= t->micro_batch * t->seq_len,
                             "parallel.pp_head_split with training.loss_chunk = %d: the split head takes a "
                             "micro-batch's rows at once", t->loss_chunk);
+        }
+        if (p->pp_defer_wgrad) {
+            CONFIG__REQUIRE(p->pp > 1, "parallel.pp_defer_wgrad defers the LM head's weight gradient into a pipeline's "
+                                       "waits: it needs parallel.pp > 1 (it is %d)", p->pp);
+            CONFIG__REQUIRE(p->zero <= 1, "parallel.pp_defer_wgrad with parallel.zero = %d: needs ZeRO stage 0 or 1 "
+                                          "(the head's whole gradient kept until the step's end)", p->zero);
+            CONFIG__REQUIRE(t->loss_chunk == 0 || t->loss_chunk >= t->micro_batch * t->seq_len,
+                            "parallel.pp_defer_wgrad with training.loss_chunk = %d: the deferred gradient keeps a "
+                            "micro-batch's whole logits; set one of them to 0", t->loss_chunk);
         }
         if (p->pp_layers[0]) {
             int *first = malloc(sizeof(int) * ((size_t)p->pp * (size_t)p->pp_chunks + 1));

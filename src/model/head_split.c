@@ -9,12 +9,15 @@ enum { TAG_H = 1, TAG_W = 2, TAG_G = 3 }; /* the pair's own group: no other mess
 
 static int64_t helper_floats(int64_t V, int64_t D, int64_t N) { return 2 * (V / 2) * D + 2 * N * D + N * (V / 2) + N; }
 
-int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N) {
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N, int defer) {
     if (role != TERA_HS_HELPER && role != TERA_HS_OWNER) return 0;
-    return tera_tp_scratch_bytes(2, N, D, 0) + (role == TERA_HS_HELPER ? helper_floats(V, D, N) * (int64_t)sizeof(float) : 0);
+    return tera_tp_scratch_bytes(2, N, D, 0) +
+           (role == TERA_HS_HELPER ? helper_floats(V, D, N) * (int64_t)sizeof(float) + tera_wgrad_bytes(defer, N, D, V / 2)
+                                   : 0);
 }
 
-tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N) {
+tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N,
+                                        int defer) {
     TERA_ASSERTF((role == TERA_HS_HELPER || role == TERA_HS_OWNER) && group && tera_comm_size(group) == 2 && V % 2 == 0,
                  "head split: role %d, a group of %d, vocabulary %ld", role, group ? tera_comm_size(group) : 0, (long)V);
     TERA_ASSERTF(tera_comm_rank(group) == (role == TERA_HS_OWNER), "head split: the %s is rank %d of the pair",
@@ -35,6 +38,10 @@ tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend
         hs->logits = hs->dh + N * D;
         hs->lse = hs->logits + N * hs->Vh;
         hs->bytes += n * (int64_t)sizeof(float);
+        if (defer > 0) {
+            hs->wq = tera_wgrad_create(be, defer, N, D, hs->Vh);
+            hs->bytes += hs->wq->bytes;
+        }
     }
     return hs;
 }
@@ -44,6 +51,7 @@ void tera_head_split_destroy(tera_head_split *hs) {
     tera_head_split_end(hs);
     tera_comm_wait(&hs->h_req);
     tera_tp_free(&hs->tp);
+    tera_wgrad_destroy(hs->wq);
     free(hs->w);
     free(hs);
 }
@@ -81,12 +89,38 @@ void tera_head_split_serve(tera_head_split *hs, tera_backend *be, const int32_t 
     double sum = 0.0; /* the whole loss: the owner reports it */
     (void)tera_tp_ce_fused(&hs->tp, hs->logits, hs->lse, NULL, hs->logits, targets, N, ce_scale, &sum);
     /* the partial input gradient summed for the owner (this copy is not used); the rows' weight gradient
-     * stored at the step's first micro-batch, then added */
-    tera_tp_head_backward(&hs->tp, hs->dh, hs->g, hs->logits, hs->h, hs->w, N, D, Vh, hs->next > 0 ? 1.0f : 0.0f);
+     * stored at the step's first micro-batch, then added: now, or queued (its operands change hands) */
+    const float beta = hs->next > 0 ? 1.0f : 0.0f;
+    tera_tp_head_backward(&hs->tp, hs->dh, hs->wq ? NULL : hs->g, hs->logits, hs->h, hs->w, N, D, Vh, beta);
+    if (hs->wq) tera_wgrad_push(hs->wq, &hs->logits, hs->h, hs->g, Vh, beta);
     if (++hs->next < hs->micro_batches)
         tera_comm_irecv_f32(hs->group, hs->h, N * D, 1, TAG_H, &hs->h_req);
+    else if (hs->wq)
+        hs->g_due = 1; /* sent when the queue is through (tera_head_split_work, _finish) */
     else
         tera_comm_isend_f32(hs->group, hs->g, Vh * D, 1, TAG_G, &hs->g_req);
+}
+
+static void send_due(tera_head_split *hs) {
+    if (!hs->g_due || tera_wgrad_queued(hs->wq)) return;
+    hs->g_due = 0;
+    tera_comm_isend_f32(hs->group, hs->g, hs->Vh * hs->D, 1, TAG_G, &hs->g_req);
+}
+
+double tera_head_split_work(tera_head_split *hs) {
+    if (!hs || !hs->wq) return 0.0;
+    const double s0 = hs->wq->run_s;
+    (void)tera_wgrad_run(hs->wq);
+    send_due(hs);
+    return hs->wq->run_s - s0;
+}
+
+double tera_head_split_finish(tera_head_split *hs) {
+    if (!hs || !hs->wq) return 0.0;
+    const double s0 = hs->wq->run_s;
+    tera_wgrad_flush(hs->wq);
+    send_due(hs);
+    return hs->wq->run_s - s0;
 }
 
 void tera_head_split_send_input(tera_head_split *hs, const float *lnf) {
@@ -98,6 +132,7 @@ void tera_head_split_send_input(tera_head_split *hs, const float *lnf) {
 void tera_head_split_grads_in(tera_head_split *hs) { tera_comm_wait(&hs->g_recv); }
 
 void tera_head_split_end(tera_head_split *hs) {
+    (void)tera_head_split_finish(hs); /* a step cut short (the executor finishes first) */
     tera_comm_wait(&hs->w_send);
     tera_comm_wait(&hs->h_send);
     tera_comm_wait(&hs->g_recv);

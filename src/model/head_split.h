@@ -30,6 +30,7 @@
 #include "tera/backend.h"
 #include "tera/comm.h"
 #include "tp_layers.h"
+#include "wgrad.h"
 
 enum { TERA_HS_HELPER = 1, TERA_HS_OWNER = 2 };
 
@@ -48,16 +49,19 @@ typedef struct tera_head_split {
     float *logits;        /* [N, Vh] logits of rows [0, Vh), then their gradient */
     float *lse;           /* [N] */
     tera_comm_req w_req, h_req, g_req;
+    tera_wgrad_queue *wq; /* parallel.pp_defer_wgrad: the rows' weight gradients wait (NULL: computed at once) */
+    int g_due;            /* every micro-batch served, the gradient still to send once wq is empty */
     /* owner */
     tera_comm_req w_send, h_send, g_recv;
     int64_t bytes;        /* what the module allocated */
 } tera_head_split;
 
 /* role, the pair's group, the backend, vocabulary V (even), width D, rows N of a micro-batch */
-tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N);
+tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N,
+                                        int defer);
 void tera_head_split_destroy(tera_head_split *hs);
 /* The bytes create allocates for a role (0 for none): what the planner counts. */
-int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N);
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N, int defer);
 
 /* A step's start: the owner sends its weight rows [0, Vh) (w: the head's [V, D]) and posts the
  * receive of the helper's gradient into g's rows [0, Vh); the helper posts the matching receive and
@@ -77,5 +81,10 @@ void tera_head_split_send_input(tera_head_split *hs, const float *lnf);
 void tera_head_split_grads_in(tera_head_split *hs);
 /* The step's end: every transfer of the pair complete. */
 void tera_head_split_end(tera_head_split *hs);
+/* Helper with defer (parallel.pp_defer_wgrad) entries: _work computes the oldest deferred weight
+ * gradient (its seconds; 0: none queued) and sends the rows' gradient to the owner once the step's
+ * last is done; _finish computes every one left and sends it (its seconds). Elsewhere: nothing. */
+double tera_head_split_work(tera_head_split *hs);
+double tera_head_split_finish(tera_head_split *hs);
 
 #endif

@@ -15,6 +15,7 @@
 #include "host_fill.h"
 #include "moe.h"
 #include "head_split.h"
+#include "wgrad.h"
 #include "tp_layers.h"
 #include "tera/backend.h"
 #include "tera/model.h"
@@ -700,15 +701,66 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
                      "head split (role %d) on stage %d of %d with tp %d, ZeRO sharding, tied embeddings or a loss "
                      "chunk: the config refuses these", m->par.head_role, m->par.pp_rank, m->par.pp, m->par.tp);
         m->hs = tera_head_split_create(m->par.head_role, m->par.head_group, m->be, cfg->vocab_size, cfg->dim,
-                                       (int64_t)B * T);
+                                       (int64_t)B * T, m->par.head_role == TERA_HS_HELPER ? m->par.defer_wgrad : 0);
         m->bytes_scratch += m->hs->bytes;
+    }
+    if (m->par.defer_wgrad > 0 && m->par.pp > 1 && m->par.pp_rank == m->par.pp - 1) { /* parallel.pp_defer_wgrad */
+        TERA_ASSERTF(!m->par.shard_params && !m->par.shard_grads && !cfg->tie_embeddings && m->loss_rows == (int64_t)B * T,
+                     "deferred head weight gradients with ZeRO sharding, tied embeddings or a loss chunk: the config "
+                     "refuses these");
+        const int64_t h0 = m->par.head_role == TERA_HS_OWNER ? cfg->vocab_size / 2 : 0;
+        m->wgq = tera_wgrad_create(m->be, m->par.defer_wgrad, (int64_t)B * T, cfg->dim, m->Vl - h0);
+        m->bytes_scratch += m->wgq->bytes;
     }
     tera_model_use_slot(m, 0);
     return TERA_OK;
 }
 
 int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role) {
-    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T);
+    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T, 0);
+}
+
+int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int tp, int pp, int pp_rank, int head_role,
+                               int entries) {
+    if (entries <= 0 || pp < 2) return 0;
+    const int64_t N = (int64_t)B * T, V = cfg->vocab_size;
+    if (head_role == TERA_HS_HELPER) return tera_wgrad_bytes(entries, N, cfg->dim, V / 2); /* in the split's block */
+    if (pp_rank != pp - 1) return 0;
+    return tera_wgrad_bytes(entries, N, cfg->dim, head_role == TERA_HS_OWNER ? V - V / 2 : V / (tp > 0 ? tp : 1));
+}
+
+static void notify_grads(tera_model *m, int group);
+
+double tera_model_wgrad_run(tera_model *m) {
+    double s = tera_head_split_work(m->hs); /* the helper's (else nothing) */
+    if (s == 0.0 && m->wgq) {
+        const double s0 = m->wgq->run_s;
+        (void)tera_wgrad_run(m->wgq);
+        s = m->wgq->run_s - s0;
+    }
+    return s;
+}
+
+int64_t tera_model_wgrad_runs(const tera_model *m) {
+    return (m->hs && m->hs->wq ? m->hs->wq->runs : 0) + (m->wgq ? m->wgq->runs : 0);
+}
+
+double tera_model_wgrad_flush(tera_model *m) {
+    double s = tera_head_split_finish(m->hs); /* the helper: then its rows' gradient goes to the owner */
+    if (!m->wgq) return s;
+    const double s0 = m->wgq->run_s;
+    tera_wgrad_flush(m->wgq);
+    s += m->wgq->run_s - s0;
+    if (m->wgq_due) { /* the step's last micro-batch: the head's gradient is final now, as the backward would say */
+        if (m->hs) tera_head_split_grads_in(m->hs); /* rows [0, Vh) first */
+        void (*fn)(void *, int64_t, int64_t) = m->grad_ready;
+        void *ctx = m->grad_ready_ctx;
+        m->grad_ready = m->wgq_ready, m->grad_ready_ctx = m->wgq_ready_ctx;
+        notify_grads(m, TERA_GROUP_HEAD);
+        m->grad_ready = fn, m->grad_ready_ctx = ctx;
+        m->wgq_due = 0;
+    }
+    return s;
 }
 
 void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx) {
@@ -748,6 +800,7 @@ tera_status tera_model_create_par(tera_model *m, const tera_model_config *cfg, i
 void tera_model_destroy(tera_model *m) {
     if (!m->params) return;
     tera_head_split_destroy(m->hs);
+    tera_wgrad_destroy(m->wgq);
     tera_backend_destroy(m->be);
     free(m->params);
     free(m->group_off);
@@ -1442,12 +1495,20 @@ static void head_backward(tera_model *m, const tera_loss_scales *s, float hb) {
     /* parallel.pp_head_split (a training micro-batch): this stage's rows [Vh, V), summed over the pair */
     tera_head_split *hs = m->hs && m->hs->armed ? m->hs : NULL;
     const int64_t h0 = hs ? hs->Vh : 0;
-    tera_tp_head_backward(hs ? &hs->tp : a->tp, a->dln, m->G.lm_head + h0 * D, m->logits, a->lnf, m->W.lm_head + h0 * D,
-                          N, D, V - h0, hb);
+    /* parallel.pp_defer_wgrad: the weight gradient queued (the logits' buffer changes hands), computed in
+     * the pipeline's waits or at the step's end (tera_model_wgrad_run / _flush), which then hands the
+     * head's gradient on */
+    tera_tp_head_backward(hs ? &hs->tp : a->tp, a->dln, m->wgq ? NULL : m->G.lm_head + h0 * D, m->logits, a->lnf,
+                          m->W.lm_head + h0 * D, N, D, V - h0, hb);
+    if (m->wgq) {
+        tera_wgrad_push(m->wgq, &a->logits, a->lnf, m->G.lm_head + h0 * D, V - h0, hb);
+        m->logits = a->logits;
+        if (m->grad_ready) m->wgq_ready = m->grad_ready, m->wgq_ready_ctx = m->grad_ready_ctx, m->wgq_due = 1;
+    }
     tera_host_fill(m->be, a->dres, NULL, N * D);
     if (hs) {
         hs->armed = 0;
-        if (m->grad_ready) tera_head_split_grads_in(hs); /* rows [0, Vh) before the head's gradients go on */
+        if (m->grad_ready && !m->wgq) tera_head_split_grads_in(hs); /* rows [0, Vh) before the head's gradients go on */
     }
 }
 
@@ -1484,7 +1545,8 @@ void tera_model_backward_range(tera_model *m, const tera_loss_scales *s, int l0,
         }
         tera_tp_norm_backward(a->tp, a->dres, m->G.final_norm, a->dln, a->x_final, m->W.final_norm, a->rstdf, N, D);
         tera_tp_norm_grads_sum(a->tp);
-        if (!c->tie_embeddings) notify_grads(m, TERA_GROUP_HEAD); /* tied: the head is the embedding, final below */
+        /* tied: the head is the embedding, final below; deferred: when the queue is through */
+        if (!c->tie_embeddings && !m->wgq) notify_grads(m, TERA_GROUP_HEAD);
     }
     for (int l = l1 - 1; l >= l0; l--) {
         need_params(m, l);

@@ -127,6 +127,11 @@ int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req) {
 void tera_tp_head_backward(tera_tp *tp, float *dx, float *gw, const float *dlogits, const float *x, const float *w,
                            int64_t N, int64_t D, int64_t V, float beta) {
     tera_backend *be = tp->be;
+    if (!gw) { /* the weight gradient deferred (wgrad.h): the input gradient alone */
+        TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, dx, NULL, dlogits, x, w, N, D, V, 0.0f, 1.0f));
+        tera_tp_dx_sum(tp, dx);
+        return;
+    }
     if (tera_tp_overlapping(tp)) { /* the weight gradient while the input gradient is summed */
         tera_comm_req rq;
         TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, dx, NULL, dlogits, x, w, N, D, V, 0.0f, 1.0f));

@@ -96,7 +96,7 @@ void tera_tp_dx_sum(const tera_tp *tp, float *dx);
 /* The vocabulary-parallel LM head's backward from this rank's rows of the loss gradient: dx [N, D] =
  * dlogits [N, V] w [V, D], summed over the group (tera_tp_dx_sum; tera_tp_overlapping: started after
  * its product and waited for after the weight gradient's), gw [V, D] = beta gw + dlogits^T x [N, D].
- * The same bits split or not. */
+ * The same bits split or not. gw NULL: the input gradient alone (the weight gradient deferred: wgrad.h). */
 void tera_tp_head_backward(tera_tp *tp, float *dx, float *gw, const float *dlogits, const float *x, const float *w,
                            int64_t N, int64_t D, int64_t V, float beta);
 int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req);

@@ -34,9 +34,13 @@ struct tera_pipe {
     int32_t *tok, *tgt;        /* [n_slots][N] */
     tera_comm_req *req;        /* [n_slots][v][2] sends: forward output, backward input gradient */
     float ce_scale;            /* the step's loss gradient scale (the head split's helper serves with it) */
-    double served;             /* seconds serving the head split inside waits (busy, not waiting) */
+    double served;             /* seconds serving the head split, or deferred weight gradients, inside waits (busy) */
+    int wgrad_in_waits;        /* parallel.pp_defer_wgrad: deferred weight gradients run in waits (else at the end) */
     double busy_s, wait_s, step_s; /* the last step's */
     double busy_total, wait_total, step_total;
+    double dw_wait_s;                 /* parallel.pp_defer_wgrad: this step's deferred products run in waits */
+    double dw_wait_total, dw_end_total; /* those, and the ones run at the step's end, over the steps */
+    int64_t dw_wait_n, dw_end_n;      /* how many products, over the steps */
     int steps;
 };
 
@@ -91,6 +95,10 @@ tera_status tera_pipe_create(const tera_pipe_env *env, tera_pipe **out) {
                                           "backward right after its forward on the last stage", env->schedule);
     }
     p->n_slots = m->n_slots; /* tera_pipe_slots: the schedule's peak on this stage */
+    /* parallel.pp_defer_wgrad: the last stage keeps its deferred products for the step's end, where it
+     * waits for the others' cool-down anyway (in a wait here each would hold up its answer to the stage
+     * below, which is waiting for it); the head split's first stage runs its own in its waits */
+    p->wgrad_in_waits = m->par.defer_wgrad > 0 && env->stage != env->stages - 1;
     const int64_t N = (int64_t)env->micro_batch * env->seq_len;
     TERA_ASSERTF(N == (int64_t)m->B * m->T, "pipeline micro-batch of %ld rows, the model's %ld", (long)N,
                  (long)m->B * m->T);
@@ -140,6 +148,16 @@ static void pipe_wait(tera_pipe *p, tera_comm_req *rq) {
     for (;;) {
         p->served += serve(p);
         if (!rq->active) return;
+        if (p->wgrad_in_waits) { /* parallel.pp_defer_wgrad: a deferred weight gradient while rq is on its way */
+            tera_comm_poll(rq, 1);
+            if (!rq->active) return;
+            const int64_t n0 = tera_model_wgrad_runs(p->env.model);
+            const double s = tera_model_wgrad_run(p->env.model);
+            if (tera_model_wgrad_runs(p->env.model) > n0) {
+                p->served += s, p->dw_wait_s += s, p->dw_wait_n++;
+                continue;
+            }
+        }
         tera_comm_req *hr = tera_model_head_split_pending(p->env.model);
         if (!hr) {
             tera_comm_wait(rq);
@@ -272,6 +290,10 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
         tera_comm_wait(hr);
         p->served += serve(p);
     }
+    const int64_t dw_n0 = tera_model_wgrad_runs(m);
+    const double dw_end = tera_model_wgrad_flush(m); /* parallel.pp_defer_wgrad: what the waits left (else nothing) */
+    p->dw_end_n += tera_model_wgrad_runs(m) - dw_n0;
+    p->served += dw_end;
     tera_model_head_split_end(m);
     tera_model_set_yield(m, NULL, NULL);
     wait += tera_now() - t_sends;
@@ -281,6 +303,8 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
     tera_model_use_slot(m, 0);
     p->busy_s = busy, p->wait_s = wait, p->step_s = tera_now() - t_start;
     p->busy_total += busy, p->wait_total += wait, p->step_total += p->step_s;
+    p->dw_wait_total += p->dw_wait_s, p->dw_end_total += dw_end;
+    p->dw_wait_s = 0.0;
     p->steps++;
 }
 
@@ -341,7 +365,17 @@ void tera_pipe_last(const tera_pipe *p, double *busy, double *wait) {
 void tera_pipe_times_reset(tera_pipe *p) {
     if (!p) return;
     p->busy_total = p->wait_total = p->step_total = 0.0;
+    p->dw_wait_total = p->dw_end_total = 0.0;
+    p->dw_wait_n = p->dw_end_n = 0;
     p->steps = 0;
+}
+
+void tera_pipe_deferred(const tera_pipe *p, double *in_waits, double *at_end, int64_t *n_waits, int64_t *n_end) {
+    const int n = p && p->steps > 0 ? p->steps : 0;
+    *in_waits = n ? p->dw_wait_total / n : 0.0;
+    *at_end = n ? p->dw_end_total / n : 0.0;
+    *n_waits = n ? p->dw_wait_n : 0;
+    *n_end = n ? p->dw_end_n : 0;
 }
 
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step) {

@@ -208,7 +208,10 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     (void)policy;
     /* parallel.pp_head_split: the pair's scratch, and on the first stage its half of the head (tera_model_create_par) */
     const int hs_role = cfg->parallel.pp_head_split && pp > 1 ? (t->pp_rank == 0 ? 1 : t->pp_rank == pp - 1 ? 2 : 0) : 0;
-    const int64_t acts = mb.acts, scratch = mb.scratch + tera_model_head_split_bytes(mc, tc->micro_batch, tc->seq_len, hs_role),
+    /* parallel.pp_defer_wgrad: the deferred head weight gradients' queue on the stages that compute the head */
+    const int64_t dwq = tera_model_wgrad_bytes(mc, tc->micro_batch, tc->seq_len, t->tp, pp, t->pp_rank, hs_role,
+                                               cfg->parallel.pp_defer_wgrad);
+    const int64_t acts = mb.acts, scratch = mb.scratch + tera_model_head_split_bytes(mc, tc->micro_batch, tc->seq_len, hs_role) + dwq,
                   comm = mb.comm, comm_acts = mb.comm_acts;
     const int64_t N = (int64_t)tc->micro_batch * tc->seq_len;
     const int sp_on = cfg->parallel.sequence_parallel && t->tp > 1;

@@ -613,6 +613,7 @@ double tera_plan_ep_overlap_hidden(int ep, double x, double c, double sf, double
  * recomputation adds), and the element-wise passes' bytes. */
 typedef struct {
     double mm, mm_rec;       /* seconds */
+    double mm_head_w;        /* of mm: the LM head's weight-gradient product (parallel.pp_defer_wgrad moves it) */
     double bytes, bytes_rec; /* bytes through memory */
     double t_exp;            /* of mm: one MoE layer's routed experts */
     double t_sh_f, t_sh_b;   /* of mm: one MoE layer's shared experts, the forward's hidden activations and the
@@ -664,6 +665,7 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     const int dense = st->layers - st->moe_layers, moe = st->moe_layers;
     const double fb_dense = t_proj + t_core + t_dense, fb_moe = t_proj + t_core + t_router + t_exp + t_shared;
     w->mm = dense * fb_dense + moe * fb_moe;
+    w->mm_head_w = 0.0;
     /* recomputation: the forward again (a third of forward + backward) of what each policy drops */
     w->mm_rec = (st->full[0] * fb_dense + st->full[1] * fb_moe) / 3.0 +
                 (st->selective[0] * (t_core + t_dense_hidden) + st->selective[1] * (t_core + t_exp_hidden + t_shared_hidden)) /
@@ -677,6 +679,7 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
     if (head_rows > 0.0) { /* the stage's share of the head's vocabulary rows (parallel.pp_head_split: half) */
         const int64_t Vs = (int64_t)((double)Vl * head_rows);
         w->mm += MM(N, D, Vs);
+        w->mm_head_w = MM(N, D, Vs) / 3.0; /* one of its three products */
         w->bytes += 16.0 * N * Vs; /* cross-entropy over the logits */
     }
     if (has_head) w->bytes += 3.0 * 8.0 * N * D; /* the final norm */
@@ -691,9 +694,13 @@ static void stage_work_of(const tera_config *cfg, const tera_hw *hw, const tera_
  * scaled). While n stages compute, each of their `group` ranks on the node runs its products at
  * tera_hw_shared(n group, threads, 0) and its memory passes at (.., 1) of the rate alone: a stage in
  * its bubble or waiting for a transfer leaves its cores to the others (processor sharing).
- * *makespan: seconds from the first forward to the last backward. */
+ * parallel.pp_defer_wgrad: dw[s] (seconds alone, of mm[s]) of a micro-batch's work is the head's weight
+ * gradient, taken out of the stage's backwards and queued: the last stage runs its queue after its last
+ * operation, the others (the head split's first stage) a micro-batch's product at a time whenever their
+ * next operation is not ready (pipeline.c). *makespan: seconds from the first forward to the last
+ * backward or deferred product. */
 static tera_status shared_pipeline(const tera_config *cfg, const tera_hw *hw, int threads, double group, const double *mm,
-                                   const double *mem, const double *x, double *makespan) {
+                                   const double *mem, const double *x, const double *dw, double *makespan) {
     const int pp = cfg->parallel.pp, A = cfg->training.grad_accum, v = pp > 1 ? cfg->parallel.pp_chunks : 1;
     tera_sched_kind kind;
     TERA_TRY(tera_sched_kind_parse(cfg->parallel.pp_schedule, &kind));
@@ -706,6 +713,9 @@ static tera_status shared_pipeline(const tera_config *cfg, const tera_hw *hw, in
     double *cend = tera_calloc((size_t)pp, sizeof(double)), *fc = tera_calloc((size_t)pp + 1, sizeof(double));
     double *fm = tera_calloc((size_t)pp + 1, sizeof(double));
     int *next = tera_calloc((size_t)pp, sizeof(int)), *phase = tera_calloc((size_t)pp, sizeof(int)); /* 0 idle, 1 compute, 2 transfer */
+    double *pend = tera_calloc((size_t)pp, sizeof(double)); /* deferred seconds queued */
+    int *dphase = tera_calloc((size_t)pp, sizeof(int));     /* the compute under way is a deferred product */
+    int queued = 0;                                         /* stages with pend > 0 or a deferred product running */
     for (int n = 1; n <= pp; n++) {
         const int ranks = (int)ceil(n * group - 1e-9);
         fc[n] = tera_hw_shared(hw, ranks, threads, 0);
@@ -713,19 +723,31 @@ static tera_status shared_pipeline(const tera_config *cfg, const tera_hw *hw, in
     }
     tera_status rc = TERA_OK;
     double t = 0.0;
-    for (int done = 0; done < pp * nops;) {
+    for (int done = 0; done < pp * nops || queued;) {
         for (int r = 0; r < pp; r++) { /* start what is ready */
-            if (phase[r] || next[r] >= nops) continue;
-            const tera_sched_op *op = tera_schedule_rank(&sc, r) + next[r];
-            const int vs = op->chunk * pp + r, idx = op->micro * V + vs;
-            int ready;
-            if (op->kind == TERA_OP_FWD) ready = vs == 0 || !isnan(fin_f[op->micro * V + vs - 1]);
-            else ready = !isnan(fin_f[idx]) && (vs == V - 1 || !isnan(fin_b[op->micro * V + vs + 1]));
-            if (!ready) continue;
-            const double k = (op->kind == TERA_OP_FWD ? 1.0 : 2.0) / (3.0 * v);
-            rem[r] = (mm[r] + mem[r]) * k, xk[r] = x[r] * k;
-            phase[r] = rem[r] > 0 ? 1 : 2;
-            cend[r] = t + xk[r];
+            if (phase[r]) continue;
+            if (next[r] < nops) {
+                const tera_sched_op *op = tera_schedule_rank(&sc, r) + next[r];
+                const int vs = op->chunk * pp + r, idx = op->micro * V + vs;
+                int ready;
+                if (op->kind == TERA_OP_FWD) ready = vs == 0 || !isnan(fin_f[op->micro * V + vs - 1]);
+                else ready = !isnan(fin_f[idx]) && (vs == V - 1 || !isnan(fin_b[op->micro * V + vs + 1]));
+                if (ready) {
+                    const double k = (op->kind == TERA_OP_FWD ? 1.0 : 2.0) / (3.0 * v);
+                    rem[r] = (mm[r] + mem[r]) * k, xk[r] = x[r] * k;
+                    if (op->kind != TERA_OP_FWD && dw[r] > 0) /* the head's weight gradient queued */
+                        rem[r] -= dw[r] / v, pend[r] += dw[r] / v;
+                    phase[r] = rem[r] > 0 ? 1 : 2;
+                    cend[r] = t + xk[r];
+                    continue;
+                }
+                if (r == pp - 1) continue; /* the last stage keeps its queue for the end */
+            }
+            if (pend[r] > 1e-15) { /* a wait (or the end): one micro-batch's deferred product */
+                rem[r] = pend[r] < dw[r] ? pend[r] : dw[r], xk[r] = 0.0;
+                pend[r] -= rem[r];
+                phase[r] = 1, dphase[r] = 1;
+            }
         }
         int n = 0;
         for (int r = 0; r < pp; r++) n += phase[r] == 1;
@@ -758,15 +780,22 @@ static tera_status shared_pipeline(const tera_config *cfg, const tera_hw *hw, in
         }
         for (int r = 0; r < pp; r++) {
             if (phase[r] != 2 || cend[r] > t * (1.0 + 1e-12)) continue;
+            if (dphase[r]) { /* a deferred product done */
+                phase[r] = 0, dphase[r] = 0;
+                continue;
+            }
             const tera_sched_op *op = tera_schedule_rank(&sc, r) + next[r];
             const int idx = op->micro * V + op->chunk * pp + r;
             if (op->kind == TERA_OP_FWD) fin_f[idx] = t;
             else fin_b[idx] = t;
             phase[r] = 0, next[r]++, done++;
         }
+        queued = 0;
+        for (int r = 0; r < pp; r++) queued |= pend[r] > 1e-15 || dphase[r];
     }
     *makespan = t;
     free(fin_f), free(fin_b), free(rem), free(xk), free(cend), free(fc), free(fm), free(next), free(phase);
+    free(pend), free(dphase);
     tera_schedule_free(&sc);
     return rc;
 }
@@ -813,6 +842,8 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     int worst = 0;
     double *s_mm = tera_calloc((size_t)pp, sizeof(double)), *s_mem = tera_calloc((size_t)pp, sizeof(double));
     double *s_x = tera_calloc((size_t)pp, sizeof(double)), *ep_hidden = tera_calloc((size_t)pp, sizeof(double));
+    double *s_dw = tera_calloc((size_t)pp, sizeof(double)); /* parallel.pp_defer_wgrad: of s_mm, deferred */
+    double worst_dw = 0.0;
     for (int s = 0; s < pp; s++) {
         const int layers = st[s].layers, moe = st[s].moe_layers;
         const int has_head = s == pp - 1;
@@ -821,6 +852,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         stage_work w;
         stage_work_of(cfg, hw, o, &st[s], has_head, split ? 0.5 : has_head ? 1.0 : 0.0, threads, &w);
         s_mm[s] = w.mm + w.mm_rec;
+        s_dw[s] = pp > 1 && p->pp_defer_wgrad > 0 ? w.mm_head_w : 0.0;
         s_mem[s] = bw_mem > 0 ? (w.bytes + w.bytes_rec) / bw_mem : 0.0;
         const double mm = s_mm[s] / fc_all, mem = s_mem[s] / fm_all;
         const double comp = mm + mem;
@@ -897,21 +929,24 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
             if (bytes * A > out->bytes_pp) out->bytes_pp = bytes * A;
         }
         s_x[s] = ttp + tep + tpp;
-        const double u = comp + ttp + tep + tpp;
+        /* deferred: the head's weight gradient off the stage's operations (the schedule's gaps take it) */
+        const double dws = s_dw[s] / fc_all, u = comp + ttp + tep + tpp - dws;
         if (s == 0 || u > worst_u)
-            worst_u = u, worst = s, u_tp = ttp, u_ep = tep, u_pp = tpp, u_comp = comp, u_mm = mm, u_mem = mem;
+            worst_u = u, worst = s, u_tp = ttp, u_ep = tep, u_pp = tpp, u_comp = comp, u_mm = mm, u_mem = mem, worst_dw = dws;
     }
     out->recompute_flops = rec_all;
     /* the schedule: makespan in forward units (a micro-batch's work = 3 units) times the busiest stage's
      * micro-batch; on a host whose cores the stages share, the shared-core simulation instead */
     double pipe = makespan / 3.0 * worst_u;
+    /* parallel.pp_defer_wgrad: the busiest stage's deferred products fill its bubble; what does not fit adds */
+    if (A * worst_dw > pipe - A * worst_u) pipe += A * worst_dw - (pipe - A * worst_u);
     tera_status rc = TERA_OK;
     if (cpu_host && pp > 1) {
         const double group = (double)on_node / pp; /* a stage's ranks on the node */
-        rc = shared_pipeline(cfg, hw, threads, group, s_mm, s_mem, s_x, &pipe);
+        rc = shared_pipeline(cfg, hw, threads, group, s_mm, s_mem, s_x, s_dw, &pipe);
     }
     out->ep_hidden_s = A * ep_hidden[worst];
-    free(s_mm), free(s_mem), free(s_x), free(ep_hidden);
+    free(s_mm), free(s_mem), free(s_x), free(ep_hidden), free(s_dw);
     if (rc != TERA_OK) return rc;
     /* the optimizer on the busiest stage's rank: Adam reads parameter, gradient and both moments and
      * writes three (its shard under ZeRO); the norm pass reads every gradient once, and ZeRO-2/3 also
@@ -931,7 +966,7 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
     out->memory_s = A * u_mem + t_opt;
     out->compute_s = A * u_comp + t_opt;
     out->tp_s = A * u_tp, out->ep_s = A * u_ep, out->pp_s = A * u_pp;
-    out->bubble_s = pipe - A * worst_u;
+    out->bubble_s = pipe - A * (worst_u + worst_dw); /* the deferred products are in compute_s */
     out->bubble_frac = pp > 1 ? bubble : 0.0;
     /* data parallelism over dp (non-expert) and edp (experts), the stage's ranks: bench-dist's grad_bytes
      * and zero3_gather_bytes; one group of dp x tp ranks */
@@ -1101,10 +1136,14 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                          * not GPipe, an even vocabulary; the loss over blocks of rows is not tried with it) */
                         const int hs_ok = pp > 1 && tp == 1 && strcmp(sched[si].kind, "gpipe") != 0 &&
                                           mc->vocab_size % 2 == 0;
-                        for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++)
-                            for (int k = 0; k < 3 * (1 + sp_max) * (1 + (hs_ok && zero <= 1)); k++) {
-                                /* without, then with sequence parallelism; x recompute; then the same with the head split */
-                                const int kk = k % (3 * (1 + sp_max)), hs = k / (3 * (1 + sp_max));
+                        for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++) {
+                            /* parallel.pp_defer_wgrad (every micro-batch's entry) with and without, where tera
+                             * accepts it (a pipeline, ZeRO 0-1) */
+                            const int per = 3 * (1 + sp_max), nhs = 1 + (hs_ok && zero <= 1), ndw = 1 + (pp > 1 && zero <= 1);
+                            for (int k = 0; k < per * nhs * ndw; k++) {
+                                /* without, then with sequence parallelism; x recompute; then the same with the head
+                                 * split; then all of it with the head's weight gradients deferred */
+                                const int dw = k / (per * nhs), hs = k % (per * nhs) / per, kk = k % per;
                                 const int sp = kk / 3, r = kk % 3;
                                 tera_plan_candidate cand;
                                 memset(&cand, 0, sizeof cand);
@@ -1113,6 +1152,7 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                 c->parallel.zero = zero;
                                 c->parallel.sequence_parallel = sp;
                                 c->parallel.pp_head_split = hs;
+                                c->parallel.pp_defer_wgrad = dw ? c->training.grad_accum : 0;
                                 snprintf(c->training.recompute, sizeof c->training.recompute, "%s", rec[r]);
                                 double bubble, makespan;
                                 if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
@@ -1121,7 +1161,7 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                 cand.fits = (double)cand.worst.total <= budget;
                                 /* too large with the whole logits: the head and the loss over blocks of rows
                                  * (training.loss_chunk; the same step time: no product repeated) */
-                                if (!cand.fits && base->training.loss_chunk == 0 && !hs &&
+                                if (!cand.fits && base->training.loss_chunk == 0 && !hs && !dw &&
                                     (int64_t)mb * c->training.seq_len > TERA_PLAN_LOSS_CHUNK) {
                                     c->training.loss_chunk = TERA_PLAN_LOSS_CHUNK;
                                     if (tera_plan_stages(c, cache, o->threads, st, &bubble, &makespan) != TERA_OK) continue;
@@ -1142,6 +1182,7 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                                     at--;
                                 }
                             }
+                        }
                     }
             }
         }

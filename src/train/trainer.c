@@ -174,7 +174,7 @@ static tera_status init_local(tera_trainer *tr, const tera_config *cfg, const ch
                                     .n_slots = slots, .be = be,
                                     /* parallel.pp_head_split: the first stage helps (1), the last owns (2) */
                                     .head_role = !tr->groups.ends ? 0 : tr->topo.pp_rank == 0 ? 1 : 2,
-                                    .head_group = tr->groups.ends};
+                                    .head_group = tr->groups.ends, .defer_wgrad = cfg->parallel.pp_defer_wgrad};
         tera_model_config mc = cfg->model;
         mc.recompute = t->recompute;
         mc.loss_chunk = t->loss_chunk;
