@@ -375,14 +375,14 @@ void tera_model_head_split_end(tera_model *m);
 
 /* Deferred weight gradients of the LM head (par.defer_wgrad; src/model/wgrad.h), driven by the
  * pipeline executor: the head's backward computes the input gradient and queues the weight gradient.
- * _run computes the oldest queued one (returns its seconds; 0 when none was queued), in a pipeline's
- * wait; _flush computes the rest at the step's end, then hands the head's gradient on (the head
- * split: the first stage's rows sent to, or received by, the last stage) and returns the seconds its
- * products took. Both do nothing on a model without the queue. _bytes: the scratch a stage adds
- * (tp, pp_rank of pp; head_role as par.head_role; entries: par.defer_wgrad). */
-double tera_model_wgrad_run(tera_model *m);
-double tera_model_wgrad_flush(tera_model *m);
-int64_t tera_model_wgrad_runs(const tera_model *m); /* deferred products run so far */
+ * _run computes the oldest queued one, in a pipeline's wait (returns 1, 0 when none was queued);
+ * _flush computes the rest at the step's end, then hands the head's gradient on (the head split: the
+ * first stage's rows sent to, or received by, the last stage) and returns how many it computed. Both
+ * add the seconds of their products to *seconds, and do nothing on a model without the queue.
+ * _bytes: the scratch a stage adds (tp, pp_rank of pp; head_role as par.head_role; entries:
+ * par.defer_wgrad). */
+int tera_model_wgrad_run(tera_model *m, double *seconds);
+int tera_model_wgrad_flush(tera_model *m, double *seconds);
 int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int tp, int pp, int pp_rank, int head_role,
                                int entries);
 

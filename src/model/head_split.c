@@ -107,20 +107,18 @@ static void send_due(tera_head_split *hs) {
     tera_comm_isend_f32(hs->group, hs->g, hs->Vh * hs->D, 1, TAG_G, &hs->g_req);
 }
 
-double tera_head_split_work(tera_head_split *hs) {
-    if (!hs || !hs->wq) return 0.0;
-    const double s0 = hs->wq->run_s;
-    (void)tera_wgrad_run(hs->wq);
+int tera_head_split_work(tera_head_split *hs) {
+    if (!hs || !hs->wq) return 0;
+    const int ran = tera_wgrad_run(hs->wq);
     send_due(hs);
-    return hs->wq->run_s - s0;
+    return ran;
 }
 
-double tera_head_split_finish(tera_head_split *hs) {
-    if (!hs || !hs->wq) return 0.0;
-    const double s0 = hs->wq->run_s;
-    tera_wgrad_flush(hs->wq);
+int tera_head_split_finish(tera_head_split *hs) {
+    if (!hs || !hs->wq) return 0;
+    const int n = tera_wgrad_flush(hs->wq);
     send_due(hs);
-    return hs->wq->run_s - s0;
+    return n;
 }
 
 void tera_head_split_send_input(tera_head_split *hs, const float *lnf) {

@@ -82,9 +82,9 @@ void tera_head_split_grads_in(tera_head_split *hs);
 /* The step's end: every transfer of the pair complete. */
 void tera_head_split_end(tera_head_split *hs);
 /* Helper with defer (parallel.pp_defer_wgrad) entries: _work computes the oldest deferred weight
- * gradient (its seconds; 0: none queued) and sends the rows' gradient to the owner once the step's
- * last is done; _finish computes every one left and sends it (its seconds). Elsewhere: nothing. */
-double tera_head_split_work(tera_head_split *hs);
-double tera_head_split_finish(tera_head_split *hs);
+ * gradient (1; 0: none queued) and sends the rows' gradient to the owner once the step's last is done;
+ * _finish computes every one left (returns how many) and sends it. Elsewhere: nothing. */
+int tera_head_split_work(tera_head_split *hs);
+int tera_head_split_finish(tera_head_split *hs);
 
 #endif

@@ -731,27 +731,24 @@ int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int t
 
 static void notify_grads(tera_model *m, int group);
 
-double tera_model_wgrad_run(tera_model *m) {
-    double s = tera_head_split_work(m->hs); /* the helper's (else nothing) */
-    if (s == 0.0 && m->wgq) {
-        const double s0 = m->wgq->run_s;
-        (void)tera_wgrad_run(m->wgq);
-        s = m->wgq->run_s - s0;
-    }
-    return s;
+/* the seconds the queues' products have run (the helper's and the last stage's) */
+static double wgrad_seconds(const tera_model *m) {
+    return (m->hs && m->hs->wq ? m->hs->wq->run_s : 0.0) + (m->wgq ? m->wgq->run_s : 0.0);
 }
 
-int64_t tera_model_wgrad_runs(const tera_model *m) {
-    return (m->hs && m->hs->wq ? m->hs->wq->runs : 0) + (m->wgq ? m->wgq->runs : 0);
+int tera_model_wgrad_run(tera_model *m, double *seconds) {
+    const double s0 = wgrad_seconds(m);
+    const int ran = tera_head_split_work(m->hs) || (m->wgq && tera_wgrad_run(m->wgq)); /* the helper's, or ours */
+    *seconds += wgrad_seconds(m) - s0;
+    return ran;
 }
 
-double tera_model_wgrad_flush(tera_model *m) {
-    double s = tera_head_split_finish(m->hs); /* the helper: then its rows' gradient goes to the owner */
-    if (!m->wgq) return s;
-    const double s0 = m->wgq->run_s;
-    tera_wgrad_flush(m->wgq);
-    s += m->wgq->run_s - s0;
-    if (m->wgq_due) { /* the step's last micro-batch: the head's gradient is final now, as the backward would say */
+int tera_model_wgrad_flush(tera_model *m, double *seconds) {
+    const double s0 = wgrad_seconds(m);
+    int n = tera_head_split_finish(m->hs); /* the helper: then its rows' gradient goes to the owner */
+    if (m->wgq) n += tera_wgrad_flush(m->wgq);
+    *seconds += wgrad_seconds(m) - s0;
+    if (m->wgq && m->wgq_due) { /* the step's last micro-batch: the head's gradient is final now, as the backward would say */
         if (m->hs) tera_head_split_grads_in(m->hs); /* rows [0, Vh) first */
         void (*fn)(void *, int64_t, int64_t) = m->grad_ready;
         void *ctx = m->grad_ready_ctx;
@@ -760,7 +757,7 @@ double tera_model_wgrad_flush(tera_model *m) {
         m->grad_ready = fn, m->grad_ready_ctx = ctx;
         m->wgq_due = 0;
     }
-    return s;
+    return n;
 }
 
 void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx) {

@@ -56,13 +56,13 @@ int tera_wgrad_run(tera_wgrad_queue *q) {
     TERA_PROF(HEAD_BWD, q->be->ops.linear_backward(q->be, NULL, it->gw, q->dy[s], q->x[s], NULL, q->N, q->D, it->V,
                                                    0.0f, it->beta));
     q->run_s += tera_now() - t0;
-    q->runs++;
     q->first = (q->first + 1) % q->cap;
     q->count--;
     return 1;
 }
 
-void tera_wgrad_flush(tera_wgrad_queue *q) {
-    while (tera_wgrad_run(q)) {
-    }
+int tera_wgrad_flush(tera_wgrad_queue *q) {
+    int n = 0;
+    while (tera_wgrad_run(q)) n++;
+    return n;
 }

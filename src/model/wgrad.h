@@ -34,7 +34,6 @@ typedef struct tera_wgrad_queue {
     float *block;          /* the buffers' one allocation */
     int64_t bytes;         /* what the queue allocated */
     double run_s;          /* seconds its products ran (the caller's accounting) */
-    int64_t runs;          /* products run */
 } tera_wgrad_queue;
 
 /* cap >= 1 entries of dy [N, V] and x [N, D] */
@@ -47,7 +46,7 @@ int64_t tera_wgrad_bytes(int cap, int64_t N, int64_t D, int64_t V);
 void tera_wgrad_push(tera_wgrad_queue *q, float **dy, const float *x, float *gw, int64_t Vrows, float beta);
 /* Runs the oldest queued product; 0 when none was queued. */
 int tera_wgrad_run(tera_wgrad_queue *q);
-void tera_wgrad_flush(tera_wgrad_queue *q);
+int tera_wgrad_flush(tera_wgrad_queue *q); /* runs every queued product; returns how many */
 static inline int tera_wgrad_queued(const tera_wgrad_queue *q) { return q ? q->count : 0; }
 
 #endif

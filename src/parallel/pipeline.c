@@ -151,9 +151,8 @@ static void pipe_wait(tera_pipe *p, tera_comm_req *rq) {
         if (p->wgrad_in_waits) { /* parallel.pp_defer_wgrad: a deferred weight gradient while rq is on its way */
             tera_comm_poll(rq, 1);
             if (!rq->active) return;
-            const int64_t n0 = tera_model_wgrad_runs(p->env.model);
-            const double s = tera_model_wgrad_run(p->env.model);
-            if (tera_model_wgrad_runs(p->env.model) > n0) {
+            double s = 0.0;
+            if (tera_model_wgrad_run(p->env.model, &s)) {
                 p->served += s, p->dw_wait_s += s, p->dw_wait_n++;
                 continue;
             }
@@ -290,9 +289,8 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
         tera_comm_wait(hr);
         p->served += serve(p);
     }
-    const int64_t dw_n0 = tera_model_wgrad_runs(m);
-    const double dw_end = tera_model_wgrad_flush(m); /* parallel.pp_defer_wgrad: what the waits left (else nothing) */
-    p->dw_end_n += tera_model_wgrad_runs(m) - dw_n0;
+    double dw_end = 0.0; /* parallel.pp_defer_wgrad: what the waits left (else nothing) */
+    p->dw_end_n += tera_model_wgrad_flush(m, &dw_end);
     p->served += dw_end;
     tera_model_head_split_end(m);
     tera_model_set_yield(m, NULL, NULL);
