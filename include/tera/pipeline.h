@@ -57,7 +57,7 @@ void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *ste
 void tera_pipe_last(const tera_pipe *p, double *busy, double *wait);
 /* parallel.pp_defer_wgrad: mean seconds per step of this stage's deferred weight-gradient products run
  * while it waited for a neighbour, and at the step's end, and how many of each over the steps (0
- * without them, before the first step, NULL). */
+ * without them, before the first step, NULL; the counts' pointers may be NULL). */
 void tera_pipe_deferred(const tera_pipe *p, double *in_waits, double *at_end, int64_t *n_waits, int64_t *n_end);
 /* Starts those means again from the next step (tera bench: the timed steps only; NULL: nothing). */
 void tera_pipe_times_reset(tera_pipe *p);

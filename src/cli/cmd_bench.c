@@ -226,8 +226,7 @@ int tera_cmd_bench(int argc, char **argv) {
                 double busy, wait, whole;
                 tera_pipe_times(tr.pipe, &busy, &wait, &whole);
                 pst[tr.topo.pp_rank] = busy, pst[pp + tr.topo.pp_rank] = wait;
-                int64_t nw, ne;
-                tera_pipe_deferred(tr.pipe, &pst[2 * pp + tr.topo.pp_rank], &pst[3 * pp + tr.topo.pp_rank], &nw, &ne);
+                tera_pipe_deferred(tr.pipe, &pst[2 * pp + tr.topo.pp_rank], &pst[3 * pp + tr.topo.pp_rank], NULL, NULL);
             }
             tera_comm_allreduce_f64(tera_comm_world(), pst, 4 * pp);
         }

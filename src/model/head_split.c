@@ -9,11 +9,9 @@ enum { TAG_H = 1, TAG_W = 2, TAG_G = 3 }; /* the pair's own group: no other mess
 
 static int64_t helper_floats(int64_t V, int64_t D, int64_t N) { return 2 * (V / 2) * D + 2 * N * D + N * (V / 2) + N; }
 
-int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N, int defer) {
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N) {
     if (role != TERA_HS_HELPER && role != TERA_HS_OWNER) return 0;
-    return tera_tp_scratch_bytes(2, N, D, 0) +
-           (role == TERA_HS_HELPER ? helper_floats(V, D, N) * (int64_t)sizeof(float) + tera_wgrad_bytes(defer, N, D, V / 2)
-                                   : 0);
+    return tera_tp_scratch_bytes(2, N, D, 0) + (role == TERA_HS_HELPER ? helper_floats(V, D, N) * (int64_t)sizeof(float) : 0);
 }
 
 tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend *be, int64_t V, int64_t D, int64_t N,
@@ -130,7 +128,8 @@ void tera_head_split_send_input(tera_head_split *hs, const float *lnf) {
 void tera_head_split_grads_in(tera_head_split *hs) { tera_comm_wait(&hs->g_recv); }
 
 void tera_head_split_end(tera_head_split *hs) {
-    (void)tera_head_split_finish(hs); /* a step cut short (the executor finishes first) */
+    TERA_ASSERTF(!tera_wgrad_queued(hs->wq) && !hs->g_due, "head split: the step ended with %d weight gradients "
+                 "queued (the executor flushes them: tera_model_wgrad_flush)", tera_wgrad_queued(hs->wq));
     tera_comm_wait(&hs->w_send);
     tera_comm_wait(&hs->h_send);
     tera_comm_wait(&hs->g_recv);

@@ -61,7 +61,7 @@ tera_head_split *tera_head_split_create(int role, tera_comm *group, tera_backend
                                         int defer);
 void tera_head_split_destroy(tera_head_split *hs);
 /* The bytes create allocates for a role (0 for none): what the planner counts. */
-int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N, int defer);
+int64_t tera_head_split_bytes(int role, int64_t V, int64_t D, int64_t N);
 
 /* A step's start: the owner sends its weight rows [0, Vh) (w: the head's [V, D]) and posts the
  * receive of the helper's gradient into g's rows [0, Vh); the helper posts the matching receive and

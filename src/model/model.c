@@ -717,7 +717,7 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
 }
 
 int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role) {
-    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T, 0);
+    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T);
 }
 
 int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int tp, int pp, int pp_rank, int head_role,

@@ -38,8 +38,7 @@ struct tera_pipe {
     int wgrad_in_waits;        /* parallel.pp_defer_wgrad: deferred weight gradients run in waits (else at the end) */
     double busy_s, wait_s, step_s; /* the last step's */
     double busy_total, wait_total, step_total;
-    double dw_wait_s;                 /* parallel.pp_defer_wgrad: this step's deferred products run in waits */
-    double dw_wait_total, dw_end_total; /* those, and the ones run at the step's end, over the steps */
+    double dw_wait_total, dw_end_total; /* parallel.pp_defer_wgrad: deferred products run in waits, at steps' ends */
     int64_t dw_wait_n, dw_end_n;      /* how many products, over the steps */
     int steps;
 };
@@ -153,7 +152,7 @@ static void pipe_wait(tera_pipe *p, tera_comm_req *rq) {
             if (!rq->active) return;
             double s = 0.0;
             if (tera_model_wgrad_run(p->env.model, &s)) {
-                p->served += s, p->dw_wait_s += s, p->dw_wait_n++;
+                p->served += s, p->dw_wait_total += s, p->dw_wait_n++;
                 continue;
             }
         }
@@ -301,8 +300,7 @@ void tera_pipe_step(tera_pipe *p, const tera_loss_scales *s, int A, double *sums
     tera_model_use_slot(m, 0);
     p->busy_s = busy, p->wait_s = wait, p->step_s = tera_now() - t_start;
     p->busy_total += busy, p->wait_total += wait, p->step_total += p->step_s;
-    p->dw_wait_total += p->dw_wait_s, p->dw_end_total += dw_end;
-    p->dw_wait_s = 0.0;
+    p->dw_end_total += dw_end;
     p->steps++;
 }
 
@@ -372,8 +370,8 @@ void tera_pipe_deferred(const tera_pipe *p, double *in_waits, double *at_end, in
     const int n = p && p->steps > 0 ? p->steps : 0;
     *in_waits = n ? p->dw_wait_total / n : 0.0;
     *at_end = n ? p->dw_end_total / n : 0.0;
-    *n_waits = n ? p->dw_wait_n : 0;
-    *n_end = n ? p->dw_end_n : 0;
+    if (n_waits) *n_waits = n ? p->dw_wait_n : 0;
+    if (n_end) *n_end = n ? p->dw_end_n : 0;
 }
 
 void tera_pipe_times(const tera_pipe *p, double *busy, double *wait, double *step) {
