@@ -49,10 +49,12 @@
 #   - every rank's per-operation profile (ops_ms_by_rank): the head only on the last stage's ranks and
 #     the embedding only on the first's (every rank without a pipeline), the tensor-parallel sums on
 #     every rank with tp > 1 and on none without;
-#   - parallel.pp_head_split (pp2-hs, pp2xdp2-zero1-hs): the head's split adds its transfers to the
-#     minimum (the weight's and gradient's half-rows once a step, the final norm's output and the
-#     pair's three sums per micro-batch) and sends exactly that; the head runs on the first stage's
-#     ranks too, whose sums count as tensor-parallel comm; the JSON says pp_head_split 1.
+#   - parallel.pp_head_split (pp2-hs, pp2xdp2-zero1-hs, tp2xpp2-hs: a pair per vocabulary slice): the
+#     head's split adds its point-to-point transfers to the minimum (the weight's and gradient's
+#     half-rows once a step; per micro-batch the final norm's output one way, the helper's input gradient
+#     the other, the cross-entropy's maxima and sums both ways) and sends exactly that; the head runs on
+#     the first stage's ranks too, whose messages to the last stage count as tensor-parallel comm; the
+#     JSON says pp_head_split 1.
 # Usage: cli_benchdist.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -80,6 +82,7 @@ for l in dp2:2:1:1:0:1 dp2-noshared:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp2-ze
          "ep2-balanced:2:1:2:0:1:1:--model.router_force_balance=true" \
          "tp2-sp:1:2:1:0:1:1:--parallel.sequence_parallel=true" "tp2xpp2-sp:1:2:1:0:2:2:--parallel.sequence_parallel=true" \
          "pp2-hs:1:1:1:0:4:2:--parallel.pp_head_split=true" "pp2xdp2-zero1-hs:2:1:1:1:4:2:--parallel.pp_head_split=true" \
+         "tp2xpp2-hs:1:2:1:0:4:2:--parallel.pp_head_split=true" \
          "pp2-hs-dw:1:1:1:0:4:2:--parallel.pp_head_split=true --parallel.pp_defer_wgrad=4"; do
     IFS=: read -r name dp tp ep zero accum pp extra <<< "$l"
     pp=${pp:-1}

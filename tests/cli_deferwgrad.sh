@@ -10,7 +10,8 @@
 #   - pp4 with the split (stages 0 and 3; the middle stages have no queue);
 #   - pp2 x dp2 ZeRO-1 with the split and 1 entry (the head's gradient handed to the data-parallel sums
 #     only once the queue is through);
-#   - pp2 x tp2 (each rank's vocabulary slice);
+#   - pp2 x tp2 (each rank's vocabulary slice), and pp2 x tp2 interleaved (2 chunks) with the split and 2
+#     entries (the helpers serving in phases, queueing their halves of the slices);
 # and in bf16 (pp2 with the split). Also:
 #   - the runs say where the deferred products ran (stage 0 in its waits, the last stage at the end),
 #     and `tera bench` reports it per stage (pp_stage_wgrad_in_waits_ms, pp_stage_wgrad_at_end_ms);
@@ -57,6 +58,8 @@ same pp4 "pp4 1f1b, head split" 4 4 --training.grad_accum=4 --parallel.pp=4 "${H
 same pp2dp2 "pp2 x dp2 ZeRO-1, head split" 4 1 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 \
     --parallel.zero=1 "${HS[@]}"
 same pp2tp2 "pp2 x tp2" 4 3 --training.grad_accum=4 --parallel.pp=2 --parallel.tp=2
+same pp2tp2hs "pp2 x tp2 interleaved (2 chunks), head split" 4 2 --training.grad_accum=4 --parallel.pp=2 --parallel.tp=2 \
+    --parallel.pp_schedule=interleaved --parallel.pp_chunks=2 "${HS[@]}"
 same pp2bf "bf16 pp2, head split" 2 4 --training.grad_accum=4 --parallel.pp=2 --training.precision=bf16 "${HS[@]}"
 
 # where they ran: the first stage in its waits, the last at the step's end

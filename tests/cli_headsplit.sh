@@ -7,18 +7,24 @@
 #   - pp2 under 1F1B and under the interleaved schedule (2 chunks), pp4 (the pair is stages 0 and 3,
 #     the middle stages take no part), and pp2 x dp2 with ZeRO-1 (two pairs; the head's gradient, half
 #     of it from the first stage, summed over the data-parallel ranks);
-#   - bf16 products: pp2 with the split against pp2 without, to the bf16 tolerance of cli_layouts.sh;
+#   - with tensor parallelism: pp2 x tp2 (two pairs, one per vocabulary slice; each helper serves its
+#     micro-batches in phases without waiting for its owner, its stage's other tp rank possibly in a
+#     collective meanwhile), and pp2 x tp2 with sequence parallelism under the interleaved schedule;
+#   - bf16 products: pp2 and pp2 x tp2 with the split against the same layouts without, to the bf16
+#     tolerance of cli_layouts.sh;
 # and:
-#   - a fixed seed gives bit-identical runs (metrics and checkpoint) with the split;
+#   - a fixed seed gives bit-identical runs (metrics and checkpoint) with the split, with tp 1 and 2;
 #   - a checkpoint of a split run resumes, with the split, to the same steps as the run that went on;
 #     and the same checkpoint resumes without it (the last stage owns the whole head);
 #   - evaluation (training.eval_every) runs the whole head on the last stage: the same validation loss
 #     as without the split;
-#   - `tera bench` shows the head's work on both ends (ops_ms_by_rank: lm head fwd on ranks 0 and 1);
+#   - `tera bench` shows the head's work on both ends (ops_ms_by_rank: lm head fwd on ranks 0 and 1; with
+#     pp2 x tp2 on all four ranks);
 #   - `tera plan` predicts a shorter step for bench-dist's pp2 with the split, and the first stage's
-#     scratch bytes exactly as `tera train` counts them; its search tries the split (the best pp2
-#     layout of bench-dist on 2 devices has it);
-#   - refused with one message naming parallel.pp_head_split: no pipeline, GPipe, tp 2, ZeRO-2.
+#     scratch bytes exactly as `tera train` counts them (also with pp2 x tp2 x sp: a quarter of the head); its
+#     search tries the split (the best pp2 layout of bench-dist on 2 devices has it);
+#   - refused with one message naming parallel.pp_head_split: no pipeline, GPipe, ZeRO-2, a vocabulary
+#     that 2 x tp does not divide.
 # Usage: cli_headsplit.sh TERA SOURCE_DIR
 set -u
 TERA=$1
@@ -65,10 +71,19 @@ run pp4 4 --training.grad_accum=4 --parallel.pp=4 "${HS[@]}" && against pp4 one 
 run pp2dp2 4 --training.grad_accum=2 --parallel.pp=2 --parallel.dp=2 --parallel.zero=1 "${HS[@]}" &&
     against pp2dp2 one "$TOL" "pp2 x dp2 ZeRO-1, head split"
 
+# with tensor parallelism: a pair per vocabulary slice
+TP2=(--training.grad_accum=4 --parallel.pp=2 --parallel.tp=2)
+TP2SP=("${TP2[@]}" --parallel.sequence_parallel=true --parallel.pp_schedule=interleaved --parallel.pp_chunks=2)
+run pp2tp2 4 "${TP2[@]}" "${HS[@]}" && against pp2tp2 one "$TOL" "pp2 x tp2 1f1b, head split"
+run pp2tp2sp 4 "${TP2SP[@]}" "${HS[@]}" && against pp2tp2sp one "$TOL" "pp2 x tp2, sequence-parallel, interleaved, head split"
+
 # bf16: against the same pipeline without the split
 if run pp2bf 2 --training.grad_accum=4 --parallel.pp=2 --training.precision=bf16 &&
     run pp2bfhs 2 --training.grad_accum=4 --parallel.pp=2 --training.precision=bf16 "${HS[@]}"; then
     against pp2bfhs pp2bf "$BF16_TOL" "bf16 pp2, head split against no split"
+fi
+if run pp2tp2bf 4 "${TP2[@]}" --training.precision=bf16 && run pp2tp2bfhs 4 "${TP2[@]}" --training.precision=bf16 "${HS[@]}"; then
+    against pp2tp2bfhs pp2tp2bf "$BF16_TOL" "bf16 pp2 x tp2, head split against no split"
 fi
 
 # determinism: the same seed, the same bits
@@ -76,6 +91,12 @@ if run pp2i-again 2 --training.grad_accum=4 --parallel.pp=2 --parallel.pp_schedu
     cmp -s <(untimed "$W/pp2i/metrics.jsonl") <(untimed "$W/pp2i-again/metrics.jsonl") && cmp -s "$W/pp2i/$C" "$W/pp2i-again/$C" \
         && pass "two runs with the split: bit-identical metrics and final weights" \
         || fail "two runs with the split differ"
+fi
+if run pp2tp2sp-again 4 "${TP2SP[@]}" "${HS[@]}"; then
+    cmp -s <(untimed "$W/pp2tp2sp/metrics.jsonl") <(untimed "$W/pp2tp2sp-again/metrics.jsonl") &&
+        cmp -s "$W/pp2tp2sp/$C" "$W/pp2tp2sp-again/$C" \
+        && pass "two pp2 x tp2 runs with the split: bit-identical metrics and final weights" \
+        || fail "two pp2 x tp2 runs with the split differ"
 fi
 
 # resume: the split run's step-4 checkpoint (its step-8 one removed), resumed to step 8 with the split
@@ -117,6 +138,14 @@ if $MPIRUN -np 2 "$TERA" bench "${MODEL[@]}" --training.micro_batch=1 --training
 else
     fail "tera bench with the split"; tail -5 "$W/bench.err"
 fi
+if $MPIRUN -np 4 "$TERA" bench "${MODEL[@]}" --training.micro_batch=1 "${TP2[@]}" "${HS[@]}" --steps 2 --warmup 1 \
+    > "$W/bench4.json" 2> "$W/bench4.err"; then
+    jq -e '.ops_ms_by_rank["lm head fwd"] | length == 4 and all(.[]; . > 0)' "$W/bench4.json" > /dev/null \
+        && pass "tera bench pp2 x tp2: the head runs on every rank ($(jq -c '.ops_ms_by_rank["lm head fwd"]' "$W/bench4.json") ms)" \
+        || fail "tera bench pp2 x tp2: lm head fwd by rank $(jq -c '.ops_ms_by_rank["lm head fwd"]' "$W/bench4.json")"
+else
+    fail "tera bench pp2 x tp2 with the split"; tail -5 "$W/bench4.err"
+fi
 
 # the planner: half the head on each end (a shorter predicted step on bench-dist's pp2, whose last stage
 # carries the head), and the first stage's memory as tera train counts it
@@ -136,15 +165,23 @@ if jq -e '[.best[] | select(.pp == 2)] | length > 0 and (.[0].pp_head_split == t
 else
     fail "tera plan's search and the head split: $(jq -c '[.best[] | select(.pp == 2) | {pp_schedule, pp_head_split}]' "$W/search.json" 2> /dev/null | head -c 300) $(head -c 200 "$W/search.err")"
 fi
-sp=$("$TERA" "${PL[@]}" "${HS[@]}" 2>&1 | grep -m1 'bytes: params' | grep -o 'scratch [0-9]*')
-$MPIRUN -np 2 "$TERA" train -c "$SRC/configs/bench-dist.ini" --training.steps=1 --training.micro_batch=4 \
-    --training.grad_accum=4 --parallel.pp=2 --training.threads=1 "${HS[@]}" --logging.run_dir="$W/mem" > "$W/mem.log" 2>&1
-st=$(grep -m1 'memory bytes per rank' "$W/mem.log" | grep -o 'scratch [0-9]*')
-[ -n "$sp" ] && [ "$sp" = "$st" ] && pass "tera plan: the first stage's $sp bytes, as tera train counts them" \
-    || fail "tera plan's first stage '$sp', tera train's '$st'"
+# mem_bytes LABEL RANKS ARGS...: the first stage's scratch bytes by tera plan and by tera train, the same
+mem_bytes() {
+    local label=$1 n=$2 sp st
+    shift 2
+    sp=$("$TERA" "${PL[@]}" "$@" 2>&1 | grep -m1 'bytes: params' | grep -o 'scratch [0-9]*')
+    rm -rf "$W/mem"
+    $MPIRUN -np "$n" "$TERA" train -c "$SRC/configs/bench-dist.ini" --training.steps=1 --training.micro_batch=4 \
+        --training.grad_accum=4 --parallel.pp=2 --training.threads=1 "$@" --logging.run_dir="$W/mem" > "$W/mem.log" 2>&1
+    st=$(grep -m1 'memory bytes per rank' "$W/mem.log" | grep -o 'scratch [0-9]*')
+    [ -n "$sp" ] && [ "$sp" = "$st" ] && pass "tera plan: the first stage's $sp bytes$label, as tera train counts them" \
+        || fail "tera plan's first stage '$sp', tera train's '$st'$label"
+}
+mem_bytes "" 2 "${HS[@]}"
+mem_bytes " with pp2 x tp2 x sp" 4 --parallel.tp=2 --parallel.sequence_parallel=true "${HS[@]}"
 
 # refusals: one message naming the key, nothing trained
-for bad in "1:" "2:--parallel.pp=2 --parallel.pp_schedule=gpipe" "4:--parallel.pp=2 --parallel.tp=2" \
+for bad in "1:" "2:--parallel.pp=2 --parallel.pp_schedule=gpipe" "4:--parallel.pp=2 --parallel.tp=2 --model.vocab_size=510" \
            "4:--parallel.pp=2 --parallel.dp=2 --parallel.zero=2"; do
     n=${bad%%:*} args=${bad#*:} accum=()
     [ "$n" != 1 ] && accum=(--training.grad_accum=2)

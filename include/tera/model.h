@@ -360,13 +360,15 @@ void tera_model_reset_load(tera_model *m);
 
 /* The LM head split over two pipeline stages (par.head_role; src/model/head_split.h), driven by the
  * pipeline executor; every function does nothing on a model without the split. _begin at a step's
- * start (micro-batches of the step), _end at its end. The helper (first stage): _ready returns the
- * micro-batch whose input has arrived and is to be served next (-1: none), _pending the request that
- * input arrives by (NULL: none in flight; to wait for it beside another), _serve runs that
- * micro-batch's part of the head with its targets [B*T] and the loss's gradient scale. */
+ * start (micro-batches of the step), _end at its end. The helper (first stage) serves a micro-batch in
+ * phases, each once a message from the owner is in (its input, then the cross-entropy's maxima and sums):
+ * _ready returns the micro-batch being served when its next phase can run (-1: none), _pending the
+ * request that message arrives by (NULL: none in flight; to wait for it beside another), _serve runs
+ * that phase (with tp = 1 every phase) with the micro-batch's targets [B*T] and the loss's gradient scale. */
 void tera_model_set_yield(tera_model *m, void (*fn)(void *ctx), void *ctx); /* m->yield (NULL: none) */
-/* The scratch bytes the head split adds on a stage of role 1 (helper) or 2 (owner); 0 otherwise. */
-int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role);
+/* The scratch bytes the head split adds on a stage of role 1 (helper) or 2 (owner) with tp tensor-parallel ranks
+ * (sp: sequence parallelism); 0 otherwise. */
+int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role, int tp, int sp);
 void tera_model_head_split_begin(tera_model *m, int micro_batches);
 int tera_model_head_split_ready(tera_model *m);
 tera_comm_req *tera_model_head_split_pending(tera_model *m);

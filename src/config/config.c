@@ -375,11 +375,12 @@ static const config__key config__keys[] = {
            "pipeline parallelism: the LM head's vocabulary split between the first and the last stage (vocabulary "
            "parallelism over the pipeline's ends): the last stage keeps the head's parameters, sends the first stage "
            "half of its rows each step and each micro-batch's final-norm output, and the two compute half of the "
-           "logits, the cross-entropy (sums over the pair, as tensor parallelism's) and the gradients each. Moves "
-           "half the head's work off the last stage; the loss agrees with the unsplit head to rounding (the sums "
-           "over the vocabulary run in two halves). Needs parallel.pp > 1 with the 1f1b or interleaved schedule, "
-           "parallel.tp = 1, parallel.zero <= 1, an even model.vocab_size, untied embeddings and no "
-           "training.loss_chunk"),
+           "logits, the cross-entropy (partial sums sent to the last stage, results back, as tensor parallelism's "
+           "sums) and the gradients each; with parallel.tp > 1 each tp rank's vocabulary slice is split between "
+           "the two stages' tp ranks of the same index. Moves half the head's work off the last stage; the loss "
+           "agrees with the unsplit head to rounding (the sums over the vocabulary run in two halves). Needs "
+           "parallel.pp > 1 with the 1f1b or interleaved schedule, parallel.zero <= 1, a model.vocab_size that "
+           "2 x parallel.tp divides, untied embeddings and no training.loss_chunk"),
     K_INT(parallel, pp_defer_wgrad, "0", 0, 4096,
           "pipeline parallelism: up to this many micro-batches' LM-head weight gradients wait for the pipeline's "
           "gaps (the weight-gradient pass of the zero-bubble schedules, for the head's product): the head's "
@@ -1242,12 +1243,11 @@ tera_status tera_config_finalize(tera_config *c) {
             CONFIG__REQUIRE(strcmp(p->pp_schedule, "gpipe") != 0,
                             "parallel.pp_head_split needs a schedule that runs each micro-batch's last backward right "
                             "after its forward on the last stage: parallel.pp_schedule = 1f1b or interleaved, not gpipe");
-            CONFIG__REQUIRE(p->tp == 1, "parallel.pp_head_split with parallel.tp = %d: the head is already split "
-                                        "by tensor parallelism; use one or the other", p->tp);
             CONFIG__REQUIRE(p->zero <= 1, "parallel.pp_head_split with parallel.zero = %d: needs ZeRO stage 0 or 1 "
                                           "(the head's whole gradient on the last stage)", p->zero);
-            CONFIG__REQUIRE(m->vocab_size % 2 == 0, "parallel.pp_head_split halves the vocabulary: model.vocab_size "
-                                                    "(%d) must be even", m->vocab_size);
+            CONFIG__REQUIRE(m->vocab_size % (2 * p->tp) == 0,
+                            "parallel.pp_head_split halves each tensor-parallel rank's vocabulary slice: model.vocab_size "
+                            "(%d) must be a multiple of 2 x parallel.tp (%d)", m->vocab_size, 2 * p->tp);
             CONFIG__REQUIRE(t->loss_chunk == 0 || t->loss_chunk >= t->micro_batch * t->seq_len,
                             "parallel.pp_head_split with training.loss_chunk = %d: the split head takes a "
                             "micro-batch's rows at once", t->loss_chunk);

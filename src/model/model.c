@@ -694,21 +694,22 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
         m->be->ops.rope_tables(m->be, a->rope_cos, a->rope_sin, T, cfg->dim / cfg->n_heads, cfg->rope_theta);
     }
     comm_bytes(m, dispatch, &m->bytes_comm, &m->bytes_comm_acts); /* the expert-exchange buffers */
-    if (m->par.head_role) { /* parallel.pp_head_split: the head's rows [0, V/2) on the first stage */
-        TERA_ASSERTF(m->par.tp == 1 && !m->par.shard_params && !m->par.shard_grads && !cfg->tie_embeddings &&
+    if (m->par.head_role) { /* parallel.pp_head_split: half of each tp rank's head rows on the first stage */
+        TERA_ASSERTF(m->Vl % 2 == 0 && !m->par.shard_params && !m->par.shard_grads && !cfg->tie_embeddings &&
                          m->loss_rows == (int64_t)B * T && m->par.pp > 1 &&
                          m->par.pp_rank == (m->par.head_role == TERA_HS_OWNER ? m->par.pp - 1 : 0),
-                     "head split (role %d) on stage %d of %d with tp %d, ZeRO sharding, tied embeddings or a loss "
-                     "chunk: the config refuses these", m->par.head_role, m->par.pp_rank, m->par.pp, m->par.tp);
-        m->hs = tera_head_split_create(m->par.head_role, m->par.head_group, m->be, cfg->vocab_size, cfg->dim,
-                                       (int64_t)B * T, m->par.head_role == TERA_HS_HELPER ? m->par.defer_wgrad : 0);
+                     "head split (role %d) on stage %d of %d with a vocabulary slice of %ld, ZeRO sharding, tied "
+                     "embeddings or a loss chunk: the config refuses these", m->par.head_role, m->par.pp_rank,
+                     m->par.pp, (long)m->Vl);
+        m->hs = tera_head_split_create(m->par.head_role, m->par.head_group, tpl,
+                                       m->par.head_role == TERA_HS_HELPER ? m->par.defer_wgrad : 0);
         m->bytes_scratch += m->hs->bytes;
     }
     if (m->par.defer_wgrad > 0 && m->par.pp > 1 && m->par.pp_rank == m->par.pp - 1) { /* parallel.pp_defer_wgrad */
         TERA_ASSERTF(!m->par.shard_params && !m->par.shard_grads && !cfg->tie_embeddings && m->loss_rows == (int64_t)B * T,
                      "deferred head weight gradients with ZeRO sharding, tied embeddings or a loss chunk: the config "
                      "refuses these");
-        const int64_t h0 = m->par.head_role == TERA_HS_OWNER ? cfg->vocab_size / 2 : 0;
+        const int64_t h0 = m->par.head_role == TERA_HS_OWNER ? m->Vl / 2 : 0;
         m->wgq = tera_wgrad_create(m->be, m->par.defer_wgrad, (int64_t)B * T, cfg->dim, m->Vl - h0);
         m->bytes_scratch += m->wgq->bytes;
     }
@@ -716,17 +717,17 @@ static tera_status create_par(tera_model *m, const tera_model_config *cfg, int B
     return TERA_OK;
 }
 
-int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role) {
-    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T);
+int64_t tera_model_head_split_bytes(const tera_model_config *cfg, int B, int T, int role, int tp, int sp) {
+    return tera_head_split_bytes(role, cfg->vocab_size, cfg->dim, (int64_t)B * T, tp, sp);
 }
 
 int64_t tera_model_wgrad_bytes(const tera_model_config *cfg, int B, int T, int tp, int pp, int pp_rank, int head_role,
                                int entries) {
     if (entries <= 0 || pp < 2) return 0;
-    const int64_t N = (int64_t)B * T, V = cfg->vocab_size;
-    if (head_role == TERA_HS_HELPER) return tera_wgrad_bytes(entries, N, cfg->dim, V / 2); /* in the split's block */
+    const int64_t N = (int64_t)B * T, Vl = cfg->vocab_size / (tp > 0 ? tp : 1); /* a tp rank's slice */
+    if (head_role == TERA_HS_HELPER) return tera_wgrad_bytes(entries, N, cfg->dim, Vl / 2); /* in the split's block */
     if (pp_rank != pp - 1) return 0;
-    return tera_wgrad_bytes(entries, N, cfg->dim, head_role == TERA_HS_OWNER ? V - V / 2 : V / (tp > 0 ? tp : 1));
+    return tera_wgrad_bytes(entries, N, cfg->dim, head_role == TERA_HS_OWNER ? Vl - Vl / 2 : Vl);
 }
 
 static void notify_grads(tera_model *m, int group);

@@ -11,11 +11,12 @@
 #include "tera/profile.h"
 #include "tera/status.h"
 
-/* The module's scratch for tp > 1 ranks, carved (carve.h: counted with c->base NULL, assigned into tp
- * otherwise): the cross-entropy's [3, N]; with sequence parallelism the partial outputs' [N, D], the
- * gathered inputs' [N, D], the norms' [2, D] and the rows' counts [tp]. */
-static void carve_tp(carver *c, tera_tp *tp, int ranks, int64_t N, int64_t D, int sp) {
-    float *ce = CARVE_F(c, 3 * N), *rows = NULL, *in = NULL, *gw = NULL;
+/* The module's scratch for tp > 1 ranks or the head split's owner (pair), carved (carve.h: counted with
+ * c->base NULL, assigned into tp otherwise): the cross-entropy's [3, N]; with the pair the helper's
+ * partials [N, D]; with sequence parallelism the partial outputs' [N, D], the gathered inputs' [N, D], the
+ * norms' [2, D] and the rows' counts [tp]. */
+static void carve_tp(carver *c, tera_tp *tp, int ranks, int64_t N, int64_t D, int sp, int pair) {
+    float *ce = CARVE_F(c, 3 * N), *rows = NULL, *in = NULL, *gw = NULL, *pb = pair ? CARVE_F(c, N * D) : NULL;
     int64_t *cnt = NULL;
     if (sp) {
         rows = CARVE_F(c, N * D);
@@ -24,38 +25,74 @@ static void carve_tp(carver *c, tera_tp *tp, int ranks, int64_t N, int64_t D, in
         cnt = carve(c, sizeof(int64_t) * (size_t)ranks);
     }
     if (!c->base) return;
-    tp->ce_buf = ce, tp->rows_buf = rows, tp->in_buf = in, tp->gw = gw, tp->rows_cnt = cnt;
+    tp->ce_buf = ce, tp->rows_buf = rows, tp->in_buf = in, tp->gw = gw, tp->rows_cnt = cnt, tp->pair_buf = pb;
 }
 
-int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp) {
-    if (tp <= 1) return 0;
+static int64_t scratch_bytes(int tp, int64_t N, int64_t D, int sp, int pair) {
+    if (tp <= 1 && !pair) return 0;
     carver c = {0};
-    carve_tp(&c, NULL, tp, N, D, sp);
+    carve_tp(&c, NULL, tp, N, D, tp > 1 && sp, pair);
     return (int64_t)c.off;
 }
 
-void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N,
-                  int64_t D, int sp) {
+int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp) { return scratch_bytes(tp, N, D, sp, 0); }
+
+int64_t tera_tp_pair_bytes(int tp, int64_t N, int64_t D, int sp) { return scratch_bytes(tp, N, D, sp, 1); }
+
+static void setup(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t v0, int64_t Vl,
+                  int64_t N, int64_t D, int sp, tera_comm *pair) {
     memset(tp, 0, sizeof *tp);
     tp->be = be;
     tp->tp = n_ranks > 1 ? n_ranks : 1;
     tp->group = tp->tp > 1 ? group : NULL;
-    tp->Vl = V / tp->tp;
-    tp->v0 = (int64_t)rank * tp->Vl;
+    tp->Vl = Vl;
+    tp->v0 = v0;
     tp->N = N;
     tp->D = D;
     tp->sp = tp->tp > 1 && sp;
     tp->Nr = tp->sp ? N / tp->tp : N;
     tp->r0 = tp->sp ? (int64_t)rank * tp->Nr : 0;
-    if (tp->tp > 1) {
+    tp->pair = pair;
+    if (tp->tp > 1 || pair) {
         TERA_ASSERTF(!tp->sp || N % tp->tp == 0, "sequence parallelism: %ld rows over %d ranks", (long)N, tp->tp);
-        const size_t bytes = (size_t)tera_tp_scratch_bytes(tp->tp, N, D, tp->sp);
+        const size_t bytes = (size_t)scratch_bytes(tp->tp, N, D, tp->sp, pair != NULL);
         carver c = {.base = tera_malloc(bytes)};
         memset(c.base, 0, bytes);
-        carve_tp(&c, tp, tp->tp, N, D, tp->sp);
+        carve_tp(&c, tp, tp->tp, N, D, tp->sp, pair != NULL);
         for (int r = 0; tp->sp && r < tp->tp; r++) tp->rows_cnt[r] = tp->Nr * D;
         tp->bytes = (int64_t)bytes;
     }
+}
+
+void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t V, int64_t N,
+                  int64_t D, int sp) {
+    const int64_t Vl = V / (n_ranks > 1 ? n_ranks : 1);
+    setup(tp, be, n_ranks, group, rank, (int64_t)rank * Vl, Vl, N, D, sp, NULL);
+}
+
+void tera_tp_init_pair(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t v0, int64_t Vl,
+                       int64_t N, int64_t D, int sp, tera_comm *pair) {
+    TERA_ASSERTF(pair && tera_comm_size(pair) == 2 && tera_comm_rank(pair) == 1, "the head split's owner is rank 1 of "
+                 "a pair");
+    setup(tp, be, n_ranks, group, rank, v0, Vl, N, D, sp, pair);
+}
+
+/* parallel.pp_head_split's owner: buf [n] combined with the helper's partial (received from pair rank 0; the
+ * helper's first, as an all-reduce over the pair would) before any sum over the group */
+static void pair_in(const tera_tp *tp, float *buf, int64_t n, int tag, int max) {
+    tera_comm_req rq;
+    TERA_PROF(TP_COMM, (tera_comm_irecv_f32(tp->pair, tp->pair_buf, n, 0, tag, &rq), tera_comm_wait(&rq)));
+    const float *h = tp->pair_buf;
+    if (max)
+        for (int64_t i = 0; i < n; i++) buf[i] = h[i] > buf[i] ? h[i] : buf[i];
+    else
+        for (int64_t i = 0; i < n; i++) buf[i] = h[i] + buf[i];
+}
+
+/* ... and the result back to the helper */
+static void pair_out(const tera_tp *tp, const float *buf, int64_t n, int tag) {
+    tera_comm_req rq;
+    TERA_PROF(TP_COMM, (tera_comm_isend_f32(tp->pair, buf, n, 0, tag, &rq), tera_comm_wait(&rq)));
 }
 
 void tera_tp_free(tera_tp *tp) {
@@ -127,6 +164,25 @@ int tera_tp_dx_sum_start(const tera_tp *tp, float *dx, tera_comm_req *req) {
 void tera_tp_head_backward(tera_tp *tp, float *dx, float *gw, const float *dlogits, const float *x, const float *w,
                            int64_t N, int64_t D, int64_t V, float beta) {
     tera_backend *be = tp->be;
+    if (tp->pair) { /* parallel.pp_head_split's owner: the helper's partial input gradient added first */
+        if (gw && !tera_tp_overlapping(tp)) { /* no sum over the group to overlap: both products while it comes */
+            TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, dx, gw, dlogits, x, w, N, D, V, 0.0f, beta));
+            pair_in(tp, dx, N * D, TERA_PAIR_TAG_DX, 0);
+            tera_tp_dx_sum(tp, dx);
+            return;
+        }
+        TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, dx, NULL, dlogits, x, w, N, D, V, 0.0f, 1.0f));
+        pair_in(tp, dx, N * D, TERA_PAIR_TAG_DX, 0);
+        if (!gw) {
+            tera_tp_dx_sum(tp, dx);
+            return;
+        }
+        tera_comm_req rq;
+        tera_tp_dx_sum_start(tp, dx, &rq);
+        TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, NULL, gw, dlogits, x, w, N, D, V, 0.0f, beta));
+        tera_tp_copy_backward_wait(tp, &rq);
+        return;
+    }
     if (!gw) { /* the weight gradient deferred (wgrad.h): the input gradient alone */
         TERA_PROF(HEAD_BWD, be->ops.linear_backward(be, dx, NULL, dlogits, x, w, N, D, V, 0.0f, 1.0f));
         tera_tp_dx_sum(tp, dx);
@@ -302,11 +358,15 @@ static double ce_slices(const tera_tp *tp, float *e, float *lse, const float *lo
     double t0 = tera_now();
     tp->be->ops.ce_slice_max(tp->be, mx, logits, N, tp->Vl);
     tera_prof_add(op, t0);
-    TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(tp->group, mx, N));
+    if (tp->pair) pair_in(tp, mx, N, TERA_PAIR_TAG_MAX, 1);
+    if (tp->tp > 1) TERA_PROF(TP_COMM, tera_comm_allreduce_max_f32(tp->group, mx, N));
+    if (tp->pair) pair_out(tp, mx, N, TERA_PAIR_TAG_MAX);
     t0 = tera_now();
     tp->be->ops.ce_slice_sums(tp->be, se, tl, e, logits, mx, targets, N, tp->Vl, tp->v0);
     tera_prof_add(op, t0);
+    if (tp->pair) pair_in(tp, se, 2 * N, TERA_PAIR_TAG_SUMS, 0);
     tp_sum(tp, se, 2 * N); /* se and tl are adjacent */
+    if (tp->pair) pair_out(tp, se, 2 * N, TERA_PAIR_TAG_SUMS);
     double sum = 0.0;
     if (lse)
         for (int64_t n = 0; n < N; n++) { /* fixed order */
@@ -318,7 +378,7 @@ static double ce_slices(const tera_tp *tp, float *e, float *lse, const float *lo
 
 double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, const int32_t *targets, int64_t N) {
     double sum = 0.0;
-    if (tp->tp == 1) {
+    if (tp->tp == 1 && !tp->pair) {
         TERA_PROF(LOSS_FWD, sum = tp->be->ops.ce_forward(tp->be, lse, logits, targets, N, tp->Vl));
         return sum;
     }
@@ -327,7 +387,7 @@ double tera_tp_ce_forward(const tera_tp *tp, float *lse, const float *logits, co
 
 void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits, const int32_t *targets, int64_t N,
                          float scale) {
-    if (tp->tp == 1) {
+    if (tp->tp == 1 && !tp->pair) {
         TERA_PROF(LOSS_BWD, tp->be->ops.ce_backward(tp->be, dlogits, logits, targets, N, tp->Vl, scale));
         return;
     }
@@ -339,7 +399,7 @@ void tera_tp_ce_backward(const tera_tp *tp, float *dlogits, const float *logits,
 
 int tera_tp_ce_fused(const tera_tp *tp, float *dlogits, float *lse, float *tlogit, const float *logits,
                      const int32_t *targets, int64_t N, float scale, double *sum) {
-    if (tp->tp == 1) {
+    if (tp->tp == 1 && !tp->pair) {
         if (!tp->be->ops.ce_fused) return 0;
         TERA_PROF(LOSS_FWD, *sum = tp->be->ops.ce_fused(tp->be, dlogits, lse, tlogit, logits, targets, N, tp->Vl, scale));
         return 1;

@@ -54,7 +54,16 @@ typedef struct {
     float *gw;          /* [2, D] the norms' weight gradients over this rank's rows, before their sum over the ranks */
     float *gw_dst[2];   /* where each goes (tera_tp_norm_grads_sum) */
     int gw_n;           /* how many are pending */
+    /* parallel.pp_head_split's owner (tera_tp_init_pair): the pair with its helper (rank 0 of it), and what the
+     * helper sent, [N, D] at most */
+    tera_comm *pair;
+    float *pair_buf;
 } tera_tp;
+
+/* The head split's messages between helper and owner on their pair (head_split.h), per micro-batch: the
+ * rows' maxima [N] (helper to owner, then the maxima over every row of the vocabulary back), the sums of
+ * exponentials and target logits [2N] (the same two ways), the helper's partial input gradient [N, D]. */
+enum { TERA_PAIR_TAG_MAX = 11, TERA_PAIR_TAG_SUMS = 12, TERA_PAIR_TAG_DX = 13 };
 
 /* Sets up, on backend be, rank `rank` of tp ranks of `group` for a vocabulary of V rows and N rows of
  * width D per micro-batch, with sequence parallelism when sp (and tp > 1): allocates the scratch once
@@ -63,6 +72,15 @@ void tera_tp_init(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, 
                   int64_t D, int sp);
 /* The bytes tera_tp_init allocates for tp ranks, N tokens of width D and sp (0 for one rank). */
 int64_t tera_tp_scratch_bytes(int tp, int64_t N, int64_t D, int sp);
+/* parallel.pp_head_split's owner (head_split.h): as tera_tp_init for this rank's vocabulary rows [v0, v0 + Vl) of the
+ * LM head, with the pair to its helper (this rank is rank 1 of it). The cross-entropy's maxima and sums and the
+ * head's input gradient then meet over the pair first, the helper's partial received and put first (the helper
+ * sends its partials and receives the cross-entropy's results without taking part in any collective: it never
+ * waits for the group), then over the group as tera_tp_init's would; the cross-entropy's results go back to the
+ * helper. tera_tp_pair_bytes: what it allocates (one block, freed by tera_tp_free). */
+void tera_tp_init_pair(tera_tp *tp, tera_backend *be, int n_ranks, tera_comm *group, int rank, int64_t v0, int64_t Vl,
+                       int64_t N, int64_t D, int sp, tera_comm *pair);
+int64_t tera_tp_pair_bytes(int tp, int64_t N, int64_t D, int sp);
 void tera_tp_free(tera_tp *tp);
 
 /* Sum of the ranks' partial outputs of a row-parallel layer, in place: buf [n]. */

@@ -211,7 +211,8 @@ static void rank_mem(const tera_config *cfg, const tera_topology *t, const int *
     /* parallel.pp_defer_wgrad: the deferred head weight gradients' queue on the stages that compute the head */
     const int64_t dwq = tera_model_wgrad_bytes(mc, tc->micro_batch, tc->seq_len, t->tp, pp, t->pp_rank, hs_role,
                                                cfg->parallel.pp_defer_wgrad);
-    const int64_t acts = mb.acts, scratch = mb.scratch + tera_model_head_split_bytes(mc, tc->micro_batch, tc->seq_len, hs_role) + dwq,
+    const int64_t acts = mb.acts, scratch = mb.scratch + tera_model_head_split_bytes(mc, tc->micro_batch, tc->seq_len, hs_role, t->tp,
+                                                                           cfg->parallel.sequence_parallel) + dwq,
                   comm = mb.comm, comm_acts = mb.comm_acts;
     const int64_t N = (int64_t)tc->micro_batch * tc->seq_len;
     const int sp_on = cfg->parallel.sequence_parallel && t->tp > 1;

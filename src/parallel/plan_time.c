@@ -920,11 +920,11 @@ tera_status tera_plan_time_model_stages(const tera_config *cfg, const tera_hw *h
         if (pp > 1) {
             double bytes = st[s].sends * N * D * 4.0;
             tpp = comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, bytes, st[s].sends);
-            if (split) { /* the head split's pair: the final norm's output to the first stage, three sums */
-                const double h = has_head ? N * D * 4.0 : 0.0, sums = 2.0 * ring(2) * 4.0 * (3.0 * N + N * D);
-                tpp += comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, h, has_head ? 1.0 : 0.0) +
-                       comm_s(hw, TERA_HW_ALLREDUCE, 2, devices, (int64_t)pp * dp * tp, sums, 3.0);
-                bytes += h + sums;
+            if (split) { /* the head split's pair (bench-dist's pp_bytes): each end sends [N, D] (the owner the final
+                          * norm's output, the helper its input gradient) and the cross-entropy's [N] and [2N] */
+                const double hb = 4.0 * (N * D + 3.0 * N);
+                tpp += comm_s(hw, TERA_HW_P2P, 2, devices, (int64_t)pp * dp * tp, hb, 3.0);
+                bytes += hb;
             }
             if (bytes * A > out->bytes_pp) out->bytes_pp = bytes * A;
         }
@@ -1132,10 +1132,9 @@ tera_status tera_plan_search(const tera_config *base, const tera_hw *hw, const t
                         tera_config c1 = c0;
                         c1.parallel.sequence_parallel = 1;
                         const int sp_max = tp > 1 && tera_config_finalize(&c1) == TERA_OK;
-                        /* parallel.pp_head_split: with and without it where tera accepts it (tp 1, ZeRO 0-1,
-                         * not GPipe, an even vocabulary; the loss over blocks of rows is not tried with it) */
-                        const int hs_ok = pp > 1 && tp == 1 && strcmp(sched[si].kind, "gpipe") != 0 &&
-                                          mc->vocab_size % 2 == 0;
+                        /* parallel.pp_head_split: with and without it where tera accepts it (ZeRO 0-1, not
+                         * GPipe, each tp rank's vocabulary slice even; the loss over blocks of rows is not tried with it) */
+                        const int hs_ok = pp > 1 && strcmp(sched[si].kind, "gpipe") != 0 && mc->vocab_size % (2 * tp) == 0;
                         for (int zero = 0; zero <= (dp > 1 ? 3 : 0); zero++) {
                             /* parallel.pp_defer_wgrad (every micro-batch's entry) with and without, where tera
                              * accepts it (a pipeline, ZeRO 0-1) */

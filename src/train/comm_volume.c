@@ -162,17 +162,16 @@ static void pp_bytes(const tera_trainer *tr, int A, tera_comm_volume *cm) {
     }
     cm->pp = A * sends * (double)m->Nr * m->cfg.dim * 4.0; /* sequence parallelism: this rank's rows */
     cm->min[TERA_XFER_P2P] += cm->pp;
-    /* parallel.pp_head_split (src/model/head_split.h), between the first and the last stage: once a step
-     * the last sends the weight's rows [0, V/2) and the first sends back their gradient ([V/2, D] each);
-     * per micro-batch the last sends the final norm's output [N, D], and the pair all-reduces the
-     * cross-entropy's maxima and sums ([N], [2N]) and the head's input gradient [N, D] */
+    /* parallel.pp_head_split (src/model/head_split.h), between the first and the last stage's tp rank r: once a
+     * step the owner (last) sends its vocabulary slice's first Vh rows (Vh = V / tp / 2) and the helper (first)
+     * sends back their gradient ([Vh, D] each); per micro-batch the owner sends the final norm's output [N, D]
+     * and the cross-entropy's maxima and sums over the vocabulary ([N], [2N]), the helper its own maxima and
+     * sums and its partial input gradient [N, D]: the same bytes each way */
     if (m->par.head_role) {
-        const double N = (double)m->B * m->T, D = m->cfg.dim, half = 4.0 * (m->cfg.vocab_size / 2) * D;
-        const double p2p = half + (m->par.head_role == 2 ? A * N * D * 4.0 : 0.0);
-        const double ar = A * 2.0 * ring(2) * 4.0 * (3.0 * N + N * D);
+        const double N = (double)m->B * m->T, D = m->cfg.dim;
+        const double p2p = 4.0 * (double)(m->cfg.vocab_size / tr->topo.tp / 2) * D + A * 4.0 * (N * D + 3.0 * N);
         cm->min[TERA_XFER_P2P] += p2p;
-        cm->min[TERA_XFER_ALLREDUCE] += ar;
-        cm->pp += p2p + ar;
+        cm->pp += p2p;
     }
 }
 
