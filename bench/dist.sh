@@ -61,11 +61,13 @@ DEFAULT_LAYOUTS="one:1:1:1:0:1
     pp2:1:1:1:0:1:2 pp2-i4:1:1:1:0:1:2:0:4 pp2-i4-hs:1:1:1:0:1:2:0:4:1 pp2-i4-hs-dw:1:1:1:0:1:2:0:4:1:1 pp4:1:1:1:0:1:4 pp2xdp2xep2-zero1:4:1:2:1:1:2"
 LAYOUTS=${LAYOUTS-$DEFAULT_LAYOUTS}
 AB_LAYOUTS=${AB_LAYOUTS-"ep2:2:1:2:0 ep4:4:1:4:0 ep8:8:1:8:0"}
-# An entry of LAYOUTS or AB_LAYOUTS may be a bare name of KNOWN (the default list and the other
-# two-rank ZeRO stages), e.g. LAYOUTS="one dp2 tp2-sp pp2"; any other entry spells out its fields.
+# An entry of LAYOUTS or AB_LAYOUTS may be a bare name of KNOWN (the default list, the other two-rank
+# ZeRO stages and pipeline variants, and pp2 x tp2 with and without the head split for a host of four
+# cores or more), e.g. LAYOUTS="one dp2 tp2-sp pp2"; any other entry spells out its fields.
 # An unknown name or a malformed entry is refused (exit 2) before the results files are touched.
 KNOWN="$DEFAULT_LAYOUTS dp2-zero2:2:1:1:2:1 dp2-zero3:2:1:1:3:1 pp2-hs:1:1:1:0:1:2:0:1:1 pp2-dw:1:1:1:0:1:2:0:1:0:1
-    pp2-hs-dw:1:1:1:0:1:2:0:1:1:1 pp2-i4-dw:1:1:1:0:1:2:0:4:0:1"
+    pp2-hs-dw:1:1:1:0:1:2:0:1:1:1 pp2-i4-dw:1:1:1:0:1:2:0:4:0:1
+    pp2xtp2:1:2:1:0:1:2 pp2xtp2-hs:1:2:1:0:1:2:0:1:1 pp2xtp2-i4-hs-dw:1:2:1:0:1:2:0:4:1:1"
 resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced by their fields
     local var=$1 lo=$2 hi=$3 e spec known out=""
     for e in ${!var}; do

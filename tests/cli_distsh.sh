@@ -9,7 +9,8 @@
 #     over that round's one-rank tokens/s, with the range (recomputed here from the JSON lines by
 #     field name), the ceiling row likewise; the pipeline table has the pp2 and pp2-i2 rows, each
 #     with the schedule its JSON line says it ran (pp_schedule, pp_chunks);
-#   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields;
+#   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields; a
+#     four-rank known layout, pp2xtp2-hs (pp2 x tp2 with the head split), runs and is in the pipeline table;
 #   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
 #     refused before the results file is touched.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
@@ -87,6 +88,15 @@ if grep -A5 "^Pipeline stages" "$W/out.txt" | grep -q "^| pp2 | 1f1b | " &&
     pass "the pipeline table has pp2 and pp2-i2, with their schedules"
 else
     fail "the pipeline table: $(grep -A5 "^Pipeline stages" "$W/out.txt" | tr '\n' ' ')"
+fi
+# a four-rank layout of the known names: pp2 x tp2 with the head split (each tp rank's slice halved)
+(cd "$SRC" && CONFIG="$W/tiny.ini" AB_LAYOUTS="" CEILING="" OUT="$W/tp.jsonl" OUT_AB="$W/ab.jsonl" LAYOUTS="pp2xtp2-hs" \
+    bash bench/dist.sh "$TERA" 1 0) > "$W/tp.txt" 2>&1
+if jq -e 'select(.tp == 2 and .pp == 2 and .pp_head_split == 1)' "$W/tp.jsonl" > /dev/null 2>&1 &&
+    grep -A5 "^Pipeline stages" "$W/tp.txt" | grep -q "^| pp2xtp2-hs | 1f1b, head split | "; then
+    pass "pp2xtp2-hs ran: tp 2, pp 2, the head split, in the pipeline table"
+else
+    fail "pp2xtp2-hs: $(tail -3 "$W/tp.txt" | tr '\n' ' ' | head -c 300)"
 fi
 # a bad ROUNDS: refused before anything runs, the results file of an earlier run kept
 cp "$W/dist.jsonl" "$W/kept.jsonl"
