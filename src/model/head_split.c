@@ -27,7 +27,7 @@ tera_head_split *tera_head_split_create(int role, tera_comm *group, const tera_t
     const int64_t N = mtp->N, D = mtp->D;
     hs->role = role;
     hs->group = group;
-    hs->V = mtp->Vl * mtp->tp, hs->Vh = mtp->Vl / 2, hs->D = D, hs->N = N, hs->v0 = mtp->v0;
+    hs->Vh = mtp->Vl / 2, hs->D = D, hs->N = N, hs->v0 = mtp->v0;
     if (role == TERA_HS_OWNER) {
         tera_tp_init_pair(&hs->tp, mtp->be, mtp->tp, mtp->group, (int)(mtp->v0 / mtp->Vl), mtp->v0 + hs->Vh, hs->Vh,
                           N, D, mtp->sp, group);

@@ -48,7 +48,7 @@ typedef struct tera_head_split {
     int role;             /* TERA_HS_HELPER or TERA_HS_OWNER */
     tera_comm *group;     /* the pair: helper rank 0, owner rank 1 (not owned) */
     tera_tp tp;           /* owner: its tensor-parallel group with the pair (tera_tp_init_pair), rows [v0 + Vh, v0 + Vl) */
-    int64_t V, Vh, D, N;  /* Vh: half of a tensor-parallel rank's vocabulary slice (V / 2 with tp = 1) */
+    int64_t Vh, D, N;     /* Vh: half of a tensor-parallel rank's vocabulary slice (V / 2 with tp = 1) */
     int64_t v0;           /* the slice's first vocabulary row: the helper's rows are [v0, v0 + Vh) */
     int micro_batches;    /* of the current step */
     int next;             /* helper: the next micro-batch to serve */
