@@ -34,18 +34,25 @@ mkdir -p bench/results
 HW=${HW:-hardware/this-machine.ini}
 MEASURED=${MEASURED:-bench/results/plan-measured.jsonl}
 PREDICTED=${PREDICTED:-bench/results/plan-predicted.jsonl}
-# bench-dist layouts (bench/dist.sh's naming): name:parallel.dp:parallel.tp:parallel.ep:zero:pp[:sequence_parallel]
+# bench-dist layouts (bench/dist.sh's naming):
+#   name:parallel.dp:parallel.tp:parallel.ep:zero:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]]
+# pp_chunks > 1 runs the interleaved schedule over that many chunks a stage, pp_head_split 1 splits
+# the LM head between the first and the last stage, defer 1 sets parallel.pp_defer_wgrad to the 4
+# micro-batches (bench/dist.sh's -i4, -hs and -dw), e.g. pp2-i4-hs-dw:1:1:1:0:2:0:4:1:1.
 LAYOUTS=${LAYOUTS-"one:1:1:1:0:1 dp2:2:1:1:0:1 tp2:1:2:1:0:1 ep2:2:1:2:0:1 dp4:4:1:1:0:1 dp4-zero1:4:1:1:1:1
     dp4-zero3:4:1:1:3:1 tp4:1:4:1:0:1 ep4:4:1:4:0:1 dp2xep2-zero1:4:1:2:1:1 dp8:8:1:1:0:1 ep8:8:1:8:0:1
     pp2:1:1:1:0:2 pp4:1:1:1:0:4 pp2xdp2xep2-zero1:4:1:2:1:2"}
 # the arguments of one bench-dist layout (as bench/dist.sh)
-dist_args() { # dp tp ep zero pp [sp]
-    local dp=$1 tp=$2 ep=$3 zero=$4 pp=$5 sp=${6:-0} accum=1
+dist_args() { # dp tp ep zero pp [sp [chunks [head_split [defer]]]]
+    local dp=$1 tp=$2 ep=$3 zero=$4 pp=$5 sp=${6:-0} chunks=${7:-1} hs=${8:-0} dw=${9:-0} accum=1 sched=""
     [ "$pp" -gt 1 ] && accum=4
+    [ "$chunks" -gt 1 ] && sched="$sched --parallel.pp_schedule=interleaved --parallel.pp_chunks=$chunks"
+    [ "$hs" = 1 ] && sched="$sched --parallel.pp_head_split=true"
+    [ "$dw" = 1 ] && sched="$sched --parallel.pp_defer_wgrad=$accum"
     echo "-c configs/bench-dist.ini --training.micro_batch=$((16 / dp / accum)) --training.grad_accum=$accum" \
          "--parallel.dp=$dp --parallel.tp=$tp --parallel.ep=$ep --parallel.pp=$pp --parallel.zero=$zero" \
          "--parallel.ep_overlap=1 --parallel.sequence_parallel=$([ "$sp" = 1 ] && echo true || echo false)" \
-         "--training.threads=1$FB"
+         "--training.threads=1$sched$FB"
 }
 FB=""
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=" --model.router_force_balance=true"
@@ -91,9 +98,9 @@ if [[ " $PHASES " == *" measure "* ]]; then
             bench-s|bench-m)
                 launch 1 bench -c "configs/$c.ini" --name "$c" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
             *)
-                IFS=: read -r name dp tp ep zero pp sp <<< "$c"
+                IFS=: read -r name dp tp ep zero pp sp chunks hs dw <<< "$c"
                 # shellcheck disable=SC2046
-                launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}") \
+                launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}") \
                     --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
             esac | sed "s/^{/{\"rep\": $rep, \"uptime_load\": $(cut -d' ' -f1 /proc/loadavg), /" | tee -a "$MEASURED"
         done
@@ -105,7 +112,8 @@ if [[ " $PHASES " == *" predict "* ]]; then
     for c in bench-s bench-m $LAYOUTS; do
         case $c in
         bench-s|bench-m) name=$c; args="-c configs/$c.ini" ;;
-        *) IFS=: read -r n dp tp ep zero pp sp <<< "$c"; name=bench-dist/$n; args=$(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}") ;;
+        *) IFS=: read -r n dp tp ep zero pp sp chunks hs dw <<< "$c"; name=bench-dist/$n
+           args=$(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}") ;;
         esac
         # shellcheck disable=SC2086
         "$TERA" plan --dry-run $args --hardware "$HW" --json |

@@ -12,7 +12,8 @@
 #   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields; a
 #     four-rank known layout, pp2xtp2-hs (pp2 x tp2 with the head split), runs and is in the pipeline table;
 #   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
-#     refused before the results file is touched.
+#     refused before the results file is touched;
+#   - bench/plan_validate.sh's predict phase passes the pipeline fields to `tera plan` and compares by name.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
 # Usage: cli_distsh.sh TERA SOURCE_DIR
 set -u
@@ -119,4 +120,23 @@ for bad in "one dp3" "one dp2:2:0:1:0:1" "one pp0:1:1:1:0:1:0" "one pp2-i0:1:1:1
         fail "LAYOUTS='$bad': exit $rc, $(head -c 300 "$W/bad.txt")"
     fi
 done
+# bench/plan_validate.sh's predict phase: the pipeline fields of a layout (chunks, head split,
+# deferral) reach `tera plan`, and its table compares by case name with a measured file's lines
+printf '%s\n' '{"config": "bench-dist/pp2", "step_ms_median": 800.0}' \
+    '{"config": "bench-dist/pp2-i4-hs-dw", "step_ms_median": 700.0}' > "$W/pv-measured.jsonl"
+(cd "$SRC" && HW=hardware/this-machine.ini MEASURED="$W/pv-measured.jsonl" PREDICTED="$W/pv-predicted.jsonl" \
+    PHASES=predict LAYOUTS="pp2:1:1:1:0:2 pp2-i4-hs-dw:1:1:1:0:2:0:4:1:1" bash bench/plan_validate.sh "$TERA") \
+    > "$W/pv.txt" 2>&1
+rc=$?
+pv() { jq -r --arg n "$1" "select(.name == \$n) | $2" "$W/pv-predicted.jsonl" 2> /dev/null; }
+p1=$(pv bench-dist/pp2 .time.step_s)
+p2=$(pv bench-dist/pp2-i4-hs-dw .time.step_s)
+if [ "$rc" = 0 ] && [ -n "$p1" ] && [ -n "$p2" ] && [ "$(pv bench-dist/pp2-i4-hs-dw .ranks)" = 2 ] &&
+    awk -v a="$p1" -v b="$p2" 'BEGIN { exit !(b < 0.95 * a) }' &&
+    grep -q '^| bench-dist/pp2 | 2 | 800 | 800 | ' "$W/pv.txt" && grep -q '^| bench-dist/pp2-i4-hs-dw | 2 | 700 | 700 | ' "$W/pv.txt" &&
+    grep -q '^median absolute error .* over 2 cases' "$W/pv.txt"; then
+    pass "plan_validate.sh predict: pp2-i4-hs-dw priced as interleaved with the split and the deferral ($p2 s against pp2's $p1 s), both rows against the measured file"
+else
+    fail "plan_validate.sh predict: exit $rc, pp2 '$p1' s, pp2-i4-hs-dw '$p2' s: $(tail -4 "$W/pv.txt" | tr '\n' ' ' | head -c 300)"
+fi
 finish cli_distsh
