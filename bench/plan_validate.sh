@@ -19,6 +19,9 @@
 # every expert, so every expert-parallel rank, gets the same rows), the uniform routing the time model
 # prices; without it bench-dist's untrained router collapses onto a few experts and an expert-parallel
 # layout measures that imbalance (tera bench's ep_load_max_over_mean), which the model does not know.
+# Every file is written under a temporary name and renamed when its phase completes: a failed or
+# interrupted calibration leaves $HW as it was, an interrupted measurement the previous $MEASURED.
+# PHASES, the counts and every layout are checked before anything runs (exit 2, one message).
 # Usage: bench/plan_validate.sh [TERA]   (REPS=3 STEPS=3 WARMUP=1 BENCH_M_REPS=1 PHASES=... FORCE_BALANCE=0)
 set -eu
 TERA=${1:-build/tera}
@@ -56,6 +59,29 @@ dist_args() { # dp tp ep zero pp [sp [chunks [head_split [defer]]]]
 }
 FB=""
 [ "${FORCE_BALANCE:-0}" = 1 ] && FB=" --model.router_force_balance=true"
+bad() { echo "bench/plan_validate.sh: $*" >&2; exit 2; }
+for ph in $PHASES; do
+    case $ph in calibrate|shared|measure|predict) ;; *) bad "PHASES: unknown phase '$ph' (calibrate, shared, measure, predict)" ;; esac
+done
+for v in REPS STEPS WARMUP BENCH_M_REPS; do
+    case ${!v} in ''|*[!0-9]*) bad "$v='${!v}' is not a non-negative integer" ;; esac
+done
+[ "$REPS" -ge 1 ] && [ "$STEPS" -ge 1 ] || bad "REPS and STEPS must be at least 1 (REPS=$REPS, STEPS=$STEPS)"
+# each layout: a name and 5 to 9 integer fields; dp tp ep pp chunks >= 1; sequence_parallel,
+# head_split and defer 0 or 1; the global batch of 16 sequences divisible by dp x micro-batches
+for l in $LAYOUTS; do
+    printf '%s' "$l" | awk -F: '{ ok = NF >= 6 && NF <= 10 && $1 != ""
+            for (i = 2; i <= NF; i++) if ($i !~ /^[0-9]+$/) ok = 0
+            if (ok) { pp = $6 + 0; accum = pp > 1 ? 4 : 1
+                if ($2 < 1 || $3 < 1 || $4 < 1 || pp < 1 || (NF >= 8 && $8 < 1)) ok = 0
+                if ((NF >= 7 && $7 > 1) || (NF >= 9 && $9 > 1) || (NF >= 10 && $10 > 1)) ok = 0
+                if (ok && 16 % ($2 * accum) != 0) ok = 0 }
+            exit !ok }' ||
+        bad "LAYOUTS: malformed layout '$l' (name:dp:tp:ep:zero:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]], dp tp ep pp pp_chunks >= 1, the others 0 or 1 but zero, 16 divisible by dp x micro-batches)"
+done
+# the phases' files under temporary names until each phase completes
+TMP_HW="$HW.partial.$$" TMP_MEASURED="$MEASURED.partial.$$" TMP_PREDICTED="$PREDICTED.partial.$$"
+trap 'rm -f "$TMP_HW" "$TMP_MEASURED" "$TMP_PREDICTED"' EXIT
 ranks_of() { echo $(($5 * $1 * $2)); } # dp tp ep zero pp -> pp dp tp
 launch() { # ranks args...
     local n=$1; shift
@@ -63,30 +89,33 @@ launch() { # ranks args...
 }
 
 if [[ " $PHASES " == *" calibrate "* ]]; then
-    rm -f "$HW"
+    rm -f "$TMP_HW"
     # bench-dist's shapes on one thread (one process alone: the rates), then the collectives on 2, 4
     # and 8 ranks (all at once, as the benchmarks run them)
-    launch 1 plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$HW" > /dev/null
+    launch 1 plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$TMP_HW" > /dev/null
     for n in 2 4 8; do
-        launch "$n" plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$HW" > /dev/null
+        launch "$n" plan --calibrate -c configs/bench-dist.ini --training.threads=1 --out "$TMP_HW" > /dev/null
     done
     # bench-s and bench-m on the default thread count (all cores), fp32
     for b in bench-s bench-m; do
-        launch 1 plan --calibrate -c "configs/$b.ini" --out "$HW" > /dev/null
+        launch 1 plan --calibrate -c "configs/$b.ini" --out "$TMP_HW" > /dev/null
     done
+    mv -f "$TMP_HW" "$HW"
     echo "calibrated: $HW"
 fi
 
 if [[ " $PHASES " == *" shared "* ]]; then
     [ -f "$HW" ] || { echo "plan_validate.sh: PHASES=shared needs an existing $HW" >&2; exit 1; }
+    cp "$HW" "$TMP_HW"
     for n in 2 4 8; do
         echo "shared on $n ranks, load $(cut -d' ' -f1-3 /proc/loadavg)"
-        launch "$n" plan --calibrate --shared-only -c configs/bench-dist.ini --training.threads=1 --out "$HW" | grep '^shared'
+        launch "$n" plan --calibrate --shared-only -c configs/bench-dist.ini --training.threads=1 --out "$TMP_HW" | grep '^shared'
     done
+    mv -f "$TMP_HW" "$HW"
 fi
 
 if [[ " $PHASES " == *" measure "* ]]; then
-    : > "$MEASURED"
+    : > "$TMP_MEASURED"
     for rep in $(seq "$REPS"); do
         cases="bench-s"
         [ "$rep" -le "$BENCH_M_REPS" ] && cases="$cases bench-m"
@@ -102,13 +131,15 @@ if [[ " $PHASES " == *" measure "* ]]; then
                 # shellcheck disable=SC2046
                 launch "$(ranks_of "$dp" "$tp" "$ep" "$zero" "$pp")" bench $(dist_args "$dp" "$tp" "$ep" "$zero" "$pp" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}") \
                     --name "bench-dist/$name" --steps "$STEPS" --warmup "$WARMUP" 2> /dev/null ;;
-            esac | sed "s/^{/{\"rep\": $rep, \"uptime_load\": $(cut -d' ' -f1 /proc/loadavg), /" | tee -a "$MEASURED"
+            esac | sed "s/^{/{\"rep\": $rep, \"uptime_load\": $(cut -d' ' -f1 /proc/loadavg), /" | tee -a "$TMP_MEASURED"
         done
     done
+    [ -s "$TMP_MEASURED" ] || { echo "bench/plan_validate.sh: no case was measured ($TERA bench failed); $MEASURED kept" >&2; exit 1; }
+    mv -f "$TMP_MEASURED" "$MEASURED"
 fi
 
 if [[ " $PHASES " == *" predict "* ]]; then
-    : > "$PREDICTED"
+    : > "$TMP_PREDICTED"
     for c in bench-s bench-m $LAYOUTS; do
         case $c in
         bench-s|bench-m) name=$c; args="-c configs/$c.ini" ;;
@@ -117,8 +148,10 @@ if [[ " $PHASES " == *" predict "* ]]; then
         esac
         # shellcheck disable=SC2086
         "$TERA" plan --dry-run $args --hardware "$HW" --json |
-            jq -c --arg name "$name" '{name: $name, ranks: .layout.ranks, time: .time}' >> "$PREDICTED"
+            jq -c --arg name "$name" '{name: $name, ranks: .layout.ranks, time: .time}' >> "$TMP_PREDICTED"
     done
+    [ -s "$TMP_PREDICTED" ] || { echo "bench/plan_validate.sh: no case was predicted ($TERA plan failed); $PREDICTED kept" >&2; exit 1; }
+    mv -f "$TMP_PREDICTED" "$PREDICTED"
     python3 - "$MEASURED" "$PREDICTED" <<'PY'
 import json, sys, statistics
 meas = {}

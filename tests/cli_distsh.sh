@@ -13,7 +13,8 @@
 #     four-rank known layout, pp2xtp2-hs (pp2 x tp2 with the head split), runs and is in the pipeline table;
 #   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
 #     refused before the results file is touched;
-#   - bench/plan_validate.sh's predict phase passes the pipeline fields to `tera plan` and compares by name.
+#   - bench/plan_validate.sh's predict phase passes the pipeline fields to `tera plan` and compares by name;
+#     its bad input is refused before anything runs, and a failing phase keeps the earlier files.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
 # Usage: cli_distsh.sh TERA SOURCE_DIR
 set -u
@@ -139,4 +140,35 @@ if [ "$rc" = 0 ] && [ -n "$p1" ] && [ -n "$p2" ] && [ "$(pv bench-dist/pp2-i4-hs
 else
     fail "plan_validate.sh predict: exit $rc, pp2 '$p1' s, pp2-i4-hs-dw '$p2' s: $(tail -4 "$W/pv.txt" | tr '\n' ' ' | head -c 300)"
 fi
+# plan_validate.sh's bad input and failures: a malformed layout, an unknown phase or a bad count is
+# refused before anything runs (exit 2, one message); a calibration, measurement or prediction that
+# fails leaves the earlier hardware file, measured and predicted lines as they were
+cp "$SRC/hardware/this-machine.ini" "$W/pv-hw.ini"
+cp "$W/pv-hw.ini" "$W/pv-hw0.ini"
+cp "$W/pv-measured.jsonl" "$W/pv-measured0.jsonl"
+cp "$W/pv-predicted.jsonl" "$W/pv-predicted0.jsonl"
+pv_kept() { cmp -s "$W/pv-hw.ini" "$W/pv-hw0.ini" && cmp -s "$W/pv-measured.jsonl" "$W/pv-measured0.jsonl" &&
+    cmp -s "$W/pv-predicted.jsonl" "$W/pv-predicted0.jsonl"; }
+for bad in "LAYOUTS=one|malformed layout 'one'" "LAYOUTS=dp3:3:1:1:0:1|malformed layout 'dp3:3:1:1:0:1'" \
+           "LAYOUTS=pp2-hs2:1:1:1:0:2:0:1:2|malformed layout 'pp2-hs2" "PHASES=calibrte|unknown phase 'calibrte'" \
+           "REPS=two|REPS='two' is not"; do
+    (cd "$SRC" && env "${bad%%|*}" HW="$W/pv-hw.ini" MEASURED="$W/pv-measured.jsonl" PREDICTED="$W/pv-predicted.jsonl" \
+        bash bench/plan_validate.sh "$TERA") > "$W/bad.txt" 2>&1
+    rc=$?
+    if [ "$rc" = 2 ] && [ "$(wc -l < "$W/bad.txt")" = 1 ] && grep -qF "${bad#*|}" "$W/bad.txt" && pv_kept; then
+        pass "plan_validate.sh ${bad%%|*} refused (exit 2, one message), the files kept"
+    else
+        fail "plan_validate.sh ${bad%%|*}: exit $rc, $(head -c 300 "$W/bad.txt")"
+    fi
+done
+for ph in calibrate shared measure predict; do
+    (cd "$SRC" && LAYOUTS="one:1:1:1:0:1" REPS=1 BENCH_M_REPS=0 PHASES=$ph HW="$W/pv-hw.ini" MEASURED="$W/pv-measured.jsonl" \
+        PREDICTED="$W/pv-predicted.jsonl" bash bench/plan_validate.sh /bin/false) > "$W/bad.txt" 2>&1
+    rc=$?
+    if [ "$rc" != 0 ] && pv_kept && [ -z "$(ls "$W" | grep partial)" ]; then
+        pass "plan_validate.sh PHASES=$ph with a failing tera: exit $rc, the earlier files kept, no partial file left"
+    else
+        fail "plan_validate.sh PHASES=$ph with a failing tera: exit $rc, files kept: $(pv_kept && echo yes || echo no), $(ls "$W" | grep partial)"
+    fi
+done
 finish cli_distsh
