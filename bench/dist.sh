@@ -27,7 +27,9 @@
 # their range and the median round's other figures (this host's memory bandwidth moves by up to 2x
 # within minutes, so one pair of runs can mislead; the rounds show how much).
 # Usage: bench/dist.sh [TERA] [STEPS] [WARMUP]   (results: $OUT, default bench/results/dist.jsonl,
-# and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part)
+# and $OUT_AB, default bench/results/dist-overlap.jsonl; LAYOUTS="" or AB_LAYOUTS="" skip a part;
+# both are written under temporary names and renamed at the end, so an interrupted run, or one in
+# which no run gave a result, keeps the earlier files)
 set -eu
 TERA=${1:-build/tera}
 STEPS=${2:-3}
@@ -94,8 +96,11 @@ resolve() { # VAR MIN_FIELDS MAX_FIELDS: VAR's entries with bare names replaced 
 }
 LAYOUTS=$(resolve LAYOUTS 6 11) || exit 2
 AB_LAYOUTS=$(resolve AB_LAYOUTS 5 5) || exit 2
-: > "$OUT"
-: > "$OUT_AB"
+# the results under temporary names until every run is done: an interrupted run keeps the earlier files
+TMP_OUT="$OUT.partial.$$" TMP_AB="$OUT_AB.partial.$$"
+trap 'rm -f "$TMP_OUT" "$TMP_AB"' EXIT
+: > "$TMP_OUT"
+: > "$TMP_AB"
 run() { # name dp tp ep zero overlap [pp [sp [chunks [head_split [defer]]]]]
     local name=$1 dp=$2 tp=$3 ep=$4 zero=$5 ov=$6 pp=${7:-1} sp=${8:-0} chunks=${9:-1} hs=${10:-0} dw=${11:-0}
     local n=$((pp * dp * tp)) accum=1 sched=()
@@ -141,17 +146,23 @@ for round in $(seq "$ROUNDS"); do
     if [ $((round % 2)) = 0 ]; then order=$(printf '%s\n' $LAYOUTS | tac); fi # alternating order
     for l in $order; do
         IFS=: read -r name dp tp ep zero ov pp sp chunks hs dw <<< "$l"
-        run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}" | tag "$round" | tee -a "$OUT"
+        run "$name" "$dp" "$tp" "$ep" "$zero" "$ov" "${pp:-1}" "${sp:-0}" "${chunks:-1}" "${hs:-0}" "${dw:-0}" | tag "$round" | tee -a "$TMP_OUT"
     done
-    for n in ${CEILING-2}; do ceiling "$n" | tag "$round" | tee -a "$OUT"; done
+    for n in ${CEILING-2}; do ceiling "$n" | tag "$round" | tee -a "$TMP_OUT"; done
 done
 for l in $AB_LAYOUTS; do
     IFS=: read -r name dp tp ep zero <<< "$l"
     for i in $(seq "${AB_REPEATS:-3}"); do
-        run "$name" "$dp" "$tp" "$ep" "$zero" 1 | tee -a "$OUT_AB"
-        run "$name-no-overlap" "$dp" "$tp" "$ep" "$zero" 0 | tee -a "$OUT_AB"
+        run "$name" "$dp" "$tp" "$ep" "$zero" 1 | tee -a "$TMP_AB"
+        run "$name-no-overlap" "$dp" "$tp" "$ep" "$zero" 0 | tee -a "$TMP_AB"
     done
 done
+if [ ! -s "$TMP_OUT" ] && [ ! -s "$TMP_AB" ]; then
+    echo "bench/dist.sh: no run gave a result ($TERA bench failed?); $OUT and $OUT_AB kept" >&2
+    exit 1
+fi
+mv -f "$TMP_OUT" "$OUT"
+mv -f "$TMP_AB" "$OUT_AB"
 python3 - "$OUT" "$OUT_AB" <<'PY'
 import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1])]

@@ -12,7 +12,7 @@
 #   - LAYOUTS may name a layout of the script's list bare ("one", "pp2") or spell out its fields; a
 #     four-rank known layout, pp2xtp2-hs (pp2 x tp2 with the head split), runs and is in the pipeline table;
 #   - ROUNDS that is not a positive integer, an unknown layout name and a malformed layout are
-#     refused before the results file is touched;
+#     refused before the results file is touched, and a run whose tera fails keeps it;
 #   - bench/plan_validate.sh's predict phase passes the pipeline fields to `tera plan` and compares by name;
 #     its bad input is refused before anything runs, and a failing phase keeps the earlier files.
 # A renamed field of `tera bench` or a broken summary fails here, not in a benchmark session.
@@ -139,6 +139,15 @@ if [ "$rc" = 0 ] && [ -n "$p1" ] && [ -n "$p2" ] && [ "$(pv bench-dist/pp2-i4-hs
     pass "plan_validate.sh predict: pp2-i4-hs-dw priced as interleaved with the split and the deferral ($p2 s against pp2's $p1 s), both rows against the measured file"
 else
     fail "plan_validate.sh predict: exit $rc, pp2 '$p1' s, pp2-i4-hs-dw '$p2' s: $(tail -4 "$W/pv.txt" | tr '\n' ' ' | head -c 300)"
+fi
+# a tera that fails every run: exit 1, one message, the earlier results kept, no partial file left
+(cd "$SRC" && LAYOUTS="one dp2" CEILING="" AB_LAYOUTS="" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh /bin/false 1 0) > "$W/bad.txt" 2>&1
+rc=$?
+if [ "$rc" = 1 ] && grep -q "no run gave a result" "$W/bad.txt" && cmp -s "$W/dist.jsonl" "$W/kept.jsonl" &&
+    [ -z "$(ls "$W" | grep partial)" ]; then
+    pass "dist.sh with a failing tera: exit 1, the earlier results kept"
+else
+    fail "dist.sh with a failing tera: exit $rc, $(head -c 300 "$W/bad.txt")"
 fi
 # plan_validate.sh's bad input and failures: a malformed layout, an unknown phase or a bad count is
 # refused before anything runs (exit 2, one message); a calibration, measurement or prediction that
