@@ -77,7 +77,7 @@ for l in $LAYOUTS; do
                 if ((NF >= 7 && $7 > 1) || (NF >= 9 && $9 > 1) || (NF >= 10 && $10 > 1)) ok = 0
                 if (ok && 16 % ($2 * accum) != 0) ok = 0 }
             exit !ok }' ||
-        bad "LAYOUTS: malformed layout '$l' (name:dp:tp:ep:zero:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]], dp tp ep pp pp_chunks >= 1, the others 0 or 1 but zero, 16 divisible by dp x micro-batches)"
+        bad "LAYOUTS: malformed layout '$l' (name:dp:tp:ep:zero:pp[:sequence_parallel[:pp_chunks[:pp_head_split[:defer]]]], dp tp ep pp pp_chunks >= 1, sequence_parallel pp_head_split defer 0 or 1, 16 divisible by dp x micro-batches)"
 done
 # the phases' files under temporary names until each phase completes
 TMP_HW="$HW.partial.$$" TMP_MEASURED="$MEASURED.partial.$$" TMP_PREDICTED="$PREDICTED.partial.$$"
