@@ -140,7 +140,7 @@ if [ "$rc" = 0 ] && [ -n "$p1" ] && [ -n "$p2" ] && [ "$(pv bench-dist/pp2-i4-hs
 else
     fail "plan_validate.sh predict: exit $rc, pp2 '$p1' s, pp2-i4-hs-dw '$p2' s: $(tail -4 "$W/pv.txt" | tr '\n' ' ' | head -c 300)"
 fi
-# a tera that fails every run: exit 1, one message, the earlier results kept, no partial file left
+# a tera that fails every run: exit 1, the message, the earlier results kept, no partial file left
 (cd "$SRC" && LAYOUTS="one dp2" CEILING="" AB_LAYOUTS="" OUT="$W/kept.jsonl" OUT_AB="$W/ab.jsonl" bash bench/dist.sh /bin/false 1 0) > "$W/bad.txt" 2>&1
 rc=$?
 if [ "$rc" = 1 ] && grep -q "no run gave a result" "$W/bad.txt" && cmp -s "$W/dist.jsonl" "$W/kept.jsonl" &&
