@@ -210,7 +210,7 @@ static void test_roles_cover_the_world(void **state) {
 static void test_hardware_files(void **state) {
     (void)state;
     static const char *const files[] = {"h100", "h200", "h800", "a100", "ascend910b", "this-machine", "xeon-2core-avx512bf16",
-                                        "epyc-zen4-2core"};
+                                        "epyc-zen4-2core", "xeon-amx-2core"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         char path[512];
         snprintf(path, sizeof path, "%s/hardware/%s.ini", TERA_SOURCE_DIR, files[i]);

@@ -3,8 +3,11 @@
  * subnormals, the clamps at -87 and 88, infinities and NaNs) and the values around the edges; and
  * tera_sum_exp (vectorised where AVX-512 exists) against the scalar 16-lane sum it replaces, on rows
  * of every length from 0 to 70 and a vocabulary's length; tera_max against the plain maximum. Without
- * AVX-512 the vector checks skip. */
+ * AVX-512 the vector checks skip. The attention kernels' vexp16 (attention_avx512.h) against the form it
+ * replaced (the integer part added to the exponent field, inputs clamped to [-87, 88]): the same bits
+ * on every input that is not NaN, NaN for every NaN. */
 #include "testutil.h"
+#include "kernels/cpu/attention_avx512.h"
 #include "kernels/cpu/vmath.h"
 
 #ifdef TERA_VEXPF16
@@ -108,11 +111,59 @@ static void test_max_exact(void **state) {
     free(x);
 }
 
+#ifdef ATTN_AVX512
+/* vexp16's previous form: the clamp to [-87, 88], the integer part added to the exponent's bits */
+static __m512 vexp16_previous(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(TERA_EXP_LO);
+    __m512 t;
+    __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(TERA_EXP_HI), _mm512_max_ps(lo, x)), &t);
+    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
+    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+/* the 16 inputs at x: vexp16 against the previous form (NaN inputs: NaN); returns the mismatches */
+static int check_attn16(const float *x) {
+    float got[16], want[16];
+    _mm512_storeu_ps(got, vexp16(_mm512_loadu_ps(x)));
+    _mm512_storeu_ps(want, vexp16_previous(_mm512_loadu_ps(x)));
+    int bad = 0;
+    for (int l = 0; l < 16; l++) {
+        const int ok = isnan(x[l]) ? isnan(got[l]) : tu_bits(got[l]) == tu_bits(want[l]);
+        if (!ok && bad++ < 5)
+            print_error("vexp16(%a) [0x%08x]: 0x%08x, previous form 0x%08x\n", (double)x[l], tu_bits(x[l]),
+                        tu_bits(got[l]), tu_bits(want[l]));
+    }
+    return bad;
+}
+#endif
+
+static void test_attention_vexp16(void **state) {
+    (void)state;
+#ifndef ATTN_AVX512
+    skip();
+#else
+    int bad = 0, k = 0;
+    float x[16];
+    for (uint64_t u = 0; u < ((uint64_t)1 << 32); u += 251) { /* every 251st pattern: all exponents and signs */
+        x[k++] = tu_float((uint32_t)u);
+        if (k == 16) bad += check_attn16(x), k = 0;
+    }
+    /* the edges, and NaNs with payloads in the low bits (which the integer add turned into numbers) */
+    const float edge[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, -87.0f, nextafterf(-87.0f, 0.0f),
+                          nextafterf(-87.0f, -100.0f), 88.0f, nextafterf(88.0f, 0.0f), nextafterf(88.0f, 100.0f),
+                          tu_float(0x7f800001u), tu_float(0x7fc00123u), tu_float(0xff8001ffu), -1e30f};
+    bad += check_attn16(edge);
+    assert_int_equal(bad, 0);
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vexpf16_is_the_scalar),
         cmocka_unit_test(test_sum_exp_order),
         cmocka_unit_test(test_max_exact),
+        cmocka_unit_test(test_attention_vexp16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -35,14 +35,19 @@ static inline __m512 vexp16_poly(__m512 xc, __m512 *t) {
     return _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
 }
 
-/* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps; NaN propagates) */
+/* tera_vexpf on 16 lanes (same range reduction and polynomial, FMA steps), in 16 vector operations:
+ * the integer part goes into the exponent by vscalefps (p * 2^fi, exact: on [-87, 88] the result is
+ * a normal number), and inputs below -87 are not clamped but masked to 0 at the end (their remainder
+ * may be anything). The same bits as this function's previous form (a clamp to [-87, 88] and the
+ * integer part added to the exponent field; tests/test_vmath.c) on every input that is not NaN
+ * (checked over all 2^32 inputs); NaN stays NaN, where the previous form's integer add turned most
+ * NaN bit patterns into finite numbers. The softmax passes of the attention kernels are mostly this
+ * function at head dim 32 (docs/PERFORMANCE.md, "A second AMX CPU"). */
 static inline __m512 vexp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(TERA_EXP_LO);
     __m512 t;
-    __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(TERA_EXP_HI), _mm512_max_ps(lo, x)), &t);
-    const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), 23);
-    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+    const __m512 p = vexp16_poly(_mm512_min_ps(_mm512_set1_ps(TERA_EXP_HI), x), &t);
+    const __m512 fi = _mm512_sub_ps(t, _mm512_set1_ps(TERA_EXP_MAGIC));
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(TERA_EXP_LO), _CMP_LT_OQ), _mm512_scalef_ps(p, fi));
 }
 
 /* tera_bf16_rne on 16 lanes, packed to 16 bits */
