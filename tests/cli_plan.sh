@@ -245,6 +245,18 @@ done
     && [ "$(jq '.time.matmul_s > 0 and .time.memory_s > 0 and .time.step_s >= .time.compute_s' "$W/calp.json")" = true ] \
     && pass "tera plan --calibrate: $(grep -c '^point' "$W/cal.ini") measured points, $(grep -c '= 2 ' "$W/cal.ini") collective fits; the time model reads them" \
     || fail "calibrate: $(tail -3 "$W/cal.log"; cat "$W/calp.err" 2> /dev/null)"
+# the steadiness check: the calibration's first products are measured again at its end; when the
+# host's speed moved (TERA_CALIBRATE_SLOW_START_US slows their first measurement), one note on stderr
+# names a product and says to calibrate again, and the file is still written
+if TERA_CALIBRATE_SLOW_START_US=20000 "$TERA" plan --calibrate "${TINY[@]}" --training.threads=1 --out "$W/cal-slow.ini" \
+        > "$W/cal-slow.log" 2> "$W/cal-slow.err" \
+    && [ "$(grep -c 'moved during the calibration' "$W/cal-slow.err")" = 1 ] && grep -q 'x \[[0-9]*\]^T.*calibrate again' "$W/cal-slow.err" \
+    && [ "$(grep -c 'steadiness:' "$W/cal-slow.log")" = 3 ] && [ "$(grep -c 'steadiness:' "$W/cal.log")" = 3 ] \
+    && grep -q '^\[gemm\]' "$W/cal-slow.ini"; then
+    pass "calibrate: its first 3 products measured again at the end; a moved host gets one note: $(cut -c1-120 "$W/cal-slow.err")..."
+else
+    fail "steadiness check: $(cat "$W/cal-slow.err"; grep steadiness "$W/cal-slow.log" "$W/cal.log")"
+fi
 # the shared_sum fit (ZeRO's sums in host-shared memory) prices dp 2's sums: the same plan without it
 # prices the segment's collectives instead, another figure; without host-shared blocks
 # (TERA_COMM_SHM=0) the calibration writes no such fit

@@ -94,22 +94,87 @@ static void add_gemm(tera_hw *hw, const tera_hw_gemm *g) {
     if (hw->n_gemm < TERA_HW_MAX_GEMM) gemm_fresh[hw->n_gemm] = 1, hw->gemm[hw->n_gemm++] = *g;
 }
 
+/* The steadiness check: the first STEADY_POINTS products of a call are measured again at its end; a
+ * rate that moved by more than STEADY_RATIO either way means the host's speed changed during the
+ * calibration (docs/PLAN.md, "A second AMX CPU": a slow start read the first products 27-61% slow and
+ * priced a validation 15% off), and `tera plan --calibrate` says so on stderr, naming the product. The
+ * file keeps what was measured: calibrating again is the user's call. TERA_CALIBRATE_SLOW_START_US
+ * (tests) adds that many microseconds to every timed call of those first products, the first time. */
+#define STEADY_POINTS 3
+#define STEADY_RATIO 1.5
+typedef struct {
+    int threads;
+    tera_hw_prec prec;
+    int64_t m, k, n;
+    double flops_s;
+} steady_point;
+static steady_point g_steady[STEADY_POINTS];
+static int g_n_steady;
+static long g_slow_start_us;
+
+static void gemm_call_slowed(void *p) {
+    gemm_call(p);
+    usleep((useconds_t)g_slow_start_us);
+}
+
+static void gemm_call_fp32_slowed(void *p) {
+    gemm_call_fp32(p);
+    usleep((useconds_t)g_slow_start_us);
+}
+
+/* the forward + backward rate of one product (FLOP/s); slowed: the test hook's delay in every call */
+static double gemm_rate(tera_backend *be, tera_hw_prec prec, int64_t m, int64_t k, int64_t n, int slowed) {
+    gemm_ctx g = {.be = be, .m = m, .k = k, .n = n, .x = filled(m * k, 1.0f), .w = filled(n * k, 0.05f),
+                  .y = filled(m * n, 0.0f), .dx = filled(m * k, 0.0f), .dw = filled(n * k, 0.0f),
+                  .dy = filled(m * n, 0.01f)};
+    const int as_fp32 = prec == TERA_HW_FP32 && be->precision != TERA_PREC_FP32;
+    const bench_fn fn = slowed ? (as_fp32 ? gemm_call_fp32_slowed : gemm_call_slowed) : as_fp32 ? gemm_call_fp32 : gemm_call;
+    const double s = time_median(fn, &g);
+    free(g.x), free(g.w), free(g.y), free(g.dx), free(g.dw), free(g.dy);
+    return 6.0 * (double)m * (double)k * (double)n / s;
+}
+
 static void measure_gemm(tera_hw *hw, tera_backend *be, int threads, tera_hw_prec prec, int64_t m, int64_t k,
                          int64_t n, FILE *log) {
     for (int i = 0; i < hw->n_gemm; i++) { /* measured already in this call */
         const tera_hw_gemm *o = &hw->gemm[i];
         if (gemm_fresh[i] && o->threads == threads && o->prec == prec && o->m == m && o->k == k && o->n == n) return;
     }
-    gemm_ctx g = {.be = be, .m = m, .k = k, .n = n, .x = filled(m * k, 1.0f), .w = filled(n * k, 0.05f),
-                  .y = filled(m * n, 0.0f), .dx = filled(m * k, 0.0f), .dw = filled(n * k, 0.0f),
-                  .dy = filled(m * n, 0.01f)};
-    const double s = time_median(prec == TERA_HW_FP32 && be->precision != TERA_PREC_FP32 ? gemm_call_fp32 : gemm_call, &g);
+    const int first = g_n_steady < STEADY_POINTS;
     const tera_hw_gemm p = {.threads = threads, .prec = prec, .m = m, .k = k, .n = n,
-                            .flops_s = 6.0 * (double)m * (double)k * (double)n / s};
+                            .flops_s = gemm_rate(be, prec, m, k, n, first && g_slow_start_us > 0)};
+    if (first)
+        g_steady[g_n_steady++] = (steady_point){.threads = threads, .prec = prec, .m = m, .k = k, .n = n, .flops_s = p.flops_s};
     add_gemm(hw, &p);
     if (log) fprintf(log, "  gemm %s t%d [%lld x %lld] x [%lld]^T: %.1f GFLOP/s\n", tera_hw_prec_name[prec], threads,
                      (long long)m, (long long)k, (long long)n, p.flops_s / 1e9);
-    free(g.x), free(g.w), free(g.y), free(g.dx), free(g.dw), free(g.dy);
+}
+
+/* The first products of this call measured again; one note on stderr when any moved, naming the one
+ * that moved most */
+static void steady_check(tera_backend *be, FILE *log) {
+    int moved = 0, worst = -1;
+    double worst_dev = 0.0, worst_again = 0.0;
+    for (int i = 0; i < g_n_steady; i++) {
+        const steady_point *q = &g_steady[i];
+        const double again = gemm_rate(be, q->prec, q->m, q->k, q->n, 0), ratio = again / q->flops_s;
+        if (log) fprintf(log, "  steadiness: gemm %s t%d [%lld x %lld] x [%lld]^T again: %.1f GFLOP/s (%.2fx the first)\n",
+                         tera_hw_prec_name[q->prec], q->threads, (long long)q->m, (long long)q->k, (long long)q->n,
+                         again / 1e9, ratio);
+        const double dev = ratio > 1.0 ? ratio : 1.0 / ratio;
+        if (dev > STEADY_RATIO) moved++;
+        if (dev > worst_dev) worst_dev = dev, worst = i, worst_again = again;
+    }
+    if (moved) {
+        const steady_point *q = &g_steady[worst];
+        fprintf(stderr,
+                "tera plan --calibrate: note: the host's speed moved during the calibration: the product [%lld x %lld] "
+                "x [%lld]^T (%s, %d thread%s) read %.4g GFLOP/s at the start and %.4g at the end (%d of the first %d "
+                "products moved by more than %.1fx); the rates measured early may be off: calibrate again on a "
+                "quieter machine\n",
+                (long long)q->m, (long long)q->k, (long long)q->n, tera_hw_prec_name[q->prec], q->threads,
+                q->threads == 1 ? "" : "s", q->flops_s / 1e9, worst_again / 1e9, moved, g_n_steady, STEADY_RATIO);
+    }
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -423,6 +488,10 @@ static tera_status calibrate(const tera_config *cfg, const char *out, int shared
     memset(&hw, 0, sizeof hw);
     memset(gemm_fresh, 0, sizeof gemm_fresh);
     memset(attn_fresh, 0, sizeof attn_fresh);
+    g_n_steady = 0;
+    const char *slow = getenv("TERA_CALIBRATE_SLOW_START_US");
+    g_slow_start_us = slow ? atol(slow) : 0;
+    if (g_slow_start_us < 0 || g_slow_start_us > 999999) g_slow_start_us = 0; /* usleep's range */
     int have = 0;
     if (me == 0 && access(out, F_OK) == 0) {
         TERA_TRY(tera_hw_load(&hw, out));
@@ -485,6 +554,7 @@ static tera_status calibrate(const tera_config *cfg, const char *out, int shared
                 measure_attn(&hw, be, threads, bs[i], T, (int)Hl, (int)Hkvl, hd, log);
             }
         }
+        steady_check(be, log);
         /* the peak: a large square product, kept if higher */
         {
             const int64_t n = 1024;
